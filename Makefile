@@ -1,0 +1,42 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+# Both create .venv from nothing. Override the torch pin with e.g. `make test TORCH='torch==2.5.1'`.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+BIN := $(VENV)/bin
+PYTEST_ARGS ?=
+
+.PHONY: venv test lint typecheck pytest demo trees bench clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $@
+
+lint: venv
+	$(BIN)/ruff check treetrain envs tests bench trees
+	$(BIN)/ruff format --check treetrain envs tests bench trees
+
+typecheck: venv
+	$(BIN)/mypy
+
+pytest: venv
+	DS_ACCELERATOR=cpu $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test: lint typecheck pytest
+
+demo: venv
+	DS_ACCELERATOR=cpu $(BIN)/treetrain demo
+
+trees: venv
+	$(BIN)/python trees/make_examples.py
+
+bench: venv
+	DS_ACCELERATOR=cpu $(BIN)/python bench/geometry.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,3 @@
+from treetrain.cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,37 @@
+"""`treetrain` command line. Each subcommand lives in its own module and exposes `add_parser(subparsers)`;
+the parser stores the function to run in `func`. This file only wires them together."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+#: Subcommand modules, in the order `--help` lists them.
+SUBCOMMANDS: tuple[str, ...] = ("treetrain.cli.inspect",)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="treetrain",
+        description="Prefix-tree RL trainer for LLM agents.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name in SUBCOMMANDS:
+        importlib.import_module(name).add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,17 @@
+"""Trajectory trees: radix merge, statistics, file format and views."""
+
+from treetrain.tree.model import ROOT, CallRecord, CallRef, Node, TrajectoryRecord, TrajectoryTree, node_id
+from treetrain.tree.stats import TreeStats, node_carries_loss, tree_stats
+
+__all__ = [
+    "ROOT",
+    "CallRecord",
+    "CallRef",
+    "Node",
+    "TrajectoryRecord",
+    "TrajectoryTree",
+    "TreeStats",
+    "node_carries_loss",
+    "node_id",
+    "tree_stats",
+]
