@@ -75,7 +75,9 @@ class Segment:
             try:
                 object.__setattr__(self, "role", Role(self.role))
             except ValueError:
-                raise TrajectoryError(f"segment role {self.role!r} is not one of {[r.value for r in Role]}") from None
+                raise TrajectoryError(
+                    f"segment role {self.role!r} is not one of {[r.value for r in Role]}"
+                ) from None
         object.__setattr__(self, "tokens", tuple(self.tokens))
         if not self.tokens:
             raise TrajectoryError(f"{self.role.value} segment has no tokens")
@@ -85,7 +87,9 @@ class Segment:
         if self.logprobs is not None:
             object.__setattr__(self, "logprobs", tuple(float(x) for x in self.logprobs))
             if self.role is not Role.POLICY:
-                raise TrajectoryError(f"{self.role.value} segment has sampler logprobs; only policy segments may")
+                raise TrajectoryError(
+                    f"{self.role.value} segment has sampler logprobs; only policy segments may"
+                )
             assert self.logprobs is not None
             if len(self.logprobs) != len(self.tokens):
                 raise TrajectoryError(

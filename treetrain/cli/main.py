@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 
 #: Subcommand modules, in the order `--help` lists them.
-SUBCOMMANDS: tuple[str, ...] = ("treetrain.cli.inspect",)
+SUBCOMMANDS: tuple[str, ...] = ("treetrain.cli.inspect", "treetrain.cli.import_")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -70,7 +70,11 @@ class TreeStats:
         return ctx + 3 * (u - ctx) + (u if scoring else 0)
 
     def cost_exact(self, scoring: bool = False, keep_internal_graphs: bool = False) -> int:
-        base = 3 * self.unique_tokens if keep_internal_graphs else 4 * self.internal_tokens + 3 * self.leaf_tokens
+        base = (
+            3 * self.unique_tokens
+            if keep_internal_graphs
+            else 4 * self.internal_tokens + 3 * self.leaf_tokens
+        )
         return base + (self.unique_tokens if scoring else 0)
 
     @property

@@ -1,0 +1,18 @@
+"""The replay engine: flat reference, scoring pass, resident KV and tree replay."""
+
+from treetrain.engine.batch import ReplayConfig, ReplayReport, TreeWork, UpdateBatch
+from treetrain.engine.flat import FlatReference
+from treetrain.engine.replay import TreeReplay
+from treetrain.engine.resident import ResidentIdentity, ResidentStore, StaleResidentStateError
+
+__all__ = [
+    "FlatReference",
+    "ReplayConfig",
+    "ReplayReport",
+    "ResidentIdentity",
+    "ResidentStore",
+    "StaleResidentStateError",
+    "TreeReplay",
+    "TreeWork",
+    "UpdateBatch",
+]

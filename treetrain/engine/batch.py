@@ -1,0 +1,145 @@
+"""What one update replays (`UpdateBatch`), how (`ReplayConfig`), and what came out (`ReplayReport`)."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, fields
+
+from treetrain.engine.schedule import CONTRACTS, ORDERS, Contract, Order
+from treetrain.loss.advantages import TreeAdvantages
+from treetrain.loss.config import ConfigError, LossConfig
+from treetrain.loss.manifest import ContributionKey, Manifest
+from treetrain.loss.targets import EMPTY, TargetTable, tree_targets
+from treetrain.models.logprobs import DEFAULT_MAX_LOGIT_ELEMENTS
+from treetrain.tree.model import TrajectoryTree
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """How the tree engine schedules work. None of these change the result, only cost and memory."""
+
+    contract: Contract = "exact"
+    """exact: the full gradient, equal to the flat run; response_only: resident KV detached (cheaper, biased)."""
+    microbatch: int = 0
+    """K, the sibling units replayed together under autograd (0 = all siblings at once)."""
+    score_microbatch: int = 0
+    """Sibling units per no-grad scoring forward (0 = all)."""
+    chunk_size: int | None = None
+    """Split nodes longer than this many tokens into chains (None = never split)."""
+    order: Order = "tree"
+    """Sibling order: tree order, reversed, or shuffled with `seed` (for invariance tests)."""
+    seed: int = 0
+    """Seed for order='shuffle'."""
+    skip_inert: bool = True
+    """Skip branches whose every advantage is zero when no KL or entropy term is on (exactly no gradient)."""
+    max_logit_elements: int = DEFAULT_MAX_LOGIT_ELEMENTS
+    """Largest logits chunk (rows x vocab) materialized at once."""
+
+    def __post_init__(self) -> None:
+        if self.contract not in CONTRACTS:
+            raise ConfigError(f"replay.contract must be one of {CONTRACTS}, got {self.contract!r}")
+        if self.order not in ORDERS:
+            raise ConfigError(f"replay.order must be one of {ORDERS}, got {self.order!r}")
+        if self.microbatch < 0 or self.score_microbatch < 0:
+            raise ConfigError("replay.microbatch and replay.score_microbatch must be >= 0")
+        if self.chunk_size is not None and self.chunk_size < 1:
+            raise ConfigError(f"replay.chunk_size must be >= 1 or None, got {self.chunk_size!r}")
+        if self.max_logit_elements < 1:
+            raise ConfigError("replay.max_logit_elements must be >= 1")
+
+
+@dataclass(frozen=True)
+class TreeWork:
+    """One tree with its advantages and per-node loss targets, restricted to the trajectories this process owns."""
+
+    tree: TrajectoryTree
+    advantages: TreeAdvantages
+    targets: tuple[TargetTable, ...]
+    trajectories: frozenset[int]
+    """Trajectory indices whose contributions this process replays."""
+
+    def contribution_keys(self, version: int) -> tuple[ContributionKey, ...]:
+        return tuple(
+            ContributionKey(version, self.tree.id, self.tree.records[t].id, c)
+            for t in sorted(self.trajectories)
+            for c in range(len(self.tree.records[t].calls))
+        )
+
+
+@dataclass(frozen=True)
+class UpdateBatch:
+    """The trees of one update window, their loss targets, and the manifest that normalizes them."""
+
+    work: tuple[TreeWork, ...]
+    manifest: Manifest
+
+    @staticmethod
+    def build(
+        trees: Sequence[TrajectoryTree],
+        advantages: Sequence[TreeAdvantages],
+        manifest: Manifest,
+        loss: LossConfig,
+        owned: Sequence[Collection[int]] | None = None,
+    ) -> UpdateBatch:
+        """`owned[i]`, if given, limits tree i to those trajectory indices (placement across ranks)."""
+        if len(trees) != len(advantages):
+            raise ValueError(f"{len(trees)} trees but {len(advantages)} advantage tables")
+        work = []
+        for i, (tree, adv) in enumerate(zip(trees, advantages)):
+            if adv.tree_id != tree.id:
+                raise ValueError(f"advantages for tree {adv.tree_id[:12]} given for tree {tree.id[:12]}")
+            mine = frozenset(range(len(tree.records))) if owned is None else frozenset(owned[i])
+            in_manifest = frozenset(t for t in mine if manifest.contains(tree.id, tree.records[t].id))
+            if not in_manifest:
+                continue
+            tables = tree_targets(tree, adv, manifest, loss)
+            if in_manifest != frozenset(range(len(tree.records))):
+                tables = tuple(_restrict(t, in_manifest) for t in tables)
+            work.append(TreeWork(tree, adv, tables, in_manifest))
+        return UpdateBatch(tuple(work), manifest)
+
+
+def _restrict(table: TargetTable, trajectories: frozenset[int]) -> TargetTable:
+    import numpy as np
+
+    if table.num_targets == 0:
+        return EMPTY
+    keep = np.isin(table.trajectory, sorted(trajectories))
+    used = np.unique(table.contrib_target[keep])
+    remap = np.full(table.num_targets, -1, dtype=np.int64)
+    remap[used] = np.arange(len(used))
+    return TargetTable(
+        table.positions[used],
+        table.tokens[used],
+        remap[table.contrib_target[keep]],
+        table.coef[keep],
+        table.advantage[keep],
+        table.sampler_logprob[keep],
+        table.trajectory[keep],
+    )
+
+
+@dataclass(frozen=True)
+class ReplayReport:
+    """Sums over an update (or part of one). Token counts are what was actually run."""
+
+    loss: float = 0.0
+    pg: float = 0.0
+    kl: float = 0.0
+    entropy: float = 0.0
+    clipped: float = 0.0
+    graph_tokens: int = 0
+    """Tokens forwarded under autograd (each also backpropagated)."""
+    nograd_tokens: int = 0
+    """Tokens forwarded without a graph: scoring, reference scoring and recompute of evicted KV."""
+    steps: int = 0
+    skipped_units: int = 0
+    recomputed_units: int = 0
+
+    def merged(self, other: ReplayReport) -> ReplayReport:
+        return ReplayReport(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+    @property
+    def token_cost(self) -> int:
+        """Token-ceiling units actually spent: forward 1, backward 2."""
+        return 3 * self.graph_tokens + self.nograd_tokens

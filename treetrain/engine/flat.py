@@ -1,0 +1,139 @@
+"""The conventional reference (`flat`): every call run in full, forward and backward, per microbatch.
+
+This is the oracle of every differential test and a selectable mode: what a conventional trainer does
+with the same loss, the same normalization and the same loss inputs. It shares the model code
+(`decoder_forward`), the logprob code and the objective with the tree engine, and nothing else.
+
+Example:
+    >>> flat = FlatReference(model, LossConfig(), microbatch=2)      # doctest: +SKIP
+    >>> flat.accumulate(batch).loss                                    # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from treetrain.engine.batch import ReplayReport, UpdateBatch
+from treetrain.engine.pieces import GatheredTargets, gather_targets, pad_pieces, target_stats
+from treetrain.engine.schedule import ORDERS, Order
+from treetrain.loss.config import LossConfig
+from treetrain.loss.objective import Contributions, objective
+from treetrain.loss.targets import TargetTable, call_targets
+from treetrain.models.decoder import decoder_forward
+from treetrain.models.logprobs import DEFAULT_MAX_LOGIT_ELEMENTS
+from treetrain.tree.model import CallRef
+
+
+@dataclass(frozen=True)
+class FlatCall:
+    tokens: tuple[int, ...]
+    targets: TargetTable
+
+
+class FlatReference:
+    """Per-call full-sequence forward and backward with the tree engine's loss."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        loss: LossConfig,
+        *,
+        ref_model: PreTrainedModel | None = None,
+        microbatch: int = 1,
+        order: Order = "tree",
+        seed: int = 0,
+        backward: Callable[[torch.Tensor], None] = lambda t: t.backward(),
+        max_logit_elements: int = DEFAULT_MAX_LOGIT_ELEMENTS,
+    ) -> None:
+        if loss.needs_reference and ref_model is None:
+            raise ValueError("loss.kl_coef > 0 needs a reference model")
+        if order not in ORDERS:
+            raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+        if microbatch < 1:
+            raise ValueError(f"flat microbatch must be >= 1, got {microbatch}")
+        self.model = model
+        self.ref_model = ref_model
+        self.loss_cfg = loss
+        self.microbatch = microbatch
+        self.order = order
+        self.seed = seed
+        self.backward = backward
+        self.max_logit_elements = max_logit_elements
+        self.device = next(model.parameters()).device
+
+    def calls(self, batch: UpdateBatch) -> list[FlatCall]:
+        out = []
+        for work in batch.work:
+            for t in sorted(work.trajectories):
+                for c in range(len(work.tree.records[t].calls)):
+                    ref = CallRef(t, c)
+                    table = call_targets(work.tree, ref, work.advantages, batch.manifest, self.loss_cfg)
+                    if table.num_targets:
+                        out.append(FlatCall(work.tree.call_tokens(ref)[0], table))
+        if self.order == "reverse":
+            out.reverse()
+        elif self.order == "shuffle":
+            random.Random(self.seed).shuffle(out)
+        return out
+
+    def accumulate(self, batch: UpdateBatch) -> ReplayReport:
+        calls = self.calls(batch)
+        report = ReplayReport()
+        for i in range(0, len(calls), self.microbatch):
+            report = report.merged(self._microbatch(calls[i : i + self.microbatch]))
+        return report
+
+    def _forward(
+        self, model: PreTrainedModel, calls: Sequence[FlatCall], with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None, GatheredTargets, int]:
+        padded = pad_pieces([c.tokens for c in calls], [0] * len(calls), self.device)
+        out = decoder_forward(model, padded.input_ids, padded.positions, None)
+        gathered = gather_targets([c.targets for c in calls], padded.input_ids.shape[1], self.device)
+        logp, ent = target_stats(
+            model, out.hidden, gathered, with_entropy=with_entropy, max_logit_elements=self.max_logit_elements
+        )
+        return logp, ent, gathered, sum(padded.lengths)
+
+    def _microbatch(self, calls: Sequence[FlatCall]) -> ReplayReport:
+        lcfg = self.loss_cfg
+        nograd = 0
+        old_per_target = None
+        if lcfg.ratio_source == "scoring":
+            with torch.no_grad():
+                old_per_target, _, _, n = self._forward(self.model, calls, False)
+            nograd += n
+        ref = None
+        if lcfg.needs_reference:
+            assert self.ref_model is not None
+            with torch.no_grad():
+                ref, _, _, n = self._forward(self.ref_model, calls, False)
+            nograd += n
+        logp, ent, gathered, n_graph = self._forward(self.model, calls, lcfg.needs_entropy)
+        c = gathered.contributions
+        if old_per_target is not None:
+            old = old_per_target.to(logp.dtype)[c.target]
+        else:
+            if torch.isnan(c.old_logprob).any():
+                raise ValueError(
+                    "loss.ratio_source is 'sampler' but some policy tokens have no sampler logprobs"
+                )
+            old = c.old_logprob
+        terms = objective(
+            lcfg, logp, Contributions(c.target, c.coef, c.advantage, old), entropy=ent, ref_logprob=ref
+        )
+        self.backward(terms.loss)
+        return ReplayReport(
+            loss=float(terms.loss.detach()),
+            pg=terms.pg,
+            kl=terms.kl,
+            entropy=terms.entropy,
+            clipped=terms.clipped,
+            graph_tokens=n_graph,
+            nograd_tokens=nograd,
+            steps=1,
+        )

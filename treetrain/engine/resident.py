@@ -1,0 +1,214 @@
+"""Resident state: each unit's KV, computed once without a graph and kept for its descendants.
+
+Every entry carries an identity (model version, adapter version, tokenizer fingerprint, dtype, attention
+implementation, position scheme). Reading an entry under a different identity, or after the store was
+invalidated by an optimizer step, raises `StaleResidentStateError`: stale KV is never silently reused.
+
+In `exact` mode an entry also accumulates G, the gradient of the loss with respect to its KV, which the
+unit's own recompute later pushes through (DESIGN.md, "Exact gradient through a tree"). G lives apart from
+the KV tensors, so evicting and recomputing KV never loses accumulated gradient.
+
+Example:
+    >>> store = ResidentStore(identity)                               # doctest: +SKIP
+    >>> store.put(key, kv); store.get(key, identity)                  # doctest: +SKIP
+    >>> store.invalidate(identity.bumped()); store.get(key, ...)      # doctest: +SKIP
+    Traceback (most recent call last):
+    StaleResidentStateError: ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+from transformers import PreTrainedModel
+
+from treetrain.models.decoder import LayerKV
+
+
+class StaleResidentStateError(RuntimeError):
+    """Resident state was read under an identity other than the one it was computed with."""
+
+
+@dataclass(frozen=True)
+class ResidentIdentity:
+    """Everything a resident KV tensor depends on besides its tokens."""
+
+    model_version: int
+    adapter_version: int
+    tokenizer: str
+    dtype: str
+    attn_implementation: str
+    position_scheme: str
+
+    @staticmethod
+    def of(
+        model: PreTrainedModel, *, version: int = 0, adapter_version: int = 0, tokenizer: str = ""
+    ) -> ResidentIdentity:
+        config = model.config.get_text_config(decoder=True)
+        rope = getattr(config, "rope_parameters", None) or {}
+        theta = (
+            rope.get("rope_theta", getattr(config, "rope_theta", None)) if isinstance(rope, dict) else None
+        )
+        rtype = rope.get("rope_type", "default") if isinstance(rope, dict) else "default"
+        param = next(model.parameters())
+        return ResidentIdentity(
+            model_version=version,
+            adapter_version=adapter_version,
+            tokenizer=tokenizer,
+            dtype=str(param.dtype).removeprefix("torch."),
+            attn_implementation=str(getattr(config, "_attn_implementation", "eager")),
+            position_scheme=f"absolute/rope:{rtype}:theta={theta}",
+        )
+
+    def bumped(self) -> ResidentIdentity:
+        """The identity after one optimizer step."""
+        return replace(self, model_version=self.model_version + 1)
+
+
+@dataclass(frozen=True)
+class ResidentKey:
+    """Which unit of which tree; `node_id` is the content address, for messages and digests."""
+
+    tree_id: str
+    unit: int
+    node_id: str
+
+
+def kv_bytes(kv: Sequence[LayerKV]) -> int:
+    return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
+
+
+@dataclass
+class _Entry:
+    identity: ResidentIdentity
+    kv: list[LayerKV] | None
+    grad: list[LayerKV] | None = None
+
+
+class ResidentStore:
+    """Resident KV and KV-gradient accumulators, keyed by unit, under one current identity.
+
+    `on_change(kind, key, delta_bytes)` is called whenever resident bytes change; the ledger and the
+    retention policy listen to it.
+    """
+
+    def __init__(
+        self, identity: ResidentIdentity, on_change: Callable[[str, ResidentKey, int], None] | None = None
+    ) -> None:
+        self.identity = identity
+        self._entries: dict[ResidentKey, _Entry] = {}
+        self._retired: dict[ResidentKey, ResidentIdentity] = {}
+        self._on_change = on_change
+        self.kv_bytes = 0
+        self.grad_bytes = 0
+
+    def _notify(self, kind: str, key: ResidentKey, delta: int) -> None:
+        if kind == "kv":
+            self.kv_bytes += delta
+        else:
+            self.grad_bytes += delta
+        if self._on_change is not None:
+            self._on_change(kind, key, delta)
+
+    def _check(self, key: ResidentKey, identity: ResidentIdentity) -> _Entry | None:
+        if identity != self.identity:
+            raise StaleResidentStateError(
+                f"resident read of node {key.node_id[:12]} (tree {key.tree_id[:12]}) under identity {identity} but "
+                f"the store holds identity {self.identity}"
+            )
+        entry = self._entries.get(key)
+        if entry is None and key in self._retired:
+            old = self._retired[key]
+            raise StaleResidentStateError(
+                f"resident state of node {key.node_id[:12]} was computed at model version {old.model_version} and "
+                f"invalidated by an optimizer step (now version {self.identity.model_version}); recompute it"
+            )
+        if entry is not None and entry.identity != identity:
+            raise StaleResidentStateError(
+                f"resident state of node {key.node_id[:12]} has identity {entry.identity}, read as {identity}"
+            )
+        return entry
+
+    def has_kv(self, key: ResidentKey, identity: ResidentIdentity) -> bool:
+        entry = self._check(key, identity)
+        return entry is not None and entry.kv is not None
+
+    def get(self, key: ResidentKey, identity: ResidentIdentity) -> list[LayerKV]:
+        entry = self._check(key, identity)
+        if entry is None or entry.kv is None:
+            raise KeyError(f"node {key.node_id[:12]} (unit {key.unit}) is not resident")
+        return entry.kv
+
+    def put(self, key: ResidentKey, kv: Sequence[LayerKV], identity: ResidentIdentity) -> None:
+        entry = self._check(key, identity)
+        stored = [(k.detach(), v.detach()) for k, v in kv]
+        if entry is None:
+            entry = _Entry(identity, None)
+            self._entries[key] = entry
+        if entry.kv is not None:
+            self._notify("kv", key, -kv_bytes(entry.kv))
+        entry.kv = stored
+        self._notify("kv", key, kv_bytes(stored))
+
+    def evict(self, key: ResidentKey) -> int:
+        """Drop the KV (not the gradient accumulator); returns the bytes freed."""
+        entry = self._entries.get(key)
+        if entry is None or entry.kv is None:
+            return 0
+        freed = kv_bytes(entry.kv)
+        entry.kv = None
+        self._notify("kv", key, -freed)
+        return freed
+
+    def add_grad(self, key: ResidentKey, grads: Sequence[LayerKV], identity: ResidentIdentity) -> None:
+        entry = self._check(key, identity)
+        if entry is None:
+            entry = _Entry(identity, None)
+            self._entries[key] = entry
+        if entry.grad is None:
+            entry.grad = [(gk.detach().clone(), gv.detach().clone()) for gk, gv in grads]
+            self._notify("grad", key, kv_bytes(entry.grad))
+        else:
+            for (ak, av), (gk, gv) in zip(entry.grad, grads):
+                ak.add_(gk)
+                av.add_(gv)
+
+    def grad(self, key: ResidentKey, identity: ResidentIdentity) -> list[LayerKV] | None:
+        entry = self._check(key, identity)
+        return None if entry is None else entry.grad
+
+    def release(self, key: ResidentKey) -> None:
+        """Forget a unit entirely once nothing will read it again in this update window."""
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return
+        if entry.kv is not None:
+            self._notify("kv", key, -kv_bytes(entry.kv))
+        if entry.grad is not None:
+            self._notify("grad", key, -kv_bytes(entry.grad))
+
+    def keys(self) -> tuple[ResidentKey, ...]:
+        return tuple(self._entries)
+
+    def invalidate(self, new_identity: ResidentIdentity) -> None:
+        """Close the update window: every entry becomes stale; later reads of them raise."""
+        retired = {key: entry.identity for key, entry in self._entries.items()}
+        self.clear()
+        self._retired = retired
+        self.identity = new_identity
+
+    def clear(self) -> None:
+        """Release everything without retiring it (end of a tree within one window)."""
+        for key in list(self._entries):
+            self.release(key)
+
+    def tensors(self) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        for entry in self._entries.values():
+            for part in (entry.kv, entry.grad):
+                if part is not None:
+                    for k, v in part:
+                        out.extend((k, v))
+        return out

@@ -1,0 +1,99 @@
+"""Replay units: tree nodes split into chunks of at most `chunk_size` tokens.
+
+A long node becomes a chain of units, and every rule of the tree algorithm applies to the chain unchanged:
+that is checkpointing at chunk granularity, with KV as the checkpoint. Unit 0 is the empty root.
+
+Example:
+    >>> units = UnitTree.build(tree, node_targets, chunk_size=512)     # doctest: +SKIP
+    >>> [(u.node, u.start, u.end) for u in units.units[1:3]]            # doctest: +SKIP
+    [(1, 0, 512), (1, 512, 1024)]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from treetrain.loss.targets import TargetTable
+from treetrain.tree.model import ROOT, TrajectoryTree
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Tokens [start, end) of one node; `offset` is the absolute position of its first token."""
+
+    index: int
+    node: int
+    start: int
+    end: int
+    offset: int
+    parent: int | None
+    children: tuple[int, ...]
+    tokens: tuple[int, ...]
+    targets: TargetTable
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self.children
+
+
+class UnitTree:
+    """The tree of units over one `TrajectoryTree`."""
+
+    def __init__(self, tree: TrajectoryTree, units: Sequence[Unit]) -> None:
+        self.tree = tree
+        self.units = tuple(units)
+        self._path: dict[int, tuple[int, ...]] = {}
+
+    @staticmethod
+    def build(
+        tree: TrajectoryTree, node_targets: Sequence[TargetTable], chunk_size: int | None = None
+    ) -> UnitTree:
+        if chunk_size is not None and chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1 or None, got {chunk_size}")
+        drafts: list[list] = []  # [node, start, end, offset, parent, children]
+        last_unit_of: dict[int, int] = {}
+        for node in tree.nodes:  # pre-order: parents come first
+            if node.index == ROOT:
+                drafts.append([ROOT, 0, 0, 0, None, []])
+                last_unit_of[ROOT] = 0
+                continue
+            assert node.parent is not None
+            parent_unit = last_unit_of[node.parent]
+            step = chunk_size or len(node)
+            for start in range(0, len(node), step):
+                end = min(len(node), start + step)
+                idx = len(drafts)
+                drafts.append([node.index, start, end, node.offset + start, parent_unit, []])
+                drafts[parent_unit][5].append(idx)
+                parent_unit = idx
+            last_unit_of[node.index] = parent_unit
+        units = []
+        for i, (n, s, e, off, par, kids) in enumerate(drafts):
+            node = tree.nodes[n]
+            targets = node_targets[n].slice_positions(s, e) if n != ROOT else node_targets[ROOT]
+            units.append(Unit(i, n, s, e, off, par, tuple(kids), node.tokens[s:e], targets))
+        return UnitTree(tree, units)
+
+    def __len__(self) -> int:
+        return len(self.units)
+
+    def __getitem__(self, index: int) -> Unit:
+        return self.units[index]
+
+    def path(self, index: int) -> tuple[int, ...]:
+        """Units from the first real unit down to `index` inclusive (the empty root excluded)."""
+        cached = self._path.get(index)
+        if cached is not None:
+            return cached
+        out: list[int] = []
+        cur: int | None = index
+        while cur is not None and cur != ROOT:
+            out.append(cur)
+            cur = self.units[cur].parent
+        result = tuple(reversed(out))
+        self._path[index] = result
+        return result

@@ -1,0 +1,162 @@
+"""Loss targets: which predicted tokens carry loss, and each trajectory's share of them.
+
+Two views of the same data. `tree_targets` gives, for every node, the positions whose logits predict a
+policy token: position i < len-1 predicts the node's own token i+1, and the last position predicts the first
+token of every child. Each such target has one contribution per trajectory through the target token.
+`call_targets` gives the conventional per-call view (position t-1 predicts owned policy token t) that the
+flat reference uses. Coefficients, advantages and sampler logprobs come from the same tables, so the two
+views can only disagree if the tree decomposition is wrong.
+
+A trajectory's term at a token is counted once even when several of its calls pass through that token: the
+earliest such call owns it (`Trajectory.owned_policy_mask`), and its sampler logprobs are the ones used.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from treetrain.loss.advantages import TreeAdvantages
+from treetrain.loss.config import LossConfig
+from treetrain.loss.manifest import Manifest
+from treetrain.trajectory import Role
+from treetrain.tree.model import ROOT, CallRef, TrajectoryTree
+
+
+@dataclass(frozen=True)
+class TargetTable:
+    """Targets of one forward piece, ordered by position; contributions in CSR form.
+
+    positions `[M]` are local to the piece; `contrib_target` `[C]` indexes the targets.
+    """
+
+    positions: np.ndarray  # [M] int64
+    tokens: np.ndarray  # [M] int64
+    contrib_target: np.ndarray  # [C] int64
+    coef: np.ndarray  # [C] float64
+    advantage: np.ndarray  # [C] float64
+    sampler_logprob: np.ndarray  # [C] float64, NaN where the sampler gave none
+    trajectory: np.ndarray  # [C] int64, trajectory index in the tree
+
+    @property
+    def num_targets(self) -> int:
+        return int(self.positions.shape[0])
+
+    def is_inert(self) -> bool:
+        """True when every contribution has zero advantage (so, without KL/entropy, zero gradient)."""
+        return bool(np.all(self.advantage == 0.0))
+
+    def slice_positions(self, start: int, end: int) -> TargetTable:
+        """Targets whose position lies in [start, end), re-based to start."""
+        lo, hi = np.searchsorted(self.positions, [start, end])
+        keep = (self.contrib_target >= lo) & (self.contrib_target < hi)
+        return TargetTable(
+            self.positions[lo:hi] - start,
+            self.tokens[lo:hi],
+            self.contrib_target[keep] - lo,
+            self.coef[keep],
+            self.advantage[keep],
+            self.sampler_logprob[keep],
+            self.trajectory[keep],
+        )
+
+
+EMPTY = TargetTable(
+    *(np.zeros(0, dtype=dt) for dt in (np.int64, np.int64, np.int64, float, float, float, np.int64))
+)
+
+
+def _owner_calls(tree: TrajectoryTree) -> dict[tuple[int, int], int]:
+    """(trajectory, node) -> index of the earliest call of that trajectory whose path contains the node."""
+    owner: dict[tuple[int, int], int] = {}
+    for t, rec in enumerate(tree.records):
+        for c in range(len(rec.calls)):
+            for n in tree.path(rec.calls[c].end):
+                owner.setdefault((t, n), c)
+    return owner
+
+
+def _coefficients(tree: TrajectoryTree, manifest: Manifest, cfg: LossConfig) -> np.ndarray:
+    return np.array([manifest.coefficient(tree.id, r.id, cfg) for r in tree.records], dtype=np.float64)
+
+
+def _sampler_table(tree: TrajectoryTree) -> dict[CallRef, tuple[float, ...] | None]:
+    return {ref: tree.sampler_logprobs(ref) for ref in tree.call_refs()}
+
+
+def tree_targets(
+    tree: TrajectoryTree, advantages: TreeAdvantages, manifest: Manifest, cfg: LossConfig
+) -> tuple[TargetTable, ...]:
+    """One `TargetTable` per node (the empty root's is empty), positions local to the node."""
+    coefs = _coefficients(tree, manifest, cfg)
+    owner = _owner_calls(tree)
+    sampler = _sampler_table(tree)
+    tables: list[TargetTable] = []
+    for node in tree.nodes:
+        if node.index == ROOT:
+            tables.append(EMPTY)
+            continue
+        # (predicting position, target node, index of the target token in that node)
+        wanted = [(i, node.index, i + 1) for i in range(len(node) - 1) if node.roles[i + 1] is Role.POLICY]
+        for child in node.children:
+            if tree.nodes[child].roles[0] is Role.POLICY:
+                wanted.append((len(node) - 1, child, 0))
+        cols: dict[str, list[float]] = {k: [] for k in ("pos", "tok", "ct", "coef", "adv", "lp", "traj")}
+        m = 0
+        for pos, tnode, k in wanted:
+            target = tree.nodes[tnode]
+            contribs = [j for j in sorted(target.trajectories) if coefs[j] > 0]
+            if not contribs:
+                continue
+            cols["pos"].append(pos)
+            cols["tok"].append(target.tokens[k])
+            for j in contribs:
+                lps = sampler[CallRef(j, owner[(j, tnode)])]
+                cols["ct"].append(m)
+                cols["coef"].append(coefs[j])
+                cols["adv"].append(advantages.at(j, tnode))
+                cols["lp"].append(lps[target.offset + k] if lps is not None else math.nan)
+                cols["traj"].append(j)
+            m += 1
+        tables.append(_table(cols))
+    return tuple(tables)
+
+
+def call_targets(
+    tree: TrajectoryTree, ref: CallRef, advantages: TreeAdvantages, manifest: Manifest, cfg: LossConfig
+) -> TargetTable:
+    """The conventional view of one call: position t-1 predicts each owned policy token t."""
+    coef = _coefficients(tree, manifest, cfg)[ref.trajectory]
+    traj = tree.trajectory(ref.trajectory)
+    owned = traj.owned_policy_mask(ref.call)
+    toks = traj.calls[ref.call].tokens
+    lps = tree.sampler_logprobs(ref)
+    node_at = [n for n in tree.path(tree.call_end(ref)) for _ in tree.nodes[n].tokens]
+    cols: dict[str, list[float]] = {k: [] for k in ("pos", "tok", "ct", "coef", "adv", "lp", "traj")}
+    if coef > 0:
+        for t in range(1, len(toks)):
+            if not owned[t]:
+                continue
+            cols["ct"].append(len(cols["pos"]))
+            cols["pos"].append(t - 1)
+            cols["tok"].append(toks[t])
+            cols["coef"].append(coef)
+            cols["adv"].append(advantages.at(ref.trajectory, node_at[t]))
+            cols["lp"].append(lps[t] if lps is not None else math.nan)
+            cols["traj"].append(ref.trajectory)
+    return _table(cols)
+
+
+def _table(cols: dict[str, list[float]]) -> TargetTable:
+    i64 = np.int64
+    return TargetTable(
+        np.asarray(cols["pos"], dtype=i64),
+        np.asarray(cols["tok"], dtype=i64),
+        np.asarray(cols["ct"], dtype=i64),
+        np.asarray(cols["coef"], dtype=np.float64),
+        np.asarray(cols["adv"], dtype=np.float64),
+        np.asarray(cols["lp"], dtype=np.float64),
+        np.asarray(cols["traj"], dtype=i64),
+    )

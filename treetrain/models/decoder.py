@@ -1,0 +1,106 @@
+"""One forward through a Hugging Face decoder against explicit past KV.
+
+Everything the engine does to a model goes through `decoder_forward`: the tree replay, the scoring pass and
+the flat reference all call it, so they differ only in how sequences are split, never in model code.
+The language-model head is kept apart (`output_head`) so logprobs can be computed for the few positions
+that need them, in chunks, without `[B, T, V]` logits.
+
+Example:
+    >>> out = decoder_forward(model, ids, positions, past=None)        # doctest: +SKIP
+    >>> out.hidden.shape, out.keys[0].shape                            # doctest: +SKIP
+    (torch.Size([B, T, H]), torch.Size([B, H_kv, T, D]))
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import DynamicCache, PreTrainedModel
+
+#: Per-layer (keys, values), each `[B, H_kv, T, D]`.
+LayerKV = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class DecoderOutput:
+    """Hidden states of the new tokens and the KV they produced (a view into the cache, graph kept)."""
+
+    hidden: torch.Tensor  # [B, T, H]
+    keys: tuple[torch.Tensor, ...]  # per layer [B, H_kv, T, D]
+    values: tuple[torch.Tensor, ...]  # per layer [B, H_kv, T, D]
+
+
+def base_model(model: PreTrainedModel) -> nn.Module:
+    """The decoder stack without the LM head (`model.model` for every supported family)."""
+    base = getattr(model, "model", None) or model.get_decoder()
+    if base is None or not hasattr(base, "layers"):
+        raise TypeError(
+            f"{type(model).__name__} has no decoder stack with `.layers`; not a supported causal LM"
+        )
+    return base
+
+
+def output_head(model: PreTrainedModel) -> nn.Module:
+    head = model.get_output_embeddings()
+    if head is None:
+        raise TypeError(f"{type(model).__name__} has no output embeddings (LM head)")
+    return head
+
+
+@lru_cache(maxsize=64)
+def _cache_kwarg(cls: Any) -> str:
+    """transformers 5.x names the argument `cache`; 4.x named it `past_key_values`."""
+    params = inspect.signature(cls.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def decoder_forward(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,  # [B, T]
+    positions: torch.Tensor,  # [B, T]
+    past: Sequence[LayerKV] | None,
+) -> DecoderOutput:
+    """Run the decoder on `input_ids` continuing `past` (per layer `[B or 1, H_kv, P, D]`).
+
+    Rows are right-padded by the caller; with no attention mask a real token never attends to padding
+    after it, so padding needs no mask. A past with batch 1 is broadcast to B rows.
+    """
+    base = base_model(model)
+    bsz = input_ids.shape[0]
+    cache = DynamicCache()
+    past_len = 0
+    if past:
+        past_len = past[0][0].shape[-2]
+        for layer, (k, v) in enumerate(past):
+            if k.shape[0] != bsz:
+                k = k.expand(bsz, *k.shape[1:])
+                v = v.expand(bsz, *v.shape[1:])
+            cache.update(k, v, layer)
+    kwargs = {_cache_kwarg(type(base)): cache}
+    out = base(input_ids=input_ids, position_ids=positions, use_cache=True, **kwargs)
+    returned: Any = getattr(out, "cache", None) or getattr(out, "past_key_values", None) or cache
+    keys = tuple(layer.keys[:, :, past_len:, :] for layer in returned.layers)
+    values = tuple(layer.values[:, :, past_len:, :] for layer in returned.layers)
+    return DecoderOutput(out.last_hidden_state, keys, values)
+
+
+def concat_past(pieces: Sequence[Sequence[LayerKV]]) -> list[LayerKV] | None:
+    """Concatenate per-unit KV along the sequence axis (root side first)."""
+    if not pieces:
+        return None
+    if len(pieces) == 1:
+        return list(pieces[0])
+    n_layers = len(pieces[0])
+    return [
+        (
+            torch.cat([p[layer][0] for p in pieces], dim=-2),
+            torch.cat([p[layer][1] for p in pieces], dim=-2),
+        )
+        for layer in range(n_layers)
+    ]

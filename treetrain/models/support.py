@@ -1,0 +1,114 @@
+"""Which models the tree engine can run, and a clear refusal for the rest.
+
+The engine splits every sequence at node boundaries and continues from stored KV. That is exact only when a
+layer's whole state is its per-token keys and values over *all* earlier positions. Recurrent or linear
+attention layers carry a running state instead, and a sliding window shorter than the sequence would need
+per-query window masks across the split. Rather than risk a silent wrong gradient, such models are refused
+with the reason; a short split-versus-whole probe backs up the static check.
+
+Example:
+    >>> check_supported(model, max_sequence_length=4096)        # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+from treetrain.models.decoder import decoder_forward
+
+#: Layer types whose state is plain KV over every earlier position.
+FULL_ATTENTION_TYPES = frozenset({"full_attention"})
+SLIDING_TYPES = frozenset({"sliding_attention"})
+#: Model types known to keep recurrent or compressed state.
+RECURRENT_MODEL_TYPES = frozenset(
+    {
+        "mamba",
+        "mamba2",
+        "jamba",
+        "falcon_mamba",
+        "rwkv",
+        "recurrent_gemma",
+        "qwen3_next",
+        "bamba",
+        "zamba",
+        "zamba2",
+    }
+)
+
+
+class UnsupportedModelError(ValueError):
+    """The engine cannot reproduce this model's computation across a tree split; the message says why."""
+
+
+def _sliding_window(config: object) -> int | None:
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    window = getattr(config, "sliding_window", None)
+    return int(window) if window else None
+
+
+def check_supported(model: PreTrainedModel, max_sequence_length: int, *, probe: bool = True) -> None:
+    """Raise `UnsupportedModelError` unless splitting sequences at any point is exact for `model`."""
+    config = model.config.get_text_config(decoder=True)
+    mtype = getattr(config, "model_type", type(model).__name__)
+    if mtype in RECURRENT_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model type {mtype!r} keeps recurrent state; resident KV cannot represent it, so tree replay is refused"
+        )
+    layer_types = getattr(config, "layer_types", None) or []
+    odd = sorted(set(layer_types) - FULL_ATTENTION_TYPES - SLIDING_TYPES)
+    if odd:
+        raise UnsupportedModelError(
+            f"model type {mtype!r} has layer types {odd}; only full (and covered sliding) attention is supported"
+        )
+    window = _sliding_window(config)
+    uses_window = window is not None and (not layer_types or any(t in SLIDING_TYPES for t in layer_types))
+    if uses_window and window is not None and window < max_sequence_length:
+        raise UnsupportedModelError(
+            f"model type {mtype!r} uses a sliding window of {window} tokens but sequences reach "
+            f"{max_sequence_length}; windowed attention across resident KV is not supported "
+            f"(set sliding_window >= {max_sequence_length} or shorten the trajectories)"
+        )
+    if getattr(config, "attn_logit_softcapping", None) or getattr(config, "final_logit_softcapping", None):
+        raise UnsupportedModelError(
+            f"model type {mtype!r} uses logit soft-capping, which the engine does not apply"
+        )
+    dropouts = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+    attn_dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
+    if model.training and (dropouts or attn_dropout > 0):
+        where = dropouts[0] if dropouts else "attention_dropout"
+        raise UnsupportedModelError(
+            f"model type {mtype!r} has active dropout ({where}); a replayed branch would see different masks "
+            "than its scoring pass. Set dropout to 0 for RL training"
+        )
+    if probe:
+        _probe(model, mtype)
+
+
+@torch.no_grad()
+def _probe(model: PreTrainedModel, mtype: str) -> None:
+    """Compare a whole forward with the same tokens split in two; they must agree to the dtype's precision."""
+    param = next(model.parameters())
+    vocab = int(model.config.get_text_config(decoder=True).vocab_size)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (1, 12), generator=gen).to(param.device)
+    pos = torch.arange(12, device=param.device)[None]
+    was_training = model.training
+    model.eval()
+    try:
+        whole = decoder_forward(model, ids, pos, None).hidden
+        first = decoder_forward(model, ids[:, :5], pos[:, :5], None)
+        past = list(zip(first.keys, first.values))
+        second = decoder_forward(model, ids[:, 5:], pos[:, 5:], past).hidden
+    finally:
+        model.train(was_training)
+    split = torch.cat([first.hidden, second], dim=1)
+    scale = whole.abs().max().clamp_min(1.0)
+    tol = 1e-3 if whole.dtype in (torch.float16, torch.bfloat16) else 1e-5
+    err = ((split - whole).abs().max() / scale).item()
+    if not err <= tol:
+        raise UnsupportedModelError(
+            f"model type {mtype!r}: continuing from stored KV changes the hidden states (relative error {err:.2e}); "
+            "its cache carries state the engine does not reproduce"
+        )

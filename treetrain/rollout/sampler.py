@@ -1,0 +1,187 @@
+"""Token-level sampling from a Hugging Face causal LM, with prefix KV reuse across branches.
+
+`Sampler.sample(state, pending, n, max_new_tokens)` draws `n` continuations of one context. The context
+is split into what is already encoded (`state`: a `DynamicCache` over its first tokens) and what is
+not (`pending`). The pending tokens are encoded once, at batch size 1; the cache is then repeated `n`
+times and the `n` rows are decoded together, with no padding because every row has the same length.
+A row leaves the batch when it samples a stop token or reaches `max_new_tokens`. At that moment its KV
+(context plus every sampled token but the last) is copied out as the `PrefixState` of that sample. The
+next call for that branch then only encodes `[last sampled token] + observation tokens`. A shared
+prefix is therefore encoded once, however many branches grow from it.
+
+Logprobs are those of the distribution the token was *actually drawn from*: `log_softmax(logits /
+temperature)` restricted to the top-p nucleus and renormalised. Greedy decoding (`temperature=0`) draws
+from a point mass, so its logprobs are 0. A trainer that wants temperature-1 logprobs under the
+current weights gets them from its own scoring pass.
+
+Example:
+    >>> import torch
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <...>
+    >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+    ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2))
+    >>> sampler = Sampler(model, SamplerConfig(temperature=1.0, seed=0), stop_token_ids=(1,))
+    >>> out = sampler.sample(None, (5, 6, 7), n=2, max_new_tokens=4)
+    >>> len(out), all(len(s.tokens) == len(s.logprobs) <= 4 for s in out)
+    (2, True)
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    """How tokens are drawn."""
+
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy (argmax, logprob 0)."""
+    top_p: float = 1.0
+    """Nucleus mass in (0, 1]; 1 disables the nucleus filter."""
+    seed: int = 0
+    """Seed of the sampler's own torch.Generator (it never touches the global RNG)."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"SamplerConfig.temperature must be finite and >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplerConfig.top_p must be in (0, 1], got {self.top_p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class PrefixState:
+    """The KV of the first `length` tokens of a context. `Sampler.sample` consumes it."""
+
+    cache: Any
+    length: int
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One sampled turn. `state` covers the context plus `tokens[:-1]` (None when not kept)."""
+
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    stopped: bool
+    """True when the last token is a stop token; False when `max_new_tokens` cut the turn."""
+    state: PrefixState | None = field(default=None, compare=False, repr=False)
+
+
+@dataclass
+class SamplerStats:
+    """Work done so far, for tests and logs."""
+
+    encoded_tokens: int = 0
+    """Token positions run through the model, summed over batch rows."""
+    forward_calls: int = 0
+    sampled_tokens: int = 0
+
+
+def fork_cache(cache: Any, rows: Sequence[int]) -> Any:
+    """A new cache holding only batch `rows` of `cache`, sharing no tensor with it."""
+    twin = copy.copy(cache)
+    twin.layers = [copy.copy(layer) for layer in cache.layers]
+    device = cache.layers[0].keys.device if cache.layers and cache.layers[0].keys is not None else "cpu"
+    twin.batch_select_indices(torch.tensor(list(rows), dtype=torch.long, device=device))
+    return twin
+
+
+class Sampler:
+    """Samples turns from `model` (any HF causal LM taking `cache=`), stopping on `stop_token_ids`."""
+
+    def __init__(self, model: Any, config: SamplerConfig, stop_token_ids: Sequence[int]) -> None:
+        if not stop_token_ids:
+            raise ValueError("Sampler needs at least one stop token id")
+        self.model = model
+        self.config = config
+        self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
+        self.device = next(model.parameters()).device
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.stats = SamplerStats()
+
+    def _forward(self, ids: torch.Tensor, cache: Any) -> torch.Tensor:
+        out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        self.stats.forward_calls += 1
+        self.stats.encoded_tokens += ids.numel()
+        return out.logits[:, -1, :].float()  # [R, V]
+
+    def _draw(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids [R] and their logprobs [R] under the distribution actually sampled from."""
+        if self.config.greedy:
+            return logits.argmax(dim=-1), torch.zeros(logits.shape[0], device=logits.device)
+        scaled = logits / self.config.temperature  # [R, V]
+        if self.config.top_p < 1.0:
+            probs, order = scaled.softmax(dim=-1).sort(dim=-1, descending=True)
+            outside = probs.cumsum(dim=-1) - probs > self.config.top_p  # mass before the token exceeds p
+            scaled = scaled.scatter(-1, order, scaled.gather(-1, order).masked_fill(outside, -math.inf))
+        logp = scaled.log_softmax(dim=-1)  # [R, V]
+        tok = torch.multinomial(logp.exp(), 1, generator=self.generator).squeeze(-1)  # [R]
+        return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+    @torch.no_grad()
+    def sample(
+        self,
+        state: PrefixState | None,
+        pending: Sequence[int],
+        n: int,
+        max_new_tokens: int,
+        keep_state: bool = True,
+    ) -> list[Sample]:
+        """`n` continuations of the context whose KV is `state` (None: nothing encoded) + `pending`.
+
+        `state` is consumed. With `keep_state`, each sample carries the `PrefixState` for its branch.
+        """
+        if not pending:
+            raise ValueError("sample needs at least one pending token (the last context token)")
+        if n < 1 or max_new_tokens < 1:
+            raise ValueError(f"n and max_new_tokens must be >= 1, got {n}, {max_new_tokens}")
+        cache = state.cache if state is not None else DynamicCache(config=self.model.config)
+        length = (state.length if state is not None else 0) + len(pending)
+        ids = torch.tensor([list(pending)], dtype=torch.long, device=self.device)  # [1, P]
+        logits = self._forward(ids, cache).expand(n, -1)  # [n, V]
+        if n > 1:
+            cache.batch_repeat_interleave(n)
+        rows = list(range(n))  # sample index of each batch row
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        logprobs: list[list[float]] = [[] for _ in range(n)]
+        results: list[Sample | None] = [None] * n
+        for step in range(max_new_tokens):
+            tok, lp = self._draw(logits)
+            self.stats.sampled_tokens += len(rows)
+            done: list[int] = []
+            for j, (r, t, x) in enumerate(zip(rows, tok.tolist(), lp.tolist())):
+                tokens[r].append(t)
+                logprobs[r].append(min(x, 0.0))
+                if t in self.stop_token_ids or step == max_new_tokens - 1:
+                    done.append(j)
+            live = [j for j in range(len(rows)) if j not in done]
+            for j in done:
+                r = rows[j]
+                kept = None
+                if keep_state:
+                    kept = PrefixState(
+                        cache if not live and len(done) == 1 else fork_cache(cache, [j]), length + step
+                    )
+                stopped = tokens[r][-1] in self.stop_token_ids
+                results[r] = Sample(tuple(tokens[r]), tuple(logprobs[r]), stopped, kept)
+            if not live:
+                break
+            if done:
+                cache.batch_select_indices(torch.tensor(live, dtype=torch.long, device=self.device))
+                rows, tok = [rows[j] for j in live], tok[live]
+            logits = self._forward(tok[:, None], cache)
+        assert all(s is not None for s in results)
+        return [s for s in results if s is not None]

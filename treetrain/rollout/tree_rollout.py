@@ -1,0 +1,158 @@
+"""Tree rollouts: sample a group of episodes from the current policy along a fan-out schedule.
+
+For each task seed, one episode is reset, then grown depth-first. At each policy branch point the
+`Sampler` draws `FanOut.policy_factor` turns from the shared context in one batch. After each turn the
+episode is forked `FanOut.env_factor` ways and every copy is stepped by the `TokenEnv` wrapper, then
+sampled again. Each branch keeps the KV of its context (`reuse_prefix_kv=True`), so a child encodes
+only its own new tokens: the previous turn's last token and the observation. With reuse off, every
+turn re-encodes the whole context; the tokens are the same (tests check it under greedy decoding).
+
+Finished episodes become `Trajectory`s (rewarded by a rubric) and one `TrajectoryTree` per seed. Every
+tree is written atomically to `<run_dir>/trees/` *before* `rollout_trees` returns, so nothing a trainer
+later consumes exists only in memory.
+
+Trajectory ids are `<env>-s<seed>/<branch path>`: the branch path lists the child taken at each branch
+point (e.g. `calculator-s7/2.0.1`), which makes divergence points readable from the ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from envs.protocol import Environment, Rubric, default_rubric
+from envs.wrapper import TokenEnv, WrapperConfig
+from treetrain.rollout.sampler import PrefixState, Sample, Sampler, SamplerConfig, SamplerStats, fork_cache
+from treetrain.rollout.schedule import FanOut
+from treetrain.trajectory import Trajectory
+from treetrain.tree import TrajectoryTree
+from treetrain.tree.format import save_tree
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """Everything that shapes a tree rollout besides the model and the environment."""
+
+    fanout: FanOut = field(default_factory=FanOut)
+    """Where and how wide episodes branch."""
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    """Temperature, top-p and seed of token sampling."""
+    wrapper: WrapperConfig = field(default_factory=WrapperConfig)
+    """Turn and token budgets and the step timeout."""
+    reuse_prefix_kv: bool = True
+    """Keep each branch point's KV for its children instead of re-encoding the context."""
+    rubric: str | None = None
+    """Name of the environment rubric that gives rewards; None takes the environment's first."""
+    model_version: int | None = None
+    """Recorded in every trajectory's metadata (which weights sampled it)."""
+
+
+@dataclass(frozen=True)
+class RolloutResult:
+    """The trees of one rollout call, where they were written, and the sampler's work counters."""
+
+    trees: tuple[TrajectoryTree, ...]
+    paths: tuple[Path, ...]
+    stats: SamplerStats
+
+
+@dataclass
+class _Branch:
+    """A policy branch point waiting to be sampled."""
+
+    episode: TokenEnv
+    state: PrefixState | None
+    pending: tuple[int, ...]
+    depth: int
+    path: tuple[int, ...]
+    at_root: bool = False
+
+
+def _grow(
+    root: TokenEnv, sampler: Sampler, config: RolloutConfig, prefix: str, rubric: Rubric | None
+) -> list[Trajectory]:
+    fan, reuse = config.fanout, config.reuse_prefix_kv
+    finished: list[Trajectory] = []
+    prompt = root.context
+    stack = [_Branch(root, None, prompt, 0, (), at_root=True)]
+    while stack:
+        branch = stack.pop()
+        n = fan.policy_factor(branch.depth, branch.at_root)
+        depth = branch.depth + (n > 1)
+        if reuse:
+            samples = sampler.sample(branch.state, branch.pending, n, branch.episode.turn_budget())
+        else:
+            samples = sampler.sample(
+                None, branch.episode.context, n, branch.episode.turn_budget(), keep_state=False
+            )
+        children: list[_Branch] = []
+        for i, sample in enumerate(samples):
+            path = (*branch.path, i) if n > 1 else branch.path
+            children.extend(_step_forks(branch.episode, sample, fan.env_factor(depth), depth, path, reuse))
+        for child in children:
+            if child.episode.done:
+                tid = f"{prefix}/{'.'.join(map(str, child.path)) or '0'}"
+                finished.append(child.episode.trajectory(tid, rubric, config.model_version))
+        stack.extend(reversed([c for c in children if not c.episode.done]))
+    return finished
+
+
+def _step_forks(
+    parent: TokenEnv,
+    sample: Sample,
+    k: int,
+    depth: int,
+    path: tuple[int, ...],
+    reuse: bool,
+) -> list[_Branch]:
+    """Fork the episode `k` ways (1: a single copy), step each copy with `sample`, return the branches."""
+    out: list[_Branch] = []
+    for j in range(k):
+        episode = parent.fork(branch=j)
+        result = episode.step(sample.tokens, sample.logprobs)
+        state: PrefixState | None = None
+        if reuse and sample.state is not None and not result.done:
+            cache = sample.state.cache if j == k - 1 else fork_cache(sample.state.cache, [0])
+            state = PrefixState(cache, sample.state.length)
+        pending = (sample.tokens[-1], *result.observation)
+        out.append(_Branch(episode, state, pending, depth + (k > 1), (*path, j) if k > 1 else path))
+    return out
+
+
+def rollout_trees(
+    model: Any,
+    tokenizer: Any,
+    make_env: Callable[[], Environment],
+    seeds: Sequence[int],
+    run_dir: str | Path,
+    config: RolloutConfig | None = None,
+    env_name: str = "",
+) -> RolloutResult:
+    """Roll out one tree per seed and write each to `<run_dir>/trees/` before returning.
+
+    `make_env` builds a fresh environment (e.g. `lambda: envs.make_env("calculator")`). The model should
+    be in eval mode; its weights are only read.
+    """
+    config = config or RolloutConfig()
+    trees_dir = Path(run_dir) / "trees"
+    trees_dir.mkdir(parents=True, exist_ok=True)
+    trees: list[TrajectoryTree] = []
+    paths: list[Path] = []
+    sampler: Sampler | None = None
+    for seed in seeds:
+        env = make_env()
+        name = env_name or type(env).__name__
+        root = TokenEnv(env, tokenizer, config.wrapper, env_name=name)
+        root.reset(seed)
+        if sampler is None:
+            sampler = Sampler(model, config.sampler, root.stop_token_ids)
+        rubric = default_rubric(root.env, config.rubric)
+        prefix = f"{name}-s{seed}"
+        tree = TrajectoryTree.build(_grow(root, sampler, config, prefix, rubric))
+        path = trees_dir / f"{prefix}-{tree.id[:12]}.msgpack"
+        save_tree(tree, path)
+        trees.append(tree)
+        paths.append(path)
+    return RolloutResult(tuple(trees), tuple(paths), sampler.stats if sampler else SamplerStats())
