@@ -16,7 +16,6 @@ from __future__ import annotations
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 import torch
@@ -53,11 +52,16 @@ def output_head(model: PreTrainedModel) -> nn.Module:
     return head
 
 
-@lru_cache(maxsize=64)
-def _cache_kwarg(cls: Any) -> str:
+_CACHE_KWARG: dict[type, str] = {}
+
+
+def _cache_kwarg(module: nn.Module) -> str:
     """transformers 5.x names the argument `cache`; 4.x named it `past_key_values`."""
-    params = inspect.signature(cls.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
+    cls = type(module)
+    if cls not in _CACHE_KWARG:
+        params = inspect.signature(cls.forward).parameters
+        _CACHE_KWARG[cls] = "cache" if "cache" in params else "past_key_values"
+    return _CACHE_KWARG[cls]
 
 
 def decoder_forward(
@@ -82,7 +86,7 @@ def decoder_forward(
                 k = k.expand(bsz, *k.shape[1:])
                 v = v.expand(bsz, *v.shape[1:])
             cache.update(k, v, layer)
-    kwargs = {_cache_kwarg(type(base)): cache}
+    kwargs = {_cache_kwarg(base): cache}
     out = base(input_ids=input_ids, position_ids=positions, use_cache=True, **kwargs)
     returned: Any = getattr(out, "cache", None) or getattr(out, "past_key_values", None) or cache
     keys = tuple(layer.keys[:, :, past_len:, :] for layer in returned.layers)
