@@ -63,6 +63,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(render_trees(trees, options))
     if args.dot:
-        atomic_write_bytes(args.dot, to_dot(trees, options).encode("utf-8"))
+        try:
+            atomic_write_bytes(args.dot, to_dot(trees, options).encode("utf-8"))
+        except OSError as e:
+            return _fail(f"cannot write {args.dot}: {e.strerror or e}")
         print(f"wrote {args.dot}", file=sys.stderr)
     return 0

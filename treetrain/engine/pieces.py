@@ -41,10 +41,27 @@ def pad_pieces(
 
 
 def forward_units(
-    model: PreTrainedModel, units: Sequence[Unit], past: Sequence[LayerKV] | None, device: torch.device
+    model: PreTrainedModel,
+    units: Sequence[Unit],
+    past: Sequence[LayerKV] | None,
+    device: torch.device,
+    *,
+    overlap: bool = True,
 ) -> tuple[PieceBatch, DecoderOutput]:
-    batch = pad_pieces([u.tokens for u in units], [u.offset for u in units], device)
+    """Run sibling units. With `overlap`, each row starts with the parent's last token and `past` must
+    exclude that position; without it (KV recompute only) `past` is the parent's whole path."""
+    if overlap:
+        batch = pad_pieces([u.input_tokens for u in units], [u.input_offset for u in units], device)
+    else:
+        batch = pad_pieces([u.tokens for u in units], [u.offset for u in units], device)
     return batch, decoder_forward(model, batch.input_ids, batch.positions, past)
+
+
+def own_kv(unit: Unit, out: DecoderOutput, row: int, overlap: bool = True) -> list[LayerKV]:
+    """The unit's own KV from a batched forward (overlap and padding cut away), graph kept."""
+    a = 1 if overlap and unit.overlap is not None else 0
+    n = len(unit)
+    return [(k[row : row + 1, :, a : a + n], v[row : row + 1, :, a : a + n]) for k, v in zip(out.keys, out.values)]
 
 
 @dataclass(frozen=True)

@@ -27,14 +27,14 @@ import torch
 from transformers import PreTrainedModel
 
 from treetrain.engine.batch import ReplayConfig, ReplayReport, TreeWork, UpdateBatch
-from treetrain.engine.pieces import forward_units, gather_targets, target_stats
+from treetrain.engine.pieces import forward_units, gather_targets, own_kv, target_stats
 from treetrain.engine.resident import ResidentIdentity, ResidentStore
 from treetrain.engine.schedule import ReplayStep, active_units, build_schedule
-from treetrain.engine.scoring import PathKV, scoring_pass
+from treetrain.engine.scoring import PathKV, past_before_overlap, scoring_pass
 from treetrain.engine.units import UnitTree
 from treetrain.loss.config import LossConfig
 from treetrain.loss.objective import Contributions, objective
-from treetrain.models.decoder import LayerKV, concat_past
+from treetrain.models.decoder import LayerKV
 from treetrain.models.support import check_supported
 
 Backward = Callable[[torch.Tensor], None]
@@ -169,9 +169,9 @@ class TreeReplay:
             leaves = [
                 [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in p] for p in pieces
             ]
-            past = concat_past(leaves)
+            past = past_before_overlap(leaves)
         else:
-            past = concat_past(pieces)
+            past = past_before_overlap(pieces)
 
         if self.step_hook is not None:
             self.step_hook("forward", step)
@@ -193,10 +193,7 @@ class TreeReplay:
                 grad = self.store.grad(paths.key(unit.index), self.identity) if unit.children else None
                 if grad is None:
                     continue
-                n = len(unit)
-                for layer, (gk, gv) in enumerate(grad):
-                    k_new = out.keys[layer][row : row + 1, :, :n]
-                    v_new = out.values[layer][row : row + 1, :, :n]
+                for (k_new, v_new), (gk, gv) in zip(own_kv(unit, out, row), grad):
                     total = total + (k_new * gk).sum() + (v_new * gv).sum()
 
         if self.step_hook is not None:

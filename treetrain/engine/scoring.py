@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from treetrain.engine.pieces import forward_units, gather_targets, target_stats
+from treetrain.engine.pieces import forward_units, gather_targets, own_kv, target_stats
 from treetrain.engine.resident import ResidentIdentity, ResidentKey, ResidentStore
 from treetrain.engine.units import UnitTree
 from treetrain.models.decoder import LayerKV, concat_past
@@ -65,18 +65,26 @@ class PathKV:
         past = None
         if parent is not None and parent != ROOT:
             past = concat_past([self.store.get(self.key(u), self.identity) for u in self.units.path(parent)])
-        _, out = forward_units(self.model, [self.units[unit]], past, self.device)
+        _, out = forward_units(self.model, [self.units[unit]], past, self.device, overlap=False)
         self.store.put(self.key(unit), list(zip(out.keys, out.values)), self.identity)
         self.recomputed_units += 1
         self.recomputed_tokens += len(self.units[unit])
         if self.on_recompute is not None:
             self.on_recompute(unit, len(self.units[unit]))
 
-    def past(self, unit: int) -> list[LayerKV] | None:
-        """Concatenated KV of the path to `unit` (None for the empty root)."""
+    def past_for_children(self, unit: int) -> list[LayerKV] | None:
+        """The past that `unit`'s children run against (None under the empty root)."""
         if unit == ROOT:
             return None
-        return concat_past(self.pieces(unit))
+        return past_before_overlap(self.pieces(unit))
+
+
+def past_before_overlap(pieces: Sequence[Sequence[LayerKV]]) -> list[LayerKV] | None:
+    """Concatenate path pieces, leaving out the last position: the children recompute it as their overlap."""
+    if not pieces:
+        return None
+    last = [(k[:, :, :-1], v[:, :, :-1]) for k, v in pieces[-1]]
+    return concat_past([*pieces[:-1], last])
 
 
 @torch.no_grad()
@@ -110,7 +118,7 @@ def scoring_pass(
         k = microbatch or max(1, len(kids))
         for i in range(0, len(kids), k):
             batch = [units[c] for c in kids[i : i + k]]
-            batch_ids, out = forward_units(model, batch, paths.past(u), paths.device)
+            batch_ids, out = forward_units(model, batch, paths.past_for_children(u), paths.device)
             tokens += sum(batch_ids.lengths)
             gathered = gather_targets([b.targets for b in batch], batch_ids.input_ids.shape[1], paths.device)
             lp, _ = target_stats(
@@ -120,11 +128,7 @@ def scoring_pass(
                 a, b = gathered.target_offsets[row], gathered.target_offsets[row + 1]
                 logps[unit.index] = lp[a:b].detach()
                 if unit.children:
-                    n = len(unit)
-                    kv = [
-                        (k_[row : row + 1, :, :n].clone(), v_[row : row + 1, :, :n].clone())
-                        for k_, v_ in zip(out.keys, out.values)
-                    ]
+                    kv = [(k.clone(), v.clone()) for k, v in own_kv(unit, out, row)]
                     paths.store.put(paths.key(unit.index), kv, paths.identity)
         stack.append((u, True))
         for c in reversed(kids):

@@ -3,6 +3,11 @@
 A long node becomes a chain of units, and every rule of the tree algorithm applies to the chain unchanged:
 that is checkpointing at chunk granularity, with KV as the checkpoint. Unit 0 is the empty root.
 
+Every unit below the first level carries an *overlap*: its parent unit's last token, fed in front of its
+own tokens when it runs under autograd, so the unit's forward predicts all of its own tokens (see
+`treetrain.loss.targets`). The overlap's KV is recomputed there; the parent's resident copy of that one
+position is left out of the past.
+
 Example:
     >>> units = UnitTree.build(tree, node_targets, chunk_size=512)     # doctest: +SKIP
     >>> [(u.node, u.start, u.end) for u in units.units[1:3]]            # doctest: +SKIP
@@ -20,7 +25,11 @@ from treetrain.tree.model import ROOT, TrajectoryTree
 
 @dataclass(frozen=True)
 class Unit:
-    """Tokens [start, end) of one node; `offset` is the absolute position of its first token."""
+    """Tokens [start, end) of one node; `offset` is the absolute position of its first token.
+
+    `overlap` is the parent unit's last token (None under the root); `targets` are positions of the
+    input `overlap + tokens`.
+    """
 
     index: int
     node: int
@@ -30,10 +39,19 @@ class Unit:
     parent: int | None
     children: tuple[int, ...]
     tokens: tuple[int, ...]
+    overlap: int | None
     targets: TargetTable
 
     def __len__(self) -> int:
         return self.end - self.start
+
+    @property
+    def input_tokens(self) -> tuple[int, ...]:
+        return self.tokens if self.overlap is None else (self.overlap, *self.tokens)
+
+    @property
+    def input_offset(self) -> int:
+        return self.offset if self.overlap is None else self.offset - 1
 
     @property
     def is_leaf(self) -> bool:
@@ -71,11 +89,12 @@ class UnitTree:
                 drafts[parent_unit][5].append(idx)
                 parent_unit = idx
             last_unit_of[node.index] = parent_unit
-        units = []
+        units: list[Unit] = []
         for i, (n, s, e, off, par, kids) in enumerate(drafts):
             node = tree.nodes[n]
-            targets = node_targets[n].slice_positions(s, e) if n != ROOT else node_targets[ROOT]
-            units.append(Unit(i, n, s, e, off, par, tuple(kids), node.tokens[s:e], targets))
+            overlap = None if par in (None, ROOT) else units[par].tokens[-1]
+            targets = node_targets[n].for_unit(s, e, overlap is not None) if n != ROOT else node_targets[ROOT]
+            units.append(Unit(i, n, s, e, off, par, tuple(kids), node.tokens[s:e], overlap, targets))
         return UnitTree(tree, units)
 
     def __len__(self) -> int:

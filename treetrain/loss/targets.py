@@ -1,10 +1,11 @@
 """Loss targets: which predicted tokens carry loss, and each trajectory's share of them.
 
-Two views of the same data. `tree_targets` gives, for every node, the positions whose logits predict a
-policy token: position i < len-1 predicts the node's own token i+1, and the last position predicts the first
-token of every child. Each such target has one contribution per trajectory through the target token.
-`call_targets` gives the conventional per-call view (position t-1 predicts owned policy token t) that the
-flat reference uses. Coefficients, advantages and sampler logprobs come from the same tables, so the two
+Two views of the same data. `tree_targets` gives, for every node, its own policy tokens: token k of a node
+is predicted by the position just before it, which for k = 0 is the parent's last token. Replay therefore
+feeds each unit with its parent's last token in front (the *overlap*), so a unit's forward predicts all of
+its own tokens and gradient never has to enter through a parent's logits. Each target has one
+contribution per trajectory through the node. `call_targets` gives the conventional per-call view
+(position t-1 predicts owned policy token t) that the flat reference uses. Coefficients, advantages and sampler logprobs come from the same tables, so the two
 views can only disagree if the tree decomposition is wrong.
 
 A trajectory's term at a token is counted once even when several of its calls pass through that token: the
@@ -29,7 +30,9 @@ from treetrain.tree.model import ROOT, CallRef, TrajectoryTree
 class TargetTable:
     """Targets of one forward piece, ordered by position; contributions in CSR form.
 
-    positions `[M]` are local to the piece; `contrib_target` `[C]` indexes the targets.
+    `positions` `[M]` are input positions of the piece that predict each target; in the per-node tables of
+    `tree_targets` they are instead the targets' token indices within the node (see `for_unit`).
+    `contrib_target` `[C]` indexes the targets.
     """
 
     positions: np.ndarray  # [M] int64
@@ -48,12 +51,16 @@ class TargetTable:
         """True when every contribution has zero advantage (so, without KL/entropy, zero gradient)."""
         return bool(np.all(self.advantage == 0.0))
 
-    def slice_positions(self, start: int, end: int) -> TargetTable:
-        """Targets whose position lies in [start, end), re-based to start."""
+    def for_unit(self, start: int, end: int, overlap: bool) -> TargetTable:
+        """A node table's targets with token index in [start, end), as input positions of that unit.
+
+        With an overlap token in front, token k sits at input position k - start + 1 and is predicted by
+        position k - start; without one, it is predicted by position k - start - 1.
+        """
         lo, hi = np.searchsorted(self.positions, [start, end])
         keep = (self.contrib_target >= lo) & (self.contrib_target < hi)
         return TargetTable(
-            self.positions[lo:hi] - start,
+            self.positions[lo:hi] - start - (0 if overlap else 1),
             self.tokens[lo:hi],
             self.contrib_target[keep] - lo,
             self.coef[keep],
@@ -89,7 +96,7 @@ def _sampler_table(tree: TrajectoryTree) -> dict[CallRef, tuple[float, ...] | No
 def tree_targets(
     tree: TrajectoryTree, advantages: TreeAdvantages, manifest: Manifest, cfg: LossConfig
 ) -> tuple[TargetTable, ...]:
-    """One `TargetTable` per node (the empty root's is empty), positions local to the node."""
+    """One `TargetTable` per node (the empty root's is empty); `positions` are token indices in the node."""
     coefs = _coefficients(tree, manifest, cfg)
     owner = _owner_calls(tree)
     sampler = _sampler_table(tree)
@@ -98,26 +105,21 @@ def tree_targets(
         if node.index == ROOT:
             tables.append(EMPTY)
             continue
-        # (predicting position, target node, index of the target token in that node)
-        wanted = [(i, node.index, i + 1) for i in range(len(node) - 1) if node.roles[i + 1] is Role.POLICY]
-        for child in node.children:
-            if tree.nodes[child].roles[0] is Role.POLICY:
-                wanted.append((len(node) - 1, child, 0))
         cols: dict[str, list[float]] = {k: [] for k in ("pos", "tok", "ct", "coef", "adv", "lp", "traj")}
+        contribs = [j for j in sorted(node.trajectories) if coefs[j] > 0]
+        first = 1 if node.parent == ROOT else 0  # a sequence's first token has nothing before it
         m = 0
-        for pos, tnode, k in wanted:
-            target = tree.nodes[tnode]
-            contribs = [j for j in sorted(target.trajectories) if coefs[j] > 0]
-            if not contribs:
+        for k in range(first, len(node)):
+            if node.roles[k] is not Role.POLICY or not contribs:
                 continue
-            cols["pos"].append(pos)
-            cols["tok"].append(target.tokens[k])
+            cols["pos"].append(k)
+            cols["tok"].append(node.tokens[k])
             for j in contribs:
-                lps = sampler[CallRef(j, owner[(j, tnode)])]
+                lps = sampler[CallRef(j, owner[(j, node.index)])]
                 cols["ct"].append(m)
                 cols["coef"].append(coefs[j])
-                cols["adv"].append(advantages.at(j, tnode))
-                cols["lp"].append(lps[target.offset + k] if lps is not None else math.nan)
+                cols["adv"].append(advantages.at(j, node.index))
+                cols["lp"].append(lps[node.offset + k] if lps is not None else math.nan)
                 cols["traj"].append(j)
             m += 1
         tables.append(_table(cols))

@@ -12,174 +12,81 @@ never taken on trust; stored ids must match.
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Sequence
 
-import msgpack
 import numpy as np
 
 from treetrain.trajectory import Role, TrajectoryError, TrajectoryMeta
 from treetrain.tree.model import ROOT_ID, CallRecord, CallRef, Node, TrajectoryRecord, TrajectoryTree, node_id
 from treetrain.tree.schema import FORMAT_NAME, SUPPORTED_VERSIONS, Limits, TreeFormatError
+from treetrain.tree.untrusted import (
+    expect_array,
+    expect_bin,
+    expect_fields,
+    expect_finite,
+    expect_int,
+    expect_optional_int,
+    expect_str,
+    kind,
+    short_repr,
+    unpack_limited,
+)
 
 _ROLES = tuple(Role.from_code(c) for c in range(len(Role)))
 _VALID_CODES = bytes(range(len(_ROLES)))
 _POLICY = Role.POLICY.code
 _KNOWN_CODES = ", ".join(f"{r.code} {r.value}" for r in _ROLES)
-_INT64_MIN, _UINT64_MAX = -(1 << 63), (1 << 64) - 1
-
-
-class _Rejected(Exception):
-    """Raised from inside msgpack hooks; turned into a TreeFormatError by `_unpack`."""
-
-
-def _no_ext(code: int, data: bytes) -> object:
-    raise _Rejected(f"msgpack ext type {code} is not allowed in tree files")
-
-
-def _unique_keys(pairs: Sequence[tuple[object, object]]) -> dict[object, object]:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        seen: set[object] = set()
-        for k, _ in pairs:
-            if k in seen:
-                raise _Rejected(f"duplicate map key {k!r}")
-            seen.add(k)
-    return out
-
-
-def _unpack(data: bytes, limits: Limits) -> object:
-    n = len(data)
-    if n == 0:
-        raise TreeFormatError("file: empty")
-    if n > limits.max_file_bytes:
-        raise TreeFormatError(f"file: {n} bytes exceeds the limit of {limits.max_file_bytes}")
-    unpacker = msgpack.Unpacker(
-        None,
-        use_list=True,
-        raw=False,
-        strict_map_key=True,
-        object_pairs_hook=_unique_keys,
-        ext_hook=_no_ext,
-        max_buffer_size=n,
-        max_str_len=min(limits.max_str_bytes, n),
-        max_bin_len=min(limits.max_bin_bytes, n),
-        max_array_len=min(limits.max_array_len, n),
-        max_map_len=min(limits.max_map_len, n // 2),
-        max_ext_len=0,
-    )
-    try:
-        unpacker.feed(data)
-        obj = unpacker.unpack()
-    except msgpack.OutOfData:
-        raise TreeFormatError(
-            "file: ends early (truncated, or a declared length is longer than the data or the limits)"
-        ) from None
-    except _Rejected as e:
-        raise TreeFormatError(f"file: {e}") from None
-    except (ValueError, TypeError, msgpack.UnpackException) as e:
-        raise TreeFormatError(f"file: not a valid msgpack document ({e})") from None
-    if unpacker.tell() != n:
-        raise TreeFormatError(
-            f"file: {n - unpacker.tell()} bytes of trailing data after the msgpack document"
-        )
-    return obj
-
-
-# ----- typed field access -----------------------------------------------------------------------------
-def _kind(obj: object) -> str:
-    names = {type(None): "nil", bool: "bool", int: "int", float: "float", str: "str", bytes: "bin"}
-    names.update({list: "array", dict: "map"})
-    return names.get(type(obj), type(obj).__name__)
-
-
-def _fields(
-    obj: object, where: str, required: tuple[str, ...], optional: tuple[str, ...] = ()
-) -> dict[str, object]:
-    if not isinstance(obj, dict):
-        raise TreeFormatError(f"{where}: expected a map, got {_kind(obj)}")
-    for key in required:
-        if key not in obj:
-            raise TreeFormatError(f"{where}: missing field {key!r}")
-    for key in obj:
-        if key not in required and key not in optional:
-            known = ", ".join(required + optional)
-            raise TreeFormatError(f"{where}: unknown field {key!r} (known: {known})")
-    return obj
-
-
-def _int(obj: object, where: str, lo: int = _INT64_MIN, hi: int = _UINT64_MAX) -> int:
-    if isinstance(obj, bool) or not isinstance(obj, int):
-        raise TreeFormatError(f"{where}: expected an int, got {_kind(obj)}")
-    if not lo <= obj <= hi:
-        raise TreeFormatError(f"{where}: {obj} is out of range [{lo}, {hi}]")
-    return obj
-
-
-def _optional_int(obj: object, where: str) -> int | None:
-    return None if obj is None else _int(obj, where)
-
-
-def _finite(obj: object, where: str) -> float:
-    if isinstance(obj, bool) or not isinstance(obj, (int, float)):
-        raise TreeFormatError(f"{where}: expected a number, got {_kind(obj)}")
-    value = float(obj)
-    if not math.isfinite(value):
-        raise TreeFormatError(f"{where}: {value!r} is not finite")
-    return value
-
-
-def _str(obj: object, where: str) -> str:
-    if not isinstance(obj, str):
-        raise TreeFormatError(f"{where}: expected a str, got {_kind(obj)}")
-    return obj
-
-
-def _bin(obj: object, where: str) -> bytes:
-    if not isinstance(obj, bytes):
-        raise TreeFormatError(f"{where}: expected bin (bytes), got {_kind(obj)}")
-    return obj
-
-
-def _array(obj: object, where: str, min_len: int = 0) -> list[object]:
-    if not isinstance(obj, list):
-        raise TreeFormatError(f"{where}: expected an array, got {_kind(obj)}")
-    if len(obj) < min_len:
-        raise TreeFormatError(f"{where}: needs at least {min_len} element(s), got {len(obj)}")
-    return obj
 
 
 # ----- document ---------------------------------------------------------------------------------------
 def decode_trees(data: bytes, limits: Limits) -> tuple[TrajectoryTree, ...]:
     """Parse and validate a whole file; the trees of its group, in file order."""
-    top = _unpack(data, limits)
+    top = unpack_limited(data, limits)
     if not isinstance(top, dict):
-        raise TreeFormatError(f"file: expected a map at the top level, got {_kind(top)}")
+        raise TreeFormatError(f"file: expected a map at the top level, got {kind(top)}")
     if top.get("format") != FORMAT_NAME:
-        raise TreeFormatError(f"file.format: {top.get('format')!r} is not {FORMAT_NAME!r}; not a tree file")
+        raise TreeFormatError(
+            f"file.format: {short_repr(top.get('format'))} is not {FORMAT_NAME!r}; not a tree file"
+        )
     if "version" not in top:
         raise TreeFormatError("file: missing field 'version'")
-    version = _int(top["version"], "file.version")
+    version = expect_int(top["version"], "file.version")
     if version not in SUPPORTED_VERSIONS:
         newest = max(SUPPORTED_VERSIONS)
         hint = "; written by a newer treetrain? upgrade" if version > newest else ""
         raise TreeFormatError(f"file.version: {version} is not supported (this reader knows {newest}){hint}")
-    fields = _fields(top, "file", ("format", "version", "trees"))
-    raw_trees = _array(fields["trees"], "trees", min_len=1)
-    return tuple(_decode_tree(t, f"trees[{k}]") for k, t in enumerate(raw_trees))
+    fields = expect_fields(top, "file", ("format", "version", "trees"))
+    raw_trees = expect_array(fields["trees"], "trees", min_len=1)
+    budget = _TokenBudget(limits.max_total_tokens)
+    return tuple(_decode_tree(t, f"trees[{k}]", budget) for k, t in enumerate(raw_trees))
 
 
-def _decode_tree(obj: object, where: str) -> TrajectoryTree:
-    fields = _fields(obj, where, ("nodes", "trajectories"), ("id",))
-    nodes = _Nodes(_array(fields["nodes"], f"{where}.nodes", min_len=1), f"{where}.nodes")
-    raw_trajs = _array(fields["trajectories"], f"{where}.trajectories", min_len=1)
+class _TokenBudget:
+    """Counts T, the summed length of the calls decoded so far, against `Limits.max_total_tokens`."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def charge(self, n: int, where: str) -> None:
+        self.used += n
+        if self.used > self.limit:
+            raise TreeFormatError(
+                f"{where}: the calls so far hold {self.used} tokens in total, over the limit of {self.limit}"
+            )
+
+
+def _decode_tree(obj: object, where: str, budget: _TokenBudget) -> TrajectoryTree:
+    fields = expect_fields(obj, where, ("nodes", "trajectories"), ("id",))
+    nodes = _Nodes(expect_array(fields["nodes"], f"{where}.nodes", min_len=1), f"{where}.nodes")
+    raw_trajs = expect_array(fields["trajectories"], f"{where}.trajectories", min_len=1)
     records: list[TrajectoryRecord] = []
     first_with_id: dict[str, int] = {}
     for ti, raw in enumerate(raw_trajs):
-        rec = _decode_trajectory(raw, f"{where}.trajectories[{ti}]", nodes)
+        rec = _decode_trajectory(raw, f"{where}.trajectories[{ti}]", nodes, budget)
         if rec.id in first_with_id:
             raise TreeFormatError(
-                f"{where}.trajectories[{ti}].id: {rec.id!r} duplicates trajectories[{first_with_id[rec.id]}].id"
+                f"{where}.trajectories[{ti}].id: {short_repr(rec.id)} duplicates trajectories[{first_with_id[rec.id]}].id"
             )
         first_with_id[rec.id] = ti
         records.append(rec)
@@ -189,8 +96,10 @@ def _decode_tree(obj: object, where: str) -> TrajectoryTree:
             tree.trajectory(ti)
         except TrajectoryError as e:
             raise TreeFormatError(f"{where}.trajectories[{ti}]: {e}") from None
-    if "id" in fields and _str(fields["id"], f"{where}.id") != tree.id:
-        raise TreeFormatError(f"{where}.id: stored {fields['id']!r} but the content hash is {tree.id!r}")
+    if "id" in fields and expect_str(fields["id"], f"{where}.id") != tree.id:
+        raise TreeFormatError(
+            f"{where}.id: stored {short_repr(fields['id'])} but the content hash is {tree.id!r}"
+        )
     return tree
 
 
@@ -212,22 +121,24 @@ class _Nodes:
 
     def _add(self, i: int, raw: object) -> None:
         w = f"{self.where}[{i}]"
-        fields = _fields(raw, w, ("parent", "tokens", "roles"), ("id",))
+        fields = expect_fields(raw, w, ("parent", "tokens", "roles"), ("id",))
         raw_parent = fields["parent"]
         parent: int | None = None
         if i == 0 and raw_parent is not None:
-            raise TreeFormatError(f"{w}.parent: the root (node 0) must have parent nil, got {raw_parent!r}")
+            raise TreeFormatError(
+                f"{w}.parent: the root (node 0) must have parent nil, got {short_repr(raw_parent)}"
+            )
         if i > 0:
             if raw_parent is None:
                 raise TreeFormatError(f"{w}.parent: nil, but only node 0 may be a root (a tree has one root)")
-            parent = _int(raw_parent, f"{w}.parent")
+            parent = expect_int(raw_parent, f"{w}.parent")
             if not 0 <= parent < i:
                 raise TreeFormatError(f"{w}.parent: {parent} is not a valid parent index (must be < {i})")
-        tok_bytes = _bin(fields["tokens"], f"{w}.tokens")
+        tok_bytes = expect_bin(fields["tokens"], f"{w}.tokens")
         if len(tok_bytes) % 4:
             raise TreeFormatError(f"{w}.tokens: {len(tok_bytes)} bytes is not a whole number of uint32 ids")
         n = len(tok_bytes) // 4
-        codes = _bin(fields["roles"], f"{w}.roles")
+        codes = expect_bin(fields["roles"], f"{w}.roles")
         if len(codes) != n:
             raise TreeFormatError(f"{w}.roles: {len(codes)} role codes for {n} tokens")
         if i == 0 and n:
@@ -243,8 +154,10 @@ class _Nodes:
         else:
             nid, offset = node_id(self.ids[parent], tokens, self.roles(codes)), self.ends[parent]
             self.children[parent].append(i)
-        if "id" in fields and _str(fields["id"], f"{w}.id") != nid:
-            raise TreeFormatError(f"{w}.id: stored {fields['id']!r} but the content hash is {nid!r}")
+        if "id" in fields and expect_str(fields["id"], f"{w}.id") != nid:
+            raise TreeFormatError(
+                f"{w}.id: stored {short_repr(fields['id'])} but the content hash is {nid!r}"
+            )
         self.parents.append(parent)
         self.tokens.append(tokens)
         self.role_codes.append(codes)
@@ -326,17 +239,17 @@ class _Nodes:
 
 
 # ----- trajectories -----------------------------------------------------------------------------------
-def _decode_trajectory(obj: object, where: str, nodes: _Nodes) -> TrajectoryRecord:
-    fields = _fields(obj, where, ("id", "reward", "step_rewards", "meta", "calls"))
-    tid = _str(fields["id"], f"{where}.id")
+def _decode_trajectory(obj: object, where: str, nodes: _Nodes, budget: _TokenBudget) -> TrajectoryRecord:
+    fields = expect_fields(obj, where, ("id", "reward", "step_rewards", "meta", "calls"))
+    tid = expect_str(fields["id"], f"{where}.id")
     if not tid:
         raise TreeFormatError(f"{where}.id: empty; trajectory ids must be non-empty")
-    reward = _finite(fields["reward"], f"{where}.reward")
-    raw_steps = _array(fields["step_rewards"], f"{where}.step_rewards")
-    steps = tuple(_finite(x, f"{where}.step_rewards[{j}]") for j, x in enumerate(raw_steps))
+    reward = expect_finite(fields["reward"], f"{where}.reward")
+    raw_steps = expect_array(fields["step_rewards"], f"{where}.step_rewards")
+    steps = tuple(expect_finite(x, f"{where}.step_rewards[{j}]") for j, x in enumerate(raw_steps))
     meta = _decode_meta(fields["meta"], f"{where}.meta")
-    raw_calls = _array(fields["calls"], f"{where}.calls", min_len=1)
-    calls = tuple(_decode_call(c, f"{where}.calls[{ci}]", nodes) for ci, c in enumerate(raw_calls))
+    raw_calls = expect_array(fields["calls"], f"{where}.calls", min_len=1)
+    calls = tuple(_decode_call(c, f"{where}.calls[{ci}]", nodes, budget) for ci, c in enumerate(raw_calls))
     n_policy = sum(len(c.logprobs) for c in calls)
     if steps and len(steps) != n_policy:
         raise TreeFormatError(
@@ -347,31 +260,33 @@ def _decode_trajectory(obj: object, where: str, nodes: _Nodes) -> TrajectoryReco
 
 
 def _decode_meta(obj: object, where: str) -> TrajectoryMeta:
-    fields = _fields(obj, where, ("env", "seed", "model_version", "extra"))
+    fields = expect_fields(obj, where, ("env", "seed", "model_version", "extra"))
     raw_extra = fields["extra"]
     if not isinstance(raw_extra, dict):
-        raise TreeFormatError(f"{where}.extra: expected a map, got {_kind(raw_extra)}")
+        raise TreeFormatError(f"{where}.extra: expected a map, got {kind(raw_extra)}")
     extra: dict[str, str] = {}
     for k, v in raw_extra.items():
-        key = _str(k, f"{where}.extra key")
-        extra[key] = _str(v, f"{where}.extra[{key!r}]")
+        key = expect_str(k, f"{where}.extra key")
+        extra[key] = expect_str(v, f"{where}.extra[{short_repr(key)}]")
     return TrajectoryMeta(
-        env=_str(fields["env"], f"{where}.env"),
-        seed=_optional_int(fields["seed"], f"{where}.seed"),
-        model_version=_optional_int(fields["model_version"], f"{where}.model_version"),
+        env=expect_str(fields["env"], f"{where}.env"),
+        seed=expect_optional_int(fields["seed"], f"{where}.seed"),
+        model_version=expect_optional_int(fields["model_version"], f"{where}.model_version"),
         extra=extra,
     )
 
 
-def _decode_call(obj: object, where: str, nodes: _Nodes) -> CallRecord:
-    fields = _fields(obj, where, ("end", "segment_lengths", "logprobs"))
-    end = _int(fields["end"], f"{where}.end")
+def _decode_call(obj: object, where: str, nodes: _Nodes, budget: _TokenBudget) -> CallRecord:
+    fields = expect_fields(obj, where, ("end", "segment_lengths", "logprobs"))
+    end = expect_int(fields["end"], f"{where}.end")
     if not 1 <= end < len(nodes.parents):
         raise TreeFormatError(f"{where}.end: {end} is not a node index in [1, {len(nodes.parents) - 1}]")
+    budget.charge(nodes.ends[end], f"{where}.end")
     codes = b"".join(nodes.role_codes[i] for i in nodes.path(end))
-    raw_lengths = _array(fields["segment_lengths"], f"{where}.segment_lengths", min_len=1)
+    raw_lengths = expect_array(fields["segment_lengths"], f"{where}.segment_lengths", min_len=1)
     lengths = tuple(
-        _int(x, f"{where}.segment_lengths[{si}]", lo=1, hi=len(codes)) for si, x in enumerate(raw_lengths)
+        expect_int(x, f"{where}.segment_lengths[{si}]", lo=1, hi=len(codes))
+        for si, x in enumerate(raw_lengths)
     )
     if sum(lengths) != len(codes):
         raise TreeFormatError(
@@ -390,7 +305,7 @@ def _decode_call(obj: object, where: str, nodes: _Nodes) -> CallRecord:
         if seg[0] == _POLICY:
             policy_segments.append(si)
         pos += length
-    raw_lps = _array(fields["logprobs"], f"{where}.logprobs")
+    raw_lps = expect_array(fields["logprobs"], f"{where}.logprobs")
     if len(raw_lps) != len(policy_segments):
         raise TreeFormatError(
             f"{where}.logprobs: {len(raw_lps)} entries but the call has {len(policy_segments)} policy segments "
@@ -406,7 +321,7 @@ def _decode_call(obj: object, where: str, nodes: _Nodes) -> CallRecord:
 def _decode_logprobs(obj: object, where: str, length: int) -> tuple[float, ...] | None:
     if obj is None:
         return None
-    raw = _bin(obj, where)
+    raw = expect_bin(obj, where)
     if len(raw) != 8 * length:
         raise TreeFormatError(
             f"{where}: {len(raw)} bytes, but the policy segment has {length} tokens ({8 * length} expected)"

@@ -117,7 +117,13 @@ def render_tree(tree: TrajectoryTree, options: RenderOptions | None = None) -> s
         kids = node.children
         for k in reversed(range(len(kids))):
             last = k == len(kids) - 1
-            stack.append((kids[k], child_lead + ("└── " if last else "├── "), child_lead + ("    " if last else "│   ")))
+            stack.append(
+                (
+                    kids[k],
+                    child_lead + ("└── " if last else "├── "),
+                    child_lead + ("    " if last else "│   "),
+                )
+            )
     return "\n".join(lines)
 
 
@@ -149,7 +155,9 @@ def to_dot(trees: Sequence[TrajectoryTree], options: RenderOptions | None = None
     out = [
         "digraph treetrain {",
         '  node [shape=box, fontname="monospace", fontsize=10];',
-        "  // fill: " + ", ".join(f"{r.value} {c}" for r, c in ROLE_COLOURS.items()) + "; double border: divergence",
+        "  // fill: "
+        + ", ".join(f"{r.value} {c}" for r, c in ROLE_COLOURS.items())
+        + "; double border: divergence",
     ]
     for k, tree in enumerate(trees):
         indent = "  "
@@ -169,7 +177,9 @@ def to_dot(trees: Sequence[TrajectoryTree], options: RenderOptions | None = None
                 text += _dot_escape("\n" + _ends(tree, node))
             style, fill = _fill(node)
             extra = ", peripheries=2" if node.is_divergence else ""
-            out.append(f'{indent}t{k}n{node.index} [label="{text}", style="{style}", fillcolor="{fill}"{extra}];')
+            out.append(
+                f'{indent}t{k}n{node.index} [label="{text}", style="{style}", fillcolor="{fill}"{extra}];'
+            )
             if node.parent is not None:
                 out.append(f"{indent}t{k}n{node.parent} -> t{k}n{node.index};")
         if len(trees) > 1:

@@ -42,9 +42,19 @@ class Limits:
     """Most elements in one array (nodes, trajectories, calls, segments)."""
     max_map_len: int = 1 << 16
     """Most entries in one map (the only open-ended map is `meta.extra`)."""
+    max_total_tokens: int = 1 << 28
+    """Most tokens summed over every call of the file (T). Shared prefixes make T far larger than the
+    file, and loading rebuilds every call, so a small file must not be able to demand unbounded work."""
 
     def __post_init__(self) -> None:
-        for name in ("max_file_bytes", "max_bin_bytes", "max_str_bytes", "max_array_len", "max_map_len"):
+        for name in (
+            "max_file_bytes",
+            "max_bin_bytes",
+            "max_str_bytes",
+            "max_array_len",
+            "max_map_len",
+            "max_total_tokens",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Limits.{name} must be a positive int, got {value!r}")

@@ -2,7 +2,7 @@
 
 Per token a forward costs 1 and a backward 2; attention's quadratic term is ignored. With T the summed
 sequence lengths, U the unique tokens, U_ctx the unique tokens of nodes that carry no loss (neither on
-their own positions nor on their last position), U_int / U_leaf the unique tokens of internal / leaf nodes:
+their own positions nor on their last position; see `node_carries_loss`), U_int / U_leaf the unique tokens of internal / leaf nodes:
 
     flat                          3·T
     response_only                 U_ctx + 3·(U − U_ctx)
@@ -110,13 +110,15 @@ class TreeStats:
 
 
 def node_carries_loss(tree: TrajectoryTree, node: Node) -> bool:
-    """Whether any logit computed at this node's positions predicts a policy token.
+    """Whether the node holds a policy token that some position predicts.
 
-    Position i < len-1 predicts token i+1 of the node; the last position predicts each child's first token.
+    Replay feeds each node with its parent's last token in front, so the prediction of a node's first token
+    belongs to the node, not to its parent: a prompt node followed by responses carries no loss, and the
+    `response_only` cost of one prompt of P tokens with G responses of S tokens is P + 3GS (DESIGN.md).
+    Only a sequence's very first token is never predicted.
     """
-    if any(r is Role.POLICY for r in node.roles[1:]):
-        return True
-    return any(tree.nodes[c].roles[0] is Role.POLICY for c in node.children)
+    first = 1 if node.parent == ROOT else 0
+    return any(r is Role.POLICY for r in node.roles[first:])
 
 
 def tree_stats(tree: TrajectoryTree) -> TreeStats:
