@@ -2,10 +2,11 @@
 
 from treetrain.engine.batch import ReplayConfig, ReplayReport, TreeWork, UpdateBatch
 from treetrain.engine.flat import FlatReference
-from treetrain.engine.replay import TreeReplay
+from treetrain.engine.replay import BackwardFailed, TreeReplay
 from treetrain.engine.resident import ResidentIdentity, ResidentStore, StaleResidentStateError
 
 __all__ = [
+    "BackwardFailed",
     "FlatReference",
     "ReplayConfig",
     "ReplayReport",

@@ -135,6 +135,8 @@ class ReplayReport:
     steps: int = 0
     skipped_units: int = 0
     recomputed_units: int = 0
+    oom_splits: int = 0
+    """Steps split in two after running out of memory before backward."""
 
     def merged(self, other: ReplayReport) -> ReplayReport:
         return ReplayReport(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))

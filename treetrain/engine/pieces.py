@@ -61,7 +61,9 @@ def own_kv(unit: Unit, out: DecoderOutput, row: int, overlap: bool = True) -> li
     """The unit's own KV from a batched forward (overlap and padding cut away), graph kept."""
     a = 1 if overlap and unit.overlap is not None else 0
     n = len(unit)
-    return [(k[row : row + 1, :, a : a + n], v[row : row + 1, :, a : a + n]) for k, v in zip(out.keys, out.values)]
+    return [
+        (k[row : row + 1, :, a : a + n], v[row : row + 1, :, a : a + n]) for k, v in zip(out.keys, out.values)
+    ]
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,10 @@ from treetrain.models.support import check_supported
 Backward = Callable[[torch.Tensor], None]
 
 
+class BackwardFailed(RuntimeError):
+    """Backward failed part-way: gradients may hold a partial step. Reset the window and replay it."""
+
+
 def _default_backward(loss: torch.Tensor) -> None:
     loss.backward()
 
@@ -118,7 +122,7 @@ class TreeReplay:
 
         try:
             for step in steps:
-                report = report.merged(self._step(units, paths, step, old_lp, ref_lp))
+                report = report.merged(self._run_step(units, paths, step, old_lp, ref_lp))
         finally:
             for u in range(len(units)):
                 self.store.release(paths.key(u))
@@ -151,6 +155,34 @@ class TreeReplay:
         return lps, n_tok
 
     # ----- one step ---------------------------------------------------------------------------------
+    def _run_step(
+        self,
+        units: UnitTree,
+        paths: PathKV,
+        step: ReplayStep,
+        old_lp: Sequence[torch.Tensor | None],
+        ref_lp: Sequence[torch.Tensor | None],
+    ) -> ReplayReport:
+        """Run a step; an out-of-memory error before backward splits it in two and retries each half.
+
+        Before backward nothing has been accumulated, so a retry cannot double count. A failure once
+        backward has started raises `BackwardFailed`: parameter gradients may hold part of the step, and
+        only the caller can reset the update window.
+        """
+        try:
+            return self._step(units, paths, step, old_lp, ref_lp)
+        except torch.OutOfMemoryError:
+            if len(step.units) == 1:
+                raise
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            half = len(step.units) // 2
+            first = ReplayStep(step.parent, step.units[:half])
+            second = ReplayStep(step.parent, step.units[half:])
+            report = self._run_step(units, paths, first, old_lp, ref_lp)
+            report = report.merged(self._run_step(units, paths, second, old_lp, ref_lp))
+            return report.merged(ReplayReport(oom_splits=1))
+
     def _step(
         self,
         units: UnitTree,
@@ -198,8 +230,11 @@ class TreeReplay:
 
         if self.step_hook is not None:
             self.step_hook("backward", step)
-        if total.requires_grad:
-            self.backward(total)
+        try:
+            if total.requires_grad:
+                self.backward(total)
+        except Exception as exc:
+            raise BackwardFailed(f"backward of step {step} failed; the update window must be reset") from exc
         if exact:
             for unit_index, piece in zip(path, leaves):
                 grads = [(k.grad, v.grad) for k, v in piece]

@@ -76,30 +76,38 @@ def read_records(path: str | Path) -> Iterator[CallRecordIn]:
 
 def _assemble(source: str, records: list[CallRecordIn]) -> Trajectory:
     """One trajectory from its records (any order); checks call indices, rewards and group ids agree."""
-    records = sorted(records, key=lambda r: (r.call_index, r.line))
-    first = records[0]
-    for want, rec in enumerate(records):
-        if rec.call_index != want:
-            problem = "duplicate" if rec.call_index < want else f"missing call_index {want} before"
+    seen: dict[int, int] = {}
+    for rec in sorted(records, key=lambda r: r.line):
+        if rec.call_index in seen:
             raise RecordError(
                 source,
                 rec.line,
                 "call_index",
-                f"{problem} call_index {rec.call_index} of {rec.trajectory_id!r}",
+                f"duplicate call_index {rec.call_index} (also on line {seen[rec.call_index]})",
             )
-    rewards = {r.reward for r in records if r.reward is not None}
-    if not rewards:
+        seen[rec.call_index] = rec.line
+    records = sorted(records, key=lambda r: r.call_index)
+    first = records[0]
+    for want, rec in enumerate(records):
+        if rec.call_index != want:
+            raise RecordError(
+                source,
+                rec.line,
+                "call_index",
+                f"call_index {rec.call_index} of {rec.trajectory_id!r} but no call_index {want}",
+            )
+    given = sorted((r for r in records if r.reward is not None), key=lambda r: r.line)
+    if not given:
         raise RecordError(
             source, records[-1].line, "reward", f"trajectory {first.trajectory_id!r} has no reward"
         )
-    if len(rewards) > 1:
-        given = [r for r in records if r.reward is not None]
-        line = next(r.line for r in given if r.reward != given[0].reward)
+    conflict = next((r for r in given if r.reward != given[0].reward), None)
+    if conflict is not None:
         raise RecordError(
             source,
-            line,
+            conflict.line,
             "reward",
-            f"trajectory {first.trajectory_id!r} has conflicting rewards {sorted(rewards)}",
+            f"{conflict.reward} conflicts with {given[0].reward} on line {given[0].line}",
         )
     for key in ("group_id", "env", "seed", "model_version"):
         values = {getattr(r, key) for r in records}
@@ -124,8 +132,10 @@ def _assemble(source: str, records: list[CallRecordIn]) -> Trajectory:
         env=first.env or "", seed=first.seed, model_version=first.model_version, extra=extra
     )
     steps = tuple(x for r in with_steps for x in (r.step_rewards or ()))
+    reward = given[0].reward
+    assert reward is not None
     try:
-        return Trajectory(first.trajectory_id, tuple(r.call for r in records), rewards.pop(), steps, meta)
+        return Trajectory(first.trajectory_id, tuple(r.call for r in records), reward, steps, meta)
     except TrajectoryError as exc:
         raise RecordError(source, first.line, "trajectory_id", str(exc)) from None
 

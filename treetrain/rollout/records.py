@@ -196,11 +196,11 @@ def parse_record(obj: Any, source: str, line: int) -> CallRecordIn:
     if not isinstance(metadata, dict):
         raise rec.fail("metadata", "expected an object")
     messages = obj.get("messages")
-    if messages is not None:
-        if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages
-        ):
-            raise rec.fail("messages", "expected a list of objects with a string 'role'")
+    well_formed = isinstance(messages, list) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages
+    )
+    if messages is not None and not well_formed:
+        raise rec.fail("messages", "expected a list of objects with a string 'role'")
     return CallRecordIn(
         line=line,
         trajectory_id=tid,

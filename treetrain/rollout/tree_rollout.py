@@ -75,18 +75,21 @@ def _grow(
 ) -> list[Trajectory]:
     fan, reuse = config.fanout, config.reuse_prefix_kv
     finished: list[Trajectory] = []
-    prompt = root.context
-    stack = [_Branch(root, None, prompt, 0, (), at_root=True)]
+    stack = [_Branch(root, None, root.context, 0, (), at_root=True)]
     while stack:
         branch = stack.pop()
         n = fan.policy_factor(branch.depth, branch.at_root)
         depth = branch.depth + (n > 1)
-        if reuse:
-            samples = sampler.sample(branch.state, branch.pending, n, branch.episode.turn_budget())
+        budget = branch.episode.turn_budget()
+        if branch.state is None:  # nothing kept (the root, or reuse off): encode the whole context
+            samples = sampler.sample(None, branch.episode.context, n, budget, keep_state=reuse)
         else:
-            samples = sampler.sample(
-                None, branch.episode.context, n, branch.episode.turn_budget(), keep_state=False
-            )
+            if branch.state.length + len(branch.pending) != len(branch.episode.context):
+                raise RuntimeError(
+                    f"kept KV covers {branch.state.length} tokens + {len(branch.pending)} pending, "
+                    f"but the context has {len(branch.episode.context)}"
+                )
+            samples = sampler.sample(branch.state, branch.pending, n, budget)
         children: list[_Branch] = []
         for i, sample in enumerate(samples):
             path = (*branch.path, i) if n > 1 else branch.path

@@ -1,0 +1,57 @@
+"""Environments for tool-using agents: the message-level protocol, tools, the token-level wrapper and
+the registry. Importing this package only exports names; it registers and imports no environment.
+See README.md ("Environments") for writing your own in about 30 lines.
+"""
+
+from envs.conformance import ConformanceError, check_environment
+from envs.protocol import (
+    Environment,
+    Episode,
+    Immutable,
+    Message,
+    ProtocolError,
+    Rubric,
+    StepResult,
+    ToolCall,
+    ToolSpec,
+    default_rubric,
+)
+from envs.registry import BUILTINS, UnknownEnvironmentError, available, make_env, resolve
+from envs.template import ChatTemplate, TemplateError
+from envs.toolcalls import ParsedTurn, ToolCallError, format_tool_call, parse_tool_calls
+from envs.tools import Tool, ToolEnv, execute_tool_call
+from envs.wrapper import EnvStepError, Finish, TokenEnv, TurnResult, WrapperConfig
+
+__all__ = [
+    "BUILTINS",
+    "ChatTemplate",
+    "ConformanceError",
+    "EnvStepError",
+    "Environment",
+    "Episode",
+    "Finish",
+    "Immutable",
+    "Message",
+    "ParsedTurn",
+    "ProtocolError",
+    "Rubric",
+    "StepResult",
+    "TemplateError",
+    "TokenEnv",
+    "Tool",
+    "ToolCall",
+    "ToolCallError",
+    "ToolEnv",
+    "ToolSpec",
+    "TurnResult",
+    "UnknownEnvironmentError",
+    "WrapperConfig",
+    "available",
+    "check_environment",
+    "default_rubric",
+    "execute_tool_call",
+    "format_tool_call",
+    "make_env",
+    "parse_tool_calls",
+    "resolve",
+]

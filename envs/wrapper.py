@@ -1,0 +1,277 @@
+"""`TokenEnv`: the single token-level wrapper around a message-level environment.
+
+It owns everything between token ids and messages: the chat template (`envs.template.ChatTemplate`),
+tool-call parsing (`envs.toolcalls`), the turn and token budgets and the step timeout. It builds the
+episode's `Trajectory` directly from token ids: the prompt segment is the templated opening, each policy
+segment is exactly the sampled ids (with the sampler's logprobs), each observation segment is the
+template delta after a turn. Nothing is re-tokenized, so the trajectory is what the model saw.
+
+Failures in the agent's output never crash an episode. A malformed tool call, an unknown tool, bad
+arguments, a tool that raises and a step that exceeds `step_timeout_s` all become `tool` observations.
+An exception raised by the environment's own `step` (not by a tool) is a bug in the environment and
+propagates as `EnvStepError`.
+
+Example (a scripted "policy"; a real one samples from a model):
+    >>> from transformers import AutoTokenizer
+    >>> from treetrain.assets import tokenizer_path
+    >>> from envs.calculator import CalculatorEnv
+    >>> env = TokenEnv(CalculatorEnv(), AutoTokenizer.from_pretrained(tokenizer_path()), env_name="calculator")
+    >>> prompt = env.reset(seed=0)
+    >>> answer = env.template.encode(f"{env.env.state().answer}<|im_end|>")
+    >>> env.step(answer).done, env.trajectory("ep0").reward
+    (True, 1.0)
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from envs.protocol import Environment, Episode, Message, Rubric, StepResult, ToolSpec, default_rubric
+from envs.template import ChatTemplate
+from envs.toolcalls import parse_tool_calls
+from treetrain.trajectory import Call, Role, Segment, Trajectory, TrajectoryMeta
+
+
+class EnvStepError(RuntimeError):
+    """The environment's `step` raised (a bug in the environment, not in the agent's output)."""
+
+
+class Finish(str, Enum):
+    """Why an episode ended."""
+
+    DONE = "done"
+    MAX_TURNS = "max_turns"
+    MAX_TOKENS = "max_tokens"
+
+
+@dataclass(frozen=True)
+class WrapperConfig:
+    """Budgets and limits of one episode."""
+
+    max_turns: int = 8
+    """Assistant turns per episode; after this many the episode ends (finish "max_turns")."""
+    max_turn_tokens: int = 512
+    """Most tokens sampled in one assistant turn. A turn cut here gets its end-of-turn marker supplied
+    as an observation token, and the environment sees the truncated text."""
+    max_episode_tokens: int = 8192
+    """Most tokens in the whole context (prompt, policy and observations). When an observation would not
+    leave room for one more policy token, the episode ends (finish "max_tokens")."""
+    step_timeout_s: float | None = 30.0
+    """Seconds one `env.step` may take; on timeout each tool call gets an `Error: ... timed out`
+    observation and the environment keeps its pre-step state. None disables the limit."""
+    end_of_turn: str = "<|im_end|>"
+    """The single-token marker that ends an assistant turn in the chat template."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_turns", "max_turn_tokens", "max_episode_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"WrapperConfig.{name} must be a positive int, got {value!r}")
+        if self.step_timeout_s is not None and not self.step_timeout_s > 0:
+            raise ValueError(f"WrapperConfig.step_timeout_s must be > 0 or None, got {self.step_timeout_s!r}")
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    """The wrapper's answer to one policy turn.
+
+    `observation` holds the tokens to feed before the next turn (empty when `done`); `messages` are the
+    observation messages the agent sees (or, when done, the environment's closing messages).
+    """
+
+    observation: tuple[int, ...]
+    done: bool
+    finish: Finish | None
+    messages: tuple[Message, ...]
+
+
+class TokenEnv:
+    """Runs one episode of a message-level environment at the token level. See the module docstring."""
+
+    def __init__(
+        self, env: Environment, tokenizer: Any, config: WrapperConfig | None = None, env_name: str = ""
+    ) -> None:
+        self.env = env
+        self.config = config or WrapperConfig()
+        self.template = ChatTemplate(tokenizer, self.config.end_of_turn)
+        self.env_name = env_name or type(env).__name__
+        self._seed: int | None = None
+        self._tools: tuple[ToolSpec, ...] = ()
+        self._messages: list[Message] = []
+        self._segments: list[Segment] = []
+        self._context: list[int] = []
+        self._turns = 0
+        self._finish: Finish | None = None
+
+    # ----- state ------------------------------------------------------------------------------------
+    @property
+    def context(self) -> tuple[int, ...]:
+        """Every token of the episode so far, in order: exactly what the model has been fed."""
+        return tuple(self._context)
+
+    @property
+    def messages(self) -> tuple[Message, ...]:
+        return tuple(self._messages)
+
+    @property
+    def done(self) -> bool:
+        return self._finish is not None
+
+    @property
+    def finish(self) -> Finish | None:
+        return self._finish
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """Token ids that end a turn; pass them to the sampler."""
+        return self.template.stop_token_ids
+
+    def turn_budget(self) -> int:
+        """Most tokens the next turn may sample (turn and episode budgets together)."""
+        return min(self.config.max_turn_tokens, self.config.max_episode_tokens - len(self._context))
+
+    # ----- episode ----------------------------------------------------------------------------------
+    def reset(self, seed: int) -> tuple[int, ...]:
+        """Start an episode; returns the prompt tokens (which end with the generation prompt)."""
+        opening = tuple(self.env.reset(seed))
+        if not opening or any(m.role not in ("system", "user") for m in opening):
+            raise EnvStepError(f"{self.env_name}.reset must return system/user messages, got {opening!r}")
+        self._seed, self._tools = seed, tuple(self.env.tool_specs())
+        self._messages = list(opening)
+        prompt = self.template.prompt_tokens(opening, self._tools)
+        if len(prompt) >= self.config.max_episode_tokens:
+            raise ValueError(
+                f"{self.env_name} seed {seed}: prompt has {len(prompt)} tokens, which leaves no room under "
+                f"max_episode_tokens={self.config.max_episode_tokens}"
+            )
+        self._segments = [Segment(Role.PROMPT, prompt)]
+        self._context = list(prompt)
+        self._turns, self._finish = 0, None
+        return prompt
+
+    def step(self, tokens: Sequence[int], logprobs: Sequence[float] | None = None) -> TurnResult:
+        """Feed one sampled assistant turn (its token ids, ending with the stop token when it stopped)."""
+        if self._seed is None or self.done:
+            raise RuntimeError(
+                f"{self.env_name}: step called {'before reset' if self._seed is None else 'after done'}"
+            )
+        if not tokens or len(tokens) > self.turn_budget():
+            raise ValueError(
+                f"{self.env_name}: a turn must have 1..{self.turn_budget()} tokens, got {len(tokens)}"
+            )
+        self._segments.append(
+            Segment(Role.POLICY, tuple(tokens), None if logprobs is None else tuple(logprobs))
+        )
+        self._context.extend(tokens)
+        text, closed = self.template.turn_text(tokens)
+        parsed = parse_tool_calls(text, turn=self._turns)
+        self._turns += 1
+        self._messages.append(parsed.message)
+        errors = tuple(e.to_message() for e in parsed.errors)
+        if errors and not parsed.message.tool_calls:
+            result = StepResult(errors)
+        else:
+            result = self._run_step(parsed.message)
+            result = StepResult(errors + result.messages, result.done, result.info)
+        self._messages.extend(result.messages)
+        if result.done:
+            return self._end(Finish.DONE, result.messages)
+        if self._turns >= self.config.max_turns:
+            return self._end(Finish.MAX_TURNS, result.messages)
+        history = self._messages[: len(self._messages) - len(result.messages)]
+        obs = self.template.observation_tokens(history, result.messages, self._tools, closed)
+        if len(self._context) + len(obs) >= self.config.max_episode_tokens:
+            return self._end(Finish.MAX_TOKENS, result.messages)
+        self._segments.append(Segment(Role.OBSERVATION, obs))
+        self._context.extend(obs)
+        return TurnResult(obs, False, None, result.messages)
+
+    def _end(self, finish: Finish, messages: tuple[Message, ...]) -> TurnResult:
+        self._finish = finish
+        return TurnResult((), True, finish, messages)
+
+    def _run_step(self, message: Message) -> StepResult:
+        timeout = self.config.step_timeout_s
+        if timeout is None:
+            return self._call_env(self.env, message)
+        # Step a copy and adopt it only on success: a step abandoned on timeout keeps running in its
+        # thread, and must not mutate the state the episode continues from.
+        candidate = copy.deepcopy(self.env)
+        box: list[StepResult | BaseException] = []
+
+        def run() -> None:
+            try:
+                box.append(self._call_env(candidate, message))
+            except BaseException as exc:
+                box.append(exc)
+
+        worker = threading.Thread(target=run, name=f"{self.env_name}-step", daemon=True)
+        worker.start()
+        worker.join(timeout)
+        if not box:
+            return StepResult(self._timeout_messages(message, timeout))
+        if isinstance(box[0], BaseException):
+            raise box[0]
+        self.env = candidate
+        return box[0]
+
+    def _call_env(self, env: Environment, message: Message) -> StepResult:
+        try:
+            result = env.step(message)
+        except Exception as exc:
+            raise EnvStepError(f"{self.env_name}.step raised on turn {self._turns}: {exc!r}") from exc
+        if not isinstance(result, StepResult):
+            raise EnvStepError(f"{self.env_name}.step returned {type(result).__name__}, not StepResult")
+        return result
+
+    @staticmethod
+    def _timeout_messages(message: Message, timeout: float) -> tuple[Message, ...]:
+        if not message.tool_calls:
+            return (Message("user", f"Error: the environment did not answer within {timeout:g}s."),)
+        return tuple(
+            Message(
+                "tool",
+                f"Error: tool {c.name!r} timed out after {timeout:g}s.",
+                tool_call_id=c.id,
+                name=c.name,
+            )
+            for c in message.tool_calls
+        )
+
+    def fork(self, branch: int = 0) -> TokenEnv:
+        """An independent copy of this episode (the environment forked with `branch`)."""
+        twin = copy.copy(self)
+        twin.env = self.env.fork(branch)
+        twin._messages = list(self._messages)
+        twin._segments = list(self._segments)
+        twin._context = list(self._context)
+        return twin
+
+    # ----- results ----------------------------------------------------------------------------------
+    def episode(self) -> Episode:
+        """The finished episode, as rubrics see it."""
+        if self._finish is None:
+            raise RuntimeError(f"{self.env_name}: the episode is not finished")
+        return Episode(tuple(self._messages), self.env.state(), self._finish.value)
+
+    def trajectory(
+        self,
+        trajectory_id: str,
+        rubric: Rubric | None = None,
+        model_version: int | None = None,
+        extra: Mapping[str, str] | None = None,
+    ) -> Trajectory:
+        """The finished episode as a `Trajectory`, rewarded by `rubric` (default: the env's first)."""
+        scorer = rubric or default_rubric(self.env)
+        meta = TrajectoryMeta(
+            env=self.env_name,
+            seed=self._seed,
+            model_version=model_version,
+            extra={"finish": self.episode().finish, "turns": str(self._turns), **(extra or {})},
+        )
+        return Trajectory(trajectory_id, (Call(tuple(self._segments)),), scorer(self.episode()), meta=meta)

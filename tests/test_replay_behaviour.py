@@ -1,0 +1,156 @@
+"""Engine behaviour besides exactness: skipping, OOM splitting, memory-aware logprobs, refusals, staleness."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_cases import SHAPES, VOCAB, factory, make_batch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from treetrain.engine import BackwardFailed, ReplayConfig, TreeReplay
+from treetrain.engine.resident import ResidentIdentity, ResidentKey, ResidentStore, StaleResidentStateError
+from treetrain.engine.verify import flat_grad, tree_gradient
+from treetrain.loss.advantages import AdvantageConfig, compute_advantages
+from treetrain.loss.config import LossConfig
+from treetrain.loss.manifest import Manifest
+from treetrain.models.presets import tiny_model
+from treetrain.models.support import UnsupportedModelError, check_supported
+from treetrain.tree.synthetic import synthetic_group
+
+
+def _zero_adv_batch(loss: LossConfig):
+    """Two of four branches share the group-mean reward, so their advantages are exactly zero."""
+    tree = synthetic_group(prefix=20, branches=4, suffix=6, depth=1, vocab=VOCAB, rewards=[1.0, 0.5, 0.5, 0.0])
+    from treetrain.engine import UpdateBatch
+
+    adv = compute_advantages([tree], AdvantageConfig(normalize_std=False))
+    return UpdateBatch.build([tree], adv.trees, Manifest.build([tree], 0), loss)
+
+
+@pytest.mark.parametrize("loss", [LossConfig(), LossConfig(kl_coef=0.1), LossConfig(entropy_coef=0.01)])
+def test_skipping_inert_branches_changes_nothing(loss: LossConfig) -> None:
+    make = factory("llama", torch.float64)
+    ref = factory("llama", torch.float64, seed=5) if loss.needs_reference else None
+    batch = _zero_adv_batch(loss)
+    skip = tree_gradient(make(), batch, loss, ReplayConfig(skip_inert=True), ref() if ref else None)
+    keep = tree_gradient(make(), batch, loss, ReplayConfig(skip_inert=False), ref() if ref else None)
+    assert torch.equal(skip, keep) or float((skip - keep).norm()) <= 1e-12 * float(keep.norm())
+    report = TreeReplay(make(), loss, ReplayConfig(), ref_model=ref() if ref else None).accumulate(batch)
+    # Only with no KL and no entropy are the zero-advantage branches inert, and only then skipped.
+    assert report.skipped_units == (2 if loss.zero_advantage_is_inert else 0)
+
+
+def test_simulated_oom_before_backward_splits_and_retries() -> None:
+    loss = LossConfig()
+    make = factory("llama", torch.float64)
+    batch = make_batch(SHAPES["one_level"](0), loss)
+    clean = tree_gradient(make(), batch, loss, ReplayConfig(microbatch=4))
+    model = make()
+    engine = TreeReplay(model, loss, ReplayConfig(microbatch=4))
+    fired = []
+
+    def hook(phase: str, step) -> None:
+        if phase == "forward" and len(step.units) > 1 and not fired:
+            fired.append(step)
+            raise torch.OutOfMemoryError("simulated")
+
+    engine.step_hook = hook
+    model.zero_grad(set_to_none=True)
+    report = engine.accumulate(batch)
+    assert fired and report.oom_splits == 1
+    assert float((flat_grad(model) - clean).norm()) <= 1e-12 * float(clean.norm())
+
+
+def test_failure_during_backward_is_reported_not_retried() -> None:
+    loss = LossConfig()
+    model = factory("llama", torch.float64)()
+
+    def broken_backward(t: torch.Tensor) -> None:
+        raise RuntimeError("worker died")
+
+    engine = TreeReplay(model, loss, ReplayConfig(), backward=broken_backward)
+    with pytest.raises(BackwardFailed, match="window must be reset"):
+        engine.accumulate(make_batch(SHAPES["one_level"](0), loss))
+
+
+class _LargestTensor(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, tuple | list) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_logprobs_never_materialize_full_logits() -> None:
+    """A long response with a big vocabulary: no tensor reaches B x T x V elements."""
+    vocab, resp = 4096, 256
+    tree = synthetic_group(prefix=64, branches=2, suffix=resp, depth=1, vocab=vocab)
+    loss = LossConfig(entropy_coef=0.01)
+    model = tiny_model("llama", vocab, dtype=torch.float32)
+    adv = compute_advantages([tree], AdvantageConfig())
+    from treetrain.engine import UpdateBatch
+
+    batch = UpdateBatch.build([tree], adv.trees, Manifest.build([tree], 0), loss)
+    budget = 64 * vocab
+    engine = TreeReplay(model, loss, ReplayConfig(max_logit_elements=budget))
+    with _LargestTensor() as probe:
+        engine.accumulate(batch)
+    assert probe.largest < 2 * resp * vocab, "full [B, T, V] logits were materialized"
+    assert probe.largest <= max(budget, model.config.hidden_size * vocab)
+
+
+def test_sliding_window_shorter_than_sequence_is_refused() -> None:
+    model = tiny_model("mistral", VOCAB)
+    model.config.sliding_window = 16
+    with pytest.raises(UnsupportedModelError, match="sliding window of 16"):
+        check_supported(model, max_sequence_length=64)
+    check_supported(model, max_sequence_length=16)
+
+
+def test_recurrent_and_dropout_models_are_refused() -> None:
+    model = tiny_model("llama", VOCAB)
+    model.config.model_type = "mamba"
+    with pytest.raises(UnsupportedModelError, match="recurrent state"):
+        check_supported(model, 32, probe=False)
+    model = tiny_model("qwen2", VOCAB)
+    model.config.attention_dropout = 0.1
+    model.train()
+    with pytest.raises(UnsupportedModelError, match="dropout"):
+        check_supported(model, 32, probe=False)
+
+
+def test_probe_catches_a_cache_that_changes_results() -> None:
+    """A model whose continuation from stored KV differs from a whole forward is refused by the probe."""
+    model = tiny_model("llama", VOCAB)
+    rope = model.model.rotary_emb
+    original = rope.forward
+
+    def shifted(x, position_ids):  # positions silently reset per call: continuation is wrong
+        return original(x, position_ids - position_ids[:, :1])
+
+    rope.forward = shifted
+    with pytest.raises(UnsupportedModelError, match="continuing from stored KV"):
+        check_supported(model, 32)
+
+
+def test_stale_resident_state_is_refused() -> None:
+    model = tiny_model("llama", VOCAB)
+    identity = ResidentIdentity.of(model, version=3)
+    store = ResidentStore(identity)
+    key = ResidentKey("tree", 1, "node")
+    kv = [(torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8))]
+    store.put(key, kv, identity)
+    assert store.kv_bytes == 2 * 64 * 4
+    with pytest.raises(StaleResidentStateError, match="identity"):
+        store.get(key, ResidentIdentity.of(model, version=3, tokenizer="other"))
+    store.invalidate(identity.bumped())
+    assert store.kv_bytes == 0
+    with pytest.raises(StaleResidentStateError, match="invalidated by an optimizer step"):
+        store.get(key, identity.bumped())
+    with pytest.raises(StaleResidentStateError):
+        store.get(key, identity)
