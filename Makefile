@@ -30,7 +30,7 @@ pytest: venv
 test: lint typecheck pytest
 
 demo: venv
-	DS_ACCELERATOR=cpu $(BIN)/treetrain demo
+	DS_ACCELERATOR=cpu $(BIN)/treetrain train --run-dir runs/demo --overwrite
 
 trees: venv
 	$(BIN)/python trees/make_examples.py

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import shutil
-import tempfile
 from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from treetrain.assets import tokenizer_path
+from treetrain.io import atomic_directory
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TOOL_TOKENS = ("<tool_call>", "</tool_call>")
@@ -190,17 +189,8 @@ def build(out_dir: Path) -> None:
         chat_template=CHAT_TEMPLATE,
         model_max_length=1 << 20,
     )
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=out_dir.parent))
-    try:
-        staging.chmod(0o755)
+    with atomic_directory(out_dir) as staging:
         hf.save_pretrained(staging)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        staging.replace(out_dir)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging)
 
 
 def main() -> None:

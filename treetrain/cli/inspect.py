@@ -11,7 +11,8 @@ import json
 import sys
 from typing import Any
 
-from treetrain.tree.format import TreeFormatError, atomic_write_bytes, load_trees
+from treetrain.io import atomic_write_bytes
+from treetrain.tree.format import TreeFormatError, load_trees
 from treetrain.tree.render import Decoder, RenderOptions, render_trees, to_dot, tokenizer_decoder
 
 EXIT_BAD_INPUT = 2

@@ -9,7 +9,12 @@ import sys
 from collections.abc import Sequence
 
 #: Subcommand modules, in the order `--help` lists them.
-SUBCOMMANDS: tuple[str, ...] = ("treetrain.cli.inspect", "treetrain.cli.import_")
+SUBCOMMANDS: tuple[str, ...] = (
+    "treetrain.cli.train",
+    "treetrain.cli.inspect",
+    "treetrain.cli.import_",
+    "treetrain.cli.plan",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,6 +10,7 @@ from treetrain.loss.advantages import TreeAdvantages
 from treetrain.loss.config import ConfigError, LossConfig
 from treetrain.loss.manifest import ContributionKey, Manifest
 from treetrain.loss.targets import EMPTY, TargetTable, tree_targets
+from treetrain.memory.classes import ClassBytes, larger
 from treetrain.models.logprobs import DEFAULT_MAX_LOGIT_ELEMENTS
 from treetrain.tree.model import TrajectoryTree
 
@@ -137,9 +138,22 @@ class ReplayReport:
     recomputed_units: int = 0
     oom_splits: int = 0
     """Steps split in two after running out of memory before backward."""
+    evicted_units: int = 0
+    """Resident KV dropped (or offloaded) to stay within a retention budget."""
+    restored_units: int = 0
+    """Offloaded KV copied back from host memory instead of recomputed."""
+    kept_graphs: int = 0
+    """Internal units whose first forward kept its graph for their own step (no recompute)."""
+    measured_peak: ClassBytes | None = None
+    """Peak live bytes by lifetime class, when a memory tracker was attached (the larger of two on merge)."""
 
     def merged(self, other: ReplayReport) -> ReplayReport:
-        return ReplayReport(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+        summed = {
+            f.name: getattr(self, f.name) + getattr(other, f.name)
+            for f in fields(self)
+            if f.name != "measured_peak"
+        }
+        return ReplayReport(**summed, measured_peak=larger(self.measured_peak, other.measured_peak))
 
     @property
     def token_cost(self) -> int:

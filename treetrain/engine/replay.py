@@ -13,6 +13,13 @@ For one tree:
 Normalization comes from the manifest through the target coefficients; how units are batched or ordered
 only changes the summation order.
 
+Three optional collaborators change memory and cost, never the gradient: a `retention` policy is told each
+tree's schedule and evicts resident KV before each use to stay within a byte budget (evicted KV is
+recomputed from the nearest resident ancestor); `keep_graph` names internal units (in `exact` mode) whose
+first forward keeps its graph until their own step, which then needs no recompute (3 token-costs instead
+of 4, for a graph held longer); a `tracker` measures live bytes by lifetime class
+(`treetrain.memory.tracker.MemoryTracker`) and the report carries its peak.
+
 Example:
     >>> engine = TreeReplay(model, LossConfig(), ReplayConfig(contract="exact", microbatch=2))  # doctest: +SKIP
     >>> report = engine.accumulate(UpdateBatch.build(trees, advantages, manifest))           # doctest: +SKIP
@@ -21,23 +28,55 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
 from treetrain.engine.batch import ReplayConfig, ReplayReport, TreeWork, UpdateBatch
-from treetrain.engine.pieces import forward_units, gather_targets, own_kv, target_stats
+from treetrain.engine.hooks import KeepGraph, MemoryProbe, RetentionHook
+from treetrain.engine.pieces import (
+    GatheredTargets,
+    PieceBatch,
+    forward_units,
+    gather_targets,
+    own_kv,
+    target_stats,
+)
 from treetrain.engine.resident import ResidentIdentity, ResidentStore
 from treetrain.engine.schedule import ReplayStep, active_units, build_schedule
-from treetrain.engine.scoring import PathKV, past_before_overlap, scoring_pass
-from treetrain.engine.units import UnitTree
+from treetrain.engine.scoring import (
+    PathKV,
+    ScoreBatch,
+    past_before_overlap,
+    reference_need,
+    scoring_pass,
+    scoring_schedule,
+)
+from treetrain.engine.units import Unit, UnitTree
 from treetrain.loss.config import LossConfig
-from treetrain.loss.objective import Contributions, objective
-from treetrain.models.decoder import LayerKV
+from treetrain.loss.objective import Contributions, LossTerms, objective
+from treetrain.models.decoder import DecoderOutput, LayerKV
 from treetrain.models.support import check_supported
 
 Backward = Callable[[torch.Tensor], None]
+
+
+@dataclass
+class _Graph:
+    """A forward under autograd of sibling units against leaf copies of their parent path's KV."""
+
+    units: list[Unit]
+    path: tuple[int, ...]
+    leaves: list[list[LayerKV]]
+    padded: PieceBatch
+    out: DecoderOutput
+    gathered: GatheredTargets
+    logp: torch.Tensor  # [M]
+    entropy: torch.Tensor | None  # [M]
 
 
 class BackwardFailed(RuntimeError):
@@ -62,6 +101,9 @@ class TreeReplay:
         store: ResidentStore | None = None,
         backward: Backward = _default_backward,
         check_model: bool = True,
+        retention: RetentionHook | None = None,
+        keep_graph: KeepGraph | None = None,
+        tracker: MemoryProbe | None = None,
     ) -> None:
         if loss.needs_reference and ref_model is None:
             raise ValueError("loss.kl_coef > 0 needs a reference model")
@@ -76,6 +118,16 @@ class TreeReplay:
         self.device = next(model.parameters()).device
         self.step_hook: Callable[[str, ReplayStep], None] | None = None
         """Called with ("forward" | "backward", step) before each phase; tests inject faults through it."""
+        self.retention = retention
+        self.keep_graph = keep_graph
+        self.tracker = tracker
+        self._kept: dict[int, _Graph] = {}
+        self._label = ""
+        if tracker is not None:
+            tracker.attach_model(model)
+            if ref_model is not None:
+                tracker.attach_model(ref_model)
+            tracker.attach_store(self.store)
 
     # ----- public -----------------------------------------------------------------------------------
     def accumulate(self, batch: UpdateBatch) -> ReplayReport:
@@ -85,9 +137,21 @@ class TreeReplay:
             check_supported(self.model, longest)
             self.check_model = False
         report = ReplayReport()
-        for work in batch.work:
-            report = report.merged(self._tree(work))
+        tracking: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+        if self.tracker is not None:
+            self.tracker.reset_peak()
+            if not self.tracker.active:
+                tracking = self.tracker
+        with tracking:
+            for work in batch.work:
+                report = report.merged(self._tree(work))
+        if self.tracker is not None:
+            report = report.merged(ReplayReport(measured_peak=self.tracker.peak))
         return report
+
+    def _mark(self, label: str) -> None:
+        if self.tracker is not None:
+            self.tracker.mark(label)
 
     # ----- one tree ---------------------------------------------------------------------------------
     def _tree(self, work: TreeWork) -> ReplayReport:
@@ -106,29 +170,81 @@ class TreeReplay:
         needs_kv = self._needs_kv(units, steps)
         paths = PathKV(self.model, units, self.store, self.identity, self.device)
         report = ReplayReport(skipped_units=sum(1 for u in units.units[1:] if not active[u.index]))
+        kept = self._kept_units(units, active)
+        old_lp: list[torch.Tensor | None] = [None] * len(units)
+        if kept:
+            paths.first_forward = lambda u: self._first_forward(units, paths, u, kept, old_lp)
 
-        old_lp: Sequence[torch.Tensor | None] = [None] * len(units)
-        if lcfg.ratio_source == "scoring":
-            scored = [u.targets.num_targets > 0 or needs_kv[u.index] for u in units.units]
-            old_lp, n_tok = scoring_pass(
-                self.model, paths, microbatch=cfg.score_microbatch, need=scored,
-                keep=lambda u: needs_kv[u], max_logit_elements=cfg.max_logit_elements,
+        scored = [u.targets.num_targets > 0 or needs_kv[u.index] for u in units.units]
+        score_events = (
+            scoring_schedule(units, scored, cfg.score_microbatch) if lcfg.ratio_source == "scoring" else ()
+        )
+        if self.retention is not None:
+            self.retention.begin_tree(
+                units, score_events, steps, contract=cfg.contract, keep=needs_kv, kept_graphs=kept,
+                evict=lambda u: self.store.evict(paths.key(u)),
+                offload=lambda u: self.store.offload(paths.key(u)), model=self.model,
             )  # fmt: skip
-            report = report.merged(ReplayReport(nograd_tokens=n_tok))
-        ref_lp: Sequence[torch.Tensor | None] = [None] * len(units)
-        if lcfg.needs_reference:
-            ref_lp, n_tok = self._reference_logprobs(units)
-            report = report.merged(ReplayReport(nograd_tokens=n_tok))
-
         try:
-            for step in steps:
+            if lcfg.ratio_source == "scoring":
+                lps, n_tok = scoring_pass(
+                    self.model, paths, microbatch=cfg.score_microbatch, need=scored,
+                    keep=lambda u: needs_kv[u], max_logit_elements=cfg.max_logit_elements,
+                    before_batch=self._before_score, forward_elsewhere=lambda u: u in kept,
+                )  # fmt: skip
+                for u, lp in enumerate(lps):
+                    old_lp[u] = lp if old_lp[u] is None else old_lp[u]
+                report = report.merged(ReplayReport(nograd_tokens=n_tok))
+            ref_lp: Sequence[torch.Tensor | None] = [None] * len(units)
+            if lcfg.needs_reference:
+                ref_lp, n_tok = self._reference_logprobs(units)
+                report = report.merged(ReplayReport(nograd_tokens=n_tok))
+            for i, step in enumerate(steps):
+                if self.retention is not None:
+                    self.retention.before(step)
+                self._label = f"step {i}"
+                self._mark(self._label)
                 report = report.merged(self._run_step(units, paths, step, old_lp, ref_lp))
         finally:
+            self._kept.clear()
             for u in range(len(units)):
                 self.store.release(paths.key(u))
+            evicted = self.retention.end_tree() if self.retention is not None else 0
         return report.merged(
-            ReplayReport(nograd_tokens=paths.recomputed_tokens, recomputed_units=paths.recomputed_units)
+            ReplayReport(
+                nograd_tokens=paths.recomputed_tokens,
+                recomputed_units=paths.recomputed_units,
+                restored_units=paths.restored_units,
+                evicted_units=evicted,
+                kept_graphs=len(kept),
+                graph_tokens=sum(len(units[u].input_tokens) for u in kept),
+            )
         )
+
+    def _before_score(self, batch: ScoreBatch) -> None:
+        if self.retention is not None:
+            self.retention.before(batch)
+        self._mark(f"score {batch.parent}:{batch.units[0]}")
+
+    def _kept_units(self, units: UnitTree, active: Sequence[bool]) -> frozenset[int]:
+        if self.keep_graph is None or self.cfg.contract != "exact":
+            return frozenset()
+        chosen = self.keep_graph(units)
+        return frozenset(u for u in chosen if 0 < u < len(units) and units[u].children and active[u])
+
+    def _first_forward(
+        self, units: UnitTree, paths: PathKV, u: int, kept: frozenset[int], old_lp: list[torch.Tensor | None]
+    ) -> bool:
+        """Produce a kept unit's KV by its graph forward, the first time anything needs it."""
+        if u not in kept or u in self._kept:
+            return False
+        with torch.enable_grad():
+            graph = self._forward(units, paths, units[u].parent or 0, [units[u]])
+        kv = [(k.detach().clone(), v.detach().clone()) for k, v in own_kv(units[u], graph.out, 0)]
+        self.store.put(paths.key(u), kv, self.identity)
+        old_lp[u] = graph.logp.detach()
+        self._kept[u] = graph
+        return True
 
     @staticmethod
     def _needs_kv(units: UnitTree, steps: Sequence[ReplayStep]) -> list[bool]:
@@ -142,14 +258,13 @@ class TreeReplay:
         assert self.ref_model is not None
         ref_identity = ResidentIdentity.of(self.ref_model, tokenizer=self.identity.tokenizer)
         store = ResidentStore(ref_identity)
+        if self.tracker is not None:
+            self.tracker.attach_store(store)
         paths = PathKV(self.ref_model, units, store, ref_identity, self.device)
-        need = [u.targets.num_targets > 0 for u in units.units]
-        for u in reversed(units.units):
-            if need[u.index] and u.parent is not None:
-                need[u.parent] = True
         lps, n_tok = scoring_pass(
-            self.ref_model, paths, microbatch=self.cfg.score_microbatch, need=need, keep=lambda u: False,
-            max_logit_elements=self.cfg.max_logit_elements,
+            self.ref_model, paths, microbatch=self.cfg.score_microbatch, need=reference_need(units),
+            keep=lambda u: False, max_logit_elements=self.cfg.max_logit_elements,
+            before_batch=lambda b: self._mark(f"reference {b.parent}:{b.units[0]}"),
         )  # fmt: skip
         store.clear()
         return lps, n_tok
@@ -183,6 +298,47 @@ class TreeReplay:
             report = report.merged(self._run_step(units, paths, second, old_lp, ref_lp))
             return report.merged(ReplayReport(oom_splits=1))
 
+    def _forward(self, units: UnitTree, paths: PathKV, parent: int, batch_units: list[Unit]) -> _Graph:
+        """Forward sibling units under autograd against their parent's path (leaf copies in `exact`)."""
+        path = units.path(parent)
+        pieces = paths.pieces(parent) if path else []
+        leaves = pieces
+        if self.cfg.contract == "exact":
+            leaves = [
+                [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in p] for p in pieces
+            ]
+        padded, out = forward_units(self.model, batch_units, past_before_overlap(leaves), self.device)
+        gathered = gather_targets([u.targets for u in batch_units], padded.input_ids.shape[1], self.device)
+        logp, entropy = target_stats(
+            self.model, out.hidden, gathered, with_entropy=self.loss_cfg.needs_entropy,
+            max_logit_elements=self.cfg.max_logit_elements,
+        )  # fmt: skip
+        return _Graph(batch_units, path, leaves, padded, out, gathered, logp, entropy)
+
+    def _loss(
+        self,
+        paths: PathKV,
+        graph: _Graph,
+        old_lp: Sequence[torch.Tensor | None],
+        ref_lp: Sequence[torch.Tensor | None],
+    ) -> tuple[LossTerms, torch.Tensor]:
+        """The graph's RL loss terms, and the scalar to backpropagate (plus <KV, G> in `exact` mode)."""
+        lcfg, logp, batch_units = self.loss_cfg, graph.logp, graph.units
+        given = graph.gathered.contributions
+        old = self._old_logprobs(given, batch_units, old_lp, logp)
+        ref = self._cat([ref_lp[u.index] for u in batch_units], logp) if lcfg.needs_reference else None
+        contrib = Contributions(given.target, given.coef, given.advantage, old)
+        terms = objective(lcfg, logp, contrib, entropy=graph.entropy, ref_logprob=ref)
+        total = terms.loss
+        if self.cfg.contract == "exact":
+            for row, unit in enumerate(batch_units):
+                grad = self.store.grad(paths.key(unit.index), self.identity) if unit.children else None
+                if grad is None:
+                    continue
+                for (k_new, v_new), (gk, gv) in zip(own_kv(unit, graph.out, row), grad):
+                    total = total + (k_new * gk).sum() + (v_new * gv).sum()
+        return terms, total
+
     def _step(
         self,
         units: UnitTree,
@@ -191,64 +347,42 @@ class TreeReplay:
         old_lp: Sequence[torch.Tensor | None],
         ref_lp: Sequence[torch.Tensor | None],
     ) -> ReplayReport:
-        exact = self.cfg.contract == "exact"
-        lcfg = self.loss_cfg
-        batch_units = [units[u] for u in step.units]
-        path = units.path(step.parent)
-        pieces = paths.pieces(step.parent) if path else []
-        leaves: list[list[LayerKV]] = []
-        if exact:
-            leaves = [
-                [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in p] for p in pieces
-            ]
-            past = past_before_overlap(leaves)
-        else:
-            past = past_before_overlap(pieces)
-
+        fresh = [units[u] for u in step.units if u not in self._kept]
         if self.step_hook is not None:
             self.step_hook("forward", step)
-        padded, out = forward_units(self.model, batch_units, past, self.device)
-        gathered = gather_targets([u.targets for u in batch_units], padded.input_ids.shape[1], self.device)
-        logp, entropy = target_stats(
-            self.model, out.hidden, gathered, with_entropy=lcfg.needs_entropy,
-            max_logit_elements=self.cfg.max_logit_elements,
-        )  # fmt: skip
-        old = self._old_logprobs(gathered.contributions, batch_units, old_lp, logp)
-        ref = self._cat([ref_lp[u.index] for u in batch_units], logp) if lcfg.needs_reference else None
-        contrib = Contributions(
-            gathered.contributions.target, gathered.contributions.coef, gathered.contributions.advantage, old
-        )
-        terms = objective(lcfg, logp, contrib, entropy=entropy, ref_logprob=ref)
-        total = terms.loss
-        if exact:
-            for row, unit in enumerate(batch_units):
-                grad = self.store.grad(paths.key(unit.index), self.identity) if unit.children else None
-                if grad is None:
-                    continue
-                for (k_new, v_new), (gk, gv) in zip(own_kv(unit, out, row), grad):
-                    total = total + (k_new * gk).sum() + (v_new * gv).sum()
+        graphs = [self._kept[u] for u in step.units if u in self._kept]
+        if fresh:
+            graphs.insert(0, self._forward(units, paths, step.parent, fresh))
+        parts = [self._loss(paths, g, old_lp, ref_lp) for g in graphs]
+        total = parts[0][1]
+        for _, t in parts[1:]:
+            total = total + t
 
         if self.step_hook is not None:
             self.step_hook("backward", step)
+        self._mark(f"{self._label} backward")
         try:
             if total.requires_grad:
                 self.backward(total)
         except Exception as exc:
             raise BackwardFailed(f"backward of step {step} failed; the update window must be reset") from exc
-        if exact:
-            for unit_index, piece in zip(path, leaves):
-                grads = [(k.grad, v.grad) for k, v in piece]
-                if all(gk is not None and gv is not None for gk, gv in grads):
-                    self.store.add_grad(paths.key(unit_index), grads, self.identity)  # type: ignore[arg-type]
-        for unit in batch_units:
-            self.store.release(paths.key(unit.index))
+        if self.cfg.contract == "exact":
+            for g in graphs:
+                for unit_index, piece in zip(g.path, g.leaves):
+                    grads = [(k.grad, v.grad) for k, v in piece]
+                    if all(gk is not None and gv is not None for gk, gv in grads):
+                        self.store.add_grad(paths.key(unit_index), grads, self.identity)  # type: ignore[arg-type]
+        for u in step.units:
+            self._kept.pop(u, None)
+            self.store.release(paths.key(u))
+        losses = [t for t, _ in parts]
         return ReplayReport(
-            loss=float(terms.loss.detach()),
-            pg=terms.pg,
-            kl=terms.kl,
-            entropy=terms.entropy,
-            clipped=terms.clipped,
-            graph_tokens=sum(padded.lengths),
+            loss=sum(float(t.loss.detach()) for t in losses),
+            pg=sum(t.pg for t in losses),
+            kl=sum(t.kl for t in losses),
+            entropy=sum(t.entropy for t in losses),
+            clipped=sum(t.clipped for t in losses),
+            graph_tokens=sum(graphs[0].padded.lengths) if fresh else 0,
             steps=1,
         )
 

@@ -76,6 +76,14 @@ class ResidentKey:
     node_id: str
 
 
+def _to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    if not t.is_cuda:
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+    out.copy_(t, non_blocking=pin)
+    return out
+
+
 def kv_bytes(kv: Sequence[LayerKV]) -> int:
     return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
 
@@ -85,6 +93,8 @@ class _Entry:
     identity: ResidentIdentity
     kv: list[LayerKV] | None
     grad: list[LayerKV] | None = None
+    host: list[LayerKV] | None = None
+    """KV moved to (pinned) host memory by `offload`, waiting for `restore`."""
 
 
 class ResidentStore:
@@ -100,17 +110,23 @@ class ResidentStore:
         self.identity = identity
         self._entries: dict[ResidentKey, _Entry] = {}
         self._retired: dict[ResidentKey, ResidentIdentity] = {}
-        self._on_change = on_change
+        self._listeners: list[Callable[[str, ResidentKey, int], None]] = []
+        if on_change is not None:
+            self._listeners.append(on_change)
         self.kv_bytes = 0
         self.grad_bytes = 0
+
+    def add_listener(self, on_change: Callable[[str, ResidentKey, int], None]) -> None:
+        """Also call `on_change(kind, key, delta_bytes)` on every change (a memory tracker, a ledger)."""
+        self._listeners.append(on_change)
 
     def _notify(self, kind: str, key: ResidentKey, delta: int) -> None:
         if kind == "kv":
             self.kv_bytes += delta
         else:
             self.grad_bytes += delta
-        if self._on_change is not None:
-            self._on_change(kind, key, delta)
+        for listener in self._listeners:
+            listener(kind, key, delta)
 
     def _check(self, key: ResidentKey, identity: ResidentIdentity) -> _Entry | None:
         if identity != self.identity:
@@ -162,6 +178,34 @@ class ResidentStore:
         self._notify("kv", key, -freed)
         return freed
 
+    def offload(self, key: ResidentKey) -> int:
+        """Move the KV to host memory (pinned when a GPU is present); returns the device bytes freed.
+
+        On a CPU-only machine host and device are the same memory, so this frees nothing there.
+        """
+        entry = self._entries.get(key)
+        if entry is None or entry.kv is None:
+            return 0
+        pin = torch.cuda.is_available() and entry.kv[0][0].is_cuda
+        entry.host = [(_to_host(k, pin), _to_host(v, pin)) for k, v in entry.kv]
+        return self.evict(key)
+
+    def has_host(self, key: ResidentKey) -> bool:
+        entry = self._entries.get(key)
+        return entry is not None and entry.host is not None
+
+    def restore(self, key: ResidentKey, identity: ResidentIdentity, device: torch.device) -> None:
+        """Bring offloaded KV back to `device` (identity-checked like every read)."""
+        entry = self._check(key, identity)
+        if entry is None or entry.host is None:
+            raise KeyError(f"node {key.node_id[:12]} (unit {key.unit}) has no offloaded KV")
+        host, entry.host = entry.host, None
+        self.put(
+            key,
+            [(k.to(device, non_blocking=True), v.to(device, non_blocking=True)) for k, v in host],
+            identity,
+        )
+
     def add_grad(self, key: ResidentKey, grads: Sequence[LayerKV], identity: ResidentIdentity) -> None:
         entry = self._check(key, identity)
         if entry is None:
@@ -204,11 +248,20 @@ class ResidentStore:
         for key in list(self._entries):
             self.release(key)
 
-    def tensors(self) -> list[torch.Tensor]:
+    def has_grad(self, key: ResidentKey) -> bool:
+        entry = self._entries.get(key)
+        return entry is not None and entry.grad is not None
+
+    def tensors_of(self, key: ResidentKey) -> list[torch.Tensor]:
+        """The KV and G tensors held for `key` (empty if none)."""
+        entry = self._entries.get(key)
         out: list[torch.Tensor] = []
-        for entry in self._entries.values():
+        if entry is not None:
             for part in (entry.kv, entry.grad):
                 if part is not None:
                     for k, v in part:
                         out.extend((k, v))
         return out
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for key in self._entries for t in self.tensors_of(key)]

@@ -6,19 +6,21 @@ a unit's KV is kept only while something still needs it (`keep`), otherwise rele
 subtree is done.
 
 `PathKV` is the one place that assembles a unit's ancestor KV, recomputing whatever is not resident (evicted
-under a retention budget, or never scored) from the nearest resident ancestor.
+under a retention budget, or never scored) from the nearest resident ancestor, or copying it back when it
+was offloaded to host memory.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
 
 from treetrain.engine.pieces import forward_units, gather_targets, own_kv, target_stats
 from treetrain.engine.resident import ResidentIdentity, ResidentKey, ResidentStore
-from treetrain.engine.units import UnitTree
+from treetrain.engine.units import Unit, UnitTree
 from treetrain.models.decoder import LayerKV, concat_past
 from treetrain.tree.model import ROOT
 
@@ -41,8 +43,12 @@ class PathKV:
         self.identity = identity
         self.device = device
         self.on_recompute = on_recompute
+        self.first_forward: Callable[[int], bool] | None = None
+        """Called for a missing unit before recomputing it; returns True if it produced the KV itself
+        (the engine's kept-graph forward does)."""
         self.recomputed_units = 0
         self.recomputed_tokens = 0
+        self.restored_units = 0
 
     def key(self, unit: int) -> ResidentKey:
         u = self.units[unit]
@@ -56,7 +62,11 @@ class PathKV:
         path = self.units.path(unit)
         missing = [u for u in path if not self.resident(u)]
         for u in missing:  # root side first, so each recompute finds its ancestors resident
-            self._recompute(u)
+            if self.store.has_host(self.key(u)):
+                self.store.restore(self.key(u), self.identity, self.device)
+                self.restored_units += 1
+            elif self.first_forward is None or not self.first_forward(u):
+                self._recompute(u)
         return [self.store.get(self.key(u), self.identity) for u in path]
 
     @torch.no_grad()
@@ -66,7 +76,10 @@ class PathKV:
         if parent is not None and parent != ROOT:
             past = concat_past([self.store.get(self.key(u), self.identity) for u in self.units.path(parent)])
         _, out = forward_units(self.model, [self.units[unit]], past, self.device, overlap=False)
-        self.store.put(self.key(unit), list(zip(out.keys, out.values)), self.identity)
+        # Clone: the new KV is a view into a cache that also holds the whole past.
+        kv = [(k.clone(), v.clone()) for k, v in zip(out.keys, out.values)]
+        del out
+        self.store.put(self.key(unit), kv, self.identity)
         self.recomputed_units += 1
         self.recomputed_tokens += len(self.units[unit])
         if self.on_recompute is not None:
@@ -87,6 +100,57 @@ def past_before_overlap(pieces: Sequence[Sequence[LayerKV]]) -> list[LayerKV] | 
     return concat_past([*pieces[:-1], last])
 
 
+def reference_need(units: UnitTree) -> list[bool]:
+    """Units the reference scoring pass evaluates: those with targets and their ancestors."""
+    need = [u.targets.num_targets > 0 for u in units.units]
+    for u in reversed(units.units):  # children have larger indices than parents
+        if need[u.index] and u.parent is not None:
+            need[u.parent] = True
+    return need
+
+
+@dataclass(frozen=True)
+class ScoreBatch:
+    """Score `units` (siblings, children of `parent`) in one no-grad forward against `parent`'s path."""
+
+    parent: int
+    units: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ScoreDone:
+    """`unit`'s subtree is scored: its KV is released here unless something later still needs it."""
+
+    unit: int
+
+
+ScoreEvent = ScoreBatch | ScoreDone
+
+
+def scoring_schedule(units: UnitTree, need: Sequence[bool], microbatch: int) -> tuple[ScoreEvent, ...]:
+    """The scoring pass's events in execution order: pre-order, siblings batched by `microbatch` (0 = all).
+
+    It is data for the same reason as the replay schedule: the ledger and the retention policy walk it.
+    """
+    events: list[ScoreEvent] = []
+    stack: list[tuple[int, bool]] = [(ROOT, False)]
+    while stack:
+        u, done = stack.pop()
+        if done:
+            if u != ROOT:
+                events.append(ScoreDone(u))
+            continue
+        kids = [c for c in units[u].children if need[c]]
+        k = microbatch or max(1, len(kids))
+        for i in range(0, len(kids), k):
+            events.append(ScoreBatch(u, tuple(kids[i : i + k])))
+        stack.append((u, True))
+        for c in reversed(kids):
+            if units[c].children:
+                stack.append((c, False))
+    return tuple(events)
+
+
 @torch.no_grad()
 def scoring_pass(
     model: PreTrainedModel,
@@ -97,41 +161,57 @@ def scoring_pass(
     keep: Callable[[int], bool],
     with_entropy: bool = False,
     max_logit_elements: int,
+    before_batch: Callable[[ScoreBatch], None] | None = None,
+    forward_elsewhere: Callable[[int], bool] | None = None,
 ) -> tuple[list[torch.Tensor | None], int]:
     """Logprobs of every needed unit's targets, `[M_u]` per unit (None where not needed).
 
     `need[u]` says the unit must be evaluated (it has targets, or descendants that do). Internal units' KV
-    is stored; `keep(u)` says whether it stays after u's subtree is scored. Returns the logprobs and the
-    number of tokens evaluated.
+    is stored; `keep(u)` says whether it stays after u's subtree is scored. `before_batch` is called before
+    each batch (the retention policy and the memory tracker listen). Units for which `forward_elsewhere(u)`
+    is true are left out of the no-grad forwards (their first forward keeps a graph; see `TreeReplay`).
+    Returns the logprobs and the number of tokens evaluated.
     """
     units = paths.units
     logps: list[torch.Tensor | None] = [None] * len(units)
     tokens = 0
-    stack: list[tuple[int, bool]] = [(ROOT, False)]
-    while stack:
-        u, done = stack.pop()
-        if done:
-            if u != ROOT and not keep(u):
-                paths.store.release(paths.key(u))
+    for event in scoring_schedule(units, need, microbatch):
+        if isinstance(event, ScoreDone):
+            if not keep(event.unit):
+                paths.store.release(paths.key(event.unit))
             continue
-        kids = [c for c in units[u].children if need[c]]
-        k = microbatch or max(1, len(kids))
-        for i in range(0, len(kids), k):
-            batch = [units[c] for c in kids[i : i + k]]
-            batch_ids, out = forward_units(model, batch, paths.past_for_children(u), paths.device)
-            tokens += sum(batch_ids.lengths)
-            gathered = gather_targets([b.targets for b in batch], batch_ids.input_ids.shape[1], paths.device)
-            lp, _ = target_stats(
-                model, out.hidden, gathered, with_entropy=with_entropy, max_logit_elements=max_logit_elements
-            )
-            for row, unit in enumerate(batch):
-                a, b = gathered.target_offsets[row], gathered.target_offsets[row + 1]
-                logps[unit.index] = lp[a:b].detach()
-                if unit.children:
-                    kv = [(k.clone(), v.clone()) for k, v in own_kv(unit, out, row)]
-                    paths.store.put(paths.key(unit.index), kv, paths.identity)
-        stack.append((u, True))
-        for c in reversed(kids):
-            if units[c].children:
-                stack.append((c, False))
+        if before_batch is not None:
+            before_batch(event)
+        members = [c for c in event.units if forward_elsewhere is None or not forward_elsewhere(c)]
+        if not members:
+            if event.parent != ROOT:  # the path is still made resident, as the retention plan expects
+                paths.pieces(event.parent)
+            continue
+        tokens += _score_batch(
+            model, paths, event.parent, [units[c] for c in members], logps, with_entropy, max_logit_elements
+        )
     return logps, tokens
+
+
+def _score_batch(
+    model: PreTrainedModel,
+    paths: PathKV,
+    parent: int,
+    batch: Sequence[Unit],
+    logps: list[torch.Tensor | None],
+    with_entropy: bool,
+    max_logit_elements: int,
+) -> int:
+    """One scoring forward; its activations die on return, before the next batch runs."""
+    batch_ids, out = forward_units(model, batch, paths.past_for_children(parent), paths.device)
+    gathered = gather_targets([b.targets for b in batch], batch_ids.input_ids.shape[1], paths.device)
+    lp, _ = target_stats(
+        model, out.hidden, gathered, with_entropy=with_entropy, max_logit_elements=max_logit_elements
+    )
+    for row, unit in enumerate(batch):
+        a, b = gathered.target_offsets[row], gathered.target_offsets[row + 1]
+        logps[unit.index] = lp[a:b].detach()
+        if unit.children:
+            kv = [(k.clone(), v.clone()) for k, v in own_kv(unit, out, row)]
+            paths.store.put(paths.key(unit.index), kv, paths.identity)
+    return sum(batch_ids.lengths)

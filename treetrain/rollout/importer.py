@@ -34,10 +34,11 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
+from treetrain.io import atomic_write_bytes
 from treetrain.rollout.records import CallRecordIn, RecordError, parse_record
 from treetrain.trajectory import Role, Trajectory, TrajectoryError, TrajectoryMeta
 from treetrain.tree import TrajectoryTree
-from treetrain.tree.format import atomic_write_bytes, tree_to_bytes
+from treetrain.tree.format import tree_to_bytes
 
 
 class GroupBy(str, Enum):

@@ -20,15 +20,14 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import numbers
 import os
-import tempfile
 from collections.abc import Sequence
 
 import msgpack
 import numpy as np
 
+from treetrain.io import atomic_write_bytes
 from treetrain.tree.model import TrajectoryRecord, TrajectoryTree
 from treetrain.tree.reader import decode_trees
 from treetrain.tree.schema import DEFAULT_LIMITS, FORMAT_NAME, FORMAT_VERSION, Limits, TreeFormatError
@@ -39,7 +38,6 @@ __all__ = [
     "FORMAT_VERSION",
     "Limits",
     "TreeFormatError",
-    "atomic_write_bytes",
     "load_tree",
     "load_trees",
     "save_tree",
@@ -131,31 +129,6 @@ def _int64(value: object, where: str) -> int | None:
     if not _INT64_MIN <= out <= _UINT64_MAX:
         raise TreeFormatError(f"{where}: {out} does not fit in msgpack's int range [-2**63, 2**64)")
     return out
-
-
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write `data` to `path` so that readers see the old file or the new one, never a partial one."""
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    mode = os.stat(path).st_mode & 0o777 if os.path.exists(path) else 0o644
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    if hasattr(os, "O_DIRECTORY"):
-        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
 
 
 def save_trees(trees: Sequence[TrajectoryTree], path: str | os.PathLike[str]) -> None:

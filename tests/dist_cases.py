@@ -1,0 +1,102 @@
+"""Shared by the distributed worker (tests/distributed/worker.py) and its single-process references.
+
+One update of two groups (a multi-level tree and a one-level tree, normalized together by the manifest),
+a tiny float32 llama, AdamW. `reference_delta` is the parameter change of one step in one process with
+plain torch: the oracle that every distributed scenario is compared with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from engine_cases import SHAPES, VOCAB, factory
+from transformers import PreTrainedModel
+
+from treetrain.distributed import Group, OptimizerConfig, TorchBackend
+from treetrain.engine import FlatReference, ReplayConfig, TreeReplay, UpdateBatch
+from treetrain.engine.verify import _perturb
+from treetrain.loss.advantages import AdvantageConfig
+from treetrain.loss.config import LossConfig
+from treetrain.loss.manifest import Manifest
+
+LOSS = LossConfig()
+OPTIMIZER = OptimizerConfig(lr=1e-3, weight_decay=0.01, grad_clip=1.0)
+make_model = factory("llama", torch.float32)
+STAGES = {"z0": (0, False), "z1": (1, False), "z2": (2, False), "z3": (3, False), "z2off": (2, True)}
+"""Name -> (ZeRO stage, optimizer CPU offload)."""
+
+
+def groups(seed: int = 0) -> list[Group]:
+    trees = SHAPES["two_trees"](seed)
+    adv = AdvantageConfig(zero_variance="keep")
+    return [Group.build([t], adv) for t in trees]
+
+
+def params_vector(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).to(torch.float64).cpu() for p in model.parameters()])
+
+
+def reference_delta(
+    contract: str,
+    update: Sequence[Group],
+    *,
+    replay: ReplayConfig | None = None,
+    flat_microbatch: int = 1,
+    perturb: bool = False,
+) -> torch.Tensor:
+    """One AdamW step in one process with plain torch and the engine directly (no update window):
+    contract 'flat' (the conventional run) or a tree contract."""
+    model: PreTrainedModel = make_model()
+    if perturb:
+        _perturb(model, seed=99)
+    start = params_vector(model)
+    backend = TorchBackend(model, OPTIMIZER)
+    trees = [t for g in update for t in g.trees]
+    batch = UpdateBatch.build(
+        trees, [a for g in update for a in g.advantages], Manifest.build(trees, 0), LOSS
+    )
+    if contract == "flat":
+        FlatReference(model, LOSS, microbatch=flat_microbatch, backward=backend.backward).accumulate(batch)
+    else:
+        cfg = replay or ReplayConfig(contract=contract)  # type: ignore[arg-type]
+        TreeReplay(model, LOSS, cfg, backward=backend.backward).accumulate(batch)
+    backend.step()
+    delta = params_vector(model) - start
+    if perturb:
+        delta = delta + (start - params_vector(make_model()))
+    return delta
+
+
+def delta_floor(contract: str, update: Sequence[Group]) -> tuple[torch.Tensor, float]:
+    """The reference delta and its fp32 noise floor: the largest gap to two equally valid runs of it.
+
+    The variants are another summation order (reversed, other microbatching) and every parameter moved by
+    one float32 rounding step (as in treetrain.engine.verify.noise_floor, applied to AdamW deltas).
+    """
+    ref = reference_delta(contract, update)
+    if contract == "flat":
+        other = reference_delta("flat", update, flat_microbatch=2)
+    else:
+        other = reference_delta(
+            contract, update, replay=ReplayConfig(contract=contract, microbatch=1, order="reverse")
+        )  # type: ignore[arg-type]
+    moved = reference_delta(contract, update, perturb=True)
+    return ref, max(float((ref - other).norm()), float((ref - moved).norm()))
+
+
+def pitfall_batches(n: int, seed: int = 0) -> list[torch.Tensor]:
+    """Token sequences for the raw several-backward-calls checks; the last one is longer than the rest."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, VOCAB, (2, 6 + 6 * (i == n - 1)), generator=gen) for i in range(n)]
+
+
+def lm_loss(model: PreTrainedModel, ids: torch.Tensor) -> torch.Tensor:
+    """Summed next-token loss (not a mean: every micro-batch keeps its own weight)."""
+    logits = model(input_ids=ids).logits[:, :-1]  # [B, T-1, V]
+    return (
+        torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum"
+        )
+        / 100
+    )

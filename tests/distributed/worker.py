@@ -1,0 +1,398 @@
+"""Distributed scenarios for tests/test_distributed.py: run as `torchrun --nproc_per_node=2 worker.py OUT`.
+
+Every scenario builds a fresh tiny model and a fresh DeepSpeed engine, runs one update (sometimes with a
+fault injected) and rank 0 writes the parameter delta to OUT/<name>.safetensors and what happened to
+OUT/<name>.json. The pytest side compares the deltas with single-process references. A scenario that raises
+writes OUT/<name>.error.rank<r>.txt instead; scenarios are written so that every rank takes the same
+collective path, and an expected refusal is caught on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import deepspeed
+import torch
+from dist_cases import LOSS, OPTIMIZER, STAGES, groups, lm_loss, make_model, params_vector, pitfall_batches
+from safetensors.torch import save_file
+
+from treetrain.distributed import (
+    AgreementError,
+    CoverageLedger,
+    DuplicateContributionError,
+    UpdateWindow,
+    WindowConfig,
+    round_robin,
+)
+from treetrain.distributed.backend import make_backend
+from treetrain.distributed.deepspeed_backend import DeepSpeedBackend
+from treetrain.engine import ReplayConfig, UpdateBatch
+from treetrain.engine.resident import ResidentKey, StaleResidentStateError
+from treetrain.loss.manifest import ManifestError
+
+torch.set_num_threads(1)
+OUT = Path(sys.argv[1])
+ONLY = set(sys.argv[2].split(",")) if len(sys.argv) > 2 and sys.argv[2] else None
+Info = dict[str, Any]
+
+
+def backend_for(stage_name: str, **kw: Any) -> DeepSpeedBackend:
+    stage, offload = STAGES[stage_name]
+    return DeepSpeedBackend(
+        make_model(), zero_stage=stage, offload_optimizer=offload, optimizer=OPTIMIZER, **kw
+    )
+
+
+def current(backend: DeepSpeedBackend) -> torch.Tensor:
+    params = list(backend.module.parameters())
+    gathered = deepspeed.zero.GatheredParameters(params) if backend.stage == 3 else nullcontext()
+    with gathered:
+        return params_vector(backend.module)
+
+
+def one_update(
+    stage_name: str,
+    replay: ReplayConfig | None = None,
+    *,
+    placement: str = "planner",
+    step_hook: Callable[..., None] | None = None,
+    body: Callable[[Any], None] | None = None,
+    **window_kw: Any,
+) -> tuple[torch.Tensor, Info]:
+    backend = backend_for(stage_name)
+    start = current(backend)
+    update = groups()
+    trees = [t for g in update for t in g.trees]
+    window = UpdateWindow(backend, LOSS, replay, WindowConfig(**window_kw), step_hook=step_hook)
+    opened = window.open(
+        update, round_robin(trees, backend.world_size) if placement == "round_robin" else None
+    )
+    if body is not None:
+        body(opened)
+    opened.replay_all()
+    report = opened.commit()
+    info = {
+        "version": report.version,
+        "tree_retries": report.tree_retries,
+        "window_resets": report.window_resets,
+        "oom_splits": report.local.oom_splits,
+        "dropped": [[d.index, d.reason] for d in report.dropped],
+        "duplicated_tokens": opened.placement.duplicated_tokens,
+    }
+    return current(backend) - start, info
+
+
+# ----- faults ---------------------------------------------------------------------------------------
+class Once:
+    """Raise `exc` the `nth` time (phase, rank) matches; later calls pass."""
+
+    def __init__(self, rank: int, phase: str, exc: Exception, nth: int = 1, times: int = 1) -> None:
+        self.rank, self.phase, self.exc, self.nth, self.times = rank, phase, exc, nth, times
+        self.seen = 0
+
+    def __call__(self, phase: str, step: Any) -> None:
+        if phase != self.phase or torch.distributed.get_rank() != self.rank:
+            return
+        self.seen += 1
+        if self.nth <= self.seen < self.nth + self.times:
+            raise self.exc
+
+
+class MultiUnitOOM:
+    """Simulated out-of-memory on the first forward of a step with several units, on every rank."""
+
+    def __init__(self) -> None:
+        self.fired = False
+
+    def __call__(self, phase: str, step: Any) -> None:
+        if phase == "forward" and len(step.units) > 1 and not self.fired:
+            self.fired = True
+            raise torch.OutOfMemoryError("simulated out of memory")
+
+
+def mid_backward(stage_name: str) -> tuple[torch.Tensor, Info]:
+    """A hook on an early parameter raises inside autograd on rank 0, after later layers accumulated."""
+    state = {"armed": torch.distributed.get_rank() == 0}
+
+    def body(opened: Any) -> None:
+        first = next(opened.backend.module.parameters())
+
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            if state["armed"]:
+                state["armed"] = False
+                raise RuntimeError("injected failure in the middle of backward")
+            return grad
+
+        first.register_hook(hook)
+
+    return one_update(stage_name, body=body)
+
+
+def duplicate(stage_name: str) -> tuple[torch.Tensor, Info]:
+    refused: list[str] = []
+
+    def body(opened: Any) -> None:
+        opened.replay_all()
+        for tree_id in opened.work:
+            try:
+                opened.replay(tree_id)
+            except DuplicateContributionError as exc:
+                refused.append(str(exc))
+
+    delta, info = one_update(stage_name, body=body)
+    info["refused"] = refused
+    return delta, info
+
+
+def drop_group(stage_name: str) -> tuple[torch.Tensor, Info]:
+    """Rank 1 can never finish group 1's tree: the group is dropped on every rank, group 0 is trained."""
+    update = groups()
+    victim = update[1].trees[0].id
+
+    def hook(phase: str, step: Any) -> None:
+        if torch.distributed.get_rank() == 1 and phase == "forward" and current_tree.get("id") == victim:
+            raise RuntimeError("injected persistent failure")
+
+    current_tree: dict[str, str] = {}
+
+    def body(opened: Any) -> None:
+        original = opened.replay
+
+        def tracking(tree_id: str) -> None:
+            current_tree["id"] = tree_id
+            original(tree_id)
+
+        opened.replay = tracking
+
+    return one_update(stage_name, step_hook=hook, body=body, placement="round_robin")
+
+
+# ----- refusals and negative controls -------------------------------------------------------------
+def stale_and_version(stage_name: str) -> tuple[torch.Tensor, Info]:
+    info: Info = {}
+    backend = backend_for(stage_name)
+    start = current(backend)
+    mismatched = UpdateWindow(backend, LOSS, version=backend.rank)
+    try:
+        mismatched.open(groups())
+        info["version_mismatch"] = "not refused"
+    except AgreementError as exc:
+        info["version_mismatch"] = str(exc)
+    window = UpdateWindow(backend, LOSS)
+    opened = window.open(groups())
+    opened.replay_all()
+    tree = groups()[0].trees[0]
+    key = ResidentKey(tree.id, 1, tree.nodes[1].id)
+    old = window.identity
+    window.store.put(key, [(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4))], old)
+    opened.commit()
+    for name, identity in (("stale_old_identity", old), ("stale_new_identity", window.identity)):
+        try:
+            window.store.get(key, identity)
+            info[name] = "not refused"
+        except StaleResidentStateError as exc:
+            info[name] = str(exc)
+    return current(backend) - start, info
+
+
+def coverage_controls(stage_name: str) -> tuple[torch.Tensor, Info]:
+    """The collective coverage check refuses a doubled and a missing contribution (rank 1's ledger is
+    replaced after its replay, as if it had covered one of rank 0's keys, or lost one of its own)."""
+    info: Info = {}
+    backend = backend_for(stage_name)
+    start = current(backend)
+    for case in ("doubled", "missing"):
+        window = UpdateWindow(backend, LOSS)
+        opened = window.open(groups())
+        opened.replay_all()
+        if backend.rank == 1:
+            mine = sorted(opened.ledger.covered)
+            if case == "doubled":
+                other = sorted(set(opened.manifest.keys()) - set(mine))[0]
+                keys = [*mine, other]
+            else:
+                keys = mine[1:]
+            tampered = CoverageLedger(keys)
+            tampered.claim(keys)
+            tampered.commit(keys)
+            opened.ledger = tampered
+        try:
+            opened.check()  # the collective check commit() runs before stepping
+            info[case] = "not refused"
+        except ManifestError as exc:
+            info[case] = str(exc)
+        backend.reset_window()
+    return current(backend) - start, info
+
+
+def bypass(stage_name: str, kind: str) -> tuple[torch.Tensor, Info]:
+    """Numeric negative controls: rank 1 doubles or skips a tree behind the ledger's back."""
+
+    def body(opened: Any) -> None:
+        if opened.backend.rank != 1:
+            return
+        tree_id = next(iter(opened.work))
+        work = opened.work[tree_id]
+        keys = opened.keys(work)
+        if kind == "double":
+            opened.replay(tree_id)
+            opened.engine.accumulate(UpdateBatch((work,), opened.manifest))
+        else:
+            opened.ledger.claim(keys)
+            opened.ledger.commit(keys)
+
+    return one_update(stage_name, body=body, placement="round_robin")
+
+
+# ----- resume and export ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Optim:
+    lr: float = OPTIMIZER.lr
+    betas: tuple[float, float] = OPTIMIZER.betas
+    weight_decay: float = OPTIMIZER.weight_decay
+    grad_clip: float | None = OPTIMIZER.grad_clip
+
+
+@dataclass(frozen=True)
+class Distributed:
+    backend: str
+    zero_stage: int
+    offload_optimizer: bool
+    deepspeed_config: str | None = None
+
+
+def resume(stage_name: str) -> tuple[torch.Tensor, Info]:
+    """Step 1, checkpoint, step 2; then a fresh engine (built by `make_backend` from trainer-style
+    settings) loads the checkpoint and redoes step 2."""
+    ckpt, export = OUT / f"ckpt-{stage_name}", OUT / f"export-{stage_name}"
+    backend = backend_for(stage_name)
+    window = UpdateWindow(backend, LOSS)
+    window.run(groups(0))
+    backend.save_checkpoint(ckpt, {"version": window.version, "update": 1})
+    backend.export_pretrained(export)
+    after_one = current(backend)
+    window.run(groups(1))
+    after_two = current(backend)
+
+    stage, offload = STAGES[stage_name]
+    fresh = make_backend(make_model(), Optim(), Distributed("deepspeed", stage, offload))
+    assert isinstance(fresh, DeepSpeedBackend)
+    state = fresh.load_checkpoint(ckpt)
+    loaded = current(fresh)
+    UpdateWindow(fresh, LOSS, version=state["version"]).run(groups(1))
+    info: Info = {
+        "loaded_equals_saved": bool(torch.equal(loaded, after_one)),
+        "client_state": state,
+        "resumed_vs_original": float((current(fresh) - after_two).norm()),
+    }
+    if backend.rank == 0:
+        from transformers import AutoModelForCausalLM
+
+        exported = AutoModelForCausalLM.from_pretrained(export, local_files_only=True)
+        info["export_equals_weights"] = bool(torch.equal(params_vector(exported), after_one))
+        info["export_files"] = sorted(p.name for p in export.iterdir())
+    return current(fresh) - after_two, info
+
+
+# ----- DeepSpeed pitfalls with several backward calls per step --------------------------------------
+def several_backward(stage_name: str, naive: bool = False) -> tuple[torch.Tensor, Info]:
+    """Several backward calls per step: 3 on rank 0 and 1 on rank 1, the last micro-batch the largest.
+
+    The naive control uses DeepSpeed as documented for one backward per step (engine.backward, then
+    engine.step) with 2 micro-batches on each rank (uneven counts would deadlock it).
+    """
+    batches = pitfall_batches(4)
+    rank = torch.distributed.get_rank()
+    split = 2 if naive else 3
+    mine = batches[:split] if rank == 0 else batches[split:]
+    backend = backend_for(stage_name)
+    start = current(backend)
+    if naive:
+        for ids in mine:
+            backend.engine.backward(lm_loss(backend.module, ids) * backend.world_size)
+        backend.engine.step()
+    else:
+        backend.begin_window()
+        for ids in mine:
+            backend.backward(lm_loss(backend.module, ids))
+        backend.step()
+    return current(backend) - start, {"backward_calls": len(mine)}
+
+
+def scenarios() -> dict[str, Callable[[], tuple[torch.Tensor, Info]]]:
+    out: dict[str, Callable[[], tuple[torch.Tensor, Info]]] = {}
+    for s in STAGES:
+        placement = "round_robin" if s in ("z1", "z3") else "planner"
+        out[f"{s}-exact"] = lambda s=s, p=placement: one_update(s, placement=p)
+        out[f"{s}-response_only"] = lambda s=s, p=placement: one_update(
+            s, ReplayConfig(contract="response_only"), placement=p
+        )
+    for s in ("z2", "z3"):
+        out[f"{s}-fault_before_backward"] = lambda s=s: one_update(
+            s, step_hook=Once(0, "forward", RuntimeError("injected before backward")), placement="round_robin"
+        )
+        out[f"{s}-fault_after_backward_started"] = lambda s=s: one_update(
+            s,
+            step_hook=Once(1, "backward", RuntimeError("injected after a backward"), nth=2),
+            placement="round_robin",
+        )
+        out[f"{s}-fault_mid_backward"] = lambda s=s: mid_backward(s)
+        out[f"{s}-oom"] = lambda s=s: one_update(s, step_hook=MultiUnitOOM(), placement="round_robin")
+        out[f"{s}-duplicate"] = lambda s=s: duplicate(s)
+        out[f"{s}-order"] = lambda s=s: one_update(
+            s,
+            ReplayConfig(
+                order="shuffle",
+                seed=11 + 7 * torch.distributed.get_rank(),
+                microbatch=1 + torch.distributed.get_rank(),
+            ),
+            placement="round_robin",
+        )
+    out["z2-drop_group"] = lambda: drop_group("z2")
+    out["z2-stale"] = lambda: stale_and_version("z2")
+    out["z2-coverage"] = lambda: coverage_controls("z2")
+    out["z2-double"] = lambda: bypass("z2", "double")
+    out["z2-skip"] = lambda: bypass("z2", "skip")
+    out["z3-resume"] = lambda: resume("z3")
+    out["z2off-resume"] = lambda: resume("z2off")
+    for s in ("z1", "z2", "z2off", "z3"):
+        out[f"{s}-several_backward"] = lambda s=s: several_backward(s)
+    out["z1-several_backward_naive"] = lambda: several_backward("z1", naive=True)
+    return out
+
+
+def main() -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    rank = int(os.environ.get("RANK", "0"))
+    for name, run in scenarios().items():
+        if ONLY is not None and name not in ONLY:
+            continue
+        delta: torch.Tensor | None = None
+        started = time.monotonic()
+        try:
+            delta, info = run()
+            info["seconds"] = round(time.monotonic() - started, 2)
+        except Exception:
+            (OUT / f"{name}.error.rank{rank}.txt").write_text(traceback.format_exc())
+            info = {"error": traceback.format_exc(limit=2)}
+        infos: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(infos, info)  # trusted peers: the ranks of this test
+        if rank == 0:
+            if delta is not None:
+                save_file({"delta": delta.contiguous()}, str(OUT / f"{name}.safetensors"))
+            (OUT / f"{name}.json").write_text(json.dumps({"ranks": infos}))
+
+
+if __name__ == "__main__":
+    main()

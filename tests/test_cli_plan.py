@@ -1,0 +1,99 @@
+"""`treetrain plan`: the ledger table, the peak and its cause, the decision; --json; clear failures."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from engine_cases import VOCAB
+
+from treetrain.cli.main import main
+from treetrain.tree.format import save_trees
+from treetrain.tree.synthetic import synthetic_group
+
+
+@pytest.fixture(scope="module")
+def trees_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("plan") / "group.msgpack"
+    rewards = [float(i % 3 == 0) for i in range(6)]
+    save_trees(
+        [synthetic_group(prefix=96, branches=6, suffix=10, depth=2, vocab=VOCAB, seed=3, rewards=rewards)],
+        path,
+    )
+    return path
+
+
+def test_prints_ledger_peak_and_decision(trees_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert (
+        main(["plan", str(trees_file), "--model", "tiny-llama", "--budget", "64MiB", "--vocab", str(VOCAB)])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "<- peak" in out and "prompt_group" in out
+    assert "peak " in out and "at row" in out
+    assert "mode: tree (exact)" in out and "flat:" in out and "because" in out
+
+
+def test_json_gives_the_same(trees_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = [
+        "plan",
+        str(trees_file),
+        "--model",
+        "tiny-llama",
+        "--budget",
+        "64MiB",
+        "--contract",
+        "response_only",
+    ]
+    assert main([*args, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["decision"]["mode"] == "tree" and doc["decision"]["contract"] == "response_only"
+    assert set(doc["costs"]) == {"tree", "flat"}
+    ledger = doc["ledger"]
+    assert ledger["rows"][ledger["peak_step"]]["total"] == ledger["peak"]["total"]
+    assert doc["costs"]["tree"]["peak"] == ledger["peak"]["total"]
+    assert main(args) == 0
+    assert "peak" in capsys.readouterr().out
+
+
+def test_overrides_reach_the_plan(trees_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["plan", str(trees_file), "--model", "tiny-llama", "--budget", "1GiB", "--json"]
+    assert main([*args, "--mode", "flat", "--microbatch", "3"]) == 0
+    decision = json.loads(capsys.readouterr().out)["decision"]
+    assert decision["mode"] == "flat" and decision["microbatch"] == 3 and "mode" in decision["forced"]
+
+
+@pytest.mark.parametrize("budget", ["lots", "-1GiB", "8XB", "0"])
+def test_bad_budget_is_a_clear_error(
+    trees_file: Path, budget: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["plan", str(trees_file), "--model", "tiny-llama", "--budget", budget])
+    assert info.value.code == 2
+    assert "--budget" in capsys.readouterr().err
+
+
+def test_budget_nothing_fits_names_the_smallest_peak(
+    trees_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["plan", str(trees_file), "--model", "tiny-llama", "--budget", "10KiB"]) == 2
+    assert "smallest predicted peak" in capsys.readouterr().err
+
+
+def test_retention_below_minimum_names_it(trees_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["plan", str(trees_file), "--model", "tiny-llama", "--budget", "1GiB", "--mode", "tree"]
+    assert main([*args, "--microbatch", "1", "--chunk-size", "0", "--retention", "100"]) == 2
+    assert "minimum feasible budget" in capsys.readouterr().err
+
+
+def test_unreadable_inputs_exit_2(
+    tmp_path: Path, trees_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["plan", str(tmp_path / "missing.msgpack"), "--model", "tiny-llama", "--budget", "1GiB"]) == 2
+    assert "cannot read" in capsys.readouterr().err
+    bad = tmp_path / "bad.msgpack"
+    bad.write_bytes(b"not a tree file")
+    assert main(["plan", str(bad), "--model", "tiny-llama", "--budget", "1GiB"]) == 2
+    assert main(["plan", str(trees_file), "--model", "tiny-nonesuch", "--budget", "1GiB"]) == 2
+    assert "cannot load model" in capsys.readouterr().err

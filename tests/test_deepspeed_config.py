@@ -1,0 +1,98 @@
+"""The DeepSpeed config the backend builds or accepts: treetrain owns the accumulation boundary."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from treetrain.distributed import OptimizerConfig
+from treetrain.distributed.deepspeed_backend import default_config, own_boundary, read_config
+from treetrain.loss.config import ConfigError
+
+
+def test_generated_default_from_explicit_arguments() -> None:
+    opt = OptimizerConfig(lr=2e-6, betas=(0.9, 0.95), weight_decay=0.1, grad_clip=0.5)
+    cfg = default_config(
+        zero_stage=3, offload_optimizer=True, optimizer=opt, dtype=torch.bfloat16, torch_adam=True
+    )
+    assert cfg["gradient_accumulation_steps"] == 1 and cfg["gradient_clipping"] == 0.5
+    assert cfg["zero_optimization"] == {
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu", "pin_memory": False},
+    }
+    assert cfg["optimizer"]["params"] == {
+        "lr": 2e-6,
+        "betas": [0.9, 0.95],
+        "eps": 1e-8,
+        "weight_decay": 0.1,
+        "torch_adam": True,
+    }
+    assert cfg["bf16"] == {"enabled": True} and cfg["zero_force_ds_cpu_optimizer"] is False
+    assert own_boundary(cfg, "generated") is cfg
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"zero_stage": 4}, "zero_stage must be 0, 1, 2 or 3"),
+        ({"zero_stage": 0, "offload_optimizer": True}, "offload_optimizer needs ZeRO stage 1, 2 or 3"),
+        ({"dtype": torch.float16}, "dtype must be one of"),
+    ],
+)
+def test_generated_default_refuses_bad_arguments(kwargs: dict, message: str) -> None:
+    args = {
+        "zero_stage": 2,
+        "offload_optimizer": False,
+        "optimizer": OptimizerConfig(),
+        "dtype": torch.float32,
+        "torch_adam": True,
+    }
+    with pytest.raises(ConfigError, match=message):
+        default_config(**{**args, **kwargs})
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ({"gradient_accumulation_steps": 4}, "gradient_accumulation_steps must be 1"),
+        ({"managed_gradient_accumulation": False}, "managed_gradient_accumulation must stay true"),
+        ({"gradient_allreduce_op": "sum"}, "gradient_allreduce_op must be 'mean'"),
+        ({"fp16": {"enabled": True}}, "fp16 is not supported"),
+    ],
+)
+def test_user_config_that_would_scale_or_drop_gradients_is_refused(override: dict, message: str) -> None:
+    cfg = {
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-5}},
+        "zero_optimization": {"stage": 2},
+        **override,
+    }
+    with pytest.raises(ConfigError, match=message):
+        own_boundary(cfg, "ds.json")
+
+
+def test_user_config_gets_the_boundary_keys(tmp_path: Path) -> None:
+    path = tmp_path / "ds.json"
+    path.write_text(
+        json.dumps(
+            {"optimizer": {"type": "AdamW", "params": {"lr": 1e-5}}, "zero_optimization": {"stage": 1}}
+        )
+    )
+    cfg = own_boundary(read_config(path), str(path))
+    assert cfg["gradient_accumulation_steps"] == 1 and cfg["train_micro_batch_size_per_gpu"] == 1
+    with pytest.raises(ConfigError, match="needs an 'optimizer' section"):
+        own_boundary({"zero_optimization": {"stage": 1}}, "ds.json")
+
+
+def test_unreadable_user_config_names_the_problem(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text('{\n  "zero_optimization": {"stage": 2,}\n}')
+    with pytest.raises(ConfigError, match=r"bad\.json: invalid JSON at line 2"):
+        read_config(bad)
+    with pytest.raises(ConfigError, match="does not exist"):
+        read_config(tmp_path / "missing.json")
+    (tmp_path / "list.json").write_text("[]")
+    with pytest.raises(ConfigError, match="top level must be an object"):
+        read_config(tmp_path / "list.json")

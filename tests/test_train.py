@@ -1,0 +1,109 @@
+"""The training loop end to end on a tiny model: artifacts, resume, and config validation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from treetrain.cli.main import main
+from treetrain.loss.config import ConfigError
+from treetrain.train.config import dump_config, load_config
+from treetrain.train.loop import Trainer
+from treetrain.train.metrics import read_metrics
+from treetrain.tree.format import load_trees
+
+TINY = [
+    "model.path=tiny-llama",
+    "rollout.groups_per_update=2",
+    "rollout.fanout_root=4",
+    "rollout.max_turns=2",
+    "rollout.max_turn_tokens=12",
+    "optim.lr=0.01",
+    "advantages.zero_variance=keep",
+    "loss.entropy_coef=0.01",
+    "checkpoint_every=1",
+]
+
+
+def _cfg(run_dir: Path, *extra: str):
+    return load_config(None, [*TINY, f"run_dir={run_dir}", *extra])
+
+
+def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_three_updates_end_to_end(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path / "run", "updates=3")
+    trainer = Trainer(cfg, progress=False)
+    before = _weights(trainer.backend.module)
+    summary = trainer.run()
+    after = _weights(trainer.backend.module)
+    assert any(not torch.equal(before[k], after[k]) for k in before), "no parameter changed"
+    run = tmp_path / "run"
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [r.update for r in rows] == [0, 1, 2] and [r.version for r in rows] == [1, 2, 3]
+    assert all(r.trajectories == 8 and r.graph_tokens > 0 for r in rows)
+    tree_files = sorted((run / "rollouts").glob("**/*.msgpack"))
+    assert len(tree_files) == 6 and all(load_trees(f) for f in tree_files)
+    exported = AutoModelForCausalLM.from_pretrained(run / "final", local_files_only=True)
+    for k, v in exported.state_dict().items():
+        assert torch.allclose(v, after[k]), k
+    assert (run / "reward.png").stat().st_size > 1000
+    assert "mean reward" in (run / "summary.txt").read_text()
+    assert summary.updates == 3
+    assert (run / "config.yaml").read_text() == dump_config(cfg)
+
+
+def test_resume_reproduces_the_next_update(tmp_path: Path) -> None:
+    straight = Trainer(_cfg(tmp_path / "a", "updates=3"), progress=False)
+    straight.run()
+    first = Trainer(_cfg(tmp_path / "b", "updates=2"), progress=False)
+    first.run()
+    resumed = Trainer(_cfg(tmp_path / "b", "updates=3"), resume=True, progress=False)
+    assert resumed.state.update == 2 and resumed.state.version == 2
+    resumed.run()
+    a = read_metrics(tmp_path / "a" / "metrics.jsonl")
+    b = read_metrics(tmp_path / "b" / "metrics.jsonl")
+    assert [r.update for r in b] == [0, 1, 2]
+    assert a[2].reward_mean == b[2].reward_mean and a[2].loss == pytest.approx(b[2].loss, rel=1e-6, abs=1e-9)
+    wa = load_file(tmp_path / "a" / "final" / "model.safetensors")
+    wb = load_file(tmp_path / "b" / "final" / "model.safetensors")
+    assert all(torch.allclose(wa[k], wb[k], rtol=1e-6, atol=1e-7) for k in wa)
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ("rollout.fanout_root=0", "rollout.fanout_root"),
+        ("loss.aggregation=mean", "loss.aggregation"),
+        ("optim.lr=-1", "optim.lr"),
+        ("nonsense=1", "nonsense"),
+        ("loss.kl_coef=0.1", "model.reference"),
+        ("memory_budget=lots", "memory_budget"),
+        ("replay.microbatch=two", "replay.microbatch"),
+    ],
+)
+def test_bad_config_fails_before_any_work(tmp_path: Path, override: str, field: str, capsys) -> None:
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_config(None, [override])
+    code = main(["train", "--run-dir", str(tmp_path / "run"), "--set", override, "--no-progress"])
+    assert code == 2
+    assert field in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_config_file_and_print_config(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('updates = 7\n[loss]\nkl_coef = 0.02\n[model]\nreference = "initial"\n')
+    assert main(["train", "--config", str(path), "--set", "seed=3", "--print-config"]) == 0
+    out = capsys.readouterr().out
+    assert "updates: 7" in out and "kl_coef: 0.02" in out and "seed: 3" in out
+    yml = tmp_path / "c.yaml"
+    yml.write_text("rollout:\n  fanout_root: 0\n")
+    assert main(["train", "--config", str(yml), "--print-config"]) == 2
+    assert "rollout.fanout_root" in capsys.readouterr().err

@@ -1,0 +1,299 @@
+"""The update window without DeepSpeed: exactly-once accounting and fault handling, on one process and on
+ranks simulated by threads (tests/fake_world.py). References are the engine run directly (dist_cases)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from dist_cases import LOSS, OPTIMIZER, delta_floor, groups, make_model, params_vector
+from fake_world import FlakyBackend, ThreadRankBackend, ThreadWorld
+
+from treetrain.distributed import (
+    AgreementError,
+    DuplicateContributionError,
+    TorchBackend,
+    UpdateWindow,
+    WindowConfig,
+    round_robin,
+)
+from treetrain.distributed.backend import make_backend
+from treetrain.distributed.checkpoint import CheckpointError
+from treetrain.engine import ReplayConfig, UpdateBatch
+from treetrain.engine.resident import ResidentIdentity, ResidentKey, ResidentStore, StaleResidentStateError
+from treetrain.engine.schedule import ReplayStep
+from treetrain.loss.config import ConfigError
+from treetrain.loss.manifest import ManifestError
+
+FACTOR = 5.0
+
+
+@pytest.fixture(scope="module")
+def flat() -> tuple[torch.Tensor, float]:
+    return delta_floor("flat", groups())
+
+
+def _close(delta: torch.Tensor, ref: tuple[torch.Tensor, float]) -> None:
+    err = float((delta - ref[0]).norm())
+    assert err <= FACTOR * ref[1], f"|delta - reference| = {err:.3e} > {FACTOR} x {ref[1]:.3e}"
+
+
+def _run(backend: TorchBackend | None = None, **kw: Any) -> tuple[torch.Tensor, Any]:
+    backend = backend or TorchBackend(make_model(), OPTIMIZER)
+    start = params_vector(backend.module)
+    report = UpdateWindow(backend, LOSS, kw.pop("replay", None), WindowConfig(**kw.pop("cfg", {})), **kw).run(
+        groups()
+    )
+    return params_vector(backend.module) - start, report
+
+
+class Raise:
+    """A step hook raising `exc` at the listed (phase, occurrence) points."""
+
+    def __init__(self, phase: str, at: set[int], exc: Exception, when: Any = None) -> None:
+        self.phase, self.at, self.exc, self.when = phase, at, exc, when
+        self.count = 0
+
+    def __call__(self, phase: str, step: ReplayStep) -> None:
+        if phase != self.phase or (self.when is not None and not self.when(step)):
+            return
+        self.count += 1
+        if self.count in self.at:
+            raise self.exc
+
+
+@pytest.mark.parametrize("mode", ["tree", "flat"])
+def test_single_process_window_matches_the_engine_run_directly(
+    flat: tuple[torch.Tensor, float], mode: str
+) -> None:
+    delta, report = _run(cfg={"mode": mode})
+    _close(delta, flat)
+    assert report.version == 1 and report.contributions == 10 and not report.dropped
+
+
+def test_exception_before_backward_retries_only_that_tree(flat: tuple[torch.Tensor, float]) -> None:
+    delta, report = _run(step_hook=Raise("forward", {1}, RuntimeError("boom")))
+    _close(delta, flat)
+    assert (report.tree_retries, report.window_resets) == (1, 0)
+
+
+def test_exception_after_a_backward_of_the_tree_resets_the_window(flat: tuple[torch.Tensor, float]) -> None:
+    delta, report = _run(step_hook=Raise("backward", {2}, RuntimeError("boom")))
+    _close(delta, flat)
+    assert (report.tree_retries, report.window_resets) == (0, 1)
+
+
+def test_failure_inside_backward_resets_the_window(flat: tuple[torch.Tensor, float]) -> None:
+    delta, report = _run(FlakyBackend(make_model(), OPTIMIZER, fail_on=[3]))
+    _close(delta, flat)
+    assert report.window_resets == 1
+
+
+def test_out_of_memory_splits_the_step(flat: tuple[torch.Tensor, float]) -> None:
+    hook = Raise("forward", {1}, torch.OutOfMemoryError("simulated"), when=lambda s: len(s.units) > 1)
+    delta, report = _run(step_hook=hook)
+    _close(delta, flat)
+    assert report.local.oom_splits == 1 and report.window_resets == 0
+
+
+def _fail_tree(window: UpdateWindow, tree_id: str) -> Raise:
+    """A hook that always raises while `tree_id` is being replayed."""
+    return Raise(
+        "forward", set(range(1, 1000)), RuntimeError("broken tree"),
+        when=lambda step: window.active is not None and window.active.current_tree == tree_id,
+    )  # fmt: skip
+
+
+def test_a_group_that_keeps_failing_is_dropped_whole(caplog: pytest.LogCaptureFixture) -> None:
+    backend = TorchBackend(make_model(), OPTIMIZER)
+    start = params_vector(backend.module)
+    window = UpdateWindow(backend, LOSS, cfg=WindowConfig(tree_attempts=2))
+    window.step_hook = _fail_tree(window, groups()[1].trees[0].id)
+    with caplog.at_level(logging.ERROR, logger="treetrain.distributed"):
+        report = window.run(groups())
+    assert [d.index for d in report.dropped] == [1] and "broken tree" in report.dropped[0].reason
+    assert any("dropped from the update" in r.message for r in caplog.records)
+    assert report.contributions == 6 and report.tree_retries == 1
+    _close(params_vector(backend.module) - start, delta_floor("flat", groups()[:1]))
+
+
+def test_every_group_failing_refuses_the_step() -> None:
+    backend = TorchBackend(make_model(), OPTIMIZER)
+    start = params_vector(backend.module)
+    window = UpdateWindow(
+        backend,
+        LOSS,
+        cfg=WindowConfig(tree_attempts=1),
+        step_hook=Raise("forward", set(range(1, 99)), RuntimeError("x")),
+    )
+    with pytest.raises(ManifestError, match="every group of the update was dropped"):
+        window.run(groups())
+    assert torch.equal(params_vector(backend.module), start) and window.version == 0
+
+
+def test_duplicate_and_unknown_requests_are_refused(flat: tuple[torch.Tensor, float]) -> None:
+    backend = TorchBackend(make_model(), OPTIMIZER)
+    start = params_vector(backend.module)
+    opened = UpdateWindow(backend, LOSS).open(groups())
+    opened.replay_all()
+    for tree_id in opened.work:
+        with pytest.raises(DuplicateContributionError, match="a second replay would count it twice"):
+            opened.replay(tree_id)
+    with pytest.raises(ManifestError, match="has no contributions on rank 0"):
+        opened.replay("f" * 32)
+    opened.commit()
+    with pytest.raises(RuntimeError, match="already committed"):
+        opened.commit()
+    _close(params_vector(backend.module) - start, flat)
+
+
+def test_commit_bumps_the_version_and_invalidates_resident_state() -> None:
+    backend = TorchBackend(make_model(), OPTIMIZER)
+    window = UpdateWindow(backend, LOSS, tokenizer="tok-1")
+    tree = groups()[0].trees[0]
+    key = ResidentKey(tree.id, 1, tree.nodes[1].id)
+    old = window.identity
+    opened = window.open(groups())
+    opened.replay_all()
+    window.store.put(key, [(torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2))], old)  # kept across the step
+    opened.commit()
+    assert window.version == 1 and window.identity == old.bumped()
+    with pytest.raises(StaleResidentStateError, match="invalidated by an optimizer step"):
+        window.store.get(key, window.identity)
+    with pytest.raises(StaleResidentStateError, match="the store holds identity"):
+        window.store.get(key, old)
+    second = window.open(groups(1))
+    assert {k.version for k in second.ledger.expected} == {1}
+
+
+def _thread_ranks(
+    world: ThreadWorld,
+    *,
+    fail_on: dict[int, list[int]] | None = None,
+    replay: Any = lambda rank: None,
+    version: Any = lambda rank: 0,
+    hook: Any = lambda rank, window: None,
+) -> list[Any]:
+    """Run one update on every simulated rank; per rank, (delta, report) or the exception raised."""
+    fail_on = fail_on or {}
+    backends = [
+        ThreadRankBackend(world, r, make_model(), OPTIMIZER, fail_on.get(r, ())) for r in range(world.size)
+    ]
+    trees = [t for g in groups() for t in g.trees]
+
+    def rank_fn(r: int) -> Any:
+        def fn() -> Any:
+            start = params_vector(backends[r].module)
+            window = UpdateWindow(backends[r], LOSS, replay(r), version=version(r))
+            window.step_hook = hook(r, window)
+            report = window.run(groups(), round_robin(trees, world.size))
+            return params_vector(backends[r].module) - start, report
+
+        return fn
+
+    return world.run([rank_fn(r) for r in range(world.size)])
+
+
+def test_thread_ranks_match_one_process_under_faults(flat: tuple[torch.Tensor, float]) -> None:
+    results = _thread_ranks(
+        ThreadWorld(3),
+        fail_on={1: [2]},
+        replay=lambda r: ReplayConfig(order="shuffle", seed=r, microbatch=r),
+        hook=lambda r, w: Raise("forward", {1}, RuntimeError("x")) if r == 2 else None,
+    )
+    for delta, _ in results:
+        _close(delta, flat)
+    assert [rep.window_resets for _, rep in results] == [0, 1, 0] and results[2][1].tree_retries == 1
+
+
+def test_thread_ranks_drop_a_group_that_one_rank_cannot_finish() -> None:
+    victim = groups()[1].trees[0].id
+    results = _thread_ranks(ThreadWorld(2), hook=lambda r, w: _fail_tree(w, victim) if r == 1 else None)
+    reference = delta_floor("flat", groups()[:1])
+    for delta, report in results:
+        assert [d.index for d in report.dropped] == [1] and report.dropped[0].reason.startswith("rank 1: ")
+        _close(delta, reference)
+
+
+def test_thread_ranks_refuse_a_version_mismatch() -> None:
+    results = _thread_ranks(ThreadWorld(2), version=lambda r: r)
+    for exc in results:
+        assert isinstance(exc, AgreementError) and "ranks [1] differ" in str(exc)
+
+
+def test_torch_checkpoint_resume_reproduces_the_next_update(tmp_path: Any) -> None:
+    backend = TorchBackend(make_model(), OPTIMIZER)
+    window = UpdateWindow(backend, LOSS)
+    window.run(groups(0))
+    backend.save_checkpoint(tmp_path / "ckpt", {"version": 0})
+    backend.save_checkpoint(tmp_path / "ckpt", {"version": window.version})  # replaces atomically
+    window.run(groups(1))
+    fresh = TorchBackend(make_model(), OPTIMIZER)
+    state = fresh.load_checkpoint(tmp_path / "ckpt")
+    assert state == {"version": 1}
+    UpdateWindow(fresh, LOSS, version=state["version"]).run(groups(1))
+    assert torch.equal(params_vector(fresh.module), params_vector(backend.module))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    with pytest.raises(CheckpointError, match="not JSON-serializable"):
+        backend.save_checkpoint(tmp_path / "ckpt", {"rng": object()})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"] and fresh.load_checkpoint(tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "client_state.json").write_text(
+        '{"schema": "treetrain.client_state/1", "client_state": 3}'
+    )
+    with pytest.raises(CheckpointError, match="field 'client_state' must be an object"):
+        fresh.load_checkpoint(tmp_path / "ckpt")
+
+
+def test_make_backend_reads_trainer_settings() -> None:
+    @dataclass(frozen=True)
+    class Optim:
+        lr: float = 1e-3
+        betas: tuple[float, float] = (0.9, 0.99)
+        weight_decay: float = 0.0
+        grad_clip: float | None = None
+
+    @dataclass(frozen=True)
+    class Distributed:
+        backend: str = "torch"
+        zero_stage: int = 0
+        offload_optimizer: bool = False
+        deepspeed_config: str | None = None
+
+    backend = make_backend(make_model(), Optim(), Distributed())
+    assert (
+        isinstance(backend, TorchBackend)
+        and backend.cfg.grad_clip == 0.0
+        and backend.cfg.betas == (0.9, 0.99)
+    )
+    with pytest.raises(ConfigError, match=r"distributed\.backend must be 'torch' or 'deepspeed'"):
+        make_backend(make_model(), Optim(), Distributed(backend="horovod"))
+
+
+def test_negative_control_a_tree_counted_twice_is_far_outside_the_tolerance(
+    flat: tuple[torch.Tensor, float],
+) -> None:
+    backend = TorchBackend(make_model(), OPTIMIZER)
+    start = params_vector(backend.module)
+    opened = UpdateWindow(backend, LOSS).open(groups())
+    opened.replay_all()
+    work = next(iter(opened.work.values()))
+    opened.engine.accumulate(UpdateBatch((work,), opened.manifest))  # behind the ledger's back
+    opened.commit()
+    assert float((params_vector(backend.module) - start - flat[0]).norm()) > 100 * FACTOR * flat[1]
+
+
+def test_window_takes_over_a_given_identity_and_store() -> None:
+    backend = TorchBackend(make_model(), OPTIMIZER)
+    identity = ResidentIdentity.of(backend.module, version=7, tokenizer="tok")
+    store = ResidentStore(identity)
+    window = UpdateWindow(backend, LOSS, identity=identity, store=store)
+    assert {k.version for k in window.open(groups()).ledger.expected} == {7}
+    window.active.commit()  # type: ignore[union-attr]
+    assert window.identity == identity.bumped() and store.identity == identity.bumped()
+    with pytest.raises(ValueError, match="either whole"):
+        UpdateWindow(backend, LOSS, version=3, identity=identity)
+    with pytest.raises(ValueError, match="the store holds identity"):
+        UpdateWindow(backend, LOSS, identity=identity, store=ResidentStore(identity.bumped()))

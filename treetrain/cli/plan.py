@@ -1,0 +1,172 @@
+"""`treetrain plan TREES --model DIR_OR_PRESET --budget 8GiB`: the memory ledger and the planner's decision.
+
+The library does the work (`treetrain.memory.planner.plan_update`, `treetrain.memory.ledger`); this module
+parses arguments, loads trees and the model, and prints. Bad input (an unreadable tree file, a budget that
+is not a byte size, a model that is neither a directory nor a preset) and a budget nothing fits in exit
+with status 2 and a message that names the problem (for a budget, the smallest peak or the minimum).
+
+Example:
+    treetrain plan trees/long_prefix.msgpack --model tiny-qwen3 --budget 64MiB --contract exact --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import torch
+
+from treetrain.engine.batch import UpdateBatch
+from treetrain.loss.advantages import AdvantageConfig, compute_advantages
+from treetrain.loss.config import LossConfig
+from treetrain.loss.manifest import Manifest
+from treetrain.memory.planner import Overrides, Plan, PlanError, plan_update
+from treetrain.memory.retention import BudgetTooSmallError
+from treetrain.models.presets import ATTENTION, load_model
+from treetrain.models.support import UnsupportedModelError
+from treetrain.tree.format import TreeFormatError, load_trees
+from treetrain.tree.model import TrajectoryTree
+from treetrain.units import format_bytes, parse_bytes
+
+EXIT_BAD_INPUT = 2
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
+
+
+def _bytes(text: str) -> int:
+    try:
+        value = parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 bytes, got {text!r}")
+    return value
+
+
+def _retention(text: str) -> int | str:
+    return "unbounded" if text == "unbounded" else _bytes(text)
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="predict the memory ledger of an update and choose K, chunking, retention and tree or flat mode",
+        description="Plan the replay of the trees in TREES (one update) within a device memory budget.",
+    )
+    p.add_argument("trees", nargs="+", metavar="TREES", help="tree files (msgpack, see trees/README.md)")
+    p.add_argument(
+        "--model", required=True, metavar="DIR_OR_PRESET", help="local HF model dir or tiny-<family>"
+    )
+    p.add_argument(
+        "--budget", required=True, type=_bytes, help="device memory budget: 8GiB, 512MiB, 1.5GB, bytes"
+    )
+    p.add_argument("--contract", choices=("exact", "response_only"), default="exact")
+    p.add_argument(
+        "--vocab", type=_count, help="vocabulary of a preset model (default: largest token id + 1)"
+    )
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="parameter dtype")
+    p.add_argument("--attn", choices=ATTENTION, default="sdpa", help="attention implementation")
+    p.add_argument("--mode", choices=("tree", "flat"), help="force the mode")
+    p.add_argument(
+        "--microbatch", type=_count, help="force K (tree; 0 = all siblings) or calls per microbatch"
+    )
+    p.add_argument("--chunk-size", type=_count, help="force the unit length (0 = never split)")
+    p.add_argument("--retention", type=_retention, help="force the retention budget (bytes or 'unbounded')")
+    p.add_argument("--keep-graphs", choices=("none", "all", "auto"), help="force which graphs are kept")
+    p.add_argument(
+        "--min-speedup", type=float, default=1.25, help="tree's least token-ceiling speedup over flat"
+    )
+    p.add_argument("--json", action="store_true", help="print the ledger and the decision as JSON")
+    p.set_defaults(func=run)
+
+
+def _fail(message: str) -> int:
+    print(f"treetrain plan: {message}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def _batch(trees: list[TrajectoryTree]) -> UpdateBatch:
+    group = compute_advantages(trees, AdvantageConfig())
+    return UpdateBatch.build(trees, group.trees, Manifest.build(trees, 0), LossConfig())
+
+
+def run(args: argparse.Namespace) -> int:
+    trees: list[TrajectoryTree] = []
+    for path in args.trees:
+        try:
+            trees.extend(load_trees(path))
+        except TreeFormatError as e:
+            return _fail(str(e))
+        except OSError as e:
+            return _fail(f"cannot read {path}: {e.strerror or e}")
+    if not trees:
+        return _fail("the tree files hold no trees")
+    vocab = args.vocab or 1 + max(t for tree in trees for n in tree.nodes for t in n.tokens)
+    try:
+        model = load_model(args.model, vocab_size=vocab, dtype=DTYPES[args.dtype], attn=args.attn)
+    except (OSError, ValueError) as e:
+        return _fail(f"cannot load model {args.model!r}: {e}")
+    overrides = Overrides(
+        mode=args.mode, microbatch=args.microbatch, chunk_size=args.chunk_size, retention=args.retention,
+        keep_graphs=args.keep_graphs,
+    )  # fmt: skip
+    try:
+        plan = plan_update(
+            _batch(trees), model, budget=args.budget, contract=args.contract, overrides=overrides,
+            min_speedup=args.min_speedup,
+        )  # fmt: skip
+    except (BudgetTooSmallError, PlanError, UnsupportedModelError) as e:
+        return _fail(str(e))
+    print(json.dumps(plan_json(plan), indent=2) if args.json else render(plan))
+    return 0
+
+
+def render(plan: Plan) -> str:
+    ledger = plan.ledger
+    lines = [
+        ledger.table(),
+        f"minimum retention budget {format_bytes(ledger.minimum_budget)}; "
+        f"recomputes forced by retention: {ledger.recomputes}",
+        "",
+        plan.explain(),
+    ]
+    return "\n".join(lines)
+
+
+def plan_json(plan: Plan) -> dict[str, object]:
+    return {
+        "decision": {
+            "mode": plan.mode,
+            "contract": plan.contract,
+            "microbatch": plan.microbatch,
+            "chunk_size": plan.chunk_size,
+            "retention": plan.retention,
+            "kept_graphs": sorted([t, u] for t, u in plan.keep_graph),
+            "budget": plan.budget,
+            "min_speedup": plan.min_speedup,
+            "speedup": plan.speedup,
+            "reasons": list(plan.reasons),
+            "forced": list(plan.forced),
+        },
+        "costs": {
+            c.mode: {"token_cost": c.token_cost, "flops": c.flops, "peak": c.peak, "fits": c.fits}
+            for c in (plan.tree, plan.flat)
+        },
+        "ledger": plan.ledger.as_dict(),
+    }

@@ -1,0 +1,249 @@
+"""The training backend: where gradients accumulate and the optimizer steps.
+
+The update window (`treetrain.distributed.window`) talks to a `TrainBackend` only. It forwards
+`backend.module`, calls `backward(loss)` once per replay step, any number of times, and `step()` once when
+the whole manifest is covered. Two implementations:
+
+- `TorchBackend`: one process, `torch.optim.AdamW`. The CPU demo and the single-process references of the
+  distributed tests use it.
+- `DeepSpeedBackend` (`treetrain.distributed.deepspeed_backend`, the one module that imports DeepSpeed):
+  ZeRO 0-3 with optional optimizer offload, across processes.
+
+Contract shared by both: `backward` only accumulates (never scaled by any accumulation-step count, never
+reduced across ranks), so ranks may run different numbers of backward calls; `step` reduces once (the sum
+over ranks), applies the update and zeroes the gradients; `reset_window` discards what this rank
+accumulated since the last step, without talking to other ranks.
+
+Example:
+    >>> backend = TorchBackend(model, OptimizerConfig(lr=1e-5))     # doctest: +SKIP
+    >>> backend.backward(loss_a); backend.backward(loss_b)           # doctest: +SKIP
+    >>> backend.step()                                               # doctest: +SKIP
+    True
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from safetensors.torch import load_model, save_model
+from transformers import PreTrainedModel
+
+from treetrain.distributed.checkpoint import atomic_directory, read_client_state, write_client_state
+from treetrain.loss.config import ConfigError
+
+
+class AgreementError(RuntimeError):
+    """Ranks hold different values where they must agree (version, manifest, placement, coverage)."""
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW settings; the DeepSpeed backend writes them into its generated config."""
+
+    lr: float = 1e-6
+    """Learning rate."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam's moment decay rates."""
+    eps: float = 1e-8
+    """Adam's denominator epsilon."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm (after the reduction over ranks) to this; 0 disables clipping."""
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ConfigError(f"optimizer.lr must be > 0, got {self.lr!r}")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"optimizer.betas must be two values in [0, 1), got {self.betas!r}")
+        if not self.eps > 0:
+            raise ConfigError(f"optimizer.eps must be > 0, got {self.eps!r}")
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise ConfigError("optimizer.weight_decay and optimizer.grad_clip must be >= 0")
+
+
+def disagreement(values: Sequence[str], what: str) -> str | None:
+    """None when every rank holds the same value, else a message naming the ranks that differ."""
+    if all(v == values[0] for v in values):
+        return None
+    groups: dict[str, list[int]] = {}
+    for rank, v in enumerate(values):
+        groups.setdefault(v, []).append(rank)
+    majority, agreeing = max(groups.items(), key=lambda kv: (len(kv[1]), -kv[1][0]))
+    odd = sorted(r for v, ranks in groups.items() if v != majority for r in ranks)
+    shown = "; ".join(f"rank {r} has {values[r][:200]!r}" for r in odd[:4])
+    return f"ranks disagree on the {what}: ranks {odd} differ from ranks {agreeing} ({majority[:200]!r}); {shown}"
+
+
+class TrainBackend(ABC):
+    """Gradient accumulation, reduction, optimizer step and checkpoints (see module docstring)."""
+
+    module: PreTrainedModel
+    rank: int
+    world_size: int
+
+    def begin_window(self) -> None:
+        """Called on every rank before the first backward of an update window (a collective)."""
+        return None
+
+    @abstractmethod
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate d(loss)/d(params) locally; never scaled, never reduced here.
+
+        The loss must not be scaled either: the tree engine reads the gradients of its own leaf tensors
+        (resident KV) after each backward and feeds them into later losses.
+        """
+
+    @abstractmethod
+    def step(self) -> bool:
+        """Reduce (sum over ranks), apply the update, zero gradients; False if the update was skipped."""
+
+    @abstractmethod
+    def reset_window(self) -> None:
+        """Discard this rank's gradients accumulated since the last step (after a failed backward)."""
+
+    @abstractmethod
+    def set_learning_rate(self, lr: float) -> None:
+        """Learning rate of the next step (warm-up and schedules live in the trainer)."""
+
+    @abstractmethod
+    def gather(self, text: str) -> list[str]:
+        """Every rank's `text`, indexed by rank (a collective: all ranks must call it)."""
+
+    def agree(self, text: str, what: str = "value") -> None:
+        """Raise `AgreementError` on every rank unless all ranks passed the same `text`."""
+        problem = disagreement(self.gather(text), what)
+        if problem is not None:
+            raise AgreementError(problem)
+
+    def barrier(self) -> None:
+        self.gather("")
+
+    @abstractmethod
+    def save_checkpoint(self, directory: str | Path, client_state: Mapping[str, Any]) -> None:
+        """Weights, optimizer state and `client_state` (a JSON object), written atomically."""
+
+    @abstractmethod
+    def load_checkpoint(self, directory: str | Path) -> dict[str, Any]:
+        """Restore weights and optimizer state; returns the saved client state."""
+
+    @abstractmethod
+    def export_pretrained(self, directory: str | Path, tokenizer: Any = None) -> None:
+        """A Hugging Face `save_pretrained` directory of the current weights, written atomically."""
+
+
+class TorchBackend(TrainBackend):
+    """One process, plain `torch.optim.AdamW`."""
+
+    MODEL_FILE = "model.safetensors"
+    OPTIMIZER_FILE = "optimizer.pt"
+
+    def __init__(self, model: PreTrainedModel, optimizer: OptimizerConfig = OptimizerConfig()) -> None:
+        self.module = model
+        self.rank, self.world_size = 0, 1
+        self.cfg = optimizer
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=optimizer.lr, betas=optimizer.betas, eps=optimizer.eps,
+            weight_decay=optimizer.weight_decay,
+        )  # fmt: skip
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> bool:
+        if self.cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return True
+
+    def reset_window(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def set_learning_rate(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def gather(self, text: str) -> list[str]:
+        return [text]
+
+    def save_checkpoint(self, directory: str | Path, client_state: Mapping[str, Any]) -> None:
+        with atomic_directory(Path(directory)) as tmp:
+            save_model(self.module, str(tmp / self.MODEL_FILE))
+            torch.save(self.optimizer.state_dict(), tmp / self.OPTIMIZER_FILE)
+            write_client_state(tmp, client_state)
+
+    def load_checkpoint(self, directory: str | Path) -> dict[str, Any]:
+        directory = Path(directory)
+        state = read_client_state(directory)
+        load_model(self.module, str(directory / self.MODEL_FILE))
+        opt_state = torch.load(directory / self.OPTIMIZER_FILE, weights_only=True)
+        self.optimizer.load_state_dict(opt_state)
+        return state
+
+    def export_pretrained(self, directory: str | Path, tokenizer: Any = None) -> None:
+        with atomic_directory(Path(directory)) as tmp:
+            self.module.save_pretrained(tmp)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+
+
+class OptimSettings(Protocol):
+    """What `make_backend` reads from a trainer's optimizer section."""
+
+    @property
+    def lr(self) -> float: ...
+    @property
+    def betas(self) -> tuple[float, float]: ...
+    @property
+    def weight_decay(self) -> float: ...
+    @property
+    def grad_clip(self) -> float | None: ...
+
+
+class DistributedSettings(Protocol):
+    """What `make_backend` reads from a trainer's distributed section."""
+
+    @property
+    def backend(self) -> str: ...
+    @property
+    def zero_stage(self) -> int: ...
+    @property
+    def offload_optimizer(self) -> bool: ...
+    @property
+    def deepspeed_config(self) -> str | None: ...
+
+
+def make_backend(
+    model: PreTrainedModel, optim: OptimSettings, distributed: DistributedSettings
+) -> TrainBackend:
+    """The backend a trainer config asks for. A DeepSpeed JSON, when given, decides the ZeRO stage and
+    offload (and the optimizer, if it has an optimizer section); DeepSpeed is imported only here."""
+    b1, b2 = optim.betas
+    opt = OptimizerConfig(
+        lr=optim.lr, betas=(b1, b2), weight_decay=optim.weight_decay, grad_clip=optim.grad_clip or 0.0
+    )
+    if distributed.backend == "torch":
+        return TorchBackend(model, opt)
+    if distributed.backend != "deepspeed":
+        raise ConfigError(f"distributed.backend must be 'torch' or 'deepspeed', got {distributed.backend!r}")
+    from treetrain.distributed.deepspeed_backend import DeepSpeedBackend, read_config
+
+    if distributed.deepspeed_config is None:
+        return DeepSpeedBackend(
+            model,
+            zero_stage=distributed.zero_stage,
+            offload_optimizer=distributed.offload_optimizer,
+            optimizer=opt,
+            dtype=next(model.parameters()).dtype,
+        )
+    has_optimizer = "optimizer" in read_config(distributed.deepspeed_config)
+    return DeepSpeedBackend(
+        model, ds_config=distributed.deepspeed_config, optimizer=None if has_optimizer else opt
+    )

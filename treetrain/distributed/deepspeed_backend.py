@@ -1,0 +1,356 @@
+"""`DeepSpeedBackend`: ZeRO 0-3, optional optimizer CPU offload, across processes. The only DeepSpeed import.
+
+treetrain owns the accumulation boundary. Ranks replay different trees, so they run different numbers of
+backward calls, and a backward may reach only some parameters (an internal node's KV recompute never
+touches the LM head). DeepSpeed's default schedule assumes the opposite: every backward is a micro-step
+of a fixed `gradient_accumulation_steps`, divided by it, and ZeRO-2/3 reduce gradients inside each
+backward. Used naively that drops micro-steps (ZeRO-1/2 with GAS=1 keep only the last backward), leaves
+the last micro-batch out (a boundary set before it), or deadlocks (ranks issue different collectives).
+So this backend:
+
+- keeps `gradient_accumulation_steps` at 1 and calls `engine.backward(loss, scale_wrt_gas=False)`;
+- opens one reduction window per update: `engine.coalesce_grad_reduction()` (ZeRO 1-3) or
+  `engine.no_sync()` (ZeRO 0), so a backward only accumulates locally and no collective runs until
+  `step()`;
+- at `step()` gives every parameter a gradient (an exact zero where this rank had none), so every rank
+  reduces the same tensors in the same order, closes the window (one reduction pass) and steps;
+- multiplies the local gradients by the data-parallel world size just before that reduction, because
+  DeepSpeed averages over ranks and the manifest already normalizes the global sum
+  (`gradient_allreduce_op='sum'` is not available under ZeRO-3). The loss itself is never scaled: in
+  `exact` mode the tree engine reads the gradient of its own resident-KV leaves after each backward, and
+  a scaled loss would scale that too (which is also why fp16 loss scaling is refused);
+- under ZeRO-3, gathers all parameters for the window and lifts the per-module fetch/release hooks,
+  whose collectives would otherwise have to match across ranks module by module. Parameters are fully
+  materialized on each rank during the window (like ZeRO-2); gradients and optimizer state stay
+  partitioned. The hooks are restored, and parameters partitioned again, before the step.
+
+Example (under `torchrun` or `deepspeed`):
+    >>> backend = DeepSpeedBackend(model, zero_stage=3, optimizer=OptimizerConfig(lr=1e-6))  # doctest: +SKIP
+    >>> backend.begin_window(); backend.backward(loss); backend.step()                      # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import uuid
+from collections.abc import Mapping
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.base_optimizer import ZeROOptimizer
+from deepspeed.runtime.zero import parameter_offload
+from transformers import PreTrainedModel
+
+from treetrain.distributed.backend import OptimizerConfig, TrainBackend
+from treetrain.distributed.checkpoint import (
+    CheckpointError,
+    atomic_directory,
+    read_client_state,
+    write_client_state,
+)
+from treetrain.loss.config import ConfigError
+
+TAG = "deepspeed"
+"""Sub-directory (DeepSpeed's checkpoint tag) holding DeepSpeed's own files inside a checkpoint."""
+MAX_CONFIG_BYTES = 1 << 20
+_DTYPES = {torch.float32: None, torch.bfloat16: "bf16"}
+
+
+def default_config(
+    *,
+    zero_stage: int,
+    offload_optimizer: bool,
+    optimizer: OptimizerConfig,
+    dtype: torch.dtype,
+    torch_adam: bool,
+) -> dict[str, Any]:
+    """The DeepSpeed config generated from explicit arguments when the user gives none."""
+    if zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+    if offload_optimizer and zero_stage == 0:
+        raise ConfigError("offload_optimizer needs ZeRO stage 1, 2 or 3")
+    if dtype not in _DTYPES:
+        raise ConfigError(f"dtype must be one of {[str(d) for d in _DTYPES]}, got {dtype}")
+    params: dict[str, Any] = {
+        "lr": optimizer.lr,
+        "betas": list(optimizer.betas),
+        "eps": optimizer.eps,
+        "weight_decay": optimizer.weight_decay,
+    }
+    if torch_adam:
+        params["torch_adam"] = True
+    zero: dict[str, Any] = {"stage": zero_stage}
+    if offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": optimizer.grad_clip,
+        "steps_per_print": 2**31 - 1,
+        "optimizer": {"type": "AdamW", "params": params},
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+    }
+    if torch_adam and offload_optimizer:
+        cfg["zero_force_ds_cpu_optimizer"] = False
+    half = _DTYPES[dtype]
+    if half is not None:
+        cfg[half] = {"enabled": True}
+    return cfg
+
+
+def read_config(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
+    """A user's DeepSpeed config: a JSON file or a mapping (copied)."""
+    if isinstance(source, Mapping):
+        return copy.deepcopy(dict(source))
+    path = Path(source)
+    if not path.is_file():
+        raise ConfigError(f"DeepSpeed config {path} does not exist")
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"DeepSpeed config {path} is larger than {MAX_CONFIG_BYTES} bytes")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"DeepSpeed config {path}: invalid JSON at line {exc.lineno}: {exc.msg}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"DeepSpeed config {path}: the top level must be an object")
+    return data
+
+
+def own_boundary(cfg: dict[str, Any], source: str) -> dict[str, Any]:
+    """Check and set the keys through which treetrain owns the accumulation boundary."""
+    gas = cfg.get("gradient_accumulation_steps", 1)
+    if gas not in (1, "auto"):
+        raise ConfigError(
+            f"{source}: gradient_accumulation_steps must be 1 (or absent): treetrain owns the accumulation "
+            f"boundary and never divides by an accumulation count; got {gas!r}"
+        )
+    cfg["gradient_accumulation_steps"] = 1
+    if cfg.get("train_micro_batch_size_per_gpu", "auto") == "auto" and "train_batch_size" not in cfg:
+        cfg["train_micro_batch_size_per_gpu"] = 1
+    if cfg.get("managed_gradient_accumulation", True) is not True:
+        raise ConfigError(f"{source}: managed_gradient_accumulation must stay true (the default)")
+    if cfg.get("gradient_allreduce_op", "mean") != "mean":
+        raise ConfigError(
+            f"{source}: gradient_allreduce_op must be 'mean'; the backend scales the loss instead"
+        )
+    if cfg.get("fp16", {}).get("enabled", False):
+        raise ConfigError(
+            f"{source}: fp16 is not supported: its loss scaling would scale the resident-KV gradients the "
+            "tree engine accumulates; use bf16 or fp32"
+        )
+    if "optimizer" not in cfg:
+        raise ConfigError(
+            f"{source}: needs an 'optimizer' section (the backend builds DeepSpeed's optimizer)"
+        )
+    return cfg
+
+
+class DeepSpeedBackend(TrainBackend):
+    """A DeepSpeed engine driven with an explicit, caller-owned accumulation boundary."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        ds_config: str | Path | Mapping[str, Any] | None = None,
+        zero_stage: int | None = None,
+        offload_optimizer: bool | None = None,
+        optimizer: OptimizerConfig | None = None,
+        dtype: torch.dtype = torch.float32,
+        torch_adam: bool | None = None,
+        dist_backend: str | None = None,
+    ) -> None:
+        """`ds_config` (a JSON path or a mapping) wins; without it the config is generated from `zero_stage`
+        (default 2), `offload_optimizer`, `optimizer`, `dtype` and `torch_adam` (default: True on the CPU
+        accelerator, where DeepSpeed's fused and CPU Adam kernels are not built). Arguments that contradict
+        a given `ds_config` are refused. The process group is initialized with `dist_backend` (default: the
+        accelerator's, gloo on CPU) unless one exists already."""
+        if torch_adam is None:
+            torch_adam = get_accelerator().device_name() == "cpu"
+        if ds_config is None:
+            cfg = default_config(
+                zero_stage=2 if zero_stage is None else zero_stage,
+                offload_optimizer=bool(offload_optimizer),
+                optimizer=optimizer or OptimizerConfig(),
+                dtype=dtype,
+                torch_adam=torch_adam,
+            )
+            source = "generated DeepSpeed config"
+        else:
+            cfg = read_config(ds_config)
+            source = f"DeepSpeed config {ds_config if not isinstance(ds_config, Mapping) else '(mapping)'}"
+            stage = cfg.get("zero_optimization", {}).get("stage", 0)
+            if zero_stage is not None and zero_stage != stage:
+                raise ConfigError(f"zero_stage={zero_stage} contradicts {source} (stage {stage})")
+            offloaded = "offload_optimizer" in cfg.get("zero_optimization", {})
+            if offload_optimizer is not None and offload_optimizer != offloaded:
+                raise ConfigError(f"offload_optimizer={offload_optimizer} contradicts {source}")
+            if optimizer is not None and "optimizer" in cfg:
+                raise ConfigError(f"give the optimizer either as an argument or in {source}, not both")
+            if optimizer is not None:
+                cfg["optimizer"] = default_config(
+                    zero_stage=0,
+                    offload_optimizer=False,
+                    optimizer=optimizer,
+                    dtype=dtype,
+                    torch_adam=torch_adam,
+                )["optimizer"]
+        self.config = own_boundary(cfg, source)
+        if not dist.is_initialized():
+            deepspeed.init_distributed(
+                dist_backend=dist_backend or get_accelerator().communication_backend_name()
+            )
+        params = [p for p in model.parameters() if p.requires_grad]
+        engine, *_ = deepspeed.initialize(model=model, config=self.config, model_parameters=params)
+        self.engine = engine
+        self.module = engine.module
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.stage = int(engine.zero_optimization_stage())
+        self._window: AbstractContextManager[Any] | None = None
+        self._gathered: AbstractContextManager[Any] | None = None
+
+    # ----- the update window ------------------------------------------------------------------------
+    @property
+    def in_window(self) -> bool:
+        return self._window is not None
+
+    def begin_window(self) -> None:
+        if self._window is not None:
+            return
+        if self.stage == 3:
+            self._gathered = deepspeed.zero.GatheredParameters(
+                list(self.module.parameters()), modifier_rank=None
+            )
+            self._gathered.__enter__()
+            self._zero3_hooks(False)
+        window = self.engine.no_sync() if self.stage == 0 else self.engine.coalesce_grad_reduction()
+        window.__enter__()
+        self._window = window
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self._window is None:
+            raise RuntimeError(
+                "DeepSpeedBackend.backward outside an update window: call begin_window() on every rank"
+            )
+        if isinstance(self.engine.optimizer, ZeROOptimizer):
+            self.engine.optimizer.clear_backward_seen_flag()  # what engine.forward does per micro-step
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def step(self) -> bool:
+        self.begin_window()
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        self.backward(torch.stack([(p * 0).sum() for p in params]).sum())  # every rank reduces every param
+        self._scale_local_grads(float(self.engine.dp_world_size))  # DeepSpeed's mean becomes the sum
+        assert self._window is not None
+        self._window.__exit__(None, None, None)
+        self._window = None
+        if self.stage == 0:
+            self.engine.allreduce_gradients()
+        if self.stage == 3:
+            assert self._gathered is not None
+            self._gathered.__exit__(None, None, None)
+            self._gathered = None
+            self._zero3_hooks(True)
+        self.engine.step()
+        return bool(self.engine.was_step_applied())
+
+    def reset_window(self) -> None:
+        opt = self.engine.optimizer
+        hooks = getattr(opt, "_backward_hook_state", None)
+        while hooks is not None and hooks.backward_active_depth > 0:  # a backward that raised never exited
+            opt.exit_backward()
+        if isinstance(opt, ZeROOptimizer):
+            opt.clear_backward_seen_flag()
+        for p in self.module.parameters():
+            p.grad = None
+            if getattr(p, "grad_accum", None) is not None:
+                p.grad_accum = None  # type: ignore[attr-defined]
+
+    def set_learning_rate(self, lr: float) -> None:
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = lr
+
+    def _scale_local_grads(self, factor: float) -> None:
+        """Scale what this rank accumulated, wherever DeepSpeed parks it inside the window."""
+        with torch.no_grad():
+            for p in self.module.parameters():
+                for grad in (p.grad, getattr(p, "grad_accum", None)):
+                    if grad is not None:
+                        grad.mul_(factor)
+
+    def _zero3_hooks(self, on: bool) -> None:
+        offload = self.engine.optimizer.parameter_offload
+        if on:
+            offload.setup_zero_stage3_hooks()
+            return
+        offload._remove_module_hooks()
+        offload.forward_hooks.clear()
+        offload.backward_hooks.clear()
+        stack = parameter_offload.FWD_MODULE_STACK
+        if stack and stack[-1] is self.module:
+            stack.pop()
+
+    # ----- collectives ------------------------------------------------------------------------------
+    def gather(self, text: str) -> list[str]:
+        """All ranks' strings, moved as bytes tensors (nothing is pickled)."""
+        device = get_accelerator().current_device_name()
+        data = torch.tensor(list(text.encode()), dtype=torch.uint8, device=device)
+        size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+        sizes = [torch.zeros_like(size) for _ in range(self.world_size)]
+        dist.all_gather(sizes, size)
+        longest = max(int(s.item()) for s in sizes)
+        if longest == 0:
+            return [""] * self.world_size
+        padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+        padded[: data.numel()] = data
+        parts = [torch.zeros_like(padded) for _ in range(self.world_size)]
+        dist.all_gather(parts, padded)
+        return [bytes(p[: int(s.item())].tolist()).decode() for p, s in zip(parts, sizes)]
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    # ----- checkpoints ------------------------------------------------------------------------------
+    def _token(self) -> str:
+        return self.gather(uuid.uuid4().hex[:12] if self.rank == 0 else "")[0]
+
+    def save_checkpoint(self, directory: str | Path, client_state: Mapping[str, Any]) -> None:
+        if self._window is not None:
+            raise RuntimeError("save_checkpoint inside an update window; save after step()")
+        with atomic_directory(
+            Path(directory), token=self._token(), writer=self.rank == 0, barrier=self.barrier
+        ) as tmp:
+            self.engine.save_checkpoint(str(tmp), tag=TAG, client_state={}, save_latest=False)
+            if self.rank == 0:
+                write_client_state(tmp, client_state)
+
+    def load_checkpoint(self, directory: str | Path) -> dict[str, Any]:
+        state = read_client_state(Path(directory))
+        path, _ = self.engine.load_checkpoint(str(directory), tag=TAG)
+        if path is None:
+            raise CheckpointError(f"{directory}: no DeepSpeed checkpoint under tag {TAG!r}")
+        return state
+
+    def export_pretrained(self, directory: str | Path, tokenizer: Any = None) -> None:
+        if self._window is not None:
+            raise RuntimeError("export_pretrained inside an update window; export after step()")
+        gathered = (
+            deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None)
+            if self.stage == 3
+            else nullcontext()
+        )
+        with gathered:
+            if self.rank == 0:
+                with atomic_directory(Path(directory)) as tmp:
+                    weights = {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+                    self.module.save_pretrained(tmp, state_dict=weights)
+                    if tokenizer is not None:
+                        tokenizer.save_pretrained(tmp)
+        self.barrier()

@@ -1,0 +1,347 @@
+"""The update window: one optimizer step whose manifest is covered exactly once, on any number of ranks.
+
+    window = UpdateWindow(backend, LossConfig(), ReplayConfig())
+    report = window.run(groups)          # open -> replay_all -> commit
+
+`open` builds the manifest (normalization) and the placement from every rank's identical input, and all
+ranks agree on the resident identity (model version included), the manifest digest and the placement
+digest before any compute. `replay(tree_id)` runs one tree's share on this rank through the tree engine
+(or the flat reference), claiming its `ContributionKey`s in a `CoverageLedger` first, so a duplicate
+request is refused instead of counted twice. Faults:
+
+- an exception before the tree's first backward: nothing was accumulated, so the tree is retried
+  (`WindowConfig.tree_attempts`); an out-of-memory error inside a step was already split by the engine;
+- an exception once a backward ran (`BackwardFailed`, or a failure later in the same tree): this rank's
+  gradients hold part of a tree, so the backend window is reset and every tree of this rank is replayed;
+- a tree that keeps failing marks its group failed. At `commit` the ranks exchange failed groups; any
+  failure drops the group whole on every rank, with its reason logged: the manifest is rebuilt without
+  it (so normalization excludes it), every rank resets and replays, and the group is never trained on
+  in part.
+
+`commit` replays anything still missing, then checks, collectively, the identity, the manifest digest and
+the coverage (every key exactly once over all ranks) and only then lets the backend step. Afterwards the
+model version is bumped and resident state invalidated: reading it again raises
+`StaleResidentStateError`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel
+
+from treetrain.distributed.backend import TrainBackend
+from treetrain.distributed.coverage import (
+    CoverageLedger,
+    check_coverage,
+    decode_keys,
+    encode_keys,
+    explain_mismatch,
+)
+from treetrain.distributed.placement import Placement, place
+from treetrain.distributed.window_types import DroppedGroup, Group, WindowConfig, WindowReport
+from treetrain.engine import (
+    BackwardFailed,
+    FlatReference,
+    ReplayConfig,
+    ReplayReport,
+    TreeReplay,
+    UpdateBatch,
+)
+from treetrain.engine.batch import TreeWork
+from treetrain.engine.hooks import KeepGraph, MemoryProbe, RetentionHook
+from treetrain.engine.resident import ResidentIdentity, ResidentStore
+from treetrain.engine.schedule import ReplayStep
+from treetrain.loss.config import LossConfig
+from treetrain.loss.manifest import ContributionKey, Manifest, ManifestError
+
+log = logging.getLogger("treetrain.distributed")
+
+
+class UpdateWindow:
+    """Runs update windows over a backend, one optimizer step each (see module docstring).
+
+    The resident identity starts at `version` (with `adapter_version` and the `tokenizer` fingerprint), or
+    is given whole as `identity`, with the `store` that holds resident state under it. The window owns
+    them from then on: each commit bumps `identity` and invalidates `store`.
+    """
+
+    def __init__(
+        self,
+        backend: TrainBackend,
+        loss: LossConfig,
+        replay: ReplayConfig | None = None,
+        cfg: WindowConfig | None = None,
+        *,
+        version: int = 0,
+        adapter_version: int = 0,
+        tokenizer: str = "",
+        identity: ResidentIdentity | None = None,
+        store: ResidentStore | None = None,
+        ref_model: PreTrainedModel | None = None,
+        step_hook: Callable[[str, ReplayStep], None] | None = None,
+        retention: RetentionHook | None = None,
+        keep_graph: KeepGraph | None = None,
+        tracker: MemoryProbe | None = None,
+    ) -> None:
+        self.backend = backend
+        self.retention = retention
+        """Bounded retention of resident KV (the tree engine's `retention`)."""
+        self.keep_graph = keep_graph
+        """Which internal units keep their first forward's graph (the tree engine's `keep_graph`)."""
+        self.tracker = tracker
+        """Measures live bytes by lifetime class during replay (the tree engine's `tracker`)."""
+        self.loss = loss
+        self.replay_cfg = replay or ReplayConfig()
+        self.cfg = cfg or WindowConfig()
+        self.ref_model = ref_model
+        self.step_hook = step_hook
+        """Passed to the tree engine: called with ("forward" | "backward", step); tests inject faults here."""
+        if identity is not None and (version, adapter_version, tokenizer) != (0, 0, ""):
+            raise ValueError("give the resident identity either whole (identity=) or by its parts, not both")
+        self.identity = identity or ResidentIdentity.of(
+            backend.module, version=version, adapter_version=adapter_version, tokenizer=tokenizer
+        )
+        self.store = store if store is not None else ResidentStore(self.identity)
+        if self.store.identity != self.identity:
+            raise ValueError(
+                f"the store holds identity {self.store.identity}, the window starts at {self.identity}"
+            )
+        self.model_checked = False
+        self.active: OpenWindow | None = None
+        """The window between `open` and `commit`, if any (step hooks read `active.current_tree`)."""
+
+    @property
+    def version(self) -> int:
+        return self.identity.model_version
+
+    def open(self, groups: Sequence[Group], placement: Placement | None = None) -> OpenWindow:
+        self.active = OpenWindow(self, groups, placement)
+        return self.active
+
+    def run(self, groups: Sequence[Group], placement: Placement | None = None) -> WindowReport:
+        window = self.open(groups, placement)
+        window.replay_all()
+        return window.commit()
+
+    def advance(self) -> None:
+        """After an optimizer step: a new model version; all resident state becomes stale."""
+        self.identity = self.identity.bumped()
+        self.store.invalidate(self.identity)
+
+
+@dataclass
+class _Counters:
+    tree_retries: int = 0
+    window_resets: int = 0
+    resets_by_group: dict[int, int] = field(default_factory=dict)
+
+
+class OpenWindow:
+    """One update window between `UpdateWindow.open` and `commit`."""
+
+    def __init__(self, owner: UpdateWindow, groups: Sequence[Group], placement: Placement | None) -> None:
+        self.owner = owner
+        self.backend = owner.backend
+        self.groups = tuple(groups)
+        self.alive = set(range(len(self.groups)))
+        self.dropped: list[DroppedGroup] = []
+        self.failures: dict[int, str] = {}
+        self.counters = _Counters()
+        self.local = ReplayReport()
+        self.closed = False
+        self.current_tree: str | None = None
+        """The tree being replayed right now (for logs and fault-injection hooks)."""
+        self.backward_calls = 0
+        """Backward calls issued by this window; tells a failure before backward from one after."""
+        self._given_placement = placement
+        self.group_of: dict[str, int] = {}
+        for gi, g in enumerate(self.groups):
+            if len(g.trees) != len(g.advantages):
+                raise ValueError(f"group {gi}: {len(g.trees)} trees but {len(g.advantages)} advantage tables")
+            for t in g.trees:
+                if t.id in self.group_of:
+                    raise ManifestError(
+                        f"tree {t.id[:12]} appears twice in the update (groups {self.group_of[t.id]}, {gi})"
+                    )
+                self.group_of[t.id] = gi
+        self.backend.agree(
+            repr(owner.identity), "resident identity (model version, adapter, tokenizer, dtype, ...)"
+        )
+        self._build()
+        self.backend.begin_window()
+        self.engine = self._engine()
+
+    # ----- manifest, placement, local share ---------------------------------------------------------
+    def _build(self) -> None:
+        alive = sorted(self.alive)
+        if not alive:
+            reasons = "; ".join(f"group {d.index}: {d.reason}" for d in self.dropped)
+            raise ManifestError(f"every group of the update was dropped, nothing to train on ({reasons})")
+        trees = [t for gi in alive for t in self.groups[gi].trees]
+        advantages = [a for gi in alive for a in self.groups[gi].advantages]
+        self.manifest = Manifest.build(trees, self.owner.version)
+        ws = self.backend.world_size
+        given = self._given_placement
+        self.placement = place(trees, ws) if given is None else given.restricted_to(trees)
+        if self.placement.world_size != ws:
+            raise ValueError(f"placement is for {self.placement.world_size} ranks, the backend has {ws}")
+        self.backend.agree(self.manifest.digest, "manifest digest")
+        self.backend.agree(self.placement.digest, "placement")
+        batch = UpdateBatch.build(
+            trees, advantages, self.manifest, self.owner.loss, self.placement.for_rank(self.backend.rank)
+        )
+        self.work: dict[str, TreeWork] = {w.tree.id: w for w in batch.work}
+        self.ledger = CoverageLedger(k for w in batch.work for k in self.keys(w))
+
+    def keys(self, work: TreeWork) -> tuple[ContributionKey, ...]:
+        return work.contribution_keys(self.owner.version)
+
+    def _engine(self) -> TreeReplay | FlatReference:
+        o = self.owner
+        if o.cfg.mode == "flat":
+            return FlatReference(
+                self.backend.module, o.loss, ref_model=o.ref_model, microbatch=o.cfg.flat_microbatch,
+                backward=self._backward,
+            )  # fmt: skip
+        engine = TreeReplay(
+            self.backend.module, o.loss, o.replay_cfg, ref_model=o.ref_model, identity=o.identity,
+            store=o.store, backward=self._backward, check_model=not o.model_checked,
+            retention=o.retention, keep_graph=o.keep_graph, tracker=o.tracker,
+        )  # fmt: skip
+        o.model_checked = True
+        engine.step_hook = o.step_hook
+        return engine
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        self.backward_calls += 1
+        self.backend.backward(loss)
+
+    # ----- local replay -----------------------------------------------------------------------------
+    def replay(self, tree_id: str) -> None:
+        """Replay this rank's share of one tree; a tree already covered (or in flight) is refused."""
+        if self.closed:
+            raise RuntimeError("this update window is already committed")
+        work = self.work.get(tree_id)
+        if work is None:
+            raise ManifestError(
+                f"tree {tree_id[:12]} has no contributions on rank {self.backend.rank} in this window"
+            )
+        group = self.group_of[tree_id]
+        keys = self.keys(work)
+        self.ledger.claim(keys)
+        if group in self.failures:
+            self.ledger.release(keys)
+            return
+        self.current_tree = tree_id
+        attempts = self.owner.cfg.tree_attempts
+        for attempt in range(attempts):
+            if attempt:
+                self.counters.tree_retries += 1
+                self.ledger.claim(keys)
+            before = self.backward_calls
+            try:
+                report = self.engine.accumulate(UpdateBatch((work,), self.manifest))
+            except Exception as exc:
+                self.owner.store.clear()
+                self.ledger.release(keys)
+                where = f"{type(exc).__name__} in tree {tree_id[:12]}"
+                if isinstance(exc, BackwardFailed) or self.backward_calls != before:
+                    self._reset(group, f"{where} after a backward of it ran: {exc}")
+                    return
+                log.warning("rank %d: %s before any backward (%s)", self.backend.rank, where, exc)
+                if attempt + 1 == attempts:
+                    self._fail(group, f"tree {tree_id[:12]} failed {attempts} times before backward: {exc!r}")
+                continue
+            self.ledger.commit(keys)
+            self.local = self.local.merged(report)
+            return
+
+    def replay_all(self) -> None:
+        """Replay every contribution of this rank that is not covered yet (after a reset: all of them)."""
+        while True:
+            pending = [
+                tid for tid, w in self.work.items()
+                if self.group_of[tid] not in self.failures and not self.ledger.is_covered(self.keys(w))
+            ]  # fmt: skip
+            if not pending:
+                return
+            for tid in pending:
+                if self.group_of[tid] not in self.failures and not self.ledger.is_covered(
+                    self.keys(self.work[tid])
+                ):
+                    self.replay(tid)
+
+    def _reset(self, group: int, reason: str) -> None:
+        self.backend.reset_window()
+        self.ledger.reset()
+        self.local = ReplayReport()
+        self.counters.window_resets += 1
+        n = self.counters.resets_by_group.get(group, 0) + 1
+        self.counters.resets_by_group[group] = n
+        log.warning("rank %d: update window reset (%s); replaying it", self.backend.rank, reason)
+        if n >= self.owner.cfg.window_attempts:
+            self._fail(group, f"backward failed {n} times; last: {reason}")
+
+    def _fail(self, group: int, reason: str) -> None:
+        self.failures[group] = reason
+        log.error("rank %d: group %d cannot be completed: %s", self.backend.rank, group, reason)
+
+    # ----- the step ---------------------------------------------------------------------------------
+    def _exchange_failures(self) -> dict[int, str]:
+        per_rank = self.backend.gather(json.dumps(sorted(self.failures.items())))
+        failed: dict[int, str] = {}
+        for rank, text in enumerate(per_rank):
+            for gi, reason in json.loads(text):
+                failed.setdefault(int(gi), f"rank {rank}: {reason}")
+        return failed
+
+    def commit(self) -> WindowReport:
+        """Replay what is missing, drop failed groups, check everything collectively, then step."""
+        if self.closed:
+            raise RuntimeError("this update window is already committed")
+        for _ in range(len(self.groups) + 1):
+            self.replay_all()
+            failed = self._exchange_failures()
+            if not failed:
+                break
+            for gi, reason in sorted(failed.items()):
+                tree_ids = tuple(t.id for t in self.groups[gi].trees)
+                self.dropped.append(DroppedGroup(gi, tree_ids, reason))
+                self.alive.discard(gi)
+                log.error(
+                    "group %d (trees %s) dropped from the update: %s", gi, [t[:12] for t in tree_ids], reason
+                )
+            self.failures.clear()
+            self.backend.reset_window()
+            self.owner.store.clear()
+            self._build()
+            self.local = ReplayReport()
+        self.check()
+        applied = self.backend.step()
+        self.closed = True
+        self.current_tree = None
+        self.owner.active = None
+        self.owner.advance()
+        return WindowReport(
+            self.owner.version, self.manifest.digest, len(self.manifest.keys()), self.local,
+            self.counters.tree_retries, self.counters.window_resets, tuple(self.dropped), applied,
+        )  # fmt: skip
+
+    def check(self) -> None:
+        """Collective: same identity and manifest everywhere, and every manifest key covered exactly once."""
+        self.backend.agree(
+            repr(self.owner.identity), "resident identity (model version, adapter, tokenizer, dtype, ...)"
+        )
+        self.backend.agree(self.manifest.digest, "manifest digest")
+        expected = self.manifest.keys()
+        if check_coverage(self.backend.gather(self.ledger.summary().encode()), expected):
+            return
+        per_rank = [decode_keys(t) for t in self.backend.gather(encode_keys(self.ledger.covered))]
+        raise ManifestError(
+            f"coverage check failed, the optimizer step is refused: {explain_mismatch(per_rank, expected)}"
+        )

@@ -1,0 +1,340 @@
+"""Activation bytes calibrated on the actual model and dtype: what a forward of a given shape costs.
+
+Nothing here comes from a paper formula. `calibrate(model, contract)` runs the real engine on a fixed set
+of small probe trees with a `MemoryTracker` attached, pairs every scoring batch and replay step with its
+shape (`treetrain.memory.events`), and fits how many bytes each shape feature costs:
+
+- per token (`rows x width`): hidden states, MLP activations, norms;
+- per row and context token (`rows x (past + width)`): the key/value cache a batch attends over, its
+  grouped-query copies, and in `exact` mode the gradient buffers of a <KV, G> term;
+- per token and context token (`rows x width x (past + width)`): attention masks, and with eager
+  attention the attention weights (the root batch, without a past, has its own causal form);
+- per logits row (`min(targets, chunk rows)`): the head's logits, recomputed chunk by chunk in backward;
+- per past token gathered from several units, per path token receiving a KV gradient, per new G token,
+  per stored KV token.
+
+Bytes alive at any instant are linear in these features, so every fit is a least-squares fit with
+non-negative costs per feature (`treetrain.memory.fit`); that keeps collinear probes from trading large
+costs of opposite sign, which would not extrapolate to longer sequences. A backward's peak is a maximum
+over instants (the head's logits early, a layer's attention gradients later), so it is fitted as the max of
+two affine pieces. There are two regimes, with and without a past, and per regime four fits: the graph
+alive when backward starts (`graph`, also what a kept graph holds), the forward's peak, the backward's
+peak above the graph, and a no-grad forward's peak.
+
+Calibrations are cached per (model config, dtype, attention implementation, device, contract, entropy,
+logits chunk), in this process.
+
+Example:
+    >>> model = tiny_model("llama", 64)                                          # doctest: +SKIP
+    >>> cal = calibrate(model, "exact")                                          # doctest: +SKIP
+    >>> cal.step_peak(Shape(rows=4, width=17, past=63, pieces=1, targets=64))    # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel
+
+from treetrain.engine.batch import ReplayConfig, UpdateBatch
+from treetrain.engine.replay import TreeReplay
+from treetrain.engine.schedule import Contract
+from treetrain.loss.advantages import AdvantageConfig, compute_advantages
+from treetrain.loss.config import LossConfig
+from treetrain.loss.manifest import Manifest
+from treetrain.memory.events import Shape, plan_tree
+from treetrain.memory.fit import Affine, MaxAffine, fit_affine, fit_max_affine
+from treetrain.memory.persistent import kv_bytes_per_token
+from treetrain.memory.tracker import MeasuredSegment, MemoryTracker
+from treetrain.models.logprobs import DEFAULT_MAX_LOGIT_ELEMENTS
+from treetrain.trajectory import Call, Role, Segment, Trajectory
+from treetrain.tree.model import TrajectoryTree
+
+CALIBRATION_VERSION = 1
+
+#: Probe trees: (prompt tokens, shared policy tokens, fan-out per level, tokens per turn, K).
+PROBES: tuple[tuple[int, int, tuple[int, ...], int, int], ...] = (
+    (10, 0, (2,), 6, 0),
+    (24, 3, (3,), 9, 0),
+    (20, 4, (1,), 14, 0),
+    (64, 0, (3,), 20, 0),
+    (40, 0, (4,), 4, 2),
+    (12, 0, (3, 2), 10, 0),
+    (40, 0, (4, 2), 6, 0),
+    (26, 0, (4, 2), 12, 3),
+    (48, 2, (2, 2), 4, 0),
+    (5, 2, (2, 2, 2), 5, 3),
+    (160, 0, (2,), 4, 0),
+    (100, 3, (2,), 5, 1),
+)
+
+
+@dataclass(frozen=True)
+class RegimeModel:
+    """Fitted byte costs for forwards with (or without) a past."""
+
+    graph: Affine
+    """Bytes the graph holds when backward starts."""
+    forward: Affine
+    """Peak bytes during a forward under autograd."""
+    backward: MaxAffine
+    """Peak bytes during backward, above the graph."""
+    nograd: MaxAffine
+    """Peak bytes of a no-grad forward (scoring, reference scoring, recompute)."""
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Calibrated activation bytes of one model, dtype, attention implementation and contract."""
+
+    key: str
+    contract: Contract
+    kv_bytes_per_token: int
+    """Resident KV bytes of one token."""
+    logit_rows: int
+    """Rows of one logits chunk (`max_logit_elements // vocab`)."""
+    past: RegimeModel
+    root: RegimeModel
+    samples: int
+    """Measured forwards the fits rest on."""
+    fit_error: float
+    """Largest relative error of the fitted peaks on the probes themselves."""
+
+    def _regime(self, shape: Shape) -> RegimeModel:
+        return self.past if shape.past > 0 else self.root
+
+    def graph_bytes(self, shape: Shape) -> int:
+        """Bytes a forward's graph holds until its backward (a kept graph holds this long)."""
+        if shape.rows == 0:
+            return 0
+        return max(0, round(self._regime(shape).graph(body_features(shape, self.logit_rows))))
+
+    def forward_peak(self, shape: Shape) -> int:
+        if shape.rows == 0:
+            return 0
+        return max(0, round(self._regime(shape).forward(body_features(shape, self.logit_rows))))
+
+    def step_peak(self, shape: Shape) -> int:
+        """Peak bytes of a replay step above what was live before it (forward, then backward)."""
+        if shape.rows == 0:
+            return 0
+        r = self._regime(shape)
+        body = body_features(shape, self.logit_rows)
+        extra = r.backward.predict(
+            step_head_features(shape, self.logit_rows), backward_features(shape, self.logit_rows)
+        )
+        return max(0, round(max(r.forward(body), r.graph(body) + extra)))
+
+    def backward_extra(self, shape: Shape) -> int:
+        """Bytes a backward adds above the graph it runs through (a kept graph's step)."""
+        if shape.rows == 0:
+            return 0
+        r = self._regime(shape)
+        head = step_head_features(shape, self.logit_rows)
+        return max(0, round(r.backward.predict(head, backward_features(shape, self.logit_rows))))
+
+    def nograd_peak(self, shape: Shape) -> int:
+        r = self._regime(shape)
+        body = body_features(shape, self.logit_rows)
+        return max(0, round(r.nograd.predict(nograd_head_features(shape, self.logit_rows), body)))
+
+
+def body_features(s: Shape, logit_rows: int) -> np.ndarray:
+    """Features of a forward's graph and peaks (the terms a backward adds are in `backward_features`)."""
+    k, w, p = s.rows, s.width, s.past
+    rows = min(s.targets, logit_rows)
+    if p > 0:
+        return np.array([k * w, k * (p + w), k * w * (p + w), p * (s.pieces >= 2), s.stored, rows, 1.0])
+    return np.array([k * w, k * w * w, s.stored, rows, 1.0])
+
+
+def backward_features(s: Shape, logit_rows: int) -> np.ndarray:
+    """`body_features` plus the backward's own terms: <KV, G> buffers, path gradients, new G."""
+    g = 1.0 if s.kv_grad else 0.0
+    extra = [g * s.rows * (s.past + s.width), s.path_tokens, s.new_grad_tokens]
+    return np.concatenate([body_features(s, logit_rows), np.array(extra, dtype=float)])
+
+
+def step_head_features(s: Shape, logit_rows: int) -> np.ndarray:
+    g = 1.0 if s.kv_grad else 0.0
+    return np.array([min(s.targets, logit_rows), g * s.rows * (s.past + s.width), 1.0], dtype=float)
+
+
+def nograd_head_features(s: Shape, logit_rows: int) -> np.ndarray:
+    return np.array([min(s.targets, logit_rows), s.stored, 1.0], dtype=float)
+
+
+# ----- probes ---------------------------------------------------------------------------------------------
+def probe_tree(
+    prompt: int, shared: int, fans: tuple[int, ...], turn: int, vocab: int, seed: int
+) -> TrajectoryTree:
+    """Trajectories sharing a prompt (and `shared` policy tokens), then branching `fans[i]` ways per level."""
+    rng = random.Random(seed)
+    high = max(2, min(vocab, 1000))
+
+    def seg(role: Role, n: int) -> Segment:
+        toks = tuple(rng.randrange(1, high) for _ in range(n))
+        return Segment(role, toks, tuple(-1.0 for _ in toks) if role is Role.POLICY else None)
+
+    head = [seg(Role.PROMPT, prompt)] + ([seg(Role.POLICY, shared)] if shared else [])
+    paths = [head]
+    for level, fan in enumerate(fans):
+        grown = []
+        for p in paths:
+            for _ in range(fan):
+                more = [seg(Role.POLICY, turn)]
+                if level < len(fans) - 1:
+                    more.append(seg(Role.OBSERVATION, max(1, turn // 3)))
+                grown.append(p + more)
+        paths = grown
+    trajs = [Trajectory(f"probe{seed}-{i}", (Call(tuple(p)),), float(i % 2)) for i, p in enumerate(paths)]
+    return TrajectoryTree.build(trajs)
+
+
+@dataclass(frozen=True)
+class StepSample:
+    shape: Shape
+    forward: int
+    graph: int
+    backward: int
+
+
+def _segments(tracker: MemoryTracker) -> dict[str, MeasuredSegment]:
+    return {s.label: s for s in tracker.segments}
+
+
+def measure(
+    model: PreTrainedModel, contract: Contract, *, with_entropy: bool, max_logit_elements: int
+) -> tuple[list[StepSample], list[tuple[Shape, int]]]:
+    """Run the probes; return measured steps and no-grad batches. Parameter `.grad`s are restored.
+
+    Memory does not depend on parameter values, so the probes run on the model as it is."""
+    vocab = int(model.config.get_text_config(decoder=True).vocab_size)
+    per_token = kv_bytes_per_token(model)
+    loss = LossConfig(entropy_coef=0.01 if with_entropy else 0.0)
+    saved = [p.grad for p in model.parameters()]
+    steps: list[StepSample] = []
+    nograd: list[tuple[Shape, int]] = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # probes are tiny: more threads cost more than they give
+    try:
+        for seed, (prompt, shared, fans, turn, k) in enumerate(PROBES):
+            for p in model.parameters():  # the ledger books gradients from the window's start
+                p.grad = torch.zeros_like(p) if p.requires_grad else None
+            tree = probe_tree(prompt, shared, fans, turn, vocab, seed)
+            adv = compute_advantages([tree], AdvantageConfig(zero_variance="keep"))
+            batch = UpdateBatch.build([tree], adv.trees, Manifest.build([tree], 0), loss)
+            cfg = ReplayConfig(
+                contract=contract, microbatch=k, skip_inert=False, max_logit_elements=max_logit_elements
+            )
+            tracker = MemoryTracker(next(model.parameters()).device)
+            engine = TreeReplay(model, loss, cfg, tracker=tracker, check_model=False)
+            engine.accumulate(batch)
+            tracker.detach()
+            segs = _segments(tracker)
+            plan = plan_tree(batch.work[0], cfg, loss, kv_bytes_per_token=per_token)
+            for ev in plan.events:
+                seg = segs.get(ev.label)
+                if seg is None:
+                    continue
+                if ev.kind == "score":
+                    nograd.append((ev.shape, seg.peak.total - seg.start.total))
+                elif ev.kind == "step" and ev.shape.rows:
+                    back = segs[f"{ev.label} backward"]
+                    steps.append(
+                        StepSample(
+                            ev.shape,
+                            seg.peak.total - seg.start.total,
+                            back.start.total - seg.start.total,
+                            back.peak.total - seg.start.total,
+                        )
+                    )
+    finally:
+        torch.set_num_threads(threads)
+        for p, g in zip(model.parameters(), saved):
+            p.grad = g
+    return steps, nograd
+
+
+def _fit_regime(
+    steps: list[StepSample], nograd: list[tuple[Shape, int]], logit_rows: int, pieces: int
+) -> tuple[RegimeModel, float]:
+    """Fit one regime; `pieces=1` makes the backward peak a single affine function."""
+    body = np.array([body_features(s.shape, logit_rows) for s in steps]).reshape(len(steps), -1)
+    head = np.array([step_head_features(s.shape, logit_rows) for s in steps]).reshape(len(steps), -1)
+    fwd = np.array([s.forward for s in steps], dtype=float)
+    graph_y = np.array([s.graph for s in steps], dtype=float)
+    bwd = np.array([s.backward for s in steps], dtype=float)
+    graph = fit_affine(body, graph_y, nonneg=True)
+    forward = fit_affine(body, fwd, nonneg=True)
+    graph_pred = body @ np.array(graph.coef) if len(steps) else np.zeros(0)
+    back = np.array([backward_features(s.shape, logit_rows) for s in steps]).reshape(len(steps), -1)
+    backward = fit_max_affine(head, back, bwd - graph_pred, nonneg=True, restarts=16 if pieces == 2 else 0)
+    nb = np.array([body_features(s, logit_rows) for s, _ in nograd]).reshape(len(nograd), -1)
+    nh = np.array([nograd_head_features(s, logit_rows) for s, _ in nograd]).reshape(len(nograd), -1)
+    ny = np.array([y for _, y in nograd], dtype=float)
+    no = fit_max_affine(nh, nb, ny, nonneg=True, restarts=0)
+    model = RegimeModel(graph, forward, backward, no)
+    errs = [0.0]
+    for s in steps:
+        b = body_features(s.shape, logit_rows)
+        bb = backward_features(s.shape, logit_rows)
+        pred = max(forward(b), graph(b) + backward.predict(step_head_features(s.shape, logit_rows), bb))
+        errs.append(abs(pred - max(s.forward, s.backward)) / max(s.forward, s.backward, 1))
+    for shape, y in nograd:
+        pred = no.predict(nograd_head_features(shape, logit_rows), body_features(shape, logit_rows))
+        errs.append(abs(pred - y) / max(y, 1))
+    return model, max(errs)
+
+
+_CACHE: dict[str, MemoryModel] = {}
+
+
+def calibration_key(
+    model: PreTrainedModel, contract: str, with_entropy: bool, max_logit_elements: int
+) -> str:
+    p = next(model.parameters())
+    config = model.config.get_text_config(decoder=True)
+    attn = str(getattr(config, "_attn_implementation", "eager"))
+    text = f"{CALIBRATION_VERSION}|{model.config.to_json_string()}|{p.dtype}|{attn}|{p.device.type}|{contract}|{with_entropy}|{max_logit_elements}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def calibrate(
+    model: PreTrainedModel,
+    contract: Contract,
+    *,
+    with_entropy: bool = False,
+    max_logit_elements: int = DEFAULT_MAX_LOGIT_ELEMENTS,
+    cache: bool = True,
+) -> MemoryModel:
+    """Measure and fit `model`'s activation bytes (see module docstring); cached per configuration."""
+    key = calibration_key(model, contract, with_entropy, max_logit_elements)
+    if cache and key in _CACHE:
+        return _CACHE[key]
+    steps, nograd = measure(model, contract, with_entropy=with_entropy, max_logit_elements=max_logit_elements)
+    vocab = int(model.config.get_text_config(decoder=True).vocab_size)
+    logit_rows = max(1, max_logit_elements // vocab)
+    past, e1 = _fit_regime(
+        [s for s in steps if s.shape.past > 0], [n for n in nograd if n[0].past > 0], logit_rows, pieces=2
+    )
+    root, e2 = _fit_regime(
+        [s for s in steps if s.shape.past == 0], [n for n in nograd if n[0].past == 0], logit_rows, pieces=2
+    )
+    out = MemoryModel(
+        key,
+        contract,
+        kv_bytes_per_token(model),
+        logit_rows,
+        past,
+        root,
+        len(steps) + len(nograd),
+        max(e1, e2),
+    )
+    if cache:
+        _CACHE[key] = out
+    return out

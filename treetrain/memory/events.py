@@ -1,0 +1,237 @@
+"""The memory-relevant events of one tree's replay, in the engine's order, with the shape of each forward.
+
+The ledger predicts bytes by walking these events; calibration pairs them with what the tracker measured
+while the engine ran. Both read them from here, so a shape means the same thing in both places. The walk
+follows the engine exactly: the scoring pass (`scoring_schedule`), the retention plan's recomputes, kept
+graphs' first forwards, and the replay schedule (`build_schedule`). Event labels are the tracker marks the
+engine sets (`TreeReplay._mark`).
+
+A `Shape` is in tokens: `rows` sibling units padded to `width` input tokens, run against `past` tokens of
+resident KV assembled from `pieces` units; `targets` predicted tokens; `stored` tokens of new KV kept;
+in `exact` steps, whether a <KV, G> term is present, the tokens of leaf copies of the path that receive a
+gradient, and the tokens of new G accumulators.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from treetrain.engine.batch import ReplayConfig, TreeWork
+from treetrain.engine.hooks import KeepGraph
+from treetrain.engine.schedule import Contract, ReplayStep, active_units, build_schedule
+from treetrain.engine.scoring import ScoreBatch, ScoreEvent, reference_need, scoring_schedule
+from treetrain.engine.units import Unit, UnitTree
+from treetrain.loss.config import LossConfig
+from treetrain.memory.retention import ResidentUse, RetentionPlan, plan_retention, tree_uses
+from treetrain.tree.model import ROOT
+
+EventKind = Literal["score", "reference", "recompute", "restore", "keep", "step"]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Token counts that determine one forward's memory (see module docstring)."""
+
+    rows: int
+    width: int
+    past: int
+    pieces: int
+    targets: int
+    stored: int = 0
+    kv_grad: bool = False
+    path_tokens: int = 0
+    new_grad_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class MemEvent:
+    """One forward of the replay (with graph for `keep` and `step`, without for the rest)."""
+
+    label: str
+    """The tracker mark the engine sets before it."""
+    kind: EventKind
+    shape: Shape
+    use: int
+    """Index of the retention use it belongs to."""
+    units: tuple[int, ...]
+    """Units forwarded (the recomputed or kept unit, or the batch)."""
+    kept: tuple[int, ...] = ()
+    """Kept graphs whose backward this step runs."""
+    tokens: int = 0
+    """Tokens actually forwarded (unpadded), as the engine's report counts them."""
+
+
+def _past(units: UnitTree, parent: int, overlap: bool) -> tuple[int, int]:
+    """(past tokens, pieces) a forward under `parent` runs against."""
+    if parent == ROOT:
+        return 0, 0
+    path = units.path(parent)
+    tokens = sum(len(units[u]) for u in path)
+    return (tokens - 1 if overlap else tokens), len(path)
+
+
+def forward_shape(units: UnitTree, parent: int, batch: Sequence[Unit], *, stored: int = 0) -> Shape:
+    past, pieces = _past(units, parent, overlap=True)
+    return Shape(
+        rows=len(batch),
+        width=max(len(u.input_tokens) for u in batch),
+        past=past,
+        pieces=pieces,
+        targets=sum(u.targets.num_targets for u in batch),
+        stored=stored,
+    )
+
+
+def recompute_shape(units: UnitTree, unit: int) -> Shape:
+    u = units[unit]
+    past, pieces = _past(units, u.parent if u.parent is not None else ROOT, overlap=False)
+    return Shape(rows=1, width=len(u), past=past, pieces=pieces, targets=0, stored=len(u))
+
+
+def tree_events(
+    units: UnitTree,
+    uses: Sequence[ResidentUse],
+    plan: RetentionPlan,
+    *,
+    contract: Contract,
+    kept_graphs: frozenset[int] = frozenset(),
+    host_tier: bool = False,
+    label_prefix: str = "",
+) -> tuple[MemEvent, ...]:
+    """Every forward of one tree in execution order (the reference pass is added by the ledger).
+
+    With `host_tier`, a unit computed before and evicted since is copied back ('restore'), not recomputed.
+    """
+    events: list[MemEvent] = []
+    exact = contract == "exact"
+    kept_done: set[int] = set()
+    seen: set[int] = set()
+    step_index = 0
+    for i, use in enumerate(uses):
+        for u in plan.compute[i]:
+            if host_tier and u in seen:
+                shape = Shape(rows=0, width=0, past=0, pieces=0, targets=0)
+                events.append(MemEvent(f"{label_prefix}restore {u}", "restore", shape, i, (u,)))
+            elif u in kept_graphs and u not in kept_done:
+                kept_done.add(u)
+                parent = units[u].parent
+                shape = forward_shape(units, parent if parent is not None else ROOT, [units[u]])
+                tokens = len(units[u].input_tokens)
+                events.append(MemEvent(f"{label_prefix}keep {u}", "keep", shape, i, (u,), tokens=tokens))
+            else:
+                shape = recompute_shape(units, u)
+                events.append(
+                    MemEvent(
+                        f"{label_prefix}recompute {u}", "recompute", shape, i, (u,), tokens=len(units[u])
+                    )
+                )
+        seen.update(plan.compute[i])
+        seen.update(use.store)
+        ev = use.event
+        if isinstance(ev, ScoreBatch):
+            members = [units[c] for c in ev.units if c not in kept_graphs]
+            if members:
+                stored = sum(len(c) for c in members if c.children)
+                shape = forward_shape(units, ev.parent, members, stored=stored)
+                label = f"{label_prefix}score {ev.parent}:{ev.units[0]}"
+                tokens = sum(len(c.input_tokens) for c in members)
+                events.append(
+                    MemEvent(label, "score", shape, i, tuple(c.index for c in members), tokens=tokens)
+                )
+        elif isinstance(ev, ReplayStep):
+            fresh = [units[u] for u in ev.units if u not in kept_graphs]
+            kept = tuple(u for u in ev.units if u in kept_graphs)
+            if fresh:
+                base = forward_shape(units, ev.parent, fresh)
+            else:
+                base = Shape(rows=0, width=0, past=0, pieces=0, targets=0)
+            path_tokens = sum(len(units[u]) for u in units.path(ev.parent)) if exact else 0
+            shape = Shape(
+                rows=base.rows,
+                width=base.width,
+                past=base.past,
+                pieces=base.pieces,
+                targets=base.targets,
+                kv_grad=exact and any(u.children for u in fresh),
+                path_tokens=path_tokens,
+                new_grad_tokens=sum(len(units[u]) for u in use.new_grads),
+            )
+            tokens = sum(len(u.input_tokens) for u in fresh)
+            events.append(
+                MemEvent(f"{label_prefix}step {step_index}", "step", shape, i, ev.units, kept, tokens)
+            )
+            step_index += 1
+    return tuple(events)
+
+
+@dataclass(frozen=True)
+class TreePlan:
+    """Everything the engine will do with one tree, derived exactly as `TreeReplay` derives it."""
+
+    units: UnitTree
+    steps: tuple[ReplayStep, ...]
+    uses: tuple[ResidentUse, ...]
+    plan: RetentionPlan
+    events: tuple[MemEvent, ...]
+    kept: frozenset[int]
+    reference_events: tuple[MemEvent, ...]
+    """The reference model's scoring batches (empty without a KL term)."""
+    reference_schedule: tuple[ScoreEvent, ...]
+    """The reference scoring pass's events, releases included."""
+    kv_bytes: tuple[int, ...]
+    """Resident KV bytes of each unit."""
+
+
+def plan_tree(
+    work: TreeWork,
+    replay: ReplayConfig,
+    loss: LossConfig,
+    *,
+    kv_bytes_per_token: int,
+    budget: int | None = None,
+    keep_graph: KeepGraph | None = None,
+    host_tier: bool = False,
+) -> TreePlan:
+    """The schedule, retention plan and forward events of one tree (see `TreeReplay._tree`)."""
+    units = UnitTree.build(work.tree, work.targets, replay.chunk_size)
+    skip = replay.skip_inert and loss.zero_advantage_is_inert
+    steps = build_schedule(
+        units, contract=replay.contract, microbatch=replay.microbatch, order=replay.order, seed=replay.seed,
+        skip_inert=skip,
+    )  # fmt: skip
+    active = active_units(units, replay.contract, skip)
+    needs_kv = [False] * len(units)
+    for s in steps:
+        for u in units.path(s.parent):
+            needs_kv[u] = True
+    kept: frozenset[int] = frozenset()
+    if keep_graph is not None and replay.contract == "exact":
+        kept = frozenset(
+            u for u in keep_graph(units) if 0 < u < len(units) and units[u].children and active[u]
+        )
+    scored = [u.targets.num_targets > 0 or needs_kv[u.index] for u in units.units]
+    score_events = (
+        scoring_schedule(units, scored, replay.score_microbatch) if loss.ratio_source == "scoring" else ()
+    )
+    uses = tree_uses(units, score_events, steps, contract=replay.contract, keep=needs_kv, kept_graphs=kept)
+    kv = tuple(len(u) * kv_bytes_per_token for u in units.units)
+    plan = plan_retention(uses, kv, budget)
+    events = tree_events(units, uses, plan, contract=replay.contract, kept_graphs=kept, host_tier=host_tier)
+    reference: tuple[MemEvent, ...] = ()
+    ref_schedule = (
+        scoring_schedule(units, reference_need(units), replay.score_microbatch)
+        if loss.needs_reference
+        else ()
+    )
+    if loss.needs_reference:
+        for ev in ref_schedule:
+            if isinstance(ev, ScoreBatch):
+                batch = [units[c] for c in ev.units]
+                stored = sum(len(c) for c in batch if c.children)
+                shape = forward_shape(units, ev.parent, batch, stored=stored)
+                label = f"reference {ev.parent}:{ev.units[0]}"
+                tokens = sum(len(c.input_tokens) for c in batch)
+                reference += (MemEvent(label, "reference", shape, -1, ev.units, tokens=tokens),)
+    return TreePlan(units, steps, uses, plan, events, kept, reference, ref_schedule, kv)

@@ -1,0 +1,300 @@
+"""The ledger: bytes by lifetime class, predicted as a timeline over the replay's actual schedule.
+
+`predict_ledger(batch, model, replay, loss)` walks the same events the engine will run (scoring batches,
+the reference pass, recomputes, kept-graph forwards and replay steps; `treetrain.memory.events`), under
+the same retention plan, and books at each event's peak moment:
+
+- persistent: parameters, reference model, optimizer state (per ZeRO stage and world size);
+- prompt-group: resident KV and live KV-gradient accumulators, per the retention plan;
+- temporary: the event's own activation bytes (calibrated on the model, `treetrain.memory.calibrate`),
+  kept graphs still waiting for their step, and the scored logprobs held for the tree;
+- boundary: the accumulated parameter gradients (booked for the whole window).
+
+The row with the largest total is the peak; its cause names the event and its largest class.
+
+Example:
+    >>> ledger = predict_ledger(batch, model, ReplayConfig(microbatch=2), LossConfig())   # doctest: +SKIP
+    >>> print(ledger.table())                                                              # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from transformers import PreTrainedModel
+
+from treetrain.engine.batch import ReplayConfig, UpdateBatch
+from treetrain.engine.hooks import KeepGraph
+from treetrain.engine.scoring import ScoreBatch, ScoreDone
+from treetrain.loss.config import LossConfig
+from treetrain.loss.manifest import Manifest
+from treetrain.memory.calibrate import MemoryModel, calibrate
+from treetrain.memory.classes import CLASSES, ClassBytes
+from treetrain.memory.events import MemEvent, Shape, TreePlan, plan_tree
+from treetrain.memory.persistent import PersistentBytes, model_persistent_bytes
+from treetrain.units import format_bytes
+
+
+@dataclass(frozen=True)
+class LedgerRow:
+    """Predicted bytes at the peak moment of one event."""
+
+    index: int
+    tree: int
+    """Index of the tree in the update batch."""
+    label: str
+    """The event, as the engine marks it ('score 1:2', 'step 4', 'recompute 3', ...)."""
+    kind: str
+    bytes: ClassBytes
+    shape: Shape | None = None
+    tokens: int = 0
+    """Tokens the event forwards (with a graph for 'step' and 'keep', without for the rest)."""
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """A predicted memory timeline and its peak."""
+
+    rows: tuple[LedgerRow, ...]
+    peak: ClassBytes
+    peak_step: int
+    """Index of the peak row."""
+    peak_cause: str
+    persistent: PersistentBytes
+    budget: int | None
+    """Retention budget the timeline was planned under (None = unbounded)."""
+    minimum_budget: int
+    """Smallest retention budget this update can run in."""
+    recomputes: int
+    """KV recomputations the retention plan forces (copies back from host memory with a host tier)."""
+    manifest_bytes: int
+    """Host bytes of the manifest (update-boundary, not on the device)."""
+
+    @property
+    def token_cost(self) -> int:
+        """Forward 1 and backward 2 per token, as `ReplayReport.token_cost` counts what was run."""
+        return sum(r.tokens * (3 if r.kind in ("step", "keep") else 1) for r in self.rows)
+
+    @property
+    def steps(self) -> int:
+        return sum(1 for r in self.rows if r.kind == "step")
+
+    def table(self, limit: int = 40) -> str:
+        """The timeline as text: the first rows, the peak row, and the peak's breakdown."""
+        head = f"{'#':>4} {'event':<18}" + "".join(f"{c:>14}" for c in (*CLASSES, "total"))
+        lines = [head, "-" * len(head)]
+        shown = list(self.rows[:limit])
+        if self.rows and self.peak_step >= limit:
+            shown.append(self.rows[self.peak_step])
+        for r in shown:
+            mark = " <- peak" if r.index == self.peak_step else ""
+            cells = "".join(f"{format_bytes(r.bytes.get(c)):>14}" for c in CLASSES)
+            lines.append(f"{r.index:>4} {r.label:<18}{cells}{format_bytes(r.bytes.total):>14}{mark}")
+        if len(self.rows) > len(shown):
+            lines.append(f"     ... {len(self.rows) - len(shown)} more rows")
+        lines.append(f"peak {format_bytes(self.peak.total)} at row {self.peak_step}: {self.peak_cause}")
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "peak": self.peak.as_dict(),
+            "peak_step": self.peak_step,
+            "peak_cause": self.peak_cause,
+            "budget": self.budget,
+            "minimum_budget": self.minimum_budget,
+            "recomputes": self.recomputes,
+            "manifest_host_bytes": self.manifest_bytes,
+            "persistent": {
+                "params": self.persistent.params,
+                "grads": self.persistent.grads,
+                "optimizer": self.persistent.optimizer,
+                "master": self.persistent.master,
+                "reference": self.persistent.reference,
+                "offloaded": self.persistent.offloaded,
+            },
+            "rows": [
+                {"index": r.index, "tree": r.tree, "event": r.label} | r.bytes.as_dict() for r in self.rows
+            ],
+        }
+
+
+def manifest_host_bytes(manifest: Manifest) -> int:
+    """Python object bytes of the manifest's entries (measured with `sys.getsizeof`)."""
+    total = sys.getsizeof(manifest.entries)
+    for e in manifest.entries:
+        total += sys.getsizeof(e) + sys.getsizeof(e.tree_id) + sys.getsizeof(e.trajectory_id)
+    return total
+
+
+def predict_ledger(
+    batch: UpdateBatch,
+    model: PreTrainedModel,
+    replay: ReplayConfig,
+    loss: LossConfig,
+    *,
+    budget: int | None = None,
+    keep_graph: KeepGraph | None = None,
+    ref_model: PreTrainedModel | None = None,
+    persistent: PersistentBytes | None = None,
+    memory_model: MemoryModel | None = None,
+    host_tier: bool = False,
+) -> Ledger:
+    """Predict the timeline of `TreeReplay(model, loss, replay, ...).accumulate(batch)`.
+
+    `persistent` overrides the run-persistent bytes (e.g. with optimizer state under ZeRO); by default
+    they are the model's (and reference model's) parameters and gradients, without an optimizer.
+    `host_tier` matches `RetentionPolicy(host_tier=True)`: evicted KV is copied back, not recomputed.
+    Raises `BudgetTooSmallError` when `budget` is below the minimum.
+    """
+    mm = memory_model or calibrate(
+        model, replay.contract, with_entropy=loss.needs_entropy, max_logit_elements=replay.max_logit_elements
+    )
+    ref_mm = mm
+    if ref_model is not None and ref_model.config.to_json_string() != model.config.to_json_string():
+        ref_mm = calibrate(
+            ref_model, replay.contract, with_entropy=False, max_logit_elements=replay.max_logit_elements
+        )
+    pers = persistent or model_persistent_bytes(model, ref_model=ref_model)
+    fixed = ClassBytes(persistent=pers.run_persistent, boundary=pers.update_boundary)
+    lp_size = max(4, next(model.parameters()).element_size())
+    rows: list[LedgerRow] = []
+    minimum, recomputes = 0, 0
+    for t, work in enumerate(batch.work):
+        tp = plan_tree(
+            work, replay, loss, kv_bytes_per_token=mm.kv_bytes_per_token, budget=budget, keep_graph=keep_graph,
+            host_tier=host_tier,
+        )  # fmt: skip
+        minimum = max(minimum, tp.plan.minimum)
+        recomputes += tp.plan.recomputes
+        walk = _TreeWalk(tp, mm, ref_mm, fixed, lp_size, t)
+        rows.extend(walk.run(len(rows), reference=loss.needs_reference))
+    if not rows:
+        rows.append(LedgerRow(0, -1, "idle", "idle", fixed))
+    peak_row = max(rows, key=lambda r: r.bytes.total)
+    return Ledger(
+        tuple(rows), peak_row.bytes, peak_row.index, _cause(peak_row), pers, budget, minimum, recomputes,
+        manifest_host_bytes(batch.manifest),
+    )  # fmt: skip
+
+
+def _cause(row: LedgerRow) -> str:
+    b = row.bytes
+    biggest = max((c for c in CLASSES if c != "persistent"), key=b.get)
+    what = {
+        "step": "replay step (forward and backward under autograd)",
+        "score": "scoring batch (no graph)",
+        "reference": "reference scoring batch (no graph)",
+        "recompute": "recompute of evicted KV (no graph)",
+        "keep": "first forward of a kept graph",
+    }.get(row.kind, row.kind)
+    text = f"{row.label}, {what}; largest share {biggest} {format_bytes(b.get(biggest))}"
+    s = row.shape
+    if s is not None and s.rows:
+        text += f" ({s.rows} branch(es) of up to {s.width} tokens against a {s.past}-token past)"
+    return text
+
+
+class _TreeWalk:
+    """Replays one tree's events on paper, keeping the resident set as the engine will."""
+
+    def __init__(
+        self, tp: TreePlan, mm: MemoryModel, ref_mm: MemoryModel, fixed: ClassBytes, lp_size: int, tree: int
+    ) -> None:
+        self.tp, self.mm, self.ref_mm, self.fixed, self.lp_size, self.tree = (
+            tp,
+            mm,
+            ref_mm,
+            fixed,
+            lp_size,
+            tree,
+        )
+        self.resident: set[int] = set()
+        self.grads: set[int] = set()
+        self.prompt = 0  # bytes of `resident` KV and `grads`
+        self.kept: dict[int, tuple[int, Shape]] = {}
+        self.held = 0  # scores and kept graphs
+        self.rows: list[LedgerRow] = []
+        self.start = 0
+
+    def _add(self, units: Sequence[int], into: set[int]) -> None:
+        for u in units:
+            if u not in into:
+                into.add(u)
+                self.prompt += self.tp.kv_bytes[u]
+
+    def _drop(self, units: Sequence[int], src: set[int]) -> None:
+        for u in units:
+            if u in src:
+                src.discard(u)
+                self.prompt -= self.tp.kv_bytes[u]
+
+    def _row(self, ev: MemEvent, temporary: int, extra_prompt: int = 0) -> None:
+        bytes_ = self.fixed + ClassBytes(
+            prompt_group=self.prompt + extra_prompt, temporary=self.held + temporary
+        )
+        index = self.start + len(self.rows)
+        self.rows.append(LedgerRow(index, self.tree, ev.label, ev.kind, bytes_, ev.shape, ev.tokens))
+
+    def run(self, start: int, *, reference: bool) -> list[LedgerRow]:
+        self.start = start
+        by_use: dict[int, list[MemEvent]] = defaultdict(list)
+        for ev in self.tp.events:
+            by_use[ev.use].append(ev)
+        first_step = next((i for i, u in enumerate(self.tp.uses) if u.label.startswith("step")), None)
+        for i, use in enumerate(self.tp.uses):
+            if reference and i == first_step:
+                self._reference()
+            self._drop(self.tp.plan.evict[i], self.resident)
+            for ev in by_use[i]:
+                self._event(ev, use.store, use.new_grads)
+            self._drop(use.release, self.resident)
+            self._drop(use.release, self.grads)
+            for u in use.release:
+                if u in self.kept:
+                    self.held -= self.kept.pop(u)[0]
+        return self.rows
+
+    def _event(self, ev: MemEvent, stored: Sequence[int], new_grads: Sequence[int]) -> None:
+        mm, s = self.mm, ev.shape
+        if ev.kind == "recompute":
+            self._row(ev, mm.nograd_peak(s))
+            self._add(ev.units, self.resident)
+        elif ev.kind == "restore":
+            self._add(ev.units, self.resident)
+            self._row(ev, 0)
+        elif ev.kind == "keep":
+            self._row(ev, mm.forward_peak(s))
+            self._add(ev.units, self.resident)
+            graph = mm.graph_bytes(s)
+            self.kept[ev.units[0]] = (graph, s)
+            self.held += graph + s.targets * self.lp_size
+        elif ev.kind == "score":
+            self._row(ev, mm.nograd_peak(s))
+            self._add(stored, self.resident)
+            self.held += s.targets * self.lp_size
+        else:
+            extras = [mm.backward_extra(self.kept[u][1]) for u in ev.kept if u in self.kept]
+            own = mm.step_peak(s)
+            if extras:
+                own = max(own, mm.graph_bytes(s) + max(extras))
+            self._row(ev, own)
+            self._add(new_grads, self.grads)
+
+    def _reference(self) -> None:
+        """The reference model's scoring pass: its own store holds the current path and pending siblings."""
+        units = self.tp.units
+        held: set[int] = set()
+        kv = self.tp.kv_bytes
+        events = iter(self.tp.reference_events)
+        for ev in self.tp.reference_schedule:
+            if isinstance(ev, ScoreDone):
+                held.discard(ev.unit)
+                continue
+            assert isinstance(ev, ScoreBatch)
+            mev = next(events)
+            self._row(mev, self.ref_mm.nograd_peak(mev.shape), extra_prompt=sum(kv[u] for u in held))
+            held.update(c for c in ev.units if units[c].children)
+            self.held += mev.shape.targets * self.lp_size

@@ -1,0 +1,136 @@
+"""Run-persistent and update-boundary bytes of a model: parameters, gradients, optimizer state, ZeRO.
+
+These are per process. With DeepSpeed ZeRO over a world of W processes, stage 1 partitions the optimizer
+state (AdamW's two moments and, for 16-bit parameters, the fp32 master copy), stage 2 also the gradients,
+stage 3 also the parameters (and the reference model's, which is wrapped the same way). Offloading the
+optimizer moves its state to host memory; it is then reported as host bytes, not device bytes.
+
+Example:
+    >>> b = persistent_bytes(1_000_000, "bfloat16", zero_stage=2, world_size=4, optimizer=True)
+    >>> b.params, b.grads, b.optimizer, b.master
+    (2000000, 500000, 2000000, 1000000)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+DTYPE_BYTES: dict[str, int] = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def dtype_bytes(dtype: str | torch.dtype) -> int:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"unsupported parameter dtype {name!r}; known: {', '.join(DTYPE_BYTES)}")
+    return DTYPE_BYTES[name]
+
+
+@dataclass(frozen=True)
+class PersistentBytes:
+    """Bytes per process, by what they hold. `device` and `host` split them by where they live."""
+
+    params: int
+    """Policy parameters (this process's partition under ZeRO-3)."""
+    grads: int
+    """Accumulated parameter gradients (partitioned from ZeRO-2); booked as update-boundary."""
+    optimizer: int
+    """AdamW first and second moments, fp32 (partitioned from ZeRO-1)."""
+    master: int
+    """fp32 master weights kept for 16-bit parameters (partitioned from ZeRO-1)."""
+    reference: int
+    """The frozen reference model's parameters."""
+    offloaded: bool = False
+    """Optimizer state and master weights live in host memory."""
+
+    @property
+    def run_persistent(self) -> int:
+        """Device bytes for the whole run: parameters, reference, and on-device optimizer state."""
+        return self.params + self.reference + (0 if self.offloaded else self.optimizer + self.master)
+
+    @property
+    def update_boundary(self) -> int:
+        return self.grads
+
+    @property
+    def host(self) -> int:
+        return self.optimizer + self.master if self.offloaded else 0
+
+
+def persistent_bytes(
+    num_params: int,
+    dtype: str | torch.dtype,
+    *,
+    zero_stage: int = 0,
+    world_size: int = 1,
+    optimizer: bool = True,
+    offload_optimizer: bool = False,
+    reference_params: int = 0,
+    reference_dtype: str | torch.dtype | None = None,
+) -> PersistentBytes:
+    """Per-process persistent bytes of a model of `num_params` trainable parameters (see module docstring).
+
+    `optimizer=False` leaves out optimizer state (the engine alone, without a trainer stepping it).
+    """
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if num_params < 0 or reference_params < 0:
+        raise ValueError("parameter counts must be >= 0")
+    b = dtype_bytes(dtype)
+    w = world_size
+
+    def part(n: int, from_stage: int) -> int:
+        return -(-n // w) if zero_stage >= from_stage else n
+
+    moments = 8 * num_params if optimizer else 0
+    master = 4 * num_params if optimizer and b < 4 else 0
+    ref_b = dtype_bytes(reference_dtype) if reference_dtype is not None else b
+    return PersistentBytes(
+        params=part(num_params * b, 3),
+        grads=part(num_params * b, 2),
+        optimizer=part(moments, 1),
+        master=part(master, 1),
+        reference=part(reference_params * ref_b, 3),
+        offloaded=offload_optimizer,
+    )
+
+
+def model_persistent_bytes(
+    model: PreTrainedModel,
+    *,
+    ref_model: PreTrainedModel | None = None,
+    optimizer: bool = False,
+    zero_stage: int = 0,
+    world_size: int = 1,
+    offload_optimizer: bool = False,
+) -> PersistentBytes:
+    """`persistent_bytes` of a loaded model: parameters counted, not estimated."""
+    params = [p for p in model.parameters()]
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    frozen = sum(p.numel() * p.element_size() for p in params if not p.requires_grad)
+    dtype = params[0].dtype if params else torch.float32
+    ref = sum(p.numel() for p in ref_model.parameters()) if ref_model is not None else 0
+    ref_dtype = next(ref_model.parameters()).dtype if ref_model is not None else None
+    out = persistent_bytes(
+        trainable, dtype, zero_stage=zero_stage, world_size=world_size, optimizer=optimizer,
+        offload_optimizer=offload_optimizer, reference_params=ref, reference_dtype=ref_dtype,
+    )  # fmt: skip
+    if frozen:
+        out = PersistentBytes(
+            out.params + frozen, out.grads, out.optimizer, out.master, out.reference, out.offloaded
+        )
+    return out
+
+
+def kv_bytes_per_token(model: PreTrainedModel) -> int:
+    """Resident KV bytes of one token: keys and values of every layer, in the model's dtype."""
+    config = model.config.get_text_config(decoder=True)
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    layers = int(config.num_hidden_layers)
+    return 2 * layers * kv_heads * head_dim * next(model.parameters()).element_size()

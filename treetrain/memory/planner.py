@@ -1,0 +1,264 @@
+"""The planner: K, chunk size, retention and kept graphs for an update, and tree or flat mode.
+
+Given the trees of an update, a model, a contract and a device memory budget, `plan_update` searches:
+
+- tree mode: K (siblings per replay step), chunk size, a retention budget for resident state, and per
+  internal unit whether its first forward keeps its graph (one token-cost less per token, a graph held
+  longer); every candidate is priced by its ledger (`predict_ledger`) and its token cost;
+- flat mode: the microbatch of calls (`predict_flat`).
+
+A candidate fits when its ledger peak is at most the budget. Among fitting tree candidates the cheapest
+in tokens wins (then fewer, larger steps; then the lower peak). The geometry advisor then compares the
+modes: tree is chosen when it fits and its token-ceiling speedup over flat is at least `min_speedup`,
+flat when it fits and tree does not, or when tree's gain is below that: the ceiling ignores per-step
+overheads and attention's quadratic term, so a thin margin is not worth the tree's resident state.
+`Plan.explain()` says which and why, with both costs. Any choice can be forced (`Overrides`).
+
+Costs are in token units (forward 1, backward 2 per token, as `ReplayReport.token_cost` counts);
+`flops` converts them with the usual 2 x parameters per token forward.
+
+Example:
+    >>> plan = plan_update(trees, model, budget=8 << 30, contract="exact")      # doctest: +SKIP
+    >>> print(plan.explain())                                                  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from transformers import PreTrainedModel
+
+from treetrain.engine.batch import ReplayConfig, UpdateBatch
+from treetrain.engine.hooks import KeepGraph
+from treetrain.engine.schedule import Contract
+from treetrain.engine.units import UnitTree
+from treetrain.loss.config import LossConfig
+from treetrain.memory.ledger import Ledger
+from treetrain.memory.persistent import PersistentBytes
+from treetrain.memory.search import (
+    Candidate,
+    KeepChoice,
+    TreeSearch,
+    chunk_candidates,
+    k_candidates,
+    search_flat,
+    search_tree,
+)
+from treetrain.units import format_bytes
+
+Mode = Literal["tree", "flat"]
+
+
+class PlanError(ValueError):
+    """No candidate fits the budget; the message names the smallest peak found."""
+
+
+@dataclass(frozen=True)
+class Overrides:
+    """Choices the user forces; None leaves a choice to the planner."""
+
+    mode: Mode | None = None
+    """'tree' or 'flat'."""
+    microbatch: int | None = None
+    """K in tree mode (0 = all siblings), calls per microbatch in flat mode."""
+    chunk_size: int | None = None
+    """Unit length in tree mode; 0 means never split."""
+    retention: int | Literal["unbounded"] | None = None
+    """Retention budget in bytes, or 'unbounded'."""
+    keep_graphs: KeepChoice | None = None
+    """'none', 'all' (every internal unit) or 'auto' (the planner's greedy choice)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in (None, "tree", "flat"):
+            raise ValueError(f"mode must be 'tree' or 'flat', got {self.mode!r}")
+        if self.microbatch is not None and self.microbatch < 0:
+            raise ValueError(f"microbatch must be >= 0, got {self.microbatch}")
+        if self.chunk_size is not None and self.chunk_size < 0:
+            raise ValueError(f"chunk_size must be >= 0 (0 = never split), got {self.chunk_size}")
+        if isinstance(self.retention, int) and self.retention < 0:
+            raise ValueError(f"retention must be >= 0 bytes, got {self.retention}")
+        if self.keep_graphs not in (None, "none", "all", "auto"):
+            raise ValueError(f"keep_graphs must be 'none', 'all' or 'auto', got {self.keep_graphs!r}")
+
+    def forced(self) -> tuple[str, ...]:
+        return tuple(
+            f
+            for f in ("mode", "microbatch", "chunk_size", "retention", "keep_graphs")
+            if getattr(self, f) is not None
+        )
+
+
+@dataclass(frozen=True)
+class ModeCost:
+    """What one mode costs under its best configuration."""
+
+    mode: Mode
+    token_cost: int
+    """Forward 1, backward 2 per token; no-grad forwards (scoring, recompute) 1."""
+    flops: float
+    """token_cost x 2 x parameters."""
+    peak: int
+    """Ledger peak, bytes."""
+    fits: bool
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The planner's decision for one update."""
+
+    mode: Mode
+    contract: Contract
+    microbatch: int
+    chunk_size: int | None
+    retention: int | None
+    """Retention budget in bytes (None = unbounded)."""
+    keep_graph: frozenset[tuple[str, int]]
+    """(tree id, unit index) of internal units whose first forward keeps its graph."""
+    budget: int
+    tree: ModeCost
+    flat: ModeCost
+    ledger: Ledger
+    """The chosen mode's predicted timeline."""
+    min_speedup: float
+    reasons: tuple[str, ...] = ()
+    forced: tuple[str, ...] = ()
+
+    @property
+    def speedup(self) -> float:
+        """Token-ceiling speedup of tree mode over flat."""
+        return self.flat.token_cost / max(1, self.tree.token_cost)
+
+    def replay_config(self, base: ReplayConfig | None = None) -> ReplayConfig:
+        """A `ReplayConfig` with the planned K and chunk size (contract included)."""
+        return replace(
+            base or ReplayConfig(),
+            contract=self.contract,
+            microbatch=self.microbatch,
+            chunk_size=self.chunk_size,
+        )
+
+    def keep_graph_fn(self) -> KeepGraph:
+        """The engine's `keep_graph` argument for this plan."""
+        chosen = self.keep_graph
+
+        def keep(units: UnitTree) -> frozenset[int]:
+            return frozenset(u for t, u in chosen if t == units.tree.id)
+
+        return keep
+
+    def explain(self) -> str:
+        t, f = self.tree, self.flat
+        lines = [
+            f"mode: {self.mode} ({self.contract})"
+            + (f"  [forced: {', '.join(self.forced)}]" if self.forced else ""),
+            f"  tree: {t.token_cost} token-units ({t.flops:.3g} FLOPs), peak {format_bytes(t.peak)}"
+            + ("" if t.fits else f"  exceeds the {format_bytes(self.budget)} budget"),
+            f"  flat: {f.token_cost} token-units ({f.flops:.3g} FLOPs), peak {format_bytes(f.peak)}"
+            + ("" if f.fits else f"  exceeds the {format_bytes(self.budget)} budget"),
+            f"  token-ceiling speedup of tree over flat: {self.speedup:.2f}x (tree needs >= {self.min_speedup:.2f}x)",
+        ]
+        if self.mode == "tree":
+            retention = "unbounded" if self.retention is None else format_bytes(self.retention)
+            lines.append(
+                f"  K={self.microbatch or 'all'}, chunk size={self.chunk_size or 'none'}, retention={retention}, "
+                f"kept graphs={len(self.keep_graph)}"
+            )
+        else:
+            lines.append(f"  calls per microbatch={self.microbatch}")
+        lines += [f"  because {r}" for r in self.reasons]
+        return "\n".join(lines)
+
+
+def plan_update(
+    batch: UpdateBatch,
+    model: PreTrainedModel,
+    *,
+    budget: int,
+    contract: Contract = "exact",
+    loss: LossConfig | None = None,
+    overrides: Overrides | None = None,
+    ref_model: PreTrainedModel | None = None,
+    persistent: PersistentBytes | None = None,
+    base: ReplayConfig | None = None,
+    min_speedup: float = 1.25,
+) -> Plan:
+    """Choose mode, K, chunk size, retention and kept graphs for `batch` within `budget` bytes.
+
+    Raises `PlanError` (naming the smallest peak found) when neither mode fits, and `BudgetTooSmallError`
+    when a forced retention budget (with K and chunk size forced too) is below the minimum.
+    """
+    loss = loss or LossConfig()
+    ov = overrides or Overrides()
+    base = replace(base or ReplayConfig(), contract=contract)
+    if budget <= 0:
+        raise ValueError(f"budget must be > 0 bytes, got {budget}")
+    params = sum(p.numel() for p in model.parameters())
+    flops = 2.0 * params
+
+    tree_cand: Candidate | None = None
+    search = TreeSearch(batch, model, loss, base, budget, persistent, ref_model)
+    if ov.mode != "flat":
+        ks = [ov.microbatch] if ov.microbatch is not None else k_candidates(batch)
+        chunks = [ov.chunk_size or None] if ov.chunk_size is not None else chunk_candidates(batch)
+        tree_cand = search_tree(search, contract, ks, chunks, ov.retention, ov.keep_graphs)
+        if tree_cand is None:
+            tree_cand = search.smallest
+    flat_mb, flat_ledger, flat_cost = search_flat(
+        batch, model, loss, budget, ov.microbatch if ov.mode == "flat" else None, persistent, ref_model,
+        base.max_logit_elements,
+    )  # fmt: skip
+    flat = ModeCost(
+        "flat", flat_cost, flat_cost * flops, flat_ledger.peak.total, flat_ledger.peak.total <= budget
+    )
+    if tree_cand is None:  # tree forced off
+        tree = ModeCost("tree", 0, 0.0, 0, False)
+    else:
+        tl = tree_cand.ledger
+        tree = ModeCost("tree", tl.token_cost, tl.token_cost * flops, tl.peak.total, tl.peak.total <= budget)
+    if tree_cand is None:
+        speedup = 0.0
+    else:  # a tree with nothing to replay (every branch inert) costs nothing: any speedup is enough
+        speedup = flat.token_cost / tree.token_cost if tree.token_cost else float("inf")
+
+    reasons: list[str] = []
+    if ov.mode is not None:
+        mode: Mode = ov.mode
+        reasons.append(f"the mode was forced to {mode}")
+    elif tree.fits and (not flat.fits or speedup >= min_speedup):
+        mode = "tree"
+        if flat.fits:
+            reasons.append(
+                f"tree fits and its token-ceiling speedup {speedup:.2f}x is at least {min_speedup:.2f}x"
+            )
+        else:
+            reasons.append(f"only tree fits the {format_bytes(budget)} budget")
+    elif flat.fits:
+        mode = "flat"
+        if tree.fits:
+            reasons.append(
+                f"tree's token-ceiling speedup is only {speedup:.2f}x (< {min_speedup:.2f}x): the suffixes dominate "
+                "and sharing saves too little to pay for resident state and per-step overheads"
+            )
+        else:
+            reasons.append(f"tree's smallest peak {format_bytes(tree.peak)} exceeds the budget; flat fits")
+    else:
+        raise PlanError(
+            f"nothing fits the {format_bytes(budget)} budget: the smallest predicted peak is "
+            f"{format_bytes(tree.peak)} in tree mode and {format_bytes(flat.peak)} in flat mode"
+        )
+    if mode == "tree":
+        assert tree_cand is not None
+        c = tree_cand
+        if c.retention is not None:
+            reasons.append(f"resident state is bounded to {format_bytes(c.retention)} so the peak fits")
+        if c.keep:
+            reasons.append(f"{len(c.keep)} internal unit(s) keep their first graph: no recompute for them")
+        return Plan(
+            "tree", contract, c.microbatch, c.chunk, c.retention, c.keep, budget, tree, flat, c.ledger,
+            min_speedup, tuple(reasons), ov.forced(),
+        )  # fmt: skip
+    return Plan(
+        "flat", contract, flat_mb, None, None, frozenset(), budget, tree, flat, flat_ledger, min_speedup,
+        tuple(reasons), ov.forced(),
+    )  # fmt: skip

@@ -1,0 +1,296 @@
+"""Bounded retention: a byte budget for resident state, with farthest-next-use eviction and recompute.
+
+The engine's work on one tree is a known sequence of *uses* (`tree_uses`): scoring batches, the releases
+that end a scored subtree, and replay steps. Each use needs the KV of some units resident (the parent path
+it runs against), may store new KV (scoring stores internal units), may create KV-gradient accumulators G
+(`exact` steps), and releases what nothing will read again. Because the sequence is known in advance,
+eviction can look at the future: when resident bytes would exceed the budget, the resident unit whose
+next use is farthest away goes first (Belady's rule; optimal in recomputes when units are the same size).
+An evicted unit is recomputed, without a graph, from its nearest resident ancestor when it is needed again
+(`treetrain.engine.scoring.PathKV`), so a budget changes cost, never the gradient.
+
+What cannot be evicted sets the *minimum* budget: at every use, the KV of the path it runs against, the
+KV it stores, every live G accumulator (they hold gradient not yet pushed through, `exact` mode) and the
+ancestors pinned by kept graphs. A budget below that maximum is refused (`BudgetTooSmallError`).
+
+`plan_retention` is a pure function of the uses, so the engine (`RetentionPolicy`) and the ledger
+(`treetrain.memory.ledger`) make the same decisions.
+
+Example:
+    >>> uses = [ResidentUse("a", need=(1,)), ResidentUse("b", need=(2,)), ResidentUse("c", need=(1,))]
+    >>> plan = plan_retention(uses, kv_bytes=[0, 10, 10], budget=10)
+    >>> plan.evict, plan.compute, plan.minimum
+    (((), (1,), (2,)), ((1,), (2,), (1,)), 10)
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+from transformers import PreTrainedModel
+
+from treetrain.engine.schedule import Contract, ReplayStep
+from treetrain.engine.scoring import ScoreBatch, ScoreDone, ScoreEvent
+from treetrain.engine.units import UnitTree
+from treetrain.memory.persistent import kv_bytes_per_token
+from treetrain.tree.model import ROOT
+from treetrain.units import format_bytes
+
+NEVER = 1 << 62
+
+
+class BudgetTooSmallError(ValueError):
+    """The retention budget is below the minimum this update can run in; the message names the minimum."""
+
+    def __init__(self, budget: int, minimum: int, where: str) -> None:
+        self.budget = budget
+        self.minimum = minimum
+        super().__init__(
+            f"retention budget {budget} B ({format_bytes(budget)}) is below the minimum feasible budget "
+            f"{minimum} B ({format_bytes(minimum)}), needed at {where}: the KV of the path it runs against, "
+            "the KV it stores and every live KV-gradient accumulator must be resident together"
+        )
+
+
+@dataclass(frozen=True)
+class ResidentUse:
+    """One event of a tree's processing, as retention sees it."""
+
+    label: str
+    """Readable name: 'score 3' or 'step 5'."""
+    need: tuple[int, ...] = ()
+    """Units whose KV must be resident during the event (the parent path, root side first)."""
+    store: tuple[int, ...] = ()
+    """Units whose KV the event computes and keeps (a scoring batch's internal units)."""
+    new_grads: tuple[int, ...] = ()
+    """Units whose KV-gradient accumulator the event creates."""
+    release: tuple[int, ...] = ()
+    """Units forgotten after the event (KV and accumulator)."""
+    pinned: tuple[int, ...] = ()
+    """Units whose KV a kept graph holds during the event: not evictable."""
+    event: Any = None
+    """The engine's own event (`ScoreBatch`, `ScoreDone` or `ReplayStep`) this use stands for."""
+
+
+def tree_uses(
+    units: UnitTree,
+    score_events: Sequence[ScoreEvent],
+    steps: Sequence[ReplayStep],
+    *,
+    contract: Contract,
+    keep: Sequence[bool],
+    kept_graphs: frozenset[int] = frozenset(),
+) -> tuple[ResidentUse, ...]:
+    """The uses of one tree in execution order: the scoring pass (if any), then the replay steps.
+
+    `keep[u]` is whether u's KV stays resident after its subtree is scored (the engine keeps what a step
+    will read). Units in `kept_graphs` are not stored by scoring: their first forward keeps a graph and
+    happens at their first use; from then until their own step their parent path is pinned.
+    """
+    raw: list[ResidentUse] = []
+    for ev in score_events:
+        if isinstance(ev, ScoreDone):
+            raw.append(
+                ResidentUse(f"release {ev.unit}", release=() if keep[ev.unit] else (ev.unit,), event=ev)
+            )
+            continue
+        assert isinstance(ev, ScoreBatch)
+        stored = tuple(c for c in ev.units if units[c].children and c not in kept_graphs)
+        raw.append(ResidentUse(f"score {len(raw)}", need=units.path(ev.parent), store=stored, event=ev))
+    has_grad: set[int] = set()
+    for i, step in enumerate(steps):
+        path = units.path(step.parent)
+        new = tuple(u for u in path if u not in has_grad) if contract == "exact" else ()
+        has_grad.update(new)
+        raw.append(ResidentUse(f"step {i}", need=path, new_grads=new, release=step.units, event=step))
+    if not kept_graphs:
+        return tuple(raw)
+    first = {u: next((i for i, r in enumerate(raw) if u in r.need), None) for u in kept_graphs}
+    last = {u: next((i for i, r in enumerate(raw) if u in r.release), len(raw) - 1) for u in kept_graphs}
+    out = []
+    for i, r in enumerate(raw):
+        pins: set[int] = set()
+        for u, f in first.items():
+            if f is not None and f <= i <= last[u]:
+                parent = units[u].parent
+                pins.update(units.path(parent) if parent not in (None, ROOT) else ())
+        out.append(
+            ResidentUse(r.label, r.need, r.store, r.new_grads, r.release, tuple(sorted(pins)), r.event)
+        )
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class RetentionPlan:
+    """What retention does at every use, and what it costs."""
+
+    budget: int | None
+    minimum: int
+    """Smallest feasible budget in bytes (see the module docstring)."""
+    minimum_at: str
+    """The use that sets the minimum."""
+    evict: tuple[tuple[int, ...], ...]
+    """Per use, the units evicted just before it, in eviction order."""
+    compute: tuple[tuple[int, ...], ...]
+    """Per use, the units whose KV is computed without a graph before it, root side first."""
+    resident: tuple[int, ...]
+    """Per use, resident bytes (KV and accumulators) while it runs."""
+    recomputes: int
+    """Computations of KV that had been computed before (evicted, then needed again)."""
+
+    @property
+    def peak(self) -> int:
+        return max(self.resident, default=0)
+
+
+def plan_retention(uses: Sequence[ResidentUse], kv_bytes: Sequence[int], budget: int | None) -> RetentionPlan:
+    """Decide evictions for `uses` under `budget` bytes (None = unbounded). `kv_bytes[u]` is u's KV size;
+    an accumulator has the same size. Raises `BudgetTooSmallError` below the minimum."""
+    next_use = _NextUse(uses)
+    resident: set[int] = set()
+    grads: set[int] = set()
+    seen: set[int] = set()
+    evict_log: list[tuple[int, ...]] = []
+    compute_log: list[tuple[int, ...]] = []
+    resident_log: list[int] = []
+    minimum, minimum_at, recomputes = 0, "no use", 0
+    for i, use in enumerate(uses):
+        fixed = set(use.need) | set(use.store) | set(use.pinned)
+        grad_bytes = sum(kv_bytes[u] for u in grads | set(use.new_grads))
+        required = sum(kv_bytes[u] for u in fixed) + grad_bytes
+        if required > minimum:
+            minimum, minimum_at = required, use.label
+        evicted: list[int] = []
+        if budget is not None:
+            if required > budget:
+                raise BudgetTooSmallError(budget, _minimum(uses, kv_bytes), use.label)
+            others = sorted(resident - fixed)
+            held = sum(kv_bytes[u] for u in others)
+            while held + required > budget:
+                victim = max(others, key=lambda u: (next_use.after(u, i), kv_bytes[u], u))
+                others.remove(victim)
+                resident.discard(victim)
+                held -= kv_bytes[victim]
+                evicted.append(victim)
+        missing = tuple(u for u in (*use.need, *use.pinned) if u not in resident)
+        recomputes += sum(1 for u in missing if u in seen)
+        seen.update(missing)
+        seen.update(use.store)
+        resident.update(missing)
+        resident.update(use.store)
+        grads.update(use.new_grads)
+        resident_log.append(sum(kv_bytes[u] for u in resident) + sum(kv_bytes[u] for u in grads))
+        evict_log.append(tuple(evicted))
+        compute_log.append(tuple(dict.fromkeys(missing)))
+        for u in use.release:
+            resident.discard(u)
+            grads.discard(u)
+    return RetentionPlan(
+        budget, minimum, minimum_at, tuple(evict_log), tuple(compute_log), tuple(resident_log), recomputes
+    )
+
+
+def minimum_budget(uses: Sequence[ResidentUse], kv_bytes: Sequence[int]) -> int:
+    """The smallest budget `plan_retention` accepts for these uses."""
+    return _minimum(uses, kv_bytes)
+
+
+def _minimum(uses: Sequence[ResidentUse], kv_bytes: Sequence[int]) -> int:
+    grads: set[int] = set()
+    best = 0
+    for use in uses:
+        fixed = set(use.need) | set(use.store) | set(use.pinned)
+        best = max(
+            best, sum(kv_bytes[u] for u in fixed) + sum(kv_bytes[u] for u in grads | set(use.new_grads))
+        )
+        grads.update(use.new_grads)
+        grads.difference_update(use.release)
+    return best
+
+
+class _NextUse:
+    """The index of each unit's next use after a given use (`NEVER` if none)."""
+
+    def __init__(self, uses: Sequence[ResidentUse]) -> None:
+        self.at: dict[int, list[int]] = {}
+        for i, use in enumerate(uses):
+            for u in (*use.need, *use.pinned):
+                at = self.at.setdefault(u, [])
+                if not at or at[-1] != i:
+                    at.append(i)
+
+    def after(self, unit: int, i: int) -> int:
+        at = self.at.get(unit, [])
+        j = bisect.bisect_right(at, i)
+        return at[j] if j < len(at) else NEVER
+
+
+class RetentionPolicy:
+    """Runs `plan_retention` inside `TreeReplay` (the engine's `RetentionHook`).
+
+    `budget` is in bytes (None = unbounded; the plan is still made, so `plans` report the minimum). With
+    `host_tier`, evicted KV goes to host memory and is copied back, not recomputed; the plan is the same.
+
+    Example:
+        >>> policy = RetentionPolicy(budget=64 << 20)                                   # doctest: +SKIP
+        >>> TreeReplay(model, LossConfig(), ReplayConfig(), retention=policy)          # doctest: +SKIP
+    """
+
+    def __init__(self, budget: int | None, *, host_tier: bool = False) -> None:
+        if budget is not None and budget < 0:
+            raise ValueError(f"retention budget must be >= 0 bytes, got {budget}")
+        self.budget = budget
+        self.host_tier = host_tier
+        """Offload evicted KV to (pinned) host memory and copy it back when needed, instead of recomputing
+        it. Worth it on a GPU, where host memory is separate; on a CPU it frees nothing."""
+        self.plans: list[RetentionPlan] = []
+        """One plan per tree replayed, in order."""
+        self._plan: RetentionPlan | None = None
+        self._uses: tuple[ResidentUse, ...] = ()
+        self._cursor = 0
+        self._evict: Callable[[int], object] = lambda u: None
+        self._evicted = 0
+
+    def begin_tree(
+        self,
+        units: UnitTree,
+        score_events: Sequence[ScoreEvent],
+        steps: Sequence[ReplayStep],
+        *,
+        contract: str,
+        keep: Sequence[bool],
+        kept_graphs: frozenset[int],
+        evict: Callable[[int], object],
+        offload: Callable[[int], object],
+        model: PreTrainedModel,
+    ) -> None:
+        per_token = kv_bytes_per_token(model)
+        kv = [len(u) * per_token for u in units.units]
+        self._uses = tree_uses(
+            units, score_events, steps, contract=cast(Contract, contract), keep=keep, kept_graphs=kept_graphs
+        )
+        self._plan = plan_retention(self._uses, kv, self.budget)
+        self.plans.append(self._plan)
+        self._cursor = 0
+        self._evict = offload if self.host_tier else evict
+        self._evicted = 0
+
+    def before(self, event: object) -> None:
+        """Evict what the plan evicts before `event` (a `ScoreBatch` or `ReplayStep`)."""
+        assert self._plan is not None, "begin_tree was not called"
+        while self._cursor < len(self._uses) and self._uses[self._cursor].event != event:
+            self._cursor += 1
+        if self._cursor == len(self._uses):
+            raise RuntimeError(f"the engine ran {event}, which the retention plan does not contain")
+        for u in self._plan.evict[self._cursor]:
+            self._evict(u)
+            self._evicted += 1
+        self._cursor += 1
+
+    def end_tree(self) -> int:
+        """Close the tree; returns how many evictions were made."""
+        self._plan = None
+        return self._evicted

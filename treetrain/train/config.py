@@ -1,0 +1,276 @@
+"""`treetrain train` configuration: typed sections, loaded from TOML or YAML, overridable on the command line.
+
+The defaults *are* the embedded demo: the shipped checkpoint on the calculator environment, sized to finish in
+minutes on two CPU cores. Every field is validated when the file is loaded, before any work starts, and an
+error names the field (`rollout.fanout_root: must be >= 1, got 0`).
+
+Example:
+    >>> cfg = load_config(None, ["updates=3", "loss.kl_coef=0.05"])
+    >>> cfg.updates, cfg.loss.kl_coef, cfg.model.path
+    (3, 0.05, 'demo')
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Literal
+
+import yaml
+
+from treetrain.engine.schedule import Contract
+from treetrain.loss.advantages import AdvantageConfig
+from treetrain.loss.config import ConfigError, LossConfig
+from treetrain.models.logprobs import DEFAULT_MAX_LOGIT_ELEMENTS
+from treetrain.train.typed import apply_override, from_dict, to_dict
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """The policy (and reference) model."""
+
+    path: str = "demo"
+    """'demo' (the shipped checkpoint), a local Hugging Face directory, or a preset 'tiny-<family>'."""
+    dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"
+    """Parameter dtype of the policy."""
+    attn: Literal["eager", "sdpa"] = "sdpa"
+    """Attention implementation."""
+    reference: str | None = None
+    """Reference model for the KL term: 'initial' (a frozen copy of the starting policy), a path, or None."""
+    tokenizer: str | None = None
+    """Tokenizer directory; None uses the model directory's, or the shipped tokenizer for presets."""
+
+
+@dataclass(frozen=True)
+class EnvSection:
+    """Where trajectories come from."""
+
+    name: str = "calculator"
+    """A built-in environment, a `treetrain.envs` entry point, or 'module:Class'."""
+    kwargs: Mapping[str, Any] = field(
+        default_factory=lambda: MappingProxyType({"min_operands": 2, "max_operands": 3})
+    )
+    """Keyword arguments for the environment's constructor."""
+    rubric: str | None = None
+    """Which of the environment's rubrics gives the reward (None: its first)."""
+
+
+@dataclass(frozen=True)
+class RolloutSection:
+    """Tree-shaped sampling from the current policy (ignored when `trees` is set)."""
+
+    groups_per_update: int = 4
+    """Trees (one task each) sampled per update; each tree is one advantage group."""
+    fanout_root: int = 8
+    """G: samples of the first assistant turn."""
+    fanout_after_tool: int = 1
+    """Samples of the next assistant turn after each tool result."""
+    fanout_env: int = 1
+    """Environment forks answering the same assistant turn."""
+    max_branch_depth: int = 2
+    """Most branch points (factor > 1) on one path."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    max_turns: int = 4
+    """Assistant turns per episode."""
+    max_turn_tokens: int = 96
+    """Tokens per assistant turn."""
+    max_episode_tokens: int = 2048
+    """Tokens per episode, prompt included."""
+    trees: str | None = None
+    """Train on recorded trees instead: a directory or glob of .msgpack files, consumed in order."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "groups_per_update",
+            "fanout_root",
+            "fanout_after_tool",
+            "fanout_env",
+            "max_branch_depth",
+        ):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"rollout.{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("max_turns", "max_turn_tokens", "max_episode_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"rollout.{name}: must be >= 1, got {getattr(self, name)}")
+        if not self.temperature > 0:
+            raise ConfigError(f"rollout.temperature: must be > 0 for RL sampling, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"rollout.top_p: must be in (0, 1], got {self.top_p}")
+
+
+@dataclass(frozen=True)
+class ReplaySection:
+    """How each update is replayed. Fields left null are chosen per update by the planner (`treetrain plan`)."""
+
+    contract: Contract = "exact"
+    """exact: the same gradient as flat; response_only: resident KV detached (cheaper, biased; see README)."""
+    microbatch: int | None = None
+    """K, sibling branches replayed together (0 = all); null: the planner chooses."""
+    chunk_size: int | None = None
+    """Split nodes longer than this into chains (0 = never split); null: the planner chooses."""
+    retention: str | None = None
+    """Byte budget for resident state ('256MiB') or 'unbounded'; null: the planner chooses within memory_budget."""
+    keep_graphs: Literal["none", "all", "auto"] | None = None
+    """exact mode: keep internal nodes' first-forward graphs instead of recomputing; null: the planner chooses."""
+    min_speedup: float = 1.25
+    """mode=auto picks tree only when its token-ceiling speedup over flat is at least this (or only tree fits)."""
+    score_microbatch: int = 0
+    """Sibling units per no-grad scoring forward (0 = all)."""
+    skip_inert: bool = True
+    """Skip branches whose advantages are all zero when no KL or entropy term is on (no gradient at all)."""
+    max_logit_elements: int = DEFAULT_MAX_LOGIT_ELEMENTS
+    """Largest logits chunk (rows x vocabulary) materialized at once."""
+
+    def __post_init__(self) -> None:
+        if self.contract not in ("exact", "response_only"):
+            raise ConfigError(f"replay.contract: must be 'exact' or 'response_only', got {self.contract!r}")
+        for name in ("microbatch", "chunk_size"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ConfigError(f"replay.{name}: must be >= 0 or null, got {value}")
+        if self.retention is not None and self.retention != "unbounded":
+            from treetrain.units import parse_bytes
+
+            try:
+                parse_bytes(self.retention)
+            except ValueError as exc:
+                raise ConfigError(f"replay.retention: {exc}") from exc
+        if not self.min_speedup > 0:
+            raise ConfigError(f"replay.min_speedup: must be > 0, got {self.min_speedup}")
+        if self.score_microbatch < 0 or self.max_logit_elements < 1:
+            raise ConfigError("replay.score_microbatch must be >= 0 and replay.max_logit_elements >= 1")
+
+
+@dataclass(frozen=True)
+class OptimSection:
+    """AdamW."""
+
+    lr: float = 2e-4
+    """Learning rate."""
+    betas: tuple[float, float] = (0.9, 0.99)
+    """Adam betas."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    grad_clip: float | None = 1.0
+    """Clip the global gradient norm to this (None: no clipping)."""
+    warmup_updates: int = 0
+    """Linear learning-rate warm-up over this many updates."""
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ConfigError(f"optim.lr: must be > 0, got {self.lr}")
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"optim.betas: each must be in [0, 1), got {self.betas}")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ConfigError(f"optim.grad_clip: must be > 0 or null, got {self.grad_clip}")
+        if self.warmup_updates < 0:
+            raise ConfigError(f"optim.warmup_updates: must be >= 0, got {self.warmup_updates}")
+
+
+@dataclass(frozen=True)
+class DistributedSection:
+    """How the update runs across processes."""
+
+    backend: Literal["torch", "deepspeed"] = "torch"
+    """'torch': one process, plain AdamW. 'deepspeed': a DeepSpeed engine (launch with deepspeed or torchrun)."""
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    """ZeRO stage for the generated DeepSpeed config."""
+    offload_optimizer: bool = False
+    """Keep optimizer state on the CPU (DeepSpeed)."""
+    deepspeed_config: str | None = None
+    """A DeepSpeed JSON passed through as is (overrides zero_stage and offload_optimizer)."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything `treetrain train` needs. The defaults are the demo."""
+
+    run_dir: str = "runs/demo"
+    """Where trees, metrics, checkpoints and the final model go."""
+    seed: int = 0
+    """Seeds task selection, sampling and any shuffles."""
+    updates: int = 60
+    """Optimizer steps to run."""
+    mode: Literal["auto", "tree", "flat"] = "auto"
+    """'auto' lets the planner choose tree or flat replay per update; 'tree' or 'flat' forces it."""
+    memory_budget: str | None = None
+    """Memory the planner may plan for on each process, e.g. '8GiB' (null: the device's memory)."""
+    measure_memory_every: int = 10
+    """Measure the live-byte peak of every N-th update's replay against the ledger (0: never; it slows replay)."""
+    checkpoint_every: int = 20
+    """Save a resumable checkpoint every this many updates (0: only at the end)."""
+    threads: int | None = None
+    """torch intra-op threads (None: leave torch's default)."""
+    model: ModelSection = field(default_factory=ModelSection)
+    env: EnvSection = field(default_factory=EnvSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    loss: LossConfig = field(default_factory=LossConfig)
+    advantages: AdvantageConfig = field(default_factory=AdvantageConfig)
+    replay: ReplaySection = field(default_factory=ReplaySection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    distributed: DistributedSection = field(default_factory=DistributedSection)
+
+    def __post_init__(self) -> None:
+        if self.updates < 1:
+            raise ConfigError(f"updates: must be >= 1, got {self.updates}")
+        if self.checkpoint_every < 0:
+            raise ConfigError(f"checkpoint_every: must be >= 0, got {self.checkpoint_every}")
+        if self.measure_memory_every < 0:
+            raise ConfigError(f"measure_memory_every: must be >= 0, got {self.measure_memory_every}")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"threads: must be >= 1 or null, got {self.threads}")
+        if self.loss.needs_reference and self.model.reference is None:
+            raise ConfigError("model.reference: loss.kl_coef > 0 needs a reference model (e.g. 'initial')")
+        if self.memory_budget is not None:
+            from treetrain.units import parse_bytes
+
+            try:
+                parse_bytes(self.memory_budget)
+            except ValueError as exc:
+                raise ConfigError(f"memory_budget: {exc}") from exc
+
+
+def read_file(path: str | Path) -> dict[str, Any]:
+    """A TOML (.toml) or YAML (.yaml/.yml) file as a dict."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {p} does not exist")
+    text = p.read_text()
+    try:
+        if p.suffix == ".toml":
+            data: Any = tomllib.loads(text)
+        elif p.suffix in (".yaml", ".yml"):
+            data = yaml.safe_load(text) or {}
+        else:
+            raise ConfigError(f"config file {p}: use .toml, .yaml or .yml")
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"config file {p} is not valid: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {p}: the top level must be a mapping")
+    return data
+
+
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> TrainConfig:
+    """Defaults, then the file, then `section.field=value` overrides; validated as a whole."""
+    data: dict[str, Any] = read_file(path) if path is not None else {}
+    for assignment in overrides:
+        apply_override(data, assignment)
+    return from_dict(TrainConfig, data)
+
+
+def dump_config(cfg: TrainConfig) -> str:
+    """The resolved config as YAML (what `--print-config` shows and the run directory keeps)."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)

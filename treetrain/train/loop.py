@@ -1,0 +1,266 @@
+"""The training loop: rollout → advantages → plan → replay → step → invalidate → log.
+
+One update is one optimizer step over one update window. Each tree is one advantage group (one task's
+rollouts); groups with zero reward variance are dropped before the manifest is built, so they never dilute
+a denominator. The exactly-once window (`treetrain.distributed.window`) builds the manifest, replays,
+retries what failed, and steps only when every contribution is counted once; then the model version
+advances and every resident tensor of the old version becomes unreadable.
+
+Example:
+    >>> trainer = Trainer(load_config(None, ["updates=3", "run_dir=/tmp/run"]))     # doctest: +SKIP
+    >>> summary = trainer.run()                                                       # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from envs.registry import make_env
+from treetrain.distributed.backend import TrainBackend, make_backend
+from treetrain.distributed.window import UpdateWindow
+from treetrain.distributed.window_types import Group, WindowConfig
+from treetrain.engine import ReplayReport
+from treetrain.engine.resident import ResidentIdentity, ResidentStore
+from treetrain.io import atomic_write_text
+from treetrain.loss.advantages import compute_advantages
+from treetrain.memory.planner import Plan
+from treetrain.memory.tracker import MemoryTracker
+from treetrain.train.checkpoint import TrainerState, latest_checkpoint, load_trainer_state, save_trainer_state
+from treetrain.train.config import TrainConfig, dump_config
+from treetrain.train.metrics import MetricsWriter, UpdateMetrics, read_metrics
+from treetrain.train.models import load_models
+from treetrain.train.planning import plan_for
+from treetrain.train.sources import RecordedSource, RolloutSource
+from treetrain.train.summary import RunSummary, plot_rewards
+from treetrain.tree import TrajectoryTree
+from treetrain.units import format_bytes
+
+log = logging.getLogger(__name__)
+
+
+RUN_ARTIFACTS = (
+    "checkpoints",
+    "rollouts",
+    "final",
+    "metrics.jsonl",
+    "summary.txt",
+    "reward.png",
+    "tensorboard",
+)
+
+
+def prepare_fresh_run_dir(run_dir: Path, overwrite: bool) -> None:
+    """Refuse to mix a new run into an old one, unless asked to replace it (deleting on rank 0 only)."""
+    found = [name for name in RUN_ARTIFACTS if (run_dir / name).exists()]
+    if not found:
+        return
+    if not overwrite:
+        raise FileExistsError(
+            f"{run_dir} already holds a run ({', '.join(found)}); use --resume to continue it, "
+            "--overwrite to replace it, or another --run-dir"
+        )
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    for name in found:
+        path = run_dir / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+class Trainer:
+    """Runs `cfg.updates` updates in `cfg.run_dir`.
+
+    `resume=True` continues from the latest checkpoint there. A fresh run refuses a directory that already
+    holds a run unless `overwrite=True`, which removes the earlier run's artifacts first.
+    """
+
+    def __init__(
+        self, cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, progress: bool = True
+    ) -> None:
+        if cfg.threads is not None:
+            torch.set_num_threads(cfg.threads)
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run_dir)
+        self.progress = progress
+        if not resume:
+            prepare_fresh_run_dir(self.run_dir, overwrite)
+        seed_everything(cfg.seed)
+        models = load_models(cfg.model)
+        self.tokenizer = models.tokenizer
+        self.reference = models.reference
+        self.backend: TrainBackend = make_backend(models.policy, cfg.optim, cfg.distributed)
+        self.state = TrainerState(update=0, version=0)
+        self.identity = ResidentIdentity.of(self.backend.module, tokenizer=models.tokenizer_fingerprint)
+        if resume:
+            ckpt = latest_checkpoint(self.run_dir)
+            if ckpt is None:
+                raise FileNotFoundError(f"--resume: no checkpoint under {self.run_dir / 'checkpoints'}")
+            self.state = load_trainer_state(self.backend, ckpt)
+            self.identity = replace(self.identity, model_version=self.state.version)
+        self.store = ResidentStore(self.identity)
+        self.device = next(self.backend.module.parameters()).device
+        self.last_plan: Plan | None = None
+        env_kwargs = dict(cfg.env.kwargs)
+        env_name = cfg.env.name
+        self.source = (
+            RecordedSource(cfg)
+            if cfg.rollout.trees
+            else RolloutSource(cfg, self.tokenizer, lambda: make_env(env_name, **env_kwargs), self.backend)
+        )
+        if self.backend.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(self.run_dir / "config.yaml", dump_config(cfg))
+        self.metrics = (
+            MetricsWriter(self.run_dir, truncate_after=self.state.update) if self.backend.rank == 0 else None
+        )
+
+    # ----- one update -------------------------------------------------------------------------------
+    def _groups(self, trees: Sequence[TrajectoryTree]) -> tuple[list[Group], int]:
+        """One advantage group per tree; zero-variance groups dropped when configured (never diluting)."""
+        groups, dropped = [], 0
+        for tree in trees:
+            adv = compute_advantages([tree], self.cfg.advantages)
+            if adv.zero_variance and self.cfg.advantages.zero_variance == "drop":
+                dropped += 1
+                continue
+            groups.append(Group((tree,), adv.trees))
+        return groups, dropped
+
+    def learning_rate(self, index: int) -> float:
+        warm = self.cfg.optim.warmup_updates
+        return self.cfg.optim.lr * (min(1.0, (index + 1) / warm) if warm else 1.0)
+
+    def update(self, index: int) -> UpdateMetrics:
+        cfg = self.cfg
+        produced = self.source(self.backend.module, index, self.state.version)
+        trees = produced.trees
+        rewards = [r.reward for t in trees for r in t.records]
+        groups, zero_var = self._groups(trees)
+        kept = [t for g in groups for t in g.trees]
+        start = time.perf_counter()
+        dropped, report, plan = 0, ReplayReport(), None
+        if groups:
+            plan = plan_for(
+                cfg,
+                kept,
+                [a for g in groups for a in g.advantages],
+                self.state.version,
+                self.backend.module,
+                self.reference,
+                self.backend.world_size,
+            )
+            self.last_plan = plan.plan
+            every = cfg.measure_memory_every
+            tracker = MemoryTracker(self.device) if every and index % every == 0 else None
+            self.backend.set_learning_rate(self.learning_rate(index))
+            window = UpdateWindow(
+                self.backend,
+                cfg.loss,
+                plan.replay,
+                WindowConfig(mode=plan.plan.mode, flat_microbatch=max(1, plan.plan.microbatch)),
+                identity=self.identity,
+                store=self.store,
+                ref_model=self.reference,
+                retention=plan.retention,
+                keep_graph=plan.keep_graph,
+                tracker=tracker,
+            )
+            result = window.run(groups)
+            self.identity = window.identity
+            dropped, report = len(result.dropped), result.local
+        else:
+            log.warning("update %d: every group had zero reward variance; no optimizer step", index)
+        train_seconds = time.perf_counter() - start
+        self.state = TrainerState(update=index + 1, version=self.identity.model_version)
+        flat_cost = sum(t.stats().cost_flat(scoring=cfg.loss.ratio_source == "scoring") for t in kept)
+        return UpdateMetrics(
+            update=index,
+            version=self.state.version,
+            reward_mean=float(np.mean(rewards)) if rewards else 0.0,
+            reward_std=float(np.std(rewards)) if rewards else 0.0,
+            trajectories=len(rewards),
+            groups=len(trees),
+            groups_dropped=zero_var + dropped,
+            loss=report.loss,
+            pg=report.pg,
+            kl=report.kl,
+            entropy=report.entropy,
+            clipped=report.clipped,
+            mode=plan.mode if plan else "none",
+            contract=cfg.replay.contract,
+            graph_tokens=report.graph_tokens,
+            nograd_tokens=report.nograd_tokens,
+            flat_token_cost=flat_cost // self.backend.world_size,
+            token_cost=report.token_cost,
+            rollout_seconds=produced.seconds,
+            train_seconds=train_seconds,
+            peak_bytes=report.measured_peak.dynamic if report.measured_peak else 0,
+            predicted_peak_bytes=plan.predicted_dynamic_bytes if plan and report.measured_peak else 0,
+        )
+
+    # ----- the run ----------------------------------------------------------------------------------
+    def run(self) -> RunSummary:
+        cfg = self.cfg
+        bar = tqdm(
+            total=cfg.updates,
+            initial=self.state.update,
+            desc="train",
+            disable=not self.progress or self.backend.rank != 0,
+            dynamic_ncols=True,
+        )
+        try:
+            for index in range(self.state.update, cfg.updates):
+                row = self.update(index)
+                if self.metrics is not None:
+                    self.metrics.write(row)
+                bar.update(1)
+                bar.set_postfix(
+                    reward=f"{row.reward_mean:.2f}",
+                    tok_s=f"{row.tokens_per_second:.0f}",
+                    saved=f"{100 * row.tokens_saved:.0f}%",
+                    peak=format_bytes(row.peak_bytes),
+                    refresh=False,
+                )
+                if (
+                    cfg.checkpoint_every
+                    and (index + 1) % cfg.checkpoint_every == 0
+                    and index + 1 < cfg.updates
+                ):
+                    save_trainer_state(self.backend, self.run_dir, self.state)
+        finally:
+            bar.close()
+            if self.metrics is not None:
+                self.metrics.close()
+        save_trainer_state(self.backend, self.run_dir, self.state)
+        self.backend.export_pretrained(self.run_dir / "final", tokenizer=self.tokenizer)
+        return self.finish()
+
+    def read_rows(self) -> list[UpdateMetrics]:
+        return read_metrics(self.run_dir / "metrics.jsonl")
+
+    def finish(self) -> RunSummary:
+        rows = self.read_rows()
+        summary = RunSummary.of(rows)
+        if self.backend.rank == 0:
+            plot_rewards(rows, self.run_dir / "reward.png")
+            atomic_write_text(self.run_dir / "summary.txt", summary.text(rows) + "\n")
+        return summary

@@ -1,0 +1,112 @@
+"""Per-update metrics: one typed row per update, appended to `metrics.jsonl` (and TensorBoard when installed).
+
+The JSONL file is the run's record: the summary, the notebooks and a resumed run all read it back.
+
+Example:
+    >>> row = UpdateMetrics(update=0, version=1, reward_mean=0.5, reward_std=0.5, trajectories=8,
+    ...                     groups=1, groups_dropped=0, loss=0.1, pg=0.1, kl=0.0, entropy=0.0, clipped=0.0,
+    ...                     mode="tree", contract="exact", graph_tokens=100, nograd_tokens=50,
+    ...                     flat_token_cost=900, token_cost=350, rollout_seconds=1.0, train_seconds=2.0,
+    ...                     peak_bytes=1000, predicted_peak_bytes=1100)
+    >>> round(row.tokens_saved, 3)
+    0.611
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class UpdateMetrics:
+    """What one update did."""
+
+    update: int
+    version: int
+    """Model version after this update's optimizer step."""
+    reward_mean: float
+    reward_std: float
+    trajectories: int
+    groups: int
+    groups_dropped: int
+    """Groups left out of the step (zero reward variance, or incomplete)."""
+    loss: float
+    pg: float
+    kl: float
+    entropy: float
+    clipped: float
+    mode: str
+    contract: str
+    graph_tokens: int
+    nograd_tokens: int
+    flat_token_cost: int
+    """Token-ceiling cost the flat reference would have spent on the same update."""
+    token_cost: int
+    """Token-ceiling cost actually spent (3 per graph token, 1 per no-grad token)."""
+    rollout_seconds: float
+    train_seconds: float
+    peak_bytes: int
+    """Measured peak of live tensor bytes during replay, run-persistent bytes left out (0: not measured)."""
+    predicted_peak_bytes: int
+    """The ledger's prediction of the same quantity (0 when this update was not measured)."""
+
+    @property
+    def tokens_saved(self) -> float:
+        """Fraction of flat's token cost this update did not spend."""
+        return 1.0 - self.token_cost / self.flat_token_cost if self.flat_token_cost else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return (
+            (self.graph_tokens + self.nograd_tokens) / self.train_seconds if self.train_seconds > 0 else 0.0
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["tokens_saved"] = self.tokens_saved
+        d["tokens_per_second"] = self.tokens_per_second
+        return d
+
+
+def read_metrics(path: str | Path) -> list[UpdateMetrics]:
+    """Rows of a metrics.jsonl file (derived columns are ignored)."""
+    names = {f.name for f in fields(UpdateMetrics)}
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            rows.append(UpdateMetrics(**{k: v for k, v in json.loads(line).items() if k in names}))
+    return rows
+
+
+class MetricsWriter:
+    """Appends rows to `<run_dir>/metrics.jsonl`; mirrors scalars to TensorBoard if it is installed."""
+
+    def __init__(self, run_dir: str | Path, *, truncate_after: int | None = None) -> None:
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if truncate_after is not None and self.path.exists():
+            kept = [r for r in read_metrics(self.path) if r.update < truncate_after]
+            self.path.write_text("".join(json.dumps(r.as_dict()) + "\n" for r in kept))
+        self._tb: Any = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+        except ImportError:
+            self._tb = None
+
+    def write(self, row: UpdateMetrics) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(row.as_dict()) + "\n")
+            f.flush()
+        if self._tb is not None:
+            for key, value in row.as_dict().items():
+                if isinstance(value, int | float) and key != "update":
+                    self._tb.add_scalar(key, value, row.update)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()

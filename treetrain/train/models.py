@@ -1,0 +1,75 @@
+"""Loading the policy, the reference model and the tokenizer named by a `ModelSection`."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from treetrain.assets import tokenizer_path
+from treetrain.loss.config import ConfigError
+from treetrain.models.presets import load_model
+from treetrain.train.config import ModelSection
+
+DEMO_MODEL = Path(__file__).resolve().parent.parent / "assets" / "demo_model"
+
+
+@dataclass(frozen=True)
+class LoadedModels:
+    policy: PreTrainedModel
+    reference: PreTrainedModel | None
+    tokenizer: PreTrainedTokenizerBase
+    tokenizer_fingerprint: str
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """A hash of the vocabulary, special tokens and chat template: resident state is only valid under it."""
+    h = hashlib.sha256()
+    h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    h.update(json.dumps(tokenizer.all_special_tokens).encode())
+    h.update(str(getattr(tokenizer, "chat_template", "")).encode())
+    return h.hexdigest()[:16]
+
+
+def _resolve(path: str) -> str:
+    if path == "demo":
+        if not (DEMO_MODEL / "config.json").is_file():
+            raise ConfigError(f"model.path: the demo checkpoint is missing at {DEMO_MODEL}")
+        return str(DEMO_MODEL)
+    return path
+
+
+def load_models(section: ModelSection) -> LoadedModels:
+    dtype = getattr(torch, section.dtype)
+    path = _resolve(section.path)
+    if section.tokenizer is not None:
+        tok_dir: Any = section.tokenizer
+    elif path.startswith("tiny-"):
+        tok_dir = tokenizer_path()
+    else:
+        tok_dir = path
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
+    except OSError as exc:
+        raise ConfigError(f"model.tokenizer: cannot load a tokenizer from {tok_dir}: {exc}") from exc
+    try:
+        policy = load_model(path, vocab_size=len(tokenizer), dtype=dtype, attn=section.attn)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model.path: {exc}") from exc
+    reference = None
+    if section.reference == "initial":
+        reference = copy.deepcopy(policy)
+    elif section.reference is not None:
+        reference = load_model(
+            _resolve(section.reference), vocab_size=len(tokenizer), dtype=dtype, attn=section.attn
+        )
+    if reference is not None:
+        reference.eval()
+        reference.requires_grad_(False)
+    return LoadedModels(policy, reference, tokenizer, tokenizer_fingerprint(tokenizer))

@@ -1,0 +1,134 @@
+"""Where each update's trees come from: tree rollouts of the current policy, or recorded tree files.
+
+Rollout seeds are a function of (run seed, update index), and each task's sampler seed a function of its task
+seed, so a resumed run samples the same tasks with the same seeds as the uninterrupted one, whatever the
+number of ranks. With several ranks each samples every W-th task, and the trees are exchanged (as tree-file
+bytes) so that every rank enters the update window with the same groups, in task order.
+"""
+
+from __future__ import annotations
+
+import base64
+import glob
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from envs.protocol import Environment
+from treetrain.distributed.backend import TrainBackend
+from treetrain.rollout.sampler import SamplerConfig
+from treetrain.rollout.schedule import FanOut
+from treetrain.rollout.tree_rollout import RolloutConfig, rollout_trees
+from treetrain.train.config import TrainConfig
+from treetrain.tree import TrajectoryTree
+from treetrain.tree.format import load_trees, tree_from_bytes, tree_to_bytes
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Group:
+    """One update's trees and how long producing them took."""
+
+    trees: tuple[TrajectoryTree, ...]
+    seconds: float
+
+
+def task_seeds(cfg: TrainConfig, update: int) -> list[int]:
+    n = cfg.rollout.groups_per_update
+    return [cfg.seed * 1_000_003 + update * n + g for g in range(n)]
+
+
+def share_trees(backend: TrainBackend, local: tuple[TrajectoryTree, ...]) -> tuple[TrajectoryTree, ...]:
+    """Every rank's trees, in task order (rank r sampled tasks r, r + W, ...)."""
+    if backend.world_size == 1:
+        return local
+    payload = json.dumps([base64.b64encode(tree_to_bytes(t)).decode("ascii") for t in local])
+    per_rank = [
+        [tree_from_bytes(base64.b64decode(x)) for x in json.loads(p)] for p in backend.gather(payload)
+    ]
+    total = sum(len(p) for p in per_rank)
+    w = backend.world_size
+    return tuple(per_rank[i % w][i // w] for i in range(total))
+
+
+class RolloutSource:
+    """Samples this rank's share of `groups_per_update` trees from the policy, then shares them.
+
+    Trees are written under `<run_dir>/rollouts/update-XXXXX/` before training reads them.
+    """
+
+    def __init__(
+        self, cfg: TrainConfig, tokenizer: Any, make_env: Callable[[], Environment], backend: TrainBackend
+    ) -> None:
+        r = cfg.rollout
+        self.cfg = cfg
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.make_env = make_env
+        from envs.wrapper import WrapperConfig
+
+        self.fanout = FanOut(
+            root=r.fanout_root,
+            after_tool_result=r.fanout_after_tool,
+            after_assistant_turn=r.fanout_env,
+            max_depth=r.max_branch_depth,
+        )
+        self.wrapper = WrapperConfig(
+            max_turns=r.max_turns, max_turn_tokens=r.max_turn_tokens, max_episode_tokens=r.max_episode_tokens
+        )
+
+    def __call__(self, model: Any, update: int, version: int) -> Group:
+        start = time.perf_counter()
+        r = self.cfg.rollout
+        rank, world = self.backend.rank, self.backend.world_size
+        out_dir = Path(self.cfg.run_dir) / "rollouts" / f"update-{update:05d}"
+        local: list[TrajectoryTree] = []
+        was_training = model.training
+        model.eval()
+        try:
+            for seed in task_seeds(self.cfg, update)[rank::world]:
+                config = RolloutConfig(
+                    fanout=self.fanout,
+                    sampler=SamplerConfig(temperature=r.temperature, top_p=r.top_p, seed=seed),
+                    wrapper=self.wrapper,
+                    rubric=self.cfg.env.rubric,
+                    model_version=version,
+                )
+                result = rollout_trees(
+                    model, self.tokenizer, self.make_env, [seed], out_dir, config, env_name=self.cfg.env.name
+                )
+                local.extend(result.trees)
+        finally:
+            model.train(was_training)
+        trees = share_trees(self.backend, tuple(local))
+        return Group(trees, time.perf_counter() - start)
+
+
+class RecordedSource:
+    """Consumes recorded tree files in sorted order, `groups_per_update` trees per update, cycling at the end."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        assert cfg.rollout.trees is not None
+        pattern = cfg.rollout.trees
+        path = Path(pattern)
+        files = (
+            sorted(path.glob("**/*.msgpack"))
+            if path.is_dir()
+            else sorted(Path(p) for p in glob.glob(pattern))
+        )
+        if not files:
+            raise FileNotFoundError(f"rollout.trees: no .msgpack files at {pattern!r}")
+        self.trees: list[TrajectoryTree] = [t for f in files for t in load_trees(f)]
+        self.per_update = cfg.rollout.groups_per_update
+
+    def __call__(self, model: Any, update: int, version: int) -> Group:
+        n = len(self.trees)
+        start = update * self.per_update
+        if start // n != (start + self.per_update - 1) // n:
+            log.info("recorded trees exhausted; starting another pass over %d trees", n)
+        return Group(tuple(self.trees[(start + i) % n] for i in range(self.per_update)), 0.0)

@@ -1,0 +1,145 @@
+"""Build frozen config dataclasses from plain dicts (TOML/YAML) with errors that name the field.
+
+Each dataclass validates its own values in `__post_init__`; this module checks structure and types
+(unknown keys, wrong scalar types, nested sections) and applies `section.field=value` overrides.
+
+Example:
+    >>> from dataclasses import dataclass
+    >>> @dataclass(frozen=True)
+    ... class Opt:
+    ...     lr: float = 1e-3
+    >>> from_dict(Opt, {"lr": 0.5}, "optim")
+    Opt(lr=0.5)
+    >>> from_dict(Opt, {"lr": "fast"}, "optim")
+    Traceback (most recent call last):
+    treetrain.loss.config.ConfigError: optim.lr: expected a number, got 'fast'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
+
+import yaml
+
+from treetrain.loss.config import ConfigError
+
+T = TypeVar("T")
+
+
+def _check_scalar(tp: Any, value: Any, where: str) -> Any:
+    if tp is Any:
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true/false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{where}: unsupported config type {tp!r}")
+
+
+def convert(tp: Any, value: Any, where: str) -> Any:
+    """Check `value` against type `tp` (scalars, Optional, Literal, tuples, mappings, dataclasses)."""
+    origin = get_origin(tp)
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where}: expected a section (mapping), got {value!r}")
+        return from_dict(tp, value, where)
+    if origin in (typing.Union, types.UnionType):
+        args = get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise ConfigError(f"{where}: may not be null")
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return convert(arg, value, where)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{where}: {value!r} matches none of {tp}")
+    if origin is Literal:
+        choices = get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{where}: must be one of {list(choices)}, got {value!r}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        args = get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(convert(args[0], v, f"{where}[{i}]") for i, v in enumerate(value))
+        if len(args) != len(value):
+            raise ConfigError(f"{where}: expected {len(args)} items, got {len(value)}")
+        return tuple(convert(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+    if origin in (Mapping, dict) or tp in (Mapping, dict):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        key_t, val_t = get_args(tp) or (str, Any)
+        return types.MappingProxyType(
+            {convert(key_t, k, f"{where}"): convert(val_t, v, f"{where}.{k}") for k, v in value.items()}
+        )
+    return _check_scalar(tp, value, where)
+
+
+def from_dict(cls: type[T], data: Mapping[str, Any], where: str = "") -> T:
+    """Construct dataclass `cls` from `data`, naming `where.field` in every error."""
+    hints = get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(data) - set(fields))
+    prefix = f"{where}." if where else ""
+    if unknown:
+        raise ConfigError(f"{prefix}{unknown[0]}: unknown field; known fields: {', '.join(sorted(fields))}")
+    kwargs = {name: convert(hints[name], value, f"{prefix}{name}") for name, value in data.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where or cls.__name__}: {exc}") from exc
+
+
+def to_dict(obj: Any) -> Any:
+    """A plain, YAML-ready view of a config dataclass."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, Mapping):
+        return {k: to_dict(v) for k, v in obj.items()}
+    if isinstance(obj, tuple | list):
+        return [to_dict(v) for v in obj]
+    return obj
+
+
+def apply_override(data: dict[str, Any], assignment: str) -> None:
+    """Apply `a.b.c=value` to nested `data`; the value is parsed as a YAML scalar (1, 0.5, true, null, text)."""
+    if "=" not in assignment:
+        raise ConfigError(f"override {assignment!r} must look like section.field=value")
+    key, raw = assignment.split("=", 1)
+    parts = [p for p in key.strip().split(".") if p]
+    if not parts:
+        raise ConfigError(f"override {assignment!r} names no field")
+    node = data
+    for p in parts[:-1]:
+        child = node.setdefault(p, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {key}: {p} is not a section")
+        node = child
+    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
