@@ -14,9 +14,9 @@ numbers and operators, repeated once, with loss on the repeat. Transcripts are t
 All transcripts share the long system prompt, so each batch evaluates that prefix once, without a graph, and
 trains on the rest against its KV (the `response_only` idea, here for supervised imitation).
 
-Run (about 20-40 minutes on two cores; deterministic for a given seed):
+Run (about 25 minutes on two quiet cores; deterministic for a given seed):
 
-    python -m treetrain.assets.make_demo_model --steps 2500
+    python -m treetrain.assets.make_demo_model
 """
 
 from __future__ import annotations
@@ -79,8 +79,8 @@ def demo_config(vocab_size: int) -> LlamaConfig:
         hidden_size=128,
         intermediate_size=384,
         num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=8,
+        num_key_value_heads=8,
         max_position_embeddings=1024,
         tie_word_embeddings=True,
         pad_token_id=0,
@@ -114,7 +114,9 @@ def drill_loss(model: LlamaForCausalLM, drills: list[Example]) -> tuple[torch.Te
     logits = model(input_ids=ids).logits  # [B, T, V]
     mask = labels != -100
     accuracy = float((logits.argmax(-1)[mask] == labels[mask]).float().mean())
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)), accuracy
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+    ), accuracy
 
 
 def common_prefix(examples: list[Example]) -> int:
@@ -131,7 +133,9 @@ def imitation_loss(model: LlamaForCausalLM, examples: list[Example]) -> torch.Te
     """Mean cross-entropy over policy tokens; the shared prefix runs once, without a graph."""
     shared = max(1, common_prefix(examples) - 1)  # keep one prefix token so every suffix has a predictor
     with torch.no_grad():
-        prefix = decoder_forward(model, torch.tensor([examples[0].ids[:shared]]), torch.arange(shared)[None], None)
+        prefix = decoder_forward(
+            model, torch.tensor([examples[0].ids[:shared]]), torch.arange(shared)[None], None
+        )
     past = list(zip(prefix.keys, prefix.values))
     rows = [e.ids[shared:] for e in examples]
     width = max(len(r) for r in rows)
@@ -148,7 +152,9 @@ def imitation_loss(model: LlamaForCausalLM, examples: list[Example]) -> torch.Te
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
-def train(steps: int, batch: int, lr: float, tool_rate: float, final_fraction: float, seed: int, out: Path) -> None:
+def train(
+    steps: int, batch: int, lr: float, tool_rate: float, final_fraction: float, seed: int, out: Path
+) -> None:
     torch.manual_seed(seed)
     rng = random.Random(seed)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path())
@@ -166,7 +172,7 @@ def train(steps: int, batch: int, lr: float, tool_rate: float, final_fraction: f
         scale = min(1.0, (step + 1) / 100) * 0.5 * (1 + math.cos(math.pi * step / steps))
         for group in opt.param_groups:
             group["lr"] = lr * scale
-        drills = [copy_drill(tokenizer, rng) for _ in range(batch)]
+        drills = [copy_drill(tokenizer, rng) for _ in range(2 * batch)]
         copy_loss, copy_acc = drill_loss(model, drills)
         loss = imitation_loss(model, examples) + copy_loss
         opt.zero_grad()
@@ -191,11 +197,15 @@ def train(steps: int, batch: int, lr: float, tool_rate: float, final_fraction: f
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=2500)
+    parser.add_argument("--steps", type=int, default=1200)
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--tool-rate", type=float, default=0.3, help="tool use in the final phase's transcripts")
-    parser.add_argument("--final-fraction", type=float, default=0.2, help="share of steps in the final phase")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument(
+        "--tool-rate", type=float, default=0.3, help="tool use in the final phase's transcripts"
+    )
+    parser.add_argument(
+        "--final-fraction", type=float, default=0.25, help="share of steps in the final phase"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=DEMO_DIR)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (tiny matrices: 1 is fastest)")

@@ -23,8 +23,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -123,6 +124,20 @@ class TrainBackend(ABC):
 
     def barrier(self) -> None:
         self.gather("")
+
+    @contextlib.contextmanager
+    def scratch(self) -> Iterator[None]:
+        """Open the update window for passes whose gradients must never reach the optimizer.
+
+        Memory calibration runs real backward passes on the model; under DeepSpeed they would otherwise
+        trigger gradient reduction outside a window. Everything accumulated inside is discarded; the window
+        stays open for the update that follows. A collective when the backend's window is.
+        """
+        self.begin_window()
+        try:
+            yield
+        finally:
+            self.reset_window()
 
     @abstractmethod
     def save_checkpoint(self, directory: str | Path, client_state: Mapping[str, Any]) -> None:

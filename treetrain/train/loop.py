@@ -159,15 +159,16 @@ class Trainer:
         start = time.perf_counter()
         dropped, report, plan = 0, ReplayReport(), None
         if groups:
-            plan = plan_for(
-                cfg,
-                kept,
-                [a for g in groups for a in g.advantages],
-                self.state.version,
-                self.backend.module,
-                self.reference,
-                self.backend.world_size,
-            )
+            with self.backend.scratch():  # planning may calibrate with real backward passes
+                plan = plan_for(
+                    cfg,
+                    kept,
+                    [a for g in groups for a in g.advantages],
+                    self.state.version,
+                    self.backend.module,
+                    self.reference,
+                    self.backend.world_size,
+                )
             self.last_plan = plan.plan
             every = cfg.measure_memory_every
             tracker = MemoryTracker(self.device) if every and index % every == 0 else None
