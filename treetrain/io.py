@@ -16,7 +16,8 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 
@@ -54,26 +55,41 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
 
 
 @contextlib.contextmanager
-def atomic_directory(path: str | os.PathLike[str]) -> Iterator[Path]:
-    """Yield a staging directory; on success it replaces `path` whole, on failure it is removed.
+def atomic_directory(
+    final: str | os.PathLike[str],
+    *,
+    token: str | None = None,
+    writer: bool = True,
+    barrier: Callable[[], None] = lambda: None,
+) -> Iterator[Path]:
+    """Yield a temporary sibling of `final` to fill; move it into place when the block ends.
 
-    An existing `path` is moved aside first and deleted only after the new directory is in place, so
-    at every moment `path` is either the complete old directory or the complete new one.
+    An existing `final` is moved aside first and deleted only after the swap, so at every moment `final` is
+    the complete old directory or the complete new one. On an error the temporary is removed and `final` is
+    untouched. With several ranks, pass the same `token` on every rank (so they share the temporary
+    directory), a `barrier`, and `writer=True` on exactly one rank: that rank creates, swaps and cleans up.
     """
-    target = Path(path).absolute()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    final = Path(final).absolute()
+    token = token or uuid.uuid4().hex[:12]
+    tmp = final.parent / f".{final.name}.tmp-{token}"
+    old = final.parent / f".{final.name}.old-{token}"
+    if writer:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    barrier()
     try:
-        staging.chmod(0o755)
-        yield staging
-        old = None
-        if target.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
-            os.replace(target, old / target.name)
-        os.replace(staging, target)
-        _fsync_dir(str(target.parent))
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
+        yield tmp
+        barrier()
+    except BaseException:
+        if writer:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if writer:
+        if final.exists():
+            os.replace(final, old)
+        os.replace(tmp, final)
+        _fsync_dir(str(final.parent))
+        shutil.rmtree(old, ignore_errors=True)
+    barrier()

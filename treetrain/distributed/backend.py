@@ -34,7 +34,8 @@ import torch
 from safetensors.torch import load_model, save_model
 from transformers import PreTrainedModel
 
-from treetrain.distributed.checkpoint import atomic_directory, read_client_state, write_client_state
+from treetrain.distributed.checkpoint import read_client_state, write_client_state
+from treetrain.io import atomic_directory
 from treetrain.loss.config import ConfigError
 
 

@@ -3,13 +3,14 @@
 The client state is whatever the trainer needs to resume besides weights and optimizer state (update
 index, model version, RNG states): a JSON object, stored as JSON next to the weights, never pickled.
 
-`atomic_directory` makes a checkpoint appear whole or not at all: every rank writes into one temporary
-sibling directory, and only once all have finished does one rank move it into place. A reader therefore
-sees the previous checkpoint or the new one, never a half-written mix.
+Checkpoints are written with `treetrain.io.atomic_directory`: every rank writes into one temporary sibling
+directory, and only once all have finished does one rank move it into place. A reader therefore sees the
+previous checkpoint or the new one, never a half-written mix.
 
 Example:
     >>> import tempfile, pathlib
     >>> root = pathlib.Path(tempfile.mkdtemp())
+    >>> from treetrain.io import atomic_directory
     >>> with atomic_directory(root / "ckpt") as tmp:
     ...     write_client_state(tmp, {"version": 3})
     >>> sorted(p.name for p in root.iterdir()), read_client_state(root / "ckpt")
@@ -20,10 +21,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import uuid
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -65,52 +63,3 @@ def read_client_state(directory: Path) -> dict[str, Any]:
     if not isinstance(state, dict):
         raise CheckpointError(f"{path}: field 'client_state' must be an object")
     return state
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-@contextmanager
-def atomic_directory(
-    final: Path,
-    *,
-    token: str | None = None,
-    writer: bool = True,
-    barrier: Callable[[], None] = lambda: None,
-) -> Iterator[Path]:
-    """Yield a temporary sibling of `final` to fill; move it into place when the block ends.
-
-    With several ranks, pass the same `token` on every rank (so they share the temporary directory), a
-    `barrier`, and `writer=True` on exactly one rank: that rank creates, swaps and cleans up. An existing
-    `final` is moved aside first and deleted after the swap. On an error the temporary is removed and
-    `final` is untouched.
-    """
-    final = Path(final)
-    token = token or uuid.uuid4().hex[:12]
-    tmp = final.parent / f".{final.name}.tmp-{token}"
-    old = final.parent / f".{final.name}.old-{token}"
-    if writer:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-    barrier()
-    try:
-        yield tmp
-        barrier()
-    except BaseException:
-        if writer:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if writer:
-        if final.exists():
-            os.replace(final, old)
-        os.replace(tmp, final)
-        _fsync_dir(final.parent)
-        shutil.rmtree(old, ignore_errors=True)
-    barrier()

@@ -50,10 +50,10 @@ from transformers import PreTrainedModel
 from treetrain.distributed.backend import OptimizerConfig, TrainBackend
 from treetrain.distributed.checkpoint import (
     CheckpointError,
-    atomic_directory,
     read_client_state,
     write_client_state,
 )
+from treetrain.io import atomic_directory
 from treetrain.loss.config import ConfigError
 
 TAG = "deepspeed"
