@@ -30,7 +30,7 @@ pytest: venv
 test: lint typecheck pytest
 
 demo: venv
-	DS_ACCELERATOR=cpu $(BIN)/treetrain train --run-dir runs/demo --overwrite
+	DS_ACCELERATOR=cpu $(BIN)/treetrain train --run-dir runs/demo --overwrite --set threads=1
 
 trees: venv
 	$(BIN)/python trees/make_examples.py

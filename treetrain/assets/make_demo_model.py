@@ -189,7 +189,15 @@ def train(
         tokenizer.save_pretrained(tmp)
         (tmp / "demo_model.json").write_text(
             json.dumps(
-                {"steps": steps, "batch": batch, "lr": lr, "tool_rate": tool_rate, "seed": seed}, indent=2
+                {
+                    "steps": steps,
+                    "batch": batch,
+                    "lr": lr,
+                    "tool_rate": tool_rate,
+                    "final_fraction": final_fraction,
+                    "seed": seed,
+                },
+                indent=2,
             )
         )
     print(f"wrote {out}")

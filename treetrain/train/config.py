@@ -158,8 +158,8 @@ class ReplaySection:
 class OptimSection:
     """AdamW."""
 
-    lr: float = 2e-4
-    """Learning rate."""
+    lr: float = 3e-5
+    """Learning rate (the demo's: RL moves a trained policy, so far below pre-training rates)."""
     betas: tuple[float, float] = (0.9, 0.99)
     """Adam betas."""
     weight_decay: float = 0.0
