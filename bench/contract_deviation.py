@@ -6,11 +6,14 @@ compared with trained models, so read these numbers as the contract's shape on t
 prediction for a large model.
 
     python bench/contract_deviation.py [--dtype float64] [--out bench/out/contract_deviation.md]
+    python bench/contract_deviation.py --model treetrain/assets/demo_model \
+        --trees 'runs/demo/rollouts/update-00000/trees/*.msgpack' --out bench/out/contract_deviation_demo.md
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 from pathlib import Path
 
 import torch
@@ -21,7 +24,8 @@ from treetrain.io import atomic_write_text
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
 from treetrain.loss.config import LossConfig
 from treetrain.loss.manifest import Manifest
-from treetrain.models.presets import FAMILIES, tiny_model
+from treetrain.models.presets import FAMILIES, load_model, tiny_model
+from treetrain.tree.format import load_trees
 from treetrain.tree.synthetic import synthetic_group
 
 VOCAB = 256
@@ -35,31 +39,53 @@ def main() -> None:
     parser.add_argument("--suffix", type=int, default=32)
     parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("bench/out/contract_deviation.md"))
+    parser.add_argument("--model", help="a local checkpoint instead of the tiny random-init families")
+    parser.add_argument("--trees", help="recorded tree files (glob) instead of a synthetic tree")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dtype = getattr(torch, args.dtype)
     loss = LossConfig()
-    tree = synthetic_group(
-        prefix=args.prefix, branches=args.branches, suffix=args.suffix, depth=args.depth, vocab=VOCAB, seed=0
+    if args.trees:
+        trees = [t for f in sorted(glob.glob(args.trees)) for t in load_trees(f)]
+        if not trees:
+            raise SystemExit(f"no trees at {args.trees!r}")
+        what = f"{len(trees)} recorded trees ({args.trees})"
+    else:
+        trees = [
+            synthetic_group(
+                prefix=args.prefix,
+                branches=args.branches,
+                suffix=args.suffix,
+                depth=args.depth,
+                vocab=VOCAB,
+                seed=0,
+            )
+        ]
+        what = f"prefix {args.prefix}, G={args.branches}, suffix {args.suffix}, depth {args.depth}"
+    advantages = [compute_advantages([t], AdvantageConfig(zero_variance="keep")).trees[0] for t in trees]
+    batch = UpdateBatch.build(trees, advantages, Manifest.build(trees, 0), loss)
+    models = (
+        {Path(args.model).name: lambda: load_model(args.model, dtype=dtype)}
+        if args.model
+        else {
+            f: (lambda f=f: tiny_model(f, VOCAB, dtype=dtype, seed=1))  # type: ignore[misc]
+            for f in FAMILIES
+        }
     )
-    adv = compute_advantages([tree], AdvantageConfig())
-    batch = UpdateBatch.build([tree], adv.trees, Manifest.build([tree], 0), loss)
+    kind = "the given checkpoint" if args.model else "tiny random-init models (hidden 32, 2 layers)"
     lines = [
-        f"Tree: prefix {args.prefix}, G={args.branches}, suffix {args.suffix}, depth {args.depth}; {args.dtype}; "
-        "tiny random-init models (hidden 32, 2 layers).",
+        f"Trees: {what}; {args.dtype}; {kind}.",
         "",
-        "| family | exact vs flat (rel L2) | noise floor (rel) | response_only cosine | response_only rel L2 |",
+        "| model | exact vs flat (rel L2) | noise floor (rel) | response_only cosine | response_only rel L2 |",
         "|---|---|---|---|---|",
     ]
-    for family in FAMILIES:
-
-        def make(family: str = family) -> torch.nn.Module:
-            return tiny_model(family, VOCAB, dtype=dtype, seed=1)
-
+    for family, make in models.items():
         flat = flat_gradient(make(), batch, loss)
         floor = noise_floor(make, batch, loss)
         exact = deviation(tree_gradient(make(), batch, loss, ReplayConfig(microbatch=4)), flat)
-        ro = deviation(tree_gradient(make(), batch, loss, ReplayConfig(contract="response_only", microbatch=4)), flat)
+        ro = deviation(
+            tree_gradient(make(), batch, loss, ReplayConfig(contract="response_only", microbatch=4)), flat
+        )
         norm = float(flat.norm())
         lines.append(
             f"| {family} | {exact.rel:.2e} | {floor / norm:.2e} | {ro.cosine:.5f} | {100 * ro.rel:.2f}% |"

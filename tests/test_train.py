@@ -138,3 +138,13 @@ def test_two_rank_deepspeed_run_matches_one_process(tmp_path: Path) -> None:
     assert float((a - b).norm()) <= 0.05 * float(a.norm())
     rows = read_metrics(tmp_path / "two" / "metrics.jsonl")
     assert len(rows) == 1 and rows[0].trajectories == 8
+
+
+def test_demo_defaults_run_one_update(tmp_path: Path) -> None:
+    """The embedded default (shipped checkpoint, calculator) loads, samples, and steps."""
+    cfg = load_config(None, [f"run_dir={tmp_path / 'demo'}", "updates=1", "checkpoint_every=0"])
+    trainer = Trainer(cfg, progress=False)
+    assert trainer.reference is None and type(trainer.backend.module).__name__ == "LlamaForCausalLM"
+    trainer.run()
+    row = read_metrics(tmp_path / "demo" / "metrics.jsonl")[0]
+    assert row.trajectories == 32 and row.mode == "tree" and row.tokens_saved > 0.5
