@@ -20,7 +20,9 @@ from treetrain.tree.synthetic import synthetic_group
 
 def _zero_adv_batch(loss: LossConfig):
     """Two of four branches share the group-mean reward, so their advantages are exactly zero."""
-    tree = synthetic_group(prefix=20, branches=4, suffix=6, depth=1, vocab=VOCAB, rewards=[1.0, 0.5, 0.5, 0.0])
+    tree = synthetic_group(
+        prefix=20, branches=4, suffix=6, depth=1, vocab=VOCAB, rewards=[1.0, 0.5, 0.5, 0.0]
+    )
     from treetrain.engine import UpdateBatch
 
     adv = compute_advantages([tree], AdvantageConfig(normalize_std=False))
@@ -154,3 +156,19 @@ def test_stale_resident_state_is_refused() -> None:
         store.get(key, identity.bumped())
     with pytest.raises(StaleResidentStateError):
         store.get(key, identity)
+
+
+def test_failure_after_backward_is_never_split_and_retried() -> None:
+    """An out-of-memory error while accumulating G (after backward ran) must not re-run the step's halves."""
+    loss = LossConfig()
+    model = factory("llama", torch.float64)()
+    engine = TreeReplay(model, loss, ReplayConfig(microbatch=4))
+    real = engine.store.add_grad
+
+    def add_grad_oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("simulated, while allocating G")
+
+    engine.store.add_grad = add_grad_oom  # type: ignore[method-assign]
+    with pytest.raises(BackwardFailed, match="window must be reset"):
+        engine.accumulate(make_batch(SHAPES["multi_level"](0), loss))
+    engine.store.add_grad = real  # type: ignore[method-assign]

@@ -148,3 +148,64 @@ def test_demo_defaults_run_one_update(tmp_path: Path) -> None:
     trainer.run()
     row = read_metrics(tmp_path / "demo" / "metrics.jsonl")[0]
     assert row.trajectories == 32 and row.mode == "tree" and row.tokens_saved > 0.5
+
+
+def test_cli_trees_overwrite_and_resume(tmp_path: Path, capsys) -> None:
+    """Recorded trees feed training; a used run directory needs --overwrite or --resume; bad trees are refused."""
+    sets = [a for kv in [*TINY, "updates=1", "measure_memory_every=0"] for a in ("--set", kv)]
+    first = tmp_path / "first"
+    assert main(["train", "--run-dir", str(first), "--no-progress", *sets]) == 0
+    recorded = first / "rollouts"
+    again = ["train", "--run-dir", str(first), "--no-progress", *sets]
+    assert main(again) == 2
+    assert "--resume" in capsys.readouterr().err
+    assert main([*again, "--overwrite", "--trees", str(recorded)]) == 0
+    rows = read_metrics(first / "metrics.jsonl")
+    assert len(rows) == 1 and rows[0].rollout_seconds == 0.0 and rows[0].trajectories == 8
+    assert not (first / "rollouts").exists(), "--overwrite must remove the earlier run's rollouts"
+    resumed = [
+        "train",
+        "--run-dir",
+        str(first),
+        "--no-progress",
+        "--resume",
+        "--trees",
+        f"{recorded}/**/*.msgpack",
+    ]
+    capsys.readouterr()
+    assert main([*resumed, *sets, "--updates", "2"]) == 2  # the rollouts were removed with the earlier run
+    assert "no .msgpack files" in capsys.readouterr().err
+    code = main(
+        [
+            "train",
+            "--run-dir",
+            str(tmp_path / "x"),
+            "--no-progress",
+            *sets,
+            "--trees",
+            "trees/tool_use.msgpack",
+        ]
+    )
+    assert code == 2
+    assert "outside the model's vocabulary" in capsys.readouterr().err
+
+
+def test_sampler_ratio_with_tempered_sampling_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"loss\.ratio_source"):
+        load_config(None, ["loss.ratio_source=sampler", "rollout.temperature=0.7"])
+    load_config(
+        None, ["loss.ratio_source=sampler"]
+    )  # temperature 1, top_p 1: the sampler's logprobs are exact
+
+
+def test_metrics_skip_a_partial_last_line(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path / "run", "updates=2", "measure_memory_every=0")
+    Trainer(cfg, progress=False).run()
+    path = tmp_path / "run" / "metrics.jsonl"
+    path.write_text(path.read_text() + '{"update": 2, "vers')
+    assert [r.update for r in read_metrics(path)] == [0, 1]
+    from treetrain.train.metrics import MetricsError
+
+    path.write_text('{"update": 0, "vers\n' + path.read_text())
+    with pytest.raises(MetricsError, match=r"metrics\.jsonl:1"):
+        read_metrics(path)

@@ -31,7 +31,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--run-dir", help="shorthand for --set run_dir=DIR")
     p.add_argument("--updates", type=int, help="shorthand for --set updates=N")
     p.add_argument("--trees", help="train on recorded trees (a directory or glob) instead of rollouts")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the run directory")
+    p.add_argument(
+        "--resume", action="store_true", help="continue from the latest checkpoint in the run directory"
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an earlier run in the run directory")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -57,14 +59,24 @@ def run(args: argparse.Namespace) -> int:
         print(dump_config(cfg), end="")
         return 0
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from envs.registry import EnvironmentLoadError, UnknownEnvironmentError
+    from treetrain.distributed.checkpoint import CheckpointError
+    from treetrain.memory.planner import PlanError
+    from treetrain.memory.retention import BudgetTooSmallError
+    from treetrain.models.support import UnsupportedModelError
     from treetrain.train.loop import Trainer
+    from treetrain.tree.format import TreeFormatError
 
+    user_errors = (
+        ConfigError, FileNotFoundError, FileExistsError, TreeFormatError, CheckpointError, UnknownEnvironmentError,
+        EnvironmentLoadError, UnsupportedModelError, PlanError, BudgetTooSmallError,
+    )  # fmt: skip
     try:
         trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress)
-    except (ConfigError, FileNotFoundError, FileExistsError) as exc:
+        summary = trainer.run()
+    except user_errors as exc:
         print(f"treetrain train: {exc}", file=sys.stderr)
         return 2
-    summary = trainer.run()
     if trainer.backend.rank == 0:
         print(summary.text(trainer.read_rows()))
         print(f"run directory: {cfg.run_dir} (metrics.jsonl, reward.png, summary.txt, final/, checkpoints/)")

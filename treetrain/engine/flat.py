@@ -22,7 +22,7 @@ from treetrain.engine.batch import ReplayReport, UpdateBatch
 from treetrain.engine.pieces import GatheredTargets, gather_targets, pad_pieces, target_stats
 from treetrain.engine.schedule import ORDERS, Order
 from treetrain.loss.config import LossConfig
-from treetrain.loss.objective import Contributions, objective
+from treetrain.loss.objective import Contributions, objective, sampler_logprobs
 from treetrain.loss.targets import TargetTable, call_targets
 from treetrain.models.decoder import decoder_forward
 from treetrain.models.logprobs import DEFAULT_MAX_LOGIT_ELEMENTS
@@ -115,14 +115,7 @@ class FlatReference:
             nograd += n
         logp, ent, gathered, n_graph = self._forward(self.model, calls, lcfg.needs_entropy)
         c = gathered.contributions
-        if old_per_target is not None:
-            old = old_per_target.to(logp.dtype)[c.target]
-        else:
-            if torch.isnan(c.old_logprob).any():
-                raise ValueError(
-                    "loss.ratio_source is 'sampler' but some policy tokens have no sampler logprobs"
-                )
-            old = c.old_logprob
+        old = old_per_target.to(logp.dtype)[c.target] if old_per_target is not None else sampler_logprobs(c)
         terms = objective(
             lcfg, logp, Contributions(c.target, c.coef, c.advantage, old), entropy=ent, ref_logprob=ref
         )

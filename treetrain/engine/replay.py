@@ -58,7 +58,7 @@ from treetrain.engine.scoring import (
 )
 from treetrain.engine.units import Unit, UnitTree
 from treetrain.loss.config import LossConfig
-from treetrain.loss.objective import Contributions, LossTerms, objective
+from treetrain.loss.objective import Contributions, LossTerms, objective, sampler_logprobs
 from treetrain.models.decoder import DecoderOutput, LayerKV
 from treetrain.models.support import check_supported
 
@@ -361,17 +361,17 @@ class TreeReplay:
         if self.step_hook is not None:
             self.step_hook("backward", step)
         self._mark(f"{self._label} backward")
-        try:
+        try:  # from here on, parameter gradients may hold part of this step: no retry can be local
             if total.requires_grad:
                 self.backward(total)
+            if self.cfg.contract == "exact":
+                for g in graphs:
+                    for unit_index, piece in zip(g.path, g.leaves):
+                        grads = [(k.grad, v.grad) for k, v in piece]
+                        if all(gk is not None and gv is not None for gk, gv in grads):
+                            self.store.add_grad(paths.key(unit_index), grads, self.identity)  # type: ignore[arg-type]
         except Exception as exc:
             raise BackwardFailed(f"backward of step {step} failed; the update window must be reset") from exc
-        if self.cfg.contract == "exact":
-            for g in graphs:
-                for unit_index, piece in zip(g.path, g.leaves):
-                    grads = [(k.grad, v.grad) for k, v in piece]
-                    if all(gk is not None and gv is not None for gk, gv in grads):
-                        self.store.add_grad(paths.key(unit_index), grads, self.identity)  # type: ignore[arg-type]
         for u in step.units:
             self._kept.pop(u, None)
             self.store.release(paths.key(u))
@@ -394,12 +394,7 @@ class TreeReplay:
         logp: torch.Tensor,
     ) -> torch.Tensor:
         if self.loss_cfg.ratio_source == "sampler":
-            if torch.isnan(contrib.old_logprob).any():
-                raise ValueError(
-                    "loss.ratio_source is 'sampler' but some policy tokens have no sampler logprobs; "
-                    "record them at rollout or use ratio_source='scoring'"
-                )
-            return contrib.old_logprob
+            return sampler_logprobs(contrib)
         per_target = self._cat([old_lp[u.index] for u in batch_units], logp)
         return per_target[contrib.target]
 

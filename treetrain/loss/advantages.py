@@ -9,9 +9,11 @@ tree's first real nodes is the group mean. A policy token in node n gets V(n) - 
 in expected reward that the branch taken at n's divergence point made.
 
 Example:
-    >>> import numpy as np
-    >>> grpo_advantages(np.array([1.0, 0.0, 0.0, 1.0]), normalize_std=False).tolist()
-    [0.5, -0.5, -0.5, 0.5]
+    >>> from treetrain.tree.synthetic import synthetic_group
+    >>> tree = synthetic_group(prefix=8, branches=4, suffix=2, rewards=[1.0, 0.0, 0.0, 1.0])
+    >>> group = compute_advantages([tree], AdvantageConfig(normalize_std=False))
+    >>> group.trees[0].values[:, -1].tolist(), group.zero_variance
+    ([0.5, -0.5, -0.5, 0.5], False)
 """
 
 from __future__ import annotations
@@ -49,6 +51,11 @@ class AdvantageConfig:
             raise ConfigError(
                 f"advantages.zero_variance must be 'drop' or 'keep', got {self.zero_variance!r}"
             )
+        if not self.eps > 0 and self.normalize_std:
+            raise ConfigError(
+                f"advantages.eps must be > 0 when normalize_std is on (a zero-variance group kept with eps=0 "
+                f"divides 0 by 0), got {self.eps!r}"
+            )
         if not self.eps >= 0:
             raise ConfigError(f"advantages.eps must be >= 0, got {self.eps!r}")
 
@@ -72,14 +79,6 @@ class GroupAdvantages:
     zero_variance: bool
     reward_mean: float
     reward_std: float
-
-
-def grpo_advantages(rewards: np.ndarray, normalize_std: bool = True, eps: float = 1e-6) -> np.ndarray:
-    centered = rewards - rewards.mean()
-    if not normalize_std:
-        return centered
-    std = float(rewards.std(ddof=1)) if rewards.size > 1 else 0.0
-    return centered / (std + eps)
 
 
 def _node_values(tree: TrajectoryTree, rewards: np.ndarray) -> np.ndarray:

@@ -49,6 +49,16 @@ class LossTerms:
     """Coefficient-weighted fraction of contributions whose ratio was clipped."""
 
 
+def sampler_logprobs(contrib: Contributions) -> torch.Tensor:
+    """The contributions' sampler logprobs as old logprobs; refuses tokens the sampler gave none for."""
+    if torch.isnan(contrib.old_logprob).any():
+        raise ValueError(
+            "loss.ratio_source is 'sampler' but some policy tokens have no sampler logprobs; "
+            "record them at rollout or use ratio_source='scoring'"
+        )
+    return contrib.old_logprob
+
+
 def kl_per_target(logp: torch.Tensor, ref: torch.Tensor, estimator: str) -> torch.Tensor:
     if estimator == "k1":
         return logp - ref

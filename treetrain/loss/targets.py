@@ -15,7 +15,7 @@ earliest such call owns it (`Trajectory.owned_policy_mask`), and its sampler log
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -93,6 +93,45 @@ def _sampler_table(tree: TrajectoryTree) -> dict[CallRef, tuple[float, ...] | No
     return {ref: tree.sampler_logprobs(ref) for ref in tree.call_refs()}
 
 
+@dataclass
+class _TableBuilder:
+    """Accumulates targets and their contributions, then freezes them into a `TargetTable`."""
+
+    positions: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    contrib_target: list[int] = field(default_factory=list)
+    coef: list[float] = field(default_factory=list)
+    advantage: list[float] = field(default_factory=list)
+    sampler_logprob: list[float] = field(default_factory=list)
+    trajectory: list[int] = field(default_factory=list)
+
+    def target(self, position: int, token: int) -> int:
+        self.positions.append(position)
+        self.tokens.append(token)
+        return len(self.positions) - 1
+
+    def contribution(
+        self, target: int, coef: float, advantage: float, logprob: float, trajectory: int
+    ) -> None:
+        self.contrib_target.append(target)
+        self.coef.append(coef)
+        self.advantage.append(advantage)
+        self.sampler_logprob.append(logprob)
+        self.trajectory.append(trajectory)
+
+    def build(self) -> TargetTable:
+        i64 = np.int64
+        return TargetTable(
+            np.asarray(self.positions, dtype=i64),
+            np.asarray(self.tokens, dtype=i64),
+            np.asarray(self.contrib_target, dtype=i64),
+            np.asarray(self.coef, dtype=np.float64),
+            np.asarray(self.advantage, dtype=np.float64),
+            np.asarray(self.sampler_logprob, dtype=np.float64),
+            np.asarray(self.trajectory, dtype=i64),
+        )
+
+
 def tree_targets(
     tree: TrajectoryTree, advantages: TreeAdvantages, manifest: Manifest, cfg: LossConfig
 ) -> tuple[TargetTable, ...]:
@@ -105,24 +144,18 @@ def tree_targets(
         if node.index == ROOT:
             tables.append(EMPTY)
             continue
-        cols: dict[str, list[float]] = {k: [] for k in ("pos", "tok", "ct", "coef", "adv", "lp", "traj")}
+        table = _TableBuilder()
         contribs = [j for j in sorted(node.trajectories) if coefs[j] > 0]
         first = 1 if node.parent == ROOT else 0  # a sequence's first token has nothing before it
-        m = 0
         for k in range(first, len(node)):
             if node.roles[k] is not Role.POLICY or not contribs:
                 continue
-            cols["pos"].append(k)
-            cols["tok"].append(node.tokens[k])
+            m = table.target(k, node.tokens[k])
             for j in contribs:
                 lps = sampler[CallRef(j, owner[(j, node.index)])]
-                cols["ct"].append(m)
-                cols["coef"].append(coefs[j])
-                cols["adv"].append(advantages.at(j, node.index))
-                cols["lp"].append(lps[node.offset + k] if lps is not None else math.nan)
-                cols["traj"].append(j)
-            m += 1
-        tables.append(_table(cols))
+                lp = lps[node.offset + k] if lps is not None else math.nan
+                table.contribution(m, coefs[j], advantages.at(j, node.index), lp, j)
+        tables.append(table.build())
     return tuple(tables)
 
 
@@ -136,29 +169,11 @@ def call_targets(
     toks = traj.calls[ref.call].tokens
     lps = tree.sampler_logprobs(ref)
     node_at = [n for n in tree.path(tree.call_end(ref)) for _ in tree.nodes[n].tokens]
-    cols: dict[str, list[float]] = {k: [] for k in ("pos", "tok", "ct", "coef", "adv", "lp", "traj")}
+    table = _TableBuilder()
     if coef > 0:
         for t in range(1, len(toks)):
-            if not owned[t]:
-                continue
-            cols["ct"].append(len(cols["pos"]))
-            cols["pos"].append(t - 1)
-            cols["tok"].append(toks[t])
-            cols["coef"].append(coef)
-            cols["adv"].append(advantages.at(ref.trajectory, node_at[t]))
-            cols["lp"].append(lps[t] if lps is not None else math.nan)
-            cols["traj"].append(ref.trajectory)
-    return _table(cols)
-
-
-def _table(cols: dict[str, list[float]]) -> TargetTable:
-    i64 = np.int64
-    return TargetTable(
-        np.asarray(cols["pos"], dtype=i64),
-        np.asarray(cols["tok"], dtype=i64),
-        np.asarray(cols["ct"], dtype=i64),
-        np.asarray(cols["coef"], dtype=np.float64),
-        np.asarray(cols["adv"], dtype=np.float64),
-        np.asarray(cols["lp"], dtype=np.float64),
-        np.asarray(cols["traj"], dtype=i64),
-    )
+            if owned[t]:
+                m = table.target(t - 1, toks[t])
+                lp = lps[t] if lps is not None else math.nan
+                table.contribution(m, coef, advantages.at(ref.trajectory, node_at[t]), lp, ref.trajectory)
+    return table.build()

@@ -215,13 +215,21 @@ class TrainConfig:
     threads: int | None = None
     """torch intra-op threads (None: leave torch's default)."""
     model: ModelSection = field(default_factory=ModelSection)
+    """The policy, the reference model and the tokenizer."""
     env: EnvSection = field(default_factory=EnvSection)
+    """The environment rollouts run in, and its rubric."""
     rollout: RolloutSection = field(default_factory=RolloutSection)
+    """Tree-shaped sampling (or recorded trees)."""
     loss: LossConfig = field(default_factory=LossConfig)
+    """PPO-clip / GRPO objective, KL, entropy and aggregation (treetrain.loss.config.LossConfig)."""
     advantages: AdvantageConfig = field(default_factory=AdvantageConfig)
+    """GRPO or tree-aware advantages, and zero-variance groups (treetrain.loss.advantages.AdvantageConfig)."""
     replay: ReplaySection = field(default_factory=ReplaySection)
+    """Contract and the replay choices the planner may make."""
     optim: OptimSection = field(default_factory=OptimSection)
+    """The optimizer."""
     distributed: DistributedSection = field(default_factory=DistributedSection)
+    """One process (torch) or DeepSpeed ZeRO across processes."""
 
     def __post_init__(self) -> None:
         if self.updates < 1:
@@ -232,6 +240,13 @@ class TrainConfig:
             raise ConfigError(f"measure_memory_every: must be >= 0, got {self.measure_memory_every}")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"threads: must be >= 1 or null, got {self.threads}")
+        tempered = self.rollout.temperature != 1.0 or self.rollout.top_p < 1.0
+        if self.loss.ratio_source == "sampler" and tempered and self.rollout.trees is None:
+            raise ConfigError(
+                "loss.ratio_source: 'sampler' logprobs come from the tempered / nucleus-truncated distribution "
+                f"(rollout.temperature={self.rollout.temperature}, rollout.top_p={self.rollout.top_p}), so the PPO "
+                "ratio would be biased; use ratio_source='scoring' or sample at temperature 1 and top_p 1"
+            )
         if self.loss.needs_reference and self.model.reference is None:
             raise ConfigError("model.reference: loss.kl_coef > 0 needs a reference model (e.g. 'initial')")
         if self.memory_budget is not None:

@@ -14,7 +14,6 @@ Example:
 from __future__ import annotations
 
 import logging
-import os
 import random
 import shutil
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import yaml
 from tqdm.auto import tqdm
 
 from envs.registry import make_env
@@ -60,24 +60,45 @@ RUN_ARTIFACTS = (
 )
 
 
-def prepare_fresh_run_dir(run_dir: Path, overwrite: bool) -> None:
-    """Refuse to mix a new run into an old one, unless asked to replace it (deleting on rank 0 only)."""
+def check_fresh_run_dir(run_dir: Path, overwrite: bool) -> None:
+    """Refuse to mix a new run into an old one unless asked to replace it."""
     found = [name for name in RUN_ARTIFACTS if (run_dir / name).exists()]
-    if not found:
-        return
-    if not overwrite:
+    if found and not overwrite:
         raise FileExistsError(
             f"{run_dir} already holds a run ({', '.join(found)}); use --resume to continue it, "
             "--overwrite to replace it, or another --run-dir"
         )
-    if int(os.environ.get("RANK", "0")) != 0:
+
+
+def remove_earlier_run(run_dir: Path, rank: int) -> None:
+    """Delete an earlier run's artifacts (rank 0 only), once everything else has been validated."""
+    if rank != 0:
         return
-    for name in found:
+    for name in RUN_ARTIFACTS:
         path = run_dir / name
         if path.is_dir():
             shutil.rmtree(path)
-        else:
+        elif path.exists():
             path.unlink()
+
+
+def warn_config_changes(saved: Path, cfg: TrainConfig) -> None:
+    """A resumed run should be the same run: say which settings differ from the saved config."""
+    if not saved.is_file():
+        return
+    old = yaml.safe_load(saved.read_text()) or {}
+    new = yaml.safe_load(dump_config(cfg))
+
+    def flat(d: dict, prefix: str = "") -> dict[str, object]:
+        out: dict[str, object] = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    a, b = flat(old), flat(new)
+    changed = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k) and k != "updates")
+    if changed:
+        log.warning("resuming with settings that differ from the saved run: %s", ", ".join(changed))
 
 
 def seed_everything(seed: int) -> None:
@@ -102,7 +123,7 @@ class Trainer:
         self.run_dir = Path(cfg.run_dir)
         self.progress = progress
         if not resume:
-            prepare_fresh_run_dir(self.run_dir, overwrite)
+            check_fresh_run_dir(self.run_dir, overwrite)
         seed_everything(cfg.seed)
         models = load_models(cfg.model)
         self.tokenizer = models.tokenizer
@@ -121,11 +142,16 @@ class Trainer:
         self.last_plan: Plan | None = None
         env_kwargs = dict(cfg.env.kwargs)
         env_name = cfg.env.name
+        make_env(env_name, **env_kwargs)  # an unknown name or bad kwargs fail here, before any work
         self.source = (
-            RecordedSource(cfg)
+            RecordedSource(cfg, int(self.backend.module.config.get_text_config(decoder=True).vocab_size))
             if cfg.rollout.trees
             else RolloutSource(cfg, self.tokenizer, lambda: make_env(env_name, **env_kwargs), self.backend)
         )
+        if not resume and overwrite:
+            remove_earlier_run(self.run_dir, rank=self.backend.rank)
+        if resume:
+            warn_config_changes(self.run_dir / "config.yaml", cfg)
         if self.backend.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_text(self.run_dir / "config.yaml", dump_config(cfg))

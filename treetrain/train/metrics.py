@@ -15,9 +15,14 @@ Example:
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
+
+from treetrain.io import atomic_write_text
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -25,29 +30,45 @@ class UpdateMetrics:
     """What one update did."""
 
     update: int
+    """Index of the update (0-based)."""
     version: int
     """Model version after this update's optimizer step."""
     reward_mean: float
+    """Mean reward of every trajectory sampled for this update (dropped groups included)."""
     reward_std: float
+    """Their standard deviation."""
     trajectories: int
+    """Trajectories sampled."""
     groups: int
+    """Advantage groups (trees) sampled."""
     groups_dropped: int
     """Groups left out of the step (zero reward variance, or incomplete)."""
     loss: float
+    """The normalized loss this rank backpropagated."""
     pg: float
+    """Its policy-gradient part."""
     kl: float
+    """Coefficient-weighted KL to the reference (before kl_coef)."""
     entropy: float
+    """Coefficient-weighted entropy (before entropy_coef)."""
     clipped: float
+    """Weighted fraction of token terms whose ratio was clipped."""
     mode: str
+    """'tree' or 'flat', as planned ('none' when no group was left)."""
     contract: str
+    """'exact' or 'response_only'."""
     graph_tokens: int
+    """Tokens forwarded under autograd on this rank."""
     nograd_tokens: int
+    """Tokens forwarded without a graph (scoring, reference, recompute) on this rank."""
     flat_token_cost: int
     """Token-ceiling cost the flat reference would have spent on the same update."""
     token_cost: int
     """Token-ceiling cost actually spent (3 per graph token, 1 per no-grad token)."""
     rollout_seconds: float
+    """Wall time of sampling (0 for recorded trees)."""
     train_seconds: float
+    """Wall time of planning, replay and the optimizer step."""
     peak_bytes: int
     """Measured peak of live tensor bytes during replay, run-persistent bytes left out (0: not measured)."""
     predicted_peak_bytes: int
@@ -71,13 +92,28 @@ class UpdateMetrics:
         return d
 
 
+class MetricsError(ValueError):
+    """A metrics file that cannot be read; the message names the file and line."""
+
+
 def read_metrics(path: str | Path) -> list[UpdateMetrics]:
-    """Rows of a metrics.jsonl file (derived columns are ignored)."""
+    """Rows of a metrics.jsonl file (derived columns are ignored).
+
+    A last line cut short by a crash mid-append is skipped with a warning; a bad line elsewhere is an error.
+    """
     names = {f.name for f in fields(UpdateMetrics)}
+    lines = Path(path).read_text().splitlines()
     rows = []
-    for line in Path(path).read_text().splitlines():
-        if line.strip():
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
             rows.append(UpdateMetrics(**{k: v for k, v in json.loads(line).items() if k in names}))
+        except (json.JSONDecodeError, TypeError) as exc:
+            if number == len(lines):
+                log.warning("%s:%d: skipping a partial last line (%s)", path, number, exc)
+                continue
+            raise MetricsError(f"{path}:{number}: not a metrics row: {exc}") from exc
     return rows
 
 
@@ -89,7 +125,7 @@ class MetricsWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if truncate_after is not None and self.path.exists():
             kept = [r for r in read_metrics(self.path) if r.update < truncate_after]
-            self.path.write_text("".join(json.dumps(r.as_dict()) + "\n" for r in kept))
+            atomic_write_text(self.path, "".join(json.dumps(r.as_dict()) + "\n" for r in kept))
         self._tb: Any = None
         try:
             from torch.utils.tensorboard import SummaryWriter

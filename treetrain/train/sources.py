@@ -20,6 +20,7 @@ from typing import Any
 
 from envs.protocol import Environment
 from treetrain.distributed.backend import TrainBackend
+from treetrain.loss.config import ConfigError
 from treetrain.rollout.sampler import SamplerConfig
 from treetrain.rollout.schedule import FanOut
 from treetrain.rollout.tree_rollout import RolloutConfig, rollout_trees
@@ -31,7 +32,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Group:
+class Produced:
     """One update's trees and how long producing them took."""
 
     trees: tuple[TrajectoryTree, ...]
@@ -82,7 +83,7 @@ class RolloutSource:
             max_turns=r.max_turns, max_turn_tokens=r.max_turn_tokens, max_episode_tokens=r.max_episode_tokens
         )
 
-    def __call__(self, model: Any, update: int, version: int) -> Group:
+    def __call__(self, model: Any, update: int, version: int) -> Produced:
         start = time.perf_counter()
         r = self.cfg.rollout
         rank, world = self.backend.rank, self.backend.world_size
@@ -106,13 +107,17 @@ class RolloutSource:
         finally:
             model.train(was_training)
         trees = share_trees(self.backend, tuple(local))
-        return Group(trees, time.perf_counter() - start)
+        return Produced(trees, time.perf_counter() - start)
 
 
 class RecordedSource:
-    """Consumes recorded tree files in sorted order, `groups_per_update` trees per update, cycling at the end."""
+    """Consumes recorded tree files in sorted order, `groups_per_update` trees per update, cycling at the end.
 
-    def __init__(self, cfg: TrainConfig) -> None:
+    Every token id must exist in the model's vocabulary: trees tokenized with another tokenizer are refused
+    before training starts. With fewer trees than `groups_per_update`, each update takes all of them.
+    """
+
+    def __init__(self, cfg: TrainConfig, vocab_size: int) -> None:
         assert cfg.rollout.trees is not None
         pattern = cfg.rollout.trees
         path = Path(pattern)
@@ -123,12 +128,27 @@ class RecordedSource:
         )
         if not files:
             raise FileNotFoundError(f"rollout.trees: no .msgpack files at {pattern!r}")
-        self.trees: list[TrajectoryTree] = [t for f in files for t in load_trees(f)]
-        self.per_update = cfg.rollout.groups_per_update
+        self.trees: list[TrajectoryTree] = []
+        for f in files:
+            for tree in load_trees(f):
+                top = max((max(n.tokens) for n in tree.nodes if n.tokens), default=-1)
+                if top >= vocab_size:
+                    raise ConfigError(
+                        f"rollout.trees: {f} has token id {top}, outside the model's vocabulary of {vocab_size}; "
+                        "were these trees tokenized with another tokenizer?"
+                    )
+                self.trees.append(tree)
+        self.per_update = min(cfg.rollout.groups_per_update, len(self.trees))
+        if self.per_update < cfg.rollout.groups_per_update:
+            log.warning(
+                "rollout.trees holds %d trees, fewer than rollout.groups_per_update=%d: each update takes all",
+                len(self.trees),
+                cfg.rollout.groups_per_update,
+            )
 
-    def __call__(self, model: Any, update: int, version: int) -> Group:
+    def __call__(self, model: Any, update: int, version: int) -> Produced:
         n = len(self.trees)
         start = update * self.per_update
         if start // n != (start + self.per_update - 1) // n:
             log.info("recorded trees exhausted; starting another pass over %d trees", n)
-        return Group(tuple(self.trees[(start + i) % n] for i in range(self.per_update)), 0.0)
+        return Produced(tuple(self.trees[(start + i) % n] for i in range(self.per_update)), 0.0)

@@ -147,4 +147,8 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
         if not isinstance(child, dict):
             raise ConfigError(f"override {key}: {p} is not a section")
         node = child
-    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:  # e.g. a glob like *.msgpack: take it as text
+        value = raw
+    node[parts[-1]] = value
