@@ -97,3 +97,16 @@ def test_unreadable_inputs_exit_2(
     assert main(["plan", str(bad), "--model", "tiny-llama", "--budget", "1GiB"]) == 2
     assert main(["plan", str(trees_file), "--model", "tiny-nonesuch", "--budget", "1GiB"]) == 2
     assert "cannot load model" in capsys.readouterr().err
+
+
+def test_plan_with_a_training_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--config plans as `treetrain train` would: its model, reference (KL) and loss; bad trees are refused."""
+    trees = tmp_path / "t.msgpack"
+    save_trees([synthetic_group(prefix=40, branches=4, suffix=8, vocab=500, seed=s) for s in range(2)], trees)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model:\n  path: tiny-llama\n  reference: initial\nloss:\n  kl_coef: 0.05\n")
+    assert main(["plan", str(trees), "--config", str(cfg), "--budget", "1GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "reference" in out and "mode: tree" in out
+    assert main(["plan", "trees/tool_use.msgpack", "--config", str(cfg), "--budget", "1GiB"]) == 2
+    assert "outside the model's vocabulary" in capsys.readouterr().err

@@ -71,12 +71,17 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("trees", nargs="+", metavar="TREES", help="tree files (msgpack, see trees/README.md)")
     p.add_argument(
-        "--model", required=True, metavar="DIR_OR_PRESET", help="local HF model dir or tiny-<family>"
+        "--config",
+        help="a `treetrain train` config: plan with its model, reference model, loss, advantages and replay "
+        "settings (the flags below still override)",
+    )
+    p.add_argument(
+        "--model", metavar="DIR_OR_PRESET", help="local HF model dir or tiny-<family> (without --config)"
     )
     p.add_argument(
         "--budget", required=True, type=_bytes, help="device memory budget: 8GiB, 512MiB, 1.5GB, bytes"
     )
-    p.add_argument("--contract", choices=("exact", "response_only"), default="exact")
+    p.add_argument("--contract", choices=("exact", "response_only"), help="default: exact, or the config's")
     p.add_argument(
         "--vocab", type=_count, help="vocabulary of a preset model (default: largest token id + 1)"
     )
@@ -101,9 +106,42 @@ def _fail(message: str) -> int:
     return EXIT_BAD_INPUT
 
 
-def _batch(trees: list[TrajectoryTree]) -> UpdateBatch:
-    group = compute_advantages(trees, AdvantageConfig())
-    return UpdateBatch.build(trees, group.trees, Manifest.build(trees, 0), LossConfig())
+def _batch(trees: list[TrajectoryTree], loss: LossConfig, adv: AdvantageConfig) -> UpdateBatch:
+    group = compute_advantages(trees, adv)
+    return UpdateBatch.build(trees, group.trees, Manifest.build(trees, 0), loss)
+
+
+def _from_config(args: argparse.Namespace, trees: list[TrajectoryTree]) -> int:
+    """Plan exactly as `treetrain train` would for an update made of these trees."""
+    from dataclasses import replace
+
+    from treetrain.loss.config import ConfigError
+    from treetrain.train.config import load_config
+    from treetrain.train.models import load_models
+    from treetrain.train.planning import plan_for
+    from treetrain.train.sources import check_vocabulary
+
+    try:
+        cfg = load_config(args.config)
+        cfg = replace(cfg, memory_budget=str(args.budget), mode=args.mode or cfg.mode)
+        models = load_models(cfg.model)
+        vocab = int(models.policy.config.get_text_config(decoder=True).vocab_size)
+        check_vocabulary(trees, vocab, "the tree files")
+    except ConfigError as e:
+        return _fail(str(e))
+    forced = {
+        "microbatch": args.microbatch, "chunk_size": args.chunk_size, "keep_graphs": args.keep_graphs,
+        "retention": None if args.retention is None else str(args.retention),
+    }  # fmt: skip
+    replay = replace(cfg.replay, **{k: v for k, v in forced.items() if v is not None})
+    cfg = replace(cfg, replay=replace(replay, contract=args.contract or cfg.replay.contract))
+    advantages = [compute_advantages([t], cfg.advantages).trees[0] for t in trees]
+    try:
+        planned = plan_for(cfg, trees, advantages, 0, models.policy, models.reference, 1)
+    except (BudgetTooSmallError, PlanError, UnsupportedModelError) as e:
+        return _fail(str(e))
+    print(json.dumps(plan_json(planned.plan), indent=2) if args.json else render(planned.plan))
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -117,6 +155,10 @@ def run(args: argparse.Namespace) -> int:
             return _fail(f"cannot read {path}: {e.strerror or e}")
     if not trees:
         return _fail("the tree files hold no trees")
+    if args.config:
+        return _from_config(args, trees)
+    if not args.model:
+        return _fail("give --model (a local model directory or tiny-<family>) or --config")
     vocab = args.vocab or 1 + max(t for tree in trees for n in tree.nodes for t in n.tokens)
     try:
         model = load_model(args.model, vocab_size=vocab, dtype=DTYPES[args.dtype], attn=args.attn)
@@ -128,7 +170,8 @@ def run(args: argparse.Namespace) -> int:
     )  # fmt: skip
     try:
         plan = plan_update(
-            _batch(trees), model, budget=args.budget, contract=args.contract, overrides=overrides,
+            _batch(trees, LossConfig(), AdvantageConfig()), model, budget=args.budget,
+            contract=args.contract or "exact", overrides=overrides,
             min_speedup=args.min_speedup,
         )  # fmt: skip
     except (BudgetTooSmallError, PlanError, UnsupportedModelError) as e:

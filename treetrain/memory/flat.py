@@ -43,7 +43,7 @@ def predict_flat(
     pers = persistent or model_persistent_bytes(model, ref_model=ref_model)
     fixed = ClassBytes(persistent=pers.run_persistent, boundary=pers.update_boundary)
     lp_size = max(4, next(model.parameters()).element_size())
-    calls = FlatReference(model, loss, microbatch=microbatch).calls(batch)
+    calls = FlatReference(model, loss, ref_model=ref_model, microbatch=microbatch).calls(batch)
     rows: list[LedgerRow] = []
     cost = 0
     for i in range(0, len(calls), microbatch):

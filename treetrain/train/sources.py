@@ -13,7 +13,7 @@ import glob
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -110,6 +110,16 @@ class RolloutSource:
         return Produced(trees, time.perf_counter() - start)
 
 
+def check_vocabulary(trees: Sequence[TrajectoryTree], vocab_size: int, where: str) -> None:
+    """Refuse trees holding token ids the model does not have (another tokenizer's trees)."""
+    top = max((max(n.tokens) for t in trees for n in t.nodes if n.tokens), default=-1)
+    if top >= vocab_size:
+        raise ConfigError(
+            f"{where} has token id {top}, outside the model's vocabulary of {vocab_size}; "
+            "were these trees tokenized with another tokenizer?"
+        )
+
+
 class RecordedSource:
     """Consumes recorded tree files in sorted order, `groups_per_update` trees per update, cycling at the end.
 
@@ -130,14 +140,9 @@ class RecordedSource:
             raise FileNotFoundError(f"rollout.trees: no .msgpack files at {pattern!r}")
         self.trees: list[TrajectoryTree] = []
         for f in files:
-            for tree in load_trees(f):
-                top = max((max(n.tokens) for n in tree.nodes if n.tokens), default=-1)
-                if top >= vocab_size:
-                    raise ConfigError(
-                        f"rollout.trees: {f} has token id {top}, outside the model's vocabulary of {vocab_size}; "
-                        "were these trees tokenized with another tokenizer?"
-                    )
-                self.trees.append(tree)
+            trees = load_trees(f)
+            check_vocabulary(trees, vocab_size, f"rollout.trees: {f}")
+            self.trees.extend(trees)
         self.per_update = min(cfg.rollout.groups_per_update, len(self.trees))
         if self.per_update < cfg.rollout.groups_per_update:
             log.warning(
