@@ -1,8 +1,13 @@
 """Shared by the distributed worker (tests/distributed/worker.py) and its single-process references.
 
 One update of two groups (a multi-level tree and a one-level tree, normalized together by the manifest),
-a tiny float32 llama, AdamW. `reference_delta` is the parameter change of one step in one process with
+a tiny float32 llama, plain SGD. `reference_delta` is the parameter change of one step in one process with
 plain torch: the oracle that every distributed scenario is compared with.
+
+The comparisons use SGD without clipping or weight decay, where the delta is exactly `-lr * g`: a gradient
+off by any factor (a missing rescale over ranks, a division by an accumulation count) moves it by that
+factor. AdamW's first step is about `lr * sign(g)` and would hide such an error; `ADAMW` cases check that
+the AdamW path (and its optimizer state across a resume) works too.
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ from treetrain.loss.config import LossConfig
 from treetrain.loss.manifest import Manifest
 
 LOSS = LossConfig()
-OPTIMIZER = OptimizerConfig(lr=1e-3, weight_decay=0.01, grad_clip=1.0)
+OPTIMIZER = OptimizerConfig(name="sgd", lr=1.0, weight_decay=0.0, grad_clip=0.0)
+"""Scale-sensitive: delta = -lr * g (|g| is about 0.7 here, so |delta| is far above float32 rounding)."""
+ADAMW = OptimizerConfig(lr=1e-3, weight_decay=0.01, grad_clip=1.0)
 make_model = factory("llama", torch.float32)
 STAGES = {"z0": (0, False), "z1": (1, False), "z2": (2, False), "z3": (3, False), "z2off": (2, True)}
 """Name -> (ZeRO stage, optimizer CPU offload)."""
@@ -44,14 +51,15 @@ def reference_delta(
     replay: ReplayConfig | None = None,
     flat_microbatch: int = 1,
     perturb: bool = False,
+    optimizer: OptimizerConfig = OPTIMIZER,
 ) -> torch.Tensor:
-    """One AdamW step in one process with plain torch and the engine directly (no update window):
+    """One optimizer step in one process with plain torch and the engine directly (no update window):
     contract 'flat' (the conventional run) or a tree contract."""
     model: PreTrainedModel = make_model()
     if perturb:
         _perturb(model, seed=99)
     start = params_vector(model)
-    backend = TorchBackend(model, OPTIMIZER)
+    backend = TorchBackend(model, optimizer)
     trees = [t for g in update for t in g.trees]
     batch = UpdateBatch.build(
         trees, [a for g in update for a in g.advantages], Manifest.build(trees, 0), LOSS
@@ -68,20 +76,23 @@ def reference_delta(
     return delta
 
 
-def delta_floor(contract: str, update: Sequence[Group]) -> tuple[torch.Tensor, float]:
+def delta_floor(
+    contract: str, update: Sequence[Group], optimizer: OptimizerConfig = OPTIMIZER
+) -> tuple[torch.Tensor, float]:
     """The reference delta and its fp32 noise floor: the largest gap to two equally valid runs of it.
 
     The variants are another summation order (reversed, other microbatching) and every parameter moved by
-    one float32 rounding step (as in treetrain.engine.verify.noise_floor, applied to AdamW deltas).
+    one float32 rounding step (as in treetrain.engine.verify.noise_floor, applied to the deltas).
     """
-    ref = reference_delta(contract, update)
+    ref = reference_delta(contract, update, optimizer=optimizer)
     if contract == "flat":
-        other = reference_delta("flat", update, flat_microbatch=2)
+        other = reference_delta("flat", update, flat_microbatch=2, optimizer=optimizer)
     else:
         other = reference_delta(
-            contract, update, replay=ReplayConfig(contract=contract, microbatch=1, order="reverse")
-        )  # type: ignore[arg-type]
-    moved = reference_delta(contract, update, perturb=True)
+            contract, update, replay=ReplayConfig(contract=contract, microbatch=1, order="reverse"),  # type: ignore[arg-type]
+            optimizer=optimizer,
+        )  # fmt: skip
+    moved = reference_delta(contract, update, perturb=True, optimizer=optimizer)
     return ref, max(float((ref - other).norm()), float((ref - moved).norm()))
 
 

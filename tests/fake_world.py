@@ -1,8 +1,8 @@
 """Several ranks in one process, for testing the update window's collective logic without DeepSpeed.
 
 Each rank is a thread with its own model copy and a `ThreadRankBackend`: `gather` meets the other ranks at
-a barrier, and `step` sums every rank's gradient (in rank order) before its AdamW step, as the DeepSpeed
-backend's reduction does. `FlakyBackend` fails chosen backward calls, part-way, like a real fault.
+a barrier, and `step` sums every rank's gradient (in rank order) before its optimizer step, as the
+DeepSpeed backend's reduction does (`mean=True`: averages instead, a negative control). `FlakyBackend` fails chosen backward calls, part-way, like a real fault.
 """
 
 from __future__ import annotations
@@ -85,10 +85,12 @@ class ThreadRankBackend(FlakyBackend):
         model: PreTrainedModel,
         optimizer: OptimizerConfig,
         fail_on: Sequence[int] = (),
+        mean: bool = False,
     ) -> None:
         super().__init__(model, optimizer, fail_on)
         self.world = world
         self.rank, self.world_size = rank, world.size
+        self.mean = mean
 
     def gather(self, text: str) -> list[str]:
         return self.world.exchange(self.rank, text)
@@ -101,5 +103,5 @@ class ThreadRankBackend(FlakyBackend):
                 total = every[0][i].clone()
                 for other in every[1:]:
                     total += other[i]
-                p.grad = total
+                p.grad = total / len(every) if self.mean else total
         return super().step()

@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from treetrain.distributed import OptimizerConfig
-from treetrain.distributed.deepspeed_backend import default_config, own_boundary, read_config
+from treetrain.distributed.deepspeed_backend import (
+    config_offload,
+    config_zero_stage,
+    default_config,
+    own_boundary,
+    read_config,
+)
 from treetrain.loss.config import ConfigError
 
 
@@ -32,6 +38,32 @@ def test_generated_default_from_explicit_arguments() -> None:
     }
     assert cfg["bf16"] == {"enabled": True} and cfg["zero_force_ds_cpu_optimizer"] is False
     assert own_boundary(cfg, "generated") is cfg
+
+
+def test_generated_sgd_is_plain_torch_sgd() -> None:
+    """DeepSpeed builds torch.optim.SGD from a type it does not implement; offload needs no CPU-Adam flag."""
+    opt = OptimizerConfig(name="sgd", lr=0.5, weight_decay=0.0, grad_clip=0.0)
+    cfg = default_config(
+        zero_stage=2, offload_optimizer=True, optimizer=opt, dtype=torch.float32, torch_adam=True
+    )
+    assert cfg["optimizer"] == {"type": "SGD", "params": {"lr": 0.5, "weight_decay": 0.0}}
+    assert cfg["gradient_clipping"] == 0.0 and cfg["zero_allow_untested_optimizer"] is True
+    assert "zero_force_ds_cpu_optimizer" not in cfg
+
+
+@pytest.mark.parametrize(
+    ("cfg", "stage", "offload"),
+    [
+        ({}, 0, False),
+        ({"zero_optimization": {"stage": 3}}, 3, False),
+        ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, 2, True),
+        ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}}, 3, True),
+        ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "none"}}}, 1, False),
+        ({"zero_optimization": {"stage": 1, "offload_optimizer": {}}}, 1, False),
+    ],
+)
+def test_stage_and_offload_read_from_a_user_config(cfg: dict, stage: int, offload: bool) -> None:
+    assert (config_zero_stage(cfg), config_offload(cfg)) == (stage, offload)
 
 
 @pytest.mark.parametrize(

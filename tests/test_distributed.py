@@ -2,9 +2,11 @@
 
 One `torchrun` launch runs every scenario of tests/distributed/worker.py (a fresh DeepSpeed engine each);
 the tests below compare the parameter deltas it wrote with single-process references computed here with
-plain torch (`tests/dist_cases.py`). The tolerance is FACTOR times the reference's measured fp32 noise
-floor (another summation order, and a one-ulp parameter move), as in test_replay_exact.py. Negative
-controls show the same comparison rejects a doubled or a skipped contribution, and naive DeepSpeed use.
+plain torch (`tests/dist_cases.py`). The deltas are SGD steps (delta = -lr * g), so the gradient's scale
+is checked, not only its direction; one AdamW case per stage checks the AdamW path. The tolerance is
+FACTOR times the reference's measured fp32 noise floor (another summation order, and a one-ulp parameter
+move), as in test_replay_exact.py. Negative controls show the same comparison rejects a doubled or a
+skipped contribution, a gradient without the rescale over ranks (half the update), and naive DeepSpeed use.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 from dist_cases import (
+    ADAMW,
     OPTIMIZER,
     STAGES,
     delta_floor,
@@ -70,6 +73,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"torchrun did not finish in {TIMEOUT_S}s (a deadlock?): {str(exc.stdout)[-3000:]}")
     print(f"\ndistributed worker: {time.monotonic() - start:.1f}s wall for every scenario")
+    (out / "torchrun.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         pytest.fail(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return out
@@ -95,6 +99,13 @@ def _close(delta: torch.Tensor, ref: tuple[torch.Tensor, float], what: str) -> N
     assert err <= FACTOR * floor, f"{what}: |delta - reference| = {err:.3e} > {FACTOR} x floor {floor:.3e}"
 
 
+def _far(delta: torch.Tensor, ref: tuple[torch.Tensor, float], what: str) -> float:
+    """For negative controls: the error must be far outside the tolerance; returns error / floor."""
+    err = float((delta - ref[0]).norm())
+    assert err > 100 * FACTOR * ref[1], f"{what}: {err:.3e} is not far above the floor {ref[1]:.3e}"
+    return err / ref[1]
+
+
 @pytest.mark.parametrize("stage", list(STAGES))
 def test_exact_matches_single_process_flat(
     run: Path, flat_ref: tuple[torch.Tensor, float], stage: str
@@ -102,6 +113,31 @@ def test_exact_matches_single_process_flat(
     delta, info = _result(run, f"{stage}-exact")
     _close(delta, flat_ref, f"{stage} exact")
     assert all(r["version"] == 1 for r in info)
+    assert all((r["zero_stage"], r["offload_optimizer"]) == STAGES[stage] for r in info)
+
+
+@pytest.fixture(scope="module")
+def adamw_ref() -> tuple[torch.Tensor, float]:
+    return delta_floor("flat", groups(), ADAMW)
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_adamw_matches_single_process_flat(
+    run: Path, adamw_ref: tuple[torch.Tensor, float], stage: str
+) -> None:
+    delta, _ = _result(run, f"{stage}-adamw")
+    _close(delta, adamw_ref, f"{stage} adamw")
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_negative_control_without_the_rescale_the_update_is_halved(
+    run: Path, flat_ref: tuple[torch.Tensor, float], stage: str
+) -> None:
+    """DeepSpeed averages over the 2 ranks; without the backend's x2 the SGD step is exactly half."""
+    delta, _ = _result(run, f"{stage}-no_rescale")
+    ratio = _far(delta, flat_ref, f"{stage} without rescale")
+    print(f"{stage} no_rescale: |delta - reference| = {ratio:.0f} x floor")
+    _close(delta, (flat_ref[0] / 2, flat_ref[1]), f"{stage} without rescale vs half the reference")
 
 
 @pytest.fixture(scope="module")
@@ -176,19 +212,23 @@ def test_negative_control_bypassing_the_ledger_is_numerically_visible(
     run: Path, flat_ref: tuple[torch.Tensor, float], kind: str
 ) -> None:
     delta, _ = _result(run, f"z2-{kind}")
-    err = float((delta - flat_ref[0]).norm())
-    assert err > 100 * FACTOR * flat_ref[1], f"{kind}: {err:.3e} is not far above the floor"
+    _far(delta, flat_ref, kind)
 
 
-@pytest.mark.parametrize("stage", ["z3", "z2off"])
+@pytest.mark.parametrize("stage", ["z2", "z3", "z2off"])
 def test_resume_reproduces_the_next_update(run: Path, stage: str) -> None:
+    """AdamW (its moments must survive), loaded with weights-only unpickling."""
     delta, info = _result(run, f"{stage}-resume")
     for r in info:
         assert r["loaded_equals_saved"] and r["client_state"] == {"version": 1, "update": 1}
         assert r["resumed_vs_original"] == 0.0
+        if stage == "z2":
+            assert "refused by weights-only loading" in r["tampered"]
+            assert "Unsupported global: GLOBAL print" in r["tampered"]
     assert info[0]["export_equals_weights"] and "model.safetensors" in info[0]["export_files"]
     assert float(delta.abs().max()) == 0.0
     assert not list(run.glob(".ckpt-*")) and not list(run.glob(".export-*")), "temporary directories left"
+    assert "Payload unpickled" not in (run / "torchrun.log").read_text(), "the planted payload ran"
 
 
 def _pitfall_ref(perturb: bool = False, reverse: bool = False) -> torch.Tensor:
@@ -228,4 +268,4 @@ def test_negative_control_naive_deepspeed_drops_micro_batches(
 ) -> None:
     """engine.backward per micro-batch then engine.step (ZeRO-1, GAS=1) keeps only part of the gradient."""
     delta, _ = _result(run, "z1-several_backward_naive")
-    assert float((delta - pitfall_ref[0]).norm()) > 100 * FACTOR * pitfall_ref[1]
+    _far(delta, pitfall_ref, "naive DeepSpeed")

@@ -63,12 +63,16 @@ def detached_prefix_gradient(model, batch: UpdateBatch, loss: LossConfig) -> tor
                     past = None
                     if start > 0:
                         with torch.no_grad():
-                            pre = decoder_forward(model, torch.tensor([tokens[:start]]), torch.arange(start)[None], None)
+                            pre = decoder_forward(
+                                model, torch.tensor([tokens[:start]]), torch.arange(start)[None], None
+                            )
                         past = list(zip(pre.keys, pre.values))
                     padded = pad_pieces([tokens[start : node.end]], [start], device)
                     out = decoder_forward(model, padded.input_ids, padded.positions, past)
                     gathered = gather_targets([piece], padded.input_ids.shape[1], device)
-                    logp, ent = target_stats(model, out.hidden, gathered, with_entropy=False, max_logit_elements=1 << 20)
+                    logp, ent = target_stats(
+                        model, out.hidden, gathered, with_entropy=False, max_logit_elements=1 << 20
+                    )
                     con = gathered.contributions
                     contrib = Contributions(con.target, con.coef, con.advantage, con.old_logprob)
                     objective(loss, logp, contrib).loss.backward()
@@ -78,7 +82,10 @@ def detached_prefix_gradient(model, batch: UpdateBatch, loss: LossConfig) -> tor
 @pytest.mark.parametrize("shape", ["one_level", "multi_level", "two_trees", "unequal"])
 @pytest.mark.parametrize(
     "replay",
-    [ReplayConfig(contract="response_only", microbatch=1), ReplayConfig(contract="response_only", microbatch=0)],
+    [
+        ReplayConfig(contract="response_only", microbatch=1),
+        ReplayConfig(contract="response_only", microbatch=0),
+    ],
     ids=["K1", "Kall"],
 )
 def test_response_only_equals_detached_prefix_reference(shape: str, replay: ReplayConfig) -> None:

@@ -1,5 +1,6 @@
 """The update window without DeepSpeed: exactly-once accounting and fault handling, on one process and on
-ranks simulated by threads (tests/fake_world.py). References are the engine run directly (dist_cases)."""
+ranks simulated by threads (tests/fake_world.py). References are the engine run directly (dist_cases),
+compared as SGD deltas (-lr * g), so a gradient of the wrong scale fails as surely as a wrong direction."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ from typing import Any
 
 import pytest
 import torch
-from dist_cases import LOSS, OPTIMIZER, delta_floor, groups, make_model, params_vector
+from dist_cases import ADAMW, LOSS, OPTIMIZER, delta_floor, groups, make_model, params_vector
 from fake_world import FlakyBackend, ThreadRankBackend, ThreadWorld
 
 from treetrain.distributed import (
     AgreementError,
     DuplicateContributionError,
+    OptimizerConfig,
     TorchBackend,
     UpdateWindow,
     WindowConfig,
@@ -22,11 +24,14 @@ from treetrain.distributed import (
 )
 from treetrain.distributed.backend import make_backend
 from treetrain.distributed.checkpoint import CheckpointError
-from treetrain.engine import ReplayConfig, UpdateBatch
+from treetrain.distributed.window import is_transient
+from treetrain.engine import BackwardFailed, ReplayConfig, UpdateBatch
 from treetrain.engine.resident import ResidentIdentity, ResidentKey, ResidentStore, StaleResidentStateError
 from treetrain.engine.schedule import ReplayStep
 from treetrain.loss.config import ConfigError
 from treetrain.loss.manifest import ManifestError
+from treetrain.memory.retention import BudgetTooSmallError
+from treetrain.models.support import UnsupportedModelError
 
 FACTOR = 5.0
 
@@ -39,6 +44,13 @@ def flat() -> tuple[torch.Tensor, float]:
 def _close(delta: torch.Tensor, ref: tuple[torch.Tensor, float]) -> None:
     err = float((delta - ref[0]).norm())
     assert err <= FACTOR * ref[1], f"|delta - reference| = {err:.3e} > {FACTOR} x {ref[1]:.3e}"
+
+
+def _far(delta: torch.Tensor, ref: tuple[torch.Tensor, float], what: str) -> float:
+    """Negative controls: the error must be far outside the tolerance; returns error / floor."""
+    err = float((delta - ref[0]).norm())
+    assert err > 100 * FACTOR * ref[1], f"{what}: {err:.3e} is not far above the floor {ref[1]:.3e}"
+    return err / ref[1]
 
 
 def _run(backend: TorchBackend | None = None, **kw: Any) -> tuple[torch.Tensor, Any]:
@@ -97,6 +109,86 @@ def test_out_of_memory_splits_the_step(flat: tuple[torch.Tensor, float]) -> None
     delta, report = _run(step_hook=hook)
     _close(delta, flat)
     assert report.local.oom_splits == 1 and report.window_resets == 0
+
+
+PERMANENT = [
+    ValueError("bad input"),
+    TypeError("bad type"),
+    IndexError("no such unit"),
+    KeyError("no such node"),
+    StaleResidentStateError("stale"),
+    ManifestError("bad manifest"),
+    UnsupportedModelError("unsupported"),
+    BudgetTooSmallError(1, 2, "unit 3"),
+]
+
+
+@pytest.mark.parametrize("exc", PERMANENT, ids=lambda e: type(e).__name__)
+def test_a_permanent_error_is_raised_at_once_without_retry_or_drop(exc: Exception) -> None:
+    backend = TorchBackend(make_model(), OPTIMIZER)
+    start = params_vector(backend.module)
+    hook = Raise("forward", {1}, exc)
+    window = UpdateWindow(backend, LOSS, step_hook=hook)
+    opened = window.open(groups())
+    with pytest.raises(type(exc)) as raised:
+        opened.replay_all()
+    assert raised.value is exc and hook.count == 1, "retried"
+    assert not opened.failures and not opened.dropped and opened.counters.tree_retries == 0
+    assert not opened.ledger.covered and window.version == 0
+    assert torch.equal(params_vector(backend.module), start)
+
+
+def test_a_permanent_error_after_a_backward_discards_the_partial_gradient(
+    flat: tuple[torch.Tensor, float],
+) -> None:
+    """Raised at once; what the tree accumulated is gone, so a caller that goes on replays it exactly."""
+    backend = TorchBackend(make_model(), OPTIMIZER)
+    start = params_vector(backend.module)
+    hook = Raise("backward", {2}, ValueError("bad advantage"))
+    opened = UpdateWindow(backend, LOSS, step_hook=hook).open(groups())
+    with pytest.raises(ValueError, match="bad advantage"):
+        opened.replay_all()
+    assert all(p.grad is None for p in backend.params) and not opened.ledger.covered
+    assert opened.counters.window_resets == 0 and not opened.failures
+    opened.commit()
+    _close(params_vector(backend.module) - start, flat)
+
+
+class BadInputBackend(TorchBackend):
+    """A backward that fails with a ValueError (bad input reaching autograd), not a fault."""
+
+    def backward(self, loss: torch.Tensor) -> None:
+        raise ValueError("loss is not a scalar")
+
+
+def test_a_backward_failing_on_bad_input_is_not_retried() -> None:
+    opened = UpdateWindow(BadInputBackend(make_model(), OPTIMIZER), LOSS).open(groups())
+    with pytest.raises(BackwardFailed) as raised:
+        opened.replay_all()
+    assert isinstance(raised.value.__cause__, ValueError)
+    assert opened.counters.window_resets == 0 and not opened.failures
+
+
+@pytest.mark.parametrize(
+    ("exc", "transient"),
+    [
+        (RuntimeError("NCCL timeout"), True),
+        (torch.OutOfMemoryError("oom"), True),
+        (OSError("disk"), True),
+        (BackwardFailed("step 3"), True),
+        (NotImplementedError("todo"), False),
+        (AssertionError("bug"), False),
+        (*PERMANENT[:1], False),
+        (ManifestError("m"), False),
+        (StaleResidentStateError("s"), False),
+    ],
+    ids=lambda v: type(v).__name__ if isinstance(v, BaseException) else str(v),
+)
+def test_transient_and_permanent_kinds(exc: Exception, transient: bool) -> None:
+    assert is_transient(exc) is transient
+    wrapped = BackwardFailed("backward failed")
+    wrapped.__cause__ = exc
+    assert is_transient(wrapped) is transient
 
 
 def _fail_tree(window: UpdateWindow, tree_id: str) -> Raise:
@@ -176,11 +268,13 @@ def _thread_ranks(
     replay: Any = lambda rank: None,
     version: Any = lambda rank: 0,
     hook: Any = lambda rank, window: None,
+    mean: bool = False,
 ) -> list[Any]:
     """Run one update on every simulated rank; per rank, (delta, report) or the exception raised."""
     fail_on = fail_on or {}
     backends = [
-        ThreadRankBackend(world, r, make_model(), OPTIMIZER, fail_on.get(r, ())) for r in range(world.size)
+        ThreadRankBackend(world, r, make_model(), OPTIMIZER, fail_on.get(r, ()), mean=mean)
+        for r in range(world.size)
     ]
     trees = [t for g in groups() for t in g.trees]
 
@@ -195,6 +289,62 @@ def _thread_ranks(
         return fn
 
     return world.run([rank_fn(r) for r in range(world.size)])
+
+
+class DoublingBackend(TorchBackend):
+    """Negative control: the gradient reaching the optimizer is twice the right one."""
+
+    def step(self) -> bool:
+        with torch.no_grad():
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(2.0)
+        return super().step()
+
+
+def test_negative_control_a_doubled_gradient_is_far_outside_the_tolerance(
+    flat: tuple[torch.Tensor, float],
+) -> None:
+    delta, _ = _run(DoublingBackend(make_model(), OPTIMIZER))
+    print(f"doubled gradient: |delta - reference| = {_far(delta, flat, 'doubled'):.0f} x floor")
+
+
+def test_negative_control_averaging_over_ranks_instead_of_summing_is_visible(
+    flat: tuple[torch.Tensor, float],
+) -> None:
+    """The manifest normalizes the global sum: a mean over 2 ranks (DeepSpeed's default) halves it."""
+    for delta, _ in _thread_ranks(ThreadWorld(2), mean=True):
+        print(f"mean over ranks: |delta - reference| = {_far(delta, flat, 'mean'):.0f} x floor")
+        _close(delta, (flat[0] / 2, flat[1]))
+
+
+def test_adamw_window_matches_the_engine_run_directly() -> None:
+    delta, _ = _run(TorchBackend(make_model(), ADAMW))
+    _close(delta, delta_floor("flat", groups(), ADAMW))
+
+
+class SkippingBackend(TorchBackend):
+    """The optimizer skips the update (as DeepSpeed may on overflow)."""
+
+    def step(self) -> bool:
+        self.optimizer.zero_grad(set_to_none=True)
+        return False
+
+
+def test_a_skipped_step_still_counts_as_a_committed_window() -> None:
+    backend = SkippingBackend(make_model(), OPTIMIZER)
+    start = params_vector(backend.module)
+    window = UpdateWindow(backend, LOSS)
+    tree = groups()[0].trees[0]
+    key = ResidentKey(tree.id, 1, tree.nodes[1].id)
+    opened = window.open(groups())
+    opened.replay_all()
+    window.store.put(key, [(torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2))], window.identity)
+    report = opened.commit()
+    assert not report.step_applied and report.version == window.version == 1
+    assert torch.equal(params_vector(backend.module), start)
+    with pytest.raises(StaleResidentStateError):
+        window.store.get(key, window.identity)
 
 
 def test_thread_ranks_match_one_process_under_faults(flat: tuple[torch.Tensor, float]) -> None:
@@ -249,27 +399,28 @@ def test_torch_checkpoint_resume_reproduces_the_next_update(tmp_path: Any) -> No
 
 def test_make_backend_reads_trainer_settings() -> None:
     @dataclass(frozen=True)
-    class Optim:
-        lr: float = 1e-3
-        betas: tuple[float, float] = (0.9, 0.99)
-        weight_decay: float = 0.0
-        grad_clip: float | None = None
-
-    @dataclass(frozen=True)
     class Distributed:
         backend: str = "torch"
         zero_stage: int = 0
         offload_optimizer: bool = False
         deepspeed_config: str | None = None
 
-    backend = make_backend(make_model(), Optim(), Distributed())
+    optim = OptimizerConfig(lr=1e-3, betas=(0.9, 0.99), grad_clip=0.0)
+    backend = make_backend(make_model(), optim, Distributed())
     assert (
         isinstance(backend, TorchBackend)
         and backend.cfg.grad_clip == 0.0
         and backend.cfg.betas == (0.9, 0.99)
+        and isinstance(backend.optimizer, torch.optim.AdamW)
     )
+    assert (backend.zero_stage, backend.offload_optimizer) == (0, False)
     with pytest.raises(ConfigError, match=r"distributed\.backend must be 'torch' or 'deepspeed'"):
-        make_backend(make_model(), Optim(), Distributed(backend="horovod"))
+        make_backend(make_model(), optim, Distributed(backend="horovod"))
+
+    sgd = make_backend(make_model(), OptimizerConfig(name="sgd"), Distributed())
+    assert isinstance(sgd, TorchBackend) and type(sgd.optimizer) is torch.optim.SGD
+    with pytest.raises(ConfigError, match=r"optim\.name must be 'adamw' or 'sgd'"):
+        OptimizerConfig(name="lion")  # type: ignore[arg-type]
 
 
 def test_negative_control_a_tree_counted_twice_is_far_outside_the_tolerance(
@@ -297,3 +448,19 @@ def test_window_takes_over_a_given_identity_and_store() -> None:
         UpdateWindow(backend, LOSS, version=3, identity=identity)
     with pytest.raises(ValueError, match="the store holds identity"):
         UpdateWindow(backend, LOSS, identity=identity, store=ResidentStore(identity.bumped()))
+
+
+def test_torch_backend_refuses_a_non_finite_step() -> None:
+    """A NaN gradient never reaches the weights: the step raises and the gradients are discarded."""
+    import math
+
+    from treetrain.models.presets import tiny_model
+
+    model = tiny_model("llama", 32)
+    backend = TorchBackend(model, OptimizerConfig(lr=0.1, grad_clip=0.0))
+    before = [p.detach().clone() for p in model.parameters()]
+    backend.backward(sum(p.sum() for p in model.parameters()) * math.nan)
+    with pytest.raises(FloatingPointError, match="refused"):
+        backend.step()
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters())

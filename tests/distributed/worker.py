@@ -17,6 +17,7 @@ import traceback
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,18 +25,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import deepspeed
 import torch
-from dist_cases import LOSS, OPTIMIZER, STAGES, groups, lm_loss, make_model, params_vector, pitfall_batches
+from dist_cases import (
+    ADAMW,
+    LOSS,
+    OPTIMIZER,
+    STAGES,
+    groups,
+    lm_loss,
+    make_model,
+    params_vector,
+    pitfall_batches,
+)
 from safetensors.torch import save_file
 
 from treetrain.distributed import (
     AgreementError,
     CoverageLedger,
     DuplicateContributionError,
+    OptimizerConfig,
     UpdateWindow,
     WindowConfig,
     round_robin,
 )
 from treetrain.distributed.backend import make_backend
+from treetrain.distributed.checkpoint import CheckpointError
 from treetrain.distributed.deepspeed_backend import DeepSpeedBackend
 from treetrain.engine import ReplayConfig, UpdateBatch
 from treetrain.engine.resident import ResidentKey, StaleResidentStateError
@@ -47,16 +60,22 @@ ONLY = set(sys.argv[2].split(",")) if len(sys.argv) > 2 and sys.argv[2] else Non
 Info = dict[str, Any]
 
 
-def backend_for(stage_name: str, **kw: Any) -> DeepSpeedBackend:
+USER_CONFIG_STAGES = {"z1"}
+"""Stages whose backend is built from a user DeepSpeed config (a mapping) instead of arguments."""
+
+
+def backend_for(stage_name: str, optimizer: OptimizerConfig = OPTIMIZER) -> DeepSpeedBackend:
     stage, offload = STAGES[stage_name]
-    return DeepSpeedBackend(
-        make_model(), zero_stage=stage, offload_optimizer=offload, optimizer=OPTIMIZER, **kw
-    )
+    if stage_name in USER_CONFIG_STAGES:
+        offload_block = {"device": "cpu" if offload else "none"}
+        user = {"zero_optimization": {"stage": stage, "offload_optimizer": offload_block}}
+        return DeepSpeedBackend(make_model(), ds_config=user, optimizer=optimizer)
+    return DeepSpeedBackend(make_model(), zero_stage=stage, offload_optimizer=offload, optimizer=optimizer)
 
 
 def current(backend: DeepSpeedBackend) -> torch.Tensor:
     params = list(backend.module.parameters())
-    gathered = deepspeed.zero.GatheredParameters(params) if backend.stage == 3 else nullcontext()
+    gathered = deepspeed.zero.GatheredParameters(params) if backend.zero_stage == 3 else nullcontext()
     with gathered:
         return params_vector(backend.module)
 
@@ -68,9 +87,10 @@ def one_update(
     placement: str = "planner",
     step_hook: Callable[..., None] | None = None,
     body: Callable[[Any], None] | None = None,
+    optimizer: OptimizerConfig = OPTIMIZER,
     **window_kw: Any,
 ) -> tuple[torch.Tensor, Info]:
-    backend = backend_for(stage_name)
+    backend = backend_for(stage_name, optimizer)
     start = current(backend)
     update = groups()
     trees = [t for g in update for t in g.trees]
@@ -89,8 +109,19 @@ def one_update(
         "oom_splits": report.local.oom_splits,
         "dropped": [[d.index, d.reason] for d in report.dropped],
         "duplicated_tokens": opened.placement.duplicated_tokens,
+        "zero_stage": backend.zero_stage,
+        "offload_optimizer": backend.offload_optimizer,
     }
     return current(backend) - start, info
+
+
+def no_rescale(stage_name: str) -> tuple[torch.Tensor, Info]:
+    """Negative control: the backend's `x dp_world_size` before DeepSpeed's mean is left out."""
+
+    def body(opened: Any) -> None:
+        opened.backend._scale_local_grads = lambda factor: None
+
+    return one_update(stage_name, body=body)
 
 
 # ----- faults ---------------------------------------------------------------------------------------
@@ -257,14 +288,6 @@ def bypass(stage_name: str, kind: str) -> tuple[torch.Tensor, Info]:
 
 # ----- resume and export ----------------------------------------------------------------------------
 @dataclass(frozen=True)
-class Optim:
-    lr: float = OPTIMIZER.lr
-    betas: tuple[float, float] = OPTIMIZER.betas
-    weight_decay: float = OPTIMIZER.weight_decay
-    grad_clip: float | None = OPTIMIZER.grad_clip
-
-
-@dataclass(frozen=True)
 class Distributed:
     backend: str
     zero_stage: int
@@ -272,11 +295,37 @@ class Distributed:
     deepspeed_config: str | None = None
 
 
+class Payload:
+    """A class no checkpoint may contain: weights-only loading must refuse to unpickle it."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (print, ("Payload unpickled: arbitrary code ran",))
+
+
+def tampered_load(fresh: DeepSpeedBackend, ckpt: Path) -> str:
+    """Rank 0 plants a `Payload` in a copy of the checkpoint; every rank's load must refuse it."""
+    bad = ckpt.with_name(ckpt.name + "-tampered")
+    if fresh.rank == 0:
+        import shutil
+
+        shutil.copytree(ckpt, bad)
+        target = next((bad / "deepspeed").glob("*model_states.pt"))
+        data = torch.load(target, weights_only=False)  # written by this test a moment ago
+        data["payload"] = Payload()
+        torch.save(data, target)
+    fresh.barrier()
+    try:
+        fresh.load_checkpoint(bad)
+        return "not refused"
+    except CheckpointError as exc:
+        return str(exc)
+
+
 def resume(stage_name: str) -> tuple[torch.Tensor, Info]:
-    """Step 1, checkpoint, step 2; then a fresh engine (built by `make_backend` from trainer-style
-    settings) loads the checkpoint and redoes step 2."""
+    """Step 1, checkpoint, step 2 (AdamW, whose moments the checkpoint must carry); then a fresh engine
+    (built by `make_backend` from trainer-style settings) loads the checkpoint and redoes step 2."""
     ckpt, export = OUT / f"ckpt-{stage_name}", OUT / f"export-{stage_name}"
-    backend = backend_for(stage_name)
+    backend = backend_for(stage_name, ADAMW)
     window = UpdateWindow(backend, LOSS)
     window.run(groups(0))
     backend.save_checkpoint(ckpt, {"version": window.version, "update": 1})
@@ -286,7 +335,7 @@ def resume(stage_name: str) -> tuple[torch.Tensor, Info]:
     after_two = current(backend)
 
     stage, offload = STAGES[stage_name]
-    fresh = make_backend(make_model(), Optim(), Distributed("deepspeed", stage, offload))
+    fresh = make_backend(make_model(), ADAMW, Distributed("deepspeed", stage, offload))
     assert isinstance(fresh, DeepSpeedBackend)
     state = fresh.load_checkpoint(ckpt)
     loaded = current(fresh)
@@ -295,6 +344,7 @@ def resume(stage_name: str) -> tuple[torch.Tensor, Info]:
         "loaded_equals_saved": bool(torch.equal(loaded, after_one)),
         "client_state": state,
         "resumed_vs_original": float((current(fresh) - after_two).norm()),
+        "tampered": tampered_load(fresh, ckpt) if stage_name == "z2" else "",
     }
     if backend.rank == 0:
         from transformers import AutoModelForCausalLM
@@ -330,45 +380,46 @@ def several_backward(stage_name: str, naive: bool = False) -> tuple[torch.Tensor
     return current(backend) - start, {"backward_calls": len(mine)}
 
 
+def shuffled(stage_name: str) -> tuple[torch.Tensor, Info]:
+    """Each rank replays in its own shuffled order and microbatching."""
+    rank = torch.distributed.get_rank()
+    replay = ReplayConfig(order="shuffle", seed=11 + 7 * rank, microbatch=1 + rank)
+    return one_update(stage_name, replay, placement="round_robin")
+
+
 def scenarios() -> dict[str, Callable[[], tuple[torch.Tensor, Info]]]:
     out: dict[str, Callable[[], tuple[torch.Tensor, Info]]] = {}
     for s in STAGES:
         placement = "round_robin" if s in ("z1", "z3") else "planner"
-        out[f"{s}-exact"] = lambda s=s, p=placement: one_update(s, placement=p)
-        out[f"{s}-response_only"] = lambda s=s, p=placement: one_update(
-            s, ReplayConfig(contract="response_only"), placement=p
+        out[f"{s}-exact"] = partial(one_update, s, placement=placement)
+        out[f"{s}-response_only"] = partial(
+            one_update, s, ReplayConfig(contract="response_only"), placement=placement
         )
+        out[f"{s}-adamw"] = partial(one_update, s, placement=placement, optimizer=ADAMW)
+        out[f"{s}-no_rescale"] = partial(no_rescale, s)
     for s in ("z2", "z3"):
-        out[f"{s}-fault_before_backward"] = lambda s=s: one_update(
-            s, step_hook=Once(0, "forward", RuntimeError("injected before backward")), placement="round_robin"
-        )
-        out[f"{s}-fault_after_backward_started"] = lambda s=s: one_update(
-            s,
-            step_hook=Once(1, "backward", RuntimeError("injected after a backward"), nth=2),
+        out[f"{s}-fault_before_backward"] = partial(
+            one_update, s, step_hook=Once(0, "forward", RuntimeError("injected before backward")),
             placement="round_robin",
-        )
-        out[f"{s}-fault_mid_backward"] = lambda s=s: mid_backward(s)
-        out[f"{s}-oom"] = lambda s=s: one_update(s, step_hook=MultiUnitOOM(), placement="round_robin")
-        out[f"{s}-duplicate"] = lambda s=s: duplicate(s)
-        out[f"{s}-order"] = lambda s=s: one_update(
-            s,
-            ReplayConfig(
-                order="shuffle",
-                seed=11 + 7 * torch.distributed.get_rank(),
-                microbatch=1 + torch.distributed.get_rank(),
-            ),
+        )  # fmt: skip
+        out[f"{s}-fault_after_backward_started"] = partial(
+            one_update, s, step_hook=Once(1, "backward", RuntimeError("injected after a backward"), nth=2),
             placement="round_robin",
-        )
-    out["z2-drop_group"] = lambda: drop_group("z2")
-    out["z2-stale"] = lambda: stale_and_version("z2")
-    out["z2-coverage"] = lambda: coverage_controls("z2")
-    out["z2-double"] = lambda: bypass("z2", "double")
-    out["z2-skip"] = lambda: bypass("z2", "skip")
-    out["z3-resume"] = lambda: resume("z3")
-    out["z2off-resume"] = lambda: resume("z2off")
+        )  # fmt: skip
+        out[f"{s}-fault_mid_backward"] = partial(mid_backward, s)
+        out[f"{s}-oom"] = partial(one_update, s, step_hook=MultiUnitOOM(), placement="round_robin")
+        out[f"{s}-duplicate"] = partial(duplicate, s)
+        out[f"{s}-order"] = partial(shuffled, s)
+    out["z2-drop_group"] = partial(drop_group, "z2")
+    out["z2-stale"] = partial(stale_and_version, "z2")
+    out["z2-coverage"] = partial(coverage_controls, "z2")
+    out["z2-double"] = partial(bypass, "z2", "double")
+    out["z2-skip"] = partial(bypass, "z2", "skip")
+    for s in ("z2", "z3", "z2off"):
+        out[f"{s}-resume"] = partial(resume, s)
     for s in ("z1", "z2", "z2off", "z3"):
-        out[f"{s}-several_backward"] = lambda s=s: several_backward(s)
-    out["z1-several_backward_naive"] = lambda: several_backward("z1", naive=True)
+        out[f"{s}-several_backward"] = partial(several_backward, s)
+    out["z1-several_backward_naive"] = partial(several_backward, "z1", naive=True)
     return out
 
 

@@ -4,8 +4,8 @@ The update window (`treetrain.distributed.window`) talks to a `TrainBackend` onl
 `backend.module`, calls `backward(loss)` once per replay step, any number of times, and `step()` once when
 the whole manifest is covered. Two implementations:
 
-- `TorchBackend`: one process, `torch.optim.AdamW`. The CPU demo and the single-process references of the
-  distributed tests use it.
+- `TorchBackend`: one process, `torch.optim.AdamW` (or plain SGD, see `OptimizerConfig.name`). The CPU
+  demo and the single-process references of the distributed tests use it.
 - `DeepSpeedBackend` (`treetrain.distributed.deepspeed_backend`, the one module that imports DeepSpeed):
   ZeRO 0-3 with optional optimizer offload, across processes.
 
@@ -28,7 +28,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 from safetensors.torch import load_model, save_model
@@ -43,9 +43,18 @@ class AgreementError(RuntimeError):
     """Ranks hold different values where they must agree (version, manifest, placement, coverage)."""
 
 
+OptimizerName = Literal["adamw", "sgd"]
+
+
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """AdamW settings; the DeepSpeed backend writes them into its generated config."""
+    """Optimizer settings; the DeepSpeed backend writes them into its generated config.
+
+    `name="sgd"` is plain `torch.optim.SGD` (no momentum): one step moves every parameter by exactly
+    `-lr * g` (with `grad_clip=0` and `weight_decay=0`), so a wrong gradient *scale* shows in the update.
+    AdamW's first step is about `lr * sign(g)` and hides it; the distributed tests therefore compare SGD
+    updates. `betas` and `eps` apply to AdamW only.
+    """
 
     lr: float = 1e-6
     """Learning rate."""
@@ -57,16 +66,28 @@ class OptimizerConfig:
     """Decoupled weight decay (AdamW)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm (after the reduction over ranks) to this; 0 disables clipping."""
+    name: OptimizerName = "adamw"
+    """'adamw' (`torch.optim.AdamW`, decoupled weight decay) or 'sgd' (`torch.optim.SGD` without
+    momentum; `weight_decay` is then SGD's L2 term, added to the gradient)."""
 
     def __post_init__(self) -> None:
+        if self.name not in ("adamw", "sgd"):
+            raise ConfigError(f"optim.name must be 'adamw' or 'sgd', got {self.name!r}")
         if not self.lr > 0:
-            raise ConfigError(f"optimizer.lr must be > 0, got {self.lr!r}")
+            raise ConfigError(f"optim.lr must be > 0, got {self.lr!r}")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
-            raise ConfigError(f"optimizer.betas must be two values in [0, 1), got {self.betas!r}")
+            raise ConfigError(f"optim.betas must be two values in [0, 1), got {self.betas!r}")
         if not self.eps > 0:
-            raise ConfigError(f"optimizer.eps must be > 0, got {self.eps!r}")
+            raise ConfigError(f"optim.eps must be > 0, got {self.eps!r}")
         if self.weight_decay < 0 or self.grad_clip < 0:
-            raise ConfigError("optimizer.weight_decay and optimizer.grad_clip must be >= 0")
+            raise ConfigError("optim.weight_decay and optim.grad_clip must be >= 0")
+
+
+def torch_optimizer(params: Sequence[torch.nn.Parameter], cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    """The plain-torch optimizer `cfg` names, over `params`."""
+    if cfg.name == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
 
 
 def disagreement(values: Sequence[str], what: str) -> str | None:
@@ -88,6 +109,18 @@ class TrainBackend(ABC):
     module: PreTrainedModel
     rank: int
     world_size: int
+
+    @property
+    def zero_stage(self) -> int:
+        """The ZeRO stage really in effect (0: no partitioning), e.g. for the memory planner. For
+        DeepSpeed it is read from the engine, so a user's DeepSpeed JSON is reflected too."""
+        return 0
+
+    @property
+    def offload_optimizer(self) -> bool:
+        """Whether optimizer state (and the update) lives off the accelerator (DeepSpeed's optimizer
+        offload to CPU or NVMe)."""
+        return False
 
     def begin_window(self) -> None:
         """Called on every rank before the first backward of an update window (a collective)."""
@@ -154,7 +187,7 @@ class TrainBackend(ABC):
 
 
 class TorchBackend(TrainBackend):
-    """One process, plain `torch.optim.AdamW`."""
+    """One process, a plain torch optimizer (`OptimizerConfig.name`)."""
 
     MODEL_FILE = "model.safetensors"
     OPTIMIZER_FILE = "optimizer.pt"
@@ -164,17 +197,19 @@ class TorchBackend(TrainBackend):
         self.rank, self.world_size = 0, 1
         self.cfg = optimizer
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            self.params, lr=optimizer.lr, betas=optimizer.betas, eps=optimizer.eps,
-            weight_decay=optimizer.weight_decay,
-        )  # fmt: skip
+        self.optimizer = torch_optimizer(self.params, optimizer)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
     def step(self) -> bool:
-        if self.cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
+        max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+        if not torch.isfinite(norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(
+                f"gradient norm is {float(norm)}; the step is refused and the window discarded"
+            )
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return True
@@ -210,19 +245,6 @@ class TorchBackend(TrainBackend):
                 tokenizer.save_pretrained(tmp)
 
 
-class OptimSettings(Protocol):
-    """What `make_backend` reads from a trainer's optimizer section."""
-
-    @property
-    def lr(self) -> float: ...
-    @property
-    def betas(self) -> tuple[float, float]: ...
-    @property
-    def weight_decay(self) -> float: ...
-    @property
-    def grad_clip(self) -> float | None: ...
-
-
 class DistributedSettings(Protocol):
     """What `make_backend` reads from a trainer's distributed section."""
 
@@ -237,14 +259,10 @@ class DistributedSettings(Protocol):
 
 
 def make_backend(
-    model: PreTrainedModel, optim: OptimSettings, distributed: DistributedSettings
+    model: PreTrainedModel, opt: OptimizerConfig, distributed: DistributedSettings
 ) -> TrainBackend:
     """The backend a trainer config asks for. A DeepSpeed JSON, when given, decides the ZeRO stage and
     offload (and the optimizer, if it has an optimizer section); DeepSpeed is imported only here."""
-    b1, b2 = optim.betas
-    opt = OptimizerConfig(
-        lr=optim.lr, betas=(b1, b2), weight_decay=optim.weight_decay, grad_clip=optim.grad_clip or 0.0
-    )
     if distributed.backend == "torch":
         return TorchBackend(model, opt)
     if distributed.backend != "deepspeed":

@@ -24,6 +24,10 @@ So this backend:
   materialized on each rank during the window (like ZeRO-2); gradients and optimizer state stay
   partitioned. The hooks are restored, and parameters partitioned again, before the step.
 
+The optimizer is AdamW or plain SGD (`OptimizerConfig.name`; SGD checked under ZeRO 0-3, with and without
+offload). Checkpoints are read back with weights-only unpickling (`WeightsOnlyReads`), never with
+DeepSpeed's default `torch.load(weights_only=False)`.
+
 Example (under `torchrun` or `deepspeed`):
     >>> backend = DeepSpeedBackend(model, zero_stage=3, optimizer=OptimizerConfig(lr=1e-6))  # doctest: +SKIP
     >>> backend.begin_window(); backend.backward(loss); backend.step()                      # doctest: +SKIP
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import copy
 import json
+import pickle
 import uuid
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
@@ -44,7 +49,10 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
+from deepspeed.runtime.fp16.loss_scaler import LossScaler
 from deepspeed.runtime.zero import parameter_offload
+from deepspeed.runtime.zero.config import ZeroStageEnum
+from deepspeed.utils.tensor_fragment import fragment_address
 from transformers import PreTrainedModel
 
 from treetrain.distributed.backend import OptimizerConfig, TrainBackend
@@ -59,7 +67,49 @@ from treetrain.loss.config import ConfigError
 TAG = "deepspeed"
 """Sub-directory (DeepSpeed's checkpoint tag) holding DeepSpeed's own files inside a checkpoint."""
 MAX_CONFIG_BYTES = 1 << 20
+CHECKPOINT_GLOBALS: list[Any] = [LossScaler, ZeroStageEnum, fragment_address]
+"""The only non-tensor classes in DeepSpeed 0.19's ZeRO 0-3 checkpoints (fp32 or bf16, with or without
+offload); `load_checkpoint` allows these and nothing else when it unpickles."""
 _DTYPES = {torch.float32: None, torch.bfloat16: "bf16"}
+
+
+def optimizer_section(optimizer: OptimizerConfig, *, torch_adam: bool) -> dict[str, Any]:
+    """The DeepSpeed `optimizer` section for `optimizer`. SGD is a type DeepSpeed does not implement
+    itself, so it builds `torch.optim.SGD` from it (under every ZeRO stage, with or without offload)."""
+    if optimizer.name == "sgd":
+        return {"type": "SGD", "params": {"lr": optimizer.lr, "weight_decay": optimizer.weight_decay}}
+    params: dict[str, Any] = {
+        "lr": optimizer.lr,
+        "betas": list(optimizer.betas),
+        "eps": optimizer.eps,
+        "weight_decay": optimizer.weight_decay,
+    }
+    if torch_adam:
+        params["torch_adam"] = True
+    return {"type": "AdamW", "params": params}
+
+
+def optimizer_flags(optimizer: OptimizerConfig, *, torch_adam: bool, offload: bool) -> dict[str, Any]:
+    """The top-level keys DeepSpeed needs to accept the optimizer `optimizer_section` builds: ZeRO calls
+    torch's AdamW and SGD 'untested', and offload wants its CPU Adam unless told otherwise."""
+    flags: dict[str, Any] = {"zero_allow_untested_optimizer": True}
+    if torch_adam and offload and optimizer.name == "adamw":
+        flags["zero_force_ds_cpu_optimizer"] = False
+    return flags
+
+
+def config_zero_stage(cfg: Mapping[str, Any]) -> int:
+    """The ZeRO stage a DeepSpeed config asks for (DeepSpeed's default: 0)."""
+    zero = cfg.get("zero_optimization", {})
+    return int(zero.get("stage", 0)) if isinstance(zero, Mapping) else 0
+
+
+def config_offload(cfg: Mapping[str, Any]) -> bool:
+    """Whether a DeepSpeed config offloads the optimizer (device 'cpu' or 'nvme'; absent or 'none': no)."""
+    zero = cfg.get("zero_optimization", {})
+    block = zero.get("offload_optimizer") if isinstance(zero, Mapping) else None
+    device = block.get("device", "none") if isinstance(block, Mapping) else "none"
+    return str(device).lower() in ("cpu", "nvme")
 
 
 def default_config(
@@ -77,14 +127,6 @@ def default_config(
         raise ConfigError("offload_optimizer needs ZeRO stage 1, 2 or 3")
     if dtype not in _DTYPES:
         raise ConfigError(f"dtype must be one of {[str(d) for d in _DTYPES]}, got {dtype}")
-    params: dict[str, Any] = {
-        "lr": optimizer.lr,
-        "betas": list(optimizer.betas),
-        "eps": optimizer.eps,
-        "weight_decay": optimizer.weight_decay,
-    }
-    if torch_adam:
-        params["torch_adam"] = True
     zero: dict[str, Any] = {"stage": zero_stage}
     if offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
@@ -93,12 +135,10 @@ def default_config(
         "gradient_accumulation_steps": 1,
         "gradient_clipping": optimizer.grad_clip,
         "steps_per_print": 2**31 - 1,
-        "optimizer": {"type": "AdamW", "params": params},
+        "optimizer": optimizer_section(optimizer, torch_adam=torch_adam),
         "zero_optimization": zero,
-        "zero_allow_untested_optimizer": True,
+        **optimizer_flags(optimizer, torch_adam=torch_adam, offload=offload_optimizer),
     }
-    if torch_adam and offload_optimizer:
-        cfg["zero_force_ds_cpu_optimizer"] = False
     half = _DTYPES[dtype]
     if half is not None:
         cfg[half] = {"enabled": True}
@@ -121,6 +161,25 @@ def read_config(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"DeepSpeed config {path}: the top level must be an object")
     return data
+
+
+class WeightsOnlyReads:
+    """A DeepSpeed checkpoint engine whose reads are `torch.load(weights_only=True)`.
+
+    DeepSpeed's own engines unpickle with `weights_only=False`, which runs arbitrary code from the file.
+    Every other call goes to the wrapped engine. Reads allow tensors, primitive containers and
+    `CHECKPOINT_GLOBALS` only; anything else raises `pickle.UnpicklingError` naming the class.
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        with torch.serialization.safe_globals(CHECKPOINT_GLOBALS):
+            return torch.load(path, map_location=map_location, weights_only=True)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
 
 def own_boundary(cfg: dict[str, Any], source: str) -> dict[str, Any]:
@@ -186,22 +245,20 @@ class DeepSpeedBackend(TrainBackend):
         else:
             cfg = read_config(ds_config)
             source = f"DeepSpeed config {ds_config if not isinstance(ds_config, Mapping) else '(mapping)'}"
-            stage = cfg.get("zero_optimization", {}).get("stage", 0)
+            stage = config_zero_stage(cfg)
             if zero_stage is not None and zero_stage != stage:
                 raise ConfigError(f"zero_stage={zero_stage} contradicts {source} (stage {stage})")
-            offloaded = "offload_optimizer" in cfg.get("zero_optimization", {})
+            offloaded = config_offload(cfg)
             if offload_optimizer is not None and offload_optimizer != offloaded:
                 raise ConfigError(f"offload_optimizer={offload_optimizer} contradicts {source}")
             if optimizer is not None and "optimizer" in cfg:
                 raise ConfigError(f"give the optimizer either as an argument or in {source}, not both")
             if optimizer is not None:
-                cfg["optimizer"] = default_config(
-                    zero_stage=0,
-                    offload_optimizer=False,
-                    optimizer=optimizer,
-                    dtype=dtype,
-                    torch_adam=torch_adam,
-                )["optimizer"]
+                cfg["optimizer"] = optimizer_section(optimizer, torch_adam=torch_adam)
+                for key, value in optimizer_flags(
+                    optimizer, torch_adam=torch_adam, offload=offloaded
+                ).items():
+                    cfg.setdefault(key, value)
         self.config = own_boundary(cfg, source)
         if not dist.is_initialized():
             deepspeed.init_distributed(
@@ -212,9 +269,20 @@ class DeepSpeedBackend(TrainBackend):
         self.engine = engine
         self.module = engine.module
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.stage = int(engine.zero_optimization_stage())
+        self._stage = int(engine.zero_optimization_stage())
+        self._offload = bool(engine.zero_use_cpu_optimizer())
         self._window: AbstractContextManager[Any] | None = None
         self._gathered: AbstractContextManager[Any] | None = None
+
+    @property
+    def zero_stage(self) -> int:
+        """The stage DeepSpeed's engine runs (from the generated config or the user's JSON)."""
+        return self._stage
+
+    @property
+    def offload_optimizer(self) -> bool:
+        """Whether the engine offloads optimizer state (to CPU or NVMe)."""
+        return self._offload
 
     # ----- the update window ------------------------------------------------------------------------
     @property
@@ -224,13 +292,13 @@ class DeepSpeedBackend(TrainBackend):
     def begin_window(self) -> None:
         if self._window is not None:
             return
-        if self.stage == 3:
+        if self._stage == 3:
             self._gathered = deepspeed.zero.GatheredParameters(
                 list(self.module.parameters()), modifier_rank=None
             )
             self._gathered.__enter__()
             self._zero3_hooks(False)
-        window = self.engine.no_sync() if self.stage == 0 else self.engine.coalesce_grad_reduction()
+        window = self.engine.no_sync() if self._stage == 0 else self.engine.coalesce_grad_reduction()
         window.__enter__()
         self._window = window
 
@@ -251,9 +319,9 @@ class DeepSpeedBackend(TrainBackend):
         assert self._window is not None
         self._window.__exit__(None, None, None)
         self._window = None
-        if self.stage == 0:
+        if self._stage == 0:
             self.engine.allreduce_gradients()
-        if self.stage == 3:
+        if self._stage == 3:
             assert self._gathered is not None
             self._gathered.__exit__(None, None, None)
             self._gathered = None
@@ -332,8 +400,23 @@ class DeepSpeedBackend(TrainBackend):
                 write_client_state(tmp, client_state)
 
     def load_checkpoint(self, directory: str | Path) -> dict[str, Any]:
+        """Restore weights and optimizer state with weights-only unpickling (see `WeightsOnlyReads`).
+
+        A checkpoint holding any other class is refused with `CheckpointError` on every rank that reads
+        it. Ranks must pass the same directory (a collective, like DeepSpeed's own load).
+        """
         state = read_client_state(Path(directory))
-        path, _ = self.engine.load_checkpoint(str(directory), tag=TAG)
+        inner = self.engine.checkpoint_engine
+        self.engine.checkpoint_engine = WeightsOnlyReads(inner)
+        try:
+            path, _ = self.engine.load_checkpoint(str(directory), tag=TAG)
+        except pickle.UnpicklingError as exc:
+            why = next((line.strip() for line in str(exc).splitlines() if "Unsupported global" in line), exc)
+            raise CheckpointError(
+                f"{directory}: refused by weights-only loading (not a checkpoint this code wrote?): {why}"
+            ) from exc
+        finally:
+            self.engine.checkpoint_engine = inner
         if path is None:
             raise CheckpointError(f"{directory}: no DeepSpeed checkpoint under tag {TAG!r}")
         return state
@@ -343,7 +426,7 @@ class DeepSpeedBackend(TrainBackend):
             raise RuntimeError("export_pretrained inside an update window; export after step()")
         gathered = (
             deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None)
-            if self.stage == 3
+            if self._stage == 3
             else nullcontext()
         )
         with gathered:

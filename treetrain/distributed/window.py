@@ -7,8 +7,13 @@
 ranks agree on the resident identity (model version included), the manifest digest and the placement
 digest before any compute. `replay(tree_id)` runs one tree's share on this rank through the tree engine
 (or the flat reference), claiming its `ContributionKey`s in a `CoverageLedger` first, so a duplicate
-request is refused instead of counted twice. Faults:
+request is refused instead of counted twice. Faults (only the transient kinds, see `is_transient`:
+`RuntimeError` including out-of-memory and `BackwardFailed`, and `OSError`):
 
+- an error that will not go away on a retry (`ValueError`, `TypeError`, `IndexError`, `KeyError`,
+  `StaleResidentStateError`, `ManifestError`, `UnsupportedModelError`, `BudgetTooSmallError`, any
+  non-transient kind): a bug or bad input, re-raised at once on that rank, without retry and without
+  dropping anything; this rank's gradients are discarded first if a backward of the tree ran;
 - an exception before the tree's first backward: nothing was accumulated, so the tree is retried
   (`WindowConfig.tree_attempts`); an out-of-memory error inside a step was already split by the engine;
 - an exception once a backward ran (`BackwardFailed`, or a failure later in the same tree): this rank's
@@ -21,7 +26,10 @@ request is refused instead of counted twice. Faults:
 `commit` replays anything still missing, then checks, collectively, the identity, the manifest digest and
 the coverage (every key exactly once over all ranks) and only then lets the backend step. Afterwards the
 model version is bumped and resident state invalidated: reading it again raises
-`StaleResidentStateError`.
+`StaleResidentStateError`. The version counts committed windows, so it is bumped also when the backend
+skipped the update (`WindowReport.step_applied` is False: DeepSpeed may skip a step on overflow): the weights did
+not change then, and throwing resident state away is merely wasteful, never wrong; every window's
+contribution keys stay distinct.
 """
 
 from __future__ import annotations
@@ -54,12 +62,34 @@ from treetrain.engine import (
 )
 from treetrain.engine.batch import TreeWork
 from treetrain.engine.hooks import KeepGraph, MemoryProbe, RetentionHook
-from treetrain.engine.resident import ResidentIdentity, ResidentStore
+from treetrain.engine.resident import ResidentIdentity, ResidentStore, StaleResidentStateError
 from treetrain.engine.schedule import ReplayStep
 from treetrain.loss.config import LossConfig
 from treetrain.loss.manifest import ContributionKey, Manifest, ManifestError
+from treetrain.memory.retention import BudgetTooSmallError
+from treetrain.models.support import UnsupportedModelError
 
 log = logging.getLogger("treetrain.distributed")
+
+TRANSIENT: tuple[type[BaseException], ...] = (RuntimeError, OSError)
+"""Faults a retry or a window reset can get past: out of memory (`torch.OutOfMemoryError` is a
+`RuntimeError`), a failed backward (`BackwardFailed`), a collective or I/O error."""
+PERMANENT: tuple[type[BaseException], ...] = (
+    ValueError, TypeError, IndexError, KeyError, NotImplementedError, StaleResidentStateError,
+    ManifestError, UnsupportedModelError, BudgetTooSmallError,
+)  # fmt: skip
+"""Bugs and bad input: a retry would fail the same way. Some are `RuntimeError`s, so this list wins."""
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether a replay failure may be retried: a `TRANSIENT` kind that is not `PERMANENT`. A
+    `BackwardFailed` is judged by the error that made backward fail.
+
+    >>> is_transient(RuntimeError("CUDA error")), is_transient(ManifestError("bad")), is_transient(KeyError(1))
+    (True, False, False)
+    """
+    cause = exc.__cause__ if isinstance(exc, BackwardFailed) and exc.__cause__ is not None else exc
+    return isinstance(cause, TRANSIENT) and not isinstance(cause, PERMANENT)
 
 
 class UpdateWindow:
@@ -117,6 +147,8 @@ class UpdateWindow:
 
     @property
     def version(self) -> int:
+        """The model version: how many windows were committed, including any whose step the backend
+        skipped (see the module docstring); equal to the last `WindowReport.version`."""
         return self.identity.model_version
 
     def open(self, groups: Sequence[Group], placement: Placement | None = None) -> OpenWindow:
@@ -129,7 +161,7 @@ class UpdateWindow:
         return window.commit()
 
     def advance(self) -> None:
-        """After an optimizer step: a new model version; all resident state becomes stale."""
+        """After a commit (applied or skipped step): a new model version; all resident state is stale."""
         self.identity = self.identity.bumped()
         self.store.invalidate(self.identity)
 
@@ -249,6 +281,10 @@ class OpenWindow:
             except Exception as exc:
                 self.owner.store.clear()
                 self.ledger.release(keys)
+                if not is_transient(exc):
+                    if self.backward_calls != before:
+                        self._discard()
+                    raise
                 where = f"{type(exc).__name__} in tree {tree_id[:12]}"
                 if isinstance(exc, BackwardFailed) or self.backward_calls != before:
                     self._reset(group, f"{where} after a backward of it ran: {exc}")
@@ -276,10 +312,14 @@ class OpenWindow:
                 ):
                     self.replay(tid)
 
-    def _reset(self, group: int, reason: str) -> None:
+    def _discard(self) -> None:
+        """Forget this rank's gradients and coverage (local; the trees are replayed again if needed)."""
         self.backend.reset_window()
         self.ledger.reset()
         self.local = ReplayReport()
+
+    def _reset(self, group: int, reason: str) -> None:
+        self._discard()
         self.counters.window_resets += 1
         n = self.counters.resets_by_group.get(group, 0) + 1
         self.counters.resets_by_group[group] = n

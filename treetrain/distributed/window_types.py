@@ -62,7 +62,8 @@ class WindowReport:
     """What one committed update window did."""
 
     version: int
-    """Model version after the step."""
+    """Model version after the commit: the number of committed windows. Bumped also when the step was
+    skipped (`step_applied` False), so it always equals `UpdateWindow.version` afterwards."""
     manifest_digest: str
     contributions: int
     """Contribution keys in the final manifest (all ranks together)."""
@@ -72,4 +73,5 @@ class WindowReport:
     window_resets: int
     dropped: tuple[DroppedGroup, ...]
     step_applied: bool
-    """False when the optimizer skipped the update (e.g. an fp16 overflow)."""
+    """False when the optimizer skipped the update (DeepSpeed may, on overflow): the weights are unchanged but
+    the version was still bumped and resident state invalidated (safe, merely wasteful)."""

@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 import yaml
 
+from treetrain.distributed.backend import OptimizerConfig
 from treetrain.engine.schedule import Contract
 from treetrain.loss.advantages import AdvantageConfig
 from treetrain.loss.config import ConfigError, LossConfig
@@ -155,32 +156,6 @@ class ReplaySection:
 
 
 @dataclass(frozen=True)
-class OptimSection:
-    """AdamW."""
-
-    lr: float = 3e-5
-    """Learning rate (the demo's: RL moves a trained policy, so far below pre-training rates)."""
-    betas: tuple[float, float] = (0.9, 0.99)
-    """Adam betas."""
-    weight_decay: float = 0.0
-    """Decoupled weight decay."""
-    grad_clip: float | None = 1.0
-    """Clip the global gradient norm to this (None: no clipping)."""
-    warmup_updates: int = 0
-    """Linear learning-rate warm-up over this many updates."""
-
-    def __post_init__(self) -> None:
-        if not self.lr > 0:
-            raise ConfigError(f"optim.lr: must be > 0, got {self.lr}")
-        if not all(0 <= b < 1 for b in self.betas):
-            raise ConfigError(f"optim.betas: each must be in [0, 1), got {self.betas}")
-        if self.grad_clip is not None and not self.grad_clip > 0:
-            raise ConfigError(f"optim.grad_clip: must be > 0 or null, got {self.grad_clip}")
-        if self.warmup_updates < 0:
-            raise ConfigError(f"optim.warmup_updates: must be >= 0, got {self.warmup_updates}")
-
-
-@dataclass(frozen=True)
 class DistributedSection:
     """How the update runs across processes."""
 
@@ -226,8 +201,12 @@ class TrainConfig:
     """GRPO or tree-aware advantages, and zero-variance groups (treetrain.loss.advantages.AdvantageConfig)."""
     replay: ReplaySection = field(default_factory=ReplaySection)
     """Contract and the replay choices the planner may make."""
-    optim: OptimSection = field(default_factory=OptimSection)
-    """The optimizer."""
+    optim: OptimizerConfig = field(
+        default_factory=lambda: OptimizerConfig(lr=3e-5, betas=(0.9, 0.99), grad_clip=1.0)
+    )
+    """The optimizer (the demo's learning rate: RL moves a trained policy, far below pre-training rates)."""
+    lr_warmup_updates: int = 0
+    """Linear learning-rate warm-up over this many updates."""
     distributed: DistributedSection = field(default_factory=DistributedSection)
     """One process (torch) or DeepSpeed ZeRO across processes."""
 
@@ -236,6 +215,8 @@ class TrainConfig:
             raise ConfigError(f"updates: must be >= 1, got {self.updates}")
         if self.checkpoint_every < 0:
             raise ConfigError(f"checkpoint_every: must be >= 0, got {self.checkpoint_every}")
+        if self.lr_warmup_updates < 0:
+            raise ConfigError(f"lr_warmup_updates: must be >= 0, got {self.lr_warmup_updates}")
         if self.measure_memory_every < 0:
             raise ConfigError(f"measure_memory_every: must be >= 0, got {self.measure_memory_every}")
         if self.threads is not None and self.threads < 1:

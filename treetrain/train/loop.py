@@ -172,7 +172,7 @@ class Trainer:
         return groups, dropped
 
     def learning_rate(self, index: int) -> float:
-        warm = self.cfg.optim.warmup_updates
+        warm = self.cfg.lr_warmup_updates
         return self.cfg.optim.lr * (min(1.0, (index + 1) / warm) if warm else 1.0)
 
     def update(self, index: int) -> UpdateMetrics:
@@ -194,6 +194,8 @@ class Trainer:
                     self.backend.module,
                     self.reference,
                     self.backend.world_size,
+                    zero_stage=self.backend.zero_stage,
+                    offload_optimizer=self.backend.offload_optimizer,
                 )
             self.last_plan = plan.plan
             every = cfg.measure_memory_every

@@ -85,7 +85,11 @@ def plan_for(
     model: PreTrainedModel,
     ref_model: PreTrainedModel | None,
     world_size: int,
+    *,
+    zero_stage: int = 0,
+    offload_optimizer: bool = False,
 ) -> UpdatePlan:
+    """Plan one update; `zero_stage` and `offload_optimizer` are what the backend really runs with."""
     budget = (
         parse_bytes(cfg.memory_budget)
         if cfg.memory_budget
@@ -96,9 +100,9 @@ def plan_for(
         model,
         ref_model=ref_model,
         optimizer=True,
-        zero_stage=cfg.distributed.zero_stage if cfg.distributed.backend == "deepspeed" else 0,
+        zero_stage=zero_stage,
         world_size=world_size,
-        offload_optimizer=cfg.distributed.offload_optimizer,
+        offload_optimizer=offload_optimizer,
     )
     base = base_replay(cfg)
     plan = plan_update(

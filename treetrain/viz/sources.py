@@ -1,0 +1,61 @@
+"""Find and load trees for inspection: one tree file, a directory of them, or a run directory.
+
+A run directory keeps its trees under `rollouts/update-XXXXX/trees/` (the trainer) or `trees/` (a bare
+`rollout_trees` call); both are found by searching the directory recursively for `*.msgpack`. Files are
+read with the format's size limits, so a hostile file is refused with `TreeFormatError`.
+
+Example:
+    >>> trees = load_tree_sources("trees")                                  # doctest: +SKIP
+    >>> [(t.name, t.tree.stats().num_trajectories) for t in trees]          # doctest: +SKIP
+    [('context_rewrite', 4), ('long_prefix', 16), ('tool_use', 11)]
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from treetrain.tree.format import load_trees
+from treetrain.tree.model import TrajectoryTree
+
+
+@dataclass(frozen=True)
+class NamedTree:
+    """A loaded tree and where it came from."""
+
+    name: str
+    """Readable name: the file's path relative to the searched directory, without `.msgpack`; a file
+    holding a group of several trees adds `#i`."""
+    path: Path
+    """The file it was read from."""
+    index: int
+    """Position of the tree in its file's group."""
+    tree: TrajectoryTree
+
+
+def tree_files(path: str | os.PathLike[str]) -> tuple[Path, ...]:
+    """The tree file itself, or every `*.msgpack` under a directory (recursively, sorted)."""
+    p = Path(path)
+    if p.is_file():
+        return (p,)
+    if p.is_dir():
+        return tuple(sorted(p.rglob("*.msgpack")))
+    raise FileNotFoundError(f"no tree file or directory at {str(p)!r}")
+
+
+def load_tree_sources(path: str | os.PathLike[str]) -> tuple[NamedTree, ...]:
+    """Every tree in a file, a directory or a run directory; raises FileNotFoundError if there are none."""
+    root = Path(path)
+    files = tree_files(root)
+    if not files:
+        raise FileNotFoundError(f"no *.msgpack tree files under {str(root)!r}")
+    out: list[NamedTree] = []
+    for f in files:
+        stem = f.name.removesuffix(".msgpack") if root.is_file() else str(f.relative_to(root))
+        stem = stem.removesuffix(".msgpack")
+        group = load_trees(f)
+        for i, tree in enumerate(group):
+            name = stem if len(group) == 1 else f"{stem}#{i}"
+            out.append(NamedTree(name, f, i, tree))
+    return tuple(out)
