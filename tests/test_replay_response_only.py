@@ -70,7 +70,7 @@ def detached_prefix_gradient(model, batch: UpdateBatch, loss: LossConfig) -> tor
                     padded = pad_pieces([tokens[start : node.end]], [start], device)
                     out = decoder_forward(model, padded.input_ids, padded.positions, past)
                     gathered = gather_targets([piece], padded.input_ids.shape[1], device)
-                    logp, ent = target_stats(
+                    logp, _ = target_stats(
                         model, out.hidden, gathered, with_entropy=False, max_logit_elements=1 << 20
                     )
                     con = gathered.contributions
