@@ -38,7 +38,9 @@ def main() -> int:
         from treetrain.cli.main import main as cli
 
         start = time.perf_counter()
-        code = cli(["train", "--run-dir", str(args.run_dir), "--overwrite", "--no-progress", "--set", "threads=1"])
+        code = cli(
+            ["train", "--run-dir", str(args.run_dir), "--overwrite", "--no-progress", "--set", "threads=1"]
+        )
         seconds = time.perf_counter() - start
         if code:
             return code

@@ -76,7 +76,12 @@ def test_tool_use_example_has_the_promised_shape() -> None:
 
 # ----- round trips, groups, limits --------------------------------------------------------------------
 def test_group_round_trip_and_single_tree_api(tmp_path: Path) -> None:
-    a, b = tiny_tree(), TrajectoryTree.build([Trajectory("z", (Call((Segment(Role.POLICY, (5,)),)),), 2.0)])
+    a, b = (
+        tiny_tree(),
+        TrajectoryTree.build(
+            [Trajectory("z", (Call((Segment(Role.PROMPT, (4,)), Segment(Role.POLICY, (5,)))),), 2.0)]
+        ),
+    )
     save_trees([a, b], tmp_path / "g.msgpack")
     assert [t.id for t in load_trees(tmp_path / "g.msgpack")] == [a.id, b.id]
     with pytest.raises(TreeFormatError, match="group of 2 trees"):
@@ -89,7 +94,9 @@ def test_group_round_trip_and_single_tree_api(tmp_path: Path) -> None:
 
 
 def test_token_that_does_not_fit_uint32_is_refused_on_write() -> None:
-    tree = TrajectoryTree.build([Trajectory("t", (Call((Segment(Role.POLICY, (2**32,)),)),), 0.0)])
+    tree = TrajectoryTree.build(
+        [Trajectory("t", (Call((Segment(Role.PROMPT, (1,)), Segment(Role.POLICY, (2**32,)))),), 0.0)]
+    )
     with pytest.raises(TreeFormatError, match=r"nodes\[1\]\.tokens: token id 4294967296"):
         tree_to_bytes(tree)
 
@@ -141,7 +148,13 @@ def test_failed_write_keeps_the_old_file(
     path = tmp_path / "tree.msgpack"
     save_tree(tiny_tree(), path)
     old = path.read_bytes()
-    other = TrajectoryTree.build([Trajectory("z", (Call((Segment(Role.POLICY, tuple(range(1000))),)),), 2.0)])
+    other = TrajectoryTree.build(
+        [
+            Trajectory(
+                "z", (Call((Segment(Role.PROMPT, (1,)), Segment(Role.POLICY, tuple(range(1000))))),), 2.0
+            )
+        ]
+    )
 
     def fail(*args: object) -> None:
         raise OSError(5, f"{failure} failed")

@@ -74,10 +74,12 @@ def _all(*mutators: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any
 
 
 def _no_policy_tokens(doc: dict[str, Any]) -> None:
-    tree = TrajectoryTree.build([Trajectory("x", (Call((Segment(Role.POLICY, (1, 2)),)),), 0.0)])
+    tree = TrajectoryTree.build(
+        [Trajectory("x", (Call((Segment(Role.PROMPT, (1,)), Segment(Role.POLICY, (1, 2)))),), 0.0)]
+    )
     doc["trees"] = [msgpack.unpackb(tree_to_bytes(tree))["trees"][0]]
     _drop_ids(doc)
-    first_tree(doc)["nodes"][1]["roles"] = b"\x00\x00"
+    first_tree(doc)["nodes"][1]["roles"] = b"\x00\x00\x00"
     first_tree(doc)["trajectories"][0]["calls"][0]["logprobs"] = []
 
 

@@ -14,7 +14,7 @@ from treetrain.loss.advantages import AdvantageConfig, compute_advantages
 from treetrain.loss.config import LossConfig
 from treetrain.loss.manifest import Manifest
 from treetrain.models.presets import tiny_model
-from treetrain.models.support import UnsupportedModelError, check_supported
+from treetrain.models.support import SupportGate, UnsupportedModelError, check_supported
 from treetrain.tree.synthetic import synthetic_group
 
 
@@ -172,3 +172,78 @@ def test_failure_after_backward_is_never_split_and_retried() -> None:
     with pytest.raises(BackwardFailed, match="window must be reset"):
         engine.accumulate(make_batch(SHAPES["multi_level"](0), loss))
     engine.store.add_grad = real  # type: ignore[method-assign]
+
+
+def test_skipping_under_kl_would_be_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: forcing the skip while a KL term is on changes the gradient, so the test above can fail."""
+    loss = LossConfig(kl_coef=0.1)
+    make, ref = factory("llama", torch.float64), factory("llama", torch.float64, seed=5)
+    batch = _zero_adv_batch(loss)
+    keep = tree_gradient(make(), batch, loss, ReplayConfig(skip_inert=False), ref())
+    monkeypatch.setattr(LossConfig, "zero_advantage_is_inert", property(lambda self: True))
+    skip = tree_gradient(make(), batch, loss, ReplayConfig(skip_inert=True), ref())
+    assert float((skip - keep).norm()) > 1e-6 * float(keep.norm())
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_length_dependent_rope_is_refused(rope_type: str) -> None:
+    model = tiny_model("llama", VOCAB)
+    extra = {"original_max_position_embeddings": 16, "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}
+    model.config.rope_parameters = {"rope_type": rope_type, "factor": 2.0, "rope_theta": 10000.0, **extra}
+    with pytest.raises(UnsupportedModelError, match=f"rope_type '{rope_type}'"):
+        check_supported(model, 32, probe=False)
+
+
+def test_logits_changed_after_the_head_are_refused() -> None:
+    """Granite divides its logits by `logits_scaling` after the LM head; the engine's logprobs would not."""
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    config = GraniteConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, logits_scaling=8.0,
+    )  # fmt: skip
+    with pytest.raises(UnsupportedModelError, match="changes its logits after the LM head"):
+        check_supported(GraniteForCausalLM(config), 32)
+    config.logits_scaling = 1.0
+    check_supported(GraniteForCausalLM(config), 32)
+
+
+def test_support_gate_rechecks_longer_batches_and_the_reference() -> None:
+    model = tiny_model("mistral", VOCAB)
+    model.config.sliding_window = 24
+    gate = SupportGate()
+    gate.require(model, 16)
+    gate.require(model, 24)
+    with pytest.raises(UnsupportedModelError, match="sliding window of 24"):
+        gate.require(model, 30)
+    # The engine checks the reference model as well as the policy.
+    loss = LossConfig(kl_coef=0.1)
+    batch = _zero_adv_batch(loss)
+    ref = tiny_model("llama", VOCAB, dtype=torch.float64)
+    ref.config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    engine = TreeReplay(factory("llama", torch.float64)(), loss, ReplayConfig(), ref_model=ref)
+    with pytest.raises(UnsupportedModelError, match="rope_type 'dynamic'"):
+        engine.accumulate(batch)
+
+
+def test_out_of_memory_in_a_scoring_batch_splits_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scoring forward of several siblings that runs out of memory is retried in halves, same result."""
+    import treetrain.engine.scoring as scoring
+
+    loss = LossConfig()
+    batch = _zero_adv_batch(loss)
+    make = factory("llama", torch.float64)
+    cfg = ReplayConfig(skip_inert=False)
+    expected = tree_gradient(make(), batch, loss, cfg)
+    original, widths = scoring._score_batch, []
+
+    def only_single_rows(model, paths, parent, units, *args):
+        widths.append(len(units))
+        if len(units) > 1:
+            raise torch.OutOfMemoryError("simulated: scoring batch too wide")
+        return original(model, paths, parent, units, *args)
+
+    monkeypatch.setattr(scoring, "_score_batch", only_single_rows)
+    got = tree_gradient(make(), batch, loss, cfg)
+    assert max(widths) > 1 and widths.count(1) >= 4
+    assert float((got - expected).norm()) <= 1e-12 * float(expected.norm())

@@ -111,6 +111,36 @@ def test_out_of_memory_splits_the_step(flat: tuple[torch.Tensor, float]) -> None
     assert report.local.oom_splits == 1 and report.window_resets == 0
 
 
+class WideStepOOMBackend(TorchBackend):
+    """Runs out of memory inside backward whenever the step has more than one sibling row, every time."""
+
+    width = 0
+
+    def hook(self, phase: str, step: ReplayStep) -> None:
+        self.width = len(step.units)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.width > 1:
+            loss.backward()  # part of the gradient lands before the failure, as in a real OOM
+            raise torch.OutOfMemoryError("simulated: backward of a wide step")
+        loss.backward()
+
+
+def test_repeated_out_of_memory_in_backward_narrows_k(
+    flat: tuple[torch.Tensor, float], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Splitting cannot help once backward has started; the window resets and replays with a smaller K."""
+    backend = WideStepOOMBackend(make_model(), OPTIMIZER)
+    delta, report = _run(backend, step_hook=backend.hook)
+    _close(delta, flat)
+    assert not report.dropped and report.window_resets == 1  # two siblings per step, then K = 1
+    # Without narrowing, every attempt fails the same way and the groups are dropped.
+    monkeypatch.setattr("treetrain.distributed.window.OpenWindow._narrow_after_oom", lambda self, exc: None)
+    backend = WideStepOOMBackend(make_model(), OPTIMIZER)
+    with pytest.raises(ManifestError, match="dropped"):
+        _run(backend, step_hook=backend.hook)
+
+
 PERMANENT = [
     ValueError("bad input"),
     TypeError("bad type"),

@@ -75,6 +75,8 @@ def trajectory_sets(draw: st.DrawFn, max_trajectories: int = 5, max_calls: int =
             segs_per_call = []
             for _ in range(draw(st.integers(1, max_calls))):
                 segs = draw(call_segments(pool))
+                if segs[0].role is Role.POLICY:  # a call's first token is context, never generated
+                    segs = [Segment(Role.PROMPT, (draw(TOKENS),)), *segs]
                 pool.append(segs)
                 segs_per_call.append(segs)
             if not any(s.role is Role.POLICY for s in segs_per_call[0]):

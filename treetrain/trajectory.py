@@ -116,6 +116,11 @@ class Call:
         for s in self.segments:
             if not isinstance(s, Segment):
                 raise TrajectoryError(f"call segment {s!r} is not a Segment")
+        if self.segments[0].role is Role.POLICY:
+            raise TrajectoryError(
+                "call starts with a policy segment: a sequence's first token is never predicted, so it cannot "
+                "carry loss; put the context (at least a BOS prompt token) before the generated tokens"
+            )
 
     @property
     def tokens(self) -> tuple[int, ...]:

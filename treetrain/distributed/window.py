@@ -37,7 +37,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import PreTrainedModel
@@ -67,7 +67,7 @@ from treetrain.engine.schedule import ReplayStep
 from treetrain.loss.config import LossConfig
 from treetrain.loss.manifest import ContributionKey, Manifest, ManifestError
 from treetrain.memory.retention import BudgetTooSmallError
-from treetrain.models.support import UnsupportedModelError
+from treetrain.models.support import SupportGate, UnsupportedModelError
 
 log = logging.getLogger("treetrain.distributed")
 
@@ -141,7 +141,8 @@ class UpdateWindow:
             raise ValueError(
                 f"the store holds identity {self.store.identity}, the window starts at {self.identity}"
             )
-        self.model_checked = False
+        self.support = SupportGate()
+        """Remembers which models and lengths the tree engine has already checked."""
         self.active: OpenWindow | None = None
         """The window between `open` and `commit`, if any (step hooks read `active.current_tree`)."""
 
@@ -242,10 +243,9 @@ class OpenWindow:
             )  # fmt: skip
         engine = TreeReplay(
             self.backend.module, o.loss, o.replay_cfg, ref_model=o.ref_model, identity=o.identity,
-            store=o.store, backward=self._backward, check_model=not o.model_checked,
+            store=o.store, backward=self._backward, support=o.support,
             retention=o.retention, keep_graph=o.keep_graph, tracker=o.tracker,
         )  # fmt: skip
-        o.model_checked = True
         engine.step_hook = o.step_hook
         return engine
 
@@ -288,6 +288,7 @@ class OpenWindow:
                 where = f"{type(exc).__name__} in tree {tree_id[:12]}"
                 if isinstance(exc, BackwardFailed) or self.backward_calls != before:
                     self._reset(group, f"{where} after a backward of it ran: {exc}")
+                    self._narrow_after_oom(exc)
                     return
                 log.warning("rank %d: %s before any backward (%s)", self.backend.rank, where, exc)
                 if attempt + 1 == attempts:
@@ -326,6 +327,22 @@ class OpenWindow:
         log.warning("rank %d: update window reset (%s); replaying it", self.backend.rank, reason)
         if n >= self.owner.cfg.window_attempts:
             self._fail(group, f"backward failed {n} times; last: {reason}")
+
+    def _narrow_after_oom(self, exc: BaseException) -> None:
+        """After an out-of-memory error in backward, replay with half as many sibling rows per step (K).
+
+        A split before backward happens inside the engine; once backward has started only a window reset
+        can undo the step, and the same K would most likely run out of memory again.
+        """
+        cause = exc.__cause__ if isinstance(exc, BackwardFailed) else exc
+        engine = self.engine
+        if not isinstance(cause, torch.OutOfMemoryError) or not isinstance(engine, TreeReplay):
+            return
+        k = max(1, engine.widest_step // 2)
+        if engine.widest_step > 1:
+            log.warning("rank %d: replaying with K = %d after running out of memory", self.backend.rank, k)
+            engine.cfg = replace(engine.cfg, microbatch=k)
+            engine.widest_step = 0
 
     def _fail(self, group: int, reason: str) -> None:
         self.failures[group] = reason

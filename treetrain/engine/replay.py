@@ -60,7 +60,7 @@ from treetrain.engine.units import Unit, UnitTree
 from treetrain.loss.config import LossConfig
 from treetrain.loss.objective import Contributions, LossTerms, objective, sampler_logprobs
 from treetrain.models.decoder import DecoderOutput, LayerKV
-from treetrain.models.support import check_supported
+from treetrain.models.support import SupportGate
 
 Backward = Callable[[torch.Tensor], None]
 
@@ -101,6 +101,7 @@ class TreeReplay:
         store: ResidentStore | None = None,
         backward: Backward = _default_backward,
         check_model: bool = True,
+        support: SupportGate | None = None,
         retention: RetentionHook | None = None,
         keep_graph: KeepGraph | None = None,
         tracker: MemoryProbe | None = None,
@@ -114,7 +115,8 @@ class TreeReplay:
         self.identity = identity or ResidentIdentity.of(model)
         self.store = store or ResidentStore(self.identity)
         self.backward = backward
-        self.check_model = check_model
+        self.support = (support or SupportGate()) if check_model else None
+        """Refuses models the engine cannot split exactly (policy and reference); None skips the check."""
         self.device = next(model.parameters()).device
         self.step_hook: Callable[[str, ReplayStep], None] | None = None
         """Called with ("forward" | "backward", step) before each phase; tests inject faults through it."""
@@ -122,6 +124,9 @@ class TreeReplay:
         self.keep_graph = keep_graph
         self.tracker = tracker
         self._kept: dict[int, _Graph] = {}
+        self.widest_step = 0
+        """The most sibling rows any replay step has run with (the K in effect); the update window halves it
+        after an out-of-memory error during backward."""
         self._label = ""
         if tracker is not None:
             tracker.attach_model(model)
@@ -132,10 +137,11 @@ class TreeReplay:
     # ----- public -----------------------------------------------------------------------------------
     def accumulate(self, batch: UpdateBatch) -> ReplayReport:
         """Run every tree of the batch; parameter `.grad`s accumulate the update's gradient."""
-        if self.check_model:
+        if self.support is not None:
             longest = max((t.tree.stats().max_sequence_length for t in batch.work), default=0)
-            check_supported(self.model, longest)
-            self.check_model = False
+            self.support.require(self.model, longest)
+            if self.ref_model is not None:
+                self.support.require(self.ref_model, longest)
         report = ReplayReport()
         tracking: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         if self.tracker is not None:
@@ -348,6 +354,7 @@ class TreeReplay:
         ref_lp: Sequence[torch.Tensor | None],
     ) -> ReplayReport:
         fresh = [units[u] for u in step.units if u not in self._kept]
+        self.widest_step = max(self.widest_step, len(step.units))
         if self.step_hook is not None:
             self.step_hook("forward", step)
         graphs = [self._kept[u] for u in step.units if u in self._kept]

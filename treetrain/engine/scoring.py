@@ -187,10 +187,35 @@ def scoring_pass(
             if event.parent != ROOT:  # the path is still made resident, as the retention plan expects
                 paths.pieces(event.parent)
             continue
-        tokens += _score_batch(
+        tokens += _score_splitting(
             model, paths, event.parent, [units[c] for c in members], logps, with_entropy, max_logit_elements
         )
     return logps, tokens
+
+
+def _score_splitting(
+    model: PreTrainedModel,
+    paths: PathKV,
+    parent: int,
+    batch: Sequence[Unit],
+    logps: list[torch.Tensor | None],
+    with_entropy: bool,
+    max_logit_elements: int,
+) -> int:
+    """`_score_batch`, split in halves on out-of-memory. Safe to retry: a scoring forward has no graph and
+    its only side effects (logprobs, stored KV) are overwritten by the retry."""
+    try:
+        return _score_batch(model, paths, parent, batch, logps, with_entropy, max_logit_elements)
+    except torch.OutOfMemoryError:
+        if len(batch) == 1:
+            raise
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        half = len(batch) // 2
+        return sum(
+            _score_splitting(model, paths, parent, part, logps, with_entropy, max_logit_elements)
+            for part in (batch[:half], batch[half:])
+        )
 
 
 def _score_batch(

@@ -2,12 +2,18 @@
 
 The engine splits every sequence at node boundaries and continues from stored KV. That is exact only when a
 layer's whole state is its per-token keys and values over *all* earlier positions. Recurrent or linear
-attention layers carry a running state instead, and a sliding window shorter than the sequence would need
-per-query window masks across the split. Rather than risk a silent wrong gradient, such models are refused
-with the reason; a short split-versus-whole probe backs up the static check.
+attention layers carry a running state instead, a sliding window shorter than the sequence would need
+per-query window masks across the split, and dynamic RoPE variants choose their frequencies from the longest
+position *in each forward call*, so a prefix evaluated alone rotates differently than inside the whole
+sequence. The engine also computes logprobs from the LM head directly, so a model that rescales or caps its
+logits after the head would train on the wrong distribution. Rather than risk a silent wrong gradient, such
+models are refused with the reason; a short probe backs up the static checks: split-versus-whole hidden
+states, and head-only logprobs against the model's own.
 
 Example:
     >>> check_supported(model, max_sequence_length=4096)        # doctest: +SKIP
+    >>> gate = SupportGate()                                      # doctest: +SKIP
+    >>> gate.require(model, 4096); gate.require(model, 512)       # the second call does nothing  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from treetrain.models.decoder import decoder_forward
+from treetrain.models.decoder import decoder_forward, output_head
 
 #: Layer types whose state is plain KV over every earlier position.
 FULL_ATTENTION_TYPES = frozenset({"full_attention"})
@@ -35,6 +41,8 @@ RECURRENT_MODEL_TYPES = frozenset(
         "zamba2",
     }
 )
+#: RoPE types whose frequencies depend on the longest position of the forward call.
+LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
 
 
 class UnsupportedModelError(ValueError):
@@ -46,6 +54,23 @@ def _sliding_window(config: object) -> int | None:
         return None
     window = getattr(config, "sliding_window", None)
     return int(window) if window else None
+
+
+def _rope_types(config: object) -> set[str]:
+    """Every `rope_type` in `rope_parameters` (transformers 5, possibly one per layer type) or `rope_scaling`."""
+    found: set[str] = set()
+
+    def visit(obj: object) -> None:
+        if isinstance(obj, dict):
+            kind = obj.get("rope_type", obj.get("type"))
+            if isinstance(kind, str):
+                found.add(kind)
+            for value in obj.values():
+                visit(value)
+
+    visit(getattr(config, "rope_parameters", None))
+    visit(getattr(config, "rope_scaling", None))
+    return found
 
 
 def check_supported(model: PreTrainedModel, max_sequence_length: int, *, probe: bool = True) -> None:
@@ -70,6 +95,12 @@ def check_supported(model: PreTrainedModel, max_sequence_length: int, *, probe: 
             f"{max_sequence_length}; windowed attention across resident KV is not supported "
             f"(set sliding_window >= {max_sequence_length} or shorten the trajectories)"
         )
+    dynamic = sorted(_rope_types(config) & LENGTH_DEPENDENT_ROPE)
+    if dynamic:
+        raise UnsupportedModelError(
+            f"model type {mtype!r} uses rope_type {dynamic[0]!r}, whose frequencies depend on the longest position "
+            "in each forward call; a prefix evaluated once would rotate differently than inside the full sequence"
+        )
     if getattr(config, "attn_logit_softcapping", None) or getattr(config, "final_logit_softcapping", None):
         raise UnsupportedModelError(
             f"model type {mtype!r} uses logit soft-capping, which the engine does not apply"
@@ -88,7 +119,8 @@ def check_supported(model: PreTrainedModel, max_sequence_length: int, *, probe: 
 
 @torch.no_grad()
 def _probe(model: PreTrainedModel, mtype: str) -> None:
-    """Compare a whole forward with the same tokens split in two; they must agree to the dtype's precision."""
+    """Compare a whole forward with the same tokens split in two, and head-only logprobs with the model's own;
+    both must agree to the dtype's precision."""
     param = next(model.parameters())
     vocab = int(model.config.get_text_config(decoder=True).vocab_size)
     gen = torch.Generator().manual_seed(0)
@@ -101,6 +133,8 @@ def _probe(model: PreTrainedModel, mtype: str) -> None:
         first = decoder_forward(model, ids[:, :5], pos[:, :5], None)
         past = list(zip(first.keys, first.values))
         second = decoder_forward(model, ids[:, 5:], pos[:, 5:], past).hidden
+        reference = model(input_ids=ids, position_ids=pos, use_cache=False).logits.float().log_softmax(-1)
+        from_head = output_head(model)(whole).float().log_softmax(-1)
     finally:
         model.train(was_training)
     split = torch.cat([first.hidden, second], dim=1)
@@ -112,3 +146,28 @@ def _probe(model: PreTrainedModel, mtype: str) -> None:
             f"model type {mtype!r}: continuing from stored KV changes the hidden states (relative error {err:.2e}); "
             "its cache carries state the engine does not reproduce"
         )
+    head_err = (from_head - reference).abs().max().item()
+    head_tol = 1e-2 if whole.dtype in (torch.float16, torch.bfloat16) else 1e-4
+    if not head_err <= head_tol:
+        raise UnsupportedModelError(
+            f"model type {mtype!r}: the model changes its logits after the LM head (logprob difference "
+            f"{head_err:.2e}; e.g. logit scaling or soft-capping), which the engine's logprobs do not apply"
+        )
+
+
+class SupportGate:
+    """Runs `check_supported` once per model, and again only for a batch longer than any checked so far.
+
+    The static checks depend on the sequence length (a sliding window), so a later, longer batch must be
+    checked again; the probe runs only the first time.
+    """
+
+    def __init__(self) -> None:
+        self._checked: dict[int, int] = {}
+
+    def require(self, model: PreTrainedModel, max_sequence_length: int) -> None:
+        key = id(model)
+        if self._checked.get(key, -1) >= max_sequence_length:
+            return
+        check_supported(model, max_sequence_length, probe=key not in self._checked)
+        self._checked[key] = max_sequence_length
