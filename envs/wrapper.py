@@ -147,7 +147,7 @@ class TokenEnv:
         if len(prompt) >= self.config.max_episode_tokens:
             raise ValueError(
                 f"{self.env_name} seed {seed}: prompt has {len(prompt)} tokens, which leaves no room under "
-                f"max_episode_tokens={self.config.max_episode_tokens}"
+                f"max_episode_tokens={self.config.max_episode_tokens} (treetrain train: rollout.max_episode_tokens)"
             )
         self._segments = [Segment(Role.PROMPT, prompt)]
         self._context = list(prompt)
@@ -201,7 +201,13 @@ class TokenEnv:
             return self._call_env(self.env, message)
         # Step a copy and adopt it only on success: a step abandoned on timeout keeps running in its
         # thread, and must not mutate the state the episode continues from.
-        candidate = copy.deepcopy(self.env)
+        try:
+            candidate = copy.deepcopy(self.env)
+        except Exception as exc:
+            raise EnvStepError(
+                f"{self.env_name}: a step timeout steps a deep copy of the environment, and this one cannot be "
+                f"copied ({exc!r}); make its state deep-copyable (see Environment) or set step_timeout_s=None"
+            ) from exc
         box: list[StepResult | BaseException] = []
 
         def run() -> None:

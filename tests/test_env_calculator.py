@@ -26,7 +26,7 @@ def test_tasks_are_seeded_and_verifiable() -> None:
     assert len({t.expression for t in tasks}) > 15
     for t in tasks:
         assert evaluate(t.expression) == t.answer
-        assert 3 <= len(re.findall(r"\d+", t.expression)) <= 5
+        assert 2 <= len(re.findall(r"\d+", t.expression)) <= 3
 
 
 @pytest.mark.parametrize("bad", ["__import__('os')", "2 ** 100", "x + 1", "1 +", "9" * 201, "True"])

@@ -107,6 +107,9 @@ BROKEN: list[tuple[str, list[str], int, str]] = [
     ("missing id", _edit(1, trajectory_id=_DROP), 1, "trajectory_id"),
     ("negative token", _edit(2, prompt_token_ids=[1, -4]), 2, "prompt_token_ids[1]"),
     ("bool token", _edit(2, response_token_ids=[True, 2]), 2, "response_token_ids[0]"),
+    ("token over uint32", _edit(2, prompt_token_ids=[1, 2**32]), 2, "prompt_token_ids[1]"),
+    ("seed over int64", _edit(1, seed=10**23), 1, "seed"),
+    ("policy first", _edit(4, segments=[{"role": "policy", "token_ids": [1]}]), 4, "segments"),
     ("logprob count", _edit(1, response_logprobs=[-0.5]), 1, "response_logprobs"),
     ("positive logprob", _edit(1, response_logprobs=[-0.5, 0.5, -1.0]), 1, "response_logprobs"),
     ("bad role", _edit(4, segments=[{"role": "tool", "token_ids": [1]}]), 4, "segments[0].role"),
@@ -202,3 +205,12 @@ def test_blank_lines_are_skipped_and_empty_files_rejected(tmp_path: Path) -> Non
     empty.write_text("\n")
     with pytest.raises(RecordError, match="no records"):
         import_jsonl(empty, tmp_path / "b")
+
+
+def test_bytes_that_are_not_utf8_name_the_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    lines = SAMPLE.read_bytes().splitlines()
+    bad.write_bytes(b"\n".join([lines[0], b'{"trajectory_id": "\xff"}', *lines[2:]]) + b"\n")
+    with pytest.raises(RecordError) as info:
+        import_jsonl(bad, tmp_path / "trees")
+    assert (info.value.line, info.value.field) == (2, "<encoding>")

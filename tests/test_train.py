@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -213,9 +214,29 @@ def test_metrics_skip_a_partial_last_line(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("extra", [("loss.kl_coef=0.05", "model.reference=initial"), ("mode=flat",)])
 def test_kl_reference_and_forced_flat_runs(tmp_path: Path, extra: tuple[str, ...]) -> None:
-    trainer = Trainer(_cfg(tmp_path / "run", "updates=1", *extra), progress=False)
+    trainer = Trainer(
+        _cfg(tmp_path / "run", "updates=2", "rollout.groups_per_update=2", *extra), progress=False
+    )
     trainer.run()
-    row = read_metrics(tmp_path / "run" / "metrics.jsonl")[0]
-    assert row.version == 1 and row.graph_tokens > 0
-    assert row.mode == ("flat" if "mode=flat" in extra else "tree")
-    assert (row.kl > 0) == ("loss.kl_coef=0.05" in extra) or row.kl == 0.0
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r.version for r in rows] == [1, 2] and rows[0].graph_tokens > 0
+    assert rows[0].mode == ("flat" if "mode=flat" in extra else "tree")
+    # The first update's policy is the reference itself (KL 0); after one step the KL term must show.
+    assert rows[0].kl == 0.0 and (rows[1].kl > 0) == ("loss.kl_coef=0.05" in extra)
+
+
+def test_a_recorded_file_is_one_group_and_globs_recurse(tmp_path: Path) -> None:
+    """Two trees with rewards [1, 1] and [0, 0] stored as one group have variance; apart, neither would."""
+    from treetrain.train.sources import RecordedSource
+    from treetrain.tree.format import save_trees
+    from treetrain.tree.synthetic import synthetic_group
+
+    ones = synthetic_group(prefix=6, branches=2, suffix=3, vocab=64, seed=1, rewards=[1.0, 1.0])
+    zeros = synthetic_group(prefix=6, branches=2, suffix=3, vocab=64, seed=2, rewards=[0.0, 0.0])
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    save_trees([ones, zeros], tmp_path / "a" / "b" / "group.msgpack")
+    cfg = _cfg(tmp_path / "run", f"rollout.trees={tmp_path}/**/*.msgpack")
+    produced = RecordedSource(cfg, vocab_size=64)(None, 0, 0)
+    assert [len(g) for g in produced.groups] == [2]
+    groups, dropped = Trainer._groups(SimpleNamespace(cfg=cfg), produced.groups)  # type: ignore[arg-type]
+    assert dropped == 0 and len(groups) == 1 and len(groups[0].trees) == 2

@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)), help="output directory")
     args = parser.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
     for name, make in EXAMPLES.items():
         tree = make()
         path = os.path.join(args.out, name)

@@ -32,7 +32,7 @@ class CalculatorTask:
     answer: int
 
 
-def make_task(seed: int, min_operands: int = 3, max_operands: int = 5) -> CalculatorTask:
+def make_task(seed: int, min_operands: int = 2, max_operands: int = 3) -> CalculatorTask:
     """A random task; the same seed always gives the same task."""
     rng = random.Random(seed)
     expr = str(rng.randint(2, 99))
@@ -83,7 +83,7 @@ class EfficientAnswer(Rubric):
 class CalculatorEnv(ToolEnv):
     """Arithmetic with a calculator tool. `min_operands`/`max_operands` set the expression size."""
 
-    def __init__(self, min_operands: int = 3, max_operands: int = 5) -> None:
+    def __init__(self, min_operands: int = 2, max_operands: int = 3) -> None:
         if not 2 <= min_operands <= max_operands:
             raise ValueError(f"need 2 <= min_operands <= max_operands, got {min_operands}, {max_operands}")
         self.min_operands, self.max_operands = min_operands, max_operands

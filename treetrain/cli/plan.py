@@ -14,29 +14,21 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from treetrain.engine.batch import UpdateBatch
-from treetrain.loss.advantages import AdvantageConfig, compute_advantages
-from treetrain.loss.config import LossConfig
-from treetrain.loss.manifest import Manifest
-from treetrain.memory.planner import Overrides, Plan, PlanError, plan_update
-from treetrain.memory.retention import BudgetTooSmallError
-from treetrain.models.presets import ATTENTION, load_model
-from treetrain.models.support import UnsupportedModelError
+from treetrain.models import ATTENTION
 from treetrain.tree.format import TreeFormatError, load_trees
-from treetrain.tree.model import TrajectoryTree
 from treetrain.units import format_bytes, parse_bytes
 
+if TYPE_CHECKING:  # the rest loads in `run`, so `treetrain --help` stays fast
+    from treetrain.engine.batch import UpdateBatch
+    from treetrain.loss.advantages import AdvantageConfig
+    from treetrain.loss.config import LossConfig
+    from treetrain.memory.planner import Plan
+    from treetrain.tree.model import TrajectoryTree
+
 EXIT_BAD_INPUT = 2
-DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float64": torch.float64,
-}
+DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
 def _bytes(text: str) -> int:
@@ -107,6 +99,10 @@ def _fail(message: str) -> int:
 
 
 def _batch(trees: list[TrajectoryTree], loss: LossConfig, adv: AdvantageConfig) -> UpdateBatch:
+    from treetrain.engine.batch import UpdateBatch
+    from treetrain.loss.advantages import compute_advantages
+    from treetrain.loss.manifest import Manifest
+
     group = compute_advantages(trees, adv)
     return UpdateBatch.build(trees, group.trees, Manifest.build(trees, 0), loss)
 
@@ -115,7 +111,11 @@ def _from_config(args: argparse.Namespace, trees: list[TrajectoryTree]) -> int:
     """Plan exactly as `treetrain train` would for an update made of these trees."""
     from dataclasses import replace
 
+    from treetrain.loss.advantages import compute_advantages
     from treetrain.loss.config import ConfigError
+    from treetrain.memory.planner import PlanError
+    from treetrain.memory.retention import BudgetTooSmallError
+    from treetrain.models.support import UnsupportedModelError
     from treetrain.train.config import load_config
     from treetrain.train.models import load_models
     from treetrain.train.planning import plan_for
@@ -145,6 +145,15 @@ def _from_config(args: argparse.Namespace, trees: list[TrajectoryTree]) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from treetrain.loss.advantages import AdvantageConfig
+    from treetrain.loss.config import LossConfig
+    from treetrain.memory.planner import Overrides, PlanError, plan_update
+    from treetrain.memory.retention import BudgetTooSmallError
+    from treetrain.models.presets import load_model
+    from treetrain.models.support import UnsupportedModelError
+
     trees: list[TrajectoryTree] = []
     for path in args.trees:
         try:
@@ -161,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
         return _fail("give --model (a local model directory or tiny-<family>) or --config")
     vocab = args.vocab or 1 + max(t for tree in trees for n in tree.nodes for t in n.tokens)
     try:
-        model = load_model(args.model, vocab_size=vocab, dtype=DTYPES[args.dtype], attn=args.attn)
+        model = load_model(args.model, vocab_size=vocab, dtype=getattr(torch, args.dtype), attn=args.attn)
     except (OSError, ValueError) as e:
         return _fail(f"cannot load model {args.model!r}: {e}")
     overrides = Overrides(

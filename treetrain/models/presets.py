@@ -18,8 +18,9 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from treetrain.models import ATTENTION
+
 FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe")
-ATTENTION: tuple[str, ...] = ("eager", "sdpa")
 
 
 @dataclass(frozen=True)

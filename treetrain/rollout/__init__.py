@@ -1,9 +1,38 @@
-"""Rollouts: sampling trees of episodes from the current policy, and importing externally sampled ones."""
+"""Rollouts: sampling trees of episodes from the current policy, and importing externally sampled ones.
 
-from treetrain.rollout.sampler import PrefixState, Sample, Sampler, SamplerConfig, SamplerStats, fork_cache
-from treetrain.rollout.schedule import FanOut
-from treetrain.rollout.tree_rollout import RolloutConfig, RolloutResult, rollout_trees
+The names below load on first use, so that `treetrain.rollout.importer` (the import command) does not pull
+in torch and transformers through this package.
+"""
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from treetrain.rollout.sampler import (
+        PrefixState,
+        Sample,
+        Sampler,
+        SamplerConfig,
+        SamplerStats,
+        fork_cache,
+    )
+    from treetrain.rollout.schedule import FanOut
+    from treetrain.rollout.tree_rollout import RolloutConfig, RolloutResult, rollout_trees
+
+_WHERE = {
+    "FanOut": "schedule",
+    "PrefixState": "sampler",
+    "RolloutConfig": "tree_rollout",
+    "RolloutResult": "tree_rollout",
+    "Sample": "sampler",
+    "Sampler": "sampler",
+    "SamplerConfig": "sampler",
+    "SamplerStats": "sampler",
+    "fork_cache": "sampler",
+    "rollout_trees": "tree_rollout",
+}
 __all__ = [
     "FanOut",
     "PrefixState",
@@ -16,3 +45,9 @@ __all__ = [
     "fork_cache",
     "rollout_trees",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'treetrain.rollout' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"treetrain.rollout.{_WHERE[name]}"), name)

@@ -62,8 +62,12 @@ class ImportResult:
 def read_records(path: str | Path) -> Iterator[CallRecordIn]:
     """Validated records of a JSONL file, in order; blank lines are skipped."""
     source = str(path)
-    with open(path, encoding="utf-8") as f:
-        for line_no, text in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise RecordError(source, line_no, "<encoding>", f"not UTF-8 (byte {exc.start})") from None
             if not text.strip():
                 continue
             try:

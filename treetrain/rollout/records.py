@@ -90,11 +90,12 @@ class _Line:
     def fail(self, field: str, problem: str) -> RecordError:
         return RecordError(self.source, self.line, field, problem)
 
-    def int_(self, value: Any, field: str, minimum: int | None = None) -> int:
+    def int_(self, value: Any, field: str, minimum: int = -(2**63), limit: int = 2**63) -> int:
+        """An integer in [minimum, limit): the tree format stores int64 metadata and uint32 token ids."""
         if isinstance(value, bool) or not isinstance(value, int):
             raise self.fail(field, f"expected an integer, got {json.dumps(value)}")
-        if minimum is not None and value < minimum:
-            raise self.fail(field, f"must be >= {minimum}, got {value}")
+        if not minimum <= value < limit:
+            raise self.fail(field, f"must be in [{minimum}, {limit}), got {value}")
         return value
 
     def number(self, value: Any, field: str) -> float:
@@ -110,7 +111,7 @@ class _Line:
     def tokens(self, value: Any, field: str) -> tuple[int, ...]:
         if not isinstance(value, list) or not value:
             raise self.fail(field, "expected a non-empty list of token ids")
-        return tuple(self.int_(t, f"{field}[{i}]", minimum=0) for i, t in enumerate(value))
+        return tuple(self.int_(t, f"{field}[{i}]", minimum=0, limit=2**32) for i, t in enumerate(value))
 
     def logprobs(self, value: Any, field: str, n: int) -> tuple[float, ...]:
         if not isinstance(value, list):

@@ -58,10 +58,8 @@ class EnvSection:
 
     name: str = "calculator"
     """A built-in environment, a `treetrain.envs` entry point, or 'module:Class'."""
-    kwargs: Mapping[str, Any] = field(
-        default_factory=lambda: MappingProxyType({"min_operands": 2, "max_operands": 3})
-    )
-    """Keyword arguments for the environment's constructor."""
+    kwargs: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    """Keyword arguments for the environment's constructor (empty: its defaults)."""
     rubric: str | None = None
     """Which of the environment's rubrics gives the reward (None: its first)."""
 
@@ -71,7 +69,8 @@ class RolloutSection:
     """Tree-shaped sampling from the current policy (ignored when `trees` is set)."""
 
     groups_per_update: int = 4
-    """Trees (one task each) sampled per update; each tree is one advantage group."""
+    """Advantage groups per update: sampled trees (one task each, each its own group), or with `trees`
+    recorded files (a file's trees are one group)."""
     fanout_root: int = 8
     """G: samples of the first assistant turn."""
     fanout_after_tool: int = 1
@@ -90,6 +89,9 @@ class RolloutSection:
     """Tokens per assistant turn."""
     max_episode_tokens: int = 2048
     """Tokens per episode, prompt included."""
+    step_timeout_s: float | None = 30.0
+    """Seconds an environment step may take before it becomes a timeout observation; None waits forever
+    (and skips the per-step copy of the environment that a timeout needs)."""
     trees: str | None = None
     """Train on recorded trees instead: a directory or glob of .msgpack files, consumed in order."""
 
@@ -106,6 +108,8 @@ class RolloutSection:
         for name in ("max_turns", "max_turn_tokens", "max_episode_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"rollout.{name}: must be >= 1, got {getattr(self, name)}")
+        if self.step_timeout_s is not None and not self.step_timeout_s > 0:
+            raise ConfigError(f"rollout.step_timeout_s: must be > 0 or null, got {self.step_timeout_s}")
         if not self.temperature > 0:
             raise ConfigError(f"rollout.temperature: must be > 0 for RL sampling, got {self.temperature}")
         if not 0 < self.top_p <= 1:

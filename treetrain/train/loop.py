@@ -20,13 +20,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 import yaml
 from tqdm.auto import tqdm
 
-from envs.registry import make_env
+from envs.registry import make_env, resolve
 from treetrain.distributed.backend import TrainBackend, make_backend
 from treetrain.distributed.window import UpdateWindow
 from treetrain.distributed.window_types import Group, WindowConfig
@@ -34,6 +35,7 @@ from treetrain.engine import ReplayReport
 from treetrain.engine.resident import ResidentIdentity, ResidentStore
 from treetrain.io import atomic_write_text
 from treetrain.loss.advantages import compute_advantages
+from treetrain.loss.config import ConfigError
 from treetrain.memory.planner import Plan
 from treetrain.memory.tracker import MemoryTracker
 from treetrain.train.checkpoint import TrainerState, latest_checkpoint, load_trainer_state, save_trainer_state
@@ -101,6 +103,15 @@ def warn_config_changes(saved: Path, cfg: TrainConfig) -> None:
         log.warning("resuming with settings that differ from the saved run: %s", ", ".join(changed))
 
 
+def check_environment_config(name: str, kwargs: dict[str, Any]) -> None:
+    """Build the environment once, so an unknown name or constructor arguments it rejects fail first."""
+    factory = resolve(name)  # an unknown name raises, listing what is available
+    try:
+        factory(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"env.kwargs: environment {name!r} rejected {kwargs}: {exc}") from None
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -125,6 +136,9 @@ class Trainer:
         if not resume:
             check_fresh_run_dir(self.run_dir, overwrite)
         seed_everything(cfg.seed)
+        env_name, env_kwargs = cfg.env.name, dict(cfg.env.kwargs)
+        if not cfg.rollout.trees:
+            check_environment_config(env_name, env_kwargs)  # before any model is loaded
         models = load_models(cfg.model)
         self.tokenizer = models.tokenizer
         self.reference = models.reference
@@ -140,9 +154,6 @@ class Trainer:
         self.store = ResidentStore(self.identity)
         self.device = next(self.backend.module.parameters()).device
         self.last_plan: Plan | None = None
-        env_kwargs = dict(cfg.env.kwargs)
-        env_name = cfg.env.name
-        make_env(env_name, **env_kwargs)  # an unknown name or bad kwargs fail here, before any work
         self.source = (
             RecordedSource(cfg, int(self.backend.module.config.get_text_config(decoder=True).vocab_size))
             if cfg.rollout.trees
@@ -160,15 +171,15 @@ class Trainer:
         )
 
     # ----- one update -------------------------------------------------------------------------------
-    def _groups(self, trees: Sequence[TrajectoryTree]) -> tuple[list[Group], int]:
-        """One advantage group per tree; zero-variance groups dropped when configured (never diluting)."""
+    def _groups(self, produced: Sequence[tuple[TrajectoryTree, ...]]) -> tuple[list[Group], int]:
+        """The update's advantage groups; zero-variance groups dropped when configured (never diluting)."""
         groups, dropped = [], 0
-        for tree in trees:
-            adv = compute_advantages([tree], self.cfg.advantages)
+        for trees in produced:
+            adv = compute_advantages(list(trees), self.cfg.advantages)
             if adv.zero_variance and self.cfg.advantages.zero_variance == "drop":
                 dropped += 1
                 continue
-            groups.append(Group((tree,), adv.trees))
+            groups.append(Group(tuple(trees), adv.trees))
         return groups, dropped
 
     def learning_rate(self, index: int) -> float:
@@ -180,7 +191,7 @@ class Trainer:
         produced = self.source(self.backend.module, index, self.state.version)
         trees = produced.trees
         rewards = [r.reward for t in trees for r in t.records]
-        groups, zero_var = self._groups(trees)
+        groups, zero_var = self._groups(produced.groups)
         kept = [t for g in groups for t in g.trees]
         start = time.perf_counter()
         dropped, report, plan = 0, ReplayReport(), None

@@ -37,11 +37,17 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     return h.hexdigest()[:16]
 
 
-def _resolve(path: str) -> str:
+def _resolve(path: str, field: str = "model.path") -> str:
+    """The checkpoint directory for `path` ('demo', a preset name, or a local directory; no hub)."""
     if path == "demo":
         if not (DEMO_MODEL / "config.json").is_file():
-            raise ConfigError(f"model.path: the demo checkpoint is missing at {DEMO_MODEL}")
+            raise ConfigError(f"{field}: the demo checkpoint is missing at {DEMO_MODEL}")
         return str(DEMO_MODEL)
+    if not path.startswith("tiny-") and not (Path(path) / "config.json").is_file():
+        raise ConfigError(
+            f"{field}: {path!r} is not a model directory (no config.json there); give a local Hugging Face "
+            "checkpoint directory, 'demo', or a tiny-<family> preset"
+        )
     return path
 
 
@@ -56,8 +62,9 @@ def load_models(section: ModelSection) -> LoadedModels:
         tok_dir = path
     try:
         tokenizer = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
-    except OSError as exc:
-        raise ConfigError(f"model.tokenizer: cannot load a tokenizer from {tok_dir}: {exc}") from exc
+    except (OSError, ValueError) as exc:
+        field = "model.tokenizer" if section.tokenizer is not None else "model.path"
+        raise ConfigError(f"{field}: cannot load a tokenizer from {tok_dir}: {exc}") from exc
     try:
         policy = load_model(path, vocab_size=len(tokenizer), dtype=dtype, attn=section.attn)
     except (OSError, ValueError) as exc:
@@ -66,9 +73,15 @@ def load_models(section: ModelSection) -> LoadedModels:
     if section.reference == "initial":
         reference = copy.deepcopy(policy)
     elif section.reference is not None:
-        reference = load_model(
-            _resolve(section.reference), vocab_size=len(tokenizer), dtype=dtype, attn=section.attn
-        )
+        try:
+            reference = load_model(
+                _resolve(section.reference, "model.reference"), vocab_size=len(tokenizer), dtype=dtype,
+                attn=section.attn,
+            )  # fmt: skip
+        except (OSError, ValueError) as exc:
+            if isinstance(exc, ConfigError):
+                raise
+            raise ConfigError(f"model.reference: {exc}") from exc
     if reference is not None:
         reference.eval()
         reference.requires_grad_(False)

@@ -33,10 +33,14 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Produced:
-    """One update's trees and how long producing them took."""
+    """One update's advantage groups (each a tuple of trees normalized together) and how long they took."""
 
-    trees: tuple[TrajectoryTree, ...]
+    groups: tuple[tuple[TrajectoryTree, ...], ...]
     seconds: float
+
+    @property
+    def trees(self) -> tuple[TrajectoryTree, ...]:
+        return tuple(t for g in self.groups for t in g)
 
 
 def task_seeds(cfg: TrainConfig, update: int) -> list[int]:
@@ -80,8 +84,9 @@ class RolloutSource:
             max_depth=r.max_branch_depth,
         )
         self.wrapper = WrapperConfig(
-            max_turns=r.max_turns, max_turn_tokens=r.max_turn_tokens, max_episode_tokens=r.max_episode_tokens
-        )
+            max_turns=r.max_turns, max_turn_tokens=r.max_turn_tokens, max_episode_tokens=r.max_episode_tokens,
+            step_timeout_s=r.step_timeout_s,
+        )  # fmt: skip
 
     def __call__(self, model: Any, update: int, version: int) -> Produced:
         start = time.perf_counter()
@@ -107,7 +112,7 @@ class RolloutSource:
         finally:
             model.train(was_training)
         trees = share_trees(self.backend, tuple(local))
-        return Produced(trees, time.perf_counter() - start)
+        return Produced(tuple((t,) for t in trees), time.perf_counter() - start)
 
 
 def check_vocabulary(trees: Sequence[TrajectoryTree], vocab_size: int, where: str) -> None:
@@ -134,26 +139,26 @@ class RecordedSource:
         files = (
             sorted(path.glob("**/*.msgpack"))
             if path.is_dir()
-            else sorted(Path(p) for p in glob.glob(pattern))
+            else sorted(Path(p) for p in glob.glob(pattern, recursive=True))
         )
         if not files:
             raise FileNotFoundError(f"rollout.trees: no .msgpack files at {pattern!r}")
-        self.trees: list[TrajectoryTree] = []
+        self.groups: list[tuple[TrajectoryTree, ...]] = []
         for f in files:
             trees = load_trees(f)
             check_vocabulary(trees, vocab_size, f"rollout.trees: {f}")
-            self.trees.extend(trees)
-        self.per_update = min(cfg.rollout.groups_per_update, len(self.trees))
+            self.groups.append(trees)  # a file's trees are one group (trees/README.md)
+        self.per_update = min(cfg.rollout.groups_per_update, len(self.groups))
         if self.per_update < cfg.rollout.groups_per_update:
             log.warning(
-                "rollout.trees holds %d trees, fewer than rollout.groups_per_update=%d: each update takes all",
-                len(self.trees),
+                "rollout.trees holds %d groups, fewer than rollout.groups_per_update=%d: each update takes all",
+                len(self.groups),
                 cfg.rollout.groups_per_update,
             )
 
     def __call__(self, model: Any, update: int, version: int) -> Produced:
-        n = len(self.trees)
+        n = len(self.groups)
         start = update * self.per_update
         if start // n != (start + self.per_update - 1) // n:
-            log.info("recorded trees exhausted; starting another pass over %d trees", n)
-        return Produced(tuple(self.trees[(start + i) % n] for i in range(self.per_update)), 0.0)
+            log.info("recorded groups exhausted; starting another pass over %d groups", n)
+        return Produced(tuple(self.groups[(start + i) % n] for i in range(self.per_update)), 0.0)

@@ -106,7 +106,8 @@ def plot_rewards(rows: Sequence[UpdateMetrics], path: str | Path) -> Path | None
     ax.plot(xs, avg, "-", label="10-update moving mean")
     ax.set_xlabel("update")
     ax.set_ylabel("reward")
-    ax.set_ylim(-0.05, 1.05 if max(ys, default=1) <= 1 else None)
+    if ys and min(ys) >= 0 and max(ys) <= 1:  # rewards in [0, 1]: show the whole range
+        ax.set_ylim(-0.05, 1.05)
     ax.legend(loc="lower right")
     ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -17,7 +17,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -43,12 +45,12 @@ def _check_scalar(tp: Any, value: Any, where: str) -> Any:
         return value
     if tp is float:
         if isinstance(value, str):  # YAML reads 5e-4 (no dot) as text
-            try:
-                return float(value)
-            except ValueError:
-                pass
+            with contextlib.suppress(ValueError):
+                value = float(value)
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{where}: expected a finite number, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
