@@ -129,6 +129,29 @@ class ToolEnv(Environment):
 
     Subclasses implement `reset`, `tools` and usually `rubrics`/`state`; override `answer` to react to a
     final answer differently (for example to give feedback and continue).
+
+    Example (README.md, "Environments", has the same environment with its rubric and registration):
+        >>> import random
+        >>> from envs.protocol import Message, ToolCall
+        >>> class EchoEnv(ToolEnv):
+        ...     def reset(self, seed: int):
+        ...         self.word = random.Random(seed).choice(["apple", "river", "cloud"])
+        ...         return (Message("user", f"Repeat this word exactly: {self.word}"),)
+        ...     def shout(self, text: str) -> str:
+        ...         '''Return the text in capital letters.'''
+        ...         return text.upper()
+        ...     def tools(self):
+        ...         return (Tool.from_function(self.shout),)
+        ...     def state(self):
+        ...         return self.word
+        >>> env = EchoEnv()
+        >>> env.reset(0)[0].content.startswith("Repeat this word exactly: ")
+        True
+        >>> call = ToolCall("c0", "shout", {"text": "hi"})
+        >>> env.step(Message("assistant", "", tool_calls=(call,))).messages[0].content
+        'HI'
+        >>> env.step(Message("assistant", env.word)).done
+        True
     """
 
     @abstractmethod

@@ -173,3 +173,12 @@ def test_readme_example_environment_conforms() -> None:
     env_cls = namespace["EchoEnv"]
     assert isinstance(env_cls, type) and issubclass(env_cls, Environment)
     check_environment(env_cls, reward_range=(0.0, 1.0), tokenizer=tokenizer())
+
+
+def test_docstring_examples_of_the_environment_api_run() -> None:
+    import doctest
+
+    import envs.tools
+
+    result = doctest.testmod(envs.tools)
+    assert result.attempted >= 8 and result.failed == 0

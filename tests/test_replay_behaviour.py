@@ -106,12 +106,29 @@ def test_logprobs_never_materialize_full_logits() -> None:
     assert probe.largest <= max(budget, model.config.hidden_size * vocab)
 
 
-def test_sliding_window_shorter_than_sequence_is_refused() -> None:
+def test_sliding_window_is_accepted_only_when_the_window_probe_agrees(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     model = tiny_model("mistral", VOCAB)
-    model.config.sliding_window = 16
-    with pytest.raises(UnsupportedModelError, match="sliding window of 16"):
+    assert model.config.sliding_window is not None
+    check_supported(model, max_sequence_length=64)  # the mask drops the same keys split or whole
+    import treetrain.models.support as support
+
+    original = support.decoder_forward
+
+    def window_lost_across_the_split(model, ids, pos, past):
+        if past is None:
+            return original(model, ids, pos, past)
+        window, model.config.sliding_window = model.config.sliding_window, None
+        try:
+            return original(model, ids, pos, past)
+        finally:
+            model.config.sliding_window = window
+
+    monkeypatch.setattr(support, "decoder_forward", window_lost_across_the_split)
+    with pytest.raises(UnsupportedModelError, match="sliding window of 12"):
         check_supported(model, max_sequence_length=64)
-    check_supported(model, max_sequence_length=16)
+    check_supported(model, max_sequence_length=12)  # no longer than the window: nothing to probe
 
 
 def test_recurrent_and_dropout_models_are_refused() -> None:
@@ -208,14 +225,22 @@ def test_logits_changed_after_the_head_are_refused() -> None:
     check_supported(GraniteForCausalLM(config), 32)
 
 
-def test_support_gate_rechecks_longer_batches_and_the_reference() -> None:
+def test_support_gate_rechecks_longer_batches_and_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    import treetrain.models.support as support
+
     model = tiny_model("mistral", VOCAB)
-    model.config.sliding_window = 24
+    probes: list[int] = []
+    original = support._probe
+    monkeypatch.setattr(
+        support, "_probe", lambda m, t, **kw: probes.append(kw.get("length", 12)) or original(m, t, **kw)
+    )
     gate = SupportGate()
-    gate.require(model, 16)
-    gate.require(model, 24)
-    with pytest.raises(UnsupportedModelError, match="sliding window of 24"):
-        gate.require(model, 30)
+    gate.require(model, 8)
+    gate.require(model, 12)
+    assert probes == [12]  # the general probe once; the window (12) is not exceeded yet
+    gate.require(model, 30)
+    gate.require(model, 40)
+    assert probes == [12, 26]  # the window probe once, when sequences first run past the window
     # The engine checks the reference model as well as the policy.
     loss = LossConfig(kl_coef=0.1)
     batch = _zero_adv_batch(loss)

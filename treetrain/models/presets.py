@@ -21,6 +21,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from treetrain.models import ATTENTION
 
 FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe")
+#: The tiny Mistral's sliding window: shorter than test sequences, so windowed attention is exercised.
+MISTRAL_WINDOW = 12
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,7 @@ def tiny_config(
         eos_token_id=None,
     )
     if family == "mistral":
-        common["sliding_window"] = None
+        common["sliding_window"] = MISTRAL_WINDOW  # shorter than the test sequences, so the window is active
     if family == "qwen3_moe":
         common.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=size.intermediate_size // 2)
     if family in ("qwen3", "qwen3_moe"):

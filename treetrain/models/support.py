@@ -2,13 +2,13 @@
 
 The engine splits every sequence at node boundaries and continues from stored KV. That is exact only when a
 layer's whole state is its per-token keys and values over *all* earlier positions. Recurrent or linear
-attention layers carry a running state instead, a sliding window shorter than the sequence would need
-per-query window masks across the split, and dynamic RoPE variants choose their frequencies from the longest
+attention layers carry a running state instead, and dynamic RoPE variants choose their frequencies from the longest
 position *in each forward call*, so a prefix evaluated alone rotates differently than inside the whole
 sequence. The engine also computes logprobs from the LM head directly, so a model that rescales or caps its
 logits after the head would train on the wrong distribution. Rather than risk a silent wrong gradient, such
 models are refused with the reason; a short probe backs up the static checks: split-versus-whole hidden
-states, and head-only logprobs against the model's own.
+states, and head-only logprobs against the model's own. A sliding window shorter than the sequences is
+accepted once a probe that splits inside the window and runs past it agrees with the whole forward.
 
 Example:
     >>> check_supported(model, max_sequence_length=4096)        # doctest: +SKIP
@@ -73,8 +73,24 @@ def _rope_types(config: object) -> set[str]:
     return found
 
 
-def check_supported(model: PreTrainedModel, max_sequence_length: int, *, probe: bool = True) -> None:
-    """Raise `UnsupportedModelError` unless splitting sequences at any point is exact for `model`."""
+def active_window(model: PreTrainedModel, max_sequence_length: int) -> int | None:
+    """The sliding window, when some layer uses one shorter than `max_sequence_length` (else None)."""
+    config = model.config.get_text_config(decoder=True)
+    window = _sliding_window(config)
+    layer_types = getattr(config, "layer_types", None) or []
+    uses_window = window is not None and (not layer_types or any(t in SLIDING_TYPES for t in layer_types))
+    return window if uses_window and window is not None and window < max_sequence_length else None
+
+
+def check_supported(
+    model: PreTrainedModel, max_sequence_length: int, *, probe: bool = True, probe_window: bool | None = None
+) -> None:
+    """Raise `UnsupportedModelError` unless splitting sequences at any point is exact for `model`.
+
+    A sliding window shorter than the sequences is accepted when a probe across the window agrees with
+    the whole forward (`probe_window`, by default `probe`); the attention mask then drops the same keys in
+    both.
+    """
     config = model.config.get_text_config(decoder=True)
     mtype = getattr(config, "model_type", type(model).__name__)
     if mtype in RECURRENT_MODEL_TYPES:
@@ -86,14 +102,6 @@ def check_supported(model: PreTrainedModel, max_sequence_length: int, *, probe: 
     if odd:
         raise UnsupportedModelError(
             f"model type {mtype!r} has layer types {odd}; only full (and covered sliding) attention is supported"
-        )
-    window = _sliding_window(config)
-    uses_window = window is not None and (not layer_types or any(t in SLIDING_TYPES for t in layer_types))
-    if uses_window and window is not None and window < max_sequence_length:
-        raise UnsupportedModelError(
-            f"model type {mtype!r} uses a sliding window of {window} tokens but sequences reach "
-            f"{max_sequence_length}; windowed attention across resident KV is not supported "
-            f"(set sliding_window >= {max_sequence_length} or shorten the trajectories)"
         )
     dynamic = sorted(_rope_types(config) & LENGTH_DEPENDENT_ROPE)
     if dynamic:
@@ -115,24 +123,31 @@ def check_supported(model: PreTrainedModel, max_sequence_length: int, *, probe: 
         )
     if probe:
         _probe(model, mtype)
+    window = active_window(model, max_sequence_length)
+    if window is not None and (probe if probe_window is None else probe_window):
+        # The split lands inside the window and the sequence runs past it, so a mask that mishandled the
+        # resident past (keys the window should drop, or positions it should keep) shows up.
+        _probe(model, mtype, length=2 * window + 2, split=window // 2 + 1, window=window)
 
 
 @torch.no_grad()
-def _probe(model: PreTrainedModel, mtype: str) -> None:
+def _probe(
+    model: PreTrainedModel, mtype: str, *, length: int = 12, split: int = 5, window: int | None = None
+) -> None:
     """Compare a whole forward with the same tokens split in two, and head-only logprobs with the model's own;
     both must agree to the dtype's precision."""
     param = next(model.parameters())
     vocab = int(model.config.get_text_config(decoder=True).vocab_size)
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab, (1, 12), generator=gen).to(param.device)
-    pos = torch.arange(12, device=param.device)[None]
+    ids = torch.randint(0, vocab, (1, length), generator=gen).to(param.device)
+    pos = torch.arange(length, device=param.device)[None]
     was_training = model.training
     model.eval()
     try:
         whole = decoder_forward(model, ids, pos, None).hidden
-        first = decoder_forward(model, ids[:, :5], pos[:, :5], None)
+        first = decoder_forward(model, ids[:, :split], pos[:, :split], None)
         past = list(zip(first.keys, first.values))
-        second = decoder_forward(model, ids[:, 5:], pos[:, 5:], past).hidden
+        second = decoder_forward(model, ids[:, split:], pos[:, split:], past).hidden
         reference = model(input_ids=ids, position_ids=pos, use_cache=False).logits.float().log_softmax(-1)
         from_head = output_head(model)(whole).float().log_softmax(-1)
     finally:
@@ -141,6 +156,12 @@ def _probe(model: PreTrainedModel, mtype: str) -> None:
     scale = whole.abs().max().clamp_min(1.0)
     tol = 1e-3 if whole.dtype in (torch.float16, torch.bfloat16) else 1e-5
     err = ((split - whole).abs().max() / scale).item()
+    if not err <= tol and window is not None:
+        raise UnsupportedModelError(
+            f"model type {mtype!r} uses a sliding window of {window} tokens, and continuing from stored KV across "
+            f"it changes the hidden states (relative error {err:.2e}); windowed attention across resident KV "
+            "is not reproduced for this model (use sequences no longer than the window)"
+        )
     if not err <= tol:
         raise UnsupportedModelError(
             f"model type {mtype!r}: continuing from stored KV changes the hidden states (relative error {err:.2e}); "
@@ -167,7 +188,11 @@ class SupportGate:
 
     def require(self, model: PreTrainedModel, max_sequence_length: int) -> None:
         key = id(model)
-        if self._checked.get(key, -1) >= max_sequence_length:
+        before = self._checked.get(key)
+        if before is not None and before >= max_sequence_length:
             return
-        check_supported(model, max_sequence_length, probe=key not in self._checked)
+        window_before = before is not None and active_window(model, before) is not None
+        check_supported(
+            model, max_sequence_length, probe=before is None, probe_window=not window_before
+        )  # fmt: skip
         self._checked[key] = max_sequence_length
