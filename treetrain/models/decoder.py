@@ -22,6 +22,8 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
+from treetrain.models.attention import engine_attention
+
 #: Per-layer (keys, values), each `[B, H_kv, T, D]`.
 LayerKV = tuple[torch.Tensor, torch.Tensor]
 
@@ -87,7 +89,8 @@ def decoder_forward(
                 v = v.expand(bsz, *v.shape[1:])
             cache.update(k, v, layer)
     kwargs = {_cache_kwarg(base): cache}
-    out = base(input_ids=input_ids, position_ids=positions, use_cache=True, **kwargs)
+    with engine_attention(model):
+        out = base(input_ids=input_ids, position_ids=positions, use_cache=True, **kwargs)
     returned: Any = getattr(out, "cache", None) or getattr(out, "past_key_values", None) or cache
     keys = tuple(layer.keys[:, :, past_len:, :] for layer in returned.layers)
     values = tuple(layer.values[:, :, past_len:, :] for layer in returned.layers)
