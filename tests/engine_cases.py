@@ -15,6 +15,7 @@ from treetrain.loss.manifest import Manifest
 from treetrain.models.presets import tiny_model
 from treetrain.trajectory import Call, Role, Segment, Trajectory
 from treetrain.tree import TrajectoryTree
+from treetrain.tree.build import build_tree
 from treetrain.tree.synthetic import synthetic_group
 
 VOCAB = 64
@@ -49,21 +50,21 @@ def shape_multi_level(seed: int = 0) -> list[TrajectoryTree]:
             segs += [_seg(rng, Role.POLICY, 3), _seg(rng, Role.OBSERVATION, 2)]
         segs.append(_seg(rng, Role.POLICY, rng.randrange(2, 7)))
         trajs.append(_traj(g, segs, float(rng.random())))
-    return [TrajectoryTree.build(trajs)]
+    return [build_tree(trajs)]
 
 
 def shape_single(seed: int = 0) -> list[TrajectoryTree]:
     rng = random.Random(seed)
     segs = [_seg(rng, Role.PROMPT, 10), _seg(rng, Role.POLICY, 5), _seg(rng, Role.OBSERVATION, 3)]
     segs.append(_seg(rng, Role.POLICY, 4))
-    return [TrajectoryTree.build([_traj(0, segs, 1.0)])]
+    return [build_tree([_traj(0, segs, 1.0)])]
 
 
 def shape_identical(seed: int = 0) -> list[TrajectoryTree]:
     rng = random.Random(seed)
     segs = [_seg(rng, Role.PROMPT, 12), _seg(rng, Role.POLICY, 6)]
     trajs = [_traj(i, segs, float(i % 2)) for i in range(3)]
-    return [TrajectoryTree.build(trajs)]
+    return [build_tree(trajs)]
 
 
 def shape_unequal(seed: int = 0) -> list[TrajectoryTree]:
@@ -72,7 +73,7 @@ def shape_unequal(seed: int = 0) -> list[TrajectoryTree]:
     trajs = [
         _traj(i, [prompt, _seg(rng, Role.POLICY, n)], float(rng.random())) for i, n in enumerate((1, 2, 9, 4))
     ]
-    return [TrajectoryTree.build(trajs)]
+    return [build_tree(trajs)]
 
 
 def shape_two_trees(seed: int = 0) -> list[TrajectoryTree]:

@@ -28,7 +28,8 @@ from treetrain.benchmark.search import PrefixFit
 from treetrain.benchmark.timing import rotation
 from treetrain.benchmark.workload import bench_batch
 from treetrain.engine.units import UnitTree
-from treetrain.memory.classes import ClassBytes
+from treetrain.lifetime import ClassBytes
+from treetrain.tree.stats import tree_stats
 
 REPO = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -80,7 +81,7 @@ def test_quick_run_writes_well_formed_outputs(tmp_path: Path, capsys: pytest.Cap
             extra = m.token_cost - m.ceiling_cost
             work = bench_batch(r.point, QUICK).work[0]
             units = len(UnitTree.build(work.tree, work.targets, QUICK.chunk_size)) - 1
-            bound = 0 if m.mode == "flat" else 3 * units + work.tree.stats().internal_tokens
+            bound = 0 if m.mode == "flat" else 3 * units + tree_stats(work.tree).internal_tokens
             assert 0 <= extra <= bound, (r.point, m)
             assert m.measured.persistent > 0 and m.measured.boundary == m.measured.persistent
             assert m.predicted.total > 0

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from treetrain.cli.main import main
+from treetrain.tree.build import build_tree
 from treetrain.tree.format import load_tree
+from treetrain.tree.stats import tree_stats
 
 REPO = Path(__file__).parents[1]
 TOOL_USE = REPO / "trees" / "tool_use.msgpack"
@@ -54,7 +56,7 @@ def test_json_matches_tree_stats(capsys: pytest.CaptureFixture[str]) -> None:
     doc = json.loads(out)
     tree = load_tree(TOOL_USE)
     assert [t["id"] for t in doc["trees"]] == [tree.id]
-    assert doc["trees"][0]["stats"] == json.loads(json.dumps(tree.stats().as_dict()))
+    assert doc["trees"][0]["stats"] == json.loads(json.dumps(tree_stats(tree).as_dict()))
 
 
 def test_dot_export(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -106,12 +108,11 @@ def test_tokenizer_shows_text(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     )
 
     from treetrain.trajectory import Call, Role, Segment, Trajectory
-    from treetrain.tree import TrajectoryTree
     from treetrain.tree.format import save_tree
 
     prompt = Segment(Role.PROMPT, (1, 2, 3))
     trajs = [Trajectory(f"t{i}", (Call((prompt, Segment(Role.POLICY, (4, 5 + i)))),), 1.0) for i in range(2)]
-    save_tree(TrajectoryTree.build(trajs), tmp_path / "t.msgpack")
+    save_tree(build_tree(trajs), tmp_path / "t.msgpack")
     code, out, _ = run(capsys, str(tmp_path / "t.msgpack"), "--tokenizer", str(tmp_path / "tok"))
     assert code == 0
     assert '"hello world search result"' in out and '"yes"' in out and '"no"' in out

@@ -11,7 +11,7 @@ import pytest
 from tree_samples import TINY_BYTES, tiny_tree
 
 from treetrain.trajectory import Call, Role, Segment, Trajectory
-from treetrain.tree import TrajectoryTree
+from treetrain.tree.build import build_tree
 from treetrain.tree.format import (
     Limits,
     TreeFormatError,
@@ -24,6 +24,7 @@ from treetrain.tree.format import (
     trees_from_bytes,
     trees_to_bytes,
 )
+from treetrain.tree.stats import tree_stats
 
 ASSETS = Path(__file__).parent / "assets"
 REPO = Path(__file__).parents[1]
@@ -67,7 +68,7 @@ def test_tool_use_example_has_the_promised_shape() -> None:
     assert {Role.POLICY, Role.OBSERVATION} <= child_roles  # diverges at assistant turns and tool results
     internal = [n for n in tree.nodes[1:] if n.children]
     assert any(Role.POLICY in n.roles for n in internal)
-    assert tree.stats().depth >= 3
+    assert tree_stats(tree).depth >= 3
     assert all(r.step_rewards for r in tree.records)
     assert all(tree.sampler_logprobs(ref) is not None for ref in tree.call_refs())
     long = load_tree(REPO / "trees" / "long_prefix.msgpack")
@@ -78,9 +79,7 @@ def test_tool_use_example_has_the_promised_shape() -> None:
 def test_group_round_trip_and_single_tree_api(tmp_path: Path) -> None:
     a, b = (
         tiny_tree(),
-        TrajectoryTree.build(
-            [Trajectory("z", (Call((Segment(Role.PROMPT, (4,)), Segment(Role.POLICY, (5,)))),), 2.0)]
-        ),
+        build_tree([Trajectory("z", (Call((Segment(Role.PROMPT, (4,)), Segment(Role.POLICY, (5,)))),), 2.0)]),
     )
     save_trees([a, b], tmp_path / "g.msgpack")
     assert [t.id for t in load_trees(tmp_path / "g.msgpack")] == [a.id, b.id]
@@ -94,7 +93,7 @@ def test_group_round_trip_and_single_tree_api(tmp_path: Path) -> None:
 
 
 def test_token_that_does_not_fit_uint32_is_refused_on_write() -> None:
-    tree = TrajectoryTree.build(
+    tree = build_tree(
         [Trajectory("t", (Call((Segment(Role.PROMPT, (1,)), Segment(Role.POLICY, (2**32,)))),), 0.0)]
     )
     with pytest.raises(TreeFormatError, match=r"nodes\[1\]\.tokens: token id 4294967296"):
@@ -114,7 +113,7 @@ def test_file_size_limit_is_checked_before_reading(tmp_path: Path) -> None:
 
 def test_total_token_limit() -> None:
     """T is bounded before the calls are rebuilt: shared prefixes make it grow faster than the file."""
-    total = tiny_tree().stats().total_tokens
+    total = tree_stats(tiny_tree()).total_tokens
     with pytest.raises(
         TreeFormatError, match=rf"trees\[0\]\.trajectories\[2\]\.calls\[0\]\.end: .* {total} tokens"
     ):
@@ -148,7 +147,7 @@ def test_failed_write_keeps_the_old_file(
     path = tmp_path / "tree.msgpack"
     save_tree(tiny_tree(), path)
     old = path.read_bytes()
-    other = TrajectoryTree.build(
+    other = build_tree(
         [
             Trajectory(
                 "z", (Call((Segment(Role.PROMPT, (1,)), Segment(Role.POLICY, tuple(range(1000))))),), 2.0

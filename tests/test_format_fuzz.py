@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from tree_samples import TINY_BYTES, check_load, tiny_doc
 from tree_strategies import trajectory_sets
 
-from treetrain.tree import TrajectoryTree
+from treetrain.tree.build import build_tree
 from treetrain.tree.format import tree_to_bytes
 
 FUZZ = settings(max_examples=200, deadline=None)
@@ -26,7 +26,7 @@ def test_byte_mutations_of_valid_files(data: st.DataObject) -> None:
     if data.draw(st.booleans()):
         blob = bytearray(TINY_BYTES)
     else:
-        blob = bytearray(tree_to_bytes(TrajectoryTree.build(data.draw(trajectory_sets(max_trajectories=3)))))
+        blob = bytearray(tree_to_bytes(build_tree(data.draw(trajectory_sets(max_trajectories=3)))))
     ops = st.tuples(
         st.sampled_from(["flip", "set", "truncate", "insert", "delete"]), st.integers(0), st.integers(0, 255)
     )

@@ -14,7 +14,7 @@ import pytest
 from tree_samples import TINY_BYTES, expect_error, first_tree, tiny_doc, tiny_tree
 
 from treetrain.trajectory import Call, Role, Segment, Trajectory
-from treetrain.tree import TrajectoryTree
+from treetrain.tree.build import build_tree
 from treetrain.tree.format import TreeFormatError, tree_to_bytes, trees_from_bytes
 
 
@@ -74,7 +74,7 @@ def _all(*mutators: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any
 
 
 def _no_policy_tokens(doc: dict[str, Any]) -> None:
-    tree = TrajectoryTree.build(
+    tree = build_tree(
         [Trajectory("x", (Call((Segment(Role.PROMPT, (1,)), Segment(Role.POLICY, (1, 2)))),), 0.0)]
     )
     doc["trees"] = [msgpack.unpackb(tree_to_bytes(tree))["trees"][0]]

@@ -15,6 +15,7 @@ from treetrain.rollout.importer import GroupBy, import_jsonl
 from treetrain.rollout.records import RecordError
 from treetrain.trajectory import Call, Role, Segment, Trajectory
 from treetrain.tree.format import load_tree
+from treetrain.tree.stats import tree_stats
 
 SAMPLE = Path(__file__).parent / "assets" / "import_sample.jsonl"
 
@@ -68,7 +69,7 @@ def test_grouping_by_prompt_and_by_group_id(tmp_path: Path) -> None:
     members = sorted(sorted(r.id for r in t.records) for t in by_prompt.trees)
     assert members == [["a0", "a1", "a2", "s0"], ["m0"]]
     shared = by_prompt.trees[0]
-    assert len(shared.divergence_points()) >= 1 and shared.stats().num_trajectories == 4
+    assert len(shared.divergence_points()) >= 1 and tree_stats(shared).num_trajectories == 4
 
     by_group = import_jsonl(SAMPLE, tmp_path / "g", GroupBy.GROUP_ID)
     assert by_group.groups == ("g1", "g2")

@@ -16,6 +16,7 @@ from treetrain.rollout import FanOut, RolloutConfig, Sampler, SamplerConfig, for
 from treetrain.trajectory import Role, Trajectory
 from treetrain.tree import TrajectoryTree
 from treetrain.tree.format import load_tree
+from treetrain.tree.stats import tree_stats
 
 torch.set_num_threads(1)
 #: Near-uniform next-token distributions: sibling samples differ at their first token, so divergence
@@ -103,7 +104,7 @@ def test_prefix_reuse_gives_the_same_tokens(tmp_path: Path, sampling: SamplerCon
         assert len(with_reuse.trajectories()) == 8
     assert runs[True].stats.encoded_tokens < runs[False].stats.encoded_tokens
     if not sampling.greedy:  # greedy siblings are identical and merge, so the tree is a single path
-        unique = sum(t.stats().unique_tokens for t in runs[True].trees)
+        unique = sum(tree_stats(t).unique_tokens for t in runs[True].trees)
         assert runs[True].stats.encoded_tokens <= unique
 
 
@@ -193,7 +194,7 @@ def test_trees_are_on_disk_before_return_and_survive_a_crash(tmp_path: Path) -> 
     with pytest.raises(RuntimeError, match="crash"):
         rollout_trees(MODEL, tokenizer(), factory, [0, 1], tmp_path, config)
     (saved,) = (tmp_path / "trees").glob("*.msgpack")
-    assert load_tree(saved).stats().num_trajectories == 2
+    assert tree_stats(load_tree(saved)).num_trajectories == 2
 
     result = rollout_trees(MODEL, tokenizer(), FixedTurnsEnv, [5, 6], tmp_path / "ok", config)
     assert len(result.paths) == 2

@@ -15,7 +15,10 @@ from hypothesis import given, settings
 from tree_strategies import trajectory_sets
 
 from treetrain.trajectory import Call, Role, Segment, Trajectory
-from treetrain.tree import TrajectoryTree, TreeStats
+from treetrain.tree import TreeStats
+from treetrain.tree.build import build_tree
+from treetrain.tree.graph import to_networkx
+from treetrain.tree.stats import tree_stats
 
 Pair = tuple[int, Role]
 Prefix = tuple[Pair, ...]
@@ -94,21 +97,21 @@ def networkx_mismatches(stats: TreeStats, g: nx.DiGraph) -> list[str]:
 @settings(max_examples=100, deadline=None)
 @given(trajectory_sets())
 def test_stats_match_brute_force_and_networkx(trajs: list[Trajectory]) -> None:
-    tree = TrajectoryTree.build(trajs)
-    stats = tree.stats()
+    tree = build_tree(trajs)
+    stats = tree_stats(tree)
     assert stats == brute_force_stats(trajs)
-    assert networkx_mismatches(stats, tree.to_networkx()) == []
+    assert networkx_mismatches(stats, to_networkx(tree)) == []
 
 
 def test_checks_catch_a_wrong_statistic() -> None:
     """Negative control: a statistic that is off by one is caught by both references."""
     prompt = Segment(Role.PROMPT, (1, 2, 3))
     trajs = [Trajectory(f"t{g}", (Call((prompt, Segment(Role.POLICY, (10 + g,)))),), 0.0) for g in range(3)]
-    tree = TrajectoryTree.build(trajs)
+    tree = build_tree(trajs)
     for field in ("context_tokens", "internal_tokens", "depth", "num_divergence_points"):
-        wrong = dataclasses.replace(tree.stats(), **{field: getattr(tree.stats(), field) + 1})
+        wrong = dataclasses.replace(tree_stats(tree), **{field: getattr(tree_stats(tree), field) + 1})
         assert wrong != brute_force_stats(trajs)
-        assert networkx_mismatches(wrong, tree.to_networkx())
+        assert networkx_mismatches(wrong, to_networkx(tree))
 
 
 @pytest.mark.parametrize(("p", "g", "s"), [(100, 4, 10), (7, 1, 3), (1, 5, 2)])
@@ -118,7 +121,7 @@ def test_design_doc_example_costs(p: int, g: int, s: int) -> None:
     trajs = [
         Trajectory(f"t{i}", (Call((prompt, Segment(Role.POLICY, (1000 + i,) * s))),), 0.0) for i in range(g)
     ]
-    stats = TrajectoryTree.build(trajs).stats()
+    stats = tree_stats(build_tree(trajs))
     branched = g > 1
     assert stats.cost_flat() == 3 * g * (p + s)
     # Replay feeds each response with the prompt's last token in front, so the prompt node carries no loss

@@ -11,6 +11,7 @@ from tree_strategies import trajectory_sets
 
 from treetrain.trajectory import Call, Role, Segment, Trajectory
 from treetrain.tree import TrajectoryTree
+from treetrain.tree.build import build_tree
 from treetrain.tree.format import tree_from_bytes, tree_to_bytes
 
 TREE_SETTINGS = settings(max_examples=100, deadline=None)
@@ -19,7 +20,7 @@ TREE_SETTINGS = settings(max_examples=100, deadline=None)
 @TREE_SETTINGS
 @given(trajectory_sets())
 def test_build_reconstructs_every_trajectory(trajs: list[Trajectory]) -> None:
-    tree = TrajectoryTree.build(trajs)
+    tree = build_tree(trajs)
     assert tree.trajectories() == tuple(trajs)
     assert repr(tree.trajectories()) == repr(tuple(trajs))  # bit-exact floats, -0.0 included
 
@@ -27,7 +28,7 @@ def test_build_reconstructs_every_trajectory(trajs: list[Trajectory]) -> None:
 @TREE_SETTINGS
 @given(trajectory_sets())
 def test_file_round_trip_is_exact(trajs: list[Trajectory]) -> None:
-    tree = TrajectoryTree.build(trajs)
+    tree = build_tree(trajs)
     loaded = tree_from_bytes(tree_to_bytes(tree))
     assert loaded.trajectories() == tuple(trajs)
     assert repr(loaded.trajectories()) == repr(tuple(trajs))
@@ -42,7 +43,7 @@ def test_file_round_trip_is_exact(trajs: list[Trajectory]) -> None:
 def test_tree_is_independent_of_input_order(trajs: list[Trajectory], rng: random.Random) -> None:
     shuffled = list(trajs)
     rng.shuffle(shuffled)
-    a, b = TrajectoryTree.build(trajs), TrajectoryTree.build(shuffled)
+    a, b = build_tree(trajs), build_tree(shuffled)
     assert [n.id for n in a.nodes] == [n.id for n in b.nodes]
     assert [(n.tokens, n.roles, n.parent, n.offset) for n in a.nodes] == [
         (n.tokens, n.roles, n.parent, n.offset) for n in b.nodes
@@ -68,7 +69,7 @@ def tree_ownership(tree: TrajectoryTree, traj: int, call: int) -> tuple[bool, ..
 @TREE_SETTINGS
 @given(trajectory_sets())
 def test_ownership_agrees_with_tree_structure(trajs: list[Trajectory]) -> None:
-    tree = TrajectoryTree.build(trajs)
+    tree = build_tree(trajs)
     for ti, traj in enumerate(trajs):
         for ci in range(len(traj.calls)):
             assert traj.owned_policy_mask(ci) == tree_ownership(tree, ti, ci)
@@ -77,7 +78,7 @@ def test_ownership_agrees_with_tree_structure(trajs: list[Trajectory]) -> None:
 @TREE_SETTINGS
 @given(trajectory_sets())
 def test_node_trajectory_sets_and_ends(trajs: list[Trajectory]) -> None:
-    tree = TrajectoryTree.build(trajs)
+    tree = build_tree(trajs)
     for node in tree.nodes[1:]:
         through = {
             ti
@@ -103,9 +104,9 @@ def test_ownership_example_with_rewritten_context() -> None:
     expected1 = (False, False, False, False, False, True, True)
     assert traj.owned_policy_mask(1) == expected1
     assert traj.owned_policy_mask(0) == (False, False, True, True, False, True)
-    assert tree_ownership(TrajectoryTree.build([traj]), 0, 1) == expected1
+    assert tree_ownership(build_tree([traj]), 0, 1) == expected1
     # Negative control: the same answer under a different role is a different position, so it is owned.
     call1_obs = Call((prompt, Segment(Role.OBSERVATION, (3, 4)), Segment(Role.POLICY, (6, 7))))
     other = Trajectory("u", (call0, call1_obs), reward=1.0)
     assert other.owned_policy_mask(1) == (False, False, False, False, True, True)
-    assert tree_ownership(TrajectoryTree.build([other]), 0, 1) == other.owned_policy_mask(1)
+    assert tree_ownership(build_tree([other]), 0, 1) == other.owned_policy_mask(1)

@@ -13,6 +13,7 @@ import pytest
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
 from treetrain.tree.format import save_trees
 from treetrain.tree.model import ROOT
+from treetrain.tree.stats import tree_stats
 from treetrain.tree.synthetic import synthetic_group
 from treetrain.viz.geometry import MeasuredPoint, ceiling_grid, plot_ceiling_heatmaps
 from treetrain.viz.layout import tidy_layout
@@ -93,8 +94,8 @@ def test_node_table_rows_match_the_tree() -> None:
     adv = compute_advantages([tree], AdvantageConfig(mode="tree")).trees[0]
     table = node_table(tree, adv)
     assert len(table) == len(tree.nodes) - 1
-    assert sum(r.tokens for r in table.rows) == tree.stats().unique_tokens
-    assert sum(r.divergence for r in table.rows) == tree.stats().num_divergence_points
+    assert sum(r.tokens for r in table.rows) == tree_stats(tree).unique_tokens
+    assert sum(r.divergence for r in table.rows) == tree_stats(tree).num_divergence_points
     assert all(r.advantage is not None for r in table.rows)
     md = table.markdown(columns=("node", "tokens", "divergence"))
     assert md.splitlines()[0] == "| node | tokens | divergence |"
@@ -142,9 +143,9 @@ def test_ledger_plot_stacks_classes_and_marks_measured_peaks() -> None:
     import torch
 
     from treetrain.engine import ReplayConfig, TreeReplay, UpdateBatch
+    from treetrain.lifetime import ClassBytes
     from treetrain.loss.config import LossConfig
     from treetrain.loss.manifest import Manifest
-    from treetrain.memory.classes import ClassBytes
     from treetrain.memory.ledger import predict_ledger
     from treetrain.memory.tracker import MeasuredSegment, MemoryTracker
     from treetrain.models.presets import tiny_model

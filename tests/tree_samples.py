@@ -9,6 +9,7 @@ import pytest
 
 from treetrain.trajectory import Call, Role, Segment, Trajectory, TrajectoryMeta
 from treetrain.tree import TrajectoryTree
+from treetrain.tree.build import build_tree
 from treetrain.tree.format import TreeFormatError, tree_to_bytes, trees_from_bytes, trees_to_bytes
 
 
@@ -27,7 +28,7 @@ def tiny_tree() -> TrajectoryTree:
             (prompt, turn1, Segment(Role.OBSERVATION, (tool,)), Segment(Role.POLICY, (answer,), (-0.125,)))
         )
 
-    return TrajectoryTree.build(
+    return build_tree(
         [
             Trajectory("a", (episode(31, 41),), reward=1.0, step_rewards=(0.5, 1.0), meta=meta),
             Trajectory("b", (Call((prompt, Segment(Role.POLICY, (21, 23)))),), reward=-0.5),
@@ -60,7 +61,7 @@ def check_load(blob: bytes) -> None:
     except TreeFormatError:
         return
     for tree in trees:
-        rebuilt = TrajectoryTree.build(tree.trajectories())
+        rebuilt = build_tree(tree.trajectories())
         assert rebuilt.nodes == tree.nodes
         assert rebuilt.records == tree.records
         assert rebuilt.id == tree.id

@@ -24,6 +24,7 @@ import sys
 
 from treetrain.trajectory import Call, Role, Segment, Trajectory, TrajectoryMeta
 from treetrain.tree import TrajectoryTree
+from treetrain.tree.build import build_tree
 from treetrain.tree.format import save_tree
 
 BOS, EOT, TOOL_OPEN, TOOL_CLOSE, ASSISTANT = 1, 2, 3, 4, 5
@@ -71,7 +72,7 @@ def tool_use_tree(seed: int = 0) -> TrajectoryTree:
                     )
     episodes.append(episodes[0])  # the same episode sampled twice: two ids, one leaf
     trajs = [_trajectory(i, "tool_use", segs, r, steps) for i, (segs, r, steps) in enumerate(episodes)]
-    return TrajectoryTree.build(trajs)
+    return build_tree(trajs)
 
 
 def long_prefix_tree(seed: int = 0, prefix_len: int = 2048, branches: int = 16) -> TrajectoryTree:
@@ -82,7 +83,7 @@ def long_prefix_tree(seed: int = 0, prefix_len: int = 2048, branches: int = 16) 
         answer = _policy(rng, rng.randint(8, 32))
         reward = float(rng.random() < 0.5)
         trajs.append(_trajectory(i, "long_prefix", [prompt, answer], reward, [reward]))
-    return TrajectoryTree.build(trajs)
+    return build_tree(trajs)
 
 
 def context_rewrite_tree(seed: int = 0, n: int = 4) -> TrajectoryTree:
@@ -104,7 +105,7 @@ def context_rewrite_tree(seed: int = 0, n: int = 4) -> TrajectoryTree:
         # One step reward per policy segment of every call; the repeated first answer gets none of its own.
         steps = (0.1, 0.1, 0.0, reward)
         trajs.append(Trajectory(f"context_rewrite-{i:02d}", (call1, call2), reward, steps, meta))
-    return TrajectoryTree.build(trajs)
+    return build_tree(trajs)
 
 
 EXAMPLES = {

@@ -20,8 +20,8 @@ from treetrain.benchmark.config import BenchConfig, Mode
 from treetrain.benchmark.workload import LOSS, make_engine, replay_config, zero_grads
 from treetrain.engine.batch import UpdateBatch
 from treetrain.engine.flat import FlatReference
+from treetrain.lifetime import ClassBytes
 from treetrain.memory.calibrate import calibrate
-from treetrain.memory.classes import ClassBytes
 from treetrain.memory.events import Shape, forward_shape, plan_tree
 from treetrain.memory.ledger import predict_ledger
 from treetrain.memory.persistent import model_persistent_bytes

@@ -19,7 +19,7 @@ from treetrain.benchmark.config import MODES, Mode
 from treetrain.benchmark.results import BenchResults, Check, all_checks
 from treetrain.benchmark.search import PrefixFit
 from treetrain.io import atomic_write_bytes
-from treetrain.memory.classes import CLASSES, ClassBytes
+from treetrain.lifetime import CLASSES, ClassBytes
 from treetrain.units import format_bytes
 
 SHORT = {"flat": "flat", "exact": "exact", "response_only": "resp-only"}

@@ -24,7 +24,7 @@ from typing import Any, cast
 
 from treetrain.benchmark.config import MODES, BenchConfig, GridPoint, Mode
 from treetrain.benchmark.search import PrefixFit
-from treetrain.memory.classes import ClassBytes
+from treetrain.lifetime import ClassBytes
 
 SPEED_TARGET = 0.9
 """Measured over ceiling speedup the tree modes must reach (target 1)."""

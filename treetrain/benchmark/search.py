@@ -32,7 +32,7 @@ from treetrain.benchmark.config import BenchConfig, GridPoint, Mode
 from treetrain.benchmark.memory import measure_peak, predict_peak
 from treetrain.benchmark.workload import bench_batch
 from treetrain.engine.batch import UpdateBatch
-from treetrain.memory.classes import ClassBytes
+from treetrain.lifetime import ClassBytes
 
 Judged = Literal["measured", "predicted", "confirmed", "corrected"]
 

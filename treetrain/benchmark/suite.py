@@ -38,6 +38,7 @@ from treetrain.benchmark.timing import interleaved
 from treetrain.benchmark.workload import bench_batch, bench_model, bench_tree
 from treetrain.io import atomic_write_text
 from treetrain.models.support import check_supported
+from treetrain.tree.stats import tree_stats
 
 
 def host_description() -> str:
@@ -64,8 +65,8 @@ def run_bench(
     points = cfg.points()
     trees = [bench_tree(p, cfg) for p in points]
     batches = [bench_batch(p, cfg, t) for p, t in zip(points, trees)]
-    check_supported(model, max(t.stats().max_sequence_length for t in trees))
-    log(f"{len(points)} points, {sum(t.stats().total_tokens for t in trees)} flat tokens per repetition")
+    check_supported(model, max(tree_stats(t).max_sequence_length for t in trees))
+    log(f"{len(points)} points, {sum(tree_stats(t).total_tokens for t in trees)} flat tokens per repetition")
 
     predicted = {(p, m): predict_peak(model, b, m, cfg) for p, b in zip(points, batches) for m in MODES}
     graphs = {
@@ -100,7 +101,7 @@ def run_bench(
 
     results_points = []
     for p, tree in zip(points, trees):
-        stats = tree.stats()
+        stats = tree_stats(tree)
         ceiling: dict[Mode, int] = {
             "flat": stats.cost_flat(),
             "exact": stats.cost_exact(),

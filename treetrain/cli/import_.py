@@ -14,6 +14,7 @@ from typing import Any
 from treetrain.rollout.importer import GroupBy, import_jsonl
 from treetrain.rollout.records import RecordError
 from treetrain.tree.format import TreeFormatError
+from treetrain.tree.stats import tree_stats
 
 EXIT_BAD_INPUT = 2
 
@@ -43,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     except (RecordError, TreeFormatError, OSError) as e:
         print(f"treetrain import: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    n_traj = sum(t.stats().num_trajectories for t in result.trees)
+    n_traj = sum(tree_stats(t).num_trajectories for t in result.trees)
     print(f"imported {n_traj} trajectories into {len(result.trees)} trees in {args.out}")
     for path in result.paths:
         print(f"  {path}")

@@ -14,6 +14,7 @@ from typing import Any
 from treetrain.io import atomic_write_bytes
 from treetrain.tree.format import TreeFormatError, load_trees
 from treetrain.tree.render import Decoder, RenderOptions, render_trees, to_dot, tokenizer_decoder
+from treetrain.tree.stats import tree_stats
 
 EXIT_BAD_INPUT = 2
 
@@ -59,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
             return _fail(f"cannot load tokenizer from {args.tokenizer}: {e}")
     options = RenderOptions(max_tokens=args.max_tokens, decode=decode)
     if args.json:
-        doc = {"file": args.file, "trees": [{"id": t.id, "stats": t.stats().as_dict()} for t in trees]}
+        doc = {"file": args.file, "trees": [{"id": t.id, "stats": tree_stats(t).as_dict()} for t in trees]}
         print(json.dumps(doc, indent=2))
     else:
         print(render_trees(trees, options))

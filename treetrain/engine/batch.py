@@ -6,11 +6,11 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, fields
 
 from treetrain.engine.schedule import CONTRACTS, ORDERS, Contract, Order
+from treetrain.lifetime import ClassBytes, larger
 from treetrain.loss.advantages import TreeAdvantages
 from treetrain.loss.config import ConfigError, LossConfig
 from treetrain.loss.manifest import ContributionKey, Manifest
 from treetrain.loss.targets import EMPTY, TargetTable, tree_targets
-from treetrain.memory.classes import ClassBytes, larger
 from treetrain.models.logprobs import DEFAULT_MAX_LOGIT_ELEMENTS
 from treetrain.tree.model import TrajectoryTree
 

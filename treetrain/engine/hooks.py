@@ -16,7 +16,7 @@ from treetrain.engine.resident import ResidentStore
 from treetrain.engine.schedule import ReplayStep
 from treetrain.engine.scoring import ScoreEvent
 from treetrain.engine.units import UnitTree
-from treetrain.memory.classes import ClassBytes
+from treetrain.lifetime import ClassBytes
 
 KeepGraph = Callable[[UnitTree], frozenset[int]]
 """Given a tree's units, the internal units whose first forward keeps its graph (`exact` mode)."""

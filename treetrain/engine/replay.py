@@ -61,6 +61,7 @@ from treetrain.loss.config import LossConfig
 from treetrain.loss.objective import Contributions, LossTerms, objective, sampler_logprobs
 from treetrain.models.decoder import DecoderOutput, LayerKV
 from treetrain.models.support import SupportGate
+from treetrain.tree.stats import tree_stats
 
 Backward = Callable[[torch.Tensor], None]
 
@@ -138,7 +139,7 @@ class TreeReplay:
     def accumulate(self, batch: UpdateBatch) -> ReplayReport:
         """Run every tree of the batch; parameter `.grad`s accumulate the update's gradient."""
         if self.support is not None:
-            longest = max((t.tree.stats().max_sequence_length for t in batch.work), default=0)
+            longest = max((tree_stats(t.tree).max_sequence_length for t in batch.work), default=0)
             self.support.require(self.model, longest)
             if self.ref_model is not None:
                 self.support.require(self.ref_model, longest)

@@ -52,6 +52,7 @@ from treetrain.memory.persistent import kv_bytes_per_token
 from treetrain.memory.tracker import MeasuredSegment, MemoryTracker
 from treetrain.models.logprobs import DEFAULT_MAX_LOGIT_ELEMENTS
 from treetrain.trajectory import Call, Role, Segment, Trajectory
+from treetrain.tree.build import build_tree
 from treetrain.tree.model import TrajectoryTree
 
 CALIBRATION_VERSION = 1
@@ -192,7 +193,7 @@ def probe_tree(
                 grown.append(p + more)
         paths = grown
     trajs = [Trajectory(f"probe{seed}-{i}", (Call(tuple(p)),), float(i % 2)) for i, p in enumerate(paths)]
-    return TrajectoryTree.build(trajs)
+    return build_tree(trajs)
 
 
 @dataclass(frozen=True)

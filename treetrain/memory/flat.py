@@ -15,9 +15,9 @@ from transformers import PreTrainedModel
 
 from treetrain.engine.batch import UpdateBatch
 from treetrain.engine.flat import FlatReference
+from treetrain.lifetime import ClassBytes
 from treetrain.loss.config import LossConfig
 from treetrain.memory.calibrate import MemoryModel, calibrate
-from treetrain.memory.classes import ClassBytes
 from treetrain.memory.events import Shape
 from treetrain.memory.ledger import Ledger, LedgerRow, manifest_host_bytes
 from treetrain.memory.persistent import PersistentBytes, model_persistent_bytes

@@ -29,10 +29,10 @@ from transformers import PreTrainedModel
 from treetrain.engine.batch import ReplayConfig, UpdateBatch
 from treetrain.engine.hooks import KeepGraph
 from treetrain.engine.scoring import ScoreBatch, ScoreDone
+from treetrain.lifetime import CLASSES, ClassBytes
 from treetrain.loss.config import LossConfig
 from treetrain.loss.manifest import Manifest
 from treetrain.memory.calibrate import MemoryModel, calibrate
-from treetrain.memory.classes import CLASSES, ClassBytes
 from treetrain.memory.events import MemEvent, Shape, TreePlan, plan_tree
 from treetrain.memory.persistent import PersistentBytes, model_persistent_bytes
 from treetrain.units import format_bytes

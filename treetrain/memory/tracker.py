@@ -43,7 +43,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_iter
 
-from treetrain.memory.classes import CLASSES, ClassBytes, LifetimeClass
+from treetrain.lifetime import CLASSES, ClassBytes, LifetimeClass
 
 
 class ObservableStore(Protocol):

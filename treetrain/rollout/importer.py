@@ -17,7 +17,8 @@ Example:
     ...          "response_logprobs": [-0.5, -1.0], "reward": float(i)} for i in range(2)]
     >>> _ = (d / "in.jsonl").write_text("".join(json.dumps(r) + "\\n" for r in rows))
     >>> result = import_jsonl(d / "in.jsonl", d / "trees")
-    >>> len(result.trees), result.trees[0].stats().num_trajectories, len(result.paths)
+    >>> from treetrain.tree.stats import tree_stats
+    >>> len(result.trees), tree_stats(result.trees[0]).num_trajectories, len(result.paths)
     (1, 2, 1)
 """
 
@@ -38,6 +39,7 @@ from treetrain.io import atomic_write_bytes
 from treetrain.rollout.records import CallRecordIn, RecordError, parse_record
 from treetrain.trajectory import Role, Trajectory, TrajectoryError, TrajectoryMeta
 from treetrain.tree import TrajectoryTree
+from treetrain.tree.build import build_tree
 from treetrain.tree.format import tree_to_bytes
 
 
@@ -181,7 +183,7 @@ def import_jsonl(path: str | Path, out_dir: str | Path, group_by: GroupBy = Grou
     if not records:
         raise RecordError(str(path), 0, "<file>", "no records")
     groups = group_trajectories(path, records, group_by)
-    trees = {g: TrajectoryTree.build(ts) for g, ts in groups.items()}
+    trees = {g: build_tree(ts) for g, ts in groups.items()}
     payloads = [(Path(out_dir) / _file_name(g, t), tree_to_bytes(t)) for g, t in trees.items()]
     out = Path(out_dir)
     created_dir = not out.exists()

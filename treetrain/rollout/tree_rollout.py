@@ -28,6 +28,7 @@ from treetrain.rollout.sampler import PrefixState, Sample, Sampler, SamplerConfi
 from treetrain.rollout.schedule import FanOut
 from treetrain.trajectory import Trajectory
 from treetrain.tree import TrajectoryTree
+from treetrain.tree.build import build_tree
 from treetrain.tree.format import save_tree
 
 
@@ -153,7 +154,7 @@ def rollout_trees(
             sampler = Sampler(model, config.sampler, root.stop_token_ids)
         rubric = default_rubric(root.env, config.rubric)
         prefix = f"{name}-s{seed}"
-        tree = TrajectoryTree.build(_grow(root, sampler, config, prefix, rubric))
+        tree = build_tree(_grow(root, sampler, config, prefix, rubric))
         path = trees_dir / f"{prefix}-{tree.id[:12]}.msgpack"
         save_tree(tree, path)
         trees.append(tree)

@@ -46,6 +46,7 @@ from treetrain.train.planning import plan_for
 from treetrain.train.sources import RecordedSource, RolloutSource
 from treetrain.train.summary import RunSummary, plot_rewards
 from treetrain.tree import TrajectoryTree
+from treetrain.tree.stats import tree_stats
 from treetrain.units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -231,7 +232,7 @@ class Trainer:
             log.warning("update %d: every group had zero reward variance; no optimizer step", index)
         train_seconds = time.perf_counter() - start
         self.state = TrainerState(update=index + 1, version=self.identity.model_version)
-        flat_cost = sum(t.stats().cost_flat(scoring=cfg.loss.ratio_source == "scoring") for t in kept)
+        flat_cost = sum(tree_stats(t).cost_flat(scoring=cfg.loss.ratio_source == "scoring") for t in kept)
         return UpdateMetrics(
             update=index,
             version=self.state.version,

@@ -1,5 +1,6 @@
 """Trajectory trees: radix merge, statistics, file format and views."""
 
+from treetrain.tree.build import build_tree
 from treetrain.tree.model import ROOT, CallRecord, CallRef, Node, TrajectoryRecord, TrajectoryTree, node_id
 from treetrain.tree.stats import TreeStats, node_carries_loss, tree_stats
 
@@ -11,6 +12,7 @@ __all__ = [
     "TrajectoryRecord",
     "TrajectoryTree",
     "TreeStats",
+    "build_tree",
     "node_carries_loss",
     "node_id",
     "tree_stats",

@@ -12,7 +12,8 @@ raises `TreeFormatError` naming the field (I/O errors such as a missing file sta
 Example:
     >>> from treetrain.trajectory import Call, Role, Segment, Trajectory
     >>> call = Call((Segment(Role.PROMPT, (1, 2)), Segment(Role.POLICY, (3,), (-0.5,))))
-    >>> tree = TrajectoryTree.build([Trajectory("t0", (call,), reward=1.0)])
+    >>> from treetrain.tree.build import build_tree
+    >>> tree = build_tree([Trajectory("t0", (call,), reward=1.0)])
     >>> again = tree_from_bytes(tree_to_bytes(tree))
     >>> again.id == tree.id, again.trajectories() == tree.trajectories()
     (True, True)

@@ -13,7 +13,8 @@ Example:
     >>> def traj(i, resp):
     ...     call = Call((Segment(Role.PROMPT, (1, 2, 3)), Segment(Role.POLICY, resp)))
     ...     return Trajectory(id=f"t{i}", calls=(call,), reward=float(i))
-    >>> tree = TrajectoryTree.build([traj(0, (7, 8)), traj(1, (7, 9))])
+    >>> from treetrain.tree.build import build_tree
+    >>> tree = build_tree([traj(0, (7, 8)), traj(1, (7, 9))])
     >>> [len(n.tokens) for n in tree.nodes], tree.divergence_points()
     ([0, 4, 1, 1], (1,))
 """
@@ -23,17 +24,11 @@ from __future__ import annotations
 import hashlib
 import math
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING
 
 from treetrain.trajectory import Call, Role, Segment, Trajectory, TrajectoryError, TrajectoryMeta
-
-if TYPE_CHECKING:
-    import networkx as nx
-
-    from treetrain.tree.stats import TreeStats
 
 ROOT = 0
 
@@ -121,20 +116,18 @@ ROOT_ID = node_id("", (), ())
 
 
 class TrajectoryTree:
-    """An immutable prefix tree of trajectories. Build it with `TrajectoryTree.build`."""
+    """An immutable prefix tree of trajectories.
+
+    Build one with `treetrain.tree.build_tree`; its statistics are `treetrain.tree.tree_stats(tree)` and a
+    networkx view is `treetrain.tree.graph.to_networkx(tree)`. Those live above this module, which holds
+    only the data and its navigation, so the tree package depends one way: build/stats/graph -> model.
+    """
 
     def __init__(self, nodes: Sequence[Node], records: Sequence[TrajectoryRecord]) -> None:
         self.nodes: tuple[Node, ...] = tuple(nodes)
         self.records: tuple[TrajectoryRecord, ...] = tuple(records)
         if not self.nodes or self.nodes[ROOT].parent is not None or self.nodes[ROOT].tokens:
             raise TrajectoryError("tree must start with an empty root node")
-
-    @staticmethod
-    def build(trajectories: Iterable[Trajectory]) -> TrajectoryTree:
-        """Radix-merge trajectories on (token id, role). See `treetrain.tree.build`."""
-        from treetrain.tree.build import build_tree
-
-        return build_tree(trajectories)
 
     # ----- identity ---------------------------------------------------------------------------------
     @cached_property
@@ -233,17 +226,6 @@ class TrajectoryTree:
         for r in roles:
             out.append(next(it) if r is Role.POLICY else math.nan)
         return tuple(out)
-
-    # ----- views ------------------------------------------------------------------------------------
-    def stats(self) -> TreeStats:
-        from treetrain.tree.stats import tree_stats
-
-        return tree_stats(self)
-
-    def to_networkx(self) -> nx.DiGraph:
-        from treetrain.tree.graph import to_networkx
-
-        return to_networkx(self)
 
     def __repr__(self) -> str:
         return (

@@ -2,7 +2,7 @@
 
 Nothing is trusted. msgpack runs with size limits (a declared length can never exceed the limit or the
 bytes present), ext types and duplicate map keys are refused, and every field is checked for type,
-length and range before it is used. The node list must be exactly what `TrajectoryTree.build` produces
+length and range before it is used. The node list must be exactly what `build_tree` produces
 from the stored trajectories: one empty root at index 0, parents before children, depth-first pre-order
 with siblings sorted by their first (token, role), and every node a maximal run. So a file that loads
 always equals the tree rebuilt from its own trajectories, and node ids and the tree id are recomputed,

@@ -9,7 +9,8 @@ Example:
     >>> def traj(i, resp):
     ...     call = Call((Segment(Role.PROMPT, tuple(range(1, 100))), Segment(Role.POLICY, resp)))
     ...     return Trajectory(f"t{i}", (call,), reward=float(i))
-    >>> tree = TrajectoryTree.build([traj(0, (7, 8)), traj(1, (7, 9))])
+    >>> from treetrain.tree.build import build_tree
+    >>> tree = build_tree([traj(0, (7, 8)), traj(1, (7, 9))])
     >>> print("\\n".join(render_tree(tree, RenderOptions(max_tokens=5)).splitlines()[1:]))
     root  2 traj
     └── #1 prompt×99 policy×1  [1 2 3 … 99 7]  2 traj  ◆ 2 branches
@@ -26,6 +27,7 @@ from itertools import groupby
 
 from treetrain.trajectory import Role
 from treetrain.tree.model import ROOT, Node, TrajectoryTree
+from treetrain.tree.stats import tree_stats
 
 Decoder = Callable[[Sequence[int]], str]
 
@@ -101,7 +103,7 @@ def node_label(tree: TrajectoryTree, node: Node, options: RenderOptions) -> str:
 def render_tree(tree: TrajectoryTree, options: RenderOptions | None = None) -> str:
     """Indented outline: a summary line, then one line per node in pre-order."""
     options = options or RenderOptions()
-    s = tree.stats()
+    s = tree_stats(tree)
     lines = [
         f"tree {tree.id[:12]}  nodes={s.num_nodes} trajectories={s.num_trajectories} calls={s.num_calls} "
         f"leaves={s.num_leaves} divergence_points={s.num_divergence_points} depth={s.depth} "

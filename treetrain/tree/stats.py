@@ -16,7 +16,8 @@ Example:
     >>> prompt = Segment(Role.PROMPT, tuple(range(100)))
     >>> trajs = [Trajectory(f"t{g}", (Call((prompt, Segment(Role.POLICY, (200 + g,) * 10))),), 0.0)
     ...          for g in range(4)]
-    >>> s = tree_stats(TrajectoryTree.build(trajs))
+    >>> from treetrain.tree.build import build_tree
+    >>> s = tree_stats(build_tree(trajs))
     >>> s.total_tokens, s.unique_tokens, round(s.ceiling_speedup_exact, 3)
     (440, 140, 2.538)
 """

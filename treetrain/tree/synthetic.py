@@ -8,7 +8,8 @@ have policy tokens in shared internal nodes. Token ids are random in [1, vocab).
 
 Example:
     >>> tree = synthetic_group(prefix=64, branches=4, suffix=16, depth=2, vocab=50, seed=0)
-    >>> s = tree.stats()
+    >>> from treetrain.tree.stats import tree_stats
+    >>> s = tree_stats(tree)
     >>> s.num_trajectories, s.num_leaves, s.total_tokens
     (4, 4, 320)
 """
@@ -19,6 +20,7 @@ import math
 import random
 
 from treetrain.trajectory import Call, Role, Segment, Trajectory, TrajectoryMeta
+from treetrain.tree.build import build_tree
 from treetrain.tree.model import TrajectoryTree
 
 
@@ -97,4 +99,4 @@ def synthetic_group(
         )
         for g, segs in enumerate(paths)
     ]
-    return TrajectoryTree.build(trajs)
+    return build_tree(trajs)

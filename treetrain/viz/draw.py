@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from treetrain.loss.advantages import TreeAdvantages
 from treetrain.trajectory import Role
+from treetrain.tree.graph import to_networkx
 from treetrain.tree.model import ROOT, TrajectoryTree
 from treetrain.tree.render import ROLE_COLOURS
 from treetrain.viz._mpl import pyplot
@@ -72,7 +73,7 @@ def draw_tree(
     if ax is None:
         leaves = max(1, len(tree.leaves()))
         _, ax = plt.subplots(figsize=(min(16.0, 2.0 + 0.55 * leaves), 4.5))
-    graph = tree.to_networkx()
+    graph = to_networkx(tree)
     pos = tidy_layout(tree, vertical=vertical)
     nodes = [n.index for n in tree.nodes if n.index != ROOT]
     sizes = node_sizes(tree)

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from treetrain.engine.schedule import Contract
+from treetrain.tree.stats import tree_stats
 from treetrain.tree.synthetic import synthetic_group
 
 CONTRACTS: tuple[Contract, ...] = ("exact", "response_only")
@@ -65,7 +66,7 @@ def ceiling_grid(
                 tree = synthetic_group(
                     prefix=p, branches=g, suffix=s, depth=depth, seed=0, with_logprobs=False
                 )
-                st = tree.stats()
+                st = tree_stats(tree)
                 flat = st.cost_flat(scoring)
                 exact[gi, pi, si] = flat / max(1, st.cost_exact(scoring))
                 ro[gi, pi, si] = flat / max(1, st.cost_response_only(scoring))

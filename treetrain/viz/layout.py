@@ -6,10 +6,10 @@ and last child, so no two subtrees overlap and edges never cross. The vertical a
 
 Example:
     >>> from treetrain.trajectory import Call, Role, Segment, Trajectory
-    >>> from treetrain.tree import TrajectoryTree
+    >>> from treetrain.tree.build import build_tree
     >>> def traj(i, resp):
     ...     return Trajectory(f"t{i}", (Call((Segment(Role.PROMPT, (1, 2)), Segment(Role.POLICY, resp))),), 0.0)
-    >>> tree = TrajectoryTree.build([traj(0, (7,)), traj(1, (8,))])
+    >>> tree = build_tree([traj(0, (7,)), traj(1, (8,))])
     >>> tidy_layout(tree)
     {0: (0.5, 0.0), 1: (0.5, -1.0), 2: (0.0, -2.0), 3: (1.0, -2.0)}
 """

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from treetrain.memory.classes import LifetimeClass
+from treetrain.lifetime import LifetimeClass
 from treetrain.viz._mpl import pyplot
 
 if TYPE_CHECKING:

@@ -6,7 +6,7 @@ read with the format's size limits, so a hostile file is refused with `TreeForma
 
 Example:
     >>> trees = load_tree_sources("trees")                                  # doctest: +SKIP
-    >>> [(t.name, t.tree.stats().num_trajectories) for t in trees]          # doctest: +SKIP
+    >>> [(t.name, tree_stats(t.tree).num_trajectories) for t in trees]      # doctest: +SKIP
     [('context_rewrite', 4), ('long_prefix', 16), ('tool_use', 11)]
 """
 

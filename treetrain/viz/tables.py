@@ -28,7 +28,7 @@ from typing import Generic, TypeVar
 from treetrain.loss.advantages import TreeAdvantages
 from treetrain.tree.model import ROOT, TrajectoryTree
 from treetrain.tree.render import role_runs
-from treetrain.tree.stats import node_carries_loss
+from treetrain.tree.stats import node_carries_loss, tree_stats
 from treetrain.viz.nodes import node_advantages, node_mean_rewards
 from treetrain.viz.sources import NamedTree
 
@@ -184,7 +184,7 @@ def tree_table(trees: Sequence[NamedTree]) -> Table[TreeRow]:
     """One row per tree: shape, sharing and token-ceiling speedups."""
     rows = []
     for t in trees:
-        s = t.tree.stats()
+        s = tree_stats(t.tree)
         rows.append(
             TreeRow(
                 t.name,

@@ -1,6 +1,6 @@
 """Bytes by lifetime class: the unit both the ledger (predicted) and the tracker (measured) speak.
 
-The four classes follow DESIGN.md's ledger. treetrain books them as follows:
+The four classes follow the ledger of docs/design.md. treetrain books them as follows:
 
 - `persistent` (run-persistent): parameters, optimizer state (and fp32 master weights), ZeRO buffers, the
   reference model. They exist for the whole run.
