@@ -118,9 +118,38 @@ def execute_tool_call(tools: Mapping[str, Tool], call: ToolCall) -> Message:
         return reply(f"Error: bad arguments for {call.name!r}: {problem}.")
     try:
         result = tool.fn(**call.arguments)
+    except (Exception, SystemExit) as exc:
+        return reply(f"Error: tool {call.name!r} raised {type(exc).__name__}: {_safe_str(exc)}")
+    return reply(render_result(result))
+
+
+def _safe_str(value: object) -> str:
+    try:
+        return str(value)
     except Exception as exc:
-        return reply(f"Error: tool {call.name!r} raised {type(exc).__name__}: {exc}")
-    return reply(result if isinstance(result, str) else json.dumps(result))
+        return f"<{type(value).__name__} whose str() raised {type(exc).__name__}>"
+
+
+def render_result(result: object) -> str:
+    """A tool's return value as observation text: strings as they are, JSON when it serializes, else `str()`.
+
+    `Decimal`, `mpmath.mpf`, sets and other values JSON cannot hold are shown with `str()`, so a tool's
+    return type never crashes an episode:
+
+        >>> from decimal import Decimal
+        >>> render_result("ok"), render_result({"a": [1, 2]}), render_result(Decimal("1.50"))
+        ('ok', '{"a": [1, 2]}', '1.50')
+    """
+    if isinstance(result, str):
+        return result
+    try:
+        return json.dumps(result)
+    except (TypeError, ValueError, RecursionError):
+        pass
+    try:
+        return str(result)
+    except Exception as exc:
+        return f"Error: the tool returned a {type(result).__name__} whose str() raised {type(exc).__name__}"
 
 
 class ToolEnv(Environment):

@@ -25,6 +25,7 @@ Example (a scripted "policy"; a real one samples from a model):
 from __future__ import annotations
 
 import copy
+import ctypes
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -39,6 +40,19 @@ from treetrain.trajectory import Call, Role, Segment, Trajectory, TrajectoryMeta
 
 class EnvStepError(RuntimeError):
     """The environment's `step` raised (a bug in the environment, not in the agent's output)."""
+
+
+class StepAbandoned(BaseException):
+    """Raised inside a step thread that ran past its timeout, so a tool stuck in a Python loop stops
+    instead of spinning for the rest of the run (a BaseException: a tool's `except Exception` cannot
+    swallow it). A blocking call (sleep, I/O) ends when it returns."""
+
+
+def _abandon(worker: threading.Thread) -> None:
+    if worker.ident is not None and worker.is_alive():
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(
+            ctypes.c_ulong(worker.ident), ctypes.py_object(StepAbandoned)
+        )
 
 
 class Finish(str, Enum):
@@ -66,9 +80,12 @@ class WrapperConfig:
     observation and the environment keeps its pre-step state. None disables the limit."""
     end_of_turn: str = "<|im_end|>"
     """The single-token marker that ends an assistant turn in the chat template."""
+    max_tool_result_chars: int = 8000
+    """Longest tool message shown to the agent, in characters; a longer one is cut there and ends with
+    a `[... N more characters truncated]` marker, so a tool that dumps megabytes cannot fill the context."""
 
     def __post_init__(self) -> None:
-        for name in ("max_turns", "max_turn_tokens", "max_episode_tokens"):
+        for name in ("max_turns", "max_turn_tokens", "max_episode_tokens", "max_tool_result_chars"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"WrapperConfig.{name} must be a positive int, got {value!r}")
@@ -178,6 +195,7 @@ class TokenEnv:
         else:
             result = self._run_step(parsed.message)
             result = StepResult(errors + result.messages, result.done, result.info)
+        result = StepResult(tuple(self._truncate(m) for m in result.messages), result.done, result.info)
         self._messages.extend(result.messages)
         if result.done:
             return self._end(Finish.DONE, result.messages)
@@ -194,6 +212,14 @@ class TokenEnv:
     def _end(self, finish: Finish, messages: tuple[Message, ...]) -> TurnResult:
         self._finish = finish
         return TurnResult((), True, finish, messages)
+
+    def _truncate(self, message: Message) -> Message:
+        limit = self.config.max_tool_result_chars
+        if message.role != "tool" or len(message.content) <= limit:
+            return message
+        more = len(message.content) - limit
+        text = f"{message.content[:limit]}\n[... {more} more characters truncated]"
+        return Message("tool", text, tool_call_id=message.tool_call_id, name=message.name)
 
     def _run_step(self, message: Message) -> StepResult:
         timeout = self.config.step_timeout_s
@@ -213,6 +239,8 @@ class TokenEnv:
         def run() -> None:
             try:
                 box.append(self._call_env(candidate, message))
+            except StepAbandoned:
+                pass
             except BaseException as exc:
                 box.append(exc)
 
@@ -220,6 +248,7 @@ class TokenEnv:
         worker.start()
         worker.join(timeout)
         if not box:
+            _abandon(worker)
             return StepResult(self._timeout_messages(message, timeout))
         if isinstance(box[0], BaseException):
             raise box[0]

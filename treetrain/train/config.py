@@ -62,6 +62,12 @@ class EnvSection:
     """Keyword arguments for the environment's constructor (empty: its defaults)."""
     rubric: str | None = None
     """Which of the environment's rubrics gives the reward (None: its first)."""
+    max_tool_result_chars: int = 8000
+    """Longest tool result shown to the agent, in characters; longer ones are cut with a truncation marker."""
+
+    def __post_init__(self) -> None:
+        if self.max_tool_result_chars < 1:
+            raise ConfigError(f"env.max_tool_result_chars: must be >= 1, got {self.max_tool_result_chars}")
 
 
 @dataclass(frozen=True)

@@ -85,7 +85,7 @@ class RolloutSource:
         )
         self.wrapper = WrapperConfig(
             max_turns=r.max_turns, max_turn_tokens=r.max_turn_tokens, max_episode_tokens=r.max_episode_tokens,
-            step_timeout_s=r.step_timeout_s,
+            step_timeout_s=r.step_timeout_s, max_tool_result_chars=cfg.env.max_tool_result_chars,
         )  # fmt: skip
 
     def __call__(self, model: Any, update: int, version: int) -> Produced:
