@@ -19,7 +19,7 @@ from envs.protocol import (
 from envs.registry import BUILTINS, UnknownEnvironmentError, available, make_env, resolve
 from envs.template import ChatTemplate, TemplateError
 from envs.toolcalls import ParsedTurn, ToolCallError, format_tool_call, parse_tool_calls
-from envs.tools import Tool, ToolEnv, execute_tool_call
+from envs.tools import Tool, ToolEnv, execute_tool_call, render_result, tools_from_openai
 from envs.wrapper import EnvStepError, Finish, TokenEnv, TurnResult, WrapperConfig
 
 __all__ = [
@@ -53,5 +53,7 @@ __all__ = [
     "format_tool_call",
     "make_env",
     "parse_tool_calls",
+    "render_result",
     "resolve",
+    "tools_from_openai",
 ]

@@ -87,6 +87,17 @@ class ToolSpec(Immutable):
         default_factory=lambda: MappingProxyType({"type": "object", "properties": {}})
     )
 
+    def __post_init__(self) -> None:
+        from envs.schema import parameters_problem
+
+        if not isinstance(self.name, str) or not self.name:
+            raise ProtocolError(f"tool name {self.name!r} must be a non-empty string")
+        if not isinstance(self.parameters, Mapping):
+            raise ProtocolError(f"tool {self.name!r}: parameters must be a JSON Schema object")
+        problem = parameters_problem(self.parameters)
+        if problem is not None:
+            raise ProtocolError(f"tool {self.name!r}: {problem}")
+
     def to_openai(self) -> dict[str, Any]:
         """The OpenAI `tools=[...]` entry, as passed to `apply_chat_template(tools=...)`."""
         params = json.loads(json.dumps(dict(self.parameters)))

@@ -23,39 +23,23 @@ from __future__ import annotations
 
 import inspect
 import json
+import re
 import typing
 from abc import abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import docstring_parser
+
 from envs.protocol import Environment, Message, ProtocolError, StepResult, ToolCall, ToolSpec
-
-_JSON_TYPES: dict[type, str] = {
-    str: "string",
-    int: "integer",
-    float: "number",
-    bool: "boolean",
-    list: "array",
-    dict: "object",
-}
-
-
-_CHECKED_TYPES = frozenset(_JSON_TYPES.values())
-
-
-def _matches(value: object, json_type: str) -> bool:
-    if json_type == "integer":
-        return isinstance(value, int) and not isinstance(value, bool)
-    if json_type == "number":
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    py = {"string": str, "boolean": bool, "array": list, "object": dict}[json_type]
-    return isinstance(value, py)
+from envs.schema import arguments_problem, schema_for
 
 
 @dataclass(frozen=True)
 class Tool:
-    """A callable tool and the spec shown to the model."""
+    """A callable tool and the spec shown to the model. The spec's JSON Schema is checked when the tool
+    is built (`ToolSpec` refuses non-standard type names, naming the field) and enforced on every call."""
 
     spec: ToolSpec
     fn: Callable[..., object]
@@ -64,42 +48,85 @@ class Tool:
     def from_function(
         fn: Callable[..., object], name: str | None = None, description: str | None = None
     ) -> Tool:
-        """Build a tool from a function with annotated parameters (str, int, float, bool, list, dict)."""
+        """Build a tool from a typed function: annotations become JSON Schema (`envs.schema.schema_for`),
+        defaults make a parameter optional, and a Google- or NumPy-style docstring gives the tool's and each
+        parameter's description."""
         tool_name = name or str(getattr(fn, "__name__", ""))
-        hints = typing.get_type_hints(fn)
-        properties: dict[str, dict[str, str]] = {}
+        hints = typing.get_type_hints(fn, include_extras=True)
+        doc = inspect.getdoc(fn) or ""
+        param_docs = {p.arg_name: p.description for p in docstring_parser.parse(doc).params if p.description}
+        properties: dict[str, dict[str, Any]] = {}
         required: list[str] = []
         for pname, param in inspect.signature(fn).parameters.items():
             if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
                 raise ProtocolError(f"tool {tool_name!r}: *args/**kwargs cannot be described to the model")
-            json_type = _JSON_TYPES.get(hints.get(pname, object))
-            if json_type is None:
-                raise ProtocolError(
-                    f"tool {tool_name!r}: parameter {pname!r} needs one of the annotations "
-                    f"{[t.__name__ for t in _JSON_TYPES]}"
-                )
-            properties[pname] = {"type": json_type}
+            if pname not in hints:
+                raise ProtocolError(f"tool {tool_name!r}: parameter {pname!r} needs a type annotation")
+            try:
+                prop = schema_for(hints[pname], f"tool {tool_name!r}: parameter {pname!r}")
+            except TypeError as exc:
+                raise ProtocolError(str(exc)) from None
+            if pname in param_docs:
+                prop["description"] = " ".join(param_docs[pname].split())
             if param.default is param.empty:
                 required.append(pname)
-        doc = inspect.getdoc(fn) or ""
-        desc = description if description is not None else doc.split("\n\n")[0].replace("\n", " ")
+            elif _is_json(param.default):
+                prop["default"] = param.default
+            properties[pname] = prop
+        if description is None:
+            description = doc.split("\n\n")[0].replace("\n", " ")
+            if _SECTION.match(description):
+                description = ""
         params = {"type": "object", "properties": properties, "required": required}
-        return Tool(ToolSpec(tool_name, desc, params), fn)
+        return Tool(ToolSpec(tool_name, description, params), fn)
+
+    @staticmethod
+    def from_openai(entry: Mapping[str, Any], fn: Callable[..., object]) -> Tool:
+        """A tool from one OpenAI `tools` entry (`{"type": "function", "function": {...}}`, or the bare
+        `{"name", "description", "parameters"}`), called as `fn(**arguments)`."""
+        spec = entry.get("function", entry) if entry.get("type", "function") == "function" else None
+        if not isinstance(spec, Mapping) or not isinstance(spec.get("name"), str):
+            raise ProtocolError(f"tools entry {json.dumps(entry, default=repr)[:200]} has no function name")
+        parameters = spec.get("parameters", {"type": "object", "properties": {}})
+        return Tool(ToolSpec(spec["name"], str(spec.get("description", "")), parameters), fn)
 
 
-def _argument_problem(spec: ToolSpec, arguments: Mapping[str, Any]) -> str | None:
-    props: Mapping[str, Any] = spec.parameters.get("properties", {})
-    missing = [p for p in spec.parameters.get("required", ()) if p not in arguments]
-    if missing:
-        return f"missing required argument(s) {missing}"
-    unknown = sorted(set(arguments) - set(props))
-    if unknown:
-        return f"unexpected argument(s) {unknown}; expected {sorted(props)}"
-    for key, value in arguments.items():
-        want = props[key].get("type") if isinstance(props[key], Mapping) else None
-        if want in _CHECKED_TYPES and not _matches(value, want):
-            return f"argument {key!r} must be of type {want}, got {json.dumps(value)}"
-    return None
+_SECTION = re.compile(r"^(Args|Arguments|Parameters|Returns|Raises)\s*:?\s*(-+)?\s", re.IGNORECASE)
+
+
+def _is_json(value: object) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def tools_from_openai(
+    tools: Sequence[Mapping[str, Any]], dispatch: Callable[[str, dict[str, Any]], object]
+) -> tuple[Tool, ...]:
+    """Tools from an OpenAI-style `tools` list and one dispatch function `dispatch(name, arguments)`.
+
+    Every schema is checked here (a non-standard type such as `"dict"` or `"float"` is refused, naming the
+    tool and field); at call time the arguments are validated before `dispatch` sees them.
+
+        >>> TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add numbers.",
+        ...     "parameters": {"type": "object", "properties": {"xs": {"type": "array",
+        ...     "items": {"type": "number"}}}, "required": ["xs"]}}}]
+        >>> table = {t.spec.name: t for t in tools_from_openai(TOOLS, lambda name, args: sum(args["xs"]))}
+        >>> execute_tool_call(table, ToolCall("c0", "add", {"xs": [1, 2.5]})).content
+        '3.5'
+        >>> execute_tool_call(table, ToolCall("c1", "add", {"xs": [1, "2"]})).content
+        "Error: bad arguments for 'add': argument 'xs'[1]: '2' is not of type 'number'."
+    """
+    return tuple(Tool.from_openai(e, _bind(dispatch, str(e.get("function", e).get("name")))) for e in tools)
+
+
+def _bind(dispatch: Callable[[str, dict[str, Any]], object], name: str) -> Callable[..., object]:
+    def call(**arguments: Any) -> object:
+        return dispatch(name, arguments)
+
+    return call
 
 
 def execute_tool_call(tools: Mapping[str, Tool], call: ToolCall) -> Message:
@@ -113,7 +140,7 @@ def execute_tool_call(tools: Mapping[str, Tool], call: ToolCall) -> Message:
         return reply(
             f"Error: unknown tool {call.name!r}. Available tools: {', '.join(sorted(tools)) or 'none'}."
         )
-    problem = _argument_problem(tool.spec, call.arguments)
+    problem = arguments_problem(tool.spec.parameters, call.arguments)
     if problem is not None:
         return reply(f"Error: bad arguments for {call.name!r}: {problem}.")
     try:

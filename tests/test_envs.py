@@ -98,7 +98,7 @@ def _episode(timeout: float | None = 0.5) -> TokenEnv:
         ('<tool_call>{"name": "ok", "arguments": {"x": 2}}', "<tool_call> without </tool_call>"),
         (format_tool_call("nope", {}), "unknown tool 'nope'. Available tools: boom, ok, slow."),
         (format_tool_call("ok", {"y": 1}), "missing required argument(s) ['x']"),
-        (format_tool_call("ok", {"x": "two"}), "argument 'x' must be of type integer"),
+        (format_tool_call("ok", {"x": "two"}), "argument 'x': 'two' is not of type 'integer'"),
         (format_tool_call("boom", {}), "tool 'boom' raised RuntimeError: the tool exploded"),
         (format_tool_call("slow", {"seconds": 2.0}), "tool 'slow' timed out after 0.2s"),
     ],
@@ -140,6 +140,7 @@ def test_timeout_keeps_the_pre_step_environment() -> None:
 MODULES = [
     "envs.protocol",
     "envs.tools",
+    "envs.schema",
     "envs.toolcalls",
     "envs.template",
     "envs.wrapper",
