@@ -21,9 +21,12 @@ Example:
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -76,7 +79,7 @@ def _import_target(target: str, origin: str) -> type[Environment]:
     if not sep or not module_name or not attr:
         raise EnvironmentLoadError(f"{target!r} ({origin}) is not of the form 'module:Class'")
     try:
-        obj: Any = importlib.import_module(module_name)
+        obj: Any = _import_module(module_name)
         for part in attr.split("."):
             obj = getattr(obj, part)
     except (ImportError, AttributeError) as exc:
@@ -84,6 +87,22 @@ def _import_target(target: str, origin: str) -> type[Environment]:
     if not (isinstance(obj, type) and issubclass(obj, Environment)):
         raise EnvironmentLoadError(f"{target!r} ({origin}) is {obj!r}, not a subclass of envs.Environment")
     return obj
+
+
+def _import_module(module_name: str) -> Any:
+    """Import `module_name`; a module in the current directory is found even when the entry point (the
+    `treetrain` console script) did not put the current directory on `sys.path`."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        cwd = os.getcwd()
+        top = module_name.partition(".")[0]
+        if exc.name != top or cwd in sys.path or "" in sys.path:
+            raise
+        if not (Path(cwd, f"{top}.py").is_file() or Path(cwd, top).is_dir()):
+            raise
+        sys.path.append(cwd)
+        return importlib.import_module(module_name)
 
 
 def resolve(name: str) -> type[Environment]:

@@ -8,7 +8,8 @@ Qwen/Hermes convention, and what the shipped chat template renders):
     </tool_call>
 
 `arguments` must be a JSON object; a JSON *string* holding an object (the OpenAI wire form) is accepted
-too. Several calls in one turn are allowed. The text outside the tags is the message content.
+too. Several calls in one turn are allowed. The text outside the well-formed calls is the message content:
+a malformed call stays in it, so a rubric can still see (and score) the attempt.
 
 Parsing never raises on model output: every malformed call becomes a `ToolCallError`, which the wrapper
 turns into a `tool` observation so the agent can see and fix its mistake. Call ids are deterministic
@@ -105,16 +106,15 @@ def parse_tool_calls(text: str, turn: int) -> ParsedTurn:
             calls.append(parsed)
         else:
             errors.append(parsed)
+            pieces.append(m.group(0))  # a malformed call stays in the content, for rubrics to see
     rest = text[pos:]
     dangling = rest.find(OPEN_TAG)
     if dangling >= 0:
         errors.append(
             ToolCallError(f"call_{turn}_{index}", f"{OPEN_TAG} without {CLOSE_TAG}", rest[dangling:])
         )
-        rest = rest[:dangling]
     elif CLOSE_TAG in rest:
         errors.append(ToolCallError(f"call_{turn}_{index}", f"{CLOSE_TAG} without {OPEN_TAG}", rest))
-        rest = rest.replace(CLOSE_TAG, "")
     pieces.append(rest)
     content = "".join(pieces).strip()
     return ParsedTurn(Message("assistant", content, tuple(calls)), tuple(errors))

@@ -17,6 +17,7 @@ point (e.g. `calculator-s7/2.0.1`), which makes divergence points readable from 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,6 +126,16 @@ def _step_forks(
     return out
 
 
+def portable_name(text: str) -> str:
+    """`text` with every character outside `[A-Za-z0-9._-]` replaced by `_`, so a file name made from an
+    environment name (`my_pkg.envs:Maze`) is valid on every filesystem.
+
+        >>> portable_name("my_pkg.envs:Maze-s3")
+        'my_pkg.envs_Maze-s3'
+    """
+    return re.sub(r"[^A-Za-z0-9._-]", "_", text)
+
+
 def rollout_trees(
     model: Any,
     tokenizer: Any,
@@ -155,7 +166,7 @@ def rollout_trees(
         rubric = default_rubric(root.env, config.rubric)
         prefix = f"{name}-s{seed}"
         tree = build_tree(_grow(root, sampler, config, prefix, rubric))
-        path = trees_dir / f"{prefix}-{tree.id[:12]}.msgpack"
+        path = trees_dir / f"{portable_name(prefix)}-{tree.id[:12]}.msgpack"
         save_tree(tree, path)
         trees.append(tree)
         paths.append(path)

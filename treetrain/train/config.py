@@ -93,8 +93,9 @@ class RolloutSection:
     """Assistant turns per episode."""
     max_turn_tokens: int = 96
     """Tokens per assistant turn."""
-    max_episode_tokens: int = 2048
-    """Tokens per episode, prompt included."""
+    max_episode_tokens: int | None = None
+    """Tokens in one model call's context, prompt included (null: the model's context length,
+    `max_position_embeddings`); a value above the model's context is refused before any work."""
     step_timeout_s: float | None = 30.0
     """Seconds an environment step may take before it becomes a timeout observation; None waits forever
     (and skips the per-step copy of the environment that a timeout needs)."""
@@ -112,7 +113,7 @@ class RolloutSection:
             if getattr(self, name) < 1:
                 raise ConfigError(f"rollout.{name}: must be >= 1, got {getattr(self, name)}")
         for name in ("max_turns", "max_turn_tokens", "max_episode_tokens"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"rollout.{name}: must be >= 1, got {getattr(self, name)}")
         if self.step_timeout_s is not None and not self.step_timeout_s > 0:
             raise ConfigError(f"rollout.step_timeout_s: must be > 0 or null, got {self.step_timeout_s}")

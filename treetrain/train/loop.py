@@ -20,13 +20,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 import yaml
 from tqdm.auto import tqdm
 
+from envs.protocol import ProtocolError, default_rubric
 from envs.registry import make_env, resolve
 from treetrain.distributed.backend import TrainBackend, make_backend
 from treetrain.distributed.window import UpdateWindow
@@ -39,11 +39,11 @@ from treetrain.loss.config import ConfigError
 from treetrain.memory.planner import Plan
 from treetrain.memory.tracker import MemoryTracker
 from treetrain.train.checkpoint import TrainerState, latest_checkpoint, load_trainer_state, save_trainer_state
-from treetrain.train.config import TrainConfig, dump_config
+from treetrain.train.config import EnvSection, TrainConfig, dump_config
 from treetrain.train.metrics import MetricsWriter, UpdateMetrics, read_metrics
 from treetrain.train.models import load_models
 from treetrain.train.planning import plan_for
-from treetrain.train.sources import RecordedSource, RolloutSource
+from treetrain.train.sources import RecordedSource, RolloutSource, check_context, model_context
 from treetrain.train.summary import RunSummary, plot_rewards
 from treetrain.tree import TrajectoryTree
 from treetrain.tree.stats import tree_stats
@@ -104,13 +104,25 @@ def warn_config_changes(saved: Path, cfg: TrainConfig) -> None:
         log.warning("resuming with settings that differ from the saved run: %s", ", ".join(changed))
 
 
-def check_environment_config(name: str, kwargs: dict[str, Any]) -> None:
-    """Build the environment once, so an unknown name or constructor arguments it rejects fail first."""
+def check_environment_config(section: EnvSection, seed: int = 0) -> None:
+    """Build the environment and open one task before any model loads or anything is written, so an
+    unknown name, constructor arguments it rejects, an unknown rubric and a tool schema that is not JSON
+    Schema all fail first, each naming its `env.*` field."""
+    name, kwargs = section.name, dict(section.kwargs)
     factory = resolve(name)  # an unknown name raises, listing what is available
     try:
-        factory(**kwargs)
+        env = factory(**kwargs)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"env.kwargs: environment {name!r} rejected {kwargs}: {exc}") from None
+    try:
+        env.reset(seed)
+        env.tool_specs()
+    except ProtocolError as exc:
+        raise ConfigError(f"env.name: environment {name!r}: {exc}") from None
+    try:
+        default_rubric(env, section.rubric)
+    except ProtocolError as exc:
+        raise ConfigError(f"env.rubric: {exc}") from None
 
 
 def seed_everything(seed: int) -> None:
@@ -139,8 +151,9 @@ class Trainer:
         seed_everything(cfg.seed)
         env_name, env_kwargs = cfg.env.name, dict(cfg.env.kwargs)
         if not cfg.rollout.trees:
-            check_environment_config(env_name, env_kwargs)  # before any model is loaded
+            check_environment_config(cfg.env, cfg.seed)  # before any model is loaded
         models = load_models(cfg.model)
+        check_context(cfg, models.policy)
         self.tokenizer = models.tokenizer
         self.reference = models.reference
         self.backend: TrainBackend = make_backend(models.policy, cfg.optim, cfg.distributed)
@@ -156,7 +169,11 @@ class Trainer:
         self.device = next(self.backend.module.parameters()).device
         self.last_plan: Plan | None = None
         self.source = (
-            RecordedSource(cfg, int(self.backend.module.config.get_text_config(decoder=True).vocab_size))
+            RecordedSource(
+                cfg,
+                int(self.backend.module.config.get_text_config(decoder=True).vocab_size),
+                model_context(self.backend.module),
+            )
             if cfg.rollout.trees
             else RolloutSource(cfg, self.tokenizer, lambda: make_env(env_name, **env_kwargs), self.backend)
         )

@@ -84,7 +84,8 @@ class RolloutSource:
             max_depth=r.max_branch_depth,
         )
         self.wrapper = WrapperConfig(
-            max_turns=r.max_turns, max_turn_tokens=r.max_turn_tokens, max_episode_tokens=r.max_episode_tokens,
+            max_turns=r.max_turns, max_turn_tokens=r.max_turn_tokens,
+            max_episode_tokens=r.max_episode_tokens or model_context(backend.module) or 8192,
             step_timeout_s=r.step_timeout_s, max_tool_result_chars=cfg.env.max_tool_result_chars,
         )  # fmt: skip
 
@@ -115,6 +116,38 @@ class RolloutSource:
         return Produced(tuple((t,) for t in trees), time.perf_counter() - start)
 
 
+def model_context(model: Any) -> int | None:
+    """The longest sequence the model takes (`max_position_embeddings`), or None when it does not say."""
+    config = model.config.get_text_config(decoder=True)
+    value = getattr(config, "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def check_context(cfg: TrainConfig, model: Any) -> None:
+    """Refuse episodes longer than the model's context before anything runs, naming both numbers."""
+    context, wanted = model_context(model), cfg.rollout.max_episode_tokens
+    if context is not None and wanted is not None and wanted > context and cfg.rollout.trees is None:
+        raise ConfigError(
+            f"rollout.max_episode_tokens: {wanted} tokens is longer than the model's context of {context} "
+            "tokens (max_position_embeddings); lower it or leave it null to use the model's context"
+        )
+
+
+def check_lengths(trees: Sequence[TrajectoryTree], context: int | None, where: str) -> None:
+    """Refuse recorded trees with a call longer than the model's context (naming both numbers)."""
+    if context is None:
+        return
+    for tree in trees:
+        for record in tree.records:
+            for call in record.calls:
+                length = sum(call.segment_lengths)
+                if length > context:
+                    raise ConfigError(
+                        f"{where}: trajectory {record.id!r} has a call of {length} tokens, longer than the "
+                        f"model's context of {context} tokens (max_position_embeddings)"
+                    )
+
+
 def check_vocabulary(trees: Sequence[TrajectoryTree], vocab_size: int, where: str) -> None:
     """Refuse trees holding token ids the model does not have (another tokenizer's trees)."""
     top = max((max(n.tokens) for t in trees for n in t.nodes if n.tokens), default=-1)
@@ -132,7 +165,7 @@ class RecordedSource:
     before training starts. With fewer trees than `groups_per_update`, each update takes all of them.
     """
 
-    def __init__(self, cfg: TrainConfig, vocab_size: int) -> None:
+    def __init__(self, cfg: TrainConfig, vocab_size: int, context: int | None = None) -> None:
         assert cfg.rollout.trees is not None
         pattern = cfg.rollout.trees
         path = Path(pattern)
@@ -147,6 +180,7 @@ class RecordedSource:
         for f in files:
             trees = load_trees(f)
             check_vocabulary(trees, vocab_size, f"rollout.trees: {f}")
+            check_lengths(trees, context, f"rollout.trees: {f}")
             self.groups.append(trees)  # a file's trees are one group (trees/README.md)
         self.per_update = min(cfg.rollout.groups_per_update, len(self.groups))
         if self.per_update < cfg.rollout.groups_per_update:
