@@ -116,7 +116,7 @@ def test_checks_catch_a_wrong_statistic() -> None:
 
 @pytest.mark.parametrize(("p", "g", "s"), [(100, 4, 10), (7, 1, 3), (1, 5, 2)])
 def test_design_doc_example_costs(p: int, g: int, s: int) -> None:
-    """DESIGN.md: one prompt of P tokens and G responses of S tokens."""
+    """docs/design.md: one prompt of P tokens and G responses of S tokens."""
     prompt = Segment(Role.PROMPT, tuple(range(p)))
     trajs = [
         Trajectory(f"t{i}", (Call((prompt, Segment(Role.POLICY, (1000 + i,) * s))),), 0.0) for i in range(g)
@@ -125,7 +125,7 @@ def test_design_doc_example_costs(p: int, g: int, s: int) -> None:
     branched = g > 1
     assert stats.cost_flat() == 3 * g * (p + s)
     # Replay feeds each response with the prompt's last token in front, so the prompt node carries no loss
-    # of its own and response_only costs P + 3GS (DESIGN.md's example). With one trajectory there is a
+    # of its own and response_only costs P + 3GS (the worked example of docs/design.md). With one trajectory there is a
     # single node, and it carries loss.
     assert stats.context_tokens == (p if branched else 0)
     assert stats.cost_response_only() == (p + 3 * g * s if branched else 3 * (p + s))

@@ -114,7 +114,7 @@ def test_ceiling_grid_matches_tree_stats_and_the_closed_form() -> None:
     for gi, g in enumerate(grid.branches):
         for pi, p in enumerate(grid.prefixes):
             for si, s in enumerate(grid.suffixes):
-                flat = 3 * g * (p + s)  # DESIGN.md: one prompt of P, G responses of S
+                flat = 3 * g * (p + s)  # docs/design.md: one prompt of P, G responses of S
                 assert grid.exact[gi, pi, si] == pytest.approx(flat / (4 * p + 3 * g * s))
                 assert grid.response_only[gi, pi, si] == pytest.approx(flat / (p + 3 * g * s))
     assert grid.speedup("exact") is grid.exact

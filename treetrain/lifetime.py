@@ -9,10 +9,10 @@ The four classes follow the ledger of docs/design.md. treetrain books them as fo
 - `temporary` (replay-temporary): the live graph of the K branches of the current step, logits, the past
   assembled for a forward, recompute scratch. They die with the step.
 - `boundary` (update-boundary): accumulated parameter gradients (and the manifest, which is host memory).
-  They live from an update window's first backward to its optimizer step. DESIGN.md lists gradients under
-  both run-persistent and update-boundary; treetrain books them here, whole, from the start of the window,
-  which is what a ZeRO engine's preallocated gradient buffers do and a safe bound for `.grad`s created
-  lazily by the first backward.
+  They live from an update window's first backward to its optimizer step. Gradient buffers could be
+  counted as run-persistent too; treetrain books them here, whole, from the start of the window, which is
+  what a ZeRO engine's preallocated gradient buffers do and a safe bound for `.grad`s created lazily by
+  the first backward.
 
 Example:
     >>> a = ClassBytes(persistent=100, temporary=20)

@@ -10,7 +10,7 @@ linear dominates below and attention above. fp32, sdpa attention, on the CPU.
 Flat runs one trajectory per microbatch (a conventional trainer with microbatch 1). The tree modes run
 K = 4 sibling branches per replay step and split nodes into chunks of 512 tokens (a 8192-token prompt is
 16 units). Old logprobs come from the sampler (`ratio_source="sampler"`), so no mode runs a scoring pass
-and the ceilings are DESIGN.md's plain ones: flat 3·T, response_only U_ctx + 3·(U − U_ctx), exact
+and the ceilings are docs/design.md's plain ones: flat 3·T, response_only U_ctx + 3·(U − U_ctx), exact
 4·U_int + 3·U_leaf.
 
 Example:

@@ -1,4 +1,4 @@
-"""Tree replay: the RL loss over a tree, with each shared unit evaluated once (DESIGN.md, core algorithm).
+"""Tree replay: the RL loss over a tree, with each shared unit evaluated once (docs/design.md, the exact gradient).
 
 For one tree:
 1. Scoring (no graph): old logprobs when the ratio uses them, reference logprobs when KL is on, and the
@@ -20,10 +20,19 @@ first forward keeps its graph until their own step, which then needs no recomput
 of 4, for a graph held longer); a `tracker` measures live bytes by lifetime class
 (`treetrain.memory.tracker.MemoryTracker`) and the report carries its peak.
 
-Example:
-    >>> engine = TreeReplay(model, LossConfig(), ReplayConfig(contract="exact", microbatch=2))  # doctest: +SKIP
-    >>> report = engine.accumulate(UpdateBatch.build(trees, advantages, manifest))           # doctest: +SKIP
-    >>> report.loss                                                                            # doctest: +SKIP
+Example (the same sequence as `treetrain.tree_update`, spelled out):
+    >>> from treetrain.loss.advantages import AdvantageConfig, compute_advantages
+    >>> from treetrain.loss.manifest import Manifest
+    >>> from treetrain.models.presets import tiny_model
+    >>> from treetrain.tree.synthetic import synthetic_group
+    >>> trees = [synthetic_group(prefix=16, branches=3, suffix=4, depth=1, vocab=64, seed=0)]
+    >>> advantages = compute_advantages(trees, AdvantageConfig()).trees  # one table per tree, not the group
+    >>> loss = LossConfig()
+    >>> batch = UpdateBatch.build(trees, advantages, Manifest.build(trees, version=0), loss)
+    >>> engine = TreeReplay(tiny_model("llama", 64), loss, ReplayConfig(contract="exact", microbatch=2))
+    >>> report = engine.accumulate(batch)
+    >>> report.steps > 0, report.graph_tokens > 0
+    (True, True)
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ implementation, position scheme). Reading an entry under a different identity, o
 invalidated by an optimizer step, raises `StaleResidentStateError`: stale KV is never silently reused.
 
 In `exact` mode an entry also accumulates G, the gradient of the loss with respect to its KV, which the
-unit's own recompute later pushes through (DESIGN.md, "Exact gradient through a tree"). G lives apart from
+unit's own recompute later pushes through (docs/design.md, "The exact gradient through a tree"). G lives apart from
 the KV tensors, so evicting and recomputing KV never loses accumulated gradient.
 
 Example:

@@ -6,10 +6,18 @@ and (b) the flat run with every parameter moved by one float32 rounding step. (b
 Face models keep float32 islands (RMSNorm, RoPE, softmax) even in float64, so two float64 runs that split
 the work differently agree only to about 1e-8, whatever their summation order.
 
-Example:
-    >>> floor = noise_floor(make_model, batch, LossConfig())                     # doctest: +SKIP
-    >>> dev = deviation(tree_gradient(make_model(), batch, cfg, rcfg), flat)     # doctest: +SKIP
-    >>> dev.abs <= 5 * floor                                                     # doctest: +SKIP
+Example (a tiny float64 model: `exact` tree replay lands within the flat runs' own disagreement):
+    >>> import torch
+    >>> from treetrain import build_batch
+    >>> from treetrain.models.presets import tiny_model
+    >>> from treetrain.tree.synthetic import synthetic_group
+    >>> make_model = lambda: tiny_model("llama", 64, dtype=torch.float64)
+    >>> batch = build_batch([synthetic_group(prefix=16, branches=3, suffix=4, depth=1, vocab=64, seed=0)]).batch
+    >>> floor = noise_floor(make_model, batch, LossConfig())
+    >>> flat = flat_gradient(make_model(), batch, LossConfig())
+    >>> tree = tree_gradient(make_model(), batch, LossConfig(), ReplayConfig(contract="exact"))
+    >>> deviation(tree, flat).abs <= 5 * floor
+    True
 """
 
 from __future__ import annotations

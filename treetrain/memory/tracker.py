@@ -5,7 +5,7 @@ storage, so views and in-place results are never counted twice; a weak reference
 bytes the moment the last tensor using it dies. Totals are therefore exact and repeatable on CPU, where RSS
 is neither (the allocator caches and the OS pages lazily).
 
-Each live storage belongs to one lifetime class (DESIGN.md, ledger):
+Each live storage belongs to one lifetime class (docs/design.md, the ledger):
 
 - `persistent`: attached model parameters (policy and reference) and optimizer state;
 - `prompt_group`: tensors held by an attached `ResidentStore` (resident KV and, in `exact` mode, the KV

@@ -5,7 +5,7 @@ minutes on two CPU cores. Every field is validated when the file is loaded, befo
 error names the field (`rollout.fanout_root: must be >= 1, got 0`).
 
 Example:
-    >>> cfg = load_config(None, ["updates=3", "loss.kl_coef=0.05"])
+    >>> cfg = load_config(None, ["updates=3", "loss.kl_coef=0.05", "model.reference=initial"])
     >>> cfg.updates, cfg.loss.kl_coef, cfg.model.path
     (3, 0.05, 'demo')
 """
@@ -128,7 +128,7 @@ class ReplaySection:
     """How each update is replayed. Fields left null are chosen per update by the planner (`treetrain plan`)."""
 
     contract: Contract = "exact"
-    """exact: the same gradient as flat; response_only: resident KV detached (cheaper, biased; see README)."""
+    """exact: the same gradient as flat; response_only: resident KV detached (cheaper, biased; see docs/design.md)."""
     microbatch: int | None = None
     """K, sibling branches replayed together (0 = all); null: the planner chooses."""
     chunk_size: int | None = None

@@ -1,4 +1,4 @@
-"""Tree statistics and the token-ceiling cost model (DESIGN.md, "Where the geometry stops helping").
+"""Tree statistics and the token-ceiling cost model (docs/design.md, "Cost model: the token ceiling").
 
 Per token a forward costs 1 and a backward 2; attention's quadratic term is ignored. With T the summed
 sequence lengths, U the unique tokens, U_ctx the unique tokens of nodes that carry no loss (neither on
@@ -115,7 +115,7 @@ def node_carries_loss(tree: TrajectoryTree, node: Node) -> bool:
 
     Replay feeds each node with its parent's last token in front, so the prediction of a node's first token
     belongs to the node, not to its parent: a prompt node followed by responses carries no loss, and the
-    `response_only` cost of one prompt of P tokens with G responses of S tokens is P + 3GS (DESIGN.md).
+    `response_only` cost of one prompt of P tokens with G responses of S tokens is P + 3GS (docs/design.md).
     Only a sequence's very first token is never predicted.
     """
     first = 1 if node.parent == ROOT else 0

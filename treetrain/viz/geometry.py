@@ -1,7 +1,7 @@
 """Where tree mode stops helping: token-ceiling speedup over prefix length x G x suffix length.
 
 Each cell is a synthetic group (`synthetic_group`: one P-token prompt, G trajectories, S tokens after the
-prompt spread over `depth` turns) and its `TreeStats` costs (DESIGN.md, token-ceiling cost model): flat's
+prompt spread over `depth` turns) and its `TreeStats` costs (docs/design.md, token-ceiling cost model): flat's
 cost over the contract's. The ceiling ignores attention's quadratic term and every overhead, so it is an
 upper bound on the measured speedup; the benchmark (`bench/geometry.py`) reports measured over ceiling.
 Tree mode helps where the prompt is long against the responses and G is large; as S grows past P/G
