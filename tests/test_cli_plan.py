@@ -110,3 +110,21 @@ def test_plan_with_a_training_config(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert "reference" in out and "mode: tree" in out
     assert main(["plan", "trees/tool_use.msgpack", "--config", str(cfg), "--budget", "1GiB"]) == 2
     assert "outside the model's vocabulary" in capsys.readouterr().err
+
+
+def test_demo_model_is_accepted_as_in_train(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--model demo` names the shipped checkpoint, as `model.path=demo` does for `treetrain train`."""
+    fits = tmp_path / "fits.msgpack"
+    save_trees(
+        [synthetic_group(prefix=32, branches=3, suffix=4, vocab=200, seed=0, rewards=[1.0, 0.0, 0.0])], fits
+    )
+    assert main(["plan", str(fits), "--model", "demo", "--budget", "64MiB"]) == 0
+    assert "mode: " in capsys.readouterr().out
+    alien = tmp_path / "alien.msgpack"
+    save_trees(
+        [synthetic_group(prefix=8, branches=2, suffix=2, vocab=5000, seed=0, rewards=[1.0, 0.0])], alien
+    )
+    assert main(["plan", str(alien), "--model", "demo", "--budget", "64MiB"]) == 2
+    assert "outside the model's vocabulary" in capsys.readouterr().err
+    assert main(["plan", str(fits), "--model", str(tmp_path / "nowhere"), "--budget", "64MiB"]) == 2
+    assert "'demo'" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""`treetrain plan TREES --model DIR_OR_PRESET --budget 8GiB`: the memory ledger and the planner's decision.
+"""`treetrain plan TREES --model MODEL --budget 8GiB`: the memory ledger and the planner's decision.
 
 The library does the work (`treetrain.memory.planner.plan_update`, `treetrain.memory.ledger`); this module
 parses arguments, loads trees and the model, and prints. Bad input (an unreadable tree file, a budget that
@@ -68,7 +68,9 @@ def add_parser(sub: Any) -> None:
         "settings (the flags below still override)",
     )
     p.add_argument(
-        "--model", metavar="DIR_OR_PRESET", help="local HF model dir or tiny-<family> (without --config)"
+        "--model",
+        metavar="MODEL",
+        help="'demo' (the shipped checkpoint), a local HF model dir or tiny-<family> (without --config)",
     )
     p.add_argument(
         "--budget", required=True, type=_bytes, help="device memory budget: 8GiB, 512MiB, 1.5GB, bytes"
@@ -148,11 +150,13 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from treetrain.loss.advantages import AdvantageConfig
-    from treetrain.loss.config import LossConfig
+    from treetrain.loss.config import ConfigError, LossConfig
     from treetrain.memory.planner import Overrides, PlanError, plan_update
     from treetrain.memory.retention import BudgetTooSmallError
     from treetrain.models.presets import load_model
     from treetrain.models.support import UnsupportedModelError
+    from treetrain.train.models import resolve_model_path
+    from treetrain.train.sources import check_vocabulary
 
     trees: list[TrajectoryTree] = []
     for path in args.trees:
@@ -167,10 +171,14 @@ def run(args: argparse.Namespace) -> int:
     if args.config:
         return _from_config(args, trees)
     if not args.model:
-        return _fail("give --model (a local model directory or tiny-<family>) or --config")
+        return _fail("give --model ('demo', a local model directory or tiny-<family>) or --config")
     vocab = args.vocab or 1 + max(t for tree in trees for n in tree.nodes for t in n.tokens)
     try:
-        model = load_model(args.model, vocab_size=vocab, dtype=getattr(torch, args.dtype), attn=args.attn)
+        path = resolve_model_path(args.model, "--model")  # the same names `treetrain train` accepts
+        model = load_model(path, vocab_size=vocab, dtype=getattr(torch, args.dtype), attn=args.attn)
+        check_vocabulary(trees, int(model.config.get_text_config(decoder=True).vocab_size), "the tree files")
+    except ConfigError as e:
+        return _fail(str(e))
     except (OSError, ValueError) as e:
         return _fail(f"cannot load model {args.model!r}: {e}")
     overrides = Overrides(

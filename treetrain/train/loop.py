@@ -43,11 +43,11 @@ from treetrain.train.config import EnvSection, TrainConfig, dump_config
 from treetrain.train.metrics import MetricsWriter, UpdateMetrics, read_metrics
 from treetrain.train.models import load_models
 from treetrain.train.planning import plan_for
+from treetrain.train.progress import Progress
 from treetrain.train.sources import RecordedSource, RolloutSource, check_context, model_context
 from treetrain.train.summary import RunSummary, plot_rewards
 from treetrain.tree import TrajectoryTree
 from treetrain.tree.stats import tree_stats
-from treetrain.units import format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -285,19 +285,15 @@ class Trainer:
             disable=not self.progress or self.backend.rank != 0,
             dynamic_ncols=True,
         )
+        shown = not bar.disable and self.state.update > 0
+        progress = Progress.after(self.read_rows() if shown else [])
         try:
             for index in range(self.state.update, cfg.updates):
                 row = self.update(index)
                 if self.metrics is not None:
                     self.metrics.write(row)
                 bar.update(1)
-                bar.set_postfix(
-                    reward=f"{row.reward_mean:.2f}",
-                    tok_s=f"{row.tokens_per_second:.0f}",
-                    saved=f"{100 * row.tokens_saved:.0f}%",
-                    peak=format_bytes(row.peak_bytes),
-                    refresh=False,
-                )
+                bar.set_postfix(progress.fields(row), refresh=False)
                 if (
                     cfg.checkpoint_every
                     and (index + 1) % cfg.checkpoint_every == 0

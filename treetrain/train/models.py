@@ -37,7 +37,7 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     return h.hexdigest()[:16]
 
 
-def _resolve(path: str, field: str = "model.path") -> str:
+def resolve_model_path(path: str, field: str = "model.path") -> str:
     """The checkpoint directory for `path` ('demo', a preset name, or a local directory; no hub)."""
     if path == "demo":
         if not (DEMO_MODEL / "config.json").is_file():
@@ -53,7 +53,7 @@ def _resolve(path: str, field: str = "model.path") -> str:
 
 def load_models(section: ModelSection) -> LoadedModels:
     dtype = getattr(torch, section.dtype)
-    path = _resolve(section.path)
+    path = resolve_model_path(section.path)
     if section.tokenizer is not None:
         tok_dir: Any = section.tokenizer
     elif path.startswith("tiny-"):
@@ -75,7 +75,7 @@ def load_models(section: ModelSection) -> LoadedModels:
     elif section.reference is not None:
         try:
             reference = load_model(
-                _resolve(section.reference, "model.reference"), vocab_size=len(tokenizer), dtype=dtype,
+                resolve_model_path(section.reference, "model.reference"), vocab_size=len(tokenizer), dtype=dtype,
                 attn=section.attn,
             )  # fmt: skip
         except (OSError, ValueError) as exc:

@@ -1,0 +1,66 @@
+"""The progress bar never shows an unmeasured peak or an idle update as a zero measurement."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from treetrain.train.config import load_config
+from treetrain.train.loop import Trainer
+from treetrain.train.metrics import UpdateMetrics, read_metrics
+from treetrain.train.progress import Progress
+from treetrain.tree.format import save_trees
+from treetrain.tree.synthetic import synthetic_group
+
+
+def _row(update: int, peak: int, dropped: int = 0) -> UpdateMetrics:
+    return UpdateMetrics(
+        update=update, version=update, reward_mean=0.25, reward_std=0.4, trajectories=4, groups=1,
+        groups_dropped=dropped, loss=0.0, pg=0.0, kl=0.0, entropy=0.0, clipped=0.0,
+        mode="none" if dropped else "tree", contract="exact", graph_tokens=0 if dropped else 40,
+        nograd_tokens=0 if dropped else 20, flat_token_cost=0 if dropped else 300,
+        token_cost=0 if dropped else 140, rollout_seconds=1.0, train_seconds=0.0 if dropped else 1.0,
+        peak_bytes=peak, predicted_peak_bytes=peak,
+    )  # fmt: skip
+
+
+def test_fields_label_what_was_not_measured() -> None:
+    bar = Progress()
+    assert bar.fields(_row(0, 0)) == {
+        "reward": "0.25",
+        "tok_s": "60",
+        "saved": "53%",
+        "peak": "not measured yet",
+    }
+    assert bar.fields(_row(1, 2048))["peak"] == "2.0 KiB"
+    assert bar.fields(_row(2, 0))["peak"] == "2.0 KiB (update 1)"
+    idle = bar.fields(_row(3, 0, dropped=1))
+    assert idle == {"reward": "0.25", "update": "no step: all 1 groups dropped", "peak": "2.0 KiB (update 1)"}
+    assert (
+        Progress.after([_row(0, 0), _row(1, 4096), _row(2, 0)]).fields(_row(3, 0))["peak"]
+        == "4.0 KiB (update 1)"
+    )
+
+
+def test_trainer_bar_shows_last_peak_and_dropped_update(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trees = tmp_path / "trees"
+    trees.mkdir()
+    group = dict(prefix=24, branches=4, suffix=4, depth=1, vocab=64)
+    save_trees([synthetic_group(**group, seed=0, rewards=[1.0, 0.0, 0.0, 1.0])], trees / "a.msgpack")
+    save_trees([synthetic_group(**group, seed=1, rewards=[1.0, 1.0, 1.0, 1.0])], trees / "b.msgpack")
+    cfg = load_config(
+        None,
+        [
+            "model.path=tiny-llama", f"rollout.trees={trees}/*.msgpack", "rollout.groups_per_update=1",
+            "updates=2", "measure_memory_every=2", "checkpoint_every=0", f"run_dir={tmp_path / 'run'}",
+        ],
+    )  # fmt: skip
+    Trainer(cfg, progress=True).run()
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert rows[0].peak_bytes > 0 and rows[1].groups_dropped == 1 and rows[1].peak_bytes == 0
+    shown = capsys.readouterr().err
+    assert "no step: all 1 groups dropped" in shown and "(update 0)" in shown
+    assert "peak=0" not in shown and "tok_s=0" not in shown
