@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: venv test lint typecheck pytest demo trees bench clean
+.PHONY: venv test lint typecheck pytest demo trees bench docs clean
 
 venv: $(VENV)/.installed
 
@@ -37,6 +37,9 @@ trees: venv
 
 bench: venv
 	DS_ACCELERATOR=cpu $(BIN)/python bench/geometry.py
+
+docs: venv
+	$(BIN)/python -m treetrain.train.config_docs docs/configuration.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
