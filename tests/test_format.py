@@ -177,3 +177,10 @@ def test_failed_write_keeps_the_old_file(
     save_tree(other, path)
     assert load_tree(path).id == other.id
     assert os.listdir(tmp_path) == ["tree.msgpack"]
+
+
+def test_a_group_holding_one_tree_twice_is_refused_naming_its_trajectories() -> None:
+    """Its trajectories would be trained twice (the update manifest refused it only deep in a run)."""
+    tree = tiny_tree()
+    with pytest.raises(TreeFormatError, match=r"trees\[1\]: the same tree as trees\[0\] .*'a', 'b', 'c'"):
+        trees_from_bytes(trees_to_bytes([tree, tree]))

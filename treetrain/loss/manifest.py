@@ -67,8 +67,9 @@ class Manifest:
     def build(trees: Iterable[TrajectoryTree], version: int) -> Manifest:
         entries = []
         for tree in trees:
-            for traj in tree.trajectories():
-                entries.append(ManifestEntry(tree.id, traj.id, len(traj.calls), traj.num_policy_tokens))
+            owned = tree.owned_policy_tokens()
+            for ti, rec in enumerate(tree.records):
+                entries.append(ManifestEntry(tree.id, rec.id, len(rec.calls), owned[ti]))
         return Manifest(version, tuple(entries))
 
     @cached_property

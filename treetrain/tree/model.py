@@ -194,6 +194,17 @@ class TrajectoryTree:
             roles.extend(self.nodes[i].roles)
         return tuple(toks), tuple(roles)
 
+    def owned_policy_tokens(self) -> tuple[int, ...]:
+        """Per trajectory, its policy tokens counted once each (`Trajectory.num_policy_tokens`), read off the
+        nodes it passes through: time linear in the nodes' trajectory sets, never in the calls' lengths."""
+        out = [0] * len(self.records)
+        for n in self.nodes:
+            k = sum(1 for r in n.roles if r is Role.POLICY)
+            if k:
+                for ti in n.trajectories:
+                    out[ti] += k
+        return tuple(out)
+
     # ----- reconstruction ---------------------------------------------------------------------------
     def trajectory(self, index: int) -> Trajectory:
         """Rebuild input trajectory `index` exactly (tokens, roles, segments, logprobs, rewards, meta)."""

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from treetrain.trajectory import Role, TrajectoryError, TrajectoryMeta
+from treetrain.trajectory import Role, TrajectoryMeta
 from treetrain.tree.model import ROOT_ID, CallRecord, CallRef, Node, TrajectoryRecord, TrajectoryTree, node_id
 from treetrain.tree.schema import FORMAT_NAME, SUPPORTED_VERSIONS, Limits, TreeFormatError
 from treetrain.tree.untrusted import (
@@ -58,7 +58,24 @@ def decode_trees(data: bytes, limits: Limits) -> tuple[TrajectoryTree, ...]:
     fields = expect_fields(top, "file", ("format", "version", "trees"))
     raw_trees = expect_array(fields["trees"], "trees", min_len=1)
     budget = _TokenBudget(limits.max_total_tokens)
-    return tuple(_decode_tree(t, f"trees[{k}]", budget) for k, t in enumerate(raw_trees))
+    visits = _VisitBudget(max(limits.min_node_visits, limits.node_visits_per_byte * len(data)))
+    trees = tuple(_decode_tree(t, f"trees[{k}]", budget, visits) for k, t in enumerate(raw_trees))
+    _check_distinct(trees)
+    return trees
+
+
+def _check_distinct(trees: Sequence[TrajectoryTree]) -> None:
+    """A group holding one tree twice would train its trajectories twice; refuse it, naming them."""
+    first: dict[str, int] = {}
+    for k, tree in enumerate(trees):
+        if tree.id in first:
+            ids = ", ".join(short_repr(r.id, 24) for r in tree.records[:3])
+            more = f" and {len(tree.records) - 3} more" if len(tree.records) > 3 else ""
+            raise TreeFormatError(
+                f"trees[{k}]: the same tree as trees[{first[tree.id]}] (id {tree.id}), so its trajectories "
+                f"{ids}{more} would appear twice in the group"
+            )
+        first[tree.id] = k
 
 
 class _TokenBudget:
@@ -76,7 +93,27 @@ class _TokenBudget:
             )
 
 
-def _decode_tree(obj: object, where: str, budget: _TokenBudget) -> TrajectoryTree:
+class _VisitBudget:
+    """Counts (node, trajectory) incidences, the entries of every `Node.trajectories` set, against a limit
+    proportional to the file size (`Limits.node_visits_per_byte`).
+
+    Loading does work and keeps memory in proportion to the file plus these incidences; a small file of
+    one-token nodes under many trajectories (a deep comb) would otherwise hold a quadratic number."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def charge(self, n: int, where: str) -> None:
+        self.used += n
+        if self.used > self.limit:
+            raise TreeFormatError(
+                f"{where}: the trajectories pass through more than {self.limit} nodes in total (each node "
+                "counted once per trajectory), over the limit (Limits.node_visits_per_byte x the file size)"
+            )
+
+
+def _decode_tree(obj: object, where: str, budget: _TokenBudget, visits: _VisitBudget) -> TrajectoryTree:
     fields = expect_fields(obj, where, ("nodes", "trajectories"), ("id",))
     nodes = _Nodes(expect_array(fields["nodes"], f"{where}.nodes", min_len=1), f"{where}.nodes")
     raw_trajs = expect_array(fields["trajectories"], f"{where}.trajectories", min_len=1)
@@ -90,12 +127,7 @@ def _decode_tree(obj: object, where: str, budget: _TokenBudget) -> TrajectoryTre
             )
         first_with_id[rec.id] = ti
         records.append(rec)
-    tree = TrajectoryTree(nodes.freeze(records), records)
-    for ti in range(len(records)):
-        try:
-            tree.trajectory(ti)
-        except TrajectoryError as e:
-            raise TreeFormatError(f"{where}.trajectories[{ti}]: {e}") from None
+    tree = TrajectoryTree(nodes.freeze(records, visits, where), records)
     if "id" in fields and expect_str(fields["id"], f"{where}.id") != tree.id:
         raise TreeFormatError(
             f"{where}.id: stored {short_repr(fields['id'])} but the content hash is {tree.id!r}"
@@ -115,6 +147,16 @@ class _Nodes:
         self.offsets: list[int] = []
         self.ends: list[int] = []
         self.children: list[list[int]] = []
+        # Role changes along each root path, so that a call's segments are checked in time proportional
+        # to its segments, never to its path: `changes[i]` lists (position, new role code) inside node i
+        # (its first token included when the role differs from the parent's last), `change_up[i]` is the
+        # nearest node at or above i with a change, `n_changes[i]` counts changes from the root to i.
+        self.first_code: list[int] = []
+        self.last_code: list[int] = []
+        self.changes: list[tuple[tuple[int, int], ...]] = []
+        self.change_up: list[int] = []
+        self.n_changes: list[int] = []
+        self.has_policy: list[bool] = []
         for i, raw in enumerate(raw_nodes):
             self._add(i, raw)
         self._check_preorder()
@@ -158,6 +200,7 @@ class _Nodes:
             raise TreeFormatError(
                 f"{w}.id: stored {short_repr(fields['id'])} but the content hash is {nid!r}"
             )
+        self._add_changes(parent, codes, offset)
         self.parents.append(parent)
         self.tokens.append(tokens)
         self.role_codes.append(codes)
@@ -165,6 +208,41 @@ class _Nodes:
         self.offsets.append(offset)
         self.ends.append(offset + n)
         self.children.append([])
+
+    def _add_changes(self, parent: int | None, codes: bytes, offset: int) -> None:
+        if parent is None:
+            self.first_code.append(-1)
+            self.last_code.append(-1)
+            self.changes.append(())
+            self.change_up.append(-1)
+            self.n_changes.append(0)
+            self.has_policy.append(False)
+            return
+        arr = np.frombuffer(codes, dtype=np.uint8)  # [n]
+        inner = (np.flatnonzero(arr[1:] != arr[:-1]) + 1).tolist()
+        changes = [(offset + k, codes[k]) for k in inner]
+        if parent != 0 and self.last_code[parent] != codes[0]:
+            changes.insert(0, (offset, codes[0]))
+        self.first_code.append(codes[0] if parent == 0 else self.first_code[parent])
+        self.last_code.append(codes[-1])
+        self.changes.append(tuple(changes))
+        self.change_up.append(len(self.changes) - 1 if changes else self.change_up[parent])
+        self.n_changes.append(self.n_changes[parent] + len(changes))
+        self.has_policy.append(self.has_policy[parent] or _POLICY in codes)
+
+    def path_changes(self, end: int, at_most: int) -> list[tuple[int, int]] | None:
+        """Every role change on the path to `end`, in order; None when there are more than `at_most`."""
+        if self.n_changes[end] > at_most:
+            return None
+        out: list[tuple[int, int]] = []
+        cur = self.change_up[end]
+        while cur > 0:
+            out.extend(reversed(self.changes[cur]))
+            parent = self.parents[cur]
+            assert parent is not None
+            cur = self.change_up[parent]
+        out.reverse()
+        return out
 
     @staticmethod
     def roles(codes: bytes) -> tuple[Role, ...]:
@@ -202,7 +280,9 @@ class _Nodes:
         out.reverse()
         return out
 
-    def freeze(self, records: Sequence[TrajectoryRecord]) -> list[Node]:
+    def freeze(
+        self, records: Sequence[TrajectoryRecord], visits: _VisitBudget, tree_where: str
+    ) -> list[Node]:
         """Attach call ends and trajectory sets, check every node is a maximal run, build `Node`s."""
         ends_at: list[list[CallRef]] = [[] for _ in self.parents]
         through: list[set[int]] = [set() for _ in self.parents]
@@ -213,6 +293,9 @@ class _Nodes:
                 while cur is not None and ti not in through[cur]:
                     through[cur].add(ti)
                     cur = self.parents[cur]
+                    visits.used += 1
+                if visits.used > visits.limit:
+                    visits.charge(0, f"{tree_where}.trajectories[{ti}].calls[{ci}]")
         for i in range(1, len(self.parents)):
             kids = self.children[i]
             if not kids and not ends_at[i]:
@@ -256,6 +339,8 @@ def _decode_trajectory(obj: object, where: str, nodes: _Nodes, budget: _TokenBud
             f"{where}.step_rewards: {len(steps)} entries but the trajectory has {n_policy} policy segments "
             "(give one per policy segment, or none)"
         )
+    if not any(nodes.has_policy[c.end] for c in calls):
+        raise TreeFormatError(f"{where}: trajectory {tid!r} has no policy tokens, so nothing to train on")
     return TrajectoryRecord(tid, reward, steps, meta, calls)
 
 
@@ -282,17 +367,50 @@ def _decode_call(obj: object, where: str, nodes: _Nodes, budget: _TokenBudget) -
     if not 1 <= end < len(nodes.parents):
         raise TreeFormatError(f"{where}.end: {end} is not a node index in [1, {len(nodes.parents) - 1}]")
     budget.charge(nodes.ends[end], f"{where}.end")
-    codes = b"".join(nodes.role_codes[i] for i in nodes.path(end))
+    path_len = nodes.ends[end]
     raw_lengths = expect_array(fields["segment_lengths"], f"{where}.segment_lengths", min_len=1)
     lengths = tuple(
-        expect_int(x, f"{where}.segment_lengths[{si}]", lo=1, hi=len(codes))
-        for si, x in enumerate(raw_lengths)
+        expect_int(x, f"{where}.segment_lengths[{si}]", lo=1, hi=path_len) for si, x in enumerate(raw_lengths)
     )
-    if sum(lengths) != len(codes):
+    if sum(lengths) != path_len:
         raise TreeFormatError(
-            f"{where}.segment_lengths: they sum to {sum(lengths)} but the path to nodes[{end}] has {len(codes)} tokens"
+            f"{where}.segment_lengths: they sum to {sum(lengths)} but the path to nodes[{end}] has {path_len} tokens"
         )
-    policy_segments: list[int] = []
+    seg_codes = _segment_codes(nodes, end, lengths)
+    if seg_codes is None:
+        _explain_mixed_segment(nodes, end, lengths, where)
+    assert seg_codes is not None
+    policy_segments = [si for si, c in enumerate(seg_codes) if c == _POLICY]
+    if policy_segments and policy_segments[0] == 0:
+        raise TreeFormatError(
+            f"{where}.segment_lengths[0]: the call starts with a policy segment; a sequence's first token is "
+            "never predicted, so it cannot carry loss"
+        )
+    return CallRecord(end, lengths, _call_logprobs(fields, where, lengths, policy_segments))
+
+
+def _segment_codes(nodes: _Nodes, end: int, lengths: tuple[int, ...]) -> list[int] | None:
+    """The role code of each segment, or None when a segment mixes roles. Time is O(segments): a valid
+    call has at most one role change per segment boundary, and only changes are visited."""
+    changes = nodes.path_changes(end, len(lengths) - 1)
+    if changes is None:
+        return None
+    out: list[int] = []
+    code, k, pos = nodes.first_code[end], 0, 0
+    for length in lengths:
+        if k < len(changes) and changes[k][0] == pos:
+            code = changes[k][1]
+            k += 1
+        if k < len(changes) and changes[k][0] < pos + length:
+            return None
+        out.append(code)
+        pos += length
+    return out
+
+
+def _explain_mixed_segment(nodes: _Nodes, end: int, lengths: tuple[int, ...], where: str) -> None:
+    """Raise naming the first segment that mixes roles (error path only: linear in the path once)."""
+    codes = b"".join(nodes.role_codes[i] for i in nodes.path(end))
     pos = 0
     for si, length in enumerate(lengths):
         seg = codes[pos : pos + length]
@@ -302,20 +420,23 @@ def _decode_call(obj: object, where: str, nodes: _Nodes, budget: _TokenBudget) -
                 f"{where}.segment_lengths[{si}]: the segment at positions {pos}..{pos + length - 1} mixes roles "
                 f"({_ROLES[seg[0]].value} at {pos}, {_ROLES[seg[k]].value} at {pos + k})"
             )
-        if seg[0] == _POLICY:
-            policy_segments.append(si)
         pos += length
+    raise AssertionError("no mixed segment found on the slow path")
+
+
+def _call_logprobs(
+    fields: dict[str, object], where: str, lengths: tuple[int, ...], policy_segments: list[int]
+) -> tuple[tuple[float, ...] | None, ...]:
     raw_lps = expect_array(fields["logprobs"], f"{where}.logprobs")
     if len(raw_lps) != len(policy_segments):
         raise TreeFormatError(
             f"{where}.logprobs: {len(raw_lps)} entries but the call has {len(policy_segments)} policy segments "
             "(one entry per policy segment; other roles carry no logprobs)"
         )
-    logprobs = tuple(
+    return tuple(
         _decode_logprobs(lp, f"{where}.logprobs[{j}]", lengths[si])
         for j, (si, lp) in enumerate(zip(policy_segments, raw_lps))
     )
-    return CallRecord(end, lengths, logprobs)
 
 
 def _decode_logprobs(obj: object, where: str, length: int) -> tuple[float, ...] | None:

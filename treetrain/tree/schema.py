@@ -44,7 +44,14 @@ class Limits:
     """Most entries in one map (the only open-ended map is `meta.extra`)."""
     max_total_tokens: int = 1 << 28
     """Most tokens summed over every call of the file (T). Shared prefixes make T far larger than the
-    file, and loading rebuilds every call, so a small file must not be able to demand unbounded work."""
+    file; loading never rebuilds the calls, but whoever replays them flat (the oracle, a flat plan) does."""
+    node_visits_per_byte: int = 1
+    """Most (node, trajectory) incidences, the entries of all `Node.trajectories` sets, per byte of file.
+    Loading takes time and memory in proportion to the file plus these; a real tree has far fewer than
+    one per byte, while a small file of one-token nodes shared by many trajectories could demand a
+    quadratic number."""
+    min_node_visits: int = 1 << 16
+    """The incidences any file may have, however small, so tiny files never hit the per-byte limit."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -54,6 +61,8 @@ class Limits:
             "max_array_len",
             "max_map_len",
             "max_total_tokens",
+            "node_visits_per_byte",
+            "min_node_visits",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

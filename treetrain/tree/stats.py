@@ -124,12 +124,15 @@ def node_carries_loss(tree: TrajectoryTree, node: Node) -> bool:
 
 def tree_stats(tree: TrajectoryTree) -> TreeStats:
     real = [n for n in tree.nodes if n.index != ROOT]
-    total = 0
-    policy = 0
-    for ref in tree.call_refs():
-        toks, roles = tree.call_tokens(ref)
-        total += len(toks)
-        policy += sum(1 for r in roles if r is Role.POLICY)
+    # Per node, the policy tokens on its root path: T and the flat policy count come from call ends in
+    # time linear in the nodes and calls, never in T (shared prefixes make T far larger than the tree).
+    path_policy = [0] * len(tree.nodes)
+    for n in tree.nodes[1:]:
+        assert n.parent is not None
+        path_policy[n.index] = path_policy[n.parent] + sum(1 for r in n.roles if r is Role.POLICY)
+    ends = [tree.call_end(ref) for ref in tree.call_refs()]
+    total = sum(tree.nodes[e].end for e in ends)
+    policy = sum(path_policy[e] for e in ends)
     depth_of = {ROOT: 0}
     for n in tree.nodes[1:]:
         assert n.parent is not None
