@@ -82,7 +82,13 @@ class UpdateBatch:
         loss: LossConfig,
         owned: Sequence[Collection[int]] | None = None,
     ) -> UpdateBatch:
-        """`owned[i]`, if given, limits tree i to those trajectory indices (placement across ranks)."""
+        """The batch for `trees`, normalized by `manifest` (usually `Manifest.build(trees, version)`).
+
+        `advantages[i]` is tree i's table, i.e. `compute_advantages(group, cfg).trees`, not the
+        `GroupAdvantages` object itself; `loss` sets each target's coefficient (aggregation, clipping).
+        `owned[i]`, if given, limits tree i to those trajectory indices (placement across ranks).
+        `treetrain.build_batch` does all of this for a list of groups.
+        """
         if len(trees) != len(advantages):
             raise ValueError(f"{len(trees)} trees but {len(advantages)} advantage tables")
         work = []
