@@ -107,7 +107,7 @@ def _check_tokens(factory: Callable[[], Environment], seed: int, tokenizer: Any)
     while not episode.done:
         episode.step(answer)
     traj = episode.trajectory("conformance")
-    if traj.calls[0].tokens[: len(prompt)] != prompt or traj.calls[0].tokens != episode.context:
+    if traj.calls[0].tokens[: len(prompt)] != prompt or traj.calls[-1].tokens != episode.context:
         return [f"seed {seed}: the trajectory's tokens differ from the tokens the wrapper fed"]
     return []
 

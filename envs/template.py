@@ -1,68 +1,136 @@
-"""The chat template, seen as a source of token *deltas*.
+"""The model's own chat template, as a source of token *differences*.
 
-Training needs the exact token ids the model saw, so text is tokenized once, in pieces, and never again:
+Training needs the exact token ids the model saw, so nothing is re-tokenized after the fact:
 
 - the prompt: the template rendering of the opening messages, with the generation prompt;
-- each observation: the template text that follows the assistant turn's end-of-turn marker, up to and
-  including the next generation prompt (tool results, role headers, separators).
+- the policy tokens: exactly the sampled ids;
+- each observation: the tokens that rendering the history *with* the new messages adds to rendering
+  it *without* them, preceded by whatever the template puts after the assistant's end-of-turn marker
+  (ChatML's newline after `<|im_end|>`).
 
-The policy tokens in between are the sampled ids themselves. This needs an *append-only* template: adding
-messages must only append text. ChatML templates (Qwen, Hermes, the shipped one) are; a template that
-rewrites history (e.g. drops earlier reasoning) is rejected with `TemplateError` instead of silently
-producing tokens the model never saw.
+That is exact when the template only appends. A template that rewrites earlier turns (for example one
+that drops earlier reasoning blocks) is detected, not papered over: `observation` returns a `Rewrite`
+with the whole new context, and the wrapper continues the episode as a new *call* of the same
+trajectory (several calls per trajectory: `treetrain.trajectory`).
+
+End of turn is a token sequence. By default it is what the template writes right after an assistant
+message's text (up to its first special token: `<|im_end|>`, `<|eot_id|>`, `<｜end▁of▁sentence｜>`,
+`</s>`), and the tokenizer's EOS and any extra ids (the model's `generation_config.eos_token_id`) also
+end a turn. `end_of_turn=` overrides the template's marker with any text, of any number of tokens.
 
 Example:
     >>> from transformers import AutoTokenizer
     >>> from treetrain.assets import tokenizer_path
     >>> from envs.protocol import Message
     >>> tpl = ChatTemplate(AutoTokenizer.from_pretrained(tokenizer_path()))
+    >>> tpl.end_of_turn, tpl.format.name
+    ('<|im_end|>', 'hermes')
     >>> history = [Message("user", "hi"), Message("assistant", "hello")]
-    >>> tpl.decode(tpl.observation_tokens(history, [Message("user", "bye")], closed=True))
+    >>> tpl.decode(tpl.observation(history, [Message("user", "bye")]).tokens)
     '\\n<|im_start|>user\\nbye<|im_end|>\\n<|im_start|>assistant\\n'
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from envs.formats import ToolCallFormat, detect_format, get_format
 from envs.protocol import Message, ToolSpec
+
+_PROBE = "PROBE_7c1e"
 
 
 class TemplateError(ValueError):
-    """The tokenizer's chat template cannot be used incrementally (or is missing)."""
+    """The tokenizer's chat template is missing, fails to render, or has no usable end-of-turn marker."""
+
+
+@dataclass(frozen=True)
+class Observation:
+    """Tokens to append after a policy turn: the template's continuation of the same context.
+    `rendered` is the whole history rendered with the generation prompt (the next turn's `before`)."""
+
+    tokens: tuple[int, ...]
+    rendered: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    """The template rewrote earlier turns: the next call's whole context (prompt role, no loss)."""
+
+    tokens: tuple[int, ...]
+
+    @property
+    def rendered(self) -> tuple[int, ...]:
+        return self.tokens
 
 
 class ChatTemplate:
-    """Renders messages with a Hugging Face tokenizer's chat template and tokenizes the deltas.
+    """Renders messages with a Hugging Face tokenizer's chat template and tokenizes the differences.
 
-    `end_of_turn` is the text the model emits to end its turn (a single token); sampling stops on it.
+    `tool_format` is a name from `envs.formats.FORMATS`, or None/"auto" to detect it from the template.
+    `extra_stop_ids` also end a turn (the trainer passes the model's generation_config EOS ids).
     """
 
-    def __init__(self, tokenizer: Any, end_of_turn: str = "<|im_end|>") -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        end_of_turn: str | None = None,
+        tool_format: str | None = None,
+        extra_stop_ids: Sequence[int] = (),
+    ) -> None:
         if not getattr(tokenizer, "chat_template", None):
-            raise TemplateError(f"{type(tokenizer).__name__} has no chat_template")
-        ids = tokenizer.encode(end_of_turn, add_special_tokens=False)
-        if len(ids) != 1:
-            raise TemplateError(f"end_of_turn {end_of_turn!r} is {len(ids)} tokens; it must be exactly one")
+            raise TemplateError(
+                f"{type(tokenizer).__name__} has no chat_template; give a tokenizer that has one (model.tokenizer)"
+            )
         self.tokenizer = tokenizer
-        self.end_of_turn = end_of_turn
-        self.end_of_turn_id: int = ids[0]
-        eos = getattr(tokenizer, "eos_token_id", None)
-        self.stop_token_ids: tuple[int, ...] = tuple(
-            dict.fromkeys([self.end_of_turn_id, *([eos] if eos is not None else [])])
+        self.format: ToolCallFormat = (
+            detect_format(tokenizer.chat_template)
+            if tool_format in (None, "auto")
+            else get_format(str(tool_format))
         )
+        self.end_of_turn = end_of_turn if end_of_turn is not None else self._probe_end_of_turn()
+        self.end_of_turn_ids = self.encode(self.end_of_turn)
+        if not self.end_of_turn_ids:
+            raise TemplateError(f"end_of_turn {self.end_of_turn!r} encodes to no tokens")
+        eos = getattr(tokenizer, "eos_token_id", None)
+        singles = [(int(t),) for t in [*([eos] if isinstance(eos, int) else []), *extra_stop_ids]]
+        self.stop_sequences: tuple[tuple[int, ...], ...] = tuple(
+            dict.fromkeys([self.end_of_turn_ids, *singles])
+        )
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """The single-token stop sequences (a multi-token end-of-turn is in `stop_sequences` only)."""
+        return tuple(s[0] for s in self.stop_sequences if len(s) == 1)
+
+    @property
+    def end_of_turn_id(self) -> int:
+        """The first token of the end-of-turn sequence (its only one for single-token markers)."""
+        return self.end_of_turn_ids[0]
+
+    # ----- rendering --------------------------------------------------------------------------------
+    def _payload(self, message: Message) -> dict[str, Any]:
+        out = message.to_openai()
+        if self.format.arguments_as_string and message.tool_calls:
+            for call in out["tool_calls"]:
+                call["function"]["arguments"] = json_dumps(call["function"]["arguments"])
+        return out
 
     def render(
         self, messages: Sequence[Message], tools: Sequence[ToolSpec] = (), generation_prompt: bool = False
     ) -> str:
         """The template text of `messages`, with the assistant generation prompt when asked."""
-        text = self.tokenizer.apply_chat_template(
-            [m.to_openai() for m in messages],
-            tools=[t.to_openai() for t in tools] or None,
-            tokenize=False,
-            add_generation_prompt=generation_prompt,
-        )
+        try:
+            text = self.tokenizer.apply_chat_template(
+                [self._payload(m) for m in messages],
+                tools=[t.to_openai() for t in tools] or None,
+                tokenize=False,
+                add_generation_prompt=generation_prompt,
+            )
+        except Exception as exc:  # jinja2 errors and the template's own raise_exception
+            raise TemplateError(f"the chat template failed to render: {type(exc).__name__}: {exc}") from None
         if not isinstance(text, str):
             raise TemplateError(f"apply_chat_template returned {type(text).__name__}, expected str")
         return text
@@ -74,36 +142,100 @@ class ChatTemplate:
     def decode(self, tokens: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(tokens), skip_special_tokens=False))
 
+    def tokens(
+        self, messages: Sequence[Message], tools: Sequence[ToolSpec] = (), generation_prompt: bool = False
+    ) -> tuple[int, ...]:
+        return self.encode(self.render(messages, tools, generation_prompt))
+
     def prompt_tokens(self, messages: Sequence[Message], tools: Sequence[ToolSpec] = ()) -> tuple[int, ...]:
         """The prompt segment: opening messages plus the generation prompt."""
-        return self.encode(self.render(messages, tools, generation_prompt=True))
+        return self.tokens(messages, tools, generation_prompt=True)
+
+    def write_call(self, name: str, arguments: dict[str, Any], call_id: str = "call_0_0") -> str:
+        """The text this model writes to call a tool (for scripted policies and tests)."""
+        return self.format.write(name, arguments, call_id)
+
+    # ----- turns ------------------------------------------------------------------------------------
+    def stop_length(self, tokens: Sequence[int]) -> int:
+        """Length of the stop sequence `tokens` ends with (0: the turn was cut, not stopped)."""
+        for seq in self.stop_sequences:
+            if len(tokens) >= len(seq) and tuple(tokens[len(tokens) - len(seq) :]) == seq:
+                return len(seq)
+        return 0
 
     def turn_text(self, tokens: Sequence[int]) -> tuple[str, bool]:
         """The text of sampled policy tokens without the end-of-turn marker, and whether it was there."""
-        closed = bool(tokens) and tokens[-1] in self.stop_token_ids
-        return self.decode(tokens[:-1] if closed else tokens), closed
+        cut = self.stop_length(tokens)
+        return self.decode(tokens[: len(tokens) - cut]), cut > 0
 
-    def observation_tokens(
+    def observation(
         self,
         history: Sequence[Message],
         new_messages: Sequence[Message],
         tools: Sequence[ToolSpec] = (),
         closed: bool = True,
-    ) -> tuple[int, ...]:
-        """Tokens between the end of the last assistant turn in `history` and the next generation.
+        before: Sequence[int] | None = None,
+    ) -> Observation | Rewrite:
+        """What follows the last assistant turn of `history` before the next generation.
 
-        When the turn was cut by a token budget (`closed=False`) the end-of-turn marker was never sampled,
-        so it is supplied here, as an observation token, before the template's own delta.
+        `before` is the rendering of `history[:-1]` with the generation prompt, when the caller has it.
+        When the turn was cut by a token budget (`closed=False`), the end-of-turn marker was never sampled,
+        so it is supplied here, as the first observation tokens.
         """
         if not history or history[-1].role != "assistant":
-            raise TemplateError("observation_tokens needs a history that ends with an assistant message")
-        before = self.render(history[:-1], tools, generation_prompt=True)
-        prefix = self.render(history, tools, generation_prompt=False)
-        full = self.render([*history, *new_messages], tools, generation_prompt=True)
-        if not prefix.startswith(before) or not full.startswith(prefix):
-            raise TemplateError("the chat template is not append-only: adding messages changed earlier text")
-        cut = prefix.rfind(self.end_of_turn)
-        if cut < len(before):
-            raise TemplateError(f"the template does not end assistant turns with {self.end_of_turn!r}")
-        delta = full[cut + len(self.end_of_turn) :]
-        return self.encode(delta if closed else self.end_of_turn + delta)
+            raise TemplateError("observation needs a history that ends with an assistant message")
+        without = self.tokens(history, tools)
+        with_new = self.tokens([*history, *new_messages], tools, generation_prompt=True)
+        if with_new[: len(without)] != without:
+            return Rewrite(with_new)
+        before = (
+            tuple(before) if before is not None else self.tokens(history[:-1], tools, generation_prompt=True)
+        )
+        start = next(
+            (i for i, (a, b) in enumerate(zip(before, without)) if a != b), min(len(before), len(without))
+        )
+        end = self._turn_end(without, start)
+        lead = () if closed else self.end_of_turn_ids
+        return Observation(lead + without[end:] + with_new[len(without) :], with_new)
+
+    def _turn_end(self, rendered: tuple[int, ...], start: int) -> int:
+        """Index just past the last stop sequence in `rendered[start:]` (the assistant turn's end)."""
+        best = -1
+        for seq in self.stop_sequences:
+            for i in range(len(rendered) - len(seq), start - 1, -1):
+                if rendered[i : i + len(seq)] == seq:
+                    best = max(best, i + len(seq))
+                    break
+        if best < 0:
+            raise TemplateError(
+                f"the chat template does not end assistant turns with any stop sequence "
+                f"{[self.decode(s) for s in self.stop_sequences]}; set env.end_of_turn to the text it uses"
+            )
+        return best
+
+    def _probe_end_of_turn(self) -> str:
+        """The text the template writes right after an assistant message, up to its first special token."""
+        text = self.render([Message("user", "ping"), Message("assistant", _PROBE)])
+        at = text.rfind(_PROBE)
+        eos = getattr(self.tokenizer, "eos_token", None)
+        suffix = self.encode(text[at + len(_PROBE) :]) if at >= 0 else ()
+        special = set(getattr(self.tokenizer, "all_special_ids", ())) | {
+            i
+            for i, t in getattr(self.tokenizer, "added_tokens_decoder", {}).items()
+            if getattr(t, "special", False)
+        }
+        for i, tok in enumerate(suffix):
+            if tok in special:
+                return self.decode(suffix[: i + 1])
+        if isinstance(eos, str) and eos:
+            return eos
+        raise TemplateError(
+            "cannot tell how this chat template ends an assistant turn (no special token after the text, and the "
+            "tokenizer has no EOS); set env.end_of_turn"
+        )
+
+
+def json_dumps(value: Any) -> str:
+    import json
+
+    return value if isinstance(value, str) else json.dumps(value)

@@ -44,11 +44,15 @@ class ToolCallError:
     call_id: str
     problem: str
     text: str
+    hint: str = ""
+    """How a well-formed call looks in this format (empty: the Hermes form)."""
 
     def to_message(self) -> Message:
         """The observation the agent sees instead of a tool result."""
         return Message(
-            "tool", f"Error: malformed tool call ({self.problem}). {FORMAT_HINT}", tool_call_id=None
+            "tool",
+            f"Error: malformed tool call ({self.problem}). {self.hint or FORMAT_HINT}",
+            tool_call_id=self.call_id,
         )
 
 
@@ -68,22 +72,33 @@ def _parse_one(body: str, call_id: str) -> ToolCall | ToolCallError:
         obj: Any = json.loads(body)
     except json.JSONDecodeError as exc:
         return ToolCallError(call_id, f"invalid JSON: {exc.msg} at char {exc.pos}", body)
+    return call_from_object(obj, call_id)
+
+
+def call_from_object(
+    obj: Any, call_id: str, args_keys: tuple[str, ...] = ("arguments",), hint: str = ""
+) -> ToolCall | ToolCallError:
+    """A decoded `{"name": ..., "<args key>": {...}}` object as a `ToolCall`, or what is wrong with it.
+
+    The arguments may also be a JSON string holding an object (the OpenAI wire form)."""
+    body = json.dumps(obj, default=repr)
     if not isinstance(obj, dict):
-        return ToolCallError(call_id, f"expected a JSON object, got {type(obj).__name__}", body)
+        return ToolCallError(call_id, f"expected a JSON object, got {type(obj).__name__}", body, hint)
     name = obj.get("name")
     if not isinstance(name, str) or not name:
-        return ToolCallError(call_id, "missing or empty 'name'", body)
-    args: Any = obj.get("arguments", {})
+        return ToolCallError(call_id, "missing or empty 'name'", body, hint)
+    key = next((k for k in args_keys if k in obj), args_keys[0])
+    args: Any = obj.get(key, {})
     if isinstance(args, str):
         try:
             args = json.loads(args) if args.strip() else {}
         except json.JSONDecodeError as exc:
-            return ToolCallError(call_id, f"'arguments' string is not JSON: {exc.msg}", body)
+            return ToolCallError(call_id, f"{key!r} string is not JSON: {exc.msg}", body, hint)
     if not isinstance(args, dict):
-        return ToolCallError(call_id, f"'arguments' must be a JSON object, got {type(args).__name__}", body)
-    extra = sorted(set(obj) - {"name", "arguments"})
+        return ToolCallError(call_id, f"{key!r} must be a JSON object, got {type(args).__name__}", body, hint)
+    extra = sorted(set(obj) - {"name", key})
     if extra:
-        return ToolCallError(call_id, f"unexpected keys {extra}", body)
+        return ToolCallError(call_id, f"unexpected keys {extra}", body, hint)
     return ToolCall(call_id, name, args)
 
 

@@ -1,10 +1,12 @@
 """`TokenEnv`: the single token-level wrapper around a message-level environment.
 
-It owns everything between token ids and messages: the chat template (`envs.template.ChatTemplate`),
-tool-call parsing (`envs.toolcalls`), the turn and token budgets and the step timeout. It builds the
-episode's `Trajectory` directly from token ids: the prompt segment is the templated opening, each policy
-segment is exactly the sampled ids (with the sampler's logprobs), each observation segment is the
-template delta after a turn. Nothing is re-tokenized, so the trajectory is what the model saw.
+It owns everything between token ids and messages: the model's own chat template
+(`envs.template.ChatTemplate`), its tool-call format (`envs.formats`), the turn and token budgets, the
+size of tool results and the step timeout. It builds the episode's `Trajectory` directly from token ids:
+the prompt segment is the templated opening, each policy segment is exactly the sampled ids (with the
+sampler's logprobs), each observation segment is the token difference the template adds after a turn.
+Nothing is re-tokenized, so the trajectory is what the model saw. When the template rewrites earlier
+turns, the episode continues as a new call of the same trajectory (`TurnResult.new_call`).
 
 Failures in the agent's output never crash an episode. A malformed tool call, an unknown tool, bad
 arguments, a tool that raises and a step that exceeds `step_timeout_s` all become `tool` observations.
@@ -17,7 +19,7 @@ Example (a scripted "policy"; a real one samples from a model):
     >>> from envs.calculator import CalculatorEnv
     >>> env = TokenEnv(CalculatorEnv(), AutoTokenizer.from_pretrained(tokenizer_path()), env_name="calculator")
     >>> prompt = env.reset(seed=0)
-    >>> answer = env.template.encode(f"{env.env.state().answer}<|im_end|>")
+    >>> answer = env.template.encode(f"{env.env.state().answer}{env.template.end_of_turn}")
     >>> env.step(answer).done, env.trajectory("ep0").reward
     (True, 1.0)
 """
@@ -33,8 +35,7 @@ from enum import Enum
 from typing import Any
 
 from envs.protocol import Environment, Episode, Message, Rubric, StepResult, ToolSpec, default_rubric
-from envs.template import ChatTemplate
-from envs.toolcalls import parse_tool_calls
+from envs.template import ChatTemplate, Rewrite
 from treetrain.trajectory import Call, Role, Segment, Trajectory, TrajectoryMeta
 
 
@@ -78,8 +79,14 @@ class WrapperConfig:
     step_timeout_s: float | None = 30.0
     """Seconds one `env.step` may take; on timeout each tool call gets an `Error: ... timed out`
     observation and the environment keeps its pre-step state. None disables the limit."""
-    end_of_turn: str = "<|im_end|>"
-    """The single-token marker that ends an assistant turn in the chat template."""
+    end_of_turn: str | None = None
+    """The text that ends an assistant turn, any number of tokens (None: what the chat template writes
+    after an assistant message, up to its first special token, e.g. `<|im_end|>` or `<|eot_id|>`)."""
+    tool_format: str = "auto"
+    """Tool-call syntax, a name in `envs.formats.FORMATS` ('auto': detected from the chat template)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """More token ids that end a turn besides the end-of-turn marker and the tokenizer's EOS (the trainer
+    adds the model's `generation_config.eos_token_id`)."""
     max_tool_result_chars: int = 8000
     """Longest tool message shown to the agent, in characters; a longer one is cut there and ends with
     a `[... N more characters truncated]` marker, so a tool that dumps megabytes cannot fill the context."""
@@ -105,6 +112,9 @@ class TurnResult:
     done: bool
     finish: Finish | None
     messages: tuple[Message, ...]
+    new_call: bool = False
+    """The template rewrote earlier turns: `observation` is the whole context of a new call of the same
+    trajectory (the sampler must encode it from scratch), not a continuation."""
 
 
 class TokenEnv:
@@ -115,20 +125,24 @@ class TokenEnv:
     ) -> None:
         self.env = env
         self.config = config or WrapperConfig()
-        self.template = ChatTemplate(tokenizer, self.config.end_of_turn)
+        self.template = ChatTemplate(
+            tokenizer, self.config.end_of_turn, self.config.tool_format, self.config.stop_token_ids
+        )
         self.env_name = env_name or type(env).__name__
         self._seed: int | None = None
         self._tools: tuple[ToolSpec, ...] = ()
         self._messages: list[Message] = []
+        self._calls: list[Call] = []
         self._segments: list[Segment] = []
         self._context: list[int] = []
+        self._rendered: tuple[int, ...] = ()
         self._turns = 0
         self._finish: Finish | None = None
 
     # ----- state ------------------------------------------------------------------------------------
     @property
     def context(self) -> tuple[int, ...]:
-        """Every token of the episode so far, in order: exactly what the model has been fed."""
+        """Every token of the current call so far, in order: exactly what the model has been fed."""
         return tuple(self._context)
 
     @property
@@ -145,8 +159,13 @@ class TokenEnv:
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
-        """Token ids that end a turn; pass them to the sampler."""
+        """Single token ids that end a turn."""
         return self.template.stop_token_ids
+
+    @property
+    def stop_sequences(self) -> tuple[tuple[int, ...], ...]:
+        """Token sequences that end a turn (the end-of-turn marker, EOS, ...); pass them to the sampler."""
+        return self.template.stop_sequences
 
     def turn_budget(self) -> int:
         """Most tokens the next turn may sample (turn and episode budgets together)."""
@@ -166,8 +185,8 @@ class TokenEnv:
                 f"{self.env_name} seed {seed}: prompt has {len(prompt)} tokens, which leaves no room under "
                 f"max_episode_tokens={self.config.max_episode_tokens} (treetrain train: rollout.max_episode_tokens)"
             )
-        self._segments = [Segment(Role.PROMPT, prompt)]
-        self._context = list(prompt)
+        self._calls, self._segments = [], [Segment(Role.PROMPT, prompt)]
+        self._context, self._rendered = list(prompt), prompt
         self._turns, self._finish = 0, None
         return prompt
 
@@ -186,7 +205,7 @@ class TokenEnv:
         )
         self._context.extend(tokens)
         text, closed = self.template.turn_text(tokens)
-        parsed = parse_tool_calls(text, turn=self._turns)
+        parsed = self.template.format.parse(text, self._turns)
         self._turns += 1
         self._messages.append(parsed.message)
         errors = tuple(e.to_message() for e in parsed.errors)
@@ -202,11 +221,23 @@ class TokenEnv:
         if self._turns >= self.config.max_turns:
             return self._end(Finish.MAX_TURNS, result.messages)
         history = self._messages[: len(self._messages) - len(result.messages)]
-        obs = self.template.observation_tokens(history, result.messages, self._tools, closed)
+        nxt = self.template.observation(history, result.messages, self._tools, closed, self._rendered)
+        if isinstance(nxt, Rewrite):  # the template changed earlier turns: a new call of this trajectory
+            if len(nxt.tokens) >= self.config.max_episode_tokens:
+                return self._end(Finish.MAX_TOKENS, result.messages)
+            self._calls.append(Call(tuple(self._segments)))
+            self._segments, self._context, self._rendered = (
+                [Segment(Role.PROMPT, nxt.tokens)],
+                [*nxt.tokens],
+                nxt.rendered,
+            )
+            return TurnResult(nxt.tokens, False, None, result.messages, new_call=True)
+        obs = nxt.tokens
         if len(self._context) + len(obs) >= self.config.max_episode_tokens:
             return self._end(Finish.MAX_TOKENS, result.messages)
         self._segments.append(Segment(Role.OBSERVATION, obs))
         self._context.extend(obs)
+        self._rendered = nxt.rendered
         return TurnResult(obs, False, None, result.messages)
 
     def _end(self, finish: Finish, messages: tuple[Message, ...]) -> TurnResult:
@@ -283,6 +314,7 @@ class TokenEnv:
         twin = copy.copy(self)
         twin.env = self.env.fork(branch)
         twin._messages = list(self._messages)
+        twin._calls = list(self._calls)
         twin._segments = list(self._segments)
         twin._context = list(self._context)
         return twin
@@ -309,4 +341,5 @@ class TokenEnv:
             model_version=model_version,
             extra={"finish": self.episode().finish, "turns": str(self._turns), **(extra or {})},
         )
-        return Trajectory(trajectory_id, (Call(tuple(self._segments)),), scorer(self.episode()), meta=meta)
+        calls = (*self._calls, Call(tuple(self._segments)))
+        return Trajectory(trajectory_id, calls, scorer(self.episode()), meta=meta)

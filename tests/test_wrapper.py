@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 
 import pytest
 from env_fixtures import END, FixedTurnsEnv, FlakyToolsEnv, encode, tokenizer
 
 from envs import (
-    ChatTemplate,
     EnvStepError,
     Finish,
     Message,
     StepResult,
-    TemplateError,
     TokenEnv,
     WrapperConfig,
     format_tool_call,
@@ -144,24 +141,6 @@ def test_reset_must_open_with_system_or_user() -> None:
 
     with pytest.raises(EnvStepError, match="system/user"):
         TokenEnv(Bad(), tokenizer()).reset(0)
-
-
-def test_non_append_only_template_is_rejected() -> None:
-    """Negative control for the delta rule: a template that rewrites history cannot be used."""
-    tok = copy.deepcopy(tokenizer())
-    tok.chat_template = (
-        "{%- for m in messages[-2:] %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor %}"
-        "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
-    )
-    env = TokenEnv(FixedTurnsEnv(turns=5), tok)
-    env.reset(0)
-    with pytest.raises(TemplateError, match="append-only"):
-        env.step(encode("a" + END))
-
-
-def test_end_of_turn_must_be_one_token() -> None:
-    with pytest.raises(TemplateError, match="exactly one"):
-        ChatTemplate(tokenizer(), end_of_turn="<|im_end|>!")
 
 
 @pytest.mark.parametrize(

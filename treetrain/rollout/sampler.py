@@ -100,17 +100,29 @@ def fork_cache(cache: Any, rows: Sequence[int]) -> Any:
 
 
 class Sampler:
-    """Samples turns from `model` (any HF causal LM taking `cache=`), stopping on `stop_token_ids`."""
+    """Samples turns from `model` (any HF causal LM taking `cache=`). A turn stops when it ends with one of
+    `stop_token_ids`: token ids, or token-id sequences (a multi-token end-of-turn marker)."""
 
-    def __init__(self, model: Any, config: SamplerConfig, stop_token_ids: Sequence[int]) -> None:
+    def __init__(
+        self, model: Any, config: SamplerConfig, stop_token_ids: Sequence[int | Sequence[int]]
+    ) -> None:
         if not stop_token_ids:
             raise ValueError("Sampler needs at least one stop token id")
         self.model = model
         self.config = config
-        self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
+        seqs = [(int(s),) if isinstance(s, int) else tuple(int(t) for t in s) for s in stop_token_ids]
+        if not all(seqs):
+            raise ValueError("Sampler: a stop sequence is empty")
+        self.stop_token_ids = frozenset(s[0] for s in seqs if len(s) == 1)
+        self.stop_sequences = tuple(s for s in seqs if len(s) > 1)
         self.device = next(model.parameters()).device
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.stats = SamplerStats()
+
+    def _stops(self, tokens: list[int]) -> bool:
+        if tokens[-1] in self.stop_token_ids:
+            return True
+        return any(len(tokens) >= len(s) and tuple(tokens[-len(s) :]) == s for s in self.stop_sequences)
 
     def _forward(self, ids: torch.Tensor, cache: Any) -> torch.Tensor:
         out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
@@ -165,7 +177,7 @@ class Sampler:
             for j, (r, t, x) in enumerate(zip(rows, tok.tolist(), lp.tolist())):
                 tokens[r].append(t)
                 logprobs[r].append(min(x, 0.0))
-                if t in self.stop_token_ids or step == max_new_tokens - 1:
+                if self._stops(tokens[r]) or step == max_new_tokens - 1:
                     done.append(j)
             live = [j for j in range(len(rows)) if j not in done]
             for j in done:
@@ -175,7 +187,7 @@ class Sampler:
                     kept = PrefixState(
                         cache if not live and len(done) == 1 else fork_cache(cache, [j]), length + step
                     )
-                stopped = tokens[r][-1] in self.stop_token_ids
+                stopped = self._stops(tokens[r])
                 results[r] = Sample(tuple(tokens[r]), tuple(logprobs[r]), stopped, kept)
             if not live:
                 break

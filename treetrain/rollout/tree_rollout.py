@@ -117,8 +117,8 @@ def _step_forks(
     for j in range(k):
         episode = parent.fork(branch=j)
         result = episode.step(sample.tokens, sample.logprobs)
-        state: PrefixState | None = None
-        if reuse and sample.state is not None and not result.done:
+        state: PrefixState | None = None  # None: the child encodes its whole context (also a new call)
+        if reuse and sample.state is not None and not result.done and not result.new_call:
             cache = sample.state.cache if j == k - 1 else fork_cache(sample.state.cache, [0])
             state = PrefixState(cache, sample.state.length)
         pending = (sample.tokens[-1], *result.observation)
@@ -162,7 +162,7 @@ def rollout_trees(
         root = TokenEnv(env, tokenizer, config.wrapper, env_name=name)
         root.reset(seed)
         if sampler is None:
-            sampler = Sampler(model, config.sampler, root.stop_token_ids)
+            sampler = Sampler(model, config.sampler, root.stop_sequences)
         rubric = default_rubric(root.env, config.rubric)
         prefix = f"{name}-s{seed}"
         tree = build_tree(_grow(root, sampler, config, prefix, rubric))

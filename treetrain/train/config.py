@@ -64,10 +64,24 @@ class EnvSection:
     """Which of the environment's rubrics gives the reward (None: its first)."""
     max_tool_result_chars: int = 8000
     """Longest tool result shown to the agent, in characters; longer ones are cut with a truncation marker."""
+    tool_format: str = "auto"
+    """How the model writes tool calls: 'hermes', 'llama3', 'mistral', 'deepseek_v3', or 'auto' (detected
+    from the tokenizer's chat template)."""
+    end_of_turn: str | None = None
+    """Text that ends an assistant turn, any number of tokens (null: taken from the chat template; the
+    tokenizer's EOS and the model's generation_config EOS ids also end a turn)."""
 
     def __post_init__(self) -> None:
+        from envs.formats import FORMATS
+
         if self.max_tool_result_chars < 1:
             raise ConfigError(f"env.max_tool_result_chars: must be >= 1, got {self.max_tool_result_chars}")
+        if self.tool_format != "auto" and self.tool_format not in FORMATS:
+            raise ConfigError(
+                f"env.tool_format: must be 'auto' or one of {sorted(FORMATS)}, got {self.tool_format!r}"
+            )
+        if self.end_of_turn is not None and not self.end_of_turn:
+            raise ConfigError("env.end_of_turn: must be non-empty text or null")
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,13 @@ from treetrain.train.metrics import MetricsWriter, UpdateMetrics, read_metrics
 from treetrain.train.models import load_models
 from treetrain.train.planning import plan_for
 from treetrain.train.progress import Progress
-from treetrain.train.sources import RecordedSource, RolloutSource, check_context, model_context
+from treetrain.train.sources import (
+    RecordedSource,
+    RolloutSource,
+    check_context,
+    check_first_prompt,
+    model_context,
+)
 from treetrain.train.summary import RunSummary, plot_rewards
 from treetrain.tree import TrajectoryTree
 from treetrain.tree.stats import tree_stats
@@ -154,6 +160,8 @@ class Trainer:
             check_environment_config(cfg.env, cfg.seed)  # before any model is loaded
         models = load_models(cfg.model)
         check_context(cfg, models.policy)
+        if not cfg.rollout.trees:
+            check_first_prompt(cfg, models.tokenizer, models.policy, lambda: make_env(env_name, **env_kwargs))
         self.tokenizer = models.tokenizer
         self.reference = models.reference
         self.backend: TrainBackend = make_backend(models.policy, cfg.optim, cfg.distributed)

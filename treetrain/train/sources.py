@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from envs.protocol import Environment
+from envs.wrapper import WrapperConfig
 from treetrain.distributed.backend import TrainBackend
 from treetrain.loss.config import ConfigError
 from treetrain.rollout.sampler import SamplerConfig
@@ -75,19 +76,13 @@ class RolloutSource:
         self.backend = backend
         self.tokenizer = tokenizer
         self.make_env = make_env
-        from envs.wrapper import WrapperConfig
-
         self.fanout = FanOut(
             root=r.fanout_root,
             after_tool_result=r.fanout_after_tool,
             after_assistant_turn=r.fanout_env,
             max_depth=r.max_branch_depth,
         )
-        self.wrapper = WrapperConfig(
-            max_turns=r.max_turns, max_turn_tokens=r.max_turn_tokens,
-            max_episode_tokens=r.max_episode_tokens or model_context(backend.module) or 8192,
-            step_timeout_s=r.step_timeout_s, max_tool_result_chars=cfg.env.max_tool_result_chars,
-        )  # fmt: skip
+        self.wrapper = wrapper_config(cfg, backend.module)
 
     def __call__(self, model: Any, update: int, version: int) -> Produced:
         start = time.perf_counter()
@@ -114,6 +109,36 @@ class RolloutSource:
             model.train(was_training)
         trees = share_trees(self.backend, tuple(local))
         return Produced(tuple((t,) for t in trees), time.perf_counter() - start)
+
+
+def wrapper_config(cfg: TrainConfig, model: Any) -> WrapperConfig:
+    """The episode budgets, template settings and stop ids of the rollouts (the model fills the gaps)."""
+    r, e = cfg.rollout, cfg.env
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    stops = tuple(int(t) for t in ([eos] if isinstance(eos, int) else eos or ()))
+    return WrapperConfig(
+        max_turns=r.max_turns, max_turn_tokens=r.max_turn_tokens,
+        max_episode_tokens=r.max_episode_tokens or model_context(model) or 8192,
+        step_timeout_s=r.step_timeout_s, max_tool_result_chars=e.max_tool_result_chars,
+        end_of_turn=e.end_of_turn, tool_format=e.tool_format, stop_token_ids=stops,
+    )  # fmt: skip
+
+
+def check_first_prompt(
+    cfg: TrainConfig, tokenizer: Any, model: Any, make_env: Callable[[], Environment]
+) -> None:
+    """Open the first task through the token wrapper before anything is written: the chat template, the
+    end-of-turn marker, the tool format and the prompt's length against the episode budget all fail here."""
+    from envs.template import TemplateError
+    from envs.wrapper import TokenEnv
+
+    try:
+        episode = TokenEnv(make_env(), tokenizer, wrapper_config(cfg, model), env_name=cfg.env.name)
+        episode.reset(task_seeds(cfg, 0)[0])
+    except TemplateError as exc:
+        raise ConfigError(f"env.end_of_turn / model.tokenizer: {exc}") from None
+    except ValueError as exc:
+        raise ConfigError(f"rollout.max_episode_tokens: {exc}") from None
 
 
 def model_context(model: Any) -> int | None:

@@ -1,0 +1,222 @@
+"""Tool-call formats: how a model family writes tool calls in its turn, as a small registry.
+
+Each format parses an assistant turn's text into content, OpenAI-style `ToolCall`s and malformed calls,
+and writes a call the way the model would (for tests and scripted policies). The chat template renders
+calls itself; a format only says how to read them back. Parsing never raises on model output: a
+malformed call becomes a `ToolCallError`, which the wrapper shows to the agent as an `Error: ...` tool
+message. A format is chosen by name (`env.tool_format`) or detected from the chat template's text.
+
+| name | model families | a call looks like |
+|---|---|---|
+| `hermes` | Qwen 2/2.5/3, Hermes, the shipped tokenizer | `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` |
+| `llama3` | Llama 3.1 / 3.2 / 3.3 (JSON tool calling) | `<|python_tag|>{"name": ..., "parameters": {...}}` (the tag optional) |
+| `mistral` | Mistral / Mixtral v0.3 tokenizers | `[TOOL_CALLS] [{"name": ..., "arguments": {...}, "id": "a1b2c3d4e"}]` |
+| `deepseek_v3` | DeepSeek V3 / R1 | `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` + a json block |
+
+Example:
+    >>> fmt = FORMATS["llama3"]
+    >>> turn = fmt.parse('{"name": "add", "parameters": {"a": 1, "b": 2}}', turn=0)
+    >>> turn.message.tool_calls[0].name, dict(turn.message.tool_calls[0].arguments)
+    ('add', {'a': 1, 'b': 2})
+    >>> detect_format("... [TOOL_CALLS] ...").name
+    'mistral'
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from envs.protocol import Message, ToolCall
+from envs.toolcalls import ParsedTurn, ToolCallError, call_from_object, parse_tool_calls
+
+
+@dataclass(frozen=True)
+class ToolCallFormat:
+    """One model family's tool-call syntax."""
+
+    name: str
+    parse: Callable[[str, int], ParsedTurn]
+    """`parse(text, turn)`: the turn's content, well-formed calls and malformed ones."""
+    write: Callable[[str, Mapping[str, Any], str], str]
+    """`write(name, arguments, call_id)`: the text a model writes to make that call."""
+    markers: tuple[str, ...]
+    """Substrings of a chat template that identify this format."""
+    arguments_as_string: bool = False
+    """The chat template expects `function.arguments` as a JSON string (it concatenates it), not an object."""
+
+
+def _llama3_parse(text: str, turn: int) -> ParsedTurn:
+    body = text.strip()
+    tagged = body.startswith("<|python_tag|>")
+    if tagged:
+        body = body[len("<|python_tag|>") :].strip()
+    if not body.startswith("{"):
+        if tagged:
+            err = ToolCallError(
+                f"call_{turn}_0", "<|python_tag|> not followed by a JSON object", text, LLAMA3_HINT
+            )
+            return ParsedTurn(Message("assistant", text.strip()), (err,))
+        return ParsedTurn(Message("assistant", text.strip()), ())
+    calls: list[ToolCall] = []
+    errors: list[ToolCallError] = []
+    decoder = json.JSONDecoder()
+    pos, index = 0, 0
+    while pos < len(body):
+        call_id = f"call_{turn}_{index}"
+        try:
+            obj, end = decoder.raw_decode(body, pos)
+        except json.JSONDecodeError as exc:
+            errors.append(
+                ToolCallError(call_id, f"invalid JSON: {exc.msg} at char {exc.pos}", body[pos:], LLAMA3_HINT)
+            )
+            break
+        parsed = call_from_object(obj, call_id, args_keys=("parameters", "arguments"), hint=LLAMA3_HINT)
+        (calls if isinstance(parsed, ToolCall) else errors).append(parsed)  # type: ignore[arg-type]
+        index += 1
+        pos = end
+        while pos < len(body) and body[pos] in " \t\r\n;":
+            pos += 1
+    content = "" if calls and not errors else text.strip()
+    return ParsedTurn(Message("assistant", content, tuple(calls)), tuple(errors))
+
+
+LLAMA3_HINT = 'Reply with only {"name": "<tool>", "parameters": {...}}.'
+MISTRAL_HINT = 'Write [TOOL_CALLS] [{"name": "<tool>", "arguments": {...}}].'
+DEEPSEEK_HINT = (
+    "Write <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜><tool>\\n```json\\n{...}\\n```"
+    "<｜tool▁call▁end｜><｜tool▁calls▁end｜>."
+)
+
+
+def _mistral_id(turn: int, index: int) -> str:
+    """Mistral templates require call ids of exactly 9 alphanumerics."""
+    return f"c{turn % 10000:04d}{index % 10000:04d}"
+
+
+def _mistral_parse(text: str, turn: int) -> ParsedTurn:
+    head, sep, tail = text.partition("[TOOL_CALLS]")
+    if not sep:
+        return ParsedTurn(Message("assistant", text.strip()), ())
+    call_id = _mistral_id(turn, 0)
+    try:
+        obj, end = json.JSONDecoder().raw_decode(tail.strip())
+    except json.JSONDecodeError as exc:
+        err = ToolCallError(
+            call_id, f"invalid JSON after [TOOL_CALLS]: {exc.msg} at char {exc.pos}", tail, MISTRAL_HINT
+        )
+        return ParsedTurn(Message("assistant", text.strip()), (err,))
+    items = obj if isinstance(obj, list) else [obj]
+    calls: list[ToolCall] = []
+    errors: list[ToolCallError] = []
+    for i, item in enumerate(items):
+        if isinstance(item, dict):
+            item = {k: v for k, v in item.items() if k != "id"}
+        parsed = call_from_object(item, _mistral_id(turn, i), hint=MISTRAL_HINT)
+        (calls if isinstance(parsed, ToolCall) else errors).append(parsed)  # type: ignore[arg-type]
+    if tail.strip()[end:].strip():
+        errors.append(
+            ToolCallError(_mistral_id(turn, len(items)), "text after the call list", tail, MISTRAL_HINT)
+        )
+    content = head.strip() if not errors else text.strip()
+    return ParsedTurn(Message("assistant", content, tuple(calls)), tuple(errors))
+
+
+def _mistral_write(name: str, arguments: Mapping[str, Any], call_id: str) -> str:
+    return "[TOOL_CALLS] " + json.dumps([{"name": name, "arguments": dict(arguments), "id": call_id}])
+
+
+_DS_BEGIN, _DS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+_DS_CALL = re.compile(
+    r"<｜tool▁call▁begin｜>(?:(?P<type>\w+)<｜tool▁sep｜>(?P<name>[^\n<]+)\n```json\n(?P<args>.*?)\n```"
+    r"|(?P<name31>[^<]+?)<｜tool▁sep｜>(?P<args31>.*?))<｜tool▁call▁end｜>",
+    re.DOTALL,
+)
+
+
+def _deepseek_parse(text: str, turn: int) -> ParsedTurn:
+    start = text.find(_DS_BEGIN)
+    if start < 0:
+        return ParsedTurn(Message("assistant", text.strip()), ())
+    block = text[start + len(_DS_BEGIN) :]
+    stop = block.find(_DS_END)
+    errors: list[ToolCallError] = []
+    if stop < 0:
+        errors.append(ToolCallError(f"call_{turn}_0", f"{_DS_BEGIN} without {_DS_END}", block, DEEPSEEK_HINT))
+    else:
+        block = block[:stop]
+    calls: list[ToolCall] = []
+    for index, m in enumerate(_DS_CALL.finditer(block)):
+        call_id = f"call_{turn}_{index}"
+        name = (m.group("name") or m.group("name31") or "").strip()
+        raw = m.group("args") if m.group("name") is not None else m.group("args31")
+        try:
+            args = json.loads(raw) if raw.strip() else {}
+        except json.JSONDecodeError as exc:
+            errors.append(
+                ToolCallError(
+                    call_id, f"invalid JSON arguments: {exc.msg} at char {exc.pos}", raw, DEEPSEEK_HINT
+                )
+            )
+            continue
+        parsed = call_from_object({"name": name, "arguments": args}, call_id, hint=DEEPSEEK_HINT)
+        (calls if isinstance(parsed, ToolCall) else errors).append(parsed)  # type: ignore[arg-type]
+    if not calls and not errors:
+        errors.append(
+            ToolCallError(
+                f"call_{turn}_0", "no well-formed call inside the tool-call block", block, DEEPSEEK_HINT
+            )
+        )
+    content = text[:start].strip() if not errors else text.strip()
+    return ParsedTurn(Message("assistant", content, tuple(calls)), tuple(errors))
+
+
+def _deepseek_write(name: str, arguments: Mapping[str, Any], call_id: str) -> str:
+    return (
+        f"{_DS_BEGIN}<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n{json.dumps(dict(arguments))}\n```"
+        f"<｜tool▁call▁end｜>{_DS_END}"
+    )
+
+
+def _hermes_write(name: str, arguments: Mapping[str, Any], call_id: str) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': dict(arguments)})}\n</tool_call>"
+
+
+def _llama3_write(name: str, arguments: Mapping[str, Any], call_id: str) -> str:
+    return json.dumps({"name": name, "parameters": dict(arguments)})
+
+
+FORMATS: Mapping[str, ToolCallFormat] = {
+    "hermes": ToolCallFormat("hermes", parse_tool_calls, _hermes_write, ("<tool_call>",)),
+    "mistral": ToolCallFormat("mistral", _mistral_parse, _mistral_write, ("[TOOL_CALLS]",)),
+    "deepseek_v3": ToolCallFormat(
+        "deepseek_v3", _deepseek_parse, _deepseek_write, ("tool▁calls▁begin",), arguments_as_string=True
+    ),
+    "llama3": ToolCallFormat("llama3", _llama3_parse, _llama3_write, ("<|python_tag|>", '"parameters": ')),
+}
+
+
+class UnknownFormatError(ValueError):
+    """No tool-call format has that name; the message lists the known ones."""
+
+
+def get_format(name: str) -> ToolCallFormat:
+    """The format called `name` (see `FORMATS`)."""
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise UnknownFormatError(
+            f"unknown tool-call format {name!r}; known: {sorted(FORMATS)} or 'auto'"
+        ) from None
+
+
+def detect_format(chat_template: str | None) -> ToolCallFormat:
+    """The format whose markers appear in the template text; `hermes` when none does."""
+    text = chat_template or ""
+    for fmt in FORMATS.values():
+        if any(marker in text for marker in fmt.markers):
+            return fmt
+    return FORMATS["hermes"]
