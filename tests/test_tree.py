@@ -78,7 +78,7 @@ def test_ownership_agrees_with_tree_structure(trajs: list[Trajectory]) -> None:
 @TREE_SETTINGS
 @given(trajectory_sets())
 def test_owned_policy_tokens_read_off_the_nodes(trajs: list[Trajectory]) -> None:
-    tree = TrajectoryTree.build(trajs)
+    tree = build_tree(trajs)
     assert tree.owned_policy_tokens() == tuple(t.num_policy_tokens for t in trajs)
 
 

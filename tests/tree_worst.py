@@ -1,5 +1,5 @@
 """Constructed worst cases for loading: valid, canonical tree files built directly as msgpack documents
-(building them through `TrajectoryTree.build` would itself take time in proportion to every call)."""
+(building them through `build_tree` would itself take time in proportion to every call)."""
 
 from __future__ import annotations
 
