@@ -68,6 +68,14 @@ def add_parser(sub: Any) -> None:
         "settings (the flags below still override)",
     )
     p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="override one field of the config (repeatable; without --config, of the defaults)",
+    )
+    p.add_argument(
         "--model",
         metavar="MODEL",
         help="'demo' (the shipped checkpoint), a local HF model dir or tiny-<family> (without --config)",
@@ -124,7 +132,7 @@ def _from_config(args: argparse.Namespace, trees: list[TrajectoryTree]) -> int:
     from treetrain.train.sources import check_vocabulary
 
     try:
-        cfg = load_config(args.config)
+        cfg = load_config(args.config, args.overrides)
         cfg = replace(cfg, memory_budget=str(args.budget), mode=args.mode or cfg.mode)
         models = load_models(cfg.model)
         vocab = int(models.policy.config.get_text_config(decoder=True).vocab_size)
@@ -168,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
             return _fail(f"cannot read {path}: {e.strerror or e}")
     if not trees:
         return _fail("the tree files hold no trees")
-    if args.config:
+    if args.config or args.overrides:
         return _from_config(args, trees)
     if not args.model:
         return _fail("give --model ('demo', a local model directory or tiny-<family>) or --config")

@@ -12,7 +12,6 @@ Example:
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,14 +25,24 @@ from treetrain.engine.schedule import Contract
 from treetrain.loss.advantages import AdvantageConfig
 from treetrain.loss.config import ConfigError, LossConfig
 from treetrain.models.logprobs import DEFAULT_MAX_LOGIT_ELEMENTS
+from treetrain.train.config_file import read_config_file
 from treetrain.train.typed import apply_override, from_dict, to_dict
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
-
 DTYPES = ("float32", "bfloat16", "float16", "float64")
+SEED_LIMIT = 2**32
+"""Seeds are in [0, 2^32): numpy's range, and task seeds derived from them stay within 64 bits."""
+MAX_THREADS = 4096
+ROLLOUT_LIMITS = {
+    "groups_per_update": 1 << 16,
+    "fanout_root": 1 << 12,
+    "fanout_after_tool": 1 << 12,
+    "fanout_env": 1 << 12,
+    "max_branch_depth": 64,
+    "max_turns": 1 << 12,
+    "max_turn_tokens": 1 << 20,
+    "max_episode_tokens": 1 << 24,
+}
+"""Upper bounds on sampling sizes: batches and buffers are sized from them, so a typo must not allocate."""
 
 
 @dataclass(frozen=True)
@@ -129,6 +138,9 @@ class RolloutSection:
         for name in ("max_turns", "max_turn_tokens", "max_episode_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"rollout.{name}: must be >= 1, got {getattr(self, name)}")
+        for name, most in ROLLOUT_LIMITS.items():
+            if getattr(self, name) > most:
+                raise ConfigError(f"rollout.{name}: at most {most}, got {getattr(self, name)}")
         if self.step_timeout_s is not None and not self.step_timeout_s > 0:
             raise ConfigError(f"rollout.step_timeout_s: must be > 0 or null, got {self.step_timeout_s}")
         if not self.temperature > 0:
@@ -236,6 +248,8 @@ class TrainConfig:
     """One process (torch) or DeepSpeed ZeRO across processes."""
 
     def __post_init__(self) -> None:
+        if not 0 <= self.seed < SEED_LIMIT:
+            raise ConfigError(f"seed: must be in [0, 2^32), got {self.seed}")
         if self.updates < 1:
             raise ConfigError(f"updates: must be >= 1, got {self.updates}")
         if self.checkpoint_every < 0:
@@ -244,8 +258,8 @@ class TrainConfig:
             raise ConfigError(f"lr_warmup_updates: must be >= 0, got {self.lr_warmup_updates}")
         if self.measure_memory_every < 0:
             raise ConfigError(f"measure_memory_every: must be >= 0, got {self.measure_memory_every}")
-        if self.threads is not None and self.threads < 1:
-            raise ConfigError(f"threads: must be >= 1 or null, got {self.threads}")
+        if self.threads is not None and not 1 <= self.threads <= MAX_THREADS:
+            raise ConfigError(f"threads: must be in [1, {MAX_THREADS}] or null, got {self.threads}")
         tempered = self.rollout.temperature != 1.0 or self.rollout.top_p < 1.0
         if self.loss.ratio_source == "sampler" and tempered and self.rollout.trees is None:
             raise ConfigError(
@@ -265,23 +279,8 @@ class TrainConfig:
 
 
 def read_file(path: str | Path) -> dict[str, Any]:
-    """A TOML (.toml) or YAML (.yaml/.yml) file as a dict."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file {p} does not exist")
-    text = p.read_text()
-    try:
-        if p.suffix == ".toml":
-            data: Any = tomllib.loads(text)
-        elif p.suffix in (".yaml", ".yml"):
-            data = yaml.safe_load(text) or {}
-        else:
-            raise ConfigError(f"config file {p}: use .toml, .yaml or .yml")
-    except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
-        raise ConfigError(f"config file {p} is not valid: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {p}: the top level must be a mapping")
-    return data
+    """A TOML (.toml) or YAML (.yaml/.yml) file as a dict, within the limits of `config_file`."""
+    return read_config_file(path)
 
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> TrainConfig:

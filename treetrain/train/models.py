@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from treetrain.assets import tokenizer_path
@@ -51,8 +52,30 @@ def resolve_model_path(path: str, field: str = "model.path") -> str:
     return path
 
 
+def _broken_weights(directory: str) -> str:
+    """Which safetensors file in `directory` is unreadable (a header check, no tensor is read)."""
+    for file in sorted(Path(directory).glob("*.safetensors")):
+        try:
+            with safe_open(str(file), "pt"):
+                pass
+        except (SafetensorError, OSError) as exc:
+            return f"{file}: not a complete safetensors file ({exc})"
+    return f"{directory}: its weights cannot be read"
+
+
+def _load(path: str, field: str, section: ModelSection, vocab_size: int) -> PreTrainedModel:
+    """`load_model` with every failure of reading the checkpoint as a one-line `ConfigError` naming `field`."""
+    try:
+        return load_model(path, vocab_size=vocab_size, dtype=getattr(torch, section.dtype), attn=section.attn)
+    except ConfigError:
+        raise
+    except SafetensorError:
+        raise ConfigError(f"{field}: {_broken_weights(path)}") from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{field}: {' '.join(str(exc).split())}") from None
+
+
 def load_models(section: ModelSection) -> LoadedModels:
-    dtype = getattr(torch, section.dtype)
     path = resolve_model_path(section.path)
     if section.tokenizer is not None:
         tok_dir: Any = section.tokenizer
@@ -65,23 +88,17 @@ def load_models(section: ModelSection) -> LoadedModels:
     except (OSError, ValueError) as exc:
         field = "model.tokenizer" if section.tokenizer is not None else "model.path"
         raise ConfigError(f"{field}: cannot load a tokenizer from {tok_dir}: {exc}") from exc
-    try:
-        policy = load_model(path, vocab_size=len(tokenizer), dtype=dtype, attn=section.attn)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"model.path: {exc}") from exc
+    policy = _load(path, "model.path", section, len(tokenizer))
     reference = None
     if section.reference == "initial":
         reference = copy.deepcopy(policy)
     elif section.reference is not None:
-        try:
-            reference = load_model(
-                resolve_model_path(section.reference, "model.reference"), vocab_size=len(tokenizer), dtype=dtype,
-                attn=section.attn,
-            )  # fmt: skip
-        except (OSError, ValueError) as exc:
-            if isinstance(exc, ConfigError):
-                raise
-            raise ConfigError(f"model.reference: {exc}") from exc
+        reference = _load(
+            resolve_model_path(section.reference, "model.reference"),
+            "model.reference",
+            section,
+            len(tokenizer),
+        )
     if reference is not None:
         reference.eval()
         reference.requires_grad_(False)

@@ -17,7 +17,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import types
@@ -25,11 +24,23 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
-import yaml
-
 from treetrain.loss.config import ConfigError
+from treetrain.train.config_file import parse_value
 
 T = TypeVar("T")
+
+INT_MIN, INT_MAX = -(2**63), 2**63 - 1
+"""Every integer in a config fits a 64-bit signed integer, whatever torch or numpy it later reaches."""
+
+
+def _show(value: Any) -> str:
+    """`repr` cut to one short line (a hostile value may be megabytes long)."""
+    text = (
+        repr(value)
+        if not isinstance(value, int) or abs(value) < 10**30
+        else f"an integer of {value.bit_length()} bits"
+    )
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _check_scalar(tp: Any, value: Any, where: str) -> Any:
@@ -37,24 +48,25 @@ def _check_scalar(tp: Any, value: Any, where: str) -> Any:
         return value
     if tp is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true/false, got {value!r}")
+            raise ConfigError(f"{where}: expected true/false, got {_show(value)}")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+            raise ConfigError(f"{where}: expected an integer, got {_show(value)}")
+        if not INT_MIN <= value <= INT_MAX:
+            raise ConfigError(f"{where}: {_show(value)} is out of range (a 64-bit integer)")
         return value
     if tp is float:
-        if isinstance(value, str):  # YAML reads 5e-4 (no dot) as text
-            with contextlib.suppress(ValueError):
-                value = float(value)
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
+            raise ConfigError(f"{where}: expected a number, got {_show(value)}")
+        if isinstance(value, int) and not INT_MIN <= value <= INT_MAX:
+            raise ConfigError(f"{where}: {_show(value)} is out of range")
         if not math.isfinite(value):
             raise ConfigError(f"{where}: expected a finite number, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
+            raise ConfigError(f"{where}: expected a string, got {_show(value)}")
         return value
     raise ConfigError(f"{where}: unsupported config type {tp!r}")
 
@@ -66,7 +78,7 @@ def convert(tp: Any, value: Any, where: str) -> Any:
         if isinstance(value, tp):
             return value
         if not isinstance(value, Mapping):
-            raise ConfigError(f"{where}: expected a section (mapping), got {value!r}")
+            raise ConfigError(f"{where}: expected a section (mapping), got {_show(value)}")
         return from_dict(tp, value, where)
     if origin in (typing.Union, types.UnionType):
         args = get_args(tp)
@@ -82,15 +94,16 @@ def convert(tp: Any, value: Any, where: str) -> Any:
                 return convert(arg, value, where)
             except ConfigError as exc:
                 errors.append(str(exc))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{where}: {value!r} matches none of {tp}")
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{where}: {_show(value)} matches none of {tp}")
     if origin is Literal:
         choices = get_args(tp)
-        if value not in choices:
-            raise ConfigError(f"{where}: must be one of {list(choices)}, got {value!r}")
+        # `type(...) is` too: true == 1 and 1.0 == 1 in Python, but neither is the choice 1.
+        if not any(value == c and type(value) is type(c) for c in choices):
+            raise ConfigError(f"{where}: must be one of {list(choices)}, got {_show(value)}")
         return value
     if origin is tuple:
         if not isinstance(value, list | tuple):
-            raise ConfigError(f"{where}: expected a list, got {value!r}")
+            raise ConfigError(f"{where}: expected a list, got {_show(value)}")
         args = get_args(tp)
         if len(args) == 2 and args[1] is Ellipsis:
             return tuple(convert(args[0], v, f"{where}[{i}]") for i, v in enumerate(value))
@@ -99,7 +112,7 @@ def convert(tp: Any, value: Any, where: str) -> Any:
         return tuple(convert(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
     if origin in (Mapping, dict) or tp in (Mapping, dict):
         if not isinstance(value, Mapping):
-            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+            raise ConfigError(f"{where}: expected a mapping, got {_show(value)}")
         key_t, val_t = get_args(tp) or (str, Any)
         return types.MappingProxyType(
             {convert(key_t, k, f"{where}"): convert(val_t, v, f"{where}.{k}") for k, v in value.items()}
@@ -111,8 +124,11 @@ def from_dict(cls: type[T], data: Mapping[str, Any], where: str = "") -> T:
     """Construct dataclass `cls` from `data`, naming `where.field` in every error."""
     hints = get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    unknown = sorted(set(data) - set(fields))
     prefix = f"{where}." if where else ""
+    for key in data:
+        if not isinstance(key, str):
+            raise ConfigError(f"{prefix}{_show(key)}: a field name must be text")
+    unknown = sorted(set(data) - set(fields))
     if unknown:
         raise ConfigError(f"{prefix}{unknown[0]}: unknown field; known fields: {', '.join(sorted(fields))}")
     kwargs = {name: convert(hints[name], value, f"{prefix}{name}") for name, value in data.items()}
@@ -150,7 +166,6 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
             raise ConfigError(f"override {key}: {p} is not a section")
         node = child
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:  # e.g. a glob like *.msgpack: take it as text
-        value = raw
-    node[parts[-1]] = value
+        node[parts[-1]] = parse_value(raw)
+    except ConfigError as exc:
+        raise ConfigError(f"override {key.strip()}: {exc}") from None
