@@ -139,7 +139,7 @@ class RolloutSection:
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"rollout.{name}: must be >= 1, got {getattr(self, name)}")
         for name, most in ROLLOUT_LIMITS.items():
-            if getattr(self, name) > most:
+            if getattr(self, name) is not None and getattr(self, name) > most:
                 raise ConfigError(f"rollout.{name}: at most {most}, got {getattr(self, name)}")
         if self.step_timeout_s is not None and not self.step_timeout_s > 0:
             raise ConfigError(f"rollout.step_timeout_s: must be > 0 or null, got {self.step_timeout_s}")
