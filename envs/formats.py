@@ -75,6 +75,10 @@ def _llama3_parse(text: str, turn: int) -> ParsedTurn:
             )
             break
         parsed = call_from_object(obj, call_id, args_keys=("parameters", "arguments"), hint=LLAMA3_HINT)
+        if isinstance(parsed, ToolCall) and calls:  # Llama 3.1 templates render one call per turn
+            parsed = ToolCallError(
+                call_id, "one tool call per turn in this format", body[pos:end], LLAMA3_HINT
+            )
         (calls if isinstance(parsed, ToolCall) else errors).append(parsed)  # type: ignore[arg-type]
         index += 1
         pos = end

@@ -8,9 +8,11 @@ Training needs the exact token ids the model saw, so nothing is re-tokenized aft
   it *without* them, preceded by whatever the template puts after the assistant's end-of-turn marker
   (ChatML's newline after `<|im_end|>`).
 
-That is exact when the template only appends. A template that rewrites earlier turns (for example one
-that drops earlier reasoning blocks) is detected, not papered over: `observation` returns a `Rewrite`
-with the whole new context, and the wrapper continues the episode as a new *call* of the same
+That is exact when the template only appends. A template that rewrites earlier turns (one that drops
+earlier reasoning blocks, or Mistral's, which moves the system prompt to the last user message) is
+detected, not papered over: when the rendering with the new turn does not extend the context before it,
+or the rendering with the new messages does not extend the one without them, `observation` returns a
+`Rewrite` with the whole new context, and the wrapper continues the episode as a new *call* of the same
 trajectory (several calls per trajectory: `treetrain.trajectory`).
 
 End of turn is a token sequence. By default it is what the template writes right after an assistant
@@ -44,6 +46,10 @@ _PROBE = "PROBE_7c1e"
 
 class TemplateError(ValueError):
     """The tokenizer's chat template is missing, fails to render, or has no usable end-of-turn marker."""
+
+
+class RenderError(TemplateError):
+    """The chat template refused one conversation (its own `raise_exception`, or a Jinja error)."""
 
 
 @dataclass(frozen=True)
@@ -99,6 +105,8 @@ class ChatTemplate:
         self.stop_sequences: tuple[tuple[int, ...], ...] = tuple(
             dict.fromkeys([self.end_of_turn_ids, *singles])
         )
+        probe = self.tokens([Message("user", "ping"), Message("assistant", _PROBE)])
+        self._turn_end(probe, len(self.tokens([Message("user", "ping")], generation_prompt=True)))
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
@@ -130,7 +138,7 @@ class ChatTemplate:
                 add_generation_prompt=generation_prompt,
             )
         except Exception as exc:  # jinja2 errors and the template's own raise_exception
-            raise TemplateError(f"the chat template failed to render: {type(exc).__name__}: {exc}") from None
+            raise RenderError(f"the chat template failed to render: {type(exc).__name__}: {exc}") from None
         if not isinstance(text, str):
             raise TemplateError(f"apply_chat_template returned {type(text).__name__}, expected str")
         return text
@@ -191,10 +199,9 @@ class ChatTemplate:
         before = (
             tuple(before) if before is not None else self.tokens(history[:-1], tools, generation_prompt=True)
         )
-        start = next(
-            (i for i, (a, b) in enumerate(zip(before, without)) if a != b), min(len(before), len(without))
-        )
-        end = self._turn_end(without, start)
+        if without[: len(before)] != before:  # adding the turn changed what came before it
+            return Rewrite(with_new)
+        end = self._turn_end(without, len(before))
         lead = () if closed else self.end_of_turn_ids
         return Observation(lead + without[end:] + with_new[len(without) :], with_new)
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import logging
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -35,12 +36,15 @@ from enum import Enum
 from typing import Any
 
 from envs.protocol import Environment, Episode, Message, Rubric, StepResult, ToolSpec, default_rubric
-from envs.template import ChatTemplate, Rewrite
+from envs.template import ChatTemplate, RenderError, Rewrite
 from treetrain.trajectory import Call, Role, Segment, Trajectory, TrajectoryMeta
 
 
 class EnvStepError(RuntimeError):
     """The environment's `step` raised (a bug in the environment, not in the agent's output)."""
+
+
+log = logging.getLogger(__name__)
 
 
 class StepAbandoned(BaseException):
@@ -62,6 +66,9 @@ class Finish(str, Enum):
     DONE = "done"
     MAX_TURNS = "max_turns"
     MAX_TOKENS = "max_tokens"
+    TEMPLATE_ERROR = "template_error"
+    """The chat template refused to render the conversation (e.g. Mistral's, after a turn whose only tool
+    call was malformed); the episode ends here instead of crashing the rollout."""
 
 
 @dataclass(frozen=True)
@@ -221,7 +228,11 @@ class TokenEnv:
         if self._turns >= self.config.max_turns:
             return self._end(Finish.MAX_TURNS, result.messages)
         history = self._messages[: len(self._messages) - len(result.messages)]
-        nxt = self.template.observation(history, result.messages, self._tools, closed, self._rendered)
+        try:
+            nxt = self.template.observation(history, result.messages, self._tools, closed, self._rendered)
+        except RenderError as exc:
+            log.warning("%s: episode ended: %s", self.env_name, exc)
+            return self._end(Finish.TEMPLATE_ERROR, result.messages)
         if isinstance(nxt, Rewrite):  # the template changed earlier turns: a new call of this trajectory
             if len(nxt.tokens) >= self.config.max_episode_tokens:
                 return self._end(Finish.MAX_TOKENS, result.messages)

@@ -141,6 +141,7 @@ MODULES = [
     "envs.protocol",
     "envs.tools",
     "envs.schema",
+    "envs.formats",
     "envs.toolcalls",
     "envs.template",
     "envs.wrapper",

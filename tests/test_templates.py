@@ -121,10 +121,8 @@ def test_end_of_turn_comes_from_the_template_and_can_be_any_sequence() -> None:
     assert env.template.decode(result.observation) == "\nuser: turn 1 ok [done]\nassistant:"
     cut = env.step(encode(" unfinished"))  # cut by a budget: the marker is supplied as observation
     assert cut.observation[: len(tpl.end_of_turn_ids)] == tpl.end_of_turn_ids
-    with pytest.raises(TemplateError, match="does not end assistant turns"):
-        bad = TokenEnv(FixedTurnsEnv(turns=3), plain, WrapperConfig(end_of_turn="<|im_end|>"))
-        bad.reset(0)
-        bad.step(encode(" hi<|im_end|>"))
+    with pytest.raises(TemplateError, match="does not end assistant turns"):  # refused when built
+        TokenEnv(FixedTurnsEnv(turns=3), plain, WrapperConfig(end_of_turn="<|im_end|>"))
 
 
 def test_sampler_stops_on_a_multi_token_sequence() -> None:
