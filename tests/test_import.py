@@ -4,13 +4,13 @@ line number and field, and nothing is written."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from treetrain.cli.main import main
-from treetrain.rollout import importer
 from treetrain.rollout.importer import GroupBy, import_jsonl
 from treetrain.rollout.records import RecordError
 from treetrain.trajectory import Call, Role, Segment, Trajectory
@@ -181,21 +181,54 @@ def test_existing_output_is_untouched_on_failure(tmp_path: Path) -> None:
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
-def test_a_failed_write_removes_what_it_wrote(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real = importer.atomic_write_bytes
-    calls: list[Path] = []
+def _snapshot(root: Path) -> dict[str, tuple[bytes, int]]:
+    return {
+        str(p.relative_to(root)): (p.read_bytes() if p.is_file() else b"", p.stat().st_mode)
+        for p in sorted(root.rglob("*"))
+    }
 
-    def flaky(path: Path, data: bytes) -> None:
-        calls.append(Path(path))
-        if len(calls) == 2:
+
+def _fail_on_replace(monkeypatch: pytest.MonkeyPatch, nth: int) -> list[str]:
+    """Make the `nth` os.replace of the import fail like a full disk; the earlier ones happen for real."""
+    real = os.replace
+    calls: list[str] = []
+
+    def flaky(src: Any, dst: Any) -> None:
+        calls.append(str(dst))
+        if len(calls) == nth:
             raise OSError("disk full")
-        real(path, data)
+        real(src, dst)
 
-    monkeypatch.setattr(importer, "atomic_write_bytes", flaky)
+    monkeypatch.setattr(os, "replace", flaky)
+    return calls
+
+
+def test_a_failure_part_way_restores_the_directory_overwritten_files_included(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     out = tmp_path / "trees"
+    names = [p.name for p in import_jsonl(SAMPLE, out).paths]
+    assert len(names) >= 2
+    for k, name in enumerate(names):  # files the next import overwrites, with other content and modes
+        (out / name).write_bytes(b"the user's own bytes %d" % k)
+    (out / names[0]).chmod(0o600)
+    (out / "notes.txt").write_text("not treetrain's")
+    before = _snapshot(tmp_path)
+    calls = _fail_on_replace(monkeypatch, nth=len(names))  # every file but the last is already in place
     with pytest.raises(OSError, match="disk full"):
         import_jsonl(SAMPLE, out)
-    assert len(calls) == 2 and not out.exists()
+    assert len(calls) >= len(names)
+    assert _snapshot(tmp_path) == before
+    monkeypatch.undo()
+    import_jsonl(SAMPLE, out)  # control: without the failure the files are replaced
+    assert (out / names[0]).read_bytes() != before[f"trees/{names[0]}"][0]
+
+
+def test_a_failure_part_way_leaves_no_new_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fail_on_replace(monkeypatch, nth=2)
+    with pytest.raises(OSError, match="disk full"):
+        import_jsonl(SAMPLE, tmp_path / "a" / "b")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_blank_lines_are_skipped_and_empty_files_rejected(tmp_path: Path) -> None:

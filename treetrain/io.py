@@ -17,7 +17,7 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 
@@ -93,3 +93,76 @@ def atomic_directory(
         _fsync_dir(str(final.parent))
         shutil.rmtree(old, ignore_errors=True)
     barrier()
+
+
+def write_files_all_or_nothing(files: Sequence[tuple[Path, bytes]]) -> None:
+    """Write every `(path, data)`, or, when anything fails part-way, leave the disk exactly as it was.
+
+    Each new content is first written to a temporary sibling and fsynced; each file about to be
+    overwritten is kept under a hard link (a copy where links are not supported); only then are the
+    temporaries renamed into place. On any error the renamed files are put back from their keepers, files
+    that did not exist are removed, and directories this call created are removed again.
+
+    Example:
+        >>> import tempfile
+        >>> d = Path(tempfile.mkdtemp()) / "out"
+        >>> write_files_all_or_nothing([(d / "a.txt", b"a"), (d / "b.txt", b"b")])
+        >>> sorted(p.name for p in d.iterdir())
+        ['a.txt', 'b.txt']
+    """
+    created: list[Path] = []
+    staged: list[tuple[Path, Path]] = []  # (temporary, target)
+    kept: dict[Path, Path] = {}  # target -> the old content's keeper
+    placed: list[Path] = []
+    try:
+        for target, data in files:
+            target = Path(target).absolute()
+            _make_parents(target.parent, created)
+            fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+            staged.append((Path(name), target))
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(name, os.stat(target).st_mode & 0o777 if target.exists() else 0o644)
+        for _, target in staged:
+            if target.exists() and target not in kept:
+                keeper = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:12]}")
+                try:
+                    os.link(target, keeper)
+                except OSError:
+                    shutil.copy2(target, keeper)
+                kept[target] = keeper
+        for staged_file, target in staged:
+            os.replace(staged_file, target)
+            placed.append(target)
+    except BaseException:
+        for target in reversed(list(dict.fromkeys(placed))):
+            with contextlib.suppress(OSError):
+                if target in kept:
+                    os.replace(kept.pop(target), target)
+                else:
+                    os.unlink(target)
+        for leftover in [p for p, _ in staged] + list(kept.values()):
+            with contextlib.suppress(OSError):
+                os.unlink(leftover)
+        for directory in reversed(created):
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+        raise
+    for keeper in kept.values():
+        with contextlib.suppress(OSError):
+            os.unlink(keeper)
+    for directory in {target.parent for _, target in staged}:
+        _fsync_dir(str(directory))
+
+
+def _make_parents(directory: Path, created: list[Path]) -> None:
+    """mkdir -p, recording (outermost first) every directory it created."""
+    missing = []
+    while not directory.exists():
+        missing.append(directory)
+        directory = directory.parent
+    for d in reversed(missing):
+        d.mkdir()
+        created.append(d)

@@ -17,6 +17,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from treetrain.models import ATTENTION
+from treetrain.tree.checks import NamedTrees, check_distinct, check_vocabulary, max_token_id
 from treetrain.tree.format import TreeFormatError, load_trees
 from treetrain.units import format_bytes, parse_bytes
 
@@ -28,6 +29,11 @@ if TYPE_CHECKING:  # the rest loads in `run`, so `treetrain --help` stays fast
     from treetrain.tree.model import TrajectoryTree
 
 EXIT_BAD_INPUT = 2
+MAX_INFERRED_VOCAB = 1 << 19
+"""Largest preset vocabulary taken from the trees' own token ids (above the 262,144 of the largest common
+tokenizers); beyond it `--vocab` must say so, because a hostile id must not size an embedding."""
+MAX_VOCAB = 1 << 24
+"""Largest `--vocab` accepted."""
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
@@ -43,6 +49,13 @@ def _bytes(text: str) -> int:
 
 def _retention(text: str) -> int | str:
     return "unbounded" if text == "unbounded" else _bytes(text)
+
+
+def _vocab(text: str) -> int:
+    value = _count(text)
+    if not 1 <= value <= MAX_VOCAB:
+        raise argparse.ArgumentTypeError(f"must be in [1, {MAX_VOCAB}], got {value}")
+    return value
 
 
 def _count(text: str) -> int:
@@ -85,7 +98,7 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--contract", choices=("exact", "response_only"), help="default: exact, or the config's")
     p.add_argument(
-        "--vocab", type=_count, help="vocabulary of a preset model (default: largest token id + 1)"
+        "--vocab", type=_vocab, help="vocabulary of a preset model (default: largest token id + 1)"
     )
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="parameter dtype")
     p.add_argument("--attn", choices=ATTENTION, default="sdpa", help="attention implementation")
@@ -117,7 +130,7 @@ def _batch(trees: list[TrajectoryTree], loss: LossConfig, adv: AdvantageConfig) 
     return UpdateBatch.build(trees, group.trees, Manifest.build(trees, 0), loss)
 
 
-def _from_config(args: argparse.Namespace, trees: list[TrajectoryTree]) -> int:
+def _from_config(args: argparse.Namespace, named: NamedTrees) -> int:
     """Plan exactly as `treetrain train` would for an update made of these trees."""
     from dataclasses import replace
 
@@ -129,15 +142,14 @@ def _from_config(args: argparse.Namespace, trees: list[TrajectoryTree]) -> int:
     from treetrain.train.config import load_config
     from treetrain.train.models import load_models
     from treetrain.train.planning import plan_for
-    from treetrain.train.sources import check_vocabulary
 
+    trees = [t for _, group in named for t in group]
     try:
         cfg = load_config(args.config, args.overrides)
         cfg = replace(cfg, memory_budget=str(args.budget), mode=args.mode or cfg.mode)
-        models = load_models(cfg.model)
-        vocab = int(models.policy.config.get_text_config(decoder=True).vocab_size)
-        check_vocabulary(trees, vocab, "the tree files")
-    except ConfigError as e:
+        models = load_models(cfg.model)  # sized from its checkpoint and tokenizer, never from the trees
+        check_vocabulary(named, int(models.policy.config.get_text_config(decoder=True).vocab_size))
+    except (ConfigError, TreeFormatError) as e:
         return _fail(str(e))
     forced = {
         "microbatch": args.microbatch, "chunk_size": args.chunk_size, "keep_graphs": args.keep_graphs,
@@ -164,28 +176,30 @@ def run(args: argparse.Namespace) -> int:
     from treetrain.models.presets import load_model
     from treetrain.models.support import UnsupportedModelError
     from treetrain.train.models import resolve_model_path
-    from treetrain.train.sources import check_vocabulary
 
-    trees: list[TrajectoryTree] = []
+    named: list[tuple[str, tuple[TrajectoryTree, ...]]] = []
     for path in args.trees:
         try:
-            trees.extend(load_trees(path))
+            named.append((path, load_trees(path)))
         except TreeFormatError as e:
             return _fail(str(e))
         except OSError as e:
             return _fail(f"cannot read {path}: {e.strerror or e}")
-    if not trees:
-        return _fail("the tree files hold no trees")
+    try:
+        check_distinct(named)
+    except TreeFormatError as e:
+        return _fail(str(e))
+    trees = [t for _, group in named for t in group]
     if args.config or args.overrides:
-        return _from_config(args, trees)
+        return _from_config(args, named)
     if not args.model:
         return _fail("give --model ('demo', a local model directory or tiny-<family>) or --config")
-    vocab = args.vocab or 1 + max(t for tree in trees for n in tree.nodes for t in n.tokens)
     try:
         path = resolve_model_path(args.model, "--model")  # the same names `treetrain train` accepts
+        vocab = _vocabulary(args, path, named)
+        check_vocabulary(named, vocab)  # before the model is built
         model = load_model(path, vocab_size=vocab, dtype=getattr(torch, args.dtype), attn=args.attn)
-        check_vocabulary(trees, int(model.config.get_text_config(decoder=True).vocab_size), "the tree files")
-    except ConfigError as e:
+    except (ConfigError, TreeFormatError) as e:
         return _fail(str(e))
     except (OSError, ValueError) as e:
         return _fail(f"cannot load model {args.model!r}: {e}")
@@ -203,6 +217,25 @@ def run(args: argparse.Namespace) -> int:
         return _fail(str(e))
     print(json.dumps(plan_json(plan), indent=2) if args.json else render(plan))
     return 0
+
+
+def _vocabulary(args: argparse.Namespace, path: str, named: NamedTrees) -> int:
+    """The model's vocabulary, known before it is built: a checkpoint's config, `--vocab`, or for a preset
+    the largest token id + 1, refused past `MAX_INFERRED_VOCAB` (a file's ids never size an embedding)."""
+    if not path.startswith("tiny-"):
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        return int(config.get_text_config(decoder=True).vocab_size)
+    if args.vocab:
+        return int(args.vocab)
+    name, top = max(((n, max_token_id(g)) for n, g in named), key=lambda item: item[1])
+    if top >= MAX_INFERRED_VOCAB:
+        raise TreeFormatError(
+            f"{name}: token id {top} is too large to size a {args.model} vocabulary from (at most "
+            f"{MAX_INFERRED_VOCAB - 1} without --vocab); give --vocab N if the model really has that many"
+        )
+    return max(top + 1, 1)
 
 
 def render(plan: Plan) -> str:

@@ -7,8 +7,8 @@ GRPO group of a prompt) or by the records' `group_id` (`GroupBy.GROUP_ID`).
 
 All or nothing: every line is validated and every tree built and encoded before the first byte is
 written. A problem raises `RecordError` with the line number and field, and `out_dir` is left untouched
-(not even created). Each file is written atomically; if writing fails part-way, the files this import
-created are removed again.
+(not even created). If writing fails part-way, `out_dir` is put back exactly as it was, files the import
+overwrote included (`treetrain.io.write_files_all_or_nothing`).
 
 Example:
     >>> import json, tempfile, pathlib
@@ -24,7 +24,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import re
@@ -35,8 +34,8 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
-from treetrain.io import atomic_write_bytes
-from treetrain.rollout.records import CallRecordIn, RecordError, parse_record
+from treetrain.io import write_files_all_or_nothing
+from treetrain.rollout.records import MAX_METADATA_ENTRIES, CallRecordIn, RecordError, parse_record
 from treetrain.trajectory import Role, Trajectory, TrajectoryError, TrajectoryMeta
 from treetrain.tree import TrajectoryTree
 from treetrain.tree.build import build_tree
@@ -61,11 +60,22 @@ class ImportResult:
     paths: tuple[Path, ...]
 
 
+MAX_LINE_BYTES = 1 << 27
+"""Longest JSONL line read (128 MiB): one record is one call, and a longer line is refused before it is
+held in memory whole."""
+
+
 def read_records(path: str | Path) -> Iterator[CallRecordIn]:
     """Validated records of a JSONL file, in order; blank lines are skipped."""
     source = str(path)
     with open(path, "rb") as f:
-        for line_no, raw in enumerate(f, start=1):
+        line_no = 0
+        while raw := f.readline(MAX_LINE_BYTES + 1):
+            line_no += 1
+            if len(raw) > MAX_LINE_BYTES:
+                raise RecordError(
+                    source, line_no, "<line>", f"longer than the limit of {MAX_LINE_BYTES} bytes"
+                )
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
@@ -78,7 +88,15 @@ def read_records(path: str | Path) -> Iterator[CallRecordIn]:
                 raise RecordError(
                     source, line_no, "<json>", f"invalid JSON: {exc.msg} at column {exc.colno}"
                 ) from None
-            yield parse_record(obj, source, line_no)
+            except ValueError as exc:  # an integer of more digits than Python converts
+                problem = str(exc).split(";")[0]
+                raise RecordError(source, line_no, "<json>", f"invalid JSON: {problem}") from None
+            except RecursionError:
+                raise RecordError(source, line_no, "<json>", "nested too deeply") from None
+            try:
+                yield parse_record(obj, source, line_no)
+            except RecursionError:
+                raise RecordError(source, line_no, "<record>", "nested too deeply") from None
 
 
 def _assemble(source: str, records: list[CallRecordIn]) -> Trajectory:
@@ -130,6 +148,13 @@ def _assemble(source: str, records: list[CallRecordIn]) -> Trajectory:
     extra: dict[str, str] = {}
     for r in records:
         extra.update(r.metadata)
+        if len(extra) > MAX_METADATA_ENTRIES:
+            raise RecordError(
+                source,
+                r.line,
+                "metadata",
+                f"the trajectory's records hold over {MAX_METADATA_ENTRIES} entries",
+            )
     last_messages = [r.messages for r in records if r.messages is not None]
     if last_messages:
         extra["messages"] = last_messages[-1]
@@ -185,21 +210,5 @@ def import_jsonl(path: str | Path, out_dir: str | Path, group_by: GroupBy = Grou
     groups = group_trajectories(path, records, group_by)
     trees = {g: build_tree(ts) for g, ts in groups.items()}
     payloads = [(Path(out_dir) / _file_name(g, t), tree_to_bytes(t)) for g, t in trees.items()]
-    out = Path(out_dir)
-    created_dir = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
-    written: list[Path] = []
-    try:
-        for target, data in payloads:
-            existed = target.exists()
-            atomic_write_bytes(target, data)
-            if not existed:
-                written.append(target)
-    except BaseException:
-        for p in written:
-            p.unlink(missing_ok=True)
-        if created_dir:
-            with contextlib.suppress(OSError):
-                out.rmdir()
-        raise
+    write_files_all_or_nothing(payloads)
     return ImportResult(tuple(trees.values()), tuple(trees), tuple(p for p, _ in payloads))

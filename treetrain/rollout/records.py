@@ -32,6 +32,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from treetrain.trajectory import Call, Role, Segment, TrajectoryError
+from treetrain.tree.schema import DEFAULT_LIMITS
+
+MAX_STR_BYTES = DEFAULT_LIMITS.max_str_bytes
+"""Longest string field (ids, env, each metadata key and value, the messages JSON), in UTF-8 bytes: what
+the tree format stores (`Limits.max_str_bytes`), so an imported file always loads again."""
+MAX_METADATA_ENTRIES = DEFAULT_LIMITS.max_map_len - 2
+"""Most metadata entries of a trajectory (over all its records), leaving room for `messages` and
+`group_id`: the tree format's `Limits.max_map_len`."""
 
 FIELDS = frozenset(
     {
@@ -93,19 +101,33 @@ class _Line:
     def int_(self, value: Any, field: str, minimum: int = -(2**63), limit: int = 2**63) -> int:
         """An integer in [minimum, limit): the tree format stores int64 metadata and uint32 token ids."""
         if isinstance(value, bool) or not isinstance(value, int):
-            raise self.fail(field, f"expected an integer, got {json.dumps(value)}")
+            raise self.fail(field, f"expected an integer, got {_show(value)}")
         if not minimum <= value < limit:
-            raise self.fail(field, f"must be in [{minimum}, {limit}), got {value}")
+            raise self.fail(field, f"must be in [{minimum}, {limit}), got {_show(value)}")
         return value
 
     def number(self, value: Any, field: str) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise self.fail(field, f"expected a finite number, got {json.dumps(value)}")
-        return float(value)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self.fail(field, f"expected a finite number, got {_show(value)}")
+        try:
+            out = float(value)
+        except OverflowError:
+            out = math.inf
+        if not math.isfinite(out):
+            raise self.fail(field, f"expected a finite number, got {_show(value)}")
+        return out
 
-    def string(self, value: Any, field: str) -> str:
-        if not isinstance(value, str) or not value:
-            raise self.fail(field, f"expected a non-empty string, got {json.dumps(value)}")
+    def string(self, value: Any, field: str, *, empty: bool = False) -> str:
+        if not isinstance(value, str) or not (value or empty):
+            raise self.fail(field, f"expected a non-empty string, got {_show(value)}")
+        try:
+            size = len(value.encode("utf-8"))
+        except UnicodeEncodeError as exc:
+            raise self.fail(
+                field, f"not valid Unicode (a lone surrogate {value[exc.start]!r} at character {exc.start})"
+            ) from None
+        if size > MAX_STR_BYTES:
+            raise self.fail(field, f"{size} bytes of UTF-8, over the limit of {MAX_STR_BYTES}")
         return value
 
     def tokens(self, value: Any, field: str) -> tuple[int, ...]:
@@ -154,7 +176,7 @@ def _segments(rec: _Line) -> tuple[Segment, ...]:
             raise rec.fail(f"{where}.{unknown[0]}", f"unknown field; a segment has {sorted(SEGMENT_FIELDS)}")
         roles = [r.value for r in Role]
         if seg.get("role") not in roles:
-            raise rec.fail(f"{where}.role", f"expected one of {roles}, got {json.dumps(seg.get('role'))}")
+            raise rec.fail(f"{where}.role", f"expected one of {roles}, got {_show(seg.get('role'))}")
         role = Role(seg["role"])
         if "token_ids" not in seg:
             raise rec.fail(f"{where}.token_ids", "missing")
@@ -196,6 +218,8 @@ def parse_record(obj: Any, source: str, line: int) -> CallRecordIn:
     metadata = obj.get("metadata") or {}
     if not isinstance(metadata, dict):
         raise rec.fail("metadata", "expected an object")
+    if len(metadata) > MAX_METADATA_ENTRIES:
+        raise rec.fail("metadata", f"{len(metadata)} entries, over the limit of {MAX_METADATA_ENTRIES}")
     messages = obj.get("messages")
     well_formed = isinstance(messages, list) and all(
         isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages
@@ -215,6 +239,22 @@ def parse_record(obj: Any, source: str, line: int) -> CallRecordIn:
         model_version=None
         if obj.get("model_version") is None
         else rec.int_(obj["model_version"], "model_version"),
-        metadata={str(k): v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()},
-        messages=None if messages is None else json.dumps(messages, separators=(",", ":")),
+        metadata={
+            rec.string(k, f"metadata key {_show(k)}", empty=True): rec.string(
+                v if isinstance(v, str) else json.dumps(v), f"metadata[{_show(k)}]", empty=True
+            )
+            for k, v in metadata.items()
+        },
+        messages=None
+        if messages is None
+        else rec.string(json.dumps(messages, separators=(",", ":")), "messages", empty=True),
     )
+
+
+def _show(value: Any, limit: int = 60) -> str:
+    """A value as JSON for a message, cut so that a hostile value cannot flood it."""
+    try:
+        text = json.dumps(value)
+    except (ValueError, RecursionError):
+        text = type(value).__name__
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."

@@ -27,6 +27,7 @@ from treetrain.rollout.schedule import FanOut
 from treetrain.rollout.tree_rollout import RolloutConfig, rollout_trees
 from treetrain.train.config import TrainConfig
 from treetrain.tree import TrajectoryTree
+from treetrain.tree.checks import check_distinct
 from treetrain.tree.format import load_trees, tree_from_bytes, tree_to_bytes
 
 log = logging.getLogger(__name__)
@@ -207,6 +208,7 @@ class RecordedSource:
             check_vocabulary(trees, vocab_size, f"rollout.trees: {f}")
             check_lengths(trees, context, f"rollout.trees: {f}")
             self.groups.append(trees)  # a file's trees are one group (trees/README.md)
+        check_distinct([(f"rollout.trees: {f}", g) for f, g in zip(files, self.groups)])
         self.per_update = min(cfg.rollout.groups_per_update, len(self.groups))
         if self.per_update < cfg.rollout.groups_per_update:
             log.warning(
