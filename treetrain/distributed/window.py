@@ -40,7 +40,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
-from transformers import PreTrainedModel
 
 from treetrain.distributed.backend import TrainBackend
 from treetrain.distributed.coverage import (
@@ -67,6 +66,7 @@ from treetrain.engine.schedule import ReplayStep
 from treetrain.loss.config import LossConfig
 from treetrain.loss.manifest import ContributionKey, Manifest, ManifestError
 from treetrain.memory.retention import BudgetTooSmallError
+from treetrain.models.lora import Reference
 from treetrain.models.support import SupportGate, UnsupportedModelError
 
 log = logging.getLogger("treetrain.distributed")
@@ -112,7 +112,7 @@ class UpdateWindow:
         tokenizer: str = "",
         identity: ResidentIdentity | None = None,
         store: ResidentStore | None = None,
-        ref_model: PreTrainedModel | None = None,
+        ref_model: Reference | None = None,
         step_hook: Callable[[str, ReplayStep], None] | None = None,
         retention: RetentionHook | None = None,
         keep_graph: KeepGraph | None = None,

@@ -26,6 +26,7 @@ from treetrain.loss.objective import Contributions, objective, sampler_logprobs
 from treetrain.loss.targets import TargetTable, call_targets
 from treetrain.models.decoder import decoder_forward
 from treetrain.models.logprobs import DEFAULT_MAX_LOGIT_ELEMENTS
+from treetrain.models.lora import Reference, adapters_disabled
 from treetrain.tree.model import CallRef
 
 
@@ -43,7 +44,7 @@ class FlatReference:
         model: PreTrainedModel,
         loss: LossConfig,
         *,
-        ref_model: PreTrainedModel | None = None,
+        ref_model: Reference | None = None,
         microbatch: int = 1,
         order: Order = "tree",
         seed: int = 0,
@@ -110,8 +111,8 @@ class FlatReference:
         ref = None
         if lcfg.needs_reference:
             assert self.ref_model is not None
-            with torch.no_grad():
-                ref, _, _, n = self._forward(self.ref_model, calls, False)
+            with torch.no_grad(), adapters_disabled(self.ref_model) as ref_model:
+                ref, _, _, n = self._forward(ref_model, calls, False)
             nograd += n
         logp, ent, gathered, n_graph = self._forward(self.model, calls, lcfg.needs_entropy)
         c = gathered.contributions

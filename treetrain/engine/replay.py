@@ -69,6 +69,7 @@ from treetrain.engine.units import Unit, UnitTree
 from treetrain.loss.config import LossConfig
 from treetrain.loss.objective import Contributions, LossTerms, objective, sampler_logprobs
 from treetrain.models.decoder import DecoderOutput, LayerKV
+from treetrain.models.lora import Reference, adapters_disabled, reference_module
 from treetrain.models.support import SupportGate
 from treetrain.tree.stats import tree_stats
 
@@ -106,7 +107,7 @@ class TreeReplay:
         loss: LossConfig,
         replay: ReplayConfig,
         *,
-        ref_model: PreTrainedModel | None = None,
+        ref_model: Reference | None = None,
         identity: ResidentIdentity | None = None,
         store: ResidentStore | None = None,
         backward: Backward = _default_backward,
@@ -140,8 +141,9 @@ class TreeReplay:
         self._label = ""
         if tracker is not None:
             tracker.attach_model(model)
-            if ref_model is not None:
-                tracker.attach_model(ref_model)
+            ref_own = reference_module(ref_model)
+            if ref_own is not None:
+                tracker.attach_model(ref_own)
             tracker.attach_store(self.store)
 
     # ----- public -----------------------------------------------------------------------------------
@@ -150,8 +152,9 @@ class TreeReplay:
         if self.support is not None:
             longest = max((tree_stats(t.tree).max_sequence_length for t in batch.work), default=0)
             self.support.require(self.model, longest)
-            if self.ref_model is not None:
-                self.support.require(self.ref_model, longest)
+            ref_own = reference_module(self.ref_model)
+            if ref_own is not None:
+                self.support.require(ref_own, longest)
         report = ReplayReport()
         tracking: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         if self.tracker is not None:
@@ -271,18 +274,21 @@ class TreeReplay:
         return need
 
     def _reference_logprobs(self, units: UnitTree) -> tuple[list[torch.Tensor | None], int]:
+        """The reference's logprobs, in its own store. With `AdaptersOff` the policy itself runs with its
+        adapters disabled; the identity then says adapters 'off', so this KV is never the policy's."""
         assert self.ref_model is not None
-        ref_identity = ResidentIdentity.of(self.ref_model, tokenizer=self.identity.tokenizer)
-        store = ResidentStore(ref_identity)
-        if self.tracker is not None:
-            self.tracker.attach_store(store)
-        paths = PathKV(self.ref_model, units, store, ref_identity, self.device)
-        lps, n_tok = scoring_pass(
-            self.ref_model, paths, microbatch=self.cfg.score_microbatch, need=reference_need(units),
-            keep=lambda u: False, max_logit_elements=self.cfg.max_logit_elements,
-            before_batch=lambda b: self._mark(f"reference {b.parent}:{b.units[0]}"),
-        )  # fmt: skip
-        store.clear()
+        with adapters_disabled(self.ref_model) as ref:
+            ref_identity = ResidentIdentity.of(ref, tokenizer=self.identity.tokenizer)
+            store = ResidentStore(ref_identity)
+            if self.tracker is not None:
+                self.tracker.attach_store(store)
+            paths = PathKV(ref, units, store, ref_identity, self.device)
+            lps, n_tok = scoring_pass(
+                ref, paths, microbatch=self.cfg.score_microbatch, need=reference_need(units),
+                keep=lambda u: False, max_logit_elements=self.cfg.max_logit_elements,
+                before_batch=lambda b: self._mark(f"reference {b.parent}:{b.units[0]}"),
+            )  # fmt: skip
+            store.clear()
         return lps, n_tok
 
     # ----- one step ---------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Resident state: each unit's KV, computed once without a graph and kept for its descendants.
 
 Every entry carries an identity (model version, adapter version, tokenizer fingerprint, dtype, attention
-implementation, position scheme). Reading an entry under a different identity, or after the store was
+implementation, position scheme, adapters on or off). Reading an entry under a different identity, or after the store was
 invalidated by an optimizer step, raises `StaleResidentStateError`: stale KV is never silently reused.
 
 In `exact` mode an entry also accumulates G, the gradient of the loss with respect to its KV, which the
@@ -25,6 +25,7 @@ import torch
 from transformers import PreTrainedModel
 
 from treetrain.models.decoder import LayerKV
+from treetrain.models.lora import adapter_state
 
 
 class StaleResidentStateError(RuntimeError):
@@ -41,6 +42,8 @@ class ResidentIdentity:
     dtype: str
     attn_implementation: str
     position_scheme: str
+    adapters: str = "none"
+    """LoRA adapters 'none', 'on' or 'off': KV computed with adapters off (the reference) is never policy KV."""
 
     @staticmethod
     def of(
@@ -60,6 +63,7 @@ class ResidentIdentity:
             dtype=str(param.dtype).removeprefix("torch."),
             attn_implementation=str(getattr(config, "_attn_implementation", "eager")),
             position_scheme=f"absolute/rope:{rtype}:theta={theta}",
+            adapters=adapter_state(model),
         )
 
     def bumped(self) -> ResidentIdentity:

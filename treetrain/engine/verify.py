@@ -32,6 +32,7 @@ from treetrain.engine.batch import ReplayConfig, UpdateBatch
 from treetrain.engine.flat import FlatReference
 from treetrain.engine.replay import TreeReplay
 from treetrain.loss.config import LossConfig
+from treetrain.models.lora import AdaptersOff, Reference
 
 ModelFactory = Callable[[], PreTrainedModel]
 
@@ -69,7 +70,7 @@ def flat_gradient(
     model: PreTrainedModel,
     batch: UpdateBatch,
     loss: LossConfig,
-    ref_model: PreTrainedModel | None = None,
+    ref_model: Reference | None = None,
     **kw: object,
 ) -> torch.Tensor:
     model.zero_grad(set_to_none=True)
@@ -82,7 +83,7 @@ def tree_gradient(
     batch: UpdateBatch,
     loss: LossConfig,
     replay: ReplayConfig,
-    ref_model: PreTrainedModel | None = None,
+    ref_model: Reference | None = None,
 ) -> torch.Tensor:
     model.zero_grad(set_to_none=True)
     TreeReplay(model, loss, replay, ref_model=ref_model).accumulate(batch)
@@ -102,12 +103,23 @@ def noise_floor(
     batch: UpdateBatch,
     loss: LossConfig,
     make_ref: ModelFactory | None = None,
+    *,
+    adapters_off_reference: bool = False,
 ) -> float:
-    """Largest disagreement between equally valid flat runs (see module docstring), as an L2 norm."""
-    ref = make_ref() if make_ref else None
-    base = flat_gradient(make_model(), batch, loss, ref)
-    reordered = flat_gradient(make_model(), batch, loss, ref, order="reverse", microbatch=2)
+    """Largest disagreement between equally valid flat runs (see module docstring), as an L2 norm.
+
+    `adapters_off_reference`: the reference is each run's own model with its LoRA adapters off.
+    """
+    shared = make_ref() if make_ref else None
+
+    def ref(model: PreTrainedModel) -> Reference | None:
+        return AdaptersOff(model) if adapters_off_reference else shared
+
+    base_model = make_model()
+    base = flat_gradient(base_model, batch, loss, ref(base_model))
+    other = make_model()
+    reordered = flat_gradient(other, batch, loss, ref(other), order="reverse", microbatch=2)
     moved_model = make_model()
     _perturb(moved_model, seed=1234)
-    moved = flat_gradient(moved_model, batch, loss, ref)
+    moved = flat_gradient(moved_model, batch, loss, ref(moved_model))
     return max(float((base - reordered).norm()), float((base - moved).norm()))

@@ -22,6 +22,7 @@ from treetrain.memory.events import Shape
 from treetrain.memory.ledger import Ledger, LedgerRow, manifest_host_bytes
 from treetrain.memory.persistent import PersistentBytes, model_persistent_bytes
 from treetrain.models.logprobs import DEFAULT_MAX_LOGIT_ELEMENTS
+from treetrain.models.lora import Reference
 
 
 def predict_flat(
@@ -30,7 +31,7 @@ def predict_flat(
     loss: LossConfig,
     *,
     microbatch: int = 1,
-    ref_model: PreTrainedModel | None = None,
+    ref_model: Reference | None = None,
     persistent: PersistentBytes | None = None,
     memory_model: MemoryModel | None = None,
     max_logit_elements: int = DEFAULT_MAX_LOGIT_ELEMENTS,

@@ -35,6 +35,7 @@ from treetrain.loss.manifest import Manifest
 from treetrain.memory.calibrate import MemoryModel, calibrate
 from treetrain.memory.events import MemEvent, Shape, TreePlan, plan_tree
 from treetrain.memory.persistent import PersistentBytes, model_persistent_bytes
+from treetrain.models.lora import Reference, reference_module
 from treetrain.units import format_bytes
 
 
@@ -137,7 +138,7 @@ def predict_ledger(
     *,
     budget: int | None = None,
     keep_graph: KeepGraph | None = None,
-    ref_model: PreTrainedModel | None = None,
+    ref_model: Reference | None = None,
     persistent: PersistentBytes | None = None,
     memory_model: MemoryModel | None = None,
     host_tier: bool = False,
@@ -153,9 +154,10 @@ def predict_ledger(
         model, replay.contract, with_entropy=loss.needs_entropy, max_logit_elements=replay.max_logit_elements
     )
     ref_mm = mm
-    if ref_model is not None and ref_model.config.to_json_string() != model.config.to_json_string():
+    ref_own = reference_module(ref_model)
+    if ref_own is not None and ref_own.config.to_json_string() != model.config.to_json_string():
         ref_mm = calibrate(
-            ref_model, replay.contract, with_entropy=False, max_logit_elements=replay.max_logit_elements
+            ref_own, replay.contract, with_entropy=False, max_logit_elements=replay.max_logit_elements
         )
     pers = persistent or model_persistent_bytes(model, ref_model=ref_model)
     fixed = ClassBytes(persistent=pers.run_persistent, boundary=pers.update_boundary)

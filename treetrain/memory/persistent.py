@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from treetrain.models.lora import Reference, reference_module
+
 DTYPE_BYTES: dict[str, int] = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -102,19 +104,22 @@ def persistent_bytes(
 def model_persistent_bytes(
     model: PreTrainedModel,
     *,
-    ref_model: PreTrainedModel | None = None,
+    ref_model: Reference | None = None,
     optimizer: bool = False,
     zero_stage: int = 0,
     world_size: int = 1,
     offload_optimizer: bool = False,
 ) -> PersistentBytes:
-    """`persistent_bytes` of a loaded model: parameters counted, not estimated."""
+    """`persistent_bytes` of a loaded model: parameters counted, not estimated. Frozen parameters (a LoRA
+    base) count as parameters only: no gradient, no optimizer state. A reference with adapters off shares
+    the policy's weights and adds nothing."""
+    ref_own = reference_module(ref_model)
     params = [p for p in model.parameters()]
     trainable = sum(p.numel() for p in params if p.requires_grad)
     frozen = sum(p.numel() * p.element_size() for p in params if not p.requires_grad)
     dtype = params[0].dtype if params else torch.float32
-    ref = sum(p.numel() for p in ref_model.parameters()) if ref_model is not None else 0
-    ref_dtype = next(ref_model.parameters()).dtype if ref_model is not None else None
+    ref = sum(p.numel() for p in ref_own.parameters()) if ref_own is not None else 0
+    ref_dtype = next(ref_own.parameters()).dtype if ref_own is not None else None
     out = persistent_bytes(
         trainable, dtype, zero_stage=zero_stage, world_size=world_size, optimizer=optimizer,
         offload_optimizer=offload_optimizer, reference_params=ref, reference_dtype=ref_dtype,

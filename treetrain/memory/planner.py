@@ -45,6 +45,7 @@ from treetrain.memory.search import (
     search_flat,
     search_tree,
 )
+from treetrain.models.lora import Reference
 from treetrain.units import format_bytes
 
 Mode = Literal["tree", "flat"]
@@ -178,7 +179,7 @@ def plan_update(
     contract: Contract = "exact",
     loss: LossConfig | None = None,
     overrides: Overrides | None = None,
-    ref_model: PreTrainedModel | None = None,
+    ref_model: Reference | None = None,
     persistent: PersistentBytes | None = None,
     base: ReplayConfig | None = None,
     min_speedup: float = 1.25,

@@ -24,6 +24,7 @@ from treetrain.memory.flat import predict_flat
 from treetrain.memory.ledger import Ledger, predict_ledger
 from treetrain.memory.persistent import PersistentBytes, kv_bytes_per_token
 from treetrain.memory.retention import BudgetTooSmallError
+from treetrain.models.lora import Reference
 
 KeepChoice = Literal["none", "all", "auto"]
 
@@ -55,7 +56,7 @@ class TreeSearch:
         base: ReplayConfig,
         budget: int,
         persistent: PersistentBytes | None,
-        ref_model: PreTrainedModel | None,
+        ref_model: Reference | None,
     ) -> None:
         self.batch, self.model, self.loss, self.base, self.budget = batch, model, loss, base, budget
         self.persistent, self.ref_model = persistent, ref_model
@@ -211,7 +212,7 @@ def search_tree(
 
 def search_flat(
     batch: UpdateBatch, model: PreTrainedModel, loss: LossConfig, budget: int, microbatch: int | None,
-    persistent: PersistentBytes | None, ref_model: PreTrainedModel | None, max_logit_elements: int,
+    persistent: PersistentBytes | None, ref_model: Reference | None, max_logit_elements: int,
 ) -> tuple[int, Ledger, int]:  # fmt: skip
     """(microbatch, ledger, token cost): the largest microbatch that fits, else the smallest peak."""
     calls = sum(len(w.tree.records[t].calls) for w in batch.work for t in w.trajectories)

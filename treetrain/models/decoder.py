@@ -23,6 +23,7 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
 from treetrain.models.attention import engine_attention
+from treetrain.models.lora import unwrap
 
 #: Per-layer (keys, values), each `[B, H_kv, T, D]`.
 LayerKV = tuple[torch.Tensor, torch.Tensor]
@@ -38,7 +39,9 @@ class DecoderOutput:
 
 
 def base_model(model: PreTrainedModel) -> nn.Module:
-    """The decoder stack without the LM head (`model.model` for every supported family)."""
+    """The decoder stack without the LM head (`model.model` for every supported family; PEFT-wrapped models
+    are unwrapped, their adapter layers stay in place)."""
+    model = unwrap(model)
     base = getattr(model, "model", None) or model.get_decoder()
     if base is None or not hasattr(base, "layers"):
         raise TypeError(

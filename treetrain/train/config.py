@@ -25,6 +25,7 @@ from treetrain.engine.schedule import Contract
 from treetrain.loss.advantages import AdvantageConfig
 from treetrain.loss.config import ConfigError, LossConfig
 from treetrain.models.logprobs import DEFAULT_MAX_LOGIT_ELEMENTS
+from treetrain.models.lora import LoraSection
 from treetrain.train.config_file import read_config_file
 from treetrain.train.typed import apply_override, from_dict, to_dict
 
@@ -56,9 +57,18 @@ class ModelSection:
     attn: Literal["eager", "sdpa"] = "sdpa"
     """Attention implementation."""
     reference: str | None = None
-    """Reference model for the KL term: 'initial' (a frozen copy of the starting policy), a path, or None."""
+    """Reference model for the KL term: 'initial' (a frozen copy of the starting policy), a path, 'base'
+    (with `lora`: the policy itself with its adapters off, no second copy of the weights), or None."""
     tokenizer: str | None = None
     """Tokenizer directory; None uses the model directory's, or the shipped tokenizer for presets."""
+    lora: LoraSection | None = None
+    """LoRA adapters (PEFT) on the policy; null trains every weight. `--set model.lora.r=8` turns them on."""
+
+    def __post_init__(self) -> None:
+        if self.reference == "base" and self.lora is None:
+            raise ConfigError(
+                "model.reference: 'base' (the policy with adapters off) needs model.lora; use 'initial' or a path"
+            )
 
 
 @dataclass(frozen=True)
@@ -268,7 +278,8 @@ class TrainConfig:
                 "ratio would be biased; use ratio_source='scoring' or sample at temperature 1 and top_p 1"
             )
         if self.loss.needs_reference and self.model.reference is None:
-            raise ConfigError("model.reference: loss.kl_coef > 0 needs a reference model (e.g. 'initial')")
+            free = "'base': the policy with adapters off" if self.model.lora is not None else "'initial'"
+            raise ConfigError(f"model.reference: loss.kl_coef > 0 needs a reference model (e.g. {free})")
         if self.memory_budget is not None:
             from treetrain.units import parse_bytes
 

@@ -41,7 +41,7 @@ from treetrain.memory.tracker import MemoryTracker
 from treetrain.train.checkpoint import TrainerState, latest_checkpoint, load_trainer_state, save_trainer_state
 from treetrain.train.config import EnvSection, TrainConfig, dump_config
 from treetrain.train.metrics import MetricsWriter, UpdateMetrics, read_metrics
-from treetrain.train.models import load_models
+from treetrain.train.models import export_merged, load_models
 from treetrain.train.planning import plan_for
 from treetrain.train.progress import Progress
 from treetrain.train.sources import (
@@ -62,6 +62,7 @@ RUN_ARTIFACTS = (
     "checkpoints",
     "rollouts",
     "final",
+    "final-merged",
     "metrics.jsonl",
     "summary.txt",
     "reward.png",
@@ -314,6 +315,9 @@ class Trainer:
                 self.metrics.close()
         save_trainer_state(self.backend, self.run_dir, self.state)
         self.backend.export_pretrained(self.run_dir / "final", tokenizer=self.tokenizer)
+        lora = cfg.model.lora
+        if lora is not None and lora.export_merged and self.backend.rank == 0:
+            export_merged(cfg.model, self.run_dir / "final", self.run_dir / "final-merged", self.tokenizer)
         return self.finish()
 
     def read_rows(self) -> list[UpdateMetrics]:

@@ -14,7 +14,9 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from treetrain.assets import tokenizer_path
+from treetrain.io import atomic_directory
 from treetrain.loss.config import ConfigError
+from treetrain.models.lora import AdaptersOff, Reference, apply_lora
 from treetrain.models.presets import load_model
 from treetrain.train.config import ModelSection
 
@@ -24,7 +26,8 @@ DEMO_MODEL = Path(__file__).resolve().parent.parent / "assets" / "demo_model"
 @dataclass(frozen=True)
 class LoadedModels:
     policy: PreTrainedModel
-    reference: PreTrainedModel | None
+    """The policy; a PEFT `PeftModel` with `model.lora` (only its adapters trainable)."""
+    reference: Reference | None
     tokenizer: PreTrainedTokenizerBase
     tokenizer_fingerprint: str
 
@@ -89,7 +92,11 @@ def load_models(section: ModelSection) -> LoadedModels:
         field = "model.tokenizer" if section.tokenizer is not None else "model.path"
         raise ConfigError(f"{field}: cannot load a tokenizer from {tok_dir}: {exc}") from exc
     policy = _load(path, "model.path", section, len(tokenizer))
-    reference = None
+    if section.lora is not None:
+        policy = apply_lora(policy, section.lora)
+    reference: Any = None
+    if section.reference == "base":
+        return LoadedModels(policy, AdaptersOff(policy), tokenizer, tokenizer_fingerprint(tokenizer))
     if section.reference == "initial":
         reference = copy.deepcopy(policy)
     elif section.reference is not None:
@@ -103,3 +110,19 @@ def load_models(section: ModelSection) -> LoadedModels:
         reference.eval()
         reference.requires_grad_(False)
     return LoadedModels(policy, reference, tokenizer, tokenizer_fingerprint(tokenizer))
+
+
+def export_merged(section: ModelSection, adapter_dir: Path, out_dir: Path, tokenizer: Any = None) -> None:
+    """A plain Hugging Face model with the trained adapters of `adapter_dir` merged into the base weights.
+
+    The base is loaded afresh from `section.path`, so the training model (partitioned or not) is untouched.
+    """
+    from peft import PeftModel
+
+    vocab = len(tokenizer) if tokenizer is not None else 0
+    base = _load(resolve_model_path(section.path), "model.path", section, vocab)
+    merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    with atomic_directory(out_dir) as tmp:
+        merged.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)

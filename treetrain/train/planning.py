@@ -21,6 +21,7 @@ from treetrain.loss.manifest import Manifest
 from treetrain.memory.persistent import model_persistent_bytes
 from treetrain.memory.planner import Overrides, Plan, plan_update
 from treetrain.memory.retention import RetentionPolicy
+from treetrain.models.lora import Reference
 from treetrain.train.config import TrainConfig
 from treetrain.tree import TrajectoryTree
 from treetrain.units import parse_bytes
@@ -83,7 +84,7 @@ def plan_for(
     advantages: Sequence[TreeAdvantages],
     version: int,
     model: PreTrainedModel,
-    ref_model: PreTrainedModel | None,
+    ref_model: Reference | None,
     world_size: int,
     *,
     zero_stage: int = 0,

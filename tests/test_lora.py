@@ -1,0 +1,168 @@
+"""LoRA adapters (PEFT): config, frozen base, the reference with adapters off, and exact replay against flat.
+
+The differential cases follow tests/test_replay_exact.py: the gradient of `exact` tree replay must equal the
+flat run of the same PEFT model within FACTOR times the measured noise floor. With KL the reference is the
+same model with its adapters disabled; the negative control leaves them on and must be caught.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from engine_cases import SHAPES, VOCAB, make_batch
+from lora_cases import OTHER_FAMILY, base_model, lora_factory, trained_like
+
+from treetrain.engine import FlatReference, ReplayConfig, TreeReplay
+from treetrain.engine.resident import ResidentIdentity, ResidentKey, ResidentStore, StaleResidentStateError
+from treetrain.engine.scoring import PathKV, scoring_pass
+from treetrain.engine.units import UnitTree
+from treetrain.engine.verify import deviation, flat_gradient, noise_floor, tree_gradient
+from treetrain.loss.config import ConfigError, LossConfig
+from treetrain.models.lora import AdaptersOff, LoraSection, adapter_state, apply_lora, is_adapter_param
+from treetrain.models.presets import FAMILIES
+from treetrain.train.config import load_config
+
+FACTOR = 5.0
+DTYPES = {"float64": torch.float64, "float32": torch.float32}
+KL = LossConfig(kl_coef=0.2, kl_estimator="k3")
+
+
+# ----- config ------------------------------------------------------------------------------------------
+def test_config_section_is_typed_and_off_by_default() -> None:
+    assert load_config(None).model.lora is None
+    cfg = load_config(None, ["model.lora.r=8", "model.lora.target_modules=[q_proj, v_proj]"])
+    assert cfg.model.lora == LoraSection(r=8, target_modules=("q_proj", "v_proj"))
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("model.lora.dropout=0.1", "model.lora.dropout: must be 0, got 0.1: dropout draws a new mask"),
+        ("model.lora.r=0", "model.lora.r: must be in [1, 16384], got 0"),
+        ("model.lora.init=pissa", "model.lora.init: must be one of"),
+        ("model.lora.target_modules=[]", "model.lora.target_modules: name at least one"),
+        ("model.lora.adapter=/nonexistent", "model.lora.adapter: '/nonexistent' is not a PEFT adapter"),
+        ("model.reference=base", "model.reference: 'base' (the policy with adapters off) needs model.lora"),
+    ],
+)
+def test_config_refuses_bad_values_before_loading(override: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, [override])
+
+
+def test_kl_with_lora_names_the_free_reference() -> None:
+    with pytest.raises(ConfigError, match="'base'"):
+        load_config(None, ["model.lora.r=4", "loss.kl_coef=0.1"])
+    cfg = load_config(None, ["model.lora.r=4", "loss.kl_coef=0.1", "model.reference=base"])
+    assert cfg.model.reference == "base"
+
+
+def test_adapter_directory_round_trip_and_dropout_forced_to_zero(tmp_path, caplog) -> None:
+    policy = lora_factory("llama", torch.float32)()
+    policy.save_pretrained(tmp_path)
+    cfg_file = tmp_path / "adapter_config.json"
+    saved = json.loads(cfg_file.read_text())
+    saved["lora_dropout"] = 0.05
+    cfg_file.write_text(json.dumps(saved))
+    with pytest.raises(ConfigError, match=re.escape("model.lora.r: the adapter in")):
+        LoraSection(r=16, adapter=str(tmp_path))
+    loaded = apply_lora(base_model("llama", torch.float32), LoraSection(adapter=str(tmp_path)))
+    assert "set to 0" in caplog.text
+    assert all(m.p == 0 for m in loaded.modules() if isinstance(m, torch.nn.Dropout))
+    want = {n: p for n, p in policy.named_parameters() if is_adapter_param(n)}
+    got = {n: p for n, p in loaded.named_parameters() if p.requires_grad}
+    assert want.keys() == got.keys()
+    assert all(torch.equal(want[n], got[n]) for n in want)
+
+
+# ----- frozen base, resident identity ------------------------------------------------------------------
+@pytest.mark.parametrize("contract", ["exact", "response_only"])
+def test_only_adapter_parameters_get_gradients(contract: str) -> None:
+    model = lora_factory("qwen3", torch.float32, modules_to_save=("lm_head",))()
+    loss = LossConfig(kl_coef=0.1)
+    TreeReplay(
+        model, loss, ReplayConfig(contract=contract, microbatch=2), ref_model=AdaptersOff(model)
+    ).accumulate(make_batch(SHAPES["multi_level"](0), loss))
+    with_grad = {n for n, p in model.named_parameters() if p.grad is not None}
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert with_grad == trainable and any(".modules_to_save." in n for n in trainable)
+    assert all(is_adapter_param(n) for n in trainable)
+    assert all(float(model.get_parameter(n).grad.norm()) > 0 for n in with_grad if ".lora_" in n)
+
+
+def test_identity_tells_adapters_on_from_off() -> None:
+    model = lora_factory("llama", torch.float32)()
+    on = ResidentIdentity.of(model)
+    with model.disable_adapter():
+        off = ResidentIdentity.of(model)
+        assert adapter_state(model) == "off"
+    assert (on.adapters, off.adapters) == ("on", "off")
+    assert ResidentIdentity.of(base_model("llama", torch.float32)).adapters == "none"
+
+
+@pytest.mark.parametrize("written", ["off", "on"])
+def test_stale_state_adapters_off_never_read_as_policy(written: str) -> None:
+    """KV scored with adapters off is refused when read as policy KV, and the other way round."""
+    model = lora_factory("llama", torch.float32)()
+    units = UnitTree.build(
+        SHAPES["one_level"](0)[0], make_batch(SHAPES["one_level"](0), LossConfig()).work[0].targets
+    )
+    on = ResidentIdentity.of(model)
+    with model.disable_adapter():
+        off = ResidentIdentity.of(model)
+    write, read = (off, on) if written == "off" else (on, off)
+    store = ResidentStore(write)
+    paths = PathKV(model, units, store, write, torch.device("cpu"))
+    need = [True] * len(units)
+    with model.disable_adapter() if written == "off" else torch.no_grad():
+        scoring_pass(model, paths, microbatch=0, need=need, keep=lambda u: True, max_logit_elements=1 << 20)
+    key = ResidentKey(units.tree.id, 1, units.tree.nodes[units[1].node].id)
+    assert store.has_kv(key, write)
+    with pytest.raises(StaleResidentStateError):
+        store.get(key, read)
+    with pytest.raises(StaleResidentStateError):
+        PathKV(model, units, store, read, torch.device("cpu")).pieces(1)
+
+
+def test_adapters_off_refuses_a_model_without_adapters() -> None:
+    with pytest.raises(TypeError, match="KL term would be zero"):
+        AdaptersOff(base_model("llama", torch.float32))
+
+
+# ----- exact against flat ------------------------------------------------------------------------------
+def _deviation(family: str, dtype: torch.dtype, loss: LossConfig, wrong_reference: bool = False):
+    make = lora_factory(family, dtype)
+    batch = make_batch(SHAPES["multi_level"](0), loss)
+    kl = loss.needs_reference
+    floor = noise_floor(make, batch, loss, adapters_off_reference=kl)
+    flat_model = make()
+    flat = flat_gradient(flat_model, batch, loss, AdaptersOff(flat_model) if kl else None)
+    tree_model = make()
+    ref = (tree_model if wrong_reference else AdaptersOff(tree_model)) if kl else None
+    tree = tree_gradient(tree_model, batch, loss, ReplayConfig(microbatch=2, chunk_size=5), ref)
+    assert float(flat.norm()) > 0
+    return deviation(tree, flat), floor
+
+
+@pytest.mark.parametrize("kl", [False, True], ids=["no-kl", "kl-adapters-off"])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("family", [*FAMILIES, OTHER_FAMILY])
+def test_lora_exact_matches_flat(family: str, dtype: str, kl: bool) -> None:
+    dev, floor = _deviation(family, DTYPES[dtype], KL if kl else LossConfig())
+    assert dev.abs <= FACTOR * floor, f"{family}/{dtype}/kl={kl}: {dev.abs:.3e} > {FACTOR} x {floor:.3e}"
+
+
+def test_negative_control_reference_with_adapters_on_is_caught() -> None:
+    """Passing the policy itself (adapters on) as the reference makes KL vanish; the check must notice."""
+    dev, floor = _deviation("llama", torch.float64, KL, wrong_reference=True)
+    assert dev.abs > 100 * FACTOR * floor
+
+
+def test_flat_reference_pass_restores_adapters() -> None:
+    model = trained_like(apply_lora(base_model("qwen2", torch.float32), LoraSection(r=2)))
+    FlatReference(model, KL, ref_model=AdaptersOff(model)).accumulate(make_batch(SHAPES["single"](0), KL))
+    assert adapter_state(model) == "on"
+    assert model.config.vocab_size == VOCAB

@@ -1,0 +1,216 @@
+"""LoRA adapters through PEFT: the `model.lora` settings, wrapping a policy, and the reference for free.
+
+Why adapters: only the low-rank matrices train, so the base model needs no gradient and no optimizer state,
+and the KL reference is the same weights with the adapters switched off (`AdaptersOff`): no second copy.
+
+Exactness: the engine splits sequences and reuses resident KV, so two forwards of the same tokens must give
+the same numbers. LoRA dropout draws a new mask on every forward, so `dropout > 0` is refused. An adapter
+loaded from a directory that was trained with dropout gets it forced to 0 (with a warning): its weights
+are valid, only the training-time noise is dropped.
+
+PEFT is imported only when a model is wrapped, so loading a config stays fast.
+
+Example:
+    >>> from treetrain.models.presets import tiny_model
+    >>> policy = apply_lora(tiny_model("llama", vocab_size=64), LoraSection(r=4))
+    >>> sum(p.numel() for p in policy.parameters() if p.requires_grad)
+    2048
+    >>> with adapters_disabled(AdaptersOff(policy)) as base:
+    ...     type(base).__name__
+    'PeftModel'
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from transformers import PreTrainedModel
+
+from treetrain.loss.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+#: Projections present in every supported family (attention only: predictable, and small).
+DEFAULT_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+MAX_RANK = 1 << 14
+"""Largest rank accepted: adapters are allocated from it, so a typo must not allocate gigabytes."""
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+@dataclass(frozen=True)
+class LoraSection:
+    """LoRA adapters on the policy (PEFT). Set any field (e.g. `model.lora.r=8`) to turn them on."""
+
+    r: int = 8
+    """Rank of each adapter pair (A: r x in, B: out x r)."""
+    alpha: int = 16
+    """Scaling numerator: the adapter's output is multiplied by alpha / r."""
+    target_modules: tuple[str, ...] = DEFAULT_TARGETS
+    """Module names (suffixes) that get adapters, or ['all-linear'] for every linear layer but the head."""
+    modules_to_save: tuple[str, ...] = ()
+    """Modules trained in full next to the adapters (e.g. ['lm_head']); switched off with the adapters."""
+    init: Literal["default", "gaussian"] = "default"
+    """'default': A Kaiming-uniform, B = 0 (the policy starts as the base); 'gaussian': A normal, B = 0.
+    Inits that rewrite the base weights (PiSSA, OLoRA) are not offered: the reference is the base."""
+    dropout: float = 0.0
+    """Must be 0: dropout makes two forwards of the same tokens differ, which breaks the exact contract."""
+    adapter: str | None = None
+    """A PEFT adapter directory to continue training from (its adapter_config.json then decides r, alpha,
+    target_modules and modules_to_save, and those fields here must stay at their defaults)."""
+    export_merged: bool = False
+    """Also write `final-merged/`: the base with the adapters merged in, a plain Hugging Face model."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.r <= MAX_RANK:
+            raise ConfigError(f"model.lora.r: must be in [1, {MAX_RANK}], got {self.r}")
+        if not self.alpha > 0:
+            raise ConfigError(f"model.lora.alpha: must be > 0, got {self.alpha}")
+        if not self.target_modules or any(not t for t in self.target_modules):
+            raise ConfigError("model.lora.target_modules: name at least one module (or 'all-linear')")
+        if "all-linear" in self.target_modules and len(self.target_modules) > 1:
+            raise ConfigError("model.lora.target_modules: 'all-linear' must be the only entry")
+        if self.dropout != 0:
+            raise ConfigError(
+                f"model.lora.dropout: must be 0, got {self.dropout}: dropout draws a new mask on every forward, "
+                "so the scoring pass, resident KV and replay of the same tokens would differ and the exact "
+                "contract would not hold"
+            )
+        if self.adapter is not None:
+            check_adapter_dir(self.adapter)
+            custom = [
+                name
+                for name in ("r", "alpha", "target_modules", "modules_to_save", "init")
+                if getattr(self, name) != getattr(LoraSection, name)
+            ]
+            if custom:
+                raise ConfigError(
+                    f"model.lora.{custom[0]}: the adapter in {self.adapter} decides it (its {ADAPTER_CONFIG}); "
+                    "leave it unset when model.lora.adapter is given"
+                )
+
+
+def check_adapter_dir(path: str) -> dict[str, Any]:
+    """The adapter's config, after checking the directory is a LoRA adapter with safetensors weights."""
+    d = Path(path)
+    cfg_file, weights = d / ADAPTER_CONFIG, d / ADAPTER_WEIGHTS
+    if not cfg_file.is_file() or not weights.is_file():
+        raise ConfigError(
+            f"model.lora.adapter: {path!r} is not a PEFT adapter directory (needs {ADAPTER_CONFIG} and "
+            f"{ADAPTER_WEIGHTS})"
+        )
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model.lora.adapter: {cfg_file} is not valid JSON: {exc}") from None
+    if not isinstance(cfg, dict) or cfg.get("peft_type") != "LORA":
+        raise ConfigError(f"model.lora.adapter: {cfg_file} is not a LoRA adapter config")
+    return cfg
+
+
+def apply_lora(model: PreTrainedModel, section: LoraSection) -> Any:
+    """`model` wrapped in a PEFT `PeftModel` with trainable adapters; every base parameter frozen."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    if section.adapter is not None:
+        saved = check_adapter_dir(section.adapter)
+        config = LoraConfig.from_pretrained(section.adapter)
+        if float(saved.get("lora_dropout") or 0.0) != 0.0:
+            log.warning(
+                "model.lora.adapter: %s was trained with lora_dropout=%s; it is set to 0 here, because dropout "
+                "breaks the exact contract (the weights are unchanged)",
+                section.adapter,
+                saved["lora_dropout"],
+            )
+            config.lora_dropout = 0.0
+        peft_model = PeftModel.from_pretrained(model, section.adapter, config=config, is_trainable=True)
+    else:
+        targets: Any = (
+            "all-linear" if section.target_modules == ("all-linear",) else list(section.target_modules)
+        )
+        config = LoraConfig(
+            r=section.r,
+            lora_alpha=section.alpha,
+            lora_dropout=0.0,
+            target_modules=targets,
+            modules_to_save=list(section.modules_to_save) or None,
+            init_lora_weights=True if section.init == "default" else "gaussian",
+        )
+        try:
+            peft_model = get_peft_model(model, config)
+        except ValueError as exc:
+            raise ConfigError(f"model.lora.target_modules: {exc}") from None
+    for name, p in peft_model.named_parameters():
+        if p.requires_grad and not is_adapter_param(name):
+            raise RuntimeError(f"PEFT left base parameter {name} trainable")
+    return peft_model
+
+
+def is_adapter_param(name: str) -> bool:
+    """Whether a parameter name belongs to a LoRA adapter or a `modules_to_save` copy."""
+    return ".lora_" in name or ".modules_to_save." in name
+
+
+def is_peft(model: object) -> bool:
+    """A PEFT wrapper (checked by class, without importing PEFT)."""
+    return type(model).__module__.startswith("peft.")
+
+
+def unwrap(model: Any) -> PreTrainedModel:
+    """The Hugging Face model inside a PEFT wrapper (adapter layers injected), or `model` itself."""
+    return model.get_base_model() if is_peft(model) else model
+
+
+@dataclass(frozen=True, eq=False)
+class AdaptersOff:
+    """The reference model for free: `model`, a PEFT-wrapped policy, evaluated with its adapters disabled.
+
+    The engine enters `adapters_disabled` around the reference pass; no weights are copied. Its resident
+    identity says adapters 'off', so its KV can never be read as the policy's (`ResidentIdentity.of`).
+    """
+
+    model: Any
+
+    def __post_init__(self) -> None:
+        if not is_peft(self.model):
+            raise TypeError(
+                f"AdaptersOff needs a PEFT-wrapped model, got {type(self.model).__name__}: without adapters "
+                "'adapters off' would be the policy itself and the KL term would be zero"
+            )
+
+
+#: A reference model: its own weights, or the policy with adapters off.
+Reference = PreTrainedModel | AdaptersOff
+
+
+@contextlib.contextmanager
+def adapters_disabled(ref: Reference) -> Iterator[Any]:
+    """The model to run for reference `ref`, with the adapters off while the block lasts if it is `AdaptersOff`."""
+    if isinstance(ref, AdaptersOff):
+        with ref.model.disable_adapter():
+            yield ref.model
+    else:
+        yield ref
+
+
+def reference_module(ref: Reference | None) -> PreTrainedModel | None:
+    """The module whose parameters a reference holds, or None when it shares the policy's."""
+    return None if ref is None or isinstance(ref, AdaptersOff) else ref
+
+
+def adapter_state(model: Any) -> str:
+    """'none' without PEFT adapters, else 'on' or 'off' (what `ResidentIdentity` records)."""
+    if not is_peft(model):
+        return "none"
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    if not layers:
+        return "none"
+    return "off" if all(m.disable_adapters for m in layers) else "on"
