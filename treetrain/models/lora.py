@@ -14,7 +14,7 @@ Example:
     >>> from treetrain.models.presets import tiny_model
     >>> policy = apply_lora(tiny_model("llama", vocab_size=64), LoraSection(r=4))
     >>> sum(p.numel() for p in policy.parameters() if p.requires_grad)
-    2048
+    1792
     >>> with adapters_disabled(AdaptersOff(policy)) as base:
     ...     type(base).__name__
     'PeftModel'

@@ -122,19 +122,31 @@ def _is_section(tp: Any) -> bool:
     return dataclasses.is_dataclass(tp) and isinstance(tp, type)
 
 
+def _optional_section(tp: Any) -> type | None:
+    """The section class of an optional section (`LoraSection | None`), else None."""
+    if get_origin(tp) not in (typing.Union, types.UnionType):
+        return None
+    args = [a for a in get_args(tp) if a is not type(None)]
+    return args[0] if len(args) == 1 and _is_section(args[0]) else None
+
+
 def _sections(cls: type, default: Any, prefix: str) -> list[str]:
     hints = get_type_hints(cls)
     docs = field_docs(cls)
     out = []
     for f in dataclasses.fields(cls):
-        tp = hints[f.name]
-        if not _is_section(tp):
+        tp, value, note = hints[f.name], getattr(default, f.name), ""
+        optional = _optional_section(tp)
+        if optional is not None:
+            tp, value = optional, value if value is not None else optional()
+            note = " Off (null) by default; setting any of its fields turns it on with these defaults."
+        elif not _is_section(tp):
             continue
         name = f"{prefix}{f.name}"
         head = (inspect.getdoc(tp) or "").split("\n\n")[0].replace("\n", " ")
-        text = f"## `{name}`\n\n{docs.get(f.name, head)}\n\n{section_table(tp, getattr(default, f.name), name + '.')}\n"
+        text = f"## `{name}`\n\n{docs.get(f.name, head)}{note}\n\n{section_table(tp, value, name + '.')}\n"
         out.append(text)
-        out.extend(_sections(tp, getattr(default, f.name), name + "."))
+        out.extend(_sections(tp, value, name + "."))
     return out
 
 
