@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 from engine_cases import SHAPES, VOCAB, factory
+from lora_cases import lora_factory
 from transformers import PreTrainedModel
 
 from treetrain.distributed import Group, OptimizerConfig, TorchBackend
@@ -24,12 +25,17 @@ from treetrain.engine.verify import _perturb
 from treetrain.loss.advantages import AdvantageConfig
 from treetrain.loss.config import LossConfig
 from treetrain.loss.manifest import Manifest
+from treetrain.models.lora import AdaptersOff
 
 LOSS = LossConfig()
 OPTIMIZER = OptimizerConfig(name="sgd", lr=1.0, weight_decay=0.0, grad_clip=0.0)
 """Scale-sensitive: delta = -lr * g (|g| is about 0.7 here, so |delta| is far above float32 rounding)."""
 ADAMW = OptimizerConfig(lr=1e-3, weight_decay=0.01, grad_clip=1.0)
 make_model = factory("llama", torch.float32)
+make_lora_model = lora_factory("llama", torch.float32)
+"""The same llama with LoRA adapters (B set as if trained, so adapters off differs from on)."""
+LORA_LOSS = LossConfig(kl_coef=0.2)
+"""With KL: the reference is the policy with its adapters off."""
 STAGES = {"z0": (0, False), "z1": (1, False), "z2": (2, False), "z3": (3, False), "z2off": (2, True)}
 """Name -> (ZeRO stage, optimizer CPU offload)."""
 
@@ -52,47 +58,54 @@ def reference_delta(
     flat_microbatch: int = 1,
     perturb: bool = False,
     optimizer: OptimizerConfig = OPTIMIZER,
+    lora: bool = False,
 ) -> torch.Tensor:
     """One optimizer step in one process with plain torch and the engine directly (no update window):
-    contract 'flat' (the conventional run) or a tree contract."""
-    model: PreTrainedModel = make_model()
+    contract 'flat' (the conventional run) or a tree contract. `lora`: the LoRA model with KL against
+    its adapters-off self."""
+    make = make_lora_model if lora else make_model
+    loss = LORA_LOSS if lora else LOSS
+    model: PreTrainedModel = make()
+    ref = AdaptersOff(model) if lora else None
     if perturb:
         _perturb(model, seed=99)
     start = params_vector(model)
     backend = TorchBackend(model, optimizer)
     trees = [t for g in update for t in g.trees]
     batch = UpdateBatch.build(
-        trees, [a for g in update for a in g.advantages], Manifest.build(trees, 0), LOSS
+        trees, [a for g in update for a in g.advantages], Manifest.build(trees, 0), loss
     )
     if contract == "flat":
-        FlatReference(model, LOSS, microbatch=flat_microbatch, backward=backend.backward).accumulate(batch)
+        FlatReference(
+            model, loss, ref_model=ref, microbatch=flat_microbatch, backward=backend.backward
+        ).accumulate(batch)
     else:
         cfg = replay or ReplayConfig(contract=contract)  # type: ignore[arg-type]
-        TreeReplay(model, LOSS, cfg, backward=backend.backward).accumulate(batch)
+        TreeReplay(model, loss, cfg, ref_model=ref, backward=backend.backward).accumulate(batch)
     backend.step()
     delta = params_vector(model) - start
     if perturb:
-        delta = delta + (start - params_vector(make_model()))
+        delta = delta + (start - params_vector(make()))
     return delta
 
 
 def delta_floor(
-    contract: str, update: Sequence[Group], optimizer: OptimizerConfig = OPTIMIZER
+    contract: str, update: Sequence[Group], optimizer: OptimizerConfig = OPTIMIZER, lora: bool = False
 ) -> tuple[torch.Tensor, float]:
     """The reference delta and its fp32 noise floor: the largest gap to two equally valid runs of it.
 
     The variants are another summation order (reversed, other microbatching) and every parameter moved by
     one float32 rounding step (as in treetrain.engine.verify.noise_floor, applied to the deltas).
     """
-    ref = reference_delta(contract, update, optimizer=optimizer)
+    ref = reference_delta(contract, update, optimizer=optimizer, lora=lora)
     if contract == "flat":
-        other = reference_delta("flat", update, flat_microbatch=2, optimizer=optimizer)
+        other = reference_delta("flat", update, flat_microbatch=2, optimizer=optimizer, lora=lora)
     else:
         other = reference_delta(
             contract, update, replay=ReplayConfig(contract=contract, microbatch=1, order="reverse"),  # type: ignore[arg-type]
-            optimizer=optimizer,
+            optimizer=optimizer, lora=lora,
         )  # fmt: skip
-    moved = reference_delta(contract, update, perturb=True, optimizer=optimizer)
+    moved = reference_delta(contract, update, perturb=True, optimizer=optimizer, lora=lora)
     return ref, max(float((ref - other).norm()), float((ref - moved).norm()))
 
 

@@ -29,6 +29,7 @@ from dist_cases import (
     delta_floor,
     groups,
     lm_loss,
+    make_lora_model,
     make_model,
     params_vector,
     pitfall_batches,
@@ -269,3 +270,33 @@ def test_negative_control_naive_deepspeed_drops_micro_batches(
     """engine.backward per micro-batch then engine.step (ZeRO-1, GAS=1) keeps only part of the gradient."""
     delta, _ = _result(run, "z1-several_backward_naive")
     _far(delta, pitfall_ref, "naive DeepSpeed")
+
+
+@pytest.fixture(scope="module")
+def lora_ref() -> tuple[torch.Tensor, float]:
+    return delta_floor("flat", groups(), lora=True)
+
+
+@pytest.mark.parametrize("stage", ["z0", "z1", "z2", "z3"])
+def test_lora_matches_single_process_flat(
+    run: Path, lora_ref: tuple[torch.Tensor, float], stage: str
+) -> None:
+    """Only adapters train (KL against adapters off); the base does not move and never holds a gradient."""
+    delta, info = _result(run, f"{stage}-lora")
+    _close(delta, lora_ref, f"{stage} lora")
+    model = make_lora_model()
+    frozen = torch.cat([torch.full((p.numel(),), not p.requires_grad) for p in model.parameters()])
+    assert float(delta[frozen].abs().max()) == 0.0 and float(delta[~frozen].abs().max()) > 0
+    for r in info:
+        assert r["only_adapters"] and r["trainable"] and r["frozen_with_grad"] == []
+        assert r["version"] == 1 and r["zero_stage"] == int(stage[1])
+
+
+@pytest.mark.parametrize("stage", ["z2", "z3"])
+def test_lora_resume_reproduces_the_next_update_and_exports_the_adapter(run: Path, stage: str) -> None:
+    delta, info = _result(run, f"{stage}-lora_resume")
+    for r in info:
+        assert r["loaded_equals_saved"] and r["resumed_vs_original"] == 0.0 and r["moved"] > 0
+    assert info[0]["export_equals_weights"]
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(info[0]["export_files"])
+    assert float(delta.abs().max()) == 0.0

@@ -27,11 +27,13 @@ import deepspeed
 import torch
 from dist_cases import (
     ADAMW,
+    LORA_LOSS,
     LOSS,
     OPTIMIZER,
     STAGES,
     groups,
     lm_loss,
+    make_lora_model,
     make_model,
     params_vector,
     pitfall_batches,
@@ -53,6 +55,7 @@ from treetrain.distributed.deepspeed_backend import DeepSpeedBackend
 from treetrain.engine import ReplayConfig, UpdateBatch
 from treetrain.engine.resident import ResidentKey, StaleResidentStateError
 from treetrain.loss.manifest import ManifestError
+from treetrain.models.lora import AdaptersOff, is_adapter_param
 
 torch.set_num_threads(1)
 OUT = Path(sys.argv[1])
@@ -387,6 +390,66 @@ def shuffled(stage_name: str) -> tuple[torch.Tensor, Info]:
     return one_update(stage_name, replay, placement="round_robin")
 
 
+# ----- LoRA: only adapter parameters trainable, KL against the same model with adapters off ---------
+def lora_backend(stage_name: str, optimizer: OptimizerConfig = OPTIMIZER) -> DeepSpeedBackend:
+    stage, offload = STAGES[stage_name]
+    return DeepSpeedBackend(
+        make_lora_model(), zero_stage=stage, offload_optimizer=offload, optimizer=optimizer
+    )  # fmt: skip
+
+
+def lora_window(backend: DeepSpeedBackend, version: int = 0) -> UpdateWindow:
+    return UpdateWindow(backend, LORA_LOSS, ref_model=AdaptersOff(backend.module), version=version)
+
+
+def lora_update(stage_name: str) -> tuple[torch.Tensor, Info]:
+    backend = lora_backend(stage_name)
+    start = current(backend)
+    report = lora_window(backend).run(groups())
+    named = list(backend.module.named_parameters())
+    info = {
+        "version": report.version,
+        "trainable": sorted(n for n, p in named if p.requires_grad),
+        "frozen_with_grad": sorted(n for n, p in named if not p.requires_grad and p.grad is not None),
+        "zero_stage": backend.zero_stage,
+    }
+    info["only_adapters"] = all(is_adapter_param(n) for n in info["trainable"])
+    return current(backend) - start, info
+
+
+def lora_resume(stage_name: str) -> tuple[torch.Tensor, Info]:
+    """As `resume`, with adapters: step, checkpoint, step; a fresh engine loads and redoes the second step.
+    Rank 0's `export_pretrained` writes the adapter (PEFT `save_pretrained`), checked on a fresh base."""
+    ckpt, export = OUT / f"ckpt-lora-{stage_name}", OUT / f"export-lora-{stage_name}"
+    backend = lora_backend(stage_name, ADAMW)
+    window = lora_window(backend)
+    window.run(groups(0))
+    backend.save_checkpoint(ckpt, {"version": window.version, "update": 1})
+    backend.export_pretrained(export)
+    after_one = current(backend)
+    window.run(groups(1))
+    after_two = current(backend)
+
+    stage, offload = STAGES[stage_name]
+    fresh = make_backend(make_lora_model(), ADAMW, Distributed("deepspeed", stage, offload))
+    assert isinstance(fresh, DeepSpeedBackend)
+    state = fresh.load_checkpoint(ckpt)
+    loaded = current(fresh)
+    lora_window(fresh, version=state["version"]).run(groups(1))
+    info: Info = {
+        "loaded_equals_saved": bool(torch.equal(loaded, after_one)),
+        "resumed_vs_original": float((current(fresh) - after_two).norm()),
+        "moved": float((after_two - after_one).norm()),
+    }
+    if backend.rank == 0:
+        from peft import PeftModel
+
+        exported = PeftModel.from_pretrained(make_model(), str(export))
+        info["export_equals_weights"] = bool(torch.equal(params_vector(exported), after_one))
+        info["export_files"] = sorted(p.name for p in export.iterdir())
+    return current(fresh) - after_two, info
+
+
 def scenarios() -> dict[str, Callable[[], tuple[torch.Tensor, Info]]]:
     out: dict[str, Callable[[], tuple[torch.Tensor, Info]]] = {}
     for s in STAGES:
@@ -420,6 +483,10 @@ def scenarios() -> dict[str, Callable[[], tuple[torch.Tensor, Info]]]:
     for s in ("z1", "z2", "z2off", "z3"):
         out[f"{s}-several_backward"] = partial(several_backward, s)
     out["z1-several_backward_naive"] = partial(several_backward, "z1", naive=True)
+    for s in ("z0", "z1", "z2", "z3"):
+        out[f"{s}-lora"] = partial(lora_update, s)
+    for s in ("z2", "z3"):
+        out[f"{s}-lora_resume"] = partial(lora_resume, s)
     return out
 
 
