@@ -10,6 +10,12 @@ models are refused with the reason; a short probe backs up the static checks: sp
 states, and head-only logprobs against the model's own. A sliding window shorter than the sequences is
 accepted once a probe that splits inside the window and runs past it agrees with the whole forward.
 
+Exactness is also checked by behaviour, because names miss things (functional dropout reading a config field
+such as Starcoder2's `residual_dropout`): the same tokens run twice in the model's current mode must agree.
+Bidirectional attention (a prefix that sees later tokens) and looped layers (more KV caches than layers) are
+refused with those reasons, and any exception inside a probe becomes an `UnsupportedModelError` naming the
+model type and the step.
+
 Example:
     >>> check_supported(model, max_sequence_length=4096)        # doctest: +SKIP
     >>> gate = SupportGate()                                      # doctest: +SKIP
@@ -18,10 +24,13 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from transformers import PreTrainedModel
 
-from treetrain.models.decoder import decoder_forward, output_head
+from treetrain.models.decoder import base_model, decoder_forward, output_head
 
 #: Layer types whose state is plain KV over every earlier position.
 FULL_ATTENTION_TYPES = frozenset({"full_attention"})
@@ -41,6 +50,8 @@ RECURRENT_MODEL_TYPES = frozenset(
         "zamba2",
     }
 )
+#: Config flags that make attention bidirectional, with the value that does.
+BIDIRECTIONAL_FLAGS: dict[str, bool] = {"use_bidirectional_attention": True, "is_causal": False}
 #: RoPE types whose frequencies depend on the longest position of the forward call.
 LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
 
@@ -113,21 +124,91 @@ def check_supported(
         raise UnsupportedModelError(
             f"model type {mtype!r} uses logit soft-capping, which the engine does not apply"
         )
-    dropouts = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
-    attn_dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
-    if model.training and (dropouts or attn_dropout > 0):
-        where = dropouts[0] if dropouts else "attention_dropout"
+    bidirectional = [f for f in BIDIRECTIONAL_FLAGS if getattr(config, f, None) is BIDIRECTIONAL_FLAGS[f]]
+    if bidirectional:
         raise UnsupportedModelError(
-            f"model type {mtype!r} has active dropout ({where}); a replayed branch would see different masks "
-            "than its scoring pass. Set dropout to 0 for RL training"
+            f"model type {mtype!r} has bidirectional attention ({bidirectional[0]}="
+            f"{BIDIRECTIONAL_FLAGS[bidirectional[0]]}): a position sees later tokens, so a shared prefix "
+            "evaluated once cannot stand for it inside each longer sequence"
         )
+    if model.training:
+        where = _named_dropout(model, config)
+        if where is not None:
+            raise UnsupportedModelError(
+                f"model type {mtype!r} has active dropout ({where}) in train mode; a replayed branch would see "
+                "different masks than its scoring pass. Set dropout to 0 for RL training, or call model.eval()"
+            )
     if probe:
-        _probe(model, mtype)
+        _guarded(mtype, "the determinism probe", lambda: _probe_determinism(model, mtype))
+        _guarded(mtype, "the split probe", lambda: _probe(model, mtype))
     window = active_window(model, max_sequence_length)
     if window is not None and (probe if probe_window is None else probe_window):
         # The split lands inside the window and the sequence runs past it, so a mask that mishandled the
         # resident past (keys the window should drop, or positions it should keep) shows up.
-        _probe(model, mtype, length=2 * window + 2, split=window // 2 + 1, window=window)
+        _guarded(
+            mtype,
+            "the sliding-window probe",
+            lambda: _probe(model, mtype, length=2 * window + 2, split=window // 2 + 1, window=window),
+        )
+
+
+def _named_dropout(model: PreTrainedModel, config: object) -> str | None:
+    """The first dropout found by name: an `nn.Dropout` module or a `*dropout*` / `*_pdrop` config field
+    above 0 (functional dropout reads those; the determinism probe catches what names miss)."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Dropout) and module.p > 0:
+            return name
+    to_dict = getattr(config, "to_dict", None)
+    fields: dict[str, object] = to_dict() if callable(to_dict) else {}
+    for key in sorted(fields):
+        value = fields[key]
+        named = "dropout" in key or key.endswith("_pdrop")
+        if named and isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            return f"config.{key}={value}"
+    return None
+
+
+def _guarded(mtype: str, step: str, run: Callable[[], None]) -> None:
+    """Run a probe; anything it raises other than a refusal becomes a refusal naming the model and the step."""
+    try:
+        run()
+    except UnsupportedModelError:
+        raise
+    except Exception as exc:
+        raise UnsupportedModelError(
+            f"model type {mtype!r} failed {step} ({type(exc).__name__}: {short_message(exc)}); "
+            "the engine cannot run it"
+        ) from exc
+
+
+def short_message(exc: BaseException, limit: int = 200) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
+@torch.no_grad()
+def _probe_determinism(model: PreTrainedModel, mtype: str) -> None:
+    """The same tokens twice in the model's current mode must give the same logits: tree replay scores a
+    prefix once and replays branches later, which is exact only when nothing random happens in between.
+    The random state is restored, so probing does not change what training samples."""
+    param = next(model.parameters())
+    vocab = int(model.config.get_text_config(decoder=True).vocab_size)
+    ids = torch.randint(0, vocab, (1, 12), generator=torch.Generator().manual_seed(1)).to(param.device)
+    pos = torch.arange(12, device=param.device)[None]
+    devices = [param.device.index or 0] if param.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        a = model(input_ids=ids, position_ids=pos, use_cache=False).logits  # [1, 12, V]
+        b = model(input_ids=ids, position_ids=pos, use_cache=False).logits  # [1, 12, V]
+    diff = ((a.float() - b.float()).abs().max() / a.float().abs().max().clamp_min(1.0)).item()
+    tol = 1e-3 if a.dtype in (torch.float16, torch.bfloat16) else 1e-5  # kernels may reorder sums
+    if not diff <= tol:
+        mode = "train" if model.training else "eval"
+        raise UnsupportedModelError(
+            f"model type {mtype!r} gives different outputs for the same tokens twice in {mode} mode (relative "
+            f"difference {diff:.2e}): something random is active, such as dropout called as a function; a "
+            "replayed branch would see other randomness than its scoring pass. Set every dropout to 0, or call "
+            "model.eval()"
+        )
 
 
 @torch.no_grad()
@@ -146,6 +227,13 @@ def _probe(
     try:
         whole = decoder_forward(model, ids, pos, None).hidden
         first = decoder_forward(model, ids[:, :split], pos[:, :split], None)
+        layers: Any = base_model(model).layers
+        n_layers = len(layers)
+        if len(first.keys) != n_layers:
+            raise UnsupportedModelError(
+                f"model type {mtype!r} keeps {len(first.keys)} KV caches for {n_layers} layers: it runs layers "
+                "more than once per forward (a looped transformer), and resident KV is one entry per layer"
+            )
         past = list(zip(first.keys, first.values))
         second = decoder_forward(model, ids[:, split:], pos[:, split:], past).hidden
         head_err = None
@@ -158,6 +246,13 @@ def _probe(
     joined = torch.cat([first.hidden, second], dim=1)
     scale = whole.abs().max().clamp_min(1.0)
     tol = 1e-3 if whole.dtype in (torch.float16, torch.bfloat16) else 1e-5
+    prefix_err = ((first.hidden - whole[:, :split]).abs().max() / scale).item()
+    if not prefix_err <= tol:
+        raise UnsupportedModelError(
+            f"model type {mtype!r}: a prefix evaluated alone gives other hidden states than inside the whole "
+            f"sequence (relative error {prefix_err:.2e}), so its positions see later tokens (attention is not "
+            "causal); a shared prefix evaluated once cannot stand for it"
+        )
     err = ((joined - whole).abs().max() / scale).item()
     if not err <= tol and window is not None:
         raise UnsupportedModelError(

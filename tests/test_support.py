@@ -1,0 +1,104 @@
+"""The model-support check: exactness checked by behaviour as well as by name, every refusal reason true,
+and a probe that fails for any reason is a refusal naming the model type and the step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+import treetrain.models.support as support
+from treetrain.models.presets import tiny_model
+from treetrain.models.support import UnsupportedModelError, check_supported
+
+VOCAB = 64
+SMALL: dict[str, Any] = dict(
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2
+)
+
+
+def _model(kind: str, **kw: Any) -> PreTrainedModel:
+    config = AutoConfig.for_model(kind, **kw)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    return model
+
+
+def _starcoder2(residual_dropout: float) -> PreTrainedModel:
+    return _model(
+        "starcoder2", **SMALL, num_hidden_layers=2, residual_dropout=residual_dropout, embedding_dropout=0.0,
+        attention_dropout=0.0, sliding_window=None,
+    )  # fmt: skip
+
+
+def test_a_config_dropout_field_read_by_functional_dropout_is_refused_in_train_mode() -> None:
+    model = _starcoder2(0.1).train()
+    with pytest.raises(
+        UnsupportedModelError, match=r"'starcoder2' has active dropout \(config.residual_dropout"
+    ):
+        check_supported(model, 32)
+    check_supported(model.eval(), 32)  # control: eval mode draws no masks
+
+
+def test_biogpt_attention_probs_dropout_is_refused_in_train_mode() -> None:
+    model = _model(
+        "biogpt", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, attention_probs_dropout_prob=0.1, hidden_dropout_prob=0.0, activation_dropout=0.0,
+    ).train()  # fmt: skip
+    with pytest.raises(UnsupportedModelError, match=r"config.attention_probs_dropout_prob=0.1"):
+        check_supported(model, 32, probe=False)
+
+
+def test_dropout_no_name_reveals_is_caught_by_running_the_same_tokens_twice() -> None:
+    """The layers keep the 0.1 they were built with; the config says 0, so only behaviour can tell."""
+    model = _starcoder2(0.1).train()
+    model.config.residual_dropout = 0.0
+    state = torch.random.get_rng_state()
+    with pytest.raises(
+        UnsupportedModelError, match="different outputs for the same tokens twice in train mode"
+    ):
+        check_supported(model, 32)
+    assert torch.equal(torch.random.get_rng_state(), state), "probing changed the random state"
+    check_supported(model.eval(), 32)
+
+
+def test_a_looped_model_is_refused_not_crashed() -> None:
+    """Dory runs its middle layers several times per forward; resident KV holds one entry per layer."""
+    model = _model(
+        "dory", **SMALL, num_hidden_layers=3, head_dim=8, n_input_layers=1, n_output_layers=1, n_recurrent_loops=2,
+    ).eval()  # fmt: skip
+    with pytest.raises(UnsupportedModelError, match=r"'dory' keeps 4 KV caches for 3 layers.*looped"):
+        check_supported(model, 32)
+
+
+def _bidirectional() -> PreTrainedModel:
+    return _model("gemma3_text", **SMALL, num_hidden_layers=2, head_dim=8, use_bidirectional_attention=True)
+
+
+def test_a_bidirectional_config_is_refused_as_bidirectional() -> None:
+    with pytest.raises(UnsupportedModelError, match="bidirectional attention") as info:
+        check_supported(_bidirectional().eval(), 32)
+    assert "cache carries state" not in str(info.value)
+
+
+def test_the_probe_names_non_causal_attention_by_behaviour() -> None:
+    """Past the config flag, the split probe itself tells a prefix that sees later tokens from a bad cache."""
+    with pytest.raises(UnsupportedModelError, match="attention is not causal") as info:
+        support._probe(_bidirectional().eval(), "gemma3_text")
+    assert "cache carries state" not in str(info.value)
+
+
+def test_an_exception_inside_the_probe_becomes_a_refusal_naming_type_and_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("The size of tensor a (4) must match the size of tensor b (8)")
+
+    monkeypatch.setattr(support, "decoder_forward", broken)
+    with pytest.raises(
+        UnsupportedModelError, match=r"'llama' failed the split probe \(RuntimeError: The size"
+    ):
+        check_supported(tiny_model("llama", VOCAB), 32)
