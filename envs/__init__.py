@@ -20,7 +20,7 @@ from envs.registry import BUILTINS, UnknownEnvironmentError, available, make_env
 from envs.template import ChatTemplate, TemplateError
 from envs.toolcalls import ParsedTurn, ToolCallError, format_tool_call, parse_tool_calls
 from envs.tools import Tool, ToolEnv, execute_tool_call, render_result, tools_from_openai
-from envs.wrapper import EnvStepError, Finish, TokenEnv, TurnResult, WrapperConfig
+from envs.wrapper import EnvStepError, Finish, PromptTooLongError, TokenEnv, TurnResult, WrapperConfig
 
 __all__ = [
     "BUILTINS",
@@ -33,6 +33,7 @@ __all__ = [
     "Immutable",
     "Message",
     "ParsedTurn",
+    "PromptTooLongError",
     "ProtocolError",
     "Rubric",
     "StepResult",

@@ -58,18 +58,16 @@ class Observation:
     `rendered` is the whole history rendered with the generation prompt (the next turn's `before`)."""
 
     tokens: tuple[int, ...]
-    rendered: tuple[int, ...]
+    rendered: str
 
 
 @dataclass(frozen=True)
 class Rewrite:
-    """The template rewrote earlier turns: the next call's whole context (prompt role, no loss)."""
+    """The template rewrote earlier turns: the next call's whole context (prompt role, no loss).
+    `rendered` is its text (the next turn's `before`)."""
 
     tokens: tuple[int, ...]
-
-    @property
-    def rendered(self) -> tuple[int, ...]:
-        return self.tokens
+    rendered: str
 
 
 class ChatTemplate:
@@ -107,6 +105,9 @@ class ChatTemplate:
         )
         probe = self.tokens([Message("user", "ping"), Message("assistant", _PROBE)])
         self._turn_end(probe, len(self.tokens([Message("user", "ping")], generation_prompt=True)))
+        self.fast = self._probe_fast()
+        """Compute observations from the text after the end-of-turn marker (a probe checked that this
+        gives the same tokens as tokenizing both renderings whole)."""
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
@@ -182,7 +183,7 @@ class ChatTemplate:
         new_messages: Sequence[Message],
         tools: Sequence[ToolSpec] = (),
         closed: bool = True,
-        before: Sequence[int] | None = None,
+        before: str | None = None,
     ) -> Observation | Rewrite:
         """What follows the last assistant turn of `history` before the next generation.
 
@@ -192,18 +193,54 @@ class ChatTemplate:
         """
         if not history or history[-1].role != "assistant":
             raise TemplateError("observation needs a history that ends with an assistant message")
-        without = self.tokens(history, tools)
-        with_new = self.tokens([*history, *new_messages], tools, generation_prompt=True)
-        if with_new[: len(without)] != without:
-            return Rewrite(with_new)
-        before = (
-            tuple(before) if before is not None else self.tokens(history[:-1], tools, generation_prompt=True)
-        )
-        if without[: len(before)] != before:  # adding the turn changed what came before it
-            return Rewrite(with_new)
-        end = self._turn_end(without, len(before))
+        before = before if before is not None else self.render(history[:-1], tools, generation_prompt=True)
+        without = self.render(history, tools)
+        with_new = self.render([*history, *new_messages], tools, generation_prompt=True)
         lead = () if closed else self.end_of_turn_ids
-        return Observation(lead + without[end:] + with_new[len(without) :], with_new)
+        fast = self._short_difference(before, without, with_new) if self.fast else None
+        if fast is not None:
+            return Observation(lead + fast, with_new)
+        found = self._token_difference(before, without, with_new)
+        return found if isinstance(found, Rewrite) else Observation(lead + found, with_new)
+
+    def _token_difference(self, before: str, without: str, with_new: str) -> tuple[int, ...] | Rewrite:
+        """The definition: the trailer after the turn's end marker in tokens(without), then the tokens
+        that tokens(with_new) adds to tokens(without); a `Rewrite` when either rendering does not extend
+        the one before it."""
+        before_ids, without_ids, with_ids = self.encode(before), self.encode(without), self.encode(with_new)
+        if with_ids[: len(without_ids)] != without_ids or without_ids[: len(before_ids)] != before_ids:
+            return Rewrite(with_ids, with_new)
+        end = self._turn_end(without_ids, len(before_ids))
+        return without_ids[end:] + with_ids[len(without_ids) :]
+
+    def _short_difference(self, before: str, without: str, with_new: str) -> tuple[int, ...] | None:
+        """The same tokens as `_token_difference`, tokenizing only the text after the turn's end marker.
+
+        Valid when the marker is a single added token without whitespace stripping, so tokenization splits
+        there; `fast` is only on when a probe agrees with the definition. None: use the definition."""
+        if not (with_new.startswith(without) and without.startswith(before)):
+            return None
+        cut = without.rfind(self.end_of_turn, len(before))
+        if cut < 0:
+            return None
+        trailer = without[cut + len(self.end_of_turn) :]
+        head, out = self.encode(trailer), self.encode(trailer + with_new[len(without) :])
+        return out if out[: len(head)] == head else None
+
+    def _probe_fast(self) -> bool:
+        (eot,) = self.end_of_turn_ids if len(self.end_of_turn_ids) == 1 else (None,)
+        added = getattr(self.tokenizer, "added_tokens_decoder", {}).get(eot)
+        if added is None or getattr(added, "lstrip", True) or getattr(added, "rstrip", True):
+            return False
+        history = [Message("user", "ping"), Message("assistant", "pong  1")]
+        new = [Message("user", " two\n words")]
+        texts = (
+            self.render(history[:1], generation_prompt=True),
+            self.render(history),
+            self.render([*history, *new], generation_prompt=True),
+        )
+        short = self._short_difference(*texts)
+        return short is not None and short == self._token_difference(*texts)
 
     def _turn_end(self, rendered: tuple[int, ...], start: int) -> int:
         """Index just past the last stop sequence in `rendered[start:]` (the assistant turn's end)."""

@@ -40,6 +40,10 @@ from envs.template import ChatTemplate, RenderError, Rewrite
 from treetrain.trajectory import Call, Role, Segment, Trajectory, TrajectoryMeta
 
 
+class PromptTooLongError(ValueError):
+    """A task's opening does not fit the episode's token budget (the message names both numbers)."""
+
+
 class EnvStepError(RuntimeError):
     """The environment's `step` raised (a bug in the environment, not in the agent's output)."""
 
@@ -142,7 +146,7 @@ class TokenEnv:
         self._calls: list[Call] = []
         self._segments: list[Segment] = []
         self._context: list[int] = []
-        self._rendered: tuple[int, ...] = ()
+        self._rendered = ""
         self._turns = 0
         self._finish: Finish | None = None
 
@@ -186,14 +190,15 @@ class TokenEnv:
             raise EnvStepError(f"{self.env_name}.reset must return system/user messages, got {opening!r}")
         self._seed, self._tools = seed, tuple(self.env.tool_specs())
         self._messages = list(opening)
-        prompt = self.template.prompt_tokens(opening, self._tools)
+        rendered = self.template.render(opening, self._tools, generation_prompt=True)
+        prompt = self.template.encode(rendered)
         if len(prompt) >= self.config.max_episode_tokens:
-            raise ValueError(
+            raise PromptTooLongError(
                 f"{self.env_name} seed {seed}: prompt has {len(prompt)} tokens, which leaves no room under "
                 f"max_episode_tokens={self.config.max_episode_tokens} (treetrain train: rollout.max_episode_tokens)"
             )
         self._calls, self._segments = [], [Segment(Role.PROMPT, prompt)]
-        self._context, self._rendered = list(prompt), prompt
+        self._context, self._rendered = list(prompt), rendered
         self._turns, self._finish = 0, None
         return prompt
 

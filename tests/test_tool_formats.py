@@ -4,6 +4,8 @@ failure into an `Error: ...` tool message."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 from chat_formats import family_tokenizer
 
@@ -110,3 +112,47 @@ def test_llama3_takes_one_call_per_turn() -> None:
     assert "one tool call per turn" in parsed.errors[0].problem
     plain = FORMATS["llama3"].parse("The answer is 4.", 0)
     assert plain.message.content == "The answer is 4." and not plain.errors
+
+
+def _scripted_episode(name: str, fast: bool | None, seed: int = 5) -> tuple:
+    env = TokenEnv(CalculatorEnv(), family_tokenizer(name), WrapperConfig(max_turns=4, max_turn_tokens=64))
+    if fast is not None:
+        env.template.fast = fast
+    env.reset(seed=seed)
+    task = env.env.state()
+    assert task is not None
+    end = env.template.end_of_turn
+    call = env.template.encode(env.template.write_call("calculate", {"expression": task.expression}))
+    env.step(call + env.template.end_of_turn_ids)
+    assert not env.step(call[:-3]).done  # cut by its budget: no end marker, a malformed call
+    env.step(env.template.encode(f"{task.answer}" + end))
+    return env.template.fast if fast is None else fast, env.trajectory("t").calls
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_short_difference_gives_the_tokens_of_the_definition(name: str) -> None:
+    """Differential: observations from the text after the end marker equal the token difference of the
+    two whole renderings, turn by turn, in every format (with a cut turn in between)."""
+    probed, fast_calls = _scripted_episode(name, None)
+    assert probed  # the probe enabled the short path for all four families
+    _, exact_calls = _scripted_episode(name, False)
+    assert fast_calls == exact_calls
+
+
+def test_the_differential_check_catches_a_wrong_short_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: a short path that loses the template's trailer is caught by the comparison."""
+    right = _scripted_episode("hermes", True)[1]
+    real = ChatTemplate._short_difference
+
+    def wrong(self, before: str, without: str, with_new: str):  # type: ignore[no-untyped-def]
+        out = real(self, before, without, with_new)
+        return None if out is None else out[1:]
+
+    monkeypatch.setattr(ChatTemplate, "_short_difference", wrong)
+    assert _scripted_episode("hermes", True)[1] != right
+
+
+def test_a_multi_token_end_marker_uses_the_definition() -> None:
+    tok = copy.deepcopy(family_tokenizer("hermes"))
+    tok.chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }} [done]\n{% endfor %}assistant:"
+    assert not ChatTemplate(tok, end_of_turn=" [done]").fast

@@ -60,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from envs.registry import EnvironmentLoadError, UnknownEnvironmentError
+    from envs.wrapper import PromptTooLongError
     from treetrain.distributed.checkpoint import CheckpointError
     from treetrain.memory.planner import PlanError
     from treetrain.memory.retention import BudgetTooSmallError
@@ -69,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
 
     user_errors = (
         ConfigError, FileNotFoundError, FileExistsError, TreeFormatError, CheckpointError, UnknownEnvironmentError,
-        EnvironmentLoadError, UnsupportedModelError, PlanError, BudgetTooSmallError,
+        EnvironmentLoadError, UnsupportedModelError, PlanError, BudgetTooSmallError, PromptTooLongError,
     )  # fmt: skip
     try:
         trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress)
