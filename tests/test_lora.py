@@ -15,12 +15,18 @@ import torch
 from engine_cases import SHAPES, VOCAB, make_batch
 from lora_cases import OTHER_FAMILY, base_model, lora_factory, trained_like
 
+from treetrain.distributed import TorchBackend
+from treetrain.distributed.backend import OptimizerConfig
 from treetrain.engine import FlatReference, ReplayConfig, TreeReplay
 from treetrain.engine.resident import ResidentIdentity, ResidentKey, ResidentStore, StaleResidentStateError
 from treetrain.engine.scoring import PathKV, scoring_pass
 from treetrain.engine.units import UnitTree
-from treetrain.engine.verify import deviation, flat_gradient, noise_floor, tree_gradient
+from treetrain.engine.verify import deviation, flat_grad, flat_gradient, noise_floor, tree_gradient
 from treetrain.loss.config import ConfigError, LossConfig
+from treetrain.memory.ledger import predict_ledger
+from treetrain.memory.persistent import full_finetune_bytes, model_persistent_bytes
+from treetrain.memory.retention import RetentionPolicy
+from treetrain.memory.tracker import MemoryTracker
 from treetrain.models.lora import AdaptersOff, LoraSection, adapter_state, apply_lora, is_adapter_param
 from treetrain.models.presets import FAMILIES
 from treetrain.train.config import load_config
@@ -166,3 +172,64 @@ def test_flat_reference_pass_restores_adapters() -> None:
     FlatReference(model, KL, ref_model=AdaptersOff(model)).accumulate(make_batch(SHAPES["single"](0), KL))
     assert adapter_state(model) == "on"
     assert model.config.vocab_size == VOCAB
+
+
+# ----- memory: frozen base in the ledger, retention and the tracker through the PEFT wrapper ---------
+def test_persistent_bytes_of_a_lora_model_equal_a_real_step() -> None:
+    """The ledger books gradients and AdamW state for the adapters only (measured after a real step)."""
+    model = lora_factory("llama", torch.float32)()
+    backend = TorchBackend(model, OptimizerConfig(lr=1e-3))
+    TreeReplay(model, KL, ReplayConfig(), ref_model=AdaptersOff(model)).accumulate(
+        make_batch(SHAPES["single"](0), KL)
+    )
+    grads = sum(p.grad.numel() * 4 for p in model.parameters() if p.grad is not None)
+    backend.optimizer.step()
+    state = sum(s[k].numel() * 4 for s in backend.optimizer.state.values() for k in ("exp_avg", "exp_avg_sq"))
+    predicted = model_persistent_bytes(model, ref_model=AdaptersOff(model), optimizer=True)
+    params = sum(p.numel() * 4 for p in model.parameters())
+    assert (predicted.params, predicted.grads, predicted.optimizer, predicted.reference) == (
+        params,
+        grads,
+        state,
+        0,
+    )
+    full = full_finetune_bytes(model, reference=True)
+    plain = model_persistent_bytes(
+        base_model("llama", torch.float32), ref_model=base_model("llama", torch.float32), optimizer=True
+    )
+    assert full == plain and full.grads > 10 * predicted.grads
+
+
+def test_lora_under_a_retention_budget_with_kept_graphs_and_the_tracker() -> None:
+    """Evicted KV recomputed through the wrapper, kept first-forward graphs, and the memory tracker: the
+    gradient still equals flat, and the ledger's peak matches the measured one (frozen base: no grads)."""
+    make = lora_factory("llama", torch.float64)
+    batch = make_batch(SHAPES["multi_level"](0), KL)
+    replay = ReplayConfig(microbatch=1, chunk_size=3)
+    model = make()
+
+    def keep(units):
+        return frozenset(u.index for u in units.units[1:] if u.children)
+
+    free = predict_ledger(batch, model, replay, KL, ref_model=AdaptersOff(model), keep_graph=keep)
+    budget = free.minimum_budget
+    ledger = predict_ledger(
+        batch, model, replay, KL, budget=budget, ref_model=AdaptersOff(model), keep_graph=keep
+    )
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p) if p.requires_grad else None
+    tracker = MemoryTracker()
+    engine = TreeReplay(
+        model, KL, replay, ref_model=AdaptersOff(model), retention=RetentionPolicy(budget), keep_graph=keep,
+        tracker=tracker,
+    )  # fmt: skip
+    report = engine.accumulate(batch)
+    tracker.detach()
+    assert report.recomputed_units > 0 and report.kept_graphs > 0
+    floor = noise_floor(make, batch, KL, adapters_off_reference=True)
+    flat_model = make()
+    flat = flat_gradient(flat_model, batch, KL, AdaptersOff(flat_model))
+    assert deviation(flat_grad(model), flat).abs <= FACTOR * floor
+    measured = report.measured_peak
+    assert measured is not None
+    assert abs(ledger.peak.dynamic - measured.dynamic) <= 0.10 * measured.dynamic, (ledger.peak, measured)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from treetrain.models import ATTENTION
@@ -25,7 +26,10 @@ if TYPE_CHECKING:  # the rest loads in `run`, so `treetrain --help` stays fast
     from treetrain.engine.batch import UpdateBatch
     from treetrain.loss.advantages import AdvantageConfig
     from treetrain.loss.config import LossConfig
+    from treetrain.memory.persistent import PersistentBytes
     from treetrain.memory.planner import Plan
+    from treetrain.train.config import TrainConfig
+    from treetrain.train.models import LoadedModels
     from treetrain.tree.model import TrajectoryTree
 
 EXIT_BAD_INPUT = 2
@@ -162,8 +166,43 @@ def _from_config(args: argparse.Namespace, named: NamedTrees) -> int:
         planned = plan_for(cfg, trees, advantages, 0, models.policy, models.reference, 1)
     except (BudgetTooSmallError, PlanError, UnsupportedModelError) as e:
         return _fail(str(e))
-    print(json.dumps(plan_json(planned.plan), indent=2) if args.json else render(planned.plan))
+    vs_full = lora_vs_full(models, cfg) if cfg.model.lora is not None else None
+    if args.json:
+        out = plan_json(planned.plan)
+        if vs_full is not None:
+            out["lora_vs_full_finetuning"] = {name: asdict(b) for name, b in zip(("lora", "full"), vs_full)}
+        print(json.dumps(out, indent=2))
+    else:
+        print(render(planned.plan) + ("\n\n" + lora_text(*vs_full) if vs_full is not None else ""))
     return 0
+
+
+def lora_vs_full(models: LoadedModels, cfg: TrainConfig) -> tuple[PersistentBytes, PersistentBytes]:
+    """Persistent and gradient bytes with the adapters, and for full fine-tuning of the same model (with a
+    frozen copy as the reference when KL is on)."""
+    from treetrain.memory.persistent import full_finetune_bytes, model_persistent_bytes
+
+    lora = model_persistent_bytes(models.policy, ref_model=models.reference, optimizer=True)
+    full = full_finetune_bytes(models.policy, reference=cfg.loss.needs_reference)
+    return lora, full
+
+
+def lora_text(lora: PersistentBytes, full: PersistentBytes) -> str:
+    def line(name: str, b: PersistentBytes) -> str:
+        return (
+            f"{name}: {format_bytes(b.run_persistent + b.update_boundary)} = parameters {format_bytes(b.params)}"
+            f" + gradients {format_bytes(b.grads)} + optimizer state {format_bytes(b.optimizer + b.master)}"
+            f" + reference {format_bytes(b.reference)}"
+        )
+
+    saved = (full.run_persistent + full.update_boundary) - (lora.run_persistent + lora.update_boundary)
+    return "\n".join(
+        [
+            line("LoRA adapters (base frozen)", lora),
+            line("full fine-tuning, same model", full),
+            f"LoRA saves {format_bytes(saved)} of persistent and gradient memory per process",
+        ]
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from treetrain.models.lora import Reference, reference_module
+from treetrain.models.lora import Reference, is_adapter_param, reference_module
 
 DTYPE_BYTES: dict[str, int] = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -129,6 +129,35 @@ def model_persistent_bytes(
             out.params + frozen, out.grads, out.optimizer, out.master, out.reference, out.offloaded
         )
     return out
+
+
+def full_finetune_bytes(
+    model: PreTrainedModel,
+    *,
+    reference: bool = False,
+    zero_stage: int = 0,
+    world_size: int = 1,
+    offload_optimizer: bool = False,
+) -> PersistentBytes:
+    """What `model_persistent_bytes(..., optimizer=True)` would be if every base weight trained (adapters
+    removed), with a frozen copy as the reference when `reference`: the full fine-tuning LoRA is compared to.
+
+    Example:
+        >>> from treetrain.models.lora import LoraSection, apply_lora
+        >>> from treetrain.models.presets import tiny_model
+        >>> policy = apply_lora(tiny_model("llama", vocab_size=64), LoraSection(r=4))
+        >>> lora = model_persistent_bytes(policy, optimizer=True)
+        >>> full = full_finetune_bytes(policy)
+        >>> lora.params - full.params, lora.grads, full.grads == full.params
+        (7168, 7168, True)
+    """
+    params = [(n, p) for n, p in model.named_parameters() if not is_adapter_param(n)]
+    count = sum(p.numel() for _, p in params)
+    dtype = params[0][1].dtype if params else torch.float32
+    return persistent_bytes(
+        count, dtype, zero_stage=zero_stage, world_size=world_size, optimizer=True,
+        offload_optimizer=offload_optimizer, reference_params=count if reference else 0,
+    )  # fmt: skip
 
 
 def kv_bytes_per_token(model: PreTrainedModel) -> int:
