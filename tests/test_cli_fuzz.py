@@ -1,0 +1,151 @@
+"""Every CLI verb against hostile input of our own making (tests/hostile_corpus.py): a non-zero exit, a
+one-line error naming the file, never a traceback or a hang (each test has a timeout). The verbs run
+in-process (`main(argv)`); two cases go through the real `python -m treetrain` entry point (the verbs that
+do not import torch, so that they stay fast)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+from hostile_corpus import corrupt_tree_files, hostile_jsonl, out_of_range_tree_files
+from tree_samples import TINY_BYTES
+
+from treetrain.cli.main import main
+
+TRAIN = [
+    "--no-progress", "--set", "model.path=tiny-llama", "--set", "rollout.groups_per_update=1",
+    "--set", "updates=1", "--set", "measure_memory_every=0",
+]  # fmt: skip
+PLAN = ["--model", "tiny-llama", "--budget", "64MiB"]
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], argv: Sequence[str]) -> tuple[int, str, str]:
+    """Exit status, stdout and stderr of `treetrain ARGV`, run in this process."""
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:  # argparse
+        code = exc.code if isinstance(exc.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_refused(result: tuple[int, str, str], verb: str, name: str, case: str) -> str:
+    """Non-zero, no traceback, and a last line `treetrain VERB: ...` naming the file; returns that line."""
+    code, out, err = result
+    assert code != 0, f"{case}: exit status 0"
+    assert "Traceback" not in out + err, f"{case}: traceback\n{err}"
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines and lines[-1].startswith(f"treetrain {verb}"), f"{case}: {err!r}"
+    assert name in lines[-1], f"{case}: the error does not name {name}: {lines[-1]}"
+    return lines[-1]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("corpus")
+    paths = {}
+    for k, (case, blob) in enumerate(sorted(corrupt_tree_files().items())):
+        paths[case] = root / f"case{k:03d}.msgpack"
+        paths[case].write_bytes(blob)
+    return paths
+
+
+@pytest.mark.timeout(120)
+def test_inspect_and_plan_refuse_every_corrupt_tree_file(
+    corpus: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    for case, path in corpus.items():
+        assert_refused(run_cli(capsys, ["inspect", str(path)]), "inspect", path.name, case)
+        assert_refused(run_cli(capsys, ["inspect", "--json", str(path)]), "inspect", path.name, case)
+        assert_refused(run_cli(capsys, ["plan", str(path), *PLAN]), "plan", path.name, case)
+
+
+@pytest.mark.timeout(180)
+def test_train_refuses_corrupt_tree_files(
+    corpus: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every tenth case: each costs a tokenizer load before the trees are read."""
+    for k, (case, path) in enumerate(sorted(corpus.items())[::10]):
+        argv = ["train", "--trees", str(path), "--run-dir", str(tmp_path / f"run{k}"), *TRAIN]
+        assert_refused(run_cli(capsys, argv), "train", path.name, case)
+
+
+@pytest.mark.timeout(120)
+def test_out_of_range_token_ids_are_refused_before_a_model_is_sized(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for k, (case, (blob, token)) in enumerate(sorted(out_of_range_tree_files().items())):
+        path = tmp_path / f"ids{k}.msgpack"
+        path.write_bytes(blob)
+        line = assert_refused(run_cli(capsys, ["plan", str(path), *PLAN]), "plan", path.name, case)
+        assert str(token) in line
+        line = assert_refused(
+            run_cli(capsys, ["plan", str(path), *PLAN, "--vocab", "64"]), "plan", path.name, case
+        )
+        assert f"token id {token} is outside the model's vocabulary of 64" in line
+        argv = ["train", "--trees", str(path), "--run-dir", str(tmp_path / f"run{k}"), *TRAIN]
+        assert str(token) in assert_refused(run_cli(capsys, argv), "train", path.name, case)
+        code, _, err = run_cli(capsys, ["inspect", str(path)])  # a valid file: inspect shows it
+        assert code == 0 and "Traceback" not in err
+
+
+@pytest.mark.timeout(120)
+def test_a_tree_given_twice_is_refused_naming_its_trajectories(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "tiny.msgpack"
+    path.write_bytes(TINY_BYTES)
+    line = assert_refused(run_cli(capsys, ["plan", str(path), str(path), *PLAN]), "plan", path.name, "twice")
+    assert "'a', 'b', 'c'" in line and "trained twice" in line
+    copy = tmp_path / "dir" / "copy.msgpack"
+    copy.parent.mkdir()
+    copy.write_bytes(TINY_BYTES)
+    (copy.parent / "again.msgpack").write_bytes(TINY_BYTES)
+    argv = ["train", "--trees", str(copy.parent), "--run-dir", str(tmp_path / "run"), *TRAIN]
+    assert "'a', 'b', 'c'" in assert_refused(run_cli(capsys, argv), "train", "copy.msgpack", "two copies")
+
+
+@pytest.mark.timeout(60)
+def test_missing_and_unreadable_paths(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = str(tmp_path / "missing.msgpack")
+    assert_refused(run_cli(capsys, ["inspect", missing]), "inspect", missing, "missing")
+    assert_refused(run_cli(capsys, ["plan", missing, *PLAN]), "plan", missing, "missing")
+    assert_refused(run_cli(capsys, ["inspect", str(tmp_path)]), "inspect", str(tmp_path), "a directory")
+    out = str(tmp_path / "out")
+    assert_refused(run_cli(capsys, ["import", missing, "--out", out]), "import", missing, "missing")
+
+
+@pytest.mark.timeout(120)
+def test_import_refuses_hostile_jsonl_and_writes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for k, (case, blob) in enumerate(sorted(hostile_jsonl().items())):
+        path = tmp_path / f"case{k:03d}.jsonl"
+        path.write_bytes(blob)
+        out = tmp_path / f"out{k}"
+        assert_refused(run_cli(capsys, ["import", str(path), "--out", str(out)]), "import", path.name, case)
+        assert not out.exists(), f"{case}: wrote {out}"
+
+
+@pytest.mark.timeout(120)
+def test_the_real_entry_point_answers_hostile_input_in_one_line(tmp_path: Path) -> None:
+    tree = tmp_path / "flipped.msgpack"
+    tree.write_bytes(corrupt_tree_files()["truncated at 1"])
+    jsonl = tmp_path / "deep.jsonl"
+    jsonl.write_bytes(hostile_jsonl()["deeply nested metadata"])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), *sys.path])}
+    for verb, argv in [
+        ("inspect", ["inspect", str(tree)]),
+        ("import", ["import", str(jsonl), "--out", str(tmp_path / "out")]),
+    ]:
+        done = subprocess.run(
+            [sys.executable, "-m", "treetrain", *argv], capture_output=True, text=True, timeout=100, env=env
+        )
+        assert done.returncode == 2, done.stderr
+        assert "Traceback" not in done.stdout + done.stderr
+        assert done.stderr.strip().splitlines()[-1].startswith(f"treetrain {verb}: ")
