@@ -204,7 +204,7 @@ VALUES = [
     "*a", "[" * 100, "x" * 70_000, "\\ud800", '"\\ud800"', "1.0", "3", "tree", "float64", "8GiB",
     "1e308GiB", "-5GiB", "unbounded", "*.msgpack", "a: b", "- 1", "'", '"', "\t", "%", "@", "`",
 ]  # fmt: skip
-FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 def _check_cli(path: Path | None, overrides: list[str], capsys) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import tempfile
 import uuid
@@ -166,3 +167,40 @@ def _make_parents(directory: Path, created: list[Path]) -> None:
     for d in reversed(missing):
         d.mkdir()
         created.append(d)
+
+
+_DIR_LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|old)-[0-9A-Za-z_]+")
+_FILE_LEFTOVER = re.compile(r"\..+\.[0-9a-z_]{8}\.tmp")
+
+
+def recover_atomic_leftovers(directory: str | os.PathLike[str]) -> list[Path]:
+    """Undo what a killed `atomic_directory` or `atomic_write_bytes` left in `directory`; returns what it removed.
+
+    Temporary copies are deleted. A directory moved aside (`.NAME.old-*`) whose replacement never arrived is
+    moved back, so `NAME` is again the complete old directory; otherwise it is deleted. Only call this while
+    no other process writes in `directory` (a run holds its lock).
+
+    Example:
+        >>> import tempfile
+        >>> d = Path(tempfile.mkdtemp())
+        >>> (d / ".ckpt.tmp-0123456789ab").mkdir(); (d / ".ckpt.old-0123456789ab").mkdir()
+        >>> [p.name for p in recover_atomic_leftovers(d)], sorted(p.name for p in d.iterdir())
+        (['.ckpt.tmp-0123456789ab'], ['ckpt'])
+    """
+    removed: list[Path] = []
+    root = Path(directory)
+    for path in sorted(root.iterdir()):
+        found = _DIR_LEFTOVER.fullmatch(path.name)
+        if found and path.is_dir() and not path.is_symlink():
+            final = root / found["name"]
+            if found["kind"] == "old" and not final.exists():
+                os.replace(path, final)
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        elif _FILE_LEFTOVER.fullmatch(path.name) and path.is_file():
+            path.unlink()
+            removed.append(path)
+    if removed:
+        _fsync_dir(str(root))
+    return removed

@@ -66,11 +66,13 @@ def run(args: argparse.Namespace) -> int:
     from treetrain.memory.retention import BudgetTooSmallError
     from treetrain.models.support import UnsupportedModelError
     from treetrain.train.loop import Trainer
+    from treetrain.train.rundir import RunDirError
     from treetrain.tree.format import TreeFormatError
 
     user_errors = (
         ConfigError, FileNotFoundError, FileExistsError, TreeFormatError, CheckpointError, UnknownEnvironmentError,
         EnvironmentLoadError, UnsupportedModelError, PlanError, BudgetTooSmallError, PromptTooLongError,
+        RunDirError,
     )  # fmt: skip
     try:
         trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress)
@@ -78,6 +80,11 @@ def run(args: argparse.Namespace) -> int:
     except user_errors as exc:
         print(f"treetrain train: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(
+            f"treetrain train: interrupted; continue with --resume --run-dir {cfg.run_dir}", file=sys.stderr
+        )
+        return 130
     if trainer.backend.rank == 0:
         print(summary.text(trainer.read_rows()))
         print(f"run directory: {cfg.run_dir} (metrics.jsonl, reward.png, summary.txt, final/, checkpoints/)")

@@ -35,6 +35,7 @@ from safetensors.torch import load_model, save_model
 from transformers import PreTrainedModel
 
 from treetrain.distributed.checkpoint import read_client_state, write_client_state
+from treetrain.hooks import stall
 from treetrain.io import atomic_directory
 from treetrain.loss.config import ConfigError
 
@@ -227,6 +228,7 @@ class TorchBackend(TrainBackend):
     def save_checkpoint(self, directory: str | Path, client_state: Mapping[str, Any]) -> None:
         with atomic_directory(Path(directory)) as tmp:
             save_model(self.module, str(tmp / self.MODEL_FILE))
+            stall("checkpoint-write", client_state.get("update"))
             torch.save(self.optimizer.state_dict(), tmp / self.OPTIMIZER_FILE)
             write_client_state(tmp, client_state)
 

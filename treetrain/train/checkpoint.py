@@ -7,15 +7,24 @@ restores all of it, so the next update samples the same tasks with the same seed
 
 from __future__ import annotations
 
+import logging
+import pickle
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 
 from treetrain.distributed.backend import TrainBackend
+from treetrain.distributed.checkpoint import CheckpointError
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_NAME = re.compile(r"update-\d{5,}")
 
 
 @dataclass(frozen=True)
@@ -51,13 +60,16 @@ def checkpoint_dir(run_dir: Path, update: int) -> Path:
     return run_dir / "checkpoints" / f"update-{update:05d}"
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
+def checkpoints(run_dir: Path) -> list[Path]:
+    """Checkpoint directories in `run_dir`, oldest first (temporary ones, `.update-*.tmp-*`, never)."""
     root = run_dir / "checkpoints"
-    found = (
-        sorted(p for p in root.glob("update-*") if p.is_dir() and not p.name.startswith("."))
-        if root.exists()
-        else []
-    )
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and CHECKPOINT_NAME.fullmatch(p.name))
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    found = checkpoints(run_dir)
     return found[-1] if found else None
 
 
@@ -69,5 +81,47 @@ def save_trainer_state(backend: TrainBackend, run_dir: Path, state: TrainerState
 
 def load_trainer_state(backend: TrainBackend, path: Path) -> TrainerState:
     client = backend.load_checkpoint(path)
-    _set_rng_state(client["rng"])
-    return TrainerState(update=int(client["update"]), version=int(client["version"]))
+    try:
+        state = TrainerState(update=int(client["update"]), version=int(client["version"]))
+        _set_rng_state(client["rng"])
+    except (KeyError, TypeError, ValueError, OverflowError, RuntimeError) as exc:
+        raise CheckpointError(
+            f"{path}: the trainer state in it is malformed ({type(exc).__name__}: {exc})"
+        ) from None
+    return state
+
+
+UNREADABLE = (
+    CheckpointError,
+    SafetensorError,
+    OSError,
+    EOFError,
+    RuntimeError,
+    ValueError,
+    pickle.UnpicklingError,
+)
+"""What reading a torn or corrupt checkpoint raises (weights-only unpickling refuses anything else)."""
+
+
+def resume_state(backend: TrainBackend, run_dir: Path) -> tuple[TrainerState, Path] | None:
+    """Load the newest checkpoint that reads completely, falling back past torn ones and saying so.
+
+    None when the run has no checkpoint yet; `CheckpointError` (one line, naming each) when none reads.
+    """
+    failures: list[str] = []
+    for path in reversed(checkpoints(run_dir)):
+        try:
+            state = load_trainer_state(backend, path)
+        except UNREADABLE as exc:
+            reason = " ".join(str(exc).split())[:300]
+            log.warning("checkpoint %s cannot be read (%s); trying the one before it", path, reason)
+            failures.append(f"{path.name}: {reason}")
+            continue
+        if failures:
+            log.warning("resuming from %s, the newest checkpoint that reads completely", path)
+        return state, path
+    if failures:
+        raise CheckpointError(
+            f"no checkpoint under {run_dir / 'checkpoints'} reads completely: {'; '.join(failures)}"
+        )
+    return None

@@ -233,7 +233,10 @@ class TrainConfig:
     measure_memory_every: int = 10
     """Measure the live-byte peak of every N-th update's replay against the ledger (0: never; it slows replay)."""
     checkpoint_every: int = 20
-    """Save a resumable checkpoint every this many updates (0: only at the end)."""
+    """Save a resumable checkpoint every this many updates (0: not by count; one is always saved at the end)."""
+    checkpoint_every_s: float = 600.0
+    """Also save one when this many seconds have passed since the last (0: not by time), so a run killed
+    early loses at most this much work."""
     threads: int | None = None
     """torch intra-op threads (None: leave torch's default)."""
     model: ModelSection = field(default_factory=ModelSection)
@@ -264,6 +267,8 @@ class TrainConfig:
             raise ConfigError(f"updates: must be >= 1, got {self.updates}")
         if self.checkpoint_every < 0:
             raise ConfigError(f"checkpoint_every: must be >= 0, got {self.checkpoint_every}")
+        if self.checkpoint_every_s < 0:
+            raise ConfigError(f"checkpoint_every_s: must be >= 0, got {self.checkpoint_every_s}")
         if self.lr_warmup_updates < 0:
             raise ConfigError(f"lr_warmup_updates: must be >= 0, got {self.lr_warmup_updates}")
         if self.measure_memory_every < 0:

@@ -14,8 +14,8 @@ Example:
 from __future__ import annotations
 
 import logging
+import os
 import random
-import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -33,17 +33,19 @@ from treetrain.distributed.window import UpdateWindow
 from treetrain.distributed.window_types import Group, WindowConfig
 from treetrain.engine import ReplayReport
 from treetrain.engine.resident import ResidentIdentity, ResidentStore
+from treetrain.hooks import stall
 from treetrain.io import atomic_write_text
 from treetrain.loss.advantages import compute_advantages
 from treetrain.loss.config import ConfigError
 from treetrain.memory.planner import Plan
 from treetrain.memory.tracker import MemoryTracker
-from treetrain.train.checkpoint import TrainerState, latest_checkpoint, load_trainer_state, save_trainer_state
+from treetrain.train.checkpoint import TrainerState, resume_state, save_trainer_state
 from treetrain.train.config import EnvSection, TrainConfig, dump_config
 from treetrain.train.metrics import MetricsWriter, UpdateMetrics, read_metrics
 from treetrain.train.models import export_merged, load_models
 from treetrain.train.planning import plan_for
 from treetrain.train.progress import Progress
+from treetrain.train.rundir import RunLock, claim_run_dir, remove_run_artifacts
 from treetrain.train.sources import (
     RecordedSource,
     RolloutSource,
@@ -56,40 +58,6 @@ from treetrain.tree import TrajectoryTree
 from treetrain.tree.stats import tree_stats
 
 log = logging.getLogger(__name__)
-
-
-RUN_ARTIFACTS = (
-    "checkpoints",
-    "rollouts",
-    "final",
-    "final-merged",
-    "metrics.jsonl",
-    "summary.txt",
-    "reward.png",
-    "tensorboard",
-)
-
-
-def check_fresh_run_dir(run_dir: Path, overwrite: bool) -> None:
-    """Refuse to mix a new run into an old one unless asked to replace it."""
-    found = [name for name in RUN_ARTIFACTS if (run_dir / name).exists()]
-    if found and not overwrite:
-        raise FileExistsError(
-            f"{run_dir} already holds a run ({', '.join(found)}); use --resume to continue it, "
-            "--overwrite to replace it, or another --run-dir"
-        )
-
-
-def remove_earlier_run(run_dir: Path, rank: int) -> None:
-    """Delete an earlier run's artifacts (rank 0 only), once everything else has been validated."""
-    if rank != 0:
-        return
-    for name in RUN_ARTIFACTS:
-        path = run_dir / name
-        if path.is_dir():
-            shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()
 
 
 def warn_config_changes(saved: Path, cfg: TrainConfig) -> None:
@@ -153,8 +121,25 @@ class Trainer:
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
         self.progress = progress
-        if not resume:
-            check_fresh_run_dir(self.run_dir, overwrite)
+        # One process (rank 0, known from the launcher before the backend exists) checks, marks and locks
+        # the run directory before anything is loaded or written; a refusal ends every rank (torchrun).
+        self.lock: RunLock | None = None
+        if int(os.environ.get("RANK", "0")) == 0:
+            self.lock = claim_run_dir(self.run_dir, resume=resume, overwrite=overwrite)
+        try:
+            self._setup(resume=resume, overwrite=overwrite)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Release the run directory (the end of `run()` does; so does the end of the process)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    def _setup(self, *, resume: bool, overwrite: bool) -> None:
+        cfg = self.cfg
         seed_everything(cfg.seed)
         env_name, env_kwargs = cfg.env.name, dict(cfg.env.kwargs)
         if not cfg.rollout.trees:
@@ -169,11 +154,12 @@ class Trainer:
         self.state = TrainerState(update=0, version=0)
         self.identity = ResidentIdentity.of(self.backend.module, tokenizer=models.tokenizer_fingerprint)
         if resume:
-            ckpt = latest_checkpoint(self.run_dir)
-            if ckpt is None:
-                raise FileNotFoundError(f"--resume: no checkpoint under {self.run_dir / 'checkpoints'}")
-            self.state = load_trainer_state(self.backend, ckpt)
-            self.identity = replace(self.identity, model_version=self.state.version)
+            found = resume_state(self.backend, self.run_dir)
+            if found is None:  # killed before its first checkpoint: the same run, from the start
+                log.warning("--resume: %s has no checkpoint yet; starting from update 0", self.run_dir)
+            else:
+                self.state = found[0]
+                self.identity = replace(self.identity, model_version=self.state.version)
         self.store = ResidentStore(self.identity)
         self.device = next(self.backend.module.parameters()).device
         self.last_plan: Plan | None = None
@@ -186,8 +172,8 @@ class Trainer:
             if cfg.rollout.trees
             else RolloutSource(cfg, self.tokenizer, lambda: make_env(env_name, **env_kwargs), self.backend)
         )
-        if not resume and overwrite:
-            remove_earlier_run(self.run_dir, rank=self.backend.rank)
+        if not resume and overwrite and self.lock is not None:
+            remove_run_artifacts(self.run_dir)
         if resume:
             warn_config_changes(self.run_dir / "config.yaml", cfg)
         if self.backend.rank == 0:
@@ -296,29 +282,46 @@ class Trainer:
         )
         shown = not bar.disable and self.state.update > 0
         progress = Progress.after(self.read_rows() if shown else [])
+        last_saved = time.monotonic()
         try:
-            for index in range(self.state.update, cfg.updates):
-                row = self.update(index)
+            try:
+                for index in range(self.state.update, cfg.updates):
+                    row = self.update(index)
+                    if self.metrics is not None:
+                        self.metrics.write(row)
+                    stall("update-end", index)
+                    bar.update(1)
+                    bar.set_postfix(progress.fields(row), refresh=False)
+                    if self._checkpoint_due(index, last_saved):
+                        save_trainer_state(self.backend, self.run_dir, self.state)
+                        last_saved = time.monotonic()
+            finally:
+                bar.close()
                 if self.metrics is not None:
-                    self.metrics.write(row)
-                bar.update(1)
-                bar.set_postfix(progress.fields(row), refresh=False)
-                if (
-                    cfg.checkpoint_every
-                    and (index + 1) % cfg.checkpoint_every == 0
-                    and index + 1 < cfg.updates
-                ):
-                    save_trainer_state(self.backend, self.run_dir, self.state)
+                    self.metrics.close()
+            save_trainer_state(self.backend, self.run_dir, self.state)  # always at the end
+            self.backend.export_pretrained(self.run_dir / "final", tokenizer=self.tokenizer)
+            lora = cfg.model.lora
+            if lora is not None and lora.export_merged and self.backend.rank == 0:
+                export_merged(
+                    cfg.model, self.run_dir / "final", self.run_dir / "final-merged", self.tokenizer
+                )
+            return self.finish()
         finally:
-            bar.close()
-            if self.metrics is not None:
-                self.metrics.close()
-        save_trainer_state(self.backend, self.run_dir, self.state)
-        self.backend.export_pretrained(self.run_dir / "final", tokenizer=self.tokenizer)
-        lora = cfg.model.lora
-        if lora is not None and lora.export_merged and self.backend.rank == 0:
-            export_merged(cfg.model, self.run_dir / "final", self.run_dir / "final-merged", self.tokenizer)
-        return self.finish()
+            self.close()
+
+    def _checkpoint_due(self, index: int, last_saved: float) -> bool:
+        """Checkpoint after update `index`: every `checkpoint_every` updates, or once `checkpoint_every_s`
+        seconds have passed since the last one (rank 0's clock decides for every rank: saving is collective).
+        The last update is always followed by a checkpoint anyway."""
+        cfg = self.cfg
+        if index + 1 >= cfg.updates:
+            return False
+        due = bool(cfg.checkpoint_every) and (index + 1) % cfg.checkpoint_every == 0
+        if cfg.checkpoint_every_s > 0 and not due:
+            late = time.monotonic() - last_saved >= cfg.checkpoint_every_s
+            due = late if self.backend.world_size == 1 else self.backend.gather(str(int(late)))[0] == "1"
+        return due
 
     def read_rows(self) -> list[UpdateMetrics]:
         return read_metrics(self.run_dir / "metrics.jsonl")
