@@ -68,11 +68,6 @@ def checkpoints(run_dir: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and CHECKPOINT_NAME.fullmatch(p.name))
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    found = checkpoints(run_dir)
-    return found[-1] if found else None
-
-
 def save_trainer_state(backend: TrainBackend, run_dir: Path, state: TrainerState) -> Path:
     path = checkpoint_dir(run_dir, state.update)
     backend.save_checkpoint(path, {"update": state.update, "version": state.version, "rng": _rng_state()})
