@@ -104,7 +104,11 @@ class ChatTemplate:
             dict.fromkeys([self.end_of_turn_ids, *singles])
         )
         probe = self.tokens([Message("user", "ping"), Message("assistant", _PROBE)])
-        self._turn_end(probe, len(self.tokens([Message("user", "ping")], generation_prompt=True)))
+        self._turn_end(
+            probe,
+            len(self.tokens([Message("user", "ping")], generation_prompt=True)),
+            (self.end_of_turn_ids,),
+        )
         self.fast = self._probe_fast()
         """Compute observations from the text after the end-of-turn marker (a probe checked that this
         gives the same tokens as tokenizing both renderings whole)."""
@@ -242,10 +246,12 @@ class ChatTemplate:
         short = self._short_difference(*texts)
         return short is not None and short == self._token_difference(*texts)
 
-    def _turn_end(self, rendered: tuple[int, ...], start: int) -> int:
+    def _turn_end(
+        self, rendered: tuple[int, ...], start: int, sequences: Sequence[tuple[int, ...]] = ()
+    ) -> int:
         """Index just past the last stop sequence in `rendered[start:]` (the assistant turn's end)."""
         best = -1
-        for seq in self.stop_sequences:
+        for seq in sequences or self.stop_sequences:
             for i in range(len(rendered) - len(seq), start - 1, -1):
                 if rendered[i : i + len(seq)] == seq:
                     best = max(best, i + len(seq))
@@ -253,7 +259,7 @@ class ChatTemplate:
         if best < 0:
             raise TemplateError(
                 f"the chat template does not end assistant turns with any stop sequence "
-                f"{[self.decode(s) for s in self.stop_sequences]}; set env.end_of_turn to the text it uses"
+                f"{[self.decode(s) for s in sequences or self.stop_sequences]}; set env.end_of_turn to the text it uses"
             )
         return best
 

@@ -132,3 +132,20 @@ def test_a_malformed_turn_keeps_its_raw_text_for_rubrics(text: str) -> None:
     episode: Episode = env.episode()
     assert [m.content for m in episode.messages if m.role == "assistant"] == [text]
     assert TurnCount().score(episode) == pytest.approx(0.1)
+
+
+def test_end_of_turn_is_checked_against_the_template_before_the_model_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    import treetrain.train.models as models
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the model was loaded before the template settings were checked")
+
+    monkeypatch.setattr(models, "_load", refuse)
+    args = ["train", "--run-dir", str(tmp_path / "run"), "--no-progress", "--set", "env.end_of_turn=<done>"]
+    assert main(args) == 2
+    assert "does not end assistant turns with any stop sequence ['<done>'" in capsys.readouterr().err
+    assert main([*args[:-2], "--set", "env.tool_format=chatml"]) == 2
+    assert "env.tool_format: must be 'auto' or one of" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

@@ -51,6 +51,7 @@ from treetrain.train.sources import (
     RolloutSource,
     check_context,
     check_first_prompt,
+    check_template,
     model_context,
 )
 from treetrain.train.summary import RunSummary, plot_rewards
@@ -144,7 +145,7 @@ class Trainer:
         env_name, env_kwargs = cfg.env.name, dict(cfg.env.kwargs)
         if not cfg.rollout.trees:
             check_environment_config(cfg.env, cfg.seed)  # before any model is loaded
-        models = load_models(cfg.model)
+        models = load_models(cfg.model, None if cfg.rollout.trees else lambda tok: check_template(cfg, tok))
         check_context(cfg, models.policy)
         if not cfg.rollout.trees:
             check_first_prompt(cfg, models.tokenizer, models.policy, lambda: make_env(env_name, **env_kwargs))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,7 +79,8 @@ def _load(path: str, field: str, section: ModelSection, vocab_size: int) -> PreT
         raise ConfigError(f"{field}: {' '.join(str(exc).split())}") from None
 
 
-def load_models(section: ModelSection) -> LoadedModels:
+def load_models(section: ModelSection, check_tokenizer: Callable[[Any], None] | None = None) -> LoadedModels:
+    """The policy, the reference and the tokenizer; `check_tokenizer(tokenizer)` runs before any model loads."""
     path = resolve_model_path(section.path)
     if section.tokenizer is not None:
         tok_dir: Any = section.tokenizer
@@ -91,6 +93,8 @@ def load_models(section: ModelSection) -> LoadedModels:
     except (OSError, ValueError) as exc:
         field = "model.tokenizer" if section.tokenizer is not None else "model.path"
         raise ConfigError(f"{field}: cannot load a tokenizer from {tok_dir}: {exc}") from exc
+    if check_tokenizer is not None:
+        check_tokenizer(tokenizer)
     policy = _load(path, "model.path", section, len(tokenizer))
     if section.lora is not None:
         policy = apply_lora(policy, section.lora)

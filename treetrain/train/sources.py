@@ -125,6 +125,16 @@ def wrapper_config(cfg: TrainConfig, model: Any) -> WrapperConfig:
     )  # fmt: skip
 
 
+def check_template(cfg: TrainConfig, tokenizer: Any) -> None:
+    """The chat template, `env.end_of_turn` and `env.tool_format` against the tokenizer, before any model loads."""
+    from envs.template import ChatTemplate, TemplateError
+
+    try:
+        ChatTemplate(tokenizer, cfg.env.end_of_turn, cfg.env.tool_format)
+    except TemplateError as exc:
+        raise ConfigError(f"env.end_of_turn / env.tool_format / model.tokenizer: {exc}") from None
+
+
 def check_first_prompt(
     cfg: TrainConfig, tokenizer: Any, model: Any, make_env: Callable[[], Environment]
 ) -> None:
