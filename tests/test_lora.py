@@ -23,6 +23,7 @@ from treetrain.engine.scoring import PathKV, scoring_pass
 from treetrain.engine.units import UnitTree
 from treetrain.engine.verify import deviation, flat_grad, flat_gradient, noise_floor, tree_gradient
 from treetrain.loss.config import ConfigError, LossConfig
+from treetrain.memory.calibrate import calibrate
 from treetrain.memory.ledger import predict_ledger
 from treetrain.memory.persistent import full_finetune_bytes, model_persistent_bytes
 from treetrain.memory.retention import RetentionPolicy
@@ -211,11 +212,10 @@ def test_lora_under_a_retention_budget_with_kept_graphs_and_the_tracker() -> Non
     def keep(units):
         return frozenset(u.index for u in units.units[1:] if u.children)
 
-    free = predict_ledger(batch, model, replay, KL, ref_model=AdaptersOff(model), keep_graph=keep)
-    budget = free.minimum_budget
-    ledger = predict_ledger(
-        batch, model, replay, KL, budget=budget, ref_model=AdaptersOff(model), keep_graph=keep
-    )
+    mm = calibrate(model, "exact", with_entropy=False, max_logit_elements=replay.max_logit_elements)
+    kw = {"ref_model": AdaptersOff(model), "keep_graph": keep, "memory_model": mm}
+    budget = predict_ledger(batch, model, replay, KL, **kw).minimum_budget
+    ledger = predict_ledger(batch, model, replay, KL, budget=budget, **kw)
     for p in model.parameters():
         p.grad = torch.zeros_like(p) if p.requires_grad else None
     tracker = MemoryTracker()
@@ -233,3 +233,34 @@ def test_lora_under_a_retention_budget_with_kept_graphs_and_the_tracker() -> Non
     measured = report.measured_peak
     assert measured is not None
     assert abs(ledger.peak.dynamic - measured.dynamic) <= 0.10 * measured.dynamic, (ledger.peak, measured)
+
+
+# ----- the trainer ----------------------------------------------------------------------------------
+def test_trainer_resume_with_adapters_equals_straight_run_and_exports(tmp_path) -> None:
+    """KL against adapters off (0 on the first update, > 0 after); resume reproduces the uninterrupted run;
+    final/ is the adapter, final-merged/ a plain model giving the adapted policy's logits."""
+    from safetensors.torch import load_file
+    from test_train import TINY
+    from transformers import AutoModelForCausalLM
+
+    from treetrain.train.loop import Trainer
+    from treetrain.train.metrics import read_metrics
+
+    sets = [*TINY, "measure_memory_every=0", "model.lora.r=4", "loss.kl_coef=0.05", "model.reference=base"]
+
+    def cfg(name: str, updates: int, *extra: str):
+        return load_config(None, [*sets, f"run_dir={tmp_path / name}", f"updates={updates}", *extra])
+
+    straight = Trainer(cfg("a", 2, "model.lora.export_merged=true"), progress=False)
+    straight.run()
+    Trainer(cfg("b", 1), progress=False).run()
+    Trainer(cfg("b", 2), resume=True, progress=False).run()
+    a, b = (read_metrics(tmp_path / n / "metrics.jsonl") for n in "ab")
+    assert a[0].kl == 0.0 and a[1].kl > 0 and a[1].loss == pytest.approx(b[1].loss, rel=1e-6, abs=1e-9)
+    wa, wb = (load_file(tmp_path / n / "final" / "adapter_model.safetensors") for n in "ab")
+    assert wa.keys() == wb.keys() and all(torch.allclose(wa[k], wb[k], rtol=1e-6, atol=1e-7) for k in wa)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "a" / "final-merged", local_files_only=True)
+    ids = torch.tensor([[1, 5, 9, 13, 2]])
+    with torch.no_grad():
+        want = straight.backend.module(input_ids=ids).logits
+        assert torch.allclose(merged(input_ids=ids).logits, want, atol=1e-5)
