@@ -125,6 +125,8 @@ class Trainer:
         # One process (rank 0, known from the launcher before the backend exists) checks, marks and locks
         # the run directory before anything is loaded or written; a refusal ends every rank (torchrun).
         self.lock: RunLock | None = None
+        if not cfg.rollout.trees:
+            check_environment_config(cfg.env, cfg.seed)  # before the run directory is touched
         if int(os.environ.get("RANK", "0")) == 0:
             self.lock = claim_run_dir(self.run_dir, resume=resume, overwrite=overwrite)
         try:
@@ -143,8 +145,6 @@ class Trainer:
         cfg = self.cfg
         seed_everything(cfg.seed)
         env_name, env_kwargs = cfg.env.name, dict(cfg.env.kwargs)
-        if not cfg.rollout.trees:
-            check_environment_config(cfg.env, cfg.seed)  # before any model is loaded
         models = load_models(cfg.model, None if cfg.rollout.trees else lambda tok: check_template(cfg, tok))
         check_context(cfg, models.policy)
         if not cfg.rollout.trees:
