@@ -41,6 +41,7 @@ DEFAULT_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
 MAX_RANK = 1 << 14
 """Largest rank accepted: adapters are allocated from it, so a typo must not allocate gigabytes."""
 ADAPTER_CONFIG = "adapter_config.json"
+MAX_ADAPTER_CONFIG_BYTES = 1 << 20
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
@@ -105,6 +106,8 @@ def check_adapter_dir(path: str) -> dict[str, Any]:
             f"model.lora.adapter: {path!r} is not a PEFT adapter directory (needs {ADAPTER_CONFIG} and "
             f"{ADAPTER_WEIGHTS})"
         )
+    if cfg_file.stat().st_size > MAX_ADAPTER_CONFIG_BYTES:
+        raise ConfigError(f"model.lora.adapter: {cfg_file} is larger than {MAX_ADAPTER_CONFIG_BYTES} bytes")
     try:
         cfg = json.loads(cfg_file.read_text())
     except (OSError, ValueError) as exc:
