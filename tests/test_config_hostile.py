@@ -167,6 +167,8 @@ def test_truncated_safetensors_names_the_file(tmp_path: Path, capsys) -> None:
     _one_line_error(capsys.readouterr().err, "model.path", str(weights), "not a complete safetensors file")
     assert main(["plan", TREE, "--budget", "1GiB", "--set", f"model.path={model}"]) == 2
     _one_line_error(capsys.readouterr().err, str(weights))
+    assert main(["plan", TREE, "--budget", "1GiB", "--model", str(model)]) == 2
+    _one_line_error(capsys.readouterr().err, "--model", str(weights))
     assert main(["train", "--set", f"model.reference={model}", "--run-dir", str(run), "--no-progress"]) == 2
     _one_line_error(capsys.readouterr().err, "model.reference", str(weights))
 

@@ -207,6 +207,7 @@ def lora_text(lora: PersistentBytes, full: PersistentBytes) -> str:
 
 def run(args: argparse.Namespace) -> int:
     import torch
+    from safetensors import SafetensorError
 
     from treetrain.loss.advantages import AdvantageConfig
     from treetrain.loss.config import ConfigError, LossConfig
@@ -214,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
     from treetrain.memory.retention import BudgetTooSmallError
     from treetrain.models.presets import load_model
     from treetrain.models.support import UnsupportedModelError
-    from treetrain.train.models import resolve_model_path
+    from treetrain.train.models import broken_weights, resolve_model_path
 
     named: list[tuple[str, tuple[TrajectoryTree, ...]]] = []
     for path in args.trees:
@@ -242,6 +243,8 @@ def run(args: argparse.Namespace) -> int:
         return _fail(str(e))
     except (OSError, ValueError) as e:
         return _fail(f"cannot load model {args.model!r}: {e}")
+    except SafetensorError:
+        return _fail(f"--model: {broken_weights(path)}")
     overrides = Overrides(
         mode=args.mode, microbatch=args.microbatch, chunk_size=args.chunk_size, retention=args.retention,
         keep_graphs=args.keep_graphs,

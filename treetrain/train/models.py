@@ -56,7 +56,7 @@ def resolve_model_path(path: str, field: str = "model.path") -> str:
     return path
 
 
-def _broken_weights(directory: str) -> str:
+def broken_weights(directory: str) -> str:
     """Which safetensors file in `directory` is unreadable (a header check, no tensor is read)."""
     for file in sorted(Path(directory).glob("*.safetensors")):
         try:
@@ -74,7 +74,7 @@ def _load(path: str, field: str, section: ModelSection, vocab_size: int) -> PreT
     except ConfigError:
         raise
     except SafetensorError:
-        raise ConfigError(f"{field}: {_broken_weights(path)}") from None
+        raise ConfigError(f"{field}: {broken_weights(path)}") from None
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{field}: {' '.join(str(exc).split())}") from None
 
