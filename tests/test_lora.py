@@ -264,3 +264,17 @@ def test_trainer_resume_with_adapters_equals_straight_run_and_exports(tmp_path) 
     with torch.no_grad():
         want = straight.backend.module(input_ids=ids).logits
         assert torch.allclose(merged(input_ids=ids).logits, want, atol=1e-5)
+
+
+def test_plan_compares_adapters_with_full_finetuning() -> None:
+    from treetrain.cli.plan import lora_text, lora_vs_full
+    from treetrain.train.models import load_models
+
+    cfg = load_config(
+        None, ["model.path=tiny-llama", "model.lora.r=4", "loss.kl_coef=0.1", "model.reference=base"]
+    )
+    lora, full = lora_vs_full(load_models(cfg.model), cfg)
+    assert lora.reference == 0 and full.reference == full.params > 0
+    assert lora.params > full.params and lora.grads < full.grads and lora.optimizer < full.optimizer
+    text = lora_text(lora, full)
+    assert "full fine-tuning, same model" in text and "LoRA saves" in text
