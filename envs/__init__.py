@@ -4,6 +4,7 @@ See README.md ("Environments") for writing your own in about 30 lines.
 """
 
 from envs.conformance import ConformanceError, check_environment
+from envs.formats import FORMATS, ToolCallFormat, detect_format, get_format
 from envs.protocol import (
     Environment,
     Episode,
@@ -24,6 +25,7 @@ from envs.wrapper import EnvStepError, Finish, PromptTooLongError, TokenEnv, Tur
 
 __all__ = [
     "BUILTINS",
+    "FORMATS",
     "ChatTemplate",
     "ConformanceError",
     "EnvStepError",
@@ -42,6 +44,7 @@ __all__ = [
     "Tool",
     "ToolCall",
     "ToolCallError",
+    "ToolCallFormat",
     "ToolEnv",
     "ToolSpec",
     "TurnResult",
@@ -50,8 +53,10 @@ __all__ = [
     "available",
     "check_environment",
     "default_rubric",
+    "detect_format",
     "execute_tool_call",
     "format_tool_call",
+    "get_format",
     "make_env",
     "parse_tool_calls",
     "render_result",
