@@ -152,3 +152,36 @@ def test_malformed_call_error_answers_with_the_call_id() -> None:
     result = env.step(encode("<tool_call>{bad}</tool_call>" + END))
     assert result.messages[0].tool_call_id == "call_0_0"
     assert ToolCall("x", "f").name == "f"
+
+
+def test_a_rewriting_template_trains_from_the_cli(tmp_path: Path) -> None:
+    """Multi-call trajectories from a template that rewrites earlier turns go through a whole update."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from treetrain.cli.main import main
+    from treetrain.train.metrics import read_metrics
+    from treetrain.tree.format import load_trees
+
+    tok = _tokenizer_with(
+        "{%- set keep = false %}"
+        + DROPS_REASONING.replace("m.content.split('</think>')[-1].lstrip()", "'(earlier turn)'")
+    )
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=1024,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    args = ["train", "--run-dir", str(tmp_path / "run"), "--updates", "1", "--no-progress"]
+    for s in (
+        f"model.path={tmp_path / 'model'}", "env.name=env_fixtures:FixedTurnsEnv", "rollout.groups_per_update=1",
+        "rollout.fanout_root=2", "rollout.max_turns=3", "rollout.max_turn_tokens=4", "loss.entropy_coef=0.01",
+        "advantages.zero_variance=keep", "measure_memory_every=0", "threads=1",
+    ):  # fmt: skip
+        args += ["--set", s]
+    assert main(args) == 0
+    (row,) = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert row.version == 1 and row.trajectories == 2
+    trees = [t for p in (tmp_path / "run" / "rollouts").glob("**/*.msgpack") for t in load_trees(p)]
+    assert {len(traj.calls) for t in trees for traj in t.trajectories()} == {3}
