@@ -124,3 +124,23 @@ def lm_loss(model: PreTrainedModel, ids: torch.Tensor) -> torch.Tensor:
         )
         / 100
     )
+
+
+def uneven_groups() -> list[Group]:
+    """One small tree, then five large multi-level ones (each its own group): uneven work for 2 ranks."""
+    adv = AdvantageConfig(zero_variance="keep")
+    small = SHAPES["unequal"](5)
+    large = [SHAPES["multi_level"](20 + s)[0] for s in range(5)]
+    return [Group.build(small, adv)] + [Group.build([t], adv) for t in large]
+
+
+def uneven_owned(update: Sequence[Group], world_size: int, kind: str) -> list[list[set[int]]]:
+    """Trajectory ownership per tree and rank. 'uneven': rank 0 replays the first tree, the last rank
+    every other tree; 'idle': rank 0 replays everything and the other ranks nothing at all."""
+    owned: list[list[set[int]]] = []
+    for i, tree in enumerate(t for g in update for t in g.trees):
+        per_rank: list[set[int]] = [set() for _ in range(world_size)]
+        target = 0 if kind == "idle" or i == 0 else world_size - 1
+        per_rank[target] = set(range(len(tree.records)))
+        owned.append(per_rank)
+    return owned

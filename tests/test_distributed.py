@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -33,7 +32,9 @@ from dist_cases import (
     make_model,
     params_vector,
     pitfall_batches,
+    uneven_groups,
 )
+from ports import free_port
 from safetensors.torch import load_file
 
 from treetrain.distributed import TorchBackend
@@ -53,12 +54,6 @@ FAULTS = (
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every scenario, in one 2-rank torchrun launch."""
@@ -66,7 +61,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false")
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-        f"--master_port={_free_port()}", str(WORKER), str(out),
+        f"--master_port={free_port()}", str(WORKER), str(out),
     ]  # fmt: skip
     start = time.monotonic()
     try:
@@ -300,3 +295,50 @@ def test_lora_resume_reproduces_the_next_update_and_exports_the_adapter(run: Pat
     assert info[0]["export_equals_weights"]
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(info[0]["export_files"])
     assert float(delta.abs().max()) == 0.0
+
+
+@pytest.fixture(scope="module")
+def uneven_ref() -> tuple[torch.Tensor, float]:
+    return delta_floor("flat", uneven_groups())
+
+
+@pytest.mark.parametrize("stage", ["z1", "z2", "z3"])
+def test_uneven_work_matches_single_process_flat(
+    run: Path, uneven_ref: tuple[torch.Tensor, float], stage: str
+) -> None:
+    """Rank 0 replays one small tree, rank 1 five large ones: different numbers of forwards, backwards
+    and (under ZeRO-3) parameter fetches, the same update."""
+    delta, info = _result(run, f"{stage}-uneven")
+    _close(delta, uneven_ref, f"{stage} uneven")
+    light, heavy = info
+    assert light["steps"] < heavy["steps"] and light["rank_tokens"] == heavy["rank_tokens"]
+    assert heavy["imbalance"] == pytest.approx(2 * max(heavy["rank_tokens"]) / sum(heavy["rank_tokens"]))
+    if stage == "z3":
+        assert light["served"] > heavy["served"], "the idle rank must take part in the busy rank's fetches"
+
+
+@pytest.mark.parametrize("stage", ["z1", "z2", "z3"])
+def test_a_rank_without_work_still_makes_the_update(
+    run: Path, flat_ref: tuple[torch.Tensor, float], stage: str
+) -> None:
+    delta, info = _result(run, f"{stage}-idle")
+    _close(delta, flat_ref, f"{stage} with rank 1 idle")
+    busy, idle = info
+    assert busy["steps"] > 0 and idle["steps"] == 0
+    assert idle["rank_tokens"][1] == 0 and idle["imbalance"] == 2.0
+
+
+def test_zero3_keeps_parameters_partitioned_during_the_window(run: Path) -> None:
+    """Measured parameter storage per rank during the window: ZeRO-2 holds the whole model; ZeRO-3 holds
+    its partition (half) plus what is in flight, within the ledger's bound (see test_zero_memory.py)."""
+    model = make_model()
+    full = sum(p.numel() * p.element_size() for p in model.parameters())
+    largest = max(
+        sum(p.numel() * p.element_size() for p in m.parameters(recurse=False)) for m in model.modules()
+    )
+    for r in _result(run, "z2-uneven")[1]:
+        assert r["param_sampled_bytes"] == full
+    for r in _result(run, "z3-uneven")[1] + _result(run, "z3-idle")[1]:
+        assert r["rounds"] > 0
+        assert full // 2 <= r["partition_bytes"] <= full // 2 + 4 * len(list(model.parameters()))
+        assert r["partition_bytes"] + largest <= r["param_peak_bytes"] <= r["partition_bytes"] + 2 * largest

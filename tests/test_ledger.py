@@ -207,14 +207,19 @@ def test_persistent_bytes_per_zero_stage() -> None:
     stage = [persistent_bytes(n, "bfloat16", zero_stage=s, world_size=w) for s in range(4)]
     assert (stage[0].params, stage[0].grads, stage[0].optimizer, stage[0].master) == (2000, 2000, 8000, 4000)
     assert (stage[1].params, stage[1].grads, stage[1].optimizer, stage[1].master) == (2000, 2000, 2000, 1000)
-    assert (stage[2].params, stage[2].grads) == (2000, 500)
-    assert (stage[3].params, stage[3].grads) == (500, 500)
+    assert (stage[2].params, stage[2].grads) == (2000, 2000)  # whole inside the window
+    assert (stage[3].params, stage[3].grads, stage[3].in_flight) == (500, 2000, 0)
     fp32 = persistent_bytes(n, "float32")
     assert fp32.master == 0  # no separate master copy for fp32 parameters
     off = persistent_bytes(n, "bfloat16", offload_optimizer=True)
     assert off.run_persistent == 2000 and off.host == 12000
     ref = persistent_bytes(n, "bfloat16", reference_params=n, zero_stage=3, world_size=w)
-    assert ref.reference == 500
+    assert ref.reference == 2000  # a full replica on every rank
+    gathered = persistent_bytes(n, "bfloat16", zero_stage=3, world_size=w, largest_module_params=100)
+    assert gathered.in_flight == 400 and gathered.run_persistent == 500 + 400 + 2000 + 1000
+    assert (
+        persistent_bytes(n, "bfloat16", zero_stage=2, world_size=w, largest_module_params=100).in_flight == 0
+    )
     with pytest.raises(ValueError, match="zero_stage"):
         persistent_bytes(n, "float32", zero_stage=4)
 

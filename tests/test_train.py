@@ -117,6 +117,8 @@ def test_two_rank_deepspeed_run_matches_one_process(tmp_path: Path) -> None:
     import subprocess
     import sys
 
+    from ports import free_port
+
     sgd = ["optim.name=sgd", "optim.lr=0.5", "optim.grad_clip=0"]  # one step is exactly -lr * g: scale shows
     common = [*TINY, "updates=1", "measure_memory_every=0", *sgd]
     single = Trainer(_cfg(tmp_path / "one", "updates=1", "measure_memory_every=0", *sgd), progress=False)
@@ -124,7 +126,8 @@ def test_two_rank_deepspeed_run_matches_one_process(tmp_path: Path) -> None:
     single.run()
     args = [a for kv in common for a in ("--set", kv)]
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29517",
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
         "-m", "treetrain", "train", "--run-dir", str(tmp_path / "two"), "--no-progress",
         "--set", "distributed.backend=deepspeed", "--set", "distributed.zero_stage=2", *args,
     ]  # fmt: skip

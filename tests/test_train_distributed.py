@@ -11,13 +11,13 @@ wrong scale.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from ports import free_port
 from safetensors.torch import load_file
 
 from treetrain.cli.main import main
@@ -30,12 +30,6 @@ SETTINGS = [
     "--set", "threads=1", "--set", "measure_memory_every=0", "--set", "checkpoint_every=1",
 ]  # fmt: skip
 DEMO = Path(__file__).parents[1] / "treetrain" / "assets" / "demo_model" / "model.safetensors"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _delta(run_dir: Path) -> torch.Tensor:
@@ -51,7 +45,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false")
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-        f"--master_port={_free_port()}", "-m", "treetrain", "train", "--run-dir", str(ranks), "--no-progress",
+        f"--master_port={free_port()}", "-m", "treetrain", "train", "--run-dir", str(ranks), "--no-progress",
         "--updates", "1", *SETTINGS, "--set", "distributed.backend=deepspeed", "--set", "distributed.zero_stage=2",
     ]  # fmt: skip
     try:

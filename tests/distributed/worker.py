@@ -37,6 +37,8 @@ from dist_cases import (
     make_model,
     params_vector,
     pitfall_batches,
+    uneven_groups,
+    uneven_owned,
 )
 from safetensors.torch import save_file
 
@@ -47,6 +49,7 @@ from treetrain.distributed import (
     OptimizerConfig,
     UpdateWindow,
     WindowConfig,
+    build_placement,
     round_robin,
 )
 from treetrain.distributed.backend import make_backend
@@ -67,13 +70,17 @@ USER_CONFIG_STAGES = {"z1"}
 """Stages whose backend is built from a user DeepSpeed config (a mapping) instead of arguments."""
 
 
-def backend_for(stage_name: str, optimizer: OptimizerConfig = OPTIMIZER) -> DeepSpeedBackend:
+def backend_for(
+    stage_name: str, optimizer: OptimizerConfig = OPTIMIZER, *, measure: bool = False
+) -> DeepSpeedBackend:
     stage, offload = STAGES[stage_name]
     if stage_name in USER_CONFIG_STAGES:
         offload_block = {"device": "cpu" if offload else "none"}
         user = {"zero_optimization": {"stage": stage, "offload_optimizer": offload_block}}
-        return DeepSpeedBackend(make_model(), ds_config=user, optimizer=optimizer)
-    return DeepSpeedBackend(make_model(), zero_stage=stage, offload_optimizer=offload, optimizer=optimizer)
+        return DeepSpeedBackend(make_model(), ds_config=user, optimizer=optimizer, measure_params=measure)
+    return DeepSpeedBackend(
+        make_model(), zero_stage=stage, offload_optimizer=offload, optimizer=optimizer, measure_params=measure
+    )
 
 
 def current(backend: DeepSpeedBackend) -> torch.Tensor:
@@ -81,6 +88,17 @@ def current(backend: DeepSpeedBackend) -> torch.Tensor:
     gathered = deepspeed.zero.GatheredParameters(params) if backend.zero_stage == 3 else nullcontext()
     with gathered:
         return params_vector(backend.module)
+
+
+def param_storage(backend: DeepSpeedBackend) -> int:
+    """Bytes of parameter storage on this rank now: full tensors and, under ZeRO-3, partitions."""
+    total = 0
+    for p in backend.module.parameters():
+        total += p.data.numel() * p.element_size()
+        part = getattr(p, "ds_tensor", None)
+        if part is not None:
+            total += part.numel() * part.element_size()
+    return total
 
 
 def one_update(
@@ -91,20 +109,37 @@ def one_update(
     step_hook: Callable[..., None] | None = None,
     body: Callable[[Any], None] | None = None,
     optimizer: OptimizerConfig = OPTIMIZER,
+    update: list[Any] | None = None,
+    measure: bool = False,
     **window_kw: Any,
 ) -> tuple[torch.Tensor, Info]:
-    backend = backend_for(stage_name, optimizer)
+    backend = backend_for(stage_name, optimizer, measure=measure)
     start = current(backend)
-    update = groups()
+    update = groups() if update is None else update
     trees = [t for g in update for t in g.trees]
-    window = UpdateWindow(backend, LOSS, replay, WindowConfig(**window_kw), step_hook=step_hook)
-    opened = window.open(
-        update, round_robin(trees, backend.world_size) if placement == "round_robin" else None
-    )
+    sampled = [0]
+
+    def sample(phase: str, step: Any) -> None:  # parameter storage at every replay phase
+        sampled[0] = max(sampled[0], param_storage(backend))
+        if step_hook is not None:
+            step_hook(phase, step)
+
+    window = UpdateWindow(backend, LOSS, replay, WindowConfig(**window_kw), step_hook=sample)
+    if placement == "round_robin":
+        given = round_robin(trees, backend.world_size)
+    elif placement in ("uneven", "idle"):
+        given = build_placement(
+            trees, uneven_owned(update, backend.world_size, placement), backend.world_size
+        )
+    else:
+        given = None
+    backend.reset_param_peak()
+    opened = window.open(update, given)
     if body is not None:
         body(opened)
     opened.replay_all()
     report = opened.commit()
+    sync = backend.rendezvous
     info = {
         "version": report.version,
         "tree_retries": report.tree_retries,
@@ -114,6 +149,18 @@ def one_update(
         "duplicated_tokens": opened.placement.duplicated_tokens,
         "zero_stage": backend.zero_stage,
         "offload_optimizer": backend.offload_optimizer,
+        "steps": report.local.steps,
+        "rank_tokens": list(report.rank_tokens),
+        "imbalance": report.imbalance,
+        "rounds": sync.rounds if sync is not None else 0,
+        "served": sync.served if sync is not None else 0,
+        "param_peak_bytes": backend.param_peak_bytes,
+        "param_sampled_bytes": sampled[0],
+        "partition_bytes": sum(
+            p.ds_tensor.numel() * p.ds_tensor.element_size()
+            for p in backend.module.parameters()
+            if getattr(p, "ds_tensor", None) is not None
+        ),
     }
     return current(backend) - start, info
 
@@ -487,6 +534,9 @@ def scenarios() -> dict[str, Callable[[], tuple[torch.Tensor, Info]]]:
         out[f"{s}-lora"] = partial(lora_update, s)
     for s in ("z2", "z3"):
         out[f"{s}-lora_resume"] = partial(lora_resume, s)
+    for s in ("z1", "z2", "z3"):  # rank 0: one small tree, rank 1: five large; then rank 1 idle
+        out[f"{s}-uneven"] = partial(one_update, s, placement="uneven", update=uneven_groups(), measure=True)
+        out[f"{s}-idle"] = partial(one_update, s, placement="idle", measure=True)
     return out
 
 

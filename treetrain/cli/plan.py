@@ -116,6 +116,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--min-speedup", type=float, default=1.25, help="tree's least token-ceiling speedup over flat"
     )
+    p.add_argument(
+        "--world-size", type=_count, default=1, help="data-parallel processes (per-rank bytes; default 1)"
+    )
+    p.add_argument(
+        "--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
+        help="DeepSpeed ZeRO stage the update runs under (default 0, or the config's)",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the ledger and the decision as JSON")
     p.set_defaults(func=run)
 
@@ -163,7 +170,11 @@ def _from_config(args: argparse.Namespace, named: NamedTrees) -> int:
     cfg = replace(cfg, replay=replace(replay, contract=args.contract or cfg.replay.contract))
     advantages = [compute_advantages([t], cfg.advantages).trees[0] for t in trees]
     try:
-        planned = plan_for(cfg, trees, advantages, 0, models.policy, models.reference, 1)
+        planned = plan_for(
+            cfg, trees, advantages, 0, models.policy, models.reference, args.world_size,
+            zero_stage=cfg.distributed.zero_stage if args.zero_stage is None else args.zero_stage,
+            offload_optimizer=cfg.distributed.offload_optimizer,
+        )  # fmt: skip
     except (BudgetTooSmallError, PlanError, UnsupportedModelError) as e:
         return _fail(str(e))
     vs_full = lora_vs_full(models, cfg) if cfg.model.lora is not None else None
@@ -211,6 +222,7 @@ def run(args: argparse.Namespace) -> int:
 
     from treetrain.loss.advantages import AdvantageConfig
     from treetrain.loss.config import ConfigError, LossConfig
+    from treetrain.memory.persistent import model_persistent_bytes
     from treetrain.memory.planner import Overrides, PlanError, plan_update
     from treetrain.memory.retention import BudgetTooSmallError
     from treetrain.models.presets import load_model
@@ -230,6 +242,8 @@ def run(args: argparse.Namespace) -> int:
     except TreeFormatError as e:
         return _fail(str(e))
     trees = [t for _, group in named for t in group]
+    if args.world_size < 1:
+        return _fail(f"--world-size must be >= 1, got {args.world_size}")
     if args.config or args.overrides:
         return _from_config(args, named)
     if not args.model:
@@ -249,11 +263,12 @@ def run(args: argparse.Namespace) -> int:
         mode=args.mode, microbatch=args.microbatch, chunk_size=args.chunk_size, retention=args.retention,
         keep_graphs=args.keep_graphs,
     )  # fmt: skip
+    persistent = model_persistent_bytes(model, zero_stage=args.zero_stage or 0, world_size=args.world_size)
     try:
         plan = plan_update(
             _batch(trees, LossConfig(), AdvantageConfig()), model, budget=args.budget,
             contract=args.contract or "exact", overrides=overrides,
-            min_speedup=args.min_speedup,
+            min_speedup=args.min_speedup, persistent=persistent,
         )  # fmt: skip
     except (BudgetTooSmallError, PlanError, UnsupportedModelError) as e:
         return _fail(str(e))

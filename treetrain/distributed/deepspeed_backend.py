@@ -1,4 +1,6 @@
-"""`DeepSpeedBackend`: ZeRO 0-3, optional optimizer CPU offload, across processes. The only DeepSpeed import.
+"""`DeepSpeedBackend`: ZeRO 0-3, optional optimizer CPU offload, across processes.
+
+With `zero3_sync`, the only modules that import DeepSpeed.
 
 treetrain owns the accumulation boundary. Ranks replay different trees, so they run different numbers of
 backward calls, and a backward may reach only some parameters (an internal node's KV recompute never
@@ -19,10 +21,13 @@ So this backend:
   (`gradient_allreduce_op='sum'` is not available under ZeRO-3). The loss itself is never scaled: in
   `exact` mode the tree engine reads the gradient of its own resident-KV leaves after each backward, and
   a scaled loss would scale that too (which is also why fp16 loss scaling is refused);
-- under ZeRO-3, gathers all parameters for the window and lifts the per-module fetch/release hooks,
-  whose collectives would otherwise have to match across ranks module by module. Parameters are fully
-  materialized on each rank during the window (like ZeRO-2); gradients and optimizer state stay
-  partitioned. The hooks are restored, and parameters partitioned again, before the step.
+- under ZeRO-3, keeps the parameters partitioned through the window: DeepSpeed's own per-module
+  fetch/release hooks gather each module's parameters when it runs and release them after, and a
+  `FetchRendezvous` (`treetrain.distributed.zero3_sync`) makes every one of those all-gathers a
+  rendezvous of all ranks, so ranks replaying different trees still issue the same collectives. A rank
+  holds its partition plus the modules in flight. Gradients accumulate unpartitioned on each rank until
+  the step (the reduction is deferred to the window's end, as under ZeRO 1 and 2), then are reduced
+  and partitioned. `uneven()` opens the same rendezvous for other per-rank work (rollouts).
 
 The optimizer is AdamW or plain SGD (`OptimizerConfig.name`; SGD checked under ZeRO 0-3, with and without
 offload). Checkpoints are read back with weights-only unpickling (`WeightsOnlyReads`), never with
@@ -39,8 +44,8 @@ import copy
 import json
 import pickle
 import uuid
-from collections.abc import Mapping
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +55,6 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.fp16.loss_scaler import LossScaler
-from deepspeed.runtime.zero import parameter_offload
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 from transformers import PreTrainedModel
@@ -61,6 +65,7 @@ from treetrain.distributed.checkpoint import (
     read_client_state,
     write_client_state,
 )
+from treetrain.distributed.zero3_sync import FetchRendezvous
 from treetrain.io import atomic_directory
 from treetrain.loss.config import ConfigError
 
@@ -225,6 +230,7 @@ class DeepSpeedBackend(TrainBackend):
         dtype: torch.dtype = torch.float32,
         torch_adam: bool | None = None,
         dist_backend: str | None = None,
+        measure_params: bool = False,
     ) -> None:
         """`ds_config` (a JSON path or a mapping) wins; without it the config is generated from `zero_stage`
         (default 2), `offload_optimizer`, `optimizer`, `dtype` and `torch_adam` (default: True on the CPU
@@ -272,7 +278,12 @@ class DeepSpeedBackend(TrainBackend):
         self._stage = int(engine.zero_optimization_stage())
         self._offload = bool(engine.zero_use_cpu_optimizer())
         self._window: AbstractContextManager[Any] | None = None
-        self._gathered: AbstractContextManager[Any] | None = None
+        self.rendezvous = (
+            FetchRendezvous(engine, measure=measure_params)
+            if self._stage == 3 and self.world_size > 1
+            else None
+        )
+        """Under ZeRO-3 on several ranks: the all-gather rendezvous (see `zero3_sync`), else None."""
 
     @property
     def zero_stage(self) -> int:
@@ -292,12 +303,8 @@ class DeepSpeedBackend(TrainBackend):
     def begin_window(self) -> None:
         if self._window is not None:
             return
-        if self._stage == 3:
-            self._gathered = deepspeed.zero.GatheredParameters(
-                list(self.module.parameters()), modifier_rank=None
-            )
-            self._gathered.__enter__()
-            self._zero3_hooks(False)
+        if self.rendezvous is not None:
+            self.rendezvous.install()
         window = self.engine.no_sync() if self._stage == 0 else self.engine.coalesce_grad_reduction()
         window.__enter__()
         self._window = window
@@ -313,21 +320,73 @@ class DeepSpeedBackend(TrainBackend):
 
     def step(self) -> bool:
         self.begin_window()
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        self.backward(torch.stack([(p * 0).sum() for p in params]).sum())  # every rank reduces every param
+        if self.rendezvous is not None:
+            self.rendezvous.drain()
+            self.rendezvous.uninstall()
+        self._give_every_param_a_grad()  # every rank reduces every param
         self._scale_local_grads(float(self.engine.dp_world_size))  # DeepSpeed's mean becomes the sum
         assert self._window is not None
         self._window.__exit__(None, None, None)
         self._window = None
         if self._stage == 0:
             self.engine.allreduce_gradients()
-        if self._stage == 3:
-            assert self._gathered is not None
-            self._gathered.__exit__(None, None, None)
-            self._gathered = None
-            self._zero3_hooks(True)
         self.engine.step()
         return bool(self.engine.was_step_applied())
+
+    @contextmanager
+    def uneven(self) -> Iterator[None]:
+        """A region where ranks may run different forwards (e.g. rollouts of different lengths).
+
+        Under ZeRO-3 each parameter fetch is a rendezvous of all ranks (see `zero3_sync`); leaving the
+        region waits for every rank (a collective). Elsewhere it does nothing. Inside an update window the
+        rendezvous is already on.
+        """
+        sync = self.rendezvous
+        if sync is None or sync.active:
+            yield
+            return
+        sync.install()
+        try:
+            yield
+        finally:
+            sync.drain()
+            sync.uninstall()
+            self._settle_zero3()
+
+    def _settle_zero3(self) -> None:
+        """Every parameter partitioned, then DeepSpeed's persistent ones gathered again, on every rank:
+        the state DeepSpeed's own collectives (export, checkpoint, step) expect outside a forward."""
+        opt = self.engine.optimizer
+        opt.parameter_offload.partition_all_parameters()
+        persistent = list(getattr(opt, "persistent_parameters", []))
+        if persistent:
+            persistent[0].all_gather(persistent)
+
+    def _give_every_param_a_grad(self) -> None:
+        """An exact zero gradient for every trainable parameter this rank's backwards never reached."""
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        if self._stage != 3:
+            self.backward(torch.stack([(p * 0).sum() for p in params]).sum())
+            return
+        with torch.no_grad():  # partitioned: p.data is empty, the gradient has the full shape
+            for p in params:
+                if p.grad is not None:
+                    continue
+                held = p.data
+                shape = p.ds_shape  # type: ignore[attr-defined]
+                p.data = torch.empty(shape, dtype=p.dtype, device=held.device)
+                p.grad = torch.zeros_like(p.data)
+                p.data = held
+
+    @property
+    def param_peak_bytes(self) -> int:
+        """Under ZeRO-3 with `measure_params`: the largest parameter storage (this rank's partitions plus
+        gathered tensors) seen inside update windows since `reset_param_peak`; else 0."""
+        return self.rendezvous.peak_param_bytes if self.rendezvous is not None else 0
+
+    def reset_param_peak(self) -> None:
+        if self.rendezvous is not None:
+            self.rendezvous.reset_peak()
 
     def reset_window(self) -> None:
         opt = self.engine.optimizer
@@ -353,21 +412,11 @@ class DeepSpeedBackend(TrainBackend):
                     if grad is not None:
                         grad.mul_(factor)
 
-    def _zero3_hooks(self, on: bool) -> None:
-        offload = self.engine.optimizer.parameter_offload
-        if on:
-            offload.setup_zero_stage3_hooks()
-            return
-        offload._remove_module_hooks()
-        offload.forward_hooks.clear()
-        offload.backward_hooks.clear()
-        stack = parameter_offload.FWD_MODULE_STACK
-        if stack and stack[-1] is self.module:
-            stack.pop()
-
     # ----- collectives ------------------------------------------------------------------------------
     def gather(self, text: str) -> list[str]:
         """All ranks' strings, moved as bytes tensors (nothing is pickled)."""
+        if self.rendezvous is not None:
+            self.rendezvous.drain()
         device = get_accelerator().current_device_name()
         data = torch.tensor(list(text.encode()), dtype=torch.uint8, device=device)
         size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
@@ -383,6 +432,8 @@ class DeepSpeedBackend(TrainBackend):
         return [bytes(p[: int(s.item())].tolist()).decode() for p, s in zip(parts, sizes)]
 
     def barrier(self) -> None:
+        if self.rendezvous is not None:
+            self.rendezvous.drain()
         dist.barrier()
 
     # ----- checkpoints ------------------------------------------------------------------------------

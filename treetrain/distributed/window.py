@@ -387,6 +387,7 @@ class OpenWindow:
         return WindowReport(
             self.owner.version, self.manifest.digest, len(self.manifest.keys()), self.local,
             self.counters.tree_retries, self.counters.window_resets, tuple(self.dropped), applied,
+            self.placement.rank_tokens,
         )  # fmt: skip
 
     def check(self) -> None:

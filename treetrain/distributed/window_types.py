@@ -75,3 +75,15 @@ class WindowReport:
     step_applied: bool
     """False when the optimizer skipped the update (DeepSpeed may, on overflow): the weights are unchanged but
     the version was still bumped and resident state invalidated (safe, merely wasteful)."""
+    rank_tokens: tuple[int, ...] = ()
+    """Replay tokens the final placement gave each rank (the same on every rank)."""
+
+    @property
+    def imbalance(self) -> float:
+        """Cross-rank balance: max over mean of `rank_tokens` (1.0 is perfect; W when one rank does all).
+
+        >>> WindowReport(1, "", 0, ReplayReport(), 0, 0, (), True, (30, 10)).imbalance
+        1.5
+        """
+        total = sum(self.rank_tokens)
+        return max(self.rank_tokens) * len(self.rank_tokens) / total if total else 1.0

@@ -110,6 +110,7 @@ class Ledger:
             "manifest_host_bytes": self.manifest_bytes,
             "persistent": {
                 "params": self.persistent.params,
+                "in_flight": self.persistent.in_flight,
                 "grads": self.persistent.grads,
                 "optimizer": self.persistent.optimizer,
                 "master": self.persistent.master,

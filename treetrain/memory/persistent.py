@@ -1,19 +1,24 @@
 """Run-persistent and update-boundary bytes of a model: parameters, gradients, optimizer state, ZeRO.
 
-These are per process. With DeepSpeed ZeRO over a world of W processes, stage 1 partitions the optimizer
-state (AdamW's two moments and, for 16-bit parameters, the fp32 master copy), stage 2 also the gradients,
-stage 3 also the parameters (and the reference model's, which is wrapped the same way). Offloading the
-optimizer moves its state to host memory; it is then reported as host bytes, not device bytes.
+These are per process, during an update window. With DeepSpeed ZeRO over a world of W processes, stage 1
+partitions the optimizer state (AdamW's two moments and, for 16-bit parameters, the fp32 master copy) and
+stage 3 also the parameters; under ZeRO-3 a rank then holds its partition plus the parameters in flight:
+at most the module it runs and one module gathered for another rank (`treetrain.distributed.zero3_sync`),
+booked as `in_flight`. Gradients are never partitioned inside the window: ranks run different numbers of
+backward calls, so the backend defers every reduction to the step and each rank accumulates the full
+gradient (stage 2 partitions them only at the step). The reference model is a full replica on every rank.
+Offloading the optimizer moves its state to host memory; it is then reported as host bytes.
 
 Example:
-    >>> b = persistent_bytes(1_000_000, "bfloat16", zero_stage=2, world_size=4, optimizer=True)
-    >>> b.params, b.grads, b.optimizer, b.master
-    (2000000, 500000, 2000000, 1000000)
+    >>> b = persistent_bytes(1_000_000, "bfloat16", zero_stage=3, world_size=4, optimizer=True,
+    ...                      largest_module_params=10_000)
+    >>> b.params, b.in_flight, b.grads, b.optimizer, b.master
+    (500000, 40000, 2000000, 2000000, 1000000)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import PreTrainedModel
@@ -37,7 +42,7 @@ class PersistentBytes:
     params: int
     """Policy parameters (this process's partition under ZeRO-3)."""
     grads: int
-    """Accumulated parameter gradients (partitioned from ZeRO-2); booked as update-boundary."""
+    """Accumulated parameter gradients (whole on every rank inside the window); booked as update-boundary."""
     optimizer: int
     """AdamW first and second moments, fp32 (partitioned from ZeRO-1)."""
     master: int
@@ -46,11 +51,20 @@ class PersistentBytes:
     """The frozen reference model's parameters."""
     offloaded: bool = False
     """Optimizer state and master weights live in host memory."""
+    in_flight: int = 0
+    """ZeRO-3 on several ranks: gathered parameters on top of the partition, at most (two modules' worth:
+    the one this rank runs and one gathered for another rank)."""
 
     @property
     def run_persistent(self) -> int:
-        """Device bytes for the whole run: parameters, reference, and on-device optimizer state."""
-        return self.params + self.reference + (0 if self.offloaded else self.optimizer + self.master)
+        """Device bytes for the whole run: parameters (with those in flight), reference, and on-device
+        optimizer state."""
+        return (
+            self.params
+            + self.in_flight
+            + self.reference
+            + (0 if self.offloaded else self.optimizer + self.master)
+        )
 
     @property
     def update_boundary(self) -> int:
@@ -71,16 +85,18 @@ def persistent_bytes(
     offload_optimizer: bool = False,
     reference_params: int = 0,
     reference_dtype: str | torch.dtype | None = None,
+    largest_module_params: int = 0,
 ) -> PersistentBytes:
     """Per-process persistent bytes of a model of `num_params` trainable parameters (see module docstring).
 
     `optimizer=False` leaves out optimizer state (the engine alone, without a trainer stepping it).
+    `largest_module_params` is the most parameters one module owns directly (what ZeRO-3 gathers at once).
     """
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if num_params < 0 or reference_params < 0:
+    if num_params < 0 or reference_params < 0 or largest_module_params < 0:
         raise ValueError("parameter counts must be >= 0")
     b = dtype_bytes(dtype)
     w = world_size
@@ -91,13 +107,15 @@ def persistent_bytes(
     moments = 8 * num_params if optimizer else 0
     master = 4 * num_params if optimizer and b < 4 else 0
     ref_b = dtype_bytes(reference_dtype) if reference_dtype is not None else b
+    gathering = zero_stage == 3 and w > 1
     return PersistentBytes(
         params=part(num_params * b, 3),
-        grads=part(num_params * b, 2),
+        grads=num_params * b,
         optimizer=part(moments, 1),
         master=part(master, 1),
-        reference=part(reference_params * ref_b, 3),
+        reference=reference_params * ref_b,
         offloaded=offload_optimizer,
+        in_flight=2 * largest_module_params * b if gathering else 0,
     )
 
 
@@ -123,11 +141,10 @@ def model_persistent_bytes(
     out = persistent_bytes(
         trainable, dtype, zero_stage=zero_stage, world_size=world_size, optimizer=optimizer,
         offload_optimizer=offload_optimizer, reference_params=ref, reference_dtype=ref_dtype,
+        largest_module_params=largest_module(model),
     )  # fmt: skip
-    if frozen:
-        out = PersistentBytes(
-            out.params + frozen, out.grads, out.optimizer, out.master, out.reference, out.offloaded
-        )
+    if frozen:  # partitioned under ZeRO-3 like the trainable ones
+        out = replace(out, params=out.params + (-(-frozen // world_size) if zero_stage == 3 else frozen))
     return out
 
 
@@ -158,6 +175,16 @@ def full_finetune_bytes(
         count, dtype, zero_stage=zero_stage, world_size=world_size, optimizer=True,
         offload_optimizer=offload_optimizer, reference_params=count if reference else 0,
     )  # fmt: skip
+
+
+def largest_module(model: torch.nn.Module) -> int:
+    """The most parameters any one module owns directly (not through children): the unit DeepSpeed's
+    ZeRO-3 gathers per fetch.
+
+    >>> largest_module(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)))
+    40
+    """
+    return max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
 
 
 def kv_bytes_per_token(model: PreTrainedModel) -> int:

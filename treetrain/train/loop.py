@@ -209,6 +209,7 @@ class Trainer:
         kept = [t for g in groups for t in g.trees]
         start = time.perf_counter()
         dropped, report, plan = 0, ReplayReport(), None
+        balance: tuple[int, ...] = ()
         if groups:
             with self.backend.scratch():  # planning may calibrate with real backward passes
                 plan = plan_for(
@@ -241,6 +242,7 @@ class Trainer:
             result = window.run(groups)
             self.identity = window.identity
             dropped, report = len(result.dropped), result.local
+            balance = result.rank_tokens
         else:
             log.warning("update %d: every group had zero reward variance; no optimizer step", index)
         train_seconds = time.perf_counter() - start
@@ -269,6 +271,8 @@ class Trainer:
             train_seconds=train_seconds,
             peak_bytes=report.measured_peak.dynamic if report.measured_peak else 0,
             predicted_peak_bytes=plan.predicted_dynamic_bytes if plan and report.measured_peak else 0,
+            replay_tokens_max=max(balance, default=0),
+            replay_tokens_mean=sum(balance) / len(balance) if balance else 0.0,
         )
 
     # ----- the run ----------------------------------------------------------------------------------

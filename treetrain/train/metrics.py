@@ -73,6 +73,15 @@ class UpdateMetrics:
     """Measured peak of live tensor bytes during replay, run-persistent bytes left out (0: not measured)."""
     predicted_peak_bytes: int
     """The ledger's prediction of the same quantity (0 when this update was not measured)."""
+    replay_tokens_max: int = 0
+    """Replay tokens of the busiest rank in this update's placement (all ranks together: the total)."""
+    replay_tokens_mean: float = 0.0
+    """Mean replay tokens per rank in the same placement."""
+
+    @property
+    def replay_imbalance(self) -> float:
+        """Cross-rank balance of the update: max over mean replay tokens (1.0 on one rank, or when perfect)."""
+        return self.replay_tokens_max / self.replay_tokens_mean if self.replay_tokens_mean else 1.0
 
     @property
     def tokens_saved(self) -> float:
@@ -89,6 +98,7 @@ class UpdateMetrics:
         d = asdict(self)
         d["tokens_saved"] = self.tokens_saved
         d["tokens_per_second"] = self.tokens_per_second
+        d["replay_imbalance"] = self.replay_imbalance
         return d
 
 
