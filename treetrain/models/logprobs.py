@@ -61,10 +61,16 @@ def target_logprobs(
     logps: list[torch.Tensor] = []
     ents: list[torch.Tensor] = []
     use_ckpt = torch.is_grad_enabled() and hidden.requires_grad
+    # Under ZeRO-3 DeepSpeed frees a module's parameters after its forward, in the recompute too, and
+    # gathers them again before the module's backward: a recomputed saved parameter can be empty when
+    # torch compares shapes (after the recompute), never when the backward uses it.
+    check = "none" if any(hasattr(p, "ds_id") for p in head.parameters()) else "default"
     for start in range(0, n, rows):
         h, t = hidden[start : start + rows], targets[start : start + rows]
         if use_ckpt:
-            lp, ent = checkpoint(_chunk_stats, head, h, t, with_entropy, use_reentrant=False)
+            lp, ent = checkpoint(
+                _chunk_stats, head, h, t, with_entropy, use_reentrant=False, determinism_check=check
+            )
         else:
             lp, ent = _chunk_stats(head, h, t, with_entropy)
         logps.append(lp)
