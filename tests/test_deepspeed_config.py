@@ -93,6 +93,8 @@ def test_generated_default_refuses_bad_arguments(kwargs: dict, message: str) -> 
         ({"managed_gradient_accumulation": False}, "managed_gradient_accumulation must stay true"),
         ({"gradient_allreduce_op": "sum"}, "gradient_allreduce_op must be 'mean'"),
         ({"fp16": {"enabled": True}}, "fp16 is not supported"),
+        ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}, "zero_hpz_partition_size"),
+        ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "zero_quantized_weights"),
     ],
 )
 def test_user_config_that_would_scale_or_drop_gradients_is_refused(override: dict, message: str) -> None:

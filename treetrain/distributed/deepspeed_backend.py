@@ -213,6 +213,13 @@ def own_boundary(cfg: dict[str, Any], source: str) -> dict[str, Any]:
         raise ConfigError(
             f"{source}: needs an 'optimizer' section (the backend builds DeepSpeed's optimizer)"
         )
+    zero = cfg.get("zero_optimization", {})
+    for key, off in (("zero_hpz_partition_size", 1), ("zero_quantized_weights", False)):
+        if isinstance(zero, Mapping) and zero.get(key, off) not in (off, None):
+            raise ConfigError(
+                f"{source}: zero_optimization.{key} is not supported: the ZeRO-3 rendezvous "
+                "(treetrain.distributed.zero3_sync) serves plain all-gathers over all ranks only"
+            )
     return cfg
 
 
