@@ -1,12 +1,67 @@
-"""A free TCP port for a torchrun launch: several launches (tests, or several people) run at once, so a
-fixed port would collide. The port is free when returned; torchrun binds it a moment later."""
+"""Launching torchrun from tests: a free port, and a timeout that ends every process of the launch.
+
+Several launches (tests, or several people) run at once, so a fixed port would collide; the port is free
+when returned and torchrun binds it a moment later. torchrun's workers outlive a killed torchrun, so a
+launch runs in its own session and a timeout kills the whole process group: a deadlock fails the test
+and leaves nothing running. Output goes to a file, so a launch never blocks on a full pipe while the test
+waits for another one.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class Launched:
+    returncode: int | None
+    """None when the launch ran past its timeout and was killed."""
+    output: str
+    """stdout and stderr together."""
+
+
+def run_all(cmds: Sequence[Sequence[str]], env: dict[str, str], timeout: float) -> list[Launched]:
+    """Start every command at once, each in its own session; wait at most `timeout` seconds for all."""
+    with contextlib.ExitStack() as stack:
+        logs = [stack.enter_context(tempfile.TemporaryFile(mode="w+")) for _ in cmds]
+        procs = [
+            subprocess.Popen(
+                list(c), env=env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True
+            )
+            for c, log in zip(cmds, logs)
+        ]
+        deadline = time.monotonic() + timeout
+        codes: list[int | None] = []
+        for p in procs:
+            try:
+                codes.append(p.wait(timeout=max(0.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                codes.append(None)
+        for p, code in zip(procs, codes):
+            if code is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        out = []
+        for code, log in zip(codes, logs):
+            log.seek(0)
+            out.append(Launched(code, log.read()))
+        return out
+
+
+def run(cmd: Sequence[str], env: dict[str, str], timeout: float) -> Launched:
+    return run_all([cmd], env, timeout)[0]

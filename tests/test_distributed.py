@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ from dist_cases import (
     uneven_groups,
 )
 from ports import free_port
+from ports import run as launch
 from safetensors.torch import load_file
 
 from treetrain.distributed import TorchBackend
@@ -43,7 +43,7 @@ from treetrain.engine.verify import _perturb
 pytestmark = pytest.mark.distributed
 FACTOR = 5.0
 WORKER = Path(__file__).parent / "distributed" / "worker.py"
-TIMEOUT_S = 480
+TIMEOUT_S = 900  # a deadlock fails the test; a loaded machine needs minutes for every scenario
 FAULTS = (
     "fault_before_backward",
     "fault_after_backward_started",
@@ -64,14 +64,13 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
         f"--master_port={free_port()}", str(WORKER), str(out),
     ]  # fmt: skip
     start = time.monotonic()
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"torchrun did not finish in {TIMEOUT_S}s (a deadlock?): {str(exc.stdout)[-3000:]}")
+    done = launch(cmd, env, TIMEOUT_S)
+    (out / "torchrun.log").write_text(done.output)
+    if done.returncode is None:
+        pytest.fail(f"torchrun did not finish in {TIMEOUT_S}s (a deadlock?): {done.output[-3000:]}")
     print(f"\ndistributed worker: {time.monotonic() - start:.1f}s wall for every scenario")
-    (out / "torchrun.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        pytest.fail(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    if done.returncode != 0:
+        pytest.fail(f"torchrun failed ({done.returncode}):\n{done.output[-6000:]}")
     return out
 
 

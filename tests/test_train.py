@@ -114,10 +114,10 @@ def test_config_file_and_print_config(tmp_path: Path, capsys) -> None:
 def test_two_rank_deepspeed_run_matches_one_process(tmp_path: Path) -> None:
     """`torchrun -m treetrain train` on 2 ranks (ZeRO-2) makes the same first update as one process."""
     import os
-    import subprocess
     import sys
 
     from ports import free_port
+    from ports import run as launch
 
     sgd = ["optim.name=sgd", "optim.lr=0.5", "optim.grad_clip=0"]  # one step is exactly -lr * g: scale shows
     common = [*TINY, "updates=1", "measure_memory_every=0", *sgd]
@@ -132,8 +132,8 @@ def test_two_rank_deepspeed_run_matches_one_process(tmp_path: Path) -> None:
         "--set", "distributed.backend=deepspeed", "--set", "distributed.zero_stage=2", *args,
     ]  # fmt: skip
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = launch(cmd, env, 600)
+    assert done.returncode == 0, done.output[-3000:]
     one = load_file(tmp_path / "one" / "final" / "model.safetensors")
     two = load_file(tmp_path / "two" / "final" / "model.safetensors")
     a = torch.cat([(one[k] - start[k]).flatten() for k in sorted(one)])
