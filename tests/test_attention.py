@@ -1,15 +1,31 @@
-"""The engine's grouped-query attention against resident KV: same result, no per-head copy of the past."""
+"""The engine's attention against resident KV: shared-past attention equals plain attention over the
+concatenated past, never materialises that past per row or per head, and routes dL/dKV into G.
+
+The engine-level differential tests (tests/test_replay_exact.py, every family, K, order, chunking, budget and
+dtype against the flat oracle) run through shared-past attention for `sdpa` models and through the
+concatenated fallback for `eager` ones; here the kernel itself is checked, and a negative control shows the
+engine check catches a wrong log-sum-exp merge.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
+from engine_cases import SHAPES, factory, make_batch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import treetrain.models.attention as attention
+import treetrain.models.attention_states as attention_states
 import treetrain.models.decoder as decoder
-from treetrain.models.attention import NAME, engine_attention
-from treetrain.models.decoder import decoder_forward
+import treetrain.models.shared_past as shared_past
+from treetrain.engine import ReplayConfig
+from treetrain.engine.verify import deviation, flat_gradient, noise_floor, tree_gradient
+from treetrain.loss.config import LossConfig
+from treetrain.models.attention import NAME, engine_attention, shared_past_reason
+from treetrain.models.decoder import SharedPast, decoder_forward
 from treetrain.models.presets import TinySize, tiny_model
+from treetrain.models.shared_past import shared_attention
 
 SIZE = TinySize(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=1, intermediate_size=64)
 PAST, NEW = 40, 6
@@ -28,42 +44,103 @@ class _Shapes(TorchDispatchMode):
         return out
 
 
-def _run(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, ...]]]:
+def _reference(q, k_own, v_own, positions, past, window):
+    """Plain SDPA over the concatenated, broadcast and head-expanded past (the naive oracle)."""
+    rows, heads = q.shape[0], q.shape[1]
+    group = heads // k_own.shape[1]
+    keys = torch.cat([torch.cat([k for k, _ in past], -2).expand(rows, -1, -1, -1), k_own], -2)
+    values = torch.cat([torch.cat([v for _, v in past], -2).expand(rows, -1, -1, -1), v_own], -2)
+    kpos = torch.cat([torch.arange(sum(k.shape[-2] for k, _ in past)).expand(rows, -1), positions], -1)
+    mask = kpos[:, None, :] <= positions[:, :, None]  # [K, T, P + T]
+    if window is not None:
+        mask &= kpos[:, None, :] > positions[:, :, None] - window
+    out = F.scaled_dot_product_attention(
+        q, keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1), attn_mask=mask[:, None]
+    )
+    return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("backend", ["fused", "reference"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("window", [None, 7, 30])
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_shared_attention_equals_plain_attention_over_the_concatenated_past(
+    backend: str, dtype: torch.dtype, window: int | None, kv_heads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(attention_states, "FUSED_CPU", backend == "fused")
+    monkeypatch.setattr(attention_states, "BLOCK_ELEMENTS", 64 * 8)  # several key blocks per piece
+    gen = torch.Generator().manual_seed(kv_heads)
+    rows, heads, t, d, lengths = 3, 4, 5, 8, (9, 1, 70)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
+
+    q, k_own, v_own = rand(rows, heads, t, d), rand(rows, kv_heads, t, d), rand(rows, kv_heads, t, d)
+    past = [(rand(1, kv_heads, n, d), rand(1, kv_heads, n, d)) for n in lengths]
+    positions = torch.arange(sum(lengths), sum(lengths) + t).expand(rows, -1)
+    inputs = [q, k_own, v_own, *(x for kv in past for x in kv)]
+    out = shared_attention(q, k_own, v_own, positions, past, (), scale=d**-0.5, window=window)
+    ref = _reference(q, k_own, v_own, positions, past, window)
+    weight = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(dtype)
+    grads = torch.autograd.grad((out * weight).sum(), inputs)
+    ref_grads = torch.autograd.grad((ref * weight).sum(), inputs)
+    # Tolerance: a few ulps of the dtype at these magnitudes (SDPA sums in another order).
+    tol = 1e-12 if dtype == torch.float64 else 2e-5
+    assert (out - ref).abs().max() <= tol
+    for g, r in zip(grads, ref_grads):
+        assert (g - r).abs().max() <= tol * max(1.0, float(r.abs().max()))
+
+    # Into G accumulators instead: the pieces' gradients arrive there once, summed over the rows.
+    frozen = [(k.detach(), v.detach()) for k, v in past]
+    acc = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in frozen]
+    out2 = shared_attention(q, k_own, v_own, positions, frozen, acc, scale=d**-0.5, window=window)
+    (out2 * weight).sum().backward()
+    for (gk, gv), i in zip(acc, range(3, len(grads), 2)):
+        assert torch.equal(gk, grads[i]) and torch.equal(gv, grads[i + 1])
+
+
+def _decoder_run(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, ...]]]:
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 64, (2, PAST + NEW), generator=gen)
     pos = torch.arange(PAST + NEW)[None].expand(2, -1)
     with torch.no_grad():
         first = decoder_forward(model, ids[:1, :PAST], pos[:1, :PAST], None)
-    past = [
-        (k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in zip(first.keys, first.values)
-    ]
+    past = [(k.detach(), v.detach()) for k, v in zip(first.keys, first.values)]
+    acc = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in past]
     with _Shapes() as probe:
-        out = decoder_forward(model, ids[:, PAST:], pos[:, PAST:], past)
+        out = decoder_forward(model, ids[:, PAST:], pos[:, PAST:], SharedPast.of([past], [acc]))
         out.hidden.square().sum().backward()
-    return out.hidden.detach(), past[0][0].grad.clone(), probe.shapes
+    return out.hidden.detach(), acc[0][0].clone(), probe.shapes
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_grouped_query_attention_matches_the_model_and_never_repeats_the_past(
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_the_past_is_never_concatenated_broadcast_or_expanded(
     family: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model = tiny_model(family, 64, size=SIZE, dtype=torch.float64)
-    hidden, grad, shapes = _run(model)
+    hidden, grad, shapes = _decoder_run(model)
     assert model.config._attn_implementation == "sdpa"  # restored after every forward
-    head_dim = model.config.head_dim
-    repeated = (2, SIZE.num_heads, PAST + NEW, head_dim)
-    assert repeated not in shapes, "the past was expanded to every query head"
+    d = model.config.head_dim
+    whole = [
+        (2, SIZE.num_heads, PAST + NEW, d),
+        (2, 1, PAST + NEW, d),
+        (2, 1, PAST, d),
+        (2, SIZE.num_heads, PAST, d),
+    ]
+    assert not [s for s in shapes if s in whole], "the past was materialised per row or per head"
+    assert float(grad.abs().sum()) > 0, "no gradient reached the G accumulator"
 
-    import contextlib
-
-    monkeypatch.setattr(decoder, "engine_attention", lambda m: contextlib.nullcontext())
-    ref_hidden, ref_grad, ref_shapes = _run(model)
-    assert repeated in ref_shapes  # the control: Hugging Face's own sdpa path does expand it
+    monkeypatch.setattr(decoder, "shared_past_reason", lambda m: "control")
+    ref_hidden, ref_grad, ref_shapes = _decoder_run(model)
+    assert [s for s in ref_shapes if s in whole]  # the control: the concatenated path does materialise it
     assert torch.allclose(hidden, ref_hidden, rtol=0, atol=1e-12)
     assert torch.allclose(grad, ref_grad, rtol=0, atol=1e-12)
 
 
-def test_only_sdpa_models_are_switched_and_the_setting_is_restored() -> None:
+def test_attention_that_does_not_decompose_keeps_the_concatenated_path() -> None:
+    assert shared_past_reason(tiny_model("llama", 64, size=SIZE)) is None
+    reason = shared_past_reason(tiny_model("llama", 64, size=SIZE, attn="eager"))
+    assert reason is not None and "eager" in reason
     eager = tiny_model("llama", 64, size=SIZE, attn="eager")
     with engine_attention(eager):
         assert eager.config._attn_implementation == "eager"
@@ -72,3 +149,40 @@ def test_only_sdpa_models_are_switched_and_the_setting_is_restored() -> None:
         assert sdpa.config._attn_implementation == NAME
         raise RuntimeError("a failing forward")
     assert sdpa.config._attn_implementation == "sdpa"
+
+
+def _exact_vs_flat() -> tuple[float, float]:
+    loss = LossConfig()
+    make = factory("mistral", torch.float64)  # GQA and an active sliding window
+    batch = make_batch(SHAPES["multi_level"](0), loss)
+    floor = noise_floor(make, batch, loss)
+    dev = deviation(
+        tree_gradient(make(), batch, loss, ReplayConfig(microbatch=2)), flat_gradient(make(), batch, loss)
+    )
+    return dev.abs, floor
+
+
+def test_engine_runs_shared_past_attention_and_a_wrong_merge_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls = []
+    real = attention.shared_attention
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "shared_attention", counting)
+    dev, floor = _exact_vs_flat()
+    assert calls, "the engine never ran shared-past attention"
+    assert dev <= 5.0 * floor
+
+    merge = shared_past.merge_states
+
+    def wrong_merge(out_a, lse_a, out_b, lse_b):  # keeps the larger log-sum-exp instead of their log-add
+        out, _ = merge(out_a, lse_a, out_b, lse_b)
+        return out, torch.maximum(lse_a, lse_b)
+
+    monkeypatch.setattr(shared_past, "merge_states", wrong_merge)
+    bad, bad_floor = _exact_vs_flat()
+    assert bad > 100 * 5.0 * bad_floor

@@ -33,6 +33,16 @@ def test_prints_ledger_peak_and_decision(trees_file: Path, capsys: pytest.Captur
     assert "<- peak" in out and "prompt_group" in out
     assert "peak " in out and "at row" in out
     assert "mode: tree (exact)" in out and "flat:" in out and "because" in out
+    assert "attention against resident KV: shared-past" in out
+
+
+def test_says_when_attention_falls_back_to_the_concatenated_past(
+    trees_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["plan", str(trees_file), "--model", "tiny-llama", "--budget", "64MiB", "--vocab", str(VOCAB)]
+    assert main([*args, "--attn", "eager"]) == 0
+    out = capsys.readouterr().out
+    assert "attention against resident KV: concatenated" in out and "'eager'" in out
 
 
 def test_json_gives_the_same(trees_file: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -321,6 +321,7 @@ def plan_json(plan: Plan) -> dict[str, object]:
             "speedup": plan.speedup,
             "reasons": list(plan.reasons),
             "forced": list(plan.forced),
+            "attention": plan.attention,
         },
         "costs": {
             c.mode: {"token_cost": c.token_cost, "flops": c.flops, "peak": c.peak, "fits": c.fits}

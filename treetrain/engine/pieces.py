@@ -16,7 +16,7 @@ from transformers import PreTrainedModel
 from treetrain.engine.units import Unit
 from treetrain.loss.objective import Contributions
 from treetrain.loss.targets import TargetTable
-from treetrain.models.decoder import DecoderOutput, LayerKV, decoder_forward, output_head
+from treetrain.models.decoder import DecoderOutput, LayerKV, SharedPast, decoder_forward, output_head
 from treetrain.models.logprobs import target_logprobs
 
 
@@ -43,7 +43,7 @@ def pad_pieces(
 def forward_units(
     model: PreTrainedModel,
     units: Sequence[Unit],
-    past: Sequence[LayerKV] | None,
+    past: SharedPast | None,
     device: torch.device,
     *,
     overlap: bool = True,

@@ -68,7 +68,7 @@ from treetrain.engine.scoring import (
 from treetrain.engine.units import Unit, UnitTree
 from treetrain.loss.config import LossConfig
 from treetrain.loss.objective import Contributions, LossTerms, objective, sampler_logprobs
-from treetrain.models.decoder import DecoderOutput, LayerKV
+from treetrain.models.decoder import DecoderOutput
 from treetrain.models.lora import Reference, adapters_disabled, reference_module
 from treetrain.models.support import SupportGate
 from treetrain.tree.stats import tree_stats
@@ -82,7 +82,6 @@ class _Graph:
 
     units: list[Unit]
     path: tuple[int, ...]
-    leaves: list[list[LayerKV]]
     padded: PieceBatch
     out: DecoderOutput
     gathered: GatheredTargets
@@ -321,21 +320,20 @@ class TreeReplay:
             return report.merged(ReplayReport(oom_splits=1))
 
     def _forward(self, units: UnitTree, paths: PathKV, parent: int, batch_units: list[Unit]) -> _Graph:
-        """Forward sibling units under autograd against their parent's path (leaf copies in `exact`)."""
+        """Forward sibling units under autograd against their parent's path, read in place; in `exact` the
+        backward adds dL/dKV of every path piece, summed over the rows, into that piece's G accumulator."""
         path = units.path(parent)
         pieces = paths.pieces(parent) if path else []
-        leaves = pieces
+        grads = None
         if self.cfg.contract == "exact":
-            leaves = [
-                [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in p] for p in pieces
-            ]
-        padded, out = forward_units(self.model, batch_units, past_before_overlap(leaves), self.device)
+            grads = [self.store.grad_buffers(paths.key(u), p, self.identity) for u, p in zip(path, pieces)]
+        padded, out = forward_units(self.model, batch_units, past_before_overlap(pieces, grads), self.device)
         gathered = gather_targets([u.targets for u in batch_units], padded.input_ids.shape[1], self.device)
         logp, entropy = target_stats(
             self.model, out.hidden, gathered, with_entropy=self.loss_cfg.needs_entropy,
             max_logit_elements=self.cfg.max_logit_elements,
         )  # fmt: skip
-        return _Graph(batch_units, path, leaves, padded, out, gathered, logp, entropy)
+        return _Graph(batch_units, path, padded, out, gathered, logp, entropy)
 
     def _loss(
         self,
@@ -387,12 +385,6 @@ class TreeReplay:
         try:  # from here on, parameter gradients may hold part of this step: no retry can be local
             if total.requires_grad:
                 self.backward(total)
-            if self.cfg.contract == "exact":
-                for g in graphs:
-                    for unit_index, piece in zip(g.path, g.leaves):
-                        grads = [(k.grad, v.grad) for k, v in piece]
-                        if all(gk is not None and gv is not None for gk, gv in grads):
-                            self.store.add_grad(paths.key(unit_index), grads, self.identity)  # type: ignore[arg-type]
         except Exception as exc:
             raise BackwardFailed(f"backward of step {step} failed; the update window must be reset") from exc
         for u in step.units:

@@ -223,6 +223,19 @@ class ResidentStore:
                 ak.add_(gk)
                 av.add_(gv)
 
+    def grad_buffers(
+        self, key: ResidentKey, like: Sequence[LayerKV], identity: ResidentIdentity
+    ) -> list[LayerKV]:
+        """The G accumulators of `key`, zero-filled shaped like `like` when absent; backward adds into them."""
+        entry = self._check(key, identity)
+        if entry is None:
+            entry = _Entry(identity, None)
+            self._entries[key] = entry
+        if entry.grad is None:
+            entry.grad = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in like]
+            self._notify("grad", key, kv_bytes(entry.grad))
+        return entry.grad
+
     def grad(self, key: ResidentKey, identity: ResidentIdentity) -> list[LayerKV] | None:
         entry = self._check(key, identity)
         return None if entry is None else entry.grad

@@ -21,7 +21,7 @@ from transformers import PreTrainedModel
 from treetrain.engine.pieces import forward_units, gather_targets, own_kv, target_stats
 from treetrain.engine.resident import ResidentIdentity, ResidentKey, ResidentStore
 from treetrain.engine.units import Unit, UnitTree
-from treetrain.models.decoder import LayerKV, concat_past
+from treetrain.models.decoder import LayerKV, SharedPast
 from treetrain.tree.model import ROOT
 
 
@@ -74,7 +74,9 @@ class PathKV:
         parent = self.units[unit].parent
         past = None
         if parent is not None and parent != ROOT:
-            past = concat_past([self.store.get(self.key(u), self.identity) for u in self.units.path(parent)])
+            past = SharedPast.of(
+                [self.store.get(self.key(u), self.identity) for u in self.units.path(parent)]
+            )
         _, out = forward_units(self.model, [self.units[unit]], past, self.device, overlap=False)
         # Clone: the new KV is a view into a cache that also holds the whole past.
         kv = [(k.clone(), v.clone()) for k, v in zip(out.keys, out.values)]
@@ -85,19 +87,21 @@ class PathKV:
         if self.on_recompute is not None:
             self.on_recompute(unit, len(self.units[unit]))
 
-    def past_for_children(self, unit: int) -> list[LayerKV] | None:
+    def past_for_children(self, unit: int) -> SharedPast | None:
         """The past that `unit`'s children run against (None under the empty root)."""
         if unit == ROOT:
             return None
         return past_before_overlap(self.pieces(unit))
 
 
-def past_before_overlap(pieces: Sequence[Sequence[LayerKV]]) -> list[LayerKV] | None:
-    """Concatenate path pieces, leaving out the last position: the children recompute it as their overlap."""
+def past_before_overlap(
+    pieces: Sequence[Sequence[LayerKV]], grads: Sequence[Sequence[LayerKV] | None] | None = None
+) -> SharedPast | None:
+    """The path pieces as one shared past (never concatenated), leaving out the last position: the children
+    recompute it as their overlap. `grads` are the pieces' G accumulators (`exact` replay)."""
     if not pieces:
         return None
-    last = [(k[:, :, :-1], v[:, :, :-1]) for k, v in pieces[-1]]
-    return concat_past([*pieces[:-1], last])
+    return SharedPast.of(pieces, grads).without_last_position()
 
 
 def reference_need(units: UnitTree) -> list[bool]:

@@ -45,6 +45,7 @@ from treetrain.memory.search import (
     search_flat,
     search_tree,
 )
+from treetrain.models.attention import shared_past_reason
 from treetrain.models.lora import Reference
 from treetrain.units import format_bytes
 
@@ -124,6 +125,8 @@ class Plan:
     min_speedup: float
     reasons: tuple[str, ...] = ()
     forced: tuple[str, ...] = ()
+    attention: str = ""
+    """How tree mode attends over resident KV (shared-past attention, or why the past is concatenated)."""
 
     @property
     def speedup(self) -> float:
@@ -168,6 +171,8 @@ class Plan:
         else:
             lines.append(f"  calls per microbatch={self.microbatch}")
         lines += [f"  because {r}" for r in self.reasons]
+        if self.attention:
+            lines.append(f"  attention against resident KV: {self.attention}")
         return "\n".join(lines)
 
 
@@ -257,9 +262,17 @@ def plan_update(
             reasons.append(f"{len(c.keep)} internal unit(s) keep their first graph: no recompute for them")
         return Plan(
             "tree", contract, c.microbatch, c.chunk, c.retention, c.keep, budget, tree, flat, c.ledger,
-            min_speedup, tuple(reasons), ov.forced(),
+            min_speedup, tuple(reasons), ov.forced(), attention_note(model),
         )  # fmt: skip
     return Plan(
         "flat", contract, flat_mb, None, None, frozenset(), budget, tree, flat, flat_ledger, min_speedup,
-        tuple(reasons), ov.forced(),
+        tuple(reasons), ov.forced(), attention_note(model),
     )  # fmt: skip
+
+
+def attention_note(model: PreTrainedModel) -> str:
+    """What `treetrain plan` says about attention against resident KV for `model`."""
+    reason = shared_past_reason(model)
+    if reason is None:
+        return "shared-past (each resident piece read once per step, the K rows' queries stacked against it)"
+    return f"concatenated and broadcast to the K rows (the slower, larger path), because {reason}"

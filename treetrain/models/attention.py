@@ -1,4 +1,12 @@
-"""Grouped-query attention against resident KV without expanding the past to every query head.
+"""The engine's attention: shared-past attention when a forward continues a resident past, else GQA SDPA.
+
+With a `SharedPast` active (`engine_attention(model, shared=...)`), every attention layer runs
+`treetrain.models.shared_past.shared_attention`: the rows' own tokens from the layer's arguments, the past
+from the resident pieces, never concatenated. Models whose attention has terms the decomposition does not
+model (sinks, soft-capping, position biases, or an implementation other than `sdpa`) keep the
+concatenated path; `shared_past_reason` names why, and `treetrain plan` prints it.
+
+Without a past (flat forwards, a first chunk):
 
 Why: with a past, a forward needs an explicit causal mask, and Hugging Face's `sdpa` path then expands the
 keys and values to every query head (`repeat_kv`) before calling `scaled_dot_product_attention`. Against a
@@ -16,6 +24,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,7 +35,76 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.utils.import_utils import is_torch_greater_or_equal
 
+from treetrain.models.shared_past import SharedPast, shared_attention
+
 NAME = "treetrain_sdpa"
+SHARED = "treetrain_shared_past"
+#: Implementations whose attention the decomposition reproduces to the dtype's precision (`eager` is left
+#: out: Hugging Face's eager path takes its softmax in float32 even for a float64 model).
+DECOMPOSABLE = frozenset({"sdpa", NAME})
+#: Model types with attention terms the decomposition leaves out (learned sinks).
+SINK_MODEL_TYPES = frozenset({"gpt_oss"})
+_UNMODELLED = ("softcap", "s_aux", "sinks", "position_bias")
+
+
+@dataclass(frozen=True)
+class _Active:
+    past: SharedPast
+    positions: torch.Tensor  # [K, T]
+
+
+_ACTIVE: ContextVar[_Active | None] = ContextVar("treetrain_shared_past", default=None)
+
+
+def shared_past_reason(model: PreTrainedModel) -> str | None:
+    """None when `model`'s attention decomposes over resident pieces; otherwise why it does not."""
+    config = model.config.get_text_config(decoder=True)
+    impl = str(getattr(model.config, "_attn_implementation", None))
+    if impl not in DECOMPOSABLE:
+        return f"attention implementation {impl!r} is not decomposed"
+    mtype = getattr(config, "model_type", "")
+    if mtype in SINK_MODEL_TYPES:
+        return f"model type {mtype!r} has attention sinks"
+    return None
+
+
+def shared_past_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [K, H, T, D]
+    key: torch.Tensor,  # [K, H_kv, T, D], the rows' own tokens
+    value: torch.Tensor,  # [K, H_kv, T, D]
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Causal attention over the active shared past and the rows' own tokens (`[K, T, H, D]`)."""
+    active = _ACTIVE.get()
+    if active is None:
+        raise RuntimeError("shared-past attention ran without an active past (use engine_attention)")
+    extra = [name for name in _UNMODELLED if kwargs.get(name) is not None]
+    if extra or dropout:
+        raise RuntimeError(
+            f"{type(module).__name__} passes {extra or ['dropout']} to its attention, which shared-past attention "
+            "does not model; this model must use the concatenated path (shared_past_reason)"
+        )
+    layer = int(getattr(module, "layer_idx", 0))
+    past, grads = active.past.layer(layer)
+    window = kwargs.get("sliding_window")
+    out = shared_attention(
+        query, key, value, active.positions, past, grads,
+        scale=float(scaling if scaling is not None else query.shape[-1] ** -0.5),
+        window=int(window) if window else None,
+    )  # fmt: skip
+    return out, None
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    """Shared-past attention builds its masks from positions; Hugging Face's mask would go unused."""
+    return None
+
+
 _GQA = is_torch_greater_or_equal("2.5")  # SDPA's `enable_gqa`
 
 
@@ -60,18 +139,36 @@ def _register() -> None:
     if NAME not in AttentionInterface._global_mapping:
         AttentionInterface.register(NAME, gqa_sdpa_forward)
         AttentionMaskInterface.register(NAME, sdpa_mask)
+    if SHARED not in AttentionInterface._global_mapping:
+        AttentionInterface.register(SHARED, shared_past_forward)
+        AttentionMaskInterface.register(SHARED, _no_mask)
 
 
 @contextmanager
-def engine_attention(model: PreTrainedModel) -> Iterator[None]:
-    """Run `model` with `gqa_sdpa_forward` while the block lasts, when it is configured for `sdpa`."""
+def engine_attention(
+    model: PreTrainedModel, shared: SharedPast | None = None, positions: torch.Tensor | None = None
+) -> Iterator[None]:
+    """Run `model` with the engine's attention while the block lasts.
+
+    With `shared` (and the rows' `positions`, `[K, T]`), every layer attends over that past piece by piece
+    (the caller checked `shared_past_reason`); without it, an `sdpa` model runs `gqa_sdpa_forward`.
+    """
     config = model.config
-    if getattr(config, "_attn_implementation", None) != "sdpa":
+    original = getattr(config, "_attn_implementation", None)
+    if shared is not None:
+        if positions is None:
+            raise ValueError("a shared past needs the rows' positions")
+        name = SHARED
+    elif original == "sdpa":
+        name = NAME
+    else:
         yield
         return
     _register()
-    config._attn_implementation = NAME
+    token = _ACTIVE.set(_Active(shared, positions) if shared is not None and positions is not None else None)
+    config._attn_implementation = name
     try:
         yield
     finally:
-        config._attn_implementation = "sdpa"
+        config._attn_implementation = original
+        _ACTIVE.reset(token)

@@ -22,11 +22,19 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
-from treetrain.models.attention import engine_attention
+from treetrain.models.attention import engine_attention, shared_past_reason
 from treetrain.models.lora import unwrap
+from treetrain.models.shared_past import LayerKV, SharedPast, concatenated
 
-#: Per-layer (keys, values), each `[B, H_kv, T, D]`.
-LayerKV = tuple[torch.Tensor, torch.Tensor]
+__all__ = [
+    "DecoderOutput",
+    "LayerKV",
+    "SharedPast",
+    "base_model",
+    "concat_past",
+    "decoder_forward",
+    "output_head",
+]
 
 
 @dataclass(frozen=True)
@@ -69,30 +77,41 @@ def _cache_kwarg(module: nn.Module) -> str:
     return _CACHE_KWARG[cls]
 
 
+def _anchor(model: PreTrainedModel) -> torch.Tensor | None:
+    return next((p for p in model.parameters() if p.requires_grad), None)
+
+
 def decoder_forward(
     model: PreTrainedModel,
     input_ids: torch.Tensor,  # [B, T]
     positions: torch.Tensor,  # [B, T]
-    past: Sequence[LayerKV] | None,
+    past: Sequence[LayerKV] | SharedPast | None,
 ) -> DecoderOutput:
-    """Run the decoder on `input_ids` continuing `past` (per layer `[B or 1, H_kv, P, D]`).
+    """Run the decoder on `input_ids` continuing `past`.
 
-    Rows are right-padded by the caller; with no attention mask a real token never attends to padding
-    after it, so padding needs no mask. A past with batch 1 is broadcast to B rows.
+    `past` is a `SharedPast` (resident pieces, `[1, H_kv, P_i, D]` per layer, at positions `0..P-1`), or one
+    per-layer list of `[1 or B, H_kv, P, D]` tensors. Every row attends to the same past. Where the model's
+    attention decomposes (`shared_past_reason`), the pieces are read in place by shared-past attention;
+    otherwise they are concatenated and broadcast to the B rows, with gradients routed into the pieces' G
+    accumulators. Rows are right-padded by the caller; a real token never attends to padding after it.
     """
     base = base_model(model)
     bsz = input_ids.shape[0]
+    if past is not None and not isinstance(past, SharedPast):
+        past = SharedPast.of([list(past)]) if len(past) else None
+    if past is not None and not past.pieces:
+        past = None
+    shared = (
+        past is not None and shared_past_reason(unwrap(model)) is None and past.pieces[0][0][0].shape[0] == 1
+    )
     cache = DynamicCache()
     past_len = 0
-    if past:
-        past_len = past[0][0].shape[-2]
-        for layer, (k, v) in enumerate(past):
-            if k.shape[0] != bsz:
-                k = k.expand(bsz, *k.shape[1:])
-                v = v.expand(bsz, *v.shape[1:])
+    if past is not None and not shared:
+        past_len = past.length
+        for layer, (k, v) in enumerate(concatenated(past, bsz, _anchor(model))):
             cache.update(k, v, layer)
     kwargs = {_cache_kwarg(base): cache}
-    with engine_attention(model):
+    with engine_attention(model, past if shared else None, positions):
         out = base(input_ids=input_ids, position_ids=positions, use_cache=True, **kwargs)
     returned: Any = getattr(out, "cache", None) or getattr(out, "past_key_values", None) or cache
     keys = tuple(layer.keys[:, :, past_len:, :] for layer in returned.layers)

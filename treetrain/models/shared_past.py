@@ -1,0 +1,329 @@
+"""Attention of K sibling rows against their common resident past, without materialising that past per row.
+
+Why: the rows of a replay or scoring step share one past (their ancestors' resident KV, stored piece by
+piece). Concatenating the pieces, broadcasting them to the K rows and expanding them to every query head
+costs a copy of the whole past per row and per head, kept for backward; it set the engine's peak at long
+context. Attention decomposes by key set instead. Each key set (one resident piece, or the rows' own
+tokens) gives a partial output and the log-sum-exp of its scores, and partials merge exactly:
+
+    lse = logaddexp(lse_a, lse_b);  out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
+
+(the "attention state" merge of FlashInfer's cascade attention and Hydragen; it is associative). For a
+piece, every row's and every query head's queries are stacked into one `[H_kv, K * group * T, D]` matrix
+against the piece's single `[H_kv, P, D]` copy: one large matmul, no `repeat_kv`, no broadcast. The
+backward is the flash-attention backward run per key set with the *merged* output and log-sum-exp, so a
+piece's dL/dK and dL/dV come out once, already summed over rows and heads, and are added into its G
+accumulator when one is given (through one transient piece-sized buffer per layer). The key-set kernels
+(`treetrain.models.attention_states`) are torch's fused flash-attention kernel on CPU, and a block-by-block
+plain-PyTorch reference elsewhere; neither holds the scores of a whole key set.
+
+Example:
+    >>> import torch
+    >>> from treetrain.models.shared_past import shared_attention
+    >>> q = torch.randn(2, 4, 3, 8, dtype=torch.float64)                 # [K, H, T, D]
+    >>> own = torch.randn(2, 1, 3, 8, dtype=torch.float64)               # [K, H_kv, T, D]
+    >>> piece = torch.randn(1, 1, 5, 8, dtype=torch.float64)             # [1, H_kv, P, D]
+    >>> pos = torch.arange(5, 8)[None].expand(2, -1)                     # [K, T]
+    >>> shared_attention(q, own, own, pos, ((piece, piece),), (None,), scale=8**-0.5, window=None).shape
+    torch.Size([2, 3, 4, 8])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from treetrain.models.attention_states import (
+    Mask,
+    fused,
+    fused_backward,
+    fused_state,
+    merge_states,
+    partial_backward,
+    partial_state,
+)
+
+#: Per-layer (keys, values), each `[B, H_kv, T, D]`.
+LayerKV = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class SharedPast:
+    """The resident past of a step's rows: per piece (root side first) per layer `(k, v)`, `[1, H_kv, P_i, D]`.
+
+    `grads`, when given, holds per piece either None or G accumulators of the same shapes; backward adds each
+    piece's dL/dK and dL/dV into them (summed over the rows) instead of returning them.
+    """
+
+    pieces: tuple[tuple[LayerKV, ...], ...]
+    grads: tuple[tuple[LayerKV, ...] | None, ...] = ()
+
+    @staticmethod
+    def of(
+        pieces: Sequence[Sequence[LayerKV]], grads: Sequence[Sequence[LayerKV] | None] | None = None
+    ) -> SharedPast:
+        return SharedPast(
+            tuple(tuple(p) for p in pieces),
+            tuple(None if g is None else tuple(g) for g in grads) if grads is not None else (),
+        )
+
+    @property
+    def length(self) -> int:
+        return sum(int(p[0][0].shape[-2]) for p in self.pieces)
+
+    def layer(self, index: int) -> tuple[tuple[LayerKV, ...], tuple[LayerKV | None, ...]]:
+        kv = tuple(p[index] for p in self.pieces)
+        grads = self.grads or (None,) * len(self.pieces)
+        return kv, tuple(None if g is None else g[index] for g in grads)
+
+    def without_last_position(self) -> SharedPast:
+        """The same past minus its final position (the children recompute it as their overlap)."""
+        if not self.pieces:
+            return self
+
+        def cut(p: Sequence[LayerKV]) -> tuple[LayerKV, ...]:
+            return tuple((k[:, :, :-1], v[:, :, :-1]) for k, v in p)
+
+        grads = list(self.grads)
+        if grads and grads[-1] is not None:
+            grads[-1] = cut(grads[-1])
+        return SharedPast((*self.pieces[:-1], cut(self.pieces[-1])), tuple(grads))
+
+
+@dataclass(frozen=True)
+class _Spec:
+    past: tuple[LayerKV, ...]
+    grads: tuple[LayerKV | None, ...]
+    positions: torch.Tensor  # [K, T]
+    starts: tuple[int, ...]
+    scale: float
+    window: int | None
+
+
+Visible = torch.Tensor | None | str
+"""Per piece: None (every key visible to every query), "none" (no key visible), or a `[M, P]` bool mask."""
+
+
+def _piece_visible(qpos: torch.Tensor, start: int, length: int, window: int | None) -> Visible:
+    """Past keys precede every query; a window keeps keys with position > query position - window."""
+    if window is None:
+        return None
+    lo, hi = int(qpos.min()), int(qpos.max())
+    if start > hi - window:
+        return None
+    if start + length - 1 <= lo - window:
+        return "none"
+    kpos = torch.arange(start, start + length, device=qpos.device)
+    return kpos[None, :] > qpos[:, None] - window  # [M, P]
+
+
+def _own_visible(t: int, window: int | None, device: torch.device) -> torch.Tensor:
+    i = torch.arange(t, device=device)
+    keep = i[None, :] <= i[:, None]
+    if window is not None:
+        keep = keep & (i[:, None] - i[None, :] < window)
+    return keep  # [T, T]
+
+
+def _as_mask(visible: torch.Tensor | None) -> Mask:
+    if visible is None:
+        return lambda a, b: None
+    return lambda a, b: visible[None, :, a:b]
+
+
+class _Layout:
+    """Index maps between the per-row layout `[K, H, T, .]` and the stacked one `[H_kv, K * group * T, .]`."""
+
+    def __init__(self, q: torch.Tensor, kv_heads: int) -> None:
+        self.rows, self.heads, self.t, self.d = q.shape
+        self.kv_heads, self.group = kv_heads, self.heads // kv_heads
+        self.m = self.rows * self.group * self.t
+
+    def stacked(self, x: torch.Tensor) -> torch.Tensor:  # [K, H, T, X] -> [H_kv, M, X]
+        return (
+            x.reshape(self.rows, self.kv_heads, self.group, self.t, -1)
+            .transpose(0, 1)
+            .reshape(self.kv_heads, self.m, -1)
+        )
+
+    def per_row(self, x: torch.Tensor) -> torch.Tensor:  # [H_kv, M, X] -> [K, H, T, X]
+        return (
+            x.reshape(self.kv_heads, self.rows, self.group, self.t, -1)
+            .transpose(0, 1)
+            .reshape(self.rows, self.heads, self.t, -1)
+        )
+
+
+class _SharedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, spec: _Spec, *past: torch.Tensor
+    ) -> torch.Tensor:
+        lay = _Layout(q, k_own.shape[1])
+        stat = torch.promote_types(q.dtype, torch.float32)
+        # Stacked queries: every row's and every head of a group's queries against one copy of the past.
+        qs = lay.stacked(q)  # [H_kv, M, D]
+        qpos = spec.positions[:, None, :].expand(lay.rows, lay.group, lay.t).reshape(-1)  # [M]
+        own_vis = None if spec.window is None else _own_visible(lay.t, spec.window, q.device)
+        use_fused = fused(q)
+        if use_fused:  # the rows' own keys are T-sized: expanding them to the query heads is cheap
+            ke, ve = k_own.repeat_interleave(lay.group, 1), v_own.repeat_interleave(lay.group, 1)
+            o, ls = fused_state(q, ke, ve, spec.scale, causal=own_vis is None, visible=own_vis)
+            out, lse = lay.stacked(o).to(stat), lay.stacked(ls[..., None])[..., 0].to(stat)
+        else:
+            o, ls = partial_state(
+                q.reshape(lay.rows * lay.kv_heads, lay.group * lay.t, lay.d),
+                k_own.reshape(lay.rows * lay.kv_heads, lay.t, -1), v_own.reshape(lay.rows * lay.kv_heads, lay.t, -1),
+                spec.scale, _as_mask(_own_visible(lay.t, spec.window, q.device).repeat(lay.group, 1)),
+            )  # fmt: skip
+            out = lay.stacked(o.reshape(lay.rows, lay.heads, lay.t, -1))
+            lse = lay.stacked(ls.reshape(lay.rows, lay.heads, lay.t, 1))[..., 0]
+        for (k, v), start in zip(spec.past, spec.starts):
+            vis = _piece_visible(qpos, start, k.shape[-2], spec.window)
+            if isinstance(vis, str):
+                continue
+            if use_fused:
+                po, pl = fused_state(qs[None], k, v, spec.scale, visible=vis)
+                po, pl = po[0].to(stat), pl[0].to(stat)
+            else:
+                po, pl = partial_state(qs, k[0], v[0], spec.scale, _as_mask(vis))
+            out, lse = merge_states(out, lse, po, pl)
+        ctx.spec, ctx.lay, ctx.fused = spec, lay, use_fused
+        ctx.save_for_backward(q, k_own, v_own, out, lse, *past)
+        # [H_kv, M, Dv] -> [K, T, H, Dv]
+        return lay.per_row(out).transpose(1, 2).contiguous().to(q.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, d_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # d_out [K, T, H, Dv]
+        q, k_own, v_own, out, lse, *past = ctx.saved_tensors
+        spec: _Spec = ctx.spec
+        lay: _Layout = ctx.lay
+        do = lay.stacked(d_out.transpose(1, 2))  # [H_kv, M, Dv]
+        qs = lay.stacked(q)
+        qpos = spec.positions[:, None, :].expand(lay.rows, lay.group, lay.t).reshape(-1)
+        d_qs = torch.zeros_like(qs)
+        delta = (do.to(lse.dtype) * out).sum(-1)  # [H_kv, M] (reference backend)
+        out_q = out.to(q.dtype)
+        piece_grads: list[torch.Tensor | None] = []
+        for i, (start, acc) in enumerate(zip(spec.starts, spec.grads)):
+            k, v = past[2 * i], past[2 * i + 1]
+            wanted = acc is None and (ctx.needs_input_grad[4 + 2 * i] or ctx.needs_input_grad[5 + 2 * i])
+            vis = _piece_visible(qpos, start, k.shape[-2], spec.window)
+            if isinstance(vis, str):
+                piece_grads += [torch.zeros_like(k), torch.zeros_like(v)] if wanted else [None, None]
+                continue
+            if ctx.fused:
+                dq, dk, dv = fused_backward(
+                    qs[None], k, v, out_q[None], lse[None], do[None], spec.scale, visible=vis
+                )
+                d_qs.add_(dq[0])
+            else:
+                dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+
+                def sink(a: int, b: int, gk: torch.Tensor, gv: torch.Tensor, dk=dk, dv=dv) -> None:  # type: ignore[no-untyped-def]
+                    dk[0, :, a:b] = gk
+                    dv[0, :, a:b] = gv
+
+                partial_backward(qs, k[0], v[0], lse, do, delta, spec.scale, _as_mask(vis), d_qs, sink)
+            if acc is not None:
+                acc[0].add_(dk)
+                acc[1].add_(dv)
+            piece_grads += [dk, dv] if wanted else [None, None]
+        own_vis = None if spec.window is None else _own_visible(lay.t, spec.window, q.device)
+        if ctx.fused:
+            ke, ve = k_own.repeat_interleave(lay.group, 1), v_own.repeat_interleave(lay.group, 1)
+            d_q, dke, dve = fused_backward(
+                q, ke, ve, lay.per_row(out_q), lay.per_row(lse[..., None])[..., 0], lay.per_row(do), spec.scale,
+                causal=own_vis is None, visible=own_vis,
+            )  # fmt: skip
+            shape = (lay.rows, lay.kv_heads, lay.group, lay.t, -1)
+            d_k, d_v = dke.reshape(shape).sum(2), dve.reshape(shape).sum(2)
+        else:
+            n, g = lay.rows * lay.kv_heads, lay.group * lay.t
+            d_qo = torch.zeros(n, g, lay.d, dtype=q.dtype, device=q.device)
+            d_k, d_v = (
+                torch.zeros_like(k_own).reshape(n, lay.t, -1),
+                torch.zeros_like(v_own).reshape(n, lay.t, -1),
+            )
+
+            def own_sink(a: int, b: int, gk: torch.Tensor, gv: torch.Tensor) -> None:
+                d_k[:, a:b] = gk
+                d_v[:, a:b] = gv
+
+            def own(x: torch.Tensor) -> torch.Tensor:
+                return lay.per_row(x).reshape(n, g, -1)
+
+            partial_backward(
+                q.reshape(n, g, lay.d), k_own.reshape(n, lay.t, -1), v_own.reshape(n, lay.t, -1),
+                own(lse[..., None])[..., 0], own(do), own(delta[..., None])[..., 0], spec.scale,
+                _as_mask(_own_visible(lay.t, spec.window, q.device).repeat(lay.group, 1)), d_qo, own_sink,
+            )  # fmt: skip
+            d_q = d_qo.reshape(lay.rows, lay.heads, lay.t, lay.d)
+        d_q = d_q + lay.per_row(d_qs)
+        return (d_q, d_k.reshape(k_own.shape), d_v.reshape(v_own.shape), None, *piece_grads)
+
+
+def shared_attention(
+    q: torch.Tensor,  # [K, H, T, D]
+    k_own: torch.Tensor,  # [K, H_kv, T, D]
+    v_own: torch.Tensor,  # [K, H_kv, T, Dv]
+    positions: torch.Tensor,  # [K, T]
+    past: Sequence[LayerKV],  # per piece [1, H_kv, P_i, D], positions 0.. in order
+    grads: Sequence[LayerKV | None],
+    *,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """Causal attention of the rows' queries over the shared past and their own tokens: `[K, T, H, Dv]`.
+
+    Past keys sit at positions `0..P-1` and every query comes after them; `window` keeps keys with
+    position > query position - window (Hugging Face's sliding window). The rows' own tokens are
+    consecutive, so a query at own index i sees own keys j <= i (and i - j < window).
+    """
+    starts, at = [], 0
+    for k, _ in past:
+        starts.append(at)
+        at += int(k.shape[-2])
+    spec = _Spec(tuple(past), tuple(grads) or (None,) * len(past), positions, tuple(starts), scale, window)
+    flat = [t for kv in past for t in kv]
+    out: torch.Tensor = _SharedAttention.apply(q, k_own, v_own, spec, *flat)
+    return out
+
+
+class _Into(torch.autograd.Function):
+    """Identity whose backward adds the incoming gradient into an accumulator instead of passing it on."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, acc: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        ctx.acc = acc
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
+        ctx.acc.add_(grad)
+        return None, None, None
+
+
+def concatenated(past: SharedPast, rows: int, anchor: torch.Tensor | None) -> list[LayerKV]:
+    """The past as one `[rows, H_kv, P, D]` tensor per layer (the path for attention that cannot be split).
+
+    Gradients reaching a piece with an accumulator are added into it; `anchor` (any tensor under autograd)
+    keeps that routing in the graph.
+    """
+    n_layers = len(past.pieces[0])
+    grads = past.grads or (None,) * len(past.pieces)
+    out = []
+    for layer in range(n_layers):
+        ks, vs = [], []
+        for piece, acc in zip(past.pieces, grads):
+            k, v = piece[layer]
+            if acc is not None and anchor is not None and anchor.requires_grad:
+                k, v = _Into.apply(k, acc[layer][0], anchor), _Into.apply(v, acc[layer][1], anchor)
+            ks.append(k)
+            vs.append(v)
+        k, v = torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)
+        out.append((k.expand(rows, *k.shape[1:]), v.expand(rows, *v.shape[1:])))
+    return out
