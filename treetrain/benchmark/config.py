@@ -99,6 +99,8 @@ class BenchConfig:
     """Granularity of the longest-prefix search, in tokens."""
     confirm: tuple[tuple[int, int, int], ...] = ((8, 64, 1), (2, 64, 1))
     """(G, suffix, depth) combinations whose tree-mode longest prefixes are checked by measured runs."""
+    search: tuple[tuple[int, int, int], ...] | None = None
+    """(G, suffix, depth) combinations whose longest prefix is searched (None: every one of the grid)."""
     seed: int = 0
     """Seed of the synthetic trees."""
 
@@ -126,7 +128,8 @@ class BenchConfig:
 
     def shapes(self) -> tuple[tuple[int, int, int], ...]:
         """The (G, suffix, depth) combinations: the longest-prefix search runs once per combination."""
-        return tuple(product(self.branches, self.suffixes, self.depths))
+        every = tuple(product(self.branches, self.suffixes, self.depths))
+        return every if self.search is None else tuple(s for s in every if s in self.search)
 
 
 FULL = BenchConfig()
@@ -149,6 +152,22 @@ QUICK = BenchConfig(
     confirm=((8, 8, 1),),
 )
 """A seconds-long run of the same code on a tiny model and grid (the smoke test's)."""
+
+TARGETS = replace(
+    FULL, prefixes=(2048, 8192), branches=(8,), suffixes=(64,), depths=(1, 3), reps=1,
+    confirm=((8, 64, 1),), search=((8, 64, 1),),
+)  # fmt: skip
+"""Only the speed-target points (P >= 2048, G = 8, S = 64) and the G = 8 longest-prefix search, one
+repetition: a fraction of the full grid's time, for a machine that cannot spare the full run."""
+
+REAL_LAYER = replace(
+    FULL, prefixes=(1024,), branches=(8,), suffixes=(64,), depths=(1,), reps=1, confirm=(), search=(),
+    model=ModelSpec(hidden_size=2048, num_layers=1, num_heads=16, num_kv_heads=2, intermediate_size=6144),
+)  # fmt: skip
+"""One point with a real-size layer (hidden 2048, 16 query and 2 KV heads of 128, MLP 6144) at depth 1,
+where attention costs what it costs in a 1-2B model relative to the linear layers."""
+
+GRIDS = {"full": FULL, "quick": QUICK, "targets": TARGETS, "real-layer": REAL_LAYER}
 
 
 def with_overrides(cfg: BenchConfig, **changes: object) -> BenchConfig:

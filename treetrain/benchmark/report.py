@@ -59,6 +59,7 @@ def speed_table(results: BenchResults) -> list[str]:
     for mode in MODES[1:]:
         short = SHORT[mode]
         head += [f"{short} s", f"{short} ×", f"{short} ceiling ×", f"{short} ratio"]
+        head += [f"{short} FLOP ceiling ×", f"{short} FLOP ratio"]
     rows = []
     for r in results.points:
         p = r.point
@@ -69,6 +70,8 @@ def speed_table(results: BenchResults) -> list[str]:
                 f"{r.speedup(mode):.2f}",
                 f"{r.ceiling(mode):.2f}",
                 f"{r.ratio(mode):.2f}",
+                f"{r.flop_ceiling(mode):.2f}" if r.flop_ceiling(mode) else "–",
+                f"{r.flop_ratio(mode):.2f}" if r.flop_ceiling(mode) else "–",
             ]
         rows.append(row)
     return _table(head, rows)
@@ -172,7 +175,13 @@ def check_lines(checks: tuple[Check, ...]) -> list[str]:
 def markdown(results: BenchResults) -> str:
     c = results.config
     lines = ["# Geometry benchmark", "", *setup_lines(results), ""]
-    lines += ["## Speed", "", "Seconds per update; × = speedup against flat; ratio = measured ÷ ceiling.", ""]
+    lines += [
+        "## Speed",
+        "",
+        "Seconds per update; × = speedup against flat; ratio = measured ÷ ceiling (token ceiling, and the "
+        "FLOP ceiling with attention priced in, `treetrain.benchmark.flops`).",
+        "",
+    ]
     lines += speed_table(results)
     lines += ["", "Every repetition (seconds, in the order run):", ""]
     lines += repetitions_table(results)

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from treetrain.benchmark.config import MODES, BenchConfig, Mode
+from treetrain.benchmark.flops import FlopModel, flop_ceiling
 from treetrain.benchmark.memory import measure_peak, predict_peak, response_graph_bytes
 from treetrain.benchmark.report import markdown, write_plots
 from treetrain.benchmark.results import BenchResults, Machine, ModeResult, PointResult, to_json
@@ -100,6 +101,7 @@ def run_bench(
     log(f"longest prefixes ({time.perf_counter() - start:.0f}s)")
 
     results_points = []
+    flop_model = FlopModel.of(model)
     for p, tree in zip(points, trees):
         stats = tree_stats(tree)
         ceiling: dict[Mode, int] = {
@@ -116,6 +118,7 @@ def run_bench(
                 measured[(p, m)],
                 predicted[(p, m)],
                 graphs.get((p, m), 0),
+                flop_ceiling(tree, m, flop_model),
             )
             for m in MODES
         )

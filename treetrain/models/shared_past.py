@@ -109,6 +109,8 @@ Visible = torch.Tensor | None | str
 
 def _piece_visible(qpos: torch.Tensor, start: int, length: int, window: int | None) -> Visible:
     """Past keys precede every query; a window keeps keys with position > query position - window."""
+    if length == 0:  # a one-token last piece without its overlap position
+        return "none"
     if window is None:
         return None
     lo, hi = int(qpos.min()), int(qpos.max())

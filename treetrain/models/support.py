@@ -245,7 +245,9 @@ def _probe(
         model.train(was_training)
     joined = torch.cat([first.hidden, second], dim=1)
     scale = whole.abs().max().clamp_min(1.0)
-    tol = 1e-3 if whole.dtype in (torch.float16, torch.bfloat16) else 1e-5
+    # A few units in the last place of half precision (bfloat16's is 3.9e-3): the split forward runs other
+    # kernels than the whole one, so it agrees to rounding, not bit for bit; a real mismatch is far larger.
+    tol = {torch.bfloat16: 3e-2, torch.float16: 4e-3}.get(whole.dtype, 1e-5)
     prefix_err = ((first.hidden - whole[:, :split]).abs().max() / scale).item()
     if not prefix_err <= tol:
         raise UnsupportedModelError(

@@ -1,0 +1,184 @@
+"""The GPU check: a few minutes on one CUDA device for what CPU runs cannot show.
+
+    python bench/gpu_check.py                    # on a machine with CUDA (a few minutes)
+    python bench/gpu_check.py --dry-run          # the same steps on CPU with a tiny model (seconds; tests)
+    python bench/gpu_check.py --out bench/out/gpu_check.md
+
+Three steps, one table each, written as markdown to stdout and `--out`:
+
+1. exactness: `exact` against flat, in float32 and bfloat16, beside the noise floor measured the same way
+   (`treetrain.engine.verify`), for a grouped-query Llama and the sliding-window Mistral;
+2. speed: flat, `exact` and `response_only` side by side in bfloat16 (the geometry benchmark's model and
+   engine settings, `treetrain.benchmark`), seconds per update and the speedups against flat;
+3. memory: each tree mode's peak from the CUDA allocator (`max_memory_allocated`, everything on the device)
+   against the ledger's prediction (`predict_ledger`).
+
+The dry run shrinks every step (one family, one point, float32 speed, the tracker instead of the
+allocator) so that it checks the script in seconds.
+
+On CPU without `--dry-run` it refuses to run: its numbers are only meaningful on the device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from treetrain.benchmark.config import FULL, QUICK, BenchConfig, GridPoint
+from treetrain.benchmark.workload import (
+    LOSS,
+    bench_batch,
+    bench_model,
+    make_engine,
+    replay_config,
+    zero_grads,
+)
+from treetrain.engine.batch import ReplayConfig, UpdateBatch
+from treetrain.engine.verify import deviation, flat_gradient, noise_floor, tree_gradient
+from treetrain.io import atomic_write_text
+from treetrain.loss.advantages import AdvantageConfig, compute_advantages
+from treetrain.loss.config import LossConfig
+from treetrain.loss.manifest import Manifest
+from treetrain.memory.ledger import predict_ledger
+from treetrain.models.presets import TinySize, tiny_model
+from treetrain.tree.synthetic import synthetic_group
+
+SPEED_POINTS = (GridPoint(2048, 8, 64, 1), GridPoint(8192, 8, 64, 1), GridPoint(8192, 8, 512, 1))
+DRY_POINTS = (GridPoint(48, 4, 8, 1),)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def exactness(device: torch.device, dry: bool) -> list[str]:
+    size = TinySize(
+        hidden_size=32 if dry else 256, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64
+    )
+    prefix, suffix = (24, 6) if dry else (1024, 64)
+    tree = synthetic_group(prefix=prefix, branches=4, suffix=suffix, depth=2, vocab=64, seed=0)
+    loss = LossConfig()
+    adv = compute_advantages([tree], AdvantageConfig(zero_variance="keep"))
+    batch = UpdateBatch.build([tree], adv.trees, Manifest.build([tree], 0), loss)
+    lines = [
+        "| family | dtype | exact vs flat (abs) | noise floor (abs) | ratio | within 5x floor |",
+        "|---|---|---|---|---|---|",
+    ]
+    for family in ("llama",) if dry else ("llama", "mistral"):
+        for dtype in (torch.float32, torch.bfloat16):
+
+            def make(family: str = family, dtype: torch.dtype = dtype) -> torch.nn.Module:
+                return tiny_model(family, 64, size=size, dtype=dtype, seed=1).to(device)
+
+            floor = noise_floor(make, batch, loss)
+            dev = deviation(
+                tree_gradient(make(), batch, loss, ReplayConfig(microbatch=2, chunk_size=prefix // 3)),
+                flat_gradient(make(), batch, loss),
+            )
+            ratio = dev.abs / floor if floor > 0 else float("inf")
+            ok = "yes" if dev.abs <= 5 * floor else "NO"
+            lines.append(
+                f"| {family} | {str(dtype)[6:]} | {dev.abs:.3e} | {floor:.3e} | {ratio:.2f} | {ok} |"
+            )
+    return lines
+
+
+def _update(
+    model: torch.nn.Module, batch: object, mode: str, cfg: BenchConfig, device: torch.device
+) -> float:
+    engine = make_engine(model, mode, cfg)  # type: ignore[arg-type]
+    zero_grads(model)
+    _sync(device)
+    start = time.perf_counter()
+    engine.accumulate(batch)  # type: ignore[arg-type]
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def speed_and_memory(device: torch.device, dry: bool) -> tuple[list[str], list[str]]:
+    base = QUICK if dry else FULL
+    cfg = replace(base, model=replace(base.model, dtype="float32" if dry else "bfloat16"))
+    reps = 1 if dry else 2
+    model = bench_model(cfg.model).to(device)
+    zero_grads(model)
+    speed = [
+        "| P | G | S | d | flat s | exact s | exact × | resp-only s | resp-only × |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    memory = [
+        "| P | G | S | d | mode | measured peak MiB | ledger MiB | measured / ledger |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for p in DRY_POINTS if dry else SPEED_POINTS:
+        batch = bench_batch(p, cfg)
+        seconds = {}
+        for mode in ("flat", "exact", "response_only"):
+            _update(model, batch, mode, cfg, device)  # warm-up
+            seconds[mode] = min(_update(model, batch, mode, cfg, device) for _ in range(reps))
+        f = seconds["flat"]
+        speed.append(
+            f"| {p.prefix} | {p.branches} | {p.suffix} | {p.depth} | {f:.3g} | {seconds['exact']:.3g} | "
+            f"{f / seconds['exact']:.2f} | {seconds['response_only']:.3g} | {f / seconds['response_only']:.2f} |"
+        )
+        for mode in ("exact", "response_only"):
+            predicted = predict_ledger(batch, model, replay_config(mode, cfg), LOSS).peak.total  # type: ignore[arg-type]
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+                _update(model, batch, mode, cfg, device)
+                measured = torch.cuda.max_memory_allocated(device)
+            else:  # dry run: the tracker's live tensor bytes stand in for the allocator
+                from treetrain.benchmark.memory import measure_peak
+
+                measured = measure_peak(model, batch, mode, cfg).total  # type: ignore[arg-type]
+            memory.append(
+                f"| {p.prefix} | {p.branches} | {p.suffix} | {p.depth} | {mode} | {measured / 2**20:.1f} | "
+                f"{predicted / 2**20:.1f} | {measured / max(1, predicted):.2f} |"
+            )
+    return speed, memory
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--dry-run", action="store_true", help="tiny model on CPU: check the script, not the GPU"
+    )
+    parser.add_argument("--out", type=Path, default=None, help="also write the tables here (markdown)")
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        device = torch.device("cpu")
+    elif torch.cuda.is_available():
+        device = torch.device("cuda")
+    else:
+        print("gpu_check: no CUDA device; use --dry-run to check the script on CPU", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    name = "CPU (dry run)" if args.dry_run else torch.cuda.get_device_name(device)
+    lines = [f"# GPU check on {name}, torch {torch.__version__}", ""]
+    lines += ["## exact vs flat against the noise floor", "", *exactness(device, args.dry_run), ""]
+    speed, memory = speed_and_memory(device, args.dry_run)
+    dtype = "float32" if args.dry_run else "bfloat16"
+    lines += [
+        f"## speed ({dtype}; seconds per update, best of the repetitions after a warm-up)",
+        "",
+        *speed,
+        "",
+    ]
+    lines += [f"## peak memory against the ledger ({dtype})", "", *memory, ""]
+    lines.append(f"wall time {time.perf_counter() - start:.0f} s")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(args.out, text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
