@@ -326,6 +326,6 @@ def concatenated(past: SharedPast, rows: int, anchor: torch.Tensor | None) -> li
                 k, v = _Into.apply(k, acc[layer][0], anchor), _Into.apply(v, acc[layer][1], anchor)
             ks.append(k)
             vs.append(v)
-        k, v = torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)
+        k, v = (ks[0], vs[0]) if len(ks) == 1 else (torch.cat(ks, dim=-2), torch.cat(vs, dim=-2))
         out.append((k.expand(rows, *k.shape[1:]), v.expand(rows, *v.shape[1:])))
     return out
