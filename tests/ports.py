@@ -1,23 +1,23 @@
 """Launching torchrun from tests: a free port, and a timeout that ends every process of the launch.
 
 Several launches (tests, or several people) run at once, so a fixed port would collide; the port is free
-when returned and torchrun binds it a moment later. torchrun's workers outlive a killed torchrun, so a
-launch runs in its own session and a timeout kills the whole process group: a deadlock fails the test
-and leaves nothing running. Output goes to a file, so a launch never blocks on a full pipe while the test
+when returned and torchrun binds it a moment later. torchrun starts its workers in sessions of their
+own, and they outlive a killed torchrun, so a timeout kills torchrun and every process below it: a
+deadlock fails the test and leaves nothing running. Output goes to a file, so a launch never blocks on a full pipe while the test
 waits for another one.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 import socket
 import subprocess
 import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import psutil
 
 
 def free_port() -> int:
@@ -53,14 +53,25 @@ def run_all(cmds: Sequence[Sequence[str]], env: dict[str, str], timeout: float) 
                 codes.append(None)
         for p, code in zip(procs, codes):
             if code is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
+                kill_tree(p.pid)
                 p.wait()
         out = []
         for code, log in zip(codes, logs):
             log.seek(0)
             out.append(Launched(code, log.read()))
         return out
+
+
+def kill_tree(pid: int) -> None:
+    """Kill a process and all its descendants (children first listed, then killed together)."""
+    try:
+        root = psutil.Process(pid)
+        tree = [*root.children(recursive=True), root]
+    except psutil.NoSuchProcess:
+        return
+    for proc in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
 
 
 def run(cmd: Sequence[str], env: dict[str, str], timeout: float) -> Launched:

@@ -161,6 +161,13 @@ class TrainBackend(ABC):
         self.gather("")
 
     @contextlib.contextmanager
+    def uneven(self) -> Iterator[None]:
+        """A region where ranks may run different forwards (rollouts of different lengths): under ZeRO-3
+        the DeepSpeed backend makes each parameter fetch a rendezvous of all ranks there, and leaving the
+        region is a collective. Nothing to do for other backends."""
+        yield
+
+    @contextlib.contextmanager
     def scratch(self) -> Iterator[None]:
         """Open the update window for passes whose gradients must never reach the optimizer.
 

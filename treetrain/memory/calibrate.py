@@ -225,7 +225,9 @@ def measure(
     try:
         for seed, (prompt, shared, fans, turn, k) in enumerate(PROBES):
             for p in model.parameters():  # the ledger books gradients from the window's start
-                p.grad = torch.zeros_like(p) if p.requires_grad else None
+                # (not a ZeRO-3 parameter: it is partitioned here, its gradient has the full shape)
+                partitioned = getattr(p, "ds_numel", p.numel()) != p.numel()
+                p.grad = torch.zeros_like(p) if p.requires_grad and not partitioned else None
             tree = probe_tree(prompt, shared, fans, turn, vocab, seed)
             adv = compute_advantages([tree], AdvantageConfig(zero_variance="keep"))
             batch = UpdateBatch.build([tree], adv.trees, Manifest.build([tree], 0), loss)

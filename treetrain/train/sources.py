@@ -94,18 +94,20 @@ class RolloutSource:
         was_training = model.training
         model.eval()
         try:
-            for seed in task_seeds(self.cfg, update)[rank::world]:
-                config = RolloutConfig(
-                    fanout=self.fanout,
-                    sampler=SamplerConfig(temperature=r.temperature, top_p=r.top_p, seed=seed),
-                    wrapper=self.wrapper,
-                    rubric=self.cfg.env.rubric,
-                    model_version=version,
-                )
-                result = rollout_trees(
-                    model, self.tokenizer, self.make_env, [seed], out_dir, config, env_name=self.cfg.env.name
-                )
-                local.extend(result.trees)
+            with self.backend.uneven():  # ranks generate different lengths (ZeRO-3: fetches rendezvous)
+                for seed in task_seeds(self.cfg, update)[rank::world]:
+                    config = RolloutConfig(
+                        fanout=self.fanout,
+                        sampler=SamplerConfig(temperature=r.temperature, top_p=r.top_p, seed=seed),
+                        wrapper=self.wrapper,
+                        rubric=self.cfg.env.rubric,
+                        model_version=version,
+                    )
+                    result = rollout_trees(
+                        model, self.tokenizer, self.make_env, [seed], out_dir, config,
+                        env_name=self.cfg.env.name,
+                    )  # fmt: skip
+                    local.extend(result.trees)
         finally:
             model.train(was_training)
         trees = share_trees(self.backend, tuple(local))
