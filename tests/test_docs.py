@@ -15,9 +15,28 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PAGES = sorted([REPO / "README.md", REPO / "trees" / "README.md", *(REPO / "docs").glob("*.md")])
 FENCED_PAGES = [p for p in PAGES if p.parent.name == "docs" or p == REPO / "README.md"]
-TOP_LEVEL = {p.name for p in REPO.iterdir() if not p.name.startswith(".") or p.name == ".ci"}
 NOT_MODULES = {"treetrain.envs"}  # the entry-point group environments register under
 REGENERATE = "python -m treetrain.train.config_docs docs/configuration.md"
+
+
+def _top_level_names() -> set[str]:
+    """Top-level names the repository tracks. Untracked output such as `runs/` (written by `make demo`) is
+    not part of it, so a page may cite `runs/<name>/...` as a pattern without that path having to exist."""
+    try:
+        tracked = subprocess.run(
+            ["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True, timeout=60
+        ).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        ignored = {"runs", "build", "dist"}
+        return {
+            p.name
+            for p in REPO.iterdir()
+            if p.name not in ignored and (not p.name.startswith(".") or p.name == ".ci")
+        }
+    return {name.split("/", 1)[0] for name in tracked}
+
+
+TOP_LEVEL = _top_level_names()
 
 _FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.S | re.M)
 _LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")

@@ -27,7 +27,7 @@ from treetrain.rollout.schedule import FanOut
 from treetrain.rollout.tree_rollout import RolloutConfig, rollout_trees
 from treetrain.train.config import TrainConfig
 from treetrain.tree import TrajectoryTree
-from treetrain.tree.checks import check_distinct
+from treetrain.tree.checks import check_distinct, check_vocabulary
 from treetrain.tree.format import load_trees, tree_from_bytes, tree_to_bytes
 
 log = logging.getLogger(__name__)
@@ -186,16 +186,6 @@ def check_lengths(trees: Sequence[TrajectoryTree], context: int | None, where: s
                     )
 
 
-def check_vocabulary(trees: Sequence[TrajectoryTree], vocab_size: int, where: str) -> None:
-    """Refuse trees holding token ids the model does not have (another tokenizer's trees)."""
-    top = max((max(n.tokens) for t in trees for n in t.nodes if n.tokens), default=-1)
-    if top >= vocab_size:
-        raise ConfigError(
-            f"{where} has token id {top}, outside the model's vocabulary of {vocab_size}; "
-            "were these trees tokenized with another tokenizer?"
-        )
-
-
 class RecordedSource:
     """Consumes recorded tree files in sorted order, `groups_per_update` trees per update, cycling at the end.
 
@@ -217,7 +207,7 @@ class RecordedSource:
         self.groups: list[tuple[TrajectoryTree, ...]] = []
         for f in files:
             trees = load_trees(f)
-            check_vocabulary(trees, vocab_size, f"rollout.trees: {f}")
+            check_vocabulary([(f"rollout.trees: {f}", trees)], vocab_size)
             check_lengths(trees, context, f"rollout.trees: {f}")
             self.groups.append(trees)  # a file's trees are one group (trees/README.md)
         check_distinct([(f"rollout.trees: {f}", g) for f, g in zip(files, self.groups)])
