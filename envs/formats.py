@@ -48,6 +48,22 @@ class ToolCallFormat:
     arguments_as_string: bool = False
     """The chat template expects `function.arguments` as a JSON string (it concatenates it), not an object."""
 
+    def read(self, text: str, turn: int) -> ParsedTurn:
+        """`parse`, guarded: whatever the model wrote, a failure of the JSON decoder itself (an integer
+        past Python's digit limit, nesting past the recursion limit) is one more malformed call, never an
+        exception out of the episode.
+
+        >>> FORMATS["mistral"].read("[TOOL_CALLS] " + "[" * 100_000, turn=0).errors[0].problem
+        'unparseable tool call (RecursionError)'
+        """
+        try:
+            return self.parse(text, turn)
+        except (ValueError, RecursionError, TypeError, OverflowError) as exc:
+            err = ToolCallError(
+                f"call_{turn}_0", f"unparseable tool call ({type(exc).__name__})", text[:1000]
+            )
+            return ParsedTurn(Message("assistant", text.strip()), (err,))
+
 
 def _llama3_parse(text: str, turn: int) -> ParsedTurn:
     body = text.strip()

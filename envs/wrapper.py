@@ -217,7 +217,7 @@ class TokenEnv:
         )
         self._context.extend(tokens)
         text, closed = self.template.turn_text(tokens)
-        parsed = self.template.format.parse(text, self._turns)
+        parsed = self.template.format.read(text, self._turns)
         self._turns += 1
         self._messages.append(parsed.message)
         errors = tuple(e.to_message() for e in parsed.errors)

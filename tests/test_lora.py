@@ -85,6 +85,24 @@ def test_adapter_directory_round_trip_and_dropout_forced_to_zero(tmp_path, caplo
     assert all(torch.equal(want[n], got[n]) for n in want)
 
 
+def test_a_hostile_or_foreign_adapter_is_a_config_error(tmp_path) -> None:
+    """A non-numeric dropout, a deeply nested config and another base model's adapter each end in one
+    ConfigError, never a traceback or a silently fresh adapter."""
+    policy = lora_factory("llama", torch.float32)()
+    policy.save_pretrained(tmp_path)
+    cfg_file = tmp_path / "adapter_config.json"
+    saved = json.loads(cfg_file.read_text())
+    cfg_file.write_text(json.dumps({**saved, "lora_dropout": "abc"}))
+    with pytest.raises(ConfigError, match="lora_dropout must be a number"):
+        LoraSection(adapter=str(tmp_path))
+    cfg_file.write_text('{"peft_type": "LORA", "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        LoraSection(adapter=str(tmp_path))
+    cfg_file.write_text(json.dumps(saved))
+    with pytest.raises(ConfigError, match="trained on another base model"):
+        apply_lora(base_model(OTHER_FAMILY, torch.float32), LoraSection(adapter=str(tmp_path)))
+
+
 # ----- frozen base, resident identity ------------------------------------------------------------------
 @pytest.mark.parametrize("contract", ["exact", "response_only"])
 def test_only_adapter_parameters_get_gradients(contract: str) -> None:

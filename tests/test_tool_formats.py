@@ -156,3 +156,21 @@ def test_a_multi_token_end_marker_uses_the_definition() -> None:
     tok = copy.deepcopy(family_tokenizer("hermes"))
     tok.chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }} [done]\n{% endfor %}assistant:"
     assert not ChatTemplate(tok, end_of_turn=" [done]").fast
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("hermes", '<tool_call>{"name": "add", "arguments": {"a": ' + "9" * 5000 + "}}</tool_call>"),
+        ("mistral", "[TOOL_CALLS] " + "[" * 200_000),
+        ("llama3", '{"name": "add", "parameters": ' + '{"a": ' * 100_000 + "1" + "}" * 100_001),
+    ],
+    ids=["long-integer", "deep-list", "deep-object"],
+)
+def test_json_the_decoder_cannot_read_is_a_malformed_call_not_an_exception(name: str, text: str) -> None:
+    """Python's own decoder limits (integer digits, recursion depth) end in an `Error: ...` message."""
+    turn = FORMATS[name].read(text, turn=0)
+    assert not turn.message.tool_calls
+    assert [e.problem for e in turn.errors] == [turn.errors[0].problem]
+    assert "unparseable tool call" in turn.errors[0].problem or "invalid JSON" in turn.errors[0].problem
+    assert turn.errors[0].to_message().content.startswith("Error: malformed tool call")

@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     user_errors = (
         ConfigError, FileNotFoundError, FileExistsError, TreeFormatError, CheckpointError, UnknownEnvironmentError,
         EnvironmentLoadError, UnsupportedModelError, PlanError, BudgetTooSmallError, PromptTooLongError,
-        RunDirError,
+        RunDirError, PermissionError,
     )  # fmt: skip
     try:
         trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress)

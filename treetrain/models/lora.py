@@ -110,11 +110,37 @@ def check_adapter_dir(path: str) -> dict[str, Any]:
         raise ConfigError(f"model.lora.adapter: {cfg_file} is larger than {MAX_ADAPTER_CONFIG_BYTES} bytes")
     try:
         cfg = json.loads(cfg_file.read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"model.lora.adapter: {cfg_file} is not valid JSON: {exc}") from None
+    except (OSError, ValueError, RecursionError) as exc:
+        raise ConfigError(f"model.lora.adapter: {cfg_file} is not valid JSON: {type(exc).__name__}") from None
     if not isinstance(cfg, dict) or cfg.get("peft_type") != "LORA":
         raise ConfigError(f"model.lora.adapter: {cfg_file} is not a LoRA adapter config")
+    dropout = cfg.get("lora_dropout") or 0.0
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
+        raise ConfigError(
+            f"model.lora.adapter: {cfg_file}: lora_dropout must be a number, got {dropout!r:.40}"
+        )
     return cfg
+
+
+def _check_every_adapter_weight_loaded(peft_model: Any, weights: Path) -> None:
+    """PEFT only warns when an adapter's weights name modules the model lacks (an adapter trained on another
+    base model), and the run would then train fresh adapters instead: refuse that."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            saved = set(f.keys())
+    except (OSError, SafetensorError) as exc:
+        raise ConfigError(
+            f"model.lora.adapter: {weights} is not a readable safetensors file: {exc}"
+        ) from None
+    loaded = {name.replace(".default", "") for name, _ in peft_model.named_parameters()}
+    missing = sorted(saved - loaded)
+    if missing:
+        raise ConfigError(
+            f"model.lora.adapter: {len(missing)} of the adapter's {len(saved)} weights name modules this model "
+            f"does not have (e.g. {missing[0]}); was the adapter trained on another base model?"
+        )
 
 
 def apply_lora(model: PreTrainedModel, section: LoraSection) -> Any:
@@ -132,7 +158,14 @@ def apply_lora(model: PreTrainedModel, section: LoraSection) -> Any:
                 saved["lora_dropout"],
             )
             config.lora_dropout = 0.0
-        peft_model = PeftModel.from_pretrained(model, section.adapter, config=config, is_trainable=True)
+        try:
+            peft_model = PeftModel.from_pretrained(model, section.adapter, config=config, is_trainable=True)
+        except (ValueError, RuntimeError, KeyError, OSError) as exc:  # another base model's adapter
+            first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(
+                f"model.lora.adapter: {section.adapter} does not fit this model: {first}"
+            ) from None
+        _check_every_adapter_weight_loaded(peft_model, Path(section.adapter) / ADAPTER_WEIGHTS)
     else:
         targets: Any = (
             "all-linear" if section.target_modules == ("all-linear",) else list(section.target_modules)

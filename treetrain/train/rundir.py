@@ -79,7 +79,10 @@ def _entries(run_dir: Path) -> list[str]:
 
 def _lock(run_dir: Path) -> RunLock:
     path = run_dir / LOCK
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise RunDirError(f"{path}: cannot open the run lock: {exc.strerror}") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -88,6 +91,12 @@ def _lock(run_dir: Path) -> RunLock:
         raise RunDirError(
             f"{run_dir} is in use by another treetrain process (pid {holder}); wait for it to end or use "
             "another --run-dir"
+        ) from None
+    except OSError as exc:  # a file system without flock (some NFS or FUSE mounts)
+        os.close(fd)
+        raise RunDirError(
+            f"{path}: this file system does not support the run lock (flock: {exc.strerror}); use a --run-dir "
+            "on a local or lock-capable file system"
         ) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
@@ -114,7 +123,10 @@ def claim_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> RunLock:
                 "treetrain writes only into a new or empty directory or one of its own runs, and never "
                 "deletes files it did not write: use another --run-dir"
             )
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RunDirError(f"--run-dir {run_dir}: cannot create it: {exc.strerror}") from None
     if not is_run_dir(run_dir):
         atomic_write_text(run_dir / MARKER, json.dumps({"schema": MARKER_SCHEMA}) + "\n")
     lock = _lock(run_dir)
@@ -152,7 +164,9 @@ def clean_leftovers(run_dir: Path) -> None:
 def _update_dirs(parent: Path) -> list[Path]:
     if not parent.is_dir():
         return []
-    return [p for p in parent.iterdir() if p.is_dir() and _UPDATE_DIR.fullmatch(p.name)]
+    return [
+        p for p in parent.iterdir() if p.is_dir() and not p.is_symlink() and _UPDATE_DIR.fullmatch(p.name)
+    ]
 
 
 def remove_run_artifacts(run_dir: Path) -> None:
