@@ -57,8 +57,8 @@ def decode_trees(data: bytes, limits: Limits) -> tuple[TrajectoryTree, ...]:
         raise TreeFormatError(f"file.version: {version} is not supported (this reader knows {newest}){hint}")
     fields = expect_fields(top, "file", ("format", "version", "trees"))
     raw_trees = expect_array(fields["trees"], "trees", min_len=1)
-    budget = _TokenBudget(limits.max_total_tokens)
-    visits = _VisitBudget(max(limits.min_node_visits, limits.node_visits_per_byte * len(data)))
+    budget = _Budget(limits.max_total_tokens, _TOKENS)
+    visits = _Budget(max(limits.min_node_visits, limits.node_visits_per_byte * len(data)), _VISITS)
     trees = tuple(_decode_tree(t, f"trees[{k}]", budget, visits) for k, t in enumerate(raw_trees))
     _check_distinct(trees)
     return trees
@@ -78,42 +78,34 @@ def _check_distinct(trees: Sequence[TrajectoryTree]) -> None:
         first[tree.id] = k
 
 
-class _TokenBudget:
-    """Counts T, the summed length of the calls decoded so far, against `Limits.max_total_tokens`."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-
-    def charge(self, n: int, where: str) -> None:
-        self.used += n
-        if self.used > self.limit:
-            raise TreeFormatError(
-                f"{where}: the calls so far hold {self.used} tokens in total, over the limit of {self.limit}"
-            )
-
-
-class _VisitBudget:
-    """Counts (node, trajectory) incidences, the entries of every `Node.trajectories` set, against a limit
+class _Budget:
+    """Counts a quantity of the file being decoded against a limit; `what` says what it counts in the
+    error. Two are used: T, the summed length of the calls decoded so far (`Limits.max_total_tokens`), and
+    (node, trajectory) incidences, the entries of every `Node.trajectories` set, against a limit
     proportional to the file size (`Limits.node_visits_per_byte`).
 
     Loading does work and keeps memory in proportion to the file plus these incidences; a small file of
     one-token nodes under many trajectories (a deep comb) would otherwise hold a quadratic number."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, what: str) -> None:
         self.limit = limit
+        self.what = what
         self.used = 0
 
     def charge(self, n: int, where: str) -> None:
         self.used += n
         if self.used > self.limit:
-            raise TreeFormatError(
-                f"{where}: the trajectories pass through more than {self.limit} nodes in total (each node "
-                "counted once per trajectory), over the limit (Limits.node_visits_per_byte x the file size)"
-            )
+            raise TreeFormatError(self.what.format(where=where, used=self.used, limit=self.limit))
 
 
-def _decode_tree(obj: object, where: str, budget: _TokenBudget, visits: _VisitBudget) -> TrajectoryTree:
+_TOKENS = "{where}: the calls so far hold {used} tokens in total, over the limit of {limit}"
+_VISITS = (
+    "{where}: the trajectories pass through more than {limit} nodes in total (each node counted once per "
+    "trajectory), over the limit (Limits.node_visits_per_byte x the file size)"
+)
+
+
+def _decode_tree(obj: object, where: str, budget: _Budget, visits: _Budget) -> TrajectoryTree:
     fields = expect_fields(obj, where, ("nodes", "trajectories"), ("id",))
     nodes = _Nodes(expect_array(fields["nodes"], f"{where}.nodes", min_len=1), f"{where}.nodes")
     raw_trajs = expect_array(fields["trajectories"], f"{where}.trajectories", min_len=1)
@@ -280,9 +272,7 @@ class _Nodes:
         out.reverse()
         return out
 
-    def freeze(
-        self, records: Sequence[TrajectoryRecord], visits: _VisitBudget, tree_where: str
-    ) -> list[Node]:
+    def freeze(self, records: Sequence[TrajectoryRecord], visits: _Budget, tree_where: str) -> list[Node]:
         """Attach call ends and trajectory sets, check every node is a maximal run, build `Node`s."""
         ends_at: list[list[CallRef]] = [[] for _ in self.parents]
         through: list[set[int]] = [set() for _ in self.parents]
@@ -322,7 +312,7 @@ class _Nodes:
 
 
 # ----- trajectories -----------------------------------------------------------------------------------
-def _decode_trajectory(obj: object, where: str, nodes: _Nodes, budget: _TokenBudget) -> TrajectoryRecord:
+def _decode_trajectory(obj: object, where: str, nodes: _Nodes, budget: _Budget) -> TrajectoryRecord:
     fields = expect_fields(obj, where, ("id", "reward", "step_rewards", "meta", "calls"))
     tid = expect_str(fields["id"], f"{where}.id")
     if not tid:
@@ -361,7 +351,7 @@ def _decode_meta(obj: object, where: str) -> TrajectoryMeta:
     )
 
 
-def _decode_call(obj: object, where: str, nodes: _Nodes, budget: _TokenBudget) -> CallRecord:
+def _decode_call(obj: object, where: str, nodes: _Nodes, budget: _Budget) -> CallRecord:
     fields = expect_fields(obj, where, ("end", "segment_lengths", "logprobs"))
     end = expect_int(fields["end"], f"{where}.end")
     if not 1 <= end < len(nodes.parents):
