@@ -7,6 +7,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import re
 
 _UNITS = {
@@ -21,6 +22,8 @@ _UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
+MAX_BYTES = 2**60
+"""1 EiB: far above any machine, far below where float rounding or int overflow begins."""
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -29,20 +32,31 @@ def parse_bytes(text: str | int) -> int:
     if isinstance(text, int) and not isinstance(text, bool):
         if text < 0:
             raise ValueError(f"byte size must be >= 0, got {text}")
+        if text > MAX_BYTES:
+            raise ValueError(
+                f"byte size {text} is larger than the most this accepts ({format_bytes(MAX_BYTES)})"
+            )
         return text
     match = _PATTERN.match(str(text))
     unit = match.group(2).lower() if match else ""
     if match is None or unit not in _UNITS:
-        raise ValueError(f"cannot read {text!r} as a byte size; use e.g. 8GiB, 512MiB, 1.5GB or 1000000")
-    return int(float(match.group(1)) * _UNITS[unit])
+        shown = repr(str(text)[:40]) + ("..." if len(str(text)) > 40 else "")
+        raise ValueError(f"cannot read {shown} as a byte size; use e.g. 8GiB, 512MiB, 1.5GB or 1000000")
+    value = float(match.group(1)) * _UNITS[unit]
+    if not math.isfinite(value) or value > MAX_BYTES:
+        shown = repr(str(text)[:40])
+        raise ValueError(
+            f"byte size {shown} is larger than the most this accepts ({format_bytes(MAX_BYTES)})"
+        )
+    return int(value)
 
 
 def format_bytes(n: float) -> str:
     """A short binary-unit rendering, e.g. '1.5 GiB'."""
     sign = "-" if n < 0 else ""
     n = abs(float(n))
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
+        if n < 1024 or unit == "EiB":
             return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")

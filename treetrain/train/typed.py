@@ -136,7 +136,7 @@ def from_dict(cls: type[T], data: Mapping[str, Any], where: str = "") -> T:
         return cls(**kwargs)
     except ConfigError:
         raise
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, ArithmeticError) as exc:
         raise ConfigError(f"{where or cls.__name__}: {exc}") from exc
 
 
