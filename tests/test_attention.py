@@ -1,10 +1,10 @@
 """The engine's attention against resident KV: shared-past attention equals plain attention over the
 concatenated past, never materialises that past per row or per head, and routes dL/dKV into G.
 
-The engine-level differential tests (tests/test_replay_exact.py, every family, K, order, chunking, budget and
-dtype against the flat oracle) run through shared-past attention for `sdpa` models and through the
-concatenated fallback for `eager` ones; here the kernel itself is checked, and a negative control shows the
-engine check catches a wrong log-sum-exp merge.
+The engine-level differential tests (tests/test_replay_exact.py, every family, `sdpa` and `eager`, K, order,
+chunking, budget and dtype against the flat oracle) run through shared-past attention; here the kernel
+itself is checked (with and without attention sinks), gpt-oss (eager, sinks, a window) against flat, and
+negative controls show the engine check catches a wrong log-sum-exp merge and a dropped sink.
 """
 
 from __future__ import annotations
@@ -12,20 +12,23 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from engine_cases import SHAPES, factory, make_batch
+from engine_cases import SHAPES, VOCAB, factory, make_batch
 from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 import treetrain.models.attention as attention
 import treetrain.models.attention_states as attention_states
 import treetrain.models.decoder as decoder
 import treetrain.models.shared_past as shared_past
 from treetrain.engine import ReplayConfig
-from treetrain.engine.verify import deviation, flat_gradient, noise_floor, tree_gradient
+from treetrain.engine.replay import TreeReplay
+from treetrain.engine.verify import deviation, flat_grad, flat_gradient, noise_floor, tree_gradient
 from treetrain.loss.config import LossConfig
 from treetrain.models.attention import NAME, engine_attention, shared_past_reason
 from treetrain.models.decoder import SharedPast, decoder_forward
 from treetrain.models.presets import TinySize, tiny_model
 from treetrain.models.shared_past import shared_attention
+from treetrain.models.support import UnsupportedModelError
 
 SIZE = TinySize(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=1, intermediate_size=64)
 PAST, NEW = 40, 6
@@ -99,6 +102,53 @@ def test_shared_attention_equals_plain_attention_over_the_concatenated_past(
         assert torch.equal(gk, grads[i]) and torch.equal(gv, grads[i + 1])
 
 
+def _reference_with_sinks(q, k_own, v_own, positions, past, window, sinks):
+    """gpt-oss's eager attention over the concatenated, head-expanded past: a sink column in every softmax."""
+    rows, heads, t, d = q.shape
+    group = heads // k_own.shape[1]
+    keys = torch.cat([torch.cat([k for k, _ in past], -2).expand(rows, -1, -1, -1), k_own], -2)
+    values = torch.cat([torch.cat([v for _, v in past], -2).expand(rows, -1, -1, -1), v_own], -2)
+    kpos = torch.cat([torch.arange(sum(k.shape[-2] for k, _ in past)).expand(rows, -1), positions], -1)
+    mask = kpos[:, None, :] <= positions[:, :, None]
+    if window is not None:
+        mask &= kpos[:, None, :] > positions[:, :, None] - window
+    scores = q @ keys.repeat_interleave(group, 1).transpose(-1, -2) * d**-0.5
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    probs = torch.cat([scores, sinks[None, :, None, None].expand(rows, -1, t, 1)], -1).softmax(-1)[..., :-1]
+    return (probs @ values.repeat_interleave(group, 1)).transpose(1, 2)
+
+
+@pytest.mark.parametrize("backend", ["fused", "reference"])
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_sinks_enter_the_merge_as_one_more_logit(
+    backend: str, window: int | None, kv_heads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(attention_states, "FUSED_CPU", backend == "fused")
+    gen = torch.Generator().manual_seed(10 + kv_heads)
+    rows, heads, t, d, lengths = 2, 4, 5, 8, (9, 30)
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (scale * torch.randn(*shape, generator=gen, dtype=torch.float64)).requires_grad_()
+
+    q, k_own, v_own = rand(rows, heads, t, d), rand(rows, kv_heads, t, d), rand(rows, kv_heads, t, d)
+    sinks = rand(heads, scale=3.0)  # large enough that a dropped sink changes every output
+    past = [(rand(1, kv_heads, n, d), rand(1, kv_heads, n, d)) for n in lengths]
+    positions = torch.arange(sum(lengths), sum(lengths) + t).expand(rows, -1)
+    inputs = [q, k_own, v_own, sinks, *(x for kv in past for x in kv)]
+    out = shared_attention(q, k_own, v_own, positions, past, (), scale=d**-0.5, window=window, sinks=sinks)
+    ref = _reference_with_sinks(q, k_own, v_own, positions, past, window, sinks)
+    weight = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    grads = torch.autograd.grad((out * weight).sum(), inputs)
+    ref_grads = torch.autograd.grad((ref * weight).sum(), inputs)
+    assert (out - ref).abs().max() <= 1e-12
+    for g, r in zip(grads, ref_grads):
+        assert (g - r).abs().max() <= 1e-12 * max(1.0, float(r.abs().max()))
+    # The control: without the sink term the kernel is far off.
+    plain = shared_attention(q, k_own, v_own, positions, past, (), scale=d**-0.5, window=window)
+    assert (plain - ref).abs().max() > 1e-3
+
+
 def _decoder_run(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, ...]]]:
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 64, (2, PAST + NEW), generator=gen)
@@ -139,8 +189,15 @@ def test_the_past_is_never_concatenated_broadcast_or_expanded(
 
 def test_attention_that_does_not_decompose_keeps_the_concatenated_path() -> None:
     assert shared_past_reason(tiny_model("llama", 64, size=SIZE)) is None
-    reason = shared_past_reason(tiny_model("llama", 64, size=SIZE, attn="eager"))
-    assert reason is not None and "eager" in reason
+    assert shared_past_reason(tiny_model("llama", 64, size=SIZE, attn="eager")) is None
+    other = tiny_model("llama", 64, size=SIZE)
+    other.config._attn_implementation = "flash_attention_2"  # not run: only the reason is read
+    reason = shared_past_reason(other)
+    assert reason is not None and "flash_attention_2" in reason
+    capped = tiny_model("llama", 64, size=SIZE)
+    capped.config.attn_logit_softcapping = 50.0
+    reason = shared_past_reason(capped)
+    assert reason is not None and "soft-capping" in reason
     eager = tiny_model("llama", 64, size=SIZE, attn="eager")
     with engine_attention(eager):
         assert eager.config._attn_implementation == "eager"
@@ -149,6 +206,60 @@ def test_attention_that_does_not_decompose_keeps_the_concatenated_path() -> None
         assert sdpa.config._attn_implementation == NAME
         raise RuntimeError("a failing forward")
     assert sdpa.config._attn_implementation == "sdpa"
+
+
+def _gpt_oss(seed: int = 0) -> PreTrainedModel:
+    """A tiny gpt-oss (eager attention, learned sinks, GQA, a 12-token window on every other layer)."""
+    config = AutoConfig.for_model(
+        "gpt_oss", vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=12, max_position_embeddings=4096, tie_word_embeddings=False, pad_token_id=0,
+        bos_token_id=None, eos_token_id=None,
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(
+            config, attn_implementation="eager", dtype=torch.float64, experts_implementation="eager"
+        )
+        with torch.no_grad():  # sinks large enough to matter (the init draws them near zero)
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(0.0, 2.0)
+    return model
+
+
+def _gpt_oss_vs_flat(check_model: bool = True) -> tuple[float, float]:
+    loss = LossConfig()
+    batch = make_batch(SHAPES["multi_level"](0), loss)
+    floor = noise_floor(_gpt_oss, batch, loss)
+    model = _gpt_oss()
+    TreeReplay(model, loss, ReplayConfig(microbatch=2), check_model=check_model).accumulate(batch)
+    return deviation(flat_grad(model), flat_gradient(_gpt_oss(), batch, loss)).abs, floor
+
+
+def test_eager_gpt_oss_with_sinks_takes_shared_past_attention_and_matches_flat(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert shared_past_reason(_gpt_oss()) is None
+    calls = []
+    real = attention.shared_attention
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("sinks"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "shared_attention", counting)
+    dev, floor = _gpt_oss_vs_flat()
+    assert calls and all(s is not None for s in calls), "gpt-oss did not run shared-past attention with sinks"
+    assert dev <= 5.0 * floor
+
+    def sinkless(*args, **kwargs):  # the negative control: the sink term left out of the merge
+        return real(*args, **{**kwargs, "sinks": None})
+
+    monkeypatch.setattr(attention, "shared_attention", sinkless)
+    with pytest.raises(UnsupportedModelError):  # the model probe's split-versus-whole check refuses it
+        _gpt_oss_vs_flat()
+    bad, bad_floor = _gpt_oss_vs_flat(check_model=False)  # and the differential check catches it
+    assert bad > 100 * 5.0 * bad_floor
 
 
 def _exact_vs_flat() -> tuple[float, float]:

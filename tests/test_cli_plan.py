@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from engine_cases import VOCAB
 
+import treetrain.memory.planner as planner
 from treetrain.cli.main import main
 from treetrain.tree.format import save_trees
 from treetrain.tree.synthetic import synthetic_group
@@ -37,12 +38,16 @@ def test_prints_ledger_peak_and_decision(trees_file: Path, capsys: pytest.Captur
 
 
 def test_says_when_attention_falls_back_to_the_concatenated_past(
-    trees_file: Path, capsys: pytest.CaptureFixture[str]
+    trees_file: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     args = ["plan", str(trees_file), "--model", "tiny-llama", "--budget", "64MiB", "--vocab", str(VOCAB)]
     assert main([*args, "--attn", "eager"]) == 0
+    assert "attention against resident KV: shared-past" in capsys.readouterr().out
+    # No preset falls back; a model whose attention does not decompose gets the planner's reason printed.
+    monkeypatch.setattr(planner, "shared_past_reason", lambda model: "attn_logit_softcapping (test)")
+    assert main(args) == 0
     out = capsys.readouterr().out
-    assert "attention against resident KV: concatenated" in out and "'eager'" in out
+    assert "attention against resident KV: concatenated" in out and "attn_logit_softcapping (test)" in out
 
 
 def test_json_gives_the_same(trees_file: Path, capsys: pytest.CaptureFixture[str]) -> None:

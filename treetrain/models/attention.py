@@ -2,9 +2,12 @@
 
 With a `SharedPast` active (`engine_attention(model, shared=...)`), every attention layer runs
 `treetrain.models.shared_past.shared_attention`: the rows' own tokens from the layer's arguments, the past
-from the resident pieces, never concatenated. Models whose attention has terms the decomposition does not
-model (sinks, soft-capping, position biases, or an implementation other than `sdpa`) keep the
-concatenated path; `shared_past_reason` names why, and `treetrain plan` prints it.
+from the resident pieces, never concatenated. The decomposition reproduces what the layer asks of its
+attention function, whichever Hugging Face kernel the user configured (`sdpa` or `eager`): the scaling,
+a sliding window (a mask per piece), and attention sinks (`s_aux`, gpt-oss: one more logit per head in the
+log-sum-exp merge). Models whose attention has terms it does not model (logit soft-capping, position
+biases, dropout) or another implementation keep the concatenated path; `shared_past_reason` names why,
+and `treetrain plan` prints it.
 
 Without a past (flat forwards, a first chunk):
 
@@ -39,12 +42,14 @@ from treetrain.models.shared_past import SharedPast, shared_attention
 
 NAME = "treetrain_sdpa"
 SHARED = "treetrain_shared_past"
-#: Implementations whose attention the decomposition reproduces to the dtype's precision (`eager` is left
-#: out: Hugging Face's eager path takes its softmax in float32 even for a float64 model).
-DECOMPOSABLE = frozenset({"sdpa", NAME})
-#: Model types with attention terms the decomposition leaves out (learned sinks).
-SINK_MODEL_TYPES = frozenset({"gpt_oss"})
-_UNMODELLED = ("softcap", "s_aux", "sinks", "position_bias")
+#: Implementations whose semantics the decomposition reproduces (HF's `eager` takes its softmax in float32
+#: even for a float64 model; the decomposition keeps the model's precision, which the tests' noise floor,
+#: measured with float32 islands, covers).
+DECOMPOSABLE = frozenset({"sdpa", "eager", NAME})
+#: Config fields whose attention terms the decomposition leaves out (soft-capping: torch's kernels with a
+#: log-sum-exp take no score modification).
+UNMODELLED_CONFIG = ("attn_logit_softcapping",)
+_UNMODELLED = ("softcap", "position_bias")
 
 
 @dataclass(frozen=True)
@@ -62,9 +67,9 @@ def shared_past_reason(model: PreTrainedModel) -> str | None:
     impl = str(getattr(model.config, "_attn_implementation", None))
     if impl not in DECOMPOSABLE:
         return f"attention implementation {impl!r} is not decomposed"
-    mtype = getattr(config, "model_type", "")
-    if mtype in SINK_MODEL_TYPES:
-        return f"model type {mtype!r} has attention sinks"
+    for name in UNMODELLED_CONFIG:
+        if getattr(config, name, None):
+            return f"{name} (logit soft-capping) is not decomposed"
     return None
 
 
@@ -92,10 +97,11 @@ def shared_past_forward(
     layer = int(getattr(module, "layer_idx", 0))
     past, grads = active.past.layer(layer)
     window = kwargs.get("sliding_window")
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))  # [H], gpt-oss's learned per-head sink logits
     out = shared_attention(
         query, key, value, active.positions, past, grads,
         scale=float(scaling if scaling is not None else query.shape[-1] ** -0.5),
-        window=int(window) if window else None,
+        window=int(window) if window else None, sinks=sinks,
     )  # fmt: skip
     return out, None
 

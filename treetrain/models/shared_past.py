@@ -13,7 +13,8 @@ piece, every row's and every query head's queries are stacked into one `[H_kv, K
 against the piece's single `[H_kv, P, D]` copy: one large matmul, no `repeat_kv`, no broadcast. The
 backward is the flash-attention backward run per key set with the *merged* output and log-sum-exp, so a
 piece's dL/dK and dL/dV come out once, already summed over rows and heads, and are added into its G
-accumulator when one is given (through one transient piece-sized buffer per layer). The key-set kernels
+accumulator when one is given (through one transient piece-sized buffer per layer). Attention sinks
+(gpt-oss) are one more logit per head with no value: one more state in the merge, `(0, sink)`. The key-set kernels
 (`treetrain.models.attention_states`) are torch's fused flash-attention kernel on CPU, and a block-by-block
 plain-PyTorch reference elsewhere; neither holds the scores of a whole key set.
 
@@ -159,10 +160,22 @@ class _Layout:
         )
 
 
+def _sink_logits(sinks: torch.Tensor, lay: _Layout, dtype: torch.dtype) -> torch.Tensor:
+    """Per-head sink logits `[H]` in the stacked layout `[H_kv, M]` (head = kv head * group + g)."""
+    per = sinks.to(dtype).reshape(lay.kv_heads, 1, lay.group, 1)
+    return per.expand(lay.kv_heads, lay.rows, lay.group, lay.t).reshape(lay.kv_heads, lay.m)
+
+
 class _SharedAttention(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, q: torch.Tensor, k_own: torch.Tensor, v_own: torch.Tensor, spec: _Spec, *past: torch.Tensor
+        ctx: Any,
+        q: torch.Tensor,
+        k_own: torch.Tensor,
+        v_own: torch.Tensor,
+        sinks: torch.Tensor | None,
+        spec: _Spec,
+        *past: torch.Tensor,
     ) -> torch.Tensor:
         lay = _Layout(q, k_own.shape[1])
         stat = torch.promote_types(q.dtype, torch.float32)
@@ -193,26 +206,34 @@ class _SharedAttention(torch.autograd.Function):
             else:
                 po, pl = partial_state(qs, k[0], v[0], spec.scale, _as_mask(vis))
             out, lse = merge_states(out, lse, po, pl)
+        if sinks is not None:  # a sink is one more logit with a zero value: it only enlarges the denominator
+            total = torch.logaddexp(lse, _sink_logits(sinks, lay, stat))
+            out, lse = out * torch.exp(lse - total)[..., None], total
         ctx.spec, ctx.lay, ctx.fused = spec, lay, use_fused
-        ctx.save_for_backward(q, k_own, v_own, out, lse, *past)
+        ctx.save_for_backward(q, k_own, v_own, sinks, out, lse, *past)
         # [H_kv, M, Dv] -> [K, T, H, Dv]
         return lay.per_row(out).transpose(1, 2).contiguous().to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, d_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # d_out [K, T, H, Dv]
-        q, k_own, v_own, out, lse, *past = ctx.saved_tensors
+        q, k_own, v_own, sinks, out, lse, *past = ctx.saved_tensors
         spec: _Spec = ctx.spec
         lay: _Layout = ctx.lay
         do = lay.stacked(d_out.transpose(1, 2))  # [H_kv, M, Dv]
         qs = lay.stacked(q)
         qpos = spec.positions[:, None, :].expand(lay.rows, lay.group, lay.t).reshape(-1)
         d_qs = torch.zeros_like(qs)
-        delta = (do.to(lse.dtype) * out).sum(-1)  # [H_kv, M] (reference backend)
+        delta = (do.to(lse.dtype) * out).sum(-1)  # [H_kv, M]
+        d_sinks = None
+        if sinks is not None and ctx.needs_input_grad[3]:  # dL/d(sink) = -p(sink) * delta, summed per head
+            p_sink = torch.exp(_sink_logits(sinks, lay, lse.dtype) - lse)
+            d_sinks = (-(p_sink * delta)).reshape(lay.kv_heads, lay.rows, lay.group, lay.t).sum((1, 3))
+            d_sinks = d_sinks.reshape(-1).to(sinks.dtype)
         out_q = out.to(q.dtype)
         piece_grads: list[torch.Tensor | None] = []
         for i, (start, acc) in enumerate(zip(spec.starts, spec.grads)):
             k, v = past[2 * i], past[2 * i + 1]
-            wanted = acc is None and (ctx.needs_input_grad[4 + 2 * i] or ctx.needs_input_grad[5 + 2 * i])
+            wanted = acc is None and (ctx.needs_input_grad[5 + 2 * i] or ctx.needs_input_grad[6 + 2 * i])
             vis = _piece_visible(qpos, start, k.shape[-2], spec.window)
             if isinstance(vis, str):
                 piece_grads += [torch.zeros_like(k), torch.zeros_like(v)] if wanted else [None, None]
@@ -265,7 +286,7 @@ class _SharedAttention(torch.autograd.Function):
             )  # fmt: skip
             d_q = d_qo.reshape(lay.rows, lay.heads, lay.t, lay.d)
         d_q = d_q + lay.per_row(d_qs)
-        return (d_q, d_k.reshape(k_own.shape), d_v.reshape(v_own.shape), None, *piece_grads)
+        return (d_q, d_k.reshape(k_own.shape), d_v.reshape(v_own.shape), d_sinks, None, *piece_grads)
 
 
 def shared_attention(
@@ -278,12 +299,14 @@ def shared_attention(
     *,
     scale: float,
     window: int | None,
+    sinks: torch.Tensor | None = None,  # [H]
 ) -> torch.Tensor:
     """Causal attention of the rows' queries over the shared past and their own tokens: `[K, T, H, Dv]`.
 
     Past keys sit at positions `0..P-1` and every query comes after them; `window` keeps keys with
     position > query position - window (Hugging Face's sliding window). The rows' own tokens are
-    consecutive, so a query at own index i sees own keys j <= i (and i - j < window).
+    consecutive, so a query at own index i sees own keys j <= i (and i - j < window). `sinks` (gpt-oss) are
+    per-head logits in every softmax's denominator with no value; they get their gradient.
     """
     starts, at = [], 0
     for k, _ in past:
@@ -291,7 +314,7 @@ def shared_attention(
         at += int(k.shape[-2])
     spec = _Spec(tuple(past), tuple(grads) or (None,) * len(past), positions, tuple(starts), scale, window)
     flat = [t for kv in past for t in kv]
-    out: torch.Tensor = _SharedAttention.apply(q, k_own, v_own, spec, *flat)
+    out: torch.Tensor = _SharedAttention.apply(q, k_own, v_own, sinks, spec, *flat)
     return out
 
 
