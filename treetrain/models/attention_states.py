@@ -4,11 +4,23 @@ An attention state is a partial output and the log-sum-exp of its scores over on
 disjoint key sets merge exactly (`merge_states`), and the backward of one key set is the flash-attention
 backward run with the *merged* output and log-sum-exp, so each key set can run on its own kernel.
 
-Two backends compute them. On CPU, torch's fused flash-attention kernel (which returns the log-sum-exp,
-`aten._scaled_dot_product_flash_attention_for_cpu`, and its backward) does; elsewhere, and when
-`FUSED_CPU` is off, a block-by-block plain-PyTorch reference does (`partial_state`, `partial_backward`).
-The tests check both against plain attention over the concatenated keys. On CUDA the reference runs: no
-fused kernel is wired there yet, and no CUDA run has been made.
+Three backends compute them, chosen by device (`fused`):
+
+- CPU: torch's fused flash-attention kernel, which returns the log-sum-exp
+  (`aten._scaled_dot_product_flash_attention_for_cpu`, and its backward, which takes a given output and
+  log-sum-exp);
+- CUDA (float32, float16, bfloat16): torch's memory-efficient SDPA kernel, which does the same
+  (`aten._scaled_dot_product_efficient_attention` with `compute_log_sumexp`, and its backward). It is
+  used on a device and dtype only after a probe there (`cuda_kernel_ok`) agrees with the reference,
+  forward and backward, on small windowed and causal cases; otherwise a warning says so and the reference
+  runs. No CUDA run has been made in this project's tests: the glue (padding, alignment, rows without
+  keys) is tested on CPU against an emulation of the kernel's contract.
+- anywhere else, and when `FUSED_CPU` / `FUSED_CUDA` is off: a block-by-block plain-PyTorch reference
+  (`partial_state`, `partial_backward`).
+
+FlexAttention (`return_aux=AuxRequest(lse=True)`) was not chosen: in torch 2.13 it refuses backward on
+CPU (NotImplementedError), so its backward could not be tested here, and a fused flex kernel needs
+`torch.compile`, recompiling per query and key length.
 
 Example:
     >>> import torch
@@ -22,6 +34,7 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -31,11 +44,20 @@ import torch
 BLOCK_ELEMENTS = 1 << 18
 #: Use torch's fused CPU flash-attention kernel for float32, float64 and bfloat16 on CPU.
 FUSED_CPU = True
+#: Use torch's memory-efficient SDPA kernel on CUDA (float32, float16, bfloat16) once its probe agrees.
+FUSED_CUDA = True
 
 Mask = Callable[[int, int], torch.Tensor | None]
 """(first key, end key) of a block -> boolean visibility, broadcastable to the block's scores, or None."""
 
 _FUSED_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+_CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_LSE_ALIGN = 32  # the efficient kernel's log-sum-exp rows are padded to a multiple of this
+_BIAS_ALIGN = 16  # ... and its bias rows must start at multiples of this many elements
+# The CUDA kernel's ops, module-level so tests can put an emulation of their contract in their place.
+_EFFICIENT = torch.ops.aten._scaled_dot_product_efficient_attention
+_EFFICIENT_BACKWARD = torch.ops.aten._scaled_dot_product_efficient_attention_backward
+_PROBED: dict[tuple[str, torch.dtype, int], bool] = {}
 
 
 def merge_states(
@@ -116,12 +138,154 @@ def partial_backward(
 
 
 def fused(q: torch.Tensor) -> bool:
-    """Whether `q`'s key sets run on the fused CPU kernel."""
-    return FUSED_CPU and q.device.type == "cpu" and q.dtype in _FUSED_DTYPES
+    """Whether `q`'s key sets run on a fused kernel (`fused_state`, `fused_backward`) for its device."""
+    if q.device.type == "cpu":
+        return FUSED_CPU and q.dtype in _FUSED_DTYPES
+    if q.device.type == "cuda":
+        return FUSED_CUDA and q.dtype in _CUDA_DTYPES and cuda_kernel_ok(q.device, q.dtype, q.shape[-1])
+    return False
 
 
 def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, float("-inf"))
+
+
+def _aligned_bias(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask `[M, L]` in memory whose rows start at multiples of `_BIAS_ALIGN` (a view)."""
+    m, n = visible.shape
+    width = -(-n // _BIAS_ALIGN) * _BIAS_ALIGN
+    bias = torch.zeros((m, width), dtype=dtype, device=visible.device)
+    bias[:, :n].masked_fill_(~visible, float("-inf"))
+    return bias[:, :n]
+
+
+def cuda_state(
+    q: torch.Tensor,  # [B, H, M, D]
+    k: torch.Tensor,  # [B, H, L, D]
+    v: torch.Tensor,  # [B, H, L, Dv]
+    scale: float,
+    *,
+    causal: bool = False,
+    visible: torch.Tensor | None = None,  # [M, L] bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The efficient kernel's state `(out [B, H, M, Dv], lse [B, H, M] float32)`; -inf where no key is seen."""
+    bias = None if visible is None else _aligned_bias(visible, q.dtype).expand(*q.shape[:2], *visible.shape)
+    out, lse, _, _ = _EFFICIENT(q, k, v, bias, True, 0.0, causal, scale=scale)
+    lse = lse[..., : q.shape[-2]]
+    if visible is not None:
+        empty = ~visible.any(-1)  # [M]
+        lse = lse.masked_fill(empty, float("-inf"))
+        out = out.masked_fill(empty[:, None], 0.0)
+    return out, lse
+
+
+def cuda_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,  # [B, H, M, Dv], the merged output
+    lse: torch.Tensor,  # [B, H, M], the merged log-sum-exp
+    d_out: torch.Tensor,
+    scale: float,
+    *,
+    causal: bool = False,
+    visible: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dL/dq, dL/dk, dL/dv of one key set on the efficient kernel, given the merged state."""
+    bias = None if visible is None else _aligned_bias(visible, q.dtype).expand(*q.shape[:2], *visible.shape)
+    m = q.shape[-2]
+    padded = torch.zeros(
+        (*lse.shape[:-1], -(-m // _LSE_ALIGN) * _LSE_ALIGN), dtype=torch.float32, device=lse.device
+    )
+    padded[..., :m] = lse
+    unused = torch.empty((), dtype=torch.long)  # dropout's random state: no dropout
+    d_q, d_k, d_v, _ = _EFFICIENT_BACKWARD(
+        d_out.contiguous(), q, k, v, bias, out.contiguous(), padded, unused, unused, 0.0,
+        [True, True, True, False], causal, scale=scale,
+    )  # fmt: skip
+    return d_q, d_k, d_v
+
+
+def cuda_kernel_ok(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the efficient kernel agrees with the reference on `device` for `dtype` and `head_dim`.
+
+    Checked once per (device, dtype, head dim) on small cases (no mask, a window mask with rows that see no
+    key, causal), forward and backward, at a tolerance of the dtype's precision; a failure or an error
+    warns once and leaves the reference in use.
+    """
+    key = (str(device), dtype, int(head_dim))
+    if key not in _PROBED:
+        try:
+            _PROBED[key] = _probe(device, dtype, head_dim)
+            reason = "it disagreed with the reference"
+        except (RuntimeError, NotImplementedError, ValueError, TypeError) as err:
+            _PROBED[key], reason = False, f"{type(err).__name__}: {err}"
+        if not _PROBED[key]:
+            warnings.warn(
+                f"shared-past attention: torch's efficient SDPA kernel is not used on {device} for {dtype} "
+                f"(head dim {head_dim}) because {reason}; the plain-PyTorch reference runs instead",
+                stacklevel=2,
+            )
+    return _PROBED[key]
+
+
+def _probe(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    gen = torch.Generator().manual_seed(0)
+    tol = 2e-3 if dtype == torch.float32 else 5e-2
+    scale = head_dim**-0.5
+    m, n = 37, 45
+    q, k, v, d_out = (
+        torch.randn((1, 2, rows, head_dim), generator=gen).to(device, dtype) for rows in (m, n, n, m)
+    )
+    window = torch.arange(n)[None, :] > torch.arange(m)[:, None] - 8
+    window[:3] = False  # rows that see no key of this set
+    causal = torch.ones(m, m, dtype=torch.bool).tril()
+    for is_causal, visible, ref_visible, length in (
+        (False, None, None, n), (False, window, window, n), (True, None, causal, m)
+    ):  # fmt: skip
+        keys, values = k[:, :, :length], v[:, :, :length]
+        vis = None if visible is None else visible.to(device)
+        out, lse = cuda_state(q, keys, values, scale, causal=is_causal, visible=vis)
+        mask = _as_block_mask(None if ref_visible is None else ref_visible.to(device))
+        qf, kf, vf = q[0].float(), keys[0].float(), values[0].float()
+        r_out, r_lse = partial_state(qf, kf, vf, scale, mask)
+        seen = torch.isfinite(r_lse)
+        if not torch.equal(seen, torch.isfinite(lse[0])) or not _close(lse[0][seen], r_lse[seen], tol):
+            return False
+        if not _close(out[0], r_out, tol):
+            return False
+        # The backward runs with a merged state, as in use: here this set merged with one more (0, lse 0).
+        merged_lse = torch.logaddexp(r_lse, torch.zeros_like(r_lse))  # [2, m]
+        merged_out = r_out * torch.exp(r_lse - merged_lse)[..., None]
+        dq, dk, dv = cuda_backward(
+            q, keys, values, merged_out[None].to(dtype), merged_lse[None], d_out, scale,
+            causal=is_causal, visible=vis,
+        )  # fmt: skip
+        r_dq = torch.zeros_like(qf)
+        r_dk, r_dv = torch.zeros_like(kf), torch.zeros_like(vf)
+
+        def sink(a: int, b: int, gk: torch.Tensor, gv: torch.Tensor, dk=r_dk, dv=r_dv) -> None:  # type: ignore[no-untyped-def]
+            dk[:, a:b], dv[:, a:b] = gk, gv
+
+        d_of = d_out[0].float()
+        delta = (d_of * merged_out).sum(-1)
+        partial_backward(qf, kf, vf, merged_lse, d_of, delta, scale, mask, r_dq, sink)
+        if not all(_close(x[0], y, tol) for x, y in ((dq, r_dq), (dk, r_dk), (dv, r_dv))):
+            return False
+    return True
+
+
+def _as_block_mask(visible: torch.Tensor | None) -> Mask:
+    if visible is None:
+        return lambda a, b: None
+    return lambda a, b: visible[None, :, a:b]
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
+    a, b = a.float(), b.float()
+    return bool(torch.isfinite(a).all()) and float((a - b).abs().max()) <= tol * max(
+        1.0, float(b.abs().max())
+    )
 
 
 def fused_state(
@@ -133,7 +297,9 @@ def fused_state(
     causal: bool = False,
     visible: torch.Tensor | None = None,  # [M, L] bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fused CPU kernel's state `(out [B, H, M, Dv], lse [B, H, M])`; -inf where a row sees no key."""
+    """The fused kernel's state `(out [B, H, M, Dv], lse [B, H, M])`; -inf where a row sees no key."""
+    if q.device.type == "cuda":
+        return cuda_state(q, k, v, scale, causal=causal, visible=visible)
     mask = None if visible is None else _additive(visible, q.dtype)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, 0.0, causal, attn_mask=mask, scale=scale
@@ -156,6 +322,8 @@ def fused_backward(
     visible: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dL/dq, dL/dk, dL/dv of one key set, given the merged state."""
+    if q.device.type == "cuda":
+        return cuda_backward(q, k, v, out, lse, d_out, scale, causal=causal, visible=visible)
     mask = None if visible is None else _additive(visible, q.dtype)
     d_q, d_k, d_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         d_out, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale

@@ -15,8 +15,9 @@ backward is the flash-attention backward run per key set with the *merged* outpu
 piece's dL/dK and dL/dV come out once, already summed over rows and heads, and are added into its G
 accumulator when one is given (through one transient piece-sized buffer per layer). Attention sinks
 (gpt-oss) are one more logit per head with no value: one more state in the merge, `(0, sink)`. The key-set kernels
-(`treetrain.models.attention_states`) are torch's fused flash-attention kernel on CPU, and a block-by-block
-plain-PyTorch reference elsewhere; neither holds the scores of a whole key set.
+(`treetrain.models.attention_states`) are torch's fused flash-attention kernel on CPU, its memory-efficient
+SDPA kernel on CUDA (after a probe on the device), and a block-by-block plain-PyTorch reference elsewhere;
+none holds the scores of a whole key set.
 
 Example:
     >>> import torch
