@@ -9,6 +9,7 @@ message. A format is chosen by name (`env.tool_format`) or detected from the cha
 | name | model families | a call looks like |
 |---|---|---|
 | `hermes` | Qwen 2/2.5/3, Hermes, the shipped tokenizer | `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` |
+| `qwen3_coder` | Qwen3-Coder, Qwen3.5, Qwen3.6 | `<tool_call>\\n<function=NAME>\\n<parameter=ARG>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call>` |
 | `llama3` | Llama 3.1 / 3.2 / 3.3 (JSON tool calling) | `<|python_tag|>{"name": ..., "parameters": {...}}` (the tag optional) |
 | `mistral` | Mistral / Mixtral v0.3 tokenizers | `[TOOL_CALLS] [{"name": ..., "arguments": {...}, "id": "a1b2c3d4e"}]` |
 | `deepseek_v3` | DeepSeek V3 / R1 | `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` + a json block |
@@ -26,12 +27,12 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from envs.protocol import Message, ToolCall
-from envs.toolcalls import ParsedTurn, ToolCallError, call_from_object, parse_tool_calls
+from envs.protocol import Message, ToolCall, ToolSpec
+from envs.toolcalls import CLOSE_TAG, OPEN_TAG, ParsedTurn, ToolCallError, call_from_object, parse_tool_calls
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,11 @@ class ToolCallFormat:
     arguments_as_string: bool = False
     """The chat template expects `function.arguments` as a JSON string (it concatenates it), not an object."""
 
-    def read(self, text: str, turn: int) -> ParsedTurn:
+    typed_by_schema: bool = False
+    """Argument values are written as bare text (`<parameter=x>\n42\n</parameter>`), so their JSON type
+    comes from the tool's schema: `read` keeps a string parameter's text as it is and decodes the rest."""
+
+    def read(self, text: str, turn: int, tools: Sequence[ToolSpec] = ()) -> ParsedTurn:
         """`parse`, guarded: whatever the model wrote, a failure of the JSON decoder itself (an integer
         past Python's digit limit, nesting past the recursion limit) is one more malformed call, never an
         exception out of the episode.
@@ -57,7 +62,8 @@ class ToolCallFormat:
         'unparseable tool call (RecursionError)'
         """
         try:
-            return self.parse(text, turn)
+            parsed = self.parse(text, turn)
+            return _typed(parsed, {t.name: t for t in tools}) if self.typed_by_schema else parsed
         except (ValueError, RecursionError, TypeError, OverflowError) as exc:
             err = ToolCallError(
                 f"call_{turn}_0", f"unparseable tool call ({type(exc).__name__})", text[:1000]
@@ -201,6 +207,100 @@ def _deepseek_write(name: str, arguments: Mapping[str, Any], call_id: str) -> st
     )
 
 
+_XML_CALL = re.compile(
+    re.escape(OPEN_TAG) + r"\s*<function=([^>\n]+)>(.*?)</function>\s*" + re.escape(CLOSE_TAG), re.DOTALL
+)
+_XML_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+_LITERALS = {"True": True, "False": False, "None": None, "true": True, "false": False, "null": None}
+XML_HINT = (
+    "Write <tool_call>\n<function=NAME>\n<parameter=ARG>\nVALUE\n</parameter>\n</function>\n</tool_call>."
+)
+
+
+def _xml_parse(text: str, turn: int) -> ParsedTurn:
+    """Qwen3-Coder / Qwen3.5 calls; every value is kept as its text here (typed by `_typed`)."""
+    calls: list[ToolCall] = []
+    errors: list[ToolCallError] = []
+    pieces: list[str] = []
+    pos = 0
+    for index, m in enumerate(_XML_CALL.finditer(text)):
+        pieces.append(text[pos : m.start()])
+        pos = m.end()
+        call_id = f"call_{turn}_{index}"
+        body = m.group(2)
+        args = {k.strip(): v for k, v in _XML_PARAM.findall(body)}
+        if _XML_PARAM.sub("", body).strip():
+            errors.append(ToolCallError(call_id, "text outside <parameter=...> tags", m.group(0), XML_HINT))
+            pieces.append(m.group(0))
+        else:
+            calls.append(ToolCall(call_id, m.group(1).strip(), args))
+    rest = text[pos:]
+    if OPEN_TAG in rest or CLOSE_TAG in rest:
+        errors.append(
+            ToolCallError(
+                f"call_{turn}_{len(calls) + len(errors)}", "unclosed or malformed <tool_call>", rest, XML_HINT
+            )
+        )
+    pieces.append(rest)
+    content = "".join(pieces).strip()
+    return ParsedTurn(Message("assistant", content, tuple(calls)), tuple(errors))
+
+
+def _bare_value(text: str, schema: Any) -> Any:
+    """A parameter's bare text as JSON: a string parameter keeps it, anything else is decoded (JSON, or
+    the Python literals `True`/`False`/`None` that the template's `| string` writes), else left as text."""
+    kinds = _kinds(schema)
+    if "null" in kinds and text.strip() in ("None", "null"):
+        return None
+    if "string" in kinds:
+        return text
+    if text.strip() in _LITERALS:
+        return _LITERALS[text.strip()]
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _kinds(schema: Any) -> set[str]:
+    """The JSON types a parameter schema allows, through `anyOf`/`oneOf` (`Optional[str]` is an anyOf)."""
+    if not isinstance(schema, Mapping):
+        return set()
+    kind = schema.get("type")
+    kinds = (
+        {kind}
+        if isinstance(kind, str)
+        else {k for k in kind if isinstance(k, str)}
+        if isinstance(kind, list)
+        else set()
+    )
+    for key in ("anyOf", "oneOf"):
+        for sub in schema.get(key) or ():
+            kinds |= _kinds(sub)
+    return kinds
+
+
+def _typed(parsed: ParsedTurn, tools: Mapping[str, ToolSpec]) -> ParsedTurn:
+    calls = []
+    for call in parsed.message.tool_calls:
+        spec = tools.get(call.name)
+        props = (spec.parameters.get("properties") or {}) if spec is not None else {}
+        args = {
+            k: _bare_value(v, props.get(k)) if isinstance(v, str) else v for k, v in call.arguments.items()
+        }
+        calls.append(ToolCall(call.id, call.name, args))
+    message = Message("assistant", parsed.message.content, tuple(calls))
+    return ParsedTurn(message, parsed.errors)
+
+
+def _xml_write(name: str, arguments: Mapping[str, Any], call_id: str) -> str:
+    params = "".join(
+        f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n"
+        for k, v in arguments.items()
+    )
+    return f"{OPEN_TAG}\n<function={name}>\n{params}</function>\n{CLOSE_TAG}"
+
+
 def _hermes_write(name: str, arguments: Mapping[str, Any], call_id: str) -> str:
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': dict(arguments)})}\n</tool_call>"
 
@@ -210,6 +310,10 @@ def _llama3_write(name: str, arguments: Mapping[str, Any], call_id: str) -> str:
 
 
 FORMATS: Mapping[str, ToolCallFormat] = {
+    # detection tries these in order: qwen3_coder's markers also contain hermes's <tool_call>
+    "qwen3_coder": ToolCallFormat(
+        "qwen3_coder", _xml_parse, _xml_write, ("<function=",), typed_by_schema=True
+    ),
     "hermes": ToolCallFormat("hermes", parse_tool_calls, _hermes_write, ("<tool_call>",)),
     "mistral": ToolCallFormat("mistral", _mistral_parse, _mistral_write, ("[TOOL_CALLS]",)),
     "deepseek_v3": ToolCallFormat(

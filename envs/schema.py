@@ -7,8 +7,10 @@ refused when the tool is built, naming the field. Arguments are then validated w
 validator (Draft 2020-12, formats checked): nested objects, arrays, enums, required fields, formats.
 
 `schema_for(annotation)` turns Python typing into JSON Schema for `Tool.from_function`: `str`, `int`,
-`float`, `bool`, `list[X]`, `dict[str, X]`, `tuple[X, ...]`, `X | None` / `Optional[X]`, `Union`,
-`Literal[...]`, `Annotated[X, "description"]` and `Any`.
+`float`, `bool`, `list[X]`, `set[X]`, `dict[str, X]`, `tuple[X, ...]`, `X | None` / `Optional[X]`,
+`Union`, `Literal[...]`, `Enum` classes, dataclasses, `TypedDict`s, `Annotated[X, "description"]` and
+`Any`; `from_json(annotation, value)` turns validated JSON back into those types (an `Enum` member, a
+dataclass instance, a set) before the tool runs.
 
 Example:
     >>> from typing import Literal, Optional
@@ -24,6 +26,8 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import functools
 import json
 import types
@@ -80,6 +84,26 @@ def _type_problem(schema: Mapping[str, Any], where: str) -> str | None:
     return None
 
 
+def _remote_ref(schema: Any, where: str) -> str | None:
+    """The first `$ref` that does not point inside the schema: resolving it would need the network."""
+    if isinstance(schema, Mapping):
+        ref = schema.get("$ref")
+        if ref is not None and not (isinstance(ref, str) and ref.startswith("#")):
+            return (
+                f"{where}.$ref: {ref!r} is not a local reference ('#/$defs/...'); tools cannot fetch schemas"
+            )
+        items: Any = schema.items()
+    elif isinstance(schema, list):
+        items = enumerate(schema)
+    else:
+        return None
+    for key, sub in items:
+        found = _remote_ref(sub, f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}")
+        if found:
+            return found
+    return None
+
+
 def _key(schema: Mapping[str, Any]) -> str:
     return json.dumps(schema, sort_keys=True, default=repr)
 
@@ -89,7 +113,7 @@ def _checked(key: str) -> str | None:
     schema = json.loads(key)
     if not isinstance(schema, dict) or schema.get("type") != "object":
         return 'parameters: must be a JSON Schema object with "type": "object"'
-    found = _type_problem(schema, "parameters")
+    found = _type_problem(schema, "parameters") or _remote_ref(schema, "parameters")
     if found:
         return found
     try:
@@ -128,7 +152,10 @@ def arguments_problem(parameters: Mapping[str, Any], arguments: Mapping[str, Any
         unknown = sorted(set(arguments) - set(props))
         if unknown:
             return f"unexpected argument(s) {unknown}; expected {sorted(props)}"
-    error = best_match(_validator(_key(parameters)).iter_errors(dict(arguments)))
+    try:
+        error = best_match(_validator(_key(parameters)).iter_errors(dict(arguments)))
+    except (jsonschema.exceptions.JsonSchemaException, RecursionError, ValueError, LookupError) as exc:
+        return f"the schema could not check them ({type(exc).__name__}: {str(exc)[:200]})"
     if error is None:
         return None
     path = "".join(f"[{p!r}]" if i else repr(p) for i, p in enumerate(error.absolute_path))
@@ -160,11 +187,90 @@ def schema_for(annotation: Any, where: str = "parameter") -> dict[str, Any]:
             return {"type": "array", **({"items": schema_for(args[0], where)} if args else {})}
         items = [schema_for(a, where) for a in args]
         return {"type": "array", "prefixItems": items, "minItems": len(items), "maxItems": len(items)}
+    if annotation in (set, frozenset) or origin in (set, frozenset, typing.AbstractSet):
+        item = {"items": schema_for(args[0], where)} if args else {}
+        return {"type": "array", "uniqueItems": True, **item}
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        values = [m.value for m in annotation]
+        kinds = {simple.get(type(v)) for v in values}
+        return {**({"type": kinds.pop()} if len(kinds) == 1 and None not in kinds else {}), "enum": values}
+    if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
+        hints = typing.get_type_hints(annotation, include_extras=True)
+        fields = [f for f in dataclasses.fields(annotation) if f.init]
+        props = {f.name: schema_for(hints[f.name], f"{where}.{f.name}") for f in fields}
+        required = [
+            f.name
+            for f in fields
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        ]
+        return {"type": "object", "properties": props, "required": required, "additionalProperties": False}
+    if typing.is_typeddict(annotation):
+        hints = typing.get_type_hints(annotation, include_extras=True)
+        props = {k: schema_for(_unrequired(t), f"{where}.{k}") for k, t in hints.items()}
+        required = [k for k in hints if k in annotation.__required_keys__]
+        return {"type": "object", "properties": props, "required": required, "additionalProperties": False}
     if annotation in (dict, Mapping) or origin in (dict, Mapping):
         if args and args[0] is not str:
             raise TypeError(f"{where}: JSON object keys are strings, so use dict[str, ...], not {annotation}")
         return {"type": "object", **({"additionalProperties": schema_for(args[1], where)} if args else {})}
     raise TypeError(
         f"{where}: annotation {annotation!r} has no JSON Schema; use str, int, float, bool, list[...], "
-        "dict[str, ...], tuple[...], Optional[...], Literal[...] or Any"
+        "set[...], dict[str, ...], tuple[...], Optional[...], Literal[...], an Enum, a dataclass, a TypedDict or Any"
     )
+
+
+def _unrequired(annotation: Any) -> Any:
+    """`X` for `typing.Required[X]` / `typing.NotRequired[X]` (TypedDict markers), else the annotation."""
+    if typing.get_origin(annotation) in (typing.Required, typing.NotRequired):
+        return typing.get_args(annotation)[0]
+    return annotation
+
+
+def from_json(annotation: Any, value: Any) -> Any:
+    """A validated JSON value as the Python type `annotation` names: an `Enum` member, a dataclass
+    instance, a set or frozenset, a tuple, recursively through lists, dicts and unions. Plain JSON types
+    are returned as they are.
+
+    >>> import enum
+    >>> class Unit(enum.Enum):
+    ...     C = "celsius"
+    >>> from_json(list[Unit], ["celsius"]), from_json(set[int] | None, [2, 1])
+    ([<Unit.C: 'celsius'>], {1, 2})
+    """
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return from_json(args[0], value)
+    if origin in (typing.Union, types.UnionType):
+        for arg in args:  # the first member the value fits, as the schema's anyOf accepted it
+            if _fits(arg, value):
+                return from_json(arg, value)
+        return value
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return annotation(value)
+    if isinstance(annotation, type) and dataclasses.is_dataclass(annotation) and isinstance(value, dict):
+        hints = typing.get_type_hints(annotation, include_extras=True)
+        return annotation(**{k: from_json(hints.get(k, Any), v) for k, v in value.items()})
+    if typing.is_typeddict(annotation) and isinstance(value, dict):
+        hints = typing.get_type_hints(annotation, include_extras=True)
+        return {k: from_json(_unrequired(hints.get(k, Any)), v) for k, v in value.items()}
+    if isinstance(value, list):
+        if annotation in (set, frozenset) or origin in (set, frozenset, typing.AbstractSet):
+            kind = frozenset if frozenset in (annotation, origin) else set
+            return kind(from_json(args[0], v) if args else v for v in value)
+        if annotation is tuple or origin is tuple:
+            if args and not (len(args) == 2 and args[1] is Ellipsis):
+                return tuple(from_json(a, v) for a, v in zip(args, value, strict=False))
+            return tuple(from_json(args[0], v) if args else v for v in value)
+        if origin in (list, Sequence) and args:
+            return [from_json(args[0], v) for v in value]
+    if isinstance(value, dict) and origin in (dict, Mapping) and len(args) == 2:
+        return {k: from_json(args[1], v) for k, v in value.items()}
+    return value
+
+
+def _fits(annotation: Any, value: Any) -> bool:
+    try:
+        schema = schema_for(annotation)
+    except TypeError:
+        return False
+    return _VALIDATOR(schema).is_valid(value)

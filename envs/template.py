@@ -34,12 +34,15 @@ Example:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from envs.formats import ToolCallFormat, detect_format, get_format
-from envs.protocol import Message, ToolSpec
+from envs.protocol import Message, ToolCall, ToolSpec
+
+log = logging.getLogger(__name__)
 
 _PROBE = "PROBE_7c1e"
 
@@ -89,10 +92,12 @@ class ChatTemplate:
                 f"{type(tokenizer).__name__} has no chat_template; give a tokenizer that has one (model.tokenizer)"
             )
         self.tokenizer = tokenizer
+        named = (
+            tokenizer.chat_template
+        )  # a dict of named templates: `tool_use` renders conversations with tools
+        text = named.get("tool_use") or named.get("default") if isinstance(named, dict) else named
         self.format: ToolCallFormat = (
-            detect_format(tokenizer.chat_template)
-            if tool_format in (None, "auto")
-            else get_format(str(tool_format))
+            detect_format(str(text or "")) if tool_format in (None, "auto") else get_format(str(tool_format))
         )
         self.end_of_turn = end_of_turn if end_of_turn is not None else self._probe_end_of_turn()
         self.end_of_turn_ids = self.encode(self.end_of_turn)
@@ -109,6 +114,7 @@ class ChatTemplate:
             len(self.tokens([Message("user", "ping")], generation_prompt=True)),
             (self.end_of_turn_ids,),
         )
+        self._tools_checked = False
         self.fast = self._probe_fast()
         """Compute observations from the text after the end-of-turn marker (a probe checked that this
         gives the same tokens as tokenizing both renderings whole)."""
@@ -163,6 +169,46 @@ class ChatTemplate:
     def prompt_tokens(self, messages: Sequence[Message], tools: Sequence[ToolSpec] = ()) -> tuple[int, ...]:
         """The prompt segment: opening messages plus the generation prompt."""
         return self.tokens(messages, tools, generation_prompt=True)
+
+    def check_tools(self, tools: Sequence[ToolSpec]) -> None:
+        """Refuse a template that cannot carry a tool conversation (once per template).
+
+        A template written without tool support drops the assistant's tool calls or the tool results
+        (Phi-4's and Gemma's render only user, assistant and system turns), so the agent would call tools
+        and never see a result; that is a `TemplateError` naming what was lost. A template that shows no
+        tool schemas (DeepSeek V3's) is only logged: the environment's prompt may describe them."""
+        if not tools or self._tools_checked:
+            return
+        probe = ToolSpec(
+            "probe_tool_7c1e", "A probe.", {"type": "object", "properties": {"x": {"type": "integer"}}}
+        )
+        written = self.format.write(probe.name, {"x": 1}, "c00000000")
+        calls = self.format.read(written, 0).message.tool_calls or (
+            ToolCall("call_0_0", probe.name, {"x": 1}),
+        )
+        result = Message("tool", _PROBE + "_RESULT", tool_call_id=calls[0].id, name=probe.name)
+        opening = [Message("user", "ping")]
+        try:
+            text = self.render([*opening, Message("assistant", "", calls), result], (probe,))
+        except RenderError as exc:
+            raise TemplateError(
+                f"the chat template cannot render a tool call and its result ({exc})"
+            ) from None
+        lost = [
+            what
+            for what, mark in (("tool calls", probe.name), ("tool results", result.content))
+            if mark not in text
+        ]
+        if lost:
+            raise TemplateError(
+                f"the chat template drops {' and '.join(lost)} (it has no tool support), so the agent would call "
+                "tools without seeing their results; give a tokenizer whose chat template renders them (model.tokenizer)"
+            )
+        if self.render(opening, (probe,)) == self.render(opening):
+            log.warning(
+                "the chat template does not show tool schemas to the model; describe the tools in the prompt"
+            )
+        self._tools_checked = True
 
     def write_call(self, name: str, arguments: dict[str, Any], call_id: str = "call_0_0") -> str:
         """The text this model writes to call a tool (for scripted policies and tests)."""

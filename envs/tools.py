@@ -24,16 +24,24 @@ from __future__ import annotations
 import inspect
 import json
 import re
+import threading
 import typing
 from abc import abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import docstring_parser
 
 from envs.protocol import Environment, Message, ProtocolError, StepResult, ToolCall, ToolSpec
-from envs.schema import arguments_problem, schema_for
+from envs.schema import arguments_problem, from_json, schema_for
+
+
+class StepAbandoned(BaseException):
+    """Raised inside a step thread that ran past its timeout, so a tool stuck in a Python loop stops
+    instead of spinning for the rest of the run (a BaseException: a tool's `except Exception` cannot
+    swallow it). A blocking call (sleep, I/O) ends when it returns."""
 
 
 @dataclass(frozen=True)
@@ -66,19 +74,25 @@ class Tool:
                 prop = schema_for(hints[pname], f"tool {tool_name!r}: parameter {pname!r}")
             except TypeError as exc:
                 raise ProtocolError(str(exc)) from None
+            except RecursionError:
+                raise ProtocolError(
+                    f"tool {tool_name!r}: parameter {pname!r}: a recursive type has no finite JSON Schema"
+                ) from None
             if pname in param_docs:
                 prop["description"] = " ".join(param_docs[pname].split())
             if param.default is param.empty:
                 required.append(pname)
-            elif _is_json(param.default):
-                prop["default"] = param.default
+            elif _is_json(
+                default := param.default.value if isinstance(param.default, Enum) else param.default
+            ):
+                prop["default"] = default  # an Enum member's default shows its value
             properties[pname] = prop
         if description is None:
             description = doc.split("\n\n")[0].replace("\n", " ")
             if _SECTION.match(description):
                 description = ""
         params = {"type": "object", "properties": properties, "required": required}
-        return Tool(ToolSpec(tool_name, description, params), fn)
+        return Tool(ToolSpec(tool_name, description, params), _converting(fn, hints))
 
     @staticmethod
     def from_openai(entry: Mapping[str, Any], fn: Callable[..., object]) -> Tool:
@@ -92,6 +106,19 @@ class Tool:
 
 
 _SECTION = re.compile(r"^(Args|Arguments|Parameters|Returns|Raises)\s*:?\s*(-+)?\s", re.IGNORECASE)
+
+
+def _converting(fn: Callable[..., object], hints: Mapping[str, Any]) -> Callable[..., object]:
+    """`fn`, called with its JSON arguments turned into the annotated Python types (an `Enum` member, a
+    dataclass, a set, a tuple) where the annotation asks for one; plain JSON types pass unchanged."""
+
+    def call(**arguments: Any) -> object:
+        return fn(**{k: from_json(hints[k], v) if k in hints else v for k, v in arguments.items()})
+
+    call.__name__ = str(getattr(fn, "__name__", "tool"))
+    call.__doc__ = fn.__doc__
+    call.__wrapped__ = fn  # type: ignore[attr-defined]
+    return call
 
 
 def _is_json(value: object) -> bool:
@@ -145,7 +172,13 @@ def execute_tool_call(tools: Mapping[str, Tool], call: ToolCall) -> Message:
         return reply(f"Error: bad arguments for {call.name!r}: {problem}.")
     try:
         result = tool.fn(**call.arguments)
-    except (Exception, SystemExit) as exc:
+    except StepAbandoned:
+        raise
+    except KeyboardInterrupt:
+        if threading.current_thread() is threading.main_thread():
+            raise  # a real Ctrl-C stops the run; in a step thread it can only come from the tool itself
+        return reply(f"Error: tool {call.name!r} raised KeyboardInterrupt")
+    except BaseException as exc:  # SystemExit, GeneratorExit and anything else tool code raises
         return reply(f"Error: tool {call.name!r} raised {type(exc).__name__}: {_safe_str(exc)}")
     return reply(render_result(result))
 

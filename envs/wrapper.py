@@ -37,6 +37,7 @@ from typing import Any
 
 from envs.protocol import Environment, Episode, Message, Rubric, StepResult, ToolSpec, default_rubric
 from envs.template import ChatTemplate, RenderError, Rewrite
+from envs.tools import StepAbandoned
 from treetrain.trajectory import Call, Role, Segment, Trajectory, TrajectoryMeta
 
 
@@ -51,10 +52,13 @@ class EnvStepError(RuntimeError):
 log = logging.getLogger(__name__)
 
 
-class StepAbandoned(BaseException):
-    """Raised inside a step thread that ran past its timeout, so a tool stuck in a Python loop stops
-    instead of spinning for the rest of the run (a BaseException: a tool's `except Exception` cannot
-    swallow it). A blocking call (sleep, I/O) ends when it returns."""
+def _encodable(text: str) -> str:
+    """`text` with lone surrogates replaced, so that it encodes as UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return "".join("\ufffd" if "\ud800" <= ch <= "\udfff" else ch for ch in text)
+    return text
 
 
 def _abandon(worker: threading.Thread) -> None:
@@ -186,9 +190,13 @@ class TokenEnv:
     def reset(self, seed: int) -> tuple[int, ...]:
         """Start an episode; returns the prompt tokens (which end with the generation prompt)."""
         opening = tuple(self.env.reset(seed))
-        if not opening or any(m.role not in ("system", "user") for m in opening):
+        if not opening or any(
+            not isinstance(m, Message) or m.role not in ("system", "user") for m in opening
+        ):
             raise EnvStepError(f"{self.env_name}.reset must return system/user messages, got {opening!r}")
+        opening = tuple(self._truncate(m) for m in opening)
         self._seed, self._tools = seed, tuple(self.env.tool_specs())
+        self.template.check_tools(self._tools)
         self._messages = list(opening)
         rendered = self.template.render(opening, self._tools, generation_prompt=True)
         prompt = self.template.encode(rendered)
@@ -217,7 +225,7 @@ class TokenEnv:
         )
         self._context.extend(tokens)
         text, closed = self.template.turn_text(tokens)
-        parsed = self.template.format.read(text, self._turns)
+        parsed = self.template.format.read(text, self._turns, self._tools)
         self._turns += 1
         self._messages.append(parsed.message)
         errors = tuple(e.to_message() for e in parsed.errors)
@@ -261,12 +269,14 @@ class TokenEnv:
         return TurnResult((), True, finish, messages)
 
     def _truncate(self, message: Message) -> Message:
-        limit = self.config.max_tool_result_chars
-        if message.role != "tool" or len(message.content) <= limit:
+        """A tool message cut at `max_tool_result_chars`; any message's text made encodable (a lone
+        surrogate, which a tool can return in a `str`, becomes U+FFFD instead of crashing the tokenizer)."""
+        limit, text = self.config.max_tool_result_chars, _encodable(message.content)
+        if message.role == "tool" and len(text) > limit:
+            text = f"{text[:limit]}\n[... {len(text) - limit} more characters truncated]"
+        if text == message.content:
             return message
-        more = len(message.content) - limit
-        text = f"{message.content[:limit]}\n[... {more} more characters truncated]"
-        return Message("tool", text, tool_call_id=message.tool_call_id, name=message.name)
+        return Message(message.role, text, tool_call_id=message.tool_call_id, name=message.name)
 
     def _run_step(self, message: Message) -> StepResult:
         timeout = self.config.step_timeout_s

@@ -1,0 +1,178 @@
+"""Tool code and tool typing as real tool libraries write them: what the checker found, each a test.
+
+Hostile tools that raise `BaseException`s other than `Exception` inside a step thread, and results that
+cannot be tokenized, become tool messages; schemas that would need the network are refused when built;
+`Tool.from_function` takes `Enum`, dataclass, `TypedDict` and `set` parameters and hands the tool those
+types; bare-text argument values (Qwen3-Coder / Qwen3.5 calls) are typed by the tool's schema.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import sys
+from collections.abc import Sequence
+from typing import TypedDict
+
+import pytest
+from env_fixtures import tokenizer
+
+from envs import Message, ProtocolError, Tool, ToolCall, ToolEnv, tools_from_openai
+from envs.formats import FORMATS
+from envs.tools import execute_tool_call
+from envs.wrapper import TokenEnv, WrapperConfig
+
+
+def interrupt() -> str:
+    """Raises KeyboardInterrupt."""
+    raise KeyboardInterrupt
+
+
+def generator_exit() -> str:
+    """Raises GeneratorExit."""
+    raise GeneratorExit("closed")
+
+
+def exits() -> str:
+    """Calls sys.exit."""
+    sys.exit(3)
+
+
+def lone_surrogate() -> str:
+    """Returns a str no tokenizer can encode."""
+    return "caf\ud800e"
+
+
+class Hostile(ToolEnv):
+    def reset(self, seed: int) -> Sequence[Message]:
+        return (Message("user", "go"),)
+
+    def tools(self) -> Sequence[Tool]:
+        return tuple(Tool.from_function(f) for f in (interrupt, generator_exit, exits, lone_surrogate))
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("interrupt", "Error: tool 'interrupt' raised KeyboardInterrupt"),
+        ("generator_exit", "Error: tool 'generator_exit' raised GeneratorExit: closed"),
+        ("exits", "Error: tool 'exits' raised SystemExit: 3"),
+        ("lone_surrogate", "caf\ufffde"),
+    ],
+)
+def test_a_hostile_tool_in_a_step_thread_is_a_tool_message(name: str, expected: str) -> None:
+    env = TokenEnv(Hostile(), tokenizer(), WrapperConfig(step_timeout_s=5.0))
+    env.reset(0)
+    turn = env.template.encode(env.template.write_call(name, {}) + env.template.end_of_turn)
+    result = env.step(turn)
+    assert not result.done and [m.content for m in result.messages] == [expected]
+    assert env.template.decode(result.observation).count(expected) == 1
+
+
+def test_a_keyboard_interrupt_in_the_main_thread_still_stops_the_run() -> None:
+    """Without a step timeout the tool runs in the trainer's own thread, where Ctrl-C must stop the run."""
+    table = {"interrupt": Tool.from_function(interrupt)}
+    with pytest.raises(KeyboardInterrupt):
+        execute_tool_call(table, ToolCall("c0", "interrupt", {}))
+
+
+def test_a_remote_ref_is_refused_when_the_tool_is_built() -> None:
+    params = {"type": "object", "properties": {"p": {"$ref": "https://example.com/person.json"}}}
+    with pytest.raises(ProtocolError, match=r"parameters\.properties\.p\.\$ref: .* is not a local reference"):
+        tools_from_openai([{"name": "t", "parameters": params}], lambda name, arguments: None)
+    local = {
+        "type": "object",
+        "$defs": {"P": {"type": "integer"}},
+        "properties": {"p": {"$ref": "#/$defs/P"}},
+    }
+    (tool,) = tools_from_openai([{"name": "t", "parameters": local}], lambda name, arguments: arguments["p"])
+    assert execute_tool_call({"t": tool}, ToolCall("c0", "t", {"p": "x"})).content.endswith(
+        "argument 'p': 'x' is not of type 'integer'."
+    )
+
+
+class Unit(enum.Enum):
+    CELSIUS = "celsius"
+    KELVIN = "kelvin"
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+    x: float
+    y: float = 0.0
+
+
+class Person(TypedDict):
+    name: str
+    age: int
+
+
+def plan(
+    start: Point,
+    people: list[Person],
+    tags: set[str],
+    unit: Unit = Unit.CELSIUS,
+    pair: tuple[int, str] | None = None,
+) -> str:
+    """Plan a trip.
+
+    Args:
+        start: Where to start.
+        people: Who travels.
+    """
+    return repr((start, people, sorted(tags), unit, pair))
+
+
+def test_from_function_takes_enums_dataclasses_typeddicts_and_sets() -> None:
+    tool = Tool.from_function(plan)
+    props = tool.spec.parameters["properties"]
+    assert props["unit"] == {"type": "string", "enum": ["celsius", "kelvin"], "default": "celsius"}
+    assert props["start"]["required"] == ["x"] and props["start"]["description"] == "Where to start."
+    assert props["people"]["items"]["required"] == ["name", "age"]
+    assert props["tags"] == {"type": "array", "uniqueItems": True, "items": {"type": "string"}}
+    arguments = {
+        "start": {"x": 1.5},
+        "people": [{"name": "Ann", "age": 30}],
+        "tags": ["b", "a"],
+        "unit": "kelvin",
+        "pair": [1, "a"],
+    }
+    content = execute_tool_call({"plan": tool}, ToolCall("c0", "plan", arguments)).content
+    expected = (Point(1.5), [{"name": "Ann", "age": 30}], ["a", "b"], Unit.KELVIN, (1, "a"))
+    assert content == repr(expected)
+    bad = execute_tool_call({"plan": tool}, ToolCall("c1", "plan", {**arguments, "unit": "F"})).content
+    assert bad == "Error: bad arguments for 'plan': argument 'unit': 'F' is not one of ['celsius', 'kelvin']."
+
+
+@dataclasses.dataclass
+class Node:
+    value: int
+    child: Node | None = None
+
+
+def test_a_recursive_type_is_refused_with_the_parameter_named() -> None:
+    def walk(node: Node) -> int:
+        return node.value
+
+    with pytest.raises(ProtocolError, match="parameter 'node': a recursive type has no finite JSON Schema"):
+        Tool.from_function(walk)
+
+
+def test_bare_values_are_typed_by_the_tool_schema() -> None:
+    """Qwen3-Coder writes `<parameter=x>\\n007\\n</parameter>`: a string parameter keeps "007", an integer
+    one gets 7, and the template's Python-style `True` / `None` are JSON's true / null."""
+
+    def f(code: str, count: int, on: bool, note: str | None = None, ids: list[int] | None = None) -> str:
+        return ""
+
+    spec = Tool.from_function(f).spec
+    fmt = FORMATS["qwen3_coder"]
+    text = (
+        "<tool_call>\n<function=f>\n<parameter=code>\n007\n</parameter>\n<parameter=count>\n7\n</parameter>\n"
+        "<parameter=on>\nTrue\n</parameter>\n<parameter=note>\nNone\n</parameter>\n<parameter=ids>\n[1, 2]\n"
+        "</parameter>\n</function>\n</tool_call>"
+    )
+    (call,) = fmt.read(text, 0, (spec,)).message.tool_calls
+    assert dict(call.arguments) == {"code": "007", "count": 7, "on": True, "note": None, "ids": [1, 2]}
+    broken = fmt.read("<tool_call>\n<function=f>\nstray text\n</function>\n</tool_call>", 0, (spec,))
+    assert broken.errors and not broken.message.tool_calls and "stray text" in broken.message.content
