@@ -9,6 +9,7 @@ message. A format is chosen by name (`env.tool_format`) or detected from the cha
 | name | model families | a call looks like |
 |---|---|---|
 | `hermes` | Qwen 2/2.5/3, Hermes, the shipped tokenizer | `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` |
+| `glm45` | GLM-4.5 / 4.6 / 4.7 / 5 | `<tool_call>NAME\\n<arg_key>ARG</arg_key>\\n<arg_value>VALUE</arg_value>\\n</tool_call>` |
 | `qwen3_coder` | Qwen3-Coder, Qwen3.5, Qwen3.6 | `<tool_call>\\n<function=NAME>\\n<parameter=ARG>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call>` |
 | `llama3` | Llama 3.1 / 3.2 / 3.3 (JSON tool calling) | `<|python_tag|>{"name": ..., "parameters": {...}}` (the tag optional) |
 | `mistral` | Mistral / Mixtral v0.3 tokenizers | `[TOOL_CALLS] [{"name": ..., "arguments": {...}, "id": "a1b2c3d4e"}]` |
@@ -246,6 +247,47 @@ def _xml_parse(text: str, turn: int) -> ParsedTurn:
     return ParsedTurn(Message("assistant", content, tuple(calls)), tuple(errors))
 
 
+_GLM_CALL = re.compile(re.escape(OPEN_TAG) + r"([^\n<]+)(.*?)" + re.escape(CLOSE_TAG), re.DOTALL)
+_GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+GLM_HINT = "Write <tool_call>NAME\n<arg_key>ARG</arg_key>\n<arg_value>VALUE</arg_value>\n</tool_call>."
+
+
+def _glm_parse(text: str, turn: int) -> ParsedTurn:
+    """GLM-4.5 and later; every value is kept as its text here (typed by `_typed`)."""
+    calls: list[ToolCall] = []
+    errors: list[ToolCallError] = []
+    pieces: list[str] = []
+    pos = 0
+    for index, m in enumerate(_GLM_CALL.finditer(text)):
+        pieces.append(text[pos : m.start()])
+        pos = m.end()
+        call_id = f"call_{turn}_{index}"
+        body = m.group(2)
+        if _GLM_ARG.sub("", body).strip():
+            errors.append(
+                ToolCallError(call_id, "text outside <arg_key>/<arg_value> pairs", m.group(0), GLM_HINT)
+            )
+            pieces.append(m.group(0))
+            continue
+        calls.append(ToolCall(call_id, m.group(1).strip(), {k.strip(): v for k, v in _GLM_ARG.findall(body)}))
+    rest = text[pos:]
+    if OPEN_TAG in rest or CLOSE_TAG in rest:
+        index = len(calls) + len(errors)
+        errors.append(
+            ToolCallError(f"call_{turn}_{index}", "unclosed or malformed <tool_call>", rest, GLM_HINT)
+        )
+    pieces.append(rest)
+    return ParsedTurn(Message("assistant", "".join(pieces).strip(), tuple(calls)), tuple(errors))
+
+
+def _glm_write(name: str, arguments: Mapping[str, Any], call_id: str) -> str:
+    args = "".join(
+        f"<arg_key>{k}</arg_key>\n<arg_value>{v if isinstance(v, str) else json.dumps(v)}</arg_value>\n"
+        for k, v in arguments.items()
+    )
+    return f"{OPEN_TAG}{name}\n{args}{CLOSE_TAG}"
+
+
 def _bare_value(text: str, schema: Any) -> Any:
     """A parameter's bare text as JSON: a string parameter keeps it, anything else is decoded (JSON, or
     the Python literals `True`/`False`/`None` that the template's `| string` writes), else left as text."""
@@ -314,6 +356,7 @@ FORMATS: Mapping[str, ToolCallFormat] = {
     "qwen3_coder": ToolCallFormat(
         "qwen3_coder", _xml_parse, _xml_write, ("<function=",), typed_by_schema=True
     ),
+    "glm45": ToolCallFormat("glm45", _glm_parse, _glm_write, ("<arg_key>",), typed_by_schema=True),
     "hermes": ToolCallFormat("hermes", parse_tool_calls, _hermes_write, ("<tool_call>",)),
     "mistral": ToolCallFormat("mistral", _mistral_parse, _mistral_write, ("[TOOL_CALLS]",)),
     "deepseek_v3": ToolCallFormat(

@@ -18,7 +18,10 @@ trajectory (several calls per trajectory: `treetrain.trajectory`).
 End of turn is a token sequence. By default it is what the template writes right after an assistant
 message's text (up to its first special token: `<|im_end|>`, `<|eot_id|>`, `<｜end▁of▁sentence｜>`,
 `</s>`), and the tokenizer's EOS and any extra ids (the model's `generation_config.eos_token_id`) also
-end a turn. `end_of_turn=` overrides the template's marker with any text, of any number of tokens.
+end a turn. `end_of_turn=` overrides the template's marker with any text, of any number of tokens. A
+template that writes nothing after an assistant message (GLM-4.5 and later) has *open* turns: the token
+that opens the next message (`<|observation|>`, `<|user|>`) ends the turn, and the observation starts
+after the one the model sampled.
 
 Example:
     >>> from transformers import AutoTokenizer
@@ -92,32 +95,84 @@ class ChatTemplate:
                 f"{type(tokenizer).__name__} has no chat_template; give a tokenizer that has one (model.tokenizer)"
             )
         self.tokenizer = tokenizer
-        named = (
-            tokenizer.chat_template
-        )  # a dict of named templates: `tool_use` renders conversations with tools
+        named = tokenizer.chat_template  # a dict of named templates: `tool_use` renders tool conversations
         text = named.get("tool_use") or named.get("default") if isinstance(named, dict) else named
         self.format: ToolCallFormat = (
             detect_format(str(text or "")) if tool_format in (None, "auto") else get_format(str(tool_format))
         )
+        probe_text = self.render([Message("user", "ping"), Message("assistant", _PROBE)])
+        self.openers: dict[str, str] = {}
+        """Open turns: the token that opens each next role, which is what ends the assistant's turn."""
+        if end_of_turn is None and probe_text.endswith(_PROBE):
+            self.openers = self._probe_openers()
+            end_of_turn = self.openers["user"]
         self.end_of_turn = end_of_turn if end_of_turn is not None else self._probe_end_of_turn()
         self.end_of_turn_ids = self.encode(self.end_of_turn)
         if not self.end_of_turn_ids:
             raise TemplateError(f"end_of_turn {self.end_of_turn!r} encodes to no tokens")
         eos = getattr(tokenizer, "eos_token_id", None)
+        openers = [self.encode(t) for t in self.openers.values()]
         singles = [(int(t),) for t in [*([eos] if isinstance(eos, int) else []), *extra_stop_ids]]
         self.stop_sequences: tuple[tuple[int, ...], ...] = tuple(
-            dict.fromkeys([self.end_of_turn_ids, *singles])
+            dict.fromkeys([self.end_of_turn_ids, *openers, *singles])
         )
-        probe = self.tokens([Message("user", "ping"), Message("assistant", _PROBE)])
-        self._turn_end(
-            probe,
-            len(self.tokens([Message("user", "ping")], generation_prompt=True)),
-            (self.end_of_turn_ids,),
-        )
+        if not self.openers:
+            self._turn_end(
+                self.encode(probe_text),
+                len(self.tokens([Message("user", "ping")], generation_prompt=True)),
+                (self.end_of_turn_ids,),
+            )
         self._tools_checked = False
-        self.fast = self._probe_fast()
+        self.fast = not self.openers and self._probe_fast()
         """Compute observations from the text after the end-of-turn marker (a probe checked that this
         gives the same tokens as tokenizing both renderings whole)."""
+
+    @property
+    def open_turns(self) -> bool:
+        """The template writes nothing after an assistant message (GLM-4.5 and later): a turn ends with the
+        token that opens the next message (`<|observation|>` before tool results, `<|user|>` before a user
+        turn), which the model samples and the observation then does not repeat."""
+        return bool(self.openers)
+
+    def turn_closer(self, next_role: str = "user") -> str:
+        """The text that ends an assistant turn followed by a `next_role` message (for scripted policies)."""
+        return self.openers.get(next_role, self.end_of_turn) if self.openers else self.end_of_turn
+
+    def _probe_openers(self) -> dict[str, str]:
+        """The first token each role's message starts with, after an assistant message, in an open template."""
+        head = [Message("user", "ping"), Message("assistant", _PROBE)]
+        call = self.format.read(self.format.write("probe_tool", {}, "c00000000"), 0).message.tool_calls
+        calls = call or (ToolCall("call_0_0", "probe_tool", {}),)
+        found: dict[str, str] = {}
+        for role, messages in (
+            ("user", [*head, Message("user", "pong")]),
+            (
+                "tool",
+                [head[0], Message("assistant", "", calls), Message("tool", "pong", tool_call_id=calls[0].id)],
+            ),
+        ):
+            try:
+                without, text = self.render(messages[:-1]), self.render(messages)
+            except RenderError:
+                continue
+            rest = self.encode(text[len(without) :]) if text.startswith(without) else ()
+            special = self._special_ids()
+            first = next((t for t in rest if t in special), None)
+            if first is not None:
+                found[role] = self.decode([first])
+        if "user" not in found:
+            raise TemplateError(
+                "the chat template writes nothing after an assistant message and no special token before the "
+                "next one; set env.end_of_turn to the text that ends a turn"
+            )
+        return found
+
+    def _special_ids(self) -> set[int]:
+        return set(getattr(self.tokenizer, "all_special_ids", ())) | {
+            i
+            for i, t in getattr(self.tokenizer, "added_tokens_decoder", {}).items()
+            if getattr(t, "special", False)
+        }
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
@@ -234,18 +289,23 @@ class ChatTemplate:
         tools: Sequence[ToolSpec] = (),
         closed: bool = True,
         before: str | None = None,
+        stop: Sequence[int] = (),
     ) -> Observation | Rewrite:
         """What follows the last assistant turn of `history` before the next generation.
 
         `before` is the rendering of `history[:-1]` with the generation prompt, when the caller has it.
         When the turn was cut by a token budget (`closed=False`), the end-of-turn marker was never sampled,
-        so it is supplied here, as the first observation tokens.
+        so it is supplied here, as the first observation tokens. In an open template (`open_turns`) the
+        turn's stop token `stop` is the first token of what follows; a different one (the model opened a
+        user turn where a tool result follows) makes the next context a `Rewrite`.
         """
         if not history or history[-1].role != "assistant":
             raise TemplateError("observation needs a history that ends with an assistant message")
         before = before if before is not None else self.render(history[:-1], tools, generation_prompt=True)
         without = self.render(history, tools)
         with_new = self.render([*history, *new_messages], tools, generation_prompt=True)
+        if self.openers:
+            return self._open_difference(before, without, with_new, tuple(stop) if closed else ())
         lead = () if closed else self.end_of_turn_ids
         fast = self._short_difference(before, without, with_new) if self.fast else None
         if fast is not None:
@@ -262,6 +322,17 @@ class ChatTemplate:
             return Rewrite(with_ids, with_new)
         end = self._turn_end(without_ids, len(before_ids))
         return without_ids[end:] + with_ids[len(without_ids) :]
+
+    def _open_difference(
+        self, before: str, without: str, with_new: str, stop: tuple[int, ...]
+    ) -> Observation | Rewrite:
+        before_ids, without_ids, with_ids = self.encode(before), self.encode(without), self.encode(with_new)
+        if with_ids[: len(without_ids)] != without_ids or without_ids[: len(before_ids)] != before_ids:
+            return Rewrite(with_ids, with_new)
+        added = with_ids[len(without_ids) :]
+        if added[: len(stop)] != stop:
+            return Rewrite(with_ids, with_new)
+        return Observation(added[len(stop) :], with_new)
 
     def _short_difference(self, before: str, without: str, with_new: str) -> tuple[int, ...] | None:
         """The same tokens as `_token_difference`, tokenizing only the text after the turn's end marker.

@@ -225,6 +225,7 @@ class TokenEnv:
         )
         self._context.extend(tokens)
         text, closed = self.template.turn_text(tokens)
+        stop = tuple(tokens[len(tokens) - self.template.stop_length(tokens) :]) if closed else ()
         parsed = self.template.format.read(text, self._turns, self._tools)
         self._turns += 1
         self._messages.append(parsed.message)
@@ -242,7 +243,9 @@ class TokenEnv:
             return self._end(Finish.MAX_TURNS, result.messages)
         history = self._messages[: len(self._messages) - len(result.messages)]
         try:
-            nxt = self.template.observation(history, result.messages, self._tools, closed, self._rendered)
+            nxt = self.template.observation(
+                history, result.messages, self._tools, closed, self._rendered, stop
+            )
         except RenderError as exc:
             log.warning("%s: episode ended: %s", self.env_name, exc)
             return self._end(Finish.TEMPLATE_ERROR, result.messages)

@@ -77,6 +77,7 @@ STANDIN_BOS_EOS = {
     "google": ("<bos>", "<eos>"),
     "ibm-granite": (None, "<|end_of_text|>"),
     "microsoft-Phi-4": (None, "<|endoftext|>"),
+    "zai-org": (None, "<|endoftext|>"),
 }
 
 

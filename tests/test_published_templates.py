@@ -18,14 +18,17 @@ tool calls (nested objects, arrays of objects, enums, null, booleans), and the t
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
 from chat_formats import published_template, published_tokenizer
+from transformers import LlamaConfig
 
 from envs import Episode, Message, Rubric, Tool, ToolCall, ToolEnv, tools_from_openai
 from envs.template import ChatTemplate, TemplateError
 from envs.wrapper import TokenEnv, WrapperConfig
+from treetrain.cli.main import main
 
 TOOLS = [
     {"type": "function", "function": {"name": "book", "description": "Book seats on a route.", "parameters": {
@@ -83,6 +86,7 @@ CASES = {
     "mistral-nemo": ("mistralai-Mistral-Nemo-Instruct-2407", "mistral", 2, False),
     "deepseek-v3.1": ("deepseek-ai-DeepSeek-V3.1", "deepseek_v3", 2, False),
     "granite-4": ("ibm-granite-granite-4.0", "hermes", 2, False),
+    "glm-4.5": ("zai-org-GLM-4.5-Air", "glm45", 2, False),  # a turn ends with the next role's token
 }
 
 
@@ -95,11 +99,14 @@ def _calls(tpl: ChatTemplate, n: int) -> tuple[ToolCall, ...]:
 def _canonical_turn(
     tpl: ChatTemplate, history: list[Message], tools: Any, calls: tuple[ToolCall, ...]
 ) -> str:
-    """The text the template renders for an assistant turn making `calls`, through its end-of-turn marker."""
+    """The text the template renders for an assistant turn making `calls`, through its end-of-turn marker
+    (in an open template, which writes none, the token that opens the tool results)."""
     before = tpl.render(history, tools, generation_prompt=True)
     full = tpl.render([*history, Message("assistant", "", calls)], tools)
     assert full.startswith(before)
     turn = full[len(before) :]
+    if tpl.open_turns:
+        return turn + tpl.turn_closer("tool")
     return turn[: turn.index(tpl.end_of_turn) + len(tpl.end_of_turn)]
 
 
@@ -114,7 +121,7 @@ def test_a_published_template_runs_a_tool_episode_token_exact(name: str) -> None
     tools = env._tools
     calls = _calls(tpl, per_turn)
     turn = _canonical_turn(tpl, list(env.messages), tools, calls)
-    parsed = tpl.format.read(turn[: -len(tpl.end_of_turn)], 0, tools)
+    parsed = tpl.format.read(tpl.turn_text(tpl.encode(turn))[0], 0, tools)
     assert not parsed.errors
     assert [(c.name, dict(c.arguments)) for c in parsed.message.tool_calls] == [
         (c.name, dict(c.arguments)) for c in calls
@@ -126,7 +133,7 @@ def test_a_published_template_runs_a_tool_episode_token_exact(name: str) -> None
     assert [m.content for m in step.messages] == ['[{"seat": "1A", "ok": true}, null, NaN]', "null"][
         :per_turn
     ]
-    final = tpl.encode("Booked." + tpl.end_of_turn)
+    final = tpl.encode("Booked." + tpl.turn_closer("user"))
     assert env.step(final).done
 
     trajectory = env.trajectory("t")
@@ -184,3 +191,47 @@ def test_the_context_check_catches_a_wrong_observation(monkeypatch: pytest.Monke
     env.step(final)
     context = env.trajectory("t").calls[-1].tokens[: -len(final)]
     assert context != tpl.tokens(list(env.messages)[:-1], tools, generation_prompt=True)
+
+
+def test_the_cli_refuses_a_template_without_tool_support_before_the_model_loads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The directory holds a config and the tokenizer but no weights: had the model loaded first, the error
+    would be about the weights."""
+    tok = published_tokenizer("microsoft-phi-4")
+    tok.save_pretrained(tmp_path / "model")
+    LlamaConfig(
+        vocab_size=len(tok), hidden_size=16, num_hidden_layers=1, num_attention_heads=2
+    ).save_pretrained(tmp_path / "model")
+    args = ["train", "--run-dir", str(tmp_path / "run"), "--no-progress"]
+    for setting in (f"model.path={tmp_path / 'model'}", "env.name=calculator"):
+        args += ["--set", setting]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(
+        "treetrain train: model.tokenizer: the chat template drops tool calls and tool results"
+    )
+
+
+def test_an_open_template_takes_the_sampled_opener_or_starts_a_new_call() -> None:
+    """GLM writes nothing after an assistant message: the model's stop token opens the next message. When
+    it opened the tool results, the observation continues after it; when it opened a user turn instead,
+    the template's context differs from the model's, so the episode continues as a new call; a turn cut
+    by the budget gets the opener as its first observation token."""
+    for closer, new_call, lead in (
+        ("tool", False, ""),
+        ("user", True, None),
+        (None, False, "<|observation|>"),
+    ):
+        env = TokenEnv(
+            Booking(), published_tokenizer("zai-org-GLM-4.5-Air"), WrapperConfig(step_timeout_s=None)
+        )
+        env.reset(0)
+        tpl = env.template
+        assert tpl.open_turns and tpl.format.name == "glm45"
+        text = _canonical_turn(tpl, list(env.messages), env._tools, _calls(tpl, 1))
+        text = text[: -len(tpl.turn_closer("tool"))] + (tpl.turn_closer(closer) if closer else "")
+        step = env.step(tpl.encode(text))
+        assert step.new_call == new_call and [m.content[:8] for m in step.messages] == ['[{"seat"']
+        if lead is not None:
+            assert tpl.decode(step.observation).startswith(lead + "\n<tool_response>")

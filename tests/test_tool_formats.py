@@ -100,7 +100,8 @@ def test_a_parse_failure_is_an_error_tool_message(name: str) -> None:
 def test_format_by_name_and_unknown_names() -> None:
     assert get_format("llama3") is FORMATS["llama3"]
     with pytest.raises(
-        UnknownFormatError, match="known: \\['deepseek_v3', 'hermes', 'llama3', 'mistral', 'qwen3_coder'\\]"
+        UnknownFormatError,
+        match="known: \\['deepseek_v3', 'glm45', 'hermes', 'llama3', 'mistral', 'qwen3_coder'\\]",
     ):
         get_format("chatml")
     tpl = ChatTemplate(family_tokenizer("hermes"), tool_format="llama3")

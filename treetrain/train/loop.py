@@ -145,10 +145,13 @@ class Trainer:
         cfg = self.cfg
         seed_everything(cfg.seed)
         env_name, env_kwargs = cfg.env.name, dict(cfg.env.kwargs)
-        models = load_models(cfg.model, None if cfg.rollout.trees else lambda tok: check_template(cfg, tok))
+        make = lambda: make_env(env_name, **env_kwargs)  # noqa: E731
+        models = load_models(
+            cfg.model, None if cfg.rollout.trees else lambda tok: check_template(cfg, tok, make)
+        )
         check_context(cfg, models.policy)
         if not cfg.rollout.trees:
-            check_first_prompt(cfg, models.tokenizer, models.policy, lambda: make_env(env_name, **env_kwargs))
+            check_first_prompt(cfg, models.tokenizer, models.policy, make)
         self.tokenizer = models.tokenizer
         self.reference = models.reference
         self.backend: TrainBackend = make_backend(models.policy, cfg.optim, cfg.distributed)

@@ -127,14 +127,25 @@ def wrapper_config(cfg: TrainConfig, model: Any) -> WrapperConfig:
     )  # fmt: skip
 
 
-def check_template(cfg: TrainConfig, tokenizer: Any) -> None:
-    """The chat template, `env.end_of_turn` and `env.tool_format` against the tokenizer, before any model loads."""
+def check_template(
+    cfg: TrainConfig, tokenizer: Any, make_env: Callable[[], Environment] | None = None
+) -> None:
+    """The chat template, `env.end_of_turn` and `env.tool_format` against the tokenizer, and the template's
+    tool support against the first task's tools, before any model loads."""
     from envs.template import ChatTemplate, TemplateError
 
     try:
-        ChatTemplate(tokenizer, cfg.env.end_of_turn, cfg.env.tool_format)
+        template = ChatTemplate(tokenizer, cfg.env.end_of_turn, cfg.env.tool_format)
     except TemplateError as exc:
         raise ConfigError(f"env.end_of_turn / env.tool_format / model.tokenizer: {exc}") from None
+    if make_env is None:
+        return
+    env = make_env()
+    env.reset(task_seeds(cfg, 0)[0])
+    try:
+        template.check_tools(tuple(env.tool_specs()))
+    except TemplateError as exc:
+        raise ConfigError(f"model.tokenizer: {exc}") from None
 
 
 def check_first_prompt(
