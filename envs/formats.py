@@ -63,13 +63,38 @@ class ToolCallFormat:
         'unparseable tool call (RecursionError)'
         """
         try:
-            parsed = self.parse(text, turn)
+            reasoning, rest = _split_reasoning(text)
+            parsed = self.parse(rest, turn)
+            if reasoning:
+                gap = rest[: len(rest) - len(rest.lstrip())] if parsed.message.content else ""
+                content = (reasoning + gap + parsed.message.content).strip()
+                parsed = ParsedTurn(Message("assistant", content, parsed.message.tool_calls), parsed.errors)
             return _typed(parsed, {t.name: t for t in tools}) if self.typed_by_schema else parsed
         except (ValueError, RecursionError, TypeError, OverflowError) as exc:
             err = ToolCallError(
                 f"call_{turn}_0", f"unparseable tool call ({type(exc).__name__})", text[:1000]
             )
             return ParsedTurn(Message("assistant", text.strip()), (err,))
+
+
+def _split_reasoning(text: str) -> tuple[str, str]:
+    """(reasoning, rest): a turn's `<think>...</think>` block and the text after it. Calls are read from
+    the rest only: a call a model writes while reasoning is a draft, not a call. A block never closed (a
+    turn cut by its budget) is all reasoning.
+
+    >>> _split_reasoning("<think>try <tool_call>x</tool_call>?</think> ok")
+    ('<think>try <tool_call>x</tool_call>?</think>', ' ok')
+    """
+    close = text.find(_THINK_CLOSE)
+    if close >= 0:
+        return text[: close + len(_THINK_CLOSE)], text[close + len(_THINK_CLOSE) :]
+    start = text.find(_THINK_OPEN)
+    if start >= 0 and not text[:start].strip():
+        return text, ""
+    return "", text
+
+
+_THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
 
 
 def _llama3_parse(text: str, turn: int) -> ParsedTurn:

@@ -21,6 +21,8 @@ Example:
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import inspect
 import json
 import re
@@ -59,9 +61,17 @@ class Tool:
         """Build a tool from a typed function: annotations become JSON Schema (`envs.schema.schema_for`),
         defaults make a parameter optional, and a Google- or NumPy-style docstring gives the tool's and each
         parameter's description."""
-        tool_name = name or str(getattr(fn, "__name__", ""))
-        hints = typing.get_type_hints(fn, include_extras=True)
-        doc = inspect.getdoc(fn) or ""
+        target = _annotated(fn)
+        tool_name = name or str(getattr(target, "__name__", "") or type(fn).__name__)
+        if tool_name == "__call__":
+            tool_name = type(fn).__name__
+        try:
+            hints = typing.get_type_hints(target, include_extras=True)
+        except (
+            Exception
+        ) as exc:  # a NameError from an unresolvable forward reference, or no annotations at all
+            raise ProtocolError(f"tool {tool_name!r}: cannot read its annotations ({exc})") from None
+        doc = inspect.getdoc(target) or ""
         param_docs = {p.arg_name: p.description for p in docstring_parser.parse(doc).params if p.description}
         properties: dict[str, dict[str, Any]] = {}
         required: list[str] = []
@@ -106,6 +116,16 @@ class Tool:
 
 
 _SECTION = re.compile(r"^(Args|Arguments|Parameters|Returns|Raises)\s*:?\s*(-+)?\s", re.IGNORECASE)
+
+
+def _annotated(fn: Callable[..., object]) -> Callable[..., object]:
+    """The function whose annotations and docstring describe `fn`: through `functools.partial`, and a
+    callable object's `__call__` (`inspect.signature(fn)` already drops bound and partial arguments)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    if inspect.isfunction(fn) or inspect.ismethod(fn) or inspect.isbuiltin(fn) or not callable(fn):
+        return fn
+    return type(fn).__call__  # type: ignore[operator]
 
 
 def _converting(fn: Callable[..., object], hints: Mapping[str, Any]) -> Callable[..., object]:
@@ -172,6 +192,8 @@ def execute_tool_call(tools: Mapping[str, Tool], call: ToolCall) -> Message:
         return reply(f"Error: bad arguments for {call.name!r}: {problem}.")
     try:
         result = tool.fn(**call.arguments)
+        if inspect.isawaitable(result):  # an `async def` tool: run it to completion on its own event loop
+            result = asyncio.run(_awaited(result))
     except StepAbandoned:
         raise
     except KeyboardInterrupt:
@@ -181,6 +203,10 @@ def execute_tool_call(tools: Mapping[str, Tool], call: ToolCall) -> Message:
     except BaseException as exc:  # SystemExit, GeneratorExit and anything else tool code raises
         return reply(f"Error: tool {call.name!r} raised {type(exc).__name__}: {_safe_str(exc)}")
     return reply(render_result(result))
+
+
+async def _awaited(awaitable: Any) -> object:
+    return await awaitable
 
 
 def _safe_str(value: object) -> str:

@@ -8,8 +8,10 @@ types; bare-text argument values (Qwen3-Coder / Qwen3.5 calls) are typed by the 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import enum
+import functools
 import sys
 from collections.abc import Sequence
 from typing import TypedDict
@@ -176,3 +178,56 @@ def test_bare_values_are_typed_by_the_tool_schema() -> None:
     assert dict(call.arguments) == {"code": "007", "count": 7, "on": True, "note": None, "ids": [1, 2]}
     broken = fmt.read("<tool_call>\n<function=f>\nstray text\n</function>\n</tool_call>", 0, (spec,))
     assert broken.errors and not broken.message.tool_calls and "stray text" in broken.message.content
+
+
+@pytest.mark.parametrize("name", ["hermes", "qwen3_coder", "llama3", "mistral", "deepseek_v3", "glm45"])
+def test_a_call_written_while_reasoning_is_not_run(name: str) -> None:
+    """Reasoning models draft calls inside `<think>`; only the call after `</think>` is made, and a turn
+    whose reasoning never closed (cut by its budget) makes none."""
+    fmt = FORMATS[name]
+    draft, call = fmt.write("delete_all", {}, "c00000000"), fmt.write("lookup", {"q": "x"}, "c00000001")
+    turn = fmt.read(f"<think>maybe {draft}? no.</think>\n\n{call}", 0)
+    assert [c.name for c in turn.message.tool_calls] == ["lookup"] and not turn.errors
+    assert turn.message.content.startswith(f"<think>maybe {draft}? no.</think>")
+    cut = fmt.read(f"<think>maybe {draft}", 0)
+    assert not cut.message.tool_calls and not cut.errors and cut.message.content == f"<think>maybe {draft}"
+
+
+class Scale:
+    """A callable object as a tool."""
+
+    def __call__(self, x: float, factor: float = 2.0) -> float:
+        """Scale a number.
+
+        Args:
+            x: The number.
+        """
+        return x * factor
+
+
+async def fetch(url: str) -> str:
+    """Fetch a page (an async tool)."""
+    await asyncio.sleep(0)
+    return f"page {url}"
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+def test_partials_callable_objects_and_async_tools() -> None:
+    tools = {
+        "add": Tool.from_function(functools.partial(add, b=5)),
+        "Scale": Tool.from_function(Scale()),
+        "fetch": Tool.from_function(fetch),
+    }
+    assert [t.spec.name for t in tools.values()] == ["add", "Scale", "fetch"]
+    assert tools["add"].spec.parameters["properties"]["b"] == {"type": "integer", "default": 5}
+    assert tools["Scale"].spec.parameters["required"] == ["x"]
+    assert tools["Scale"].spec.parameters["properties"]["x"]["description"] == "The number."
+    results = [
+        execute_tool_call(tools, ToolCall("c", name, args)).content
+        for name, args in (("add", {"a": 1}), ("Scale", {"x": 1.5}), ("fetch", {"url": "u"}))
+    ]
+    assert results == ["6", "3.0", "page u"]
