@@ -24,6 +24,7 @@ from treetrain.engine import ReplayConfig
 from treetrain.engine.replay import TreeReplay
 from treetrain.engine.verify import deviation, flat_grad, flat_gradient, noise_floor, tree_gradient
 from treetrain.loss.config import LossConfig
+from treetrain.memory.retention import RetentionPolicy
 from treetrain.models.attention import NAME, engine_attention, shared_past_reason
 from treetrain.models.decoder import SharedPast, decoder_forward
 from treetrain.models.presets import TinySize, tiny_model
@@ -262,6 +263,27 @@ def test_eager_gpt_oss_with_sinks_takes_shared_past_attention_and_matches_flat(
     assert bad > 100 * 5.0 * bad_floor
 
 
+def test_gpt_oss_matches_flat_across_k_order_chunking_and_budget() -> None:
+    """Sinks, a window and GQA through shared-past attention, under the ways the engine splits the work."""
+    loss = LossConfig()
+    batch = make_batch(SHAPES["multi_level"](0), loss)
+    floor = noise_floor(_gpt_oss, batch, loss)
+    flat = flat_gradient(_gpt_oss(), batch, loss)
+    bounded = ReplayConfig(microbatch=1, chunk_size=6, order="reverse")
+    free = RetentionPolicy(None)
+    TreeReplay(_gpt_oss(), loss, bounded, retention=free).accumulate(batch)
+    cases = [
+        (ReplayConfig(microbatch=0, order="shuffle", seed=4), None),
+        (bounded, max(p.minimum for p in free.plans)),  # the smallest feasible budget: recomputes
+    ]
+    for replay, budget in cases:
+        model = _gpt_oss()
+        report = TreeReplay(model, loss, replay, retention=RetentionPolicy(budget)).accumulate(batch)
+        assert budget is None or report.recomputed_units > 0
+        dev = deviation(flat_grad(model), flat).abs
+        assert dev <= 5.0 * floor, f"{replay}, budget {budget}: {dev:.3e} > 5 x {floor:.3e}"
+
+
 def _exact_vs_flat() -> tuple[float, float]:
     loss = LossConfig()
     make = factory("mistral", torch.float64)  # GQA and an active sliding window
@@ -288,12 +310,12 @@ def test_engine_runs_shared_past_attention_and_a_wrong_merge_is_caught(
     assert calls, "the engine never ran shared-past attention"
     assert dev <= 5.0 * floor
 
-    merge = shared_past.merge_states
+    merge = shared_past.merge_into
 
     def wrong_merge(out_a, lse_a, out_b, lse_b):  # keeps the larger log-sum-exp instead of their log-add
         out, _ = merge(out_a, lse_a, out_b, lse_b)
         return out, torch.maximum(lse_a, lse_b)
 
-    monkeypatch.setattr(shared_past, "merge_states", wrong_merge)
+    monkeypatch.setattr(shared_past, "merge_into", wrong_merge)
     bad, bad_floor = _exact_vs_flat()
     assert bad > 100 * 5.0 * bad_floor

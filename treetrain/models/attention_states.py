@@ -71,6 +71,16 @@ def merge_states(
     return out_a * wa + out_b * wb, lse
 
 
+def merge_into(
+    out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`merge_states` into `out` in place, for a running state whose `lse` is finite in every row (each row
+    has seen a key; `lse_b` may be -inf): no -inf guard and no new `[..., D]` buffer per key set."""
+    total = torch.logaddexp(lse, lse_b)
+    out.mul_(torch.exp(lse - total)[..., None]).addcmul_(out_b, torch.exp(lse_b - total)[..., None])
+    return out, total
+
+
 def _block(rows: int, keys: int) -> int:
     return max(16, min(keys, BLOCK_ELEMENTS // max(1, rows)))
 

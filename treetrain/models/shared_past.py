@@ -43,7 +43,7 @@ from treetrain.models.attention_states import (
     fused,
     fused_backward,
     fused_state,
-    merge_states,
+    merge_into,
     partial_backward,
     partial_state,
 )
@@ -109,13 +109,20 @@ Visible = torch.Tensor | None | str
 """Per piece: None (every key visible to every query), "none" (no key visible), or a `[M, P]` bool mask."""
 
 
-def _piece_visible(qpos: torch.Tensor, start: int, length: int, window: int | None) -> Visible:
+def _bounds(qpos: torch.Tensor, window: int | None) -> tuple[int, int]:
+    """The queries' lowest and highest positions, read once per call (on CUDA each read synchronises)."""
+    return (0, 0) if window is None else (int(qpos.min()), int(qpos.max()))
+
+
+def _piece_visible(
+    qpos: torch.Tensor, bounds: tuple[int, int], start: int, length: int, window: int | None
+) -> Visible:
     """Past keys precede every query; a window keeps keys with position > query position - window."""
     if length == 0:  # a one-token last piece without its overlap position
         return "none"
     if window is None:
         return None
-    lo, hi = int(qpos.min()), int(qpos.max())
+    lo, hi = bounds
     if start > hi - window:
         return None
     if start + length - 1 <= lo - window:
@@ -183,6 +190,7 @@ class _SharedAttention(torch.autograd.Function):
         # Stacked queries: every row's and every head of a group's queries against one copy of the past.
         qs = lay.stacked(q)  # [H_kv, M, D]
         qpos = spec.positions[:, None, :].expand(lay.rows, lay.group, lay.t).reshape(-1)  # [M]
+        bounds = _bounds(qpos, spec.window)
         own_vis = None if spec.window is None else _own_visible(lay.t, spec.window, q.device)
         use_fused = fused(q)
         if use_fused:  # the rows' own keys are T-sized: expanding them to the query heads is cheap
@@ -198,15 +206,16 @@ class _SharedAttention(torch.autograd.Function):
             out = lay.stacked(o.reshape(lay.rows, lay.heads, lay.t, -1))
             lse = lay.stacked(ls.reshape(lay.rows, lay.heads, lay.t, 1))[..., 0]
         for (k, v), start in zip(spec.past, spec.starts):
-            vis = _piece_visible(qpos, start, k.shape[-2], spec.window)
+            vis = _piece_visible(qpos, bounds, start, k.shape[-2], spec.window)
             if isinstance(vis, str):
                 continue
             if use_fused:
                 po, pl = fused_state(qs[None], k, v, spec.scale, visible=vis)
-                po, pl = po[0].to(stat), pl[0].to(stat)
+                po, pl = po[0], pl[0].to(stat)
             else:
                 po, pl = partial_state(qs, k[0], v[0], spec.scale, _as_mask(vis))
-            out, lse = merge_states(out, lse, po, pl)
+            # The running state has seen each row's own token, so its lse is finite: merge in place.
+            out, lse = merge_into(out, lse, po, pl)
         if sinks is not None:  # a sink is one more logit with a zero value: it only enlarges the denominator
             total = torch.logaddexp(lse, _sink_logits(sinks, lay, stat))
             out, lse = out * torch.exp(lse - total)[..., None], total
@@ -223,6 +232,7 @@ class _SharedAttention(torch.autograd.Function):
         do = lay.stacked(d_out.transpose(1, 2))  # [H_kv, M, Dv]
         qs = lay.stacked(q)
         qpos = spec.positions[:, None, :].expand(lay.rows, lay.group, lay.t).reshape(-1)
+        bounds = _bounds(qpos, spec.window)
         d_qs = torch.zeros_like(qs)
         delta = (do.to(lse.dtype) * out).sum(-1)  # [H_kv, M]
         d_sinks = None
@@ -235,7 +245,7 @@ class _SharedAttention(torch.autograd.Function):
         for i, (start, acc) in enumerate(zip(spec.starts, spec.grads)):
             k, v = past[2 * i], past[2 * i + 1]
             wanted = acc is None and (ctx.needs_input_grad[5 + 2 * i] or ctx.needs_input_grad[6 + 2 * i])
-            vis = _piece_visible(qpos, start, k.shape[-2], spec.window)
+            vis = _piece_visible(qpos, bounds, start, k.shape[-2], spec.window)
             if isinstance(vis, str):
                 piece_grads += [torch.zeros_like(k), torch.zeros_like(v)] if wanted else [None, None]
                 continue
