@@ -143,3 +143,39 @@ def test_demo_model_is_accepted_as_in_train(tmp_path: Path, capsys: pytest.Captu
     assert "outside the model's vocabulary" in capsys.readouterr().err
     assert main(["plan", str(fits), "--model", str(tmp_path / "nowhere"), "--budget", "64MiB"]) == 2
     assert "'demo'" in capsys.readouterr().err
+
+
+def tiny_parameters(family: str) -> int:
+    from treetrain.models.presets import tiny_model
+
+    return sum(p.numel() for p in tiny_model(family, VOCAB).parameters())
+
+
+def test_plan_lora_on_a_named_model(trees_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--model NAME --set model.lora.r=...` plans adapters on that model (not the config's default) and
+    compares them with full fine-tuning: the frozen base has no gradient and no optimizer state."""
+    args = ["plan", str(trees_file), "--model", "tiny-llama", "--vocab", str(VOCAB), "--budget", "64MiB"]
+    args += [
+        "--mode",
+        "tree",
+        "--microbatch",
+        "0",
+        "--chunk-size",
+        "0",
+        "--retention",
+        "unbounded",
+    ]  # no search
+    assert main([*args, "--set", "model.lora.r=4", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    lora, full = doc["lora_vs_full_finetuning"]["lora"], doc["lora_vs_full_finetuning"]["full"]
+    assert doc["ledger"]["persistent"]["params"] == lora["params"]
+    assert full["params"] == 4 * tiny_parameters("llama")  # float32 bytes of tiny-llama, not the demo model
+    adapters = lora["params"] - full["params"]
+    assert 0 < adapters < full["params"] // 10
+    assert lora["grads"] == adapters and full["grads"] == full["params"]
+    assert lora["optimizer"] == 2 * adapters and full["optimizer"] == 2 * full["params"]
+    assert main([*args, "--set", "model.lora.r=4"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "LoRA adapters (base frozen)" in out and "full fine-tuning, same model" in out and "LoRA saves" in out
+    )

@@ -95,7 +95,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--model",
         metavar="MODEL",
-        help="'demo' (the shipped checkpoint), a local HF model dir or tiny-<family> (without --config)",
+        help="'demo' (the shipped checkpoint), a local HF model dir or tiny-<family>; with --config or --set it "
+        "replaces model.path (e.g. --set model.lora.r=8 plans LoRA adapters on it)",
     )
     p.add_argument(
         "--budget", required=True, type=_bytes, help="device memory budget: 8GiB, 512MiB, 1.5GB, bytes"
@@ -104,8 +105,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--vocab", type=_vocab, help="vocabulary of a preset model (default: largest token id + 1)"
     )
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="parameter dtype")
-    p.add_argument("--attn", choices=ATTENTION, default="sdpa", help="attention implementation")
+    p.add_argument(
+        "--dtype", choices=sorted(DTYPES), help="parameter dtype (default float32, or the config's)"
+    )
+    p.add_argument(
+        "--attn", choices=ATTENTION, help="attention implementation (default sdpa, or the config's)"
+    )
     p.add_argument("--mode", choices=("tree", "flat"), help="force the mode")
     p.add_argument(
         "--microbatch", type=_count, help="force K (tree; 0 = all siblings) or calls per microbatch"
@@ -158,7 +163,15 @@ def _from_config(args: argparse.Namespace, named: NamedTrees) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         cfg = replace(cfg, memory_budget=str(args.budget), mode=args.mode or cfg.mode)
-        models = load_models(cfg.model)  # sized from its checkpoint and tokenizer, never from the trees
+        section = replace(
+            cfg.model, path=args.model or cfg.model.path, dtype=args.dtype or cfg.model.dtype,
+            attn=args.attn or cfg.model.attn,
+        )  # fmt: skip
+        cfg = replace(cfg, model=section)
+        vocab = None  # a checkpoint is sized from its tokenizer, never from the trees
+        if args.model and section.path.startswith("tiny-"):
+            vocab = _vocabulary(args, section.path, named)  # as `--model` alone sizes a preset
+        models = load_models(section, vocab_size=vocab)
         check_vocabulary(named, int(models.policy.config.get_text_config(decoder=True).vocab_size))
     except (ConfigError, TreeFormatError) as e:
         return _fail(str(e))
@@ -252,7 +265,8 @@ def run(args: argparse.Namespace) -> int:
         path = resolve_model_path(args.model, "--model")  # the same names `treetrain train` accepts
         vocab = _vocabulary(args, path, named)
         check_vocabulary(named, vocab)  # before the model is built
-        model = load_model(path, vocab_size=vocab, dtype=getattr(torch, args.dtype), attn=args.attn)
+        dtype = getattr(torch, args.dtype or "float32")
+        model = load_model(path, vocab_size=vocab, dtype=dtype, attn=args.attn or "sdpa")
     except (ConfigError, TreeFormatError) as e:
         return _fail(str(e))
     except (OSError, ValueError) as e:

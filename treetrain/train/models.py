@@ -79,8 +79,13 @@ def _load(path: str, field: str, section: ModelSection, vocab_size: int) -> PreT
         raise ConfigError(f"{field}: {' '.join(str(exc).split())}") from None
 
 
-def load_models(section: ModelSection, check_tokenizer: Callable[[Any], None] | None = None) -> LoadedModels:
-    """The policy, the reference and the tokenizer; `check_tokenizer(tokenizer)` runs before any model loads."""
+def load_models(
+    section: ModelSection, check_tokenizer: Callable[[Any], None] | None = None, vocab_size: int | None = None
+) -> LoadedModels:
+    """The policy, the reference and the tokenizer; `check_tokenizer(tokenizer)` runs before any model loads.
+
+    `vocab_size` sizes a tiny-<family> preset (default: the tokenizer's length; `treetrain plan --model`
+    sizes it from the trees, as without a config)."""
     path = resolve_model_path(section.path)
     if section.tokenizer is not None:
         tok_dir: Any = section.tokenizer
@@ -95,7 +100,8 @@ def load_models(section: ModelSection, check_tokenizer: Callable[[Any], None] | 
         raise ConfigError(f"{field}: cannot load a tokenizer from {tok_dir}: {exc}") from exc
     if check_tokenizer is not None:
         check_tokenizer(tokenizer)
-    policy = _load(path, "model.path", section, len(tokenizer))
+    vocab = vocab_size if vocab_size is not None and path.startswith("tiny-") else len(tokenizer)
+    policy = _load(path, "model.path", section, vocab)
     if section.lora is not None:
         policy = apply_lora(policy, section.lora)
     reference: Any = None
@@ -108,7 +114,7 @@ def load_models(section: ModelSection, check_tokenizer: Callable[[Any], None] | 
             resolve_model_path(section.reference, "model.reference"),
             "model.reference",
             section,
-            len(tokenizer),
+            vocab,
         )
     if reference is not None:
         reference.eval()
