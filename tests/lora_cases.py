@@ -35,7 +35,7 @@ def trained_like(model: Any, seed: int = 5) -> Any:
     """Give every adapter B a random value, as after training (PEFT starts B at 0: adapters off = on)."""
     gen = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
-        if ".lora_B." in name:
+        if ".lora_B." in name and p.requires_grad:  # the trained adapter, not a frozen one
             p.copy_(0.3 * torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype))
     return model
 

@@ -21,14 +21,22 @@ from treetrain.engine import FlatReference, ReplayConfig, TreeReplay
 from treetrain.engine.resident import ResidentIdentity, ResidentKey, ResidentStore, StaleResidentStateError
 from treetrain.engine.scoring import PathKV, scoring_pass
 from treetrain.engine.units import UnitTree
-from treetrain.engine.verify import deviation, flat_grad, flat_gradient, noise_floor, tree_gradient
+from treetrain.engine.verify import deviation, flat_grad, flat_gradient, noise_floor
 from treetrain.loss.config import ConfigError, LossConfig
 from treetrain.memory.calibrate import calibrate
 from treetrain.memory.ledger import predict_ledger
 from treetrain.memory.persistent import full_finetune_bytes, model_persistent_bytes
+from treetrain.memory.planner import Overrides, plan_update
 from treetrain.memory.retention import RetentionPolicy
 from treetrain.memory.tracker import MemoryTracker
-from treetrain.models.lora import AdaptersOff, LoraSection, adapter_state, apply_lora, is_adapter_param
+from treetrain.models.lora import (
+    AdaptersOff,
+    LoraSection,
+    adapter_state,
+    adapters_disabled,
+    apply_lora,
+    is_adapter_param,
+)
 from treetrain.models.presets import FAMILIES
 from treetrain.train.config import load_config
 
@@ -49,7 +57,16 @@ def test_config_section_is_typed_and_off_by_default() -> None:
     [
         ("model.lora.dropout=0.1", "model.lora.dropout: must be 0, got 0.1: dropout draws a new mask"),
         ("model.lora.r=0", "model.lora.r: must be in [1, 16384], got 0"),
-        ("model.lora.init=pissa", "model.lora.init: must be one of"),
+        ("model.lora.init=corda", "model.lora.init: must be one of"),
+        ("model.lora.init=loftq", "model.lora.init: 'loftq' initializes adapters against a quantized base"),
+        (
+            "model.lora.init=pissa\nmodel.lora.modules_to_save=[lm_head]",
+            "model.lora.init: 'pissa' keeps a frozen",
+        ),
+        (
+            "model.lora.init=olora\nmodel.dtype=float64",
+            "model.lora.init: PEFT's 'olora' decomposition runs in",
+        ),
         ("model.lora.target_modules=[]", "model.lora.target_modules: name at least one"),
         ("model.lora.adapter=/nonexistent", "model.lora.adapter: '/nonexistent' is not a PEFT adapter"),
         ("model.reference=base", "model.reference: 'base' (the policy with adapters off) needs model.lora"),
@@ -57,7 +74,7 @@ def test_config_section_is_typed_and_off_by_default() -> None:
 )
 def test_config_refuses_bad_values_before_loading(override: str, message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
-        load_config(None, [override])
+        load_config(None, override.split("\n"))
 
 
 def test_kl_with_lora_names_the_free_reference() -> None:
@@ -158,7 +175,9 @@ def test_adapters_off_refuses_a_model_without_adapters() -> None:
 
 
 # ----- exact against flat ------------------------------------------------------------------------------
-def _deviation(family: str, dtype: torch.dtype, loss: LossConfig, wrong_reference: bool = False):
+def _deviation(
+    family: str, dtype: torch.dtype, loss: LossConfig, wrong_reference: bool = False, walk: str = "fused"
+):
     make = lora_factory(family, dtype)
     batch = make_batch(SHAPES["multi_level"](0), loss)
     kl = loss.needs_reference
@@ -167,23 +186,70 @@ def _deviation(family: str, dtype: torch.dtype, loss: LossConfig, wrong_referenc
     flat = flat_gradient(flat_model, batch, loss, AdaptersOff(flat_model) if kl else None)
     tree_model = make()
     ref = (tree_model if wrong_reference else AdaptersOff(tree_model)) if kl else None
-    tree = tree_gradient(tree_model, batch, loss, ReplayConfig(microbatch=2, chunk_size=5), ref)
+    replay = ReplayConfig(microbatch=2, chunk_size=5, reference_walk=walk)  # type: ignore[arg-type]
+    report = TreeReplay(tree_model, loss, replay, ref_model=ref).accumulate(batch)
+    walks = 0 if not kl or (walk == "fused" and not wrong_reference) else len(batch.work)
+    assert report.reference_walks == walks  # the reference took the walk asked for
     assert float(flat.norm()) > 0
-    return deviation(tree, flat), floor
+    return deviation(flat_grad(tree_model), flat), floor
 
 
 @pytest.mark.parametrize("kl", [False, True], ids=["no-kl", "kl-adapters-off"])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("family", [*FAMILIES, OTHER_FAMILY])
 def test_lora_exact_matches_flat(family: str, dtype: str, kl: bool) -> None:
+    """With KL the reference (adapters off) is scored in the policy's scoring walk, in one tree walk."""
     dev, floor = _deviation(family, DTYPES[dtype], KL if kl else LossConfig())
     assert dev.abs <= FACTOR * floor, f"{family}/{dtype}/kl={kl}: {dev.abs:.3e} > {FACTOR} x {floor:.3e}"
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_lora_separate_reference_walk_matches_flat(dtype: str) -> None:
+    """The planner's fallback, the reference in a second walk, gives the same update."""
+    dev, floor = _deviation("qwen3", DTYPES[dtype], KL, walk="separate")
+    assert dev.abs <= FACTOR * floor, f"{dtype}: {dev.abs:.3e} > {FACTOR} x {floor:.3e}"
 
 
 def test_negative_control_reference_with_adapters_on_is_caught() -> None:
     """Passing the policy itself (adapters on) as the reference makes KL vanish; the check must notice."""
     dev, floor = _deviation("llama", torch.float64, KL, wrong_reference=True)
     assert dev.abs > 100 * FACTOR * floor
+
+
+def test_negative_control_fused_walk_with_adapters_left_on_is_caught(monkeypatch) -> None:
+    """The fused walk's reference forward run with the adapters left on (its identity then says 'on' too)
+    is caught by the differential check, like the reference passed as the policy itself."""
+    import contextlib
+
+    import treetrain.engine.replay as replay_module
+
+    monkeypatch.setattr(replay_module, "adapters_disabled", lambda ref: contextlib.nullcontext(ref.model))
+    dev, floor = _deviation("llama", torch.float64, KL)
+    assert dev.abs > 100 * FACTOR * floor
+
+
+def test_fused_walk_refuses_a_reference_forward_with_adapters_on() -> None:
+    """KV scored with the adapters on is never stored as the reference's (identity adapters 'off')."""
+    import contextlib
+
+    from treetrain.engine.scoring import ReferenceWalk
+
+    model = lora_factory("llama", torch.float32)()
+    units = UnitTree.build(
+        SHAPES["one_level"](0)[0], make_batch(SHAPES["one_level"](0), LossConfig()).work[0].targets
+    )
+    on = ResidentIdentity.of(model)
+    with model.disable_adapter():
+        off = ResidentIdentity.of(model)
+    cpu = torch.device("cpu")
+    walk = ReferenceWalk(PathKV(model, units, ResidentStore(off), off, cpu), enter=contextlib.nullcontext)
+    with pytest.raises(
+        StaleResidentStateError, match="adapters 'on' into a store of identity adapters='off'"
+    ):
+        scoring_pass(
+            model, PathKV(model, units, ResidentStore(on), on, cpu), microbatch=0, need=[True] * len(units),
+            keep=lambda u: True, max_logit_elements=1 << 20, reference=walk,
+        )  # fmt: skip
 
 
 def test_flat_reference_pass_restores_adapters() -> None:
@@ -251,6 +317,49 @@ def test_lora_under_a_retention_budget_with_kept_graphs_and_the_tracker() -> Non
     measured = report.measured_peak
     assert measured is not None
     assert abs(ledger.peak.dynamic - measured.dynamic) <= 0.10 * measured.dynamic, (ledger.peak, measured)
+    kinds = [r.kind for r in ledger.rows]  # the reference's rows sit in the scoring walk, before any step
+    assert (
+        report.reference_walks == 0
+        and "reference" in kinds
+        and kinds.index("reference") < kinds.index("step")
+    )
+
+
+def test_planner_budgets_both_kv_sets_and_falls_back_to_two_walks() -> None:
+    """The fused walk's retention minimum counts the reference's KV too; a retention budget that only the
+    two-walk schedule fits makes the planner choose it and say so, and that update still equals flat."""
+    make = lora_factory("llama", torch.float64)
+    batch = make_batch(SHAPES["one_level"](0), KL)
+    model = make()
+    ref = AdaptersOff(model)
+    fixed = {"microbatch": 2, "chunk_size": 5}
+    mins = {
+        walk: predict_ledger(
+            batch,
+            model,
+            ReplayConfig(**fixed, reference_walk=walk),
+            KL,
+            ref_model=ref,  # type: ignore[arg-type]
+        ).minimum_budget
+        for walk in ("fused", "separate")
+    }
+    assert mins["fused"] > mins["separate"] > 0
+    forced = {"mode": "tree", **fixed, "keep_graphs": "none"}
+    roomy = plan_update(batch, model, budget=1 << 30, loss=KL, ref_model=ref, overrides=Overrides(**forced))
+    assert roomy.mode == "tree" and roomy.reference_walk == "fused"
+    assert "scored in the scoring walk" in roomy.explain()
+    tight = Overrides(**forced, retention=mins["separate"])
+    plan = plan_update(batch, model, budget=1 << 30, loss=KL, ref_model=ref, overrides=tight)
+    assert plan.reference_walk == "separate" and "runs as a second walk" in plan.explain()
+    replay = plan.replay_config()
+    report = TreeReplay(
+        model, KL, replay, ref_model=ref, retention=RetentionPolicy(plan.retention)
+    ).accumulate(batch)
+    assert report.reference_walks == len(batch.work) and report.evicted_units > 0
+    floor = noise_floor(make, batch, KL, adapters_off_reference=True)
+    flat_model = make()
+    flat = flat_gradient(flat_model, batch, KL, AdaptersOff(flat_model))
+    assert deviation(flat_grad(model), flat).abs <= FACTOR * floor
 
 
 # ----- the trainer ----------------------------------------------------------------------------------
@@ -296,3 +405,71 @@ def test_plan_compares_adapters_with_full_finetuning() -> None:
     assert lora.params > full.params and lora.grads < full.grads and lora.optimizer < full.optimizer
     text = lora_text(lora, full)
     assert "full fine-tuning, same model" in text and "LoRA saves" in text
+
+
+# ----- PiSSA / OLoRA: inits that rewrite the base ---------------------------------------------------------
+def _logprobs(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[:, :-1]  # [1, T-1, V]
+    return torch.log_softmax(logits.double(), -1).gather(-1, ids[:, 1:, None])[..., 0]  # [1, T-1]
+
+
+@pytest.mark.parametrize("init", ["pissa", "olora"])
+def test_rewriting_init_reference_is_the_starting_model(init: str, tmp_path) -> None:
+    """At step 0 the reference (adapters off) is the plain model, exactly, and the policy equals it within
+    the measured noise floor, though the trained adapter starts at the base's own directions. Negative
+    control: PEFT's init alone leaves 'adapters off' at the residual, far from the starting model. Export
+    gives a plain LoRA adapter (rank 2r) that reproduces the trained policy on a fresh base."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from treetrain.distributed import TorchBackend
+
+    ids = torch.tensor([[1, 5, 9, 13, 2, 7, 30, 11, 4]])
+    plain = base_model("llama", torch.float32)
+    want = _logprobs(plain, ids)
+    nudged = base_model("llama", torch.float32)
+    with torch.no_grad():  # the floor: the same model with every weight moved by 2^-24 relative
+        for p in nudged.parameters():
+            p.mul_(1 + 2.0**-24 * torch.randn(p.shape, generator=torch.Generator().manual_seed(0)))
+    floor = float((_logprobs(nudged, ids) - want).abs().max())
+    policy = apply_lora(base_model("llama", torch.float32), LoraSection(r=4, init=init))
+    assert float(sum(p.detach().norm() for n, p in policy.named_parameters() if ".lora_B.default" in n)) > 0
+    with adapters_disabled(AdaptersOff(policy)) as ref:
+        assert torch.equal(_logprobs(ref, ids), want)
+    assert float((_logprobs(policy, ids) - want).abs().max()) <= FACTOR * floor
+    trainable = {n for n, p in policy.named_parameters() if p.requires_grad}  # after a reference pass too
+    assert trainable and all(".default." in n for n in trainable)
+    naive = get_peft_model(
+        base_model("llama", torch.float32), LoraConfig(r=4, target_modules=list(LoraSection().target_modules),
+        init_lora_weights=init),
+    )  # fmt: skip
+    with naive.disable_adapter():
+        assert float((_logprobs(naive, ids) - want).abs().max()) > 100 * FACTOR * floor
+    trained_like(policy)
+    backend = TorchBackend(policy)
+    backend.export_pretrained(tmp_path / "final")
+    saved = json.loads((tmp_path / "final" / "adapter_config.json").read_text())
+    assert (saved["r"], saved["lora_alpha"], saved["init_lora_weights"]) == (8, 32, True)
+    assert LoraSection(adapter=str(tmp_path / "final")).adapter  # a plain adapter: continuing from it works
+    loaded = PeftModel.from_pretrained(base_model("llama", torch.float32), str(tmp_path / "final"))
+    assert float((_logprobs(loaded, ids) - _logprobs(policy, ids)).abs().max()) <= FACTOR * floor
+    saved["init_lora_weights"] = init  # an unconverted adapter would rewrite the base again on load
+    (tmp_path / "final" / "adapter_config.json").write_text(json.dumps(saved))
+    with pytest.raises(ConfigError, match="rewrite the base weights again"):
+        LoraSection(adapter=str(tmp_path / "final"))
+
+
+def test_rewriting_init_exact_with_kl_matches_flat() -> None:
+    """With PiSSA, `exact` with KL (reference: adapters off, in the scoring walk) equals flat."""
+    make = lora_factory("qwen3", torch.float32, init="pissa")
+    batch = make_batch(SHAPES["multi_level"](0), KL)
+    floor = noise_floor(make, batch, KL, adapters_off_reference=True)
+    flat_model = make()
+    flat = flat_gradient(flat_model, batch, KL, AdaptersOff(flat_model))
+    model = make()
+    report = TreeReplay(
+        model, KL, ReplayConfig(microbatch=2, chunk_size=5), ref_model=AdaptersOff(model)
+    ).accumulate(batch)
+    assert report.reference_walks == 0 and report.kl > 0
+    assert all(p.grad is None for n, p in model.named_parameters() if ".initial." in n)  # stays frozen
+    assert deviation(flat_grad(model), flat).abs <= FACTOR * floor

@@ -38,6 +38,7 @@ from treetrain.distributed.checkpoint import read_client_state, write_client_sta
 from treetrain.hooks import stall
 from treetrain.io import atomic_directory
 from treetrain.loss.config import ConfigError
+from treetrain.models.lora import is_peft, save_adapter
 
 
 class AgreementError(RuntimeError):
@@ -249,7 +250,10 @@ class TorchBackend(TrainBackend):
 
     def export_pretrained(self, directory: str | Path, tokenizer: Any = None) -> None:
         with atomic_directory(Path(directory)) as tmp:
-            self.module.save_pretrained(tmp)
+            if is_peft(self.module):
+                save_adapter(self.module, Path(tmp))
+            else:
+                self.module.save_pretrained(tmp)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
 

@@ -68,6 +68,7 @@ from treetrain.distributed.checkpoint import (
 from treetrain.distributed.zero3_sync import FetchRendezvous
 from treetrain.io import atomic_directory
 from treetrain.loss.config import ConfigError
+from treetrain.models.lora import is_peft, save_adapter
 
 TAG = "deepspeed"
 """Sub-directory (DeepSpeed's checkpoint tag) holding DeepSpeed's own files inside a checkpoint."""
@@ -491,7 +492,10 @@ class DeepSpeedBackend(TrainBackend):
             if self.rank == 0:
                 with atomic_directory(Path(directory)) as tmp:
                     weights = {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
-                    self.module.save_pretrained(tmp, state_dict=weights)
+                    if is_peft(self.module):
+                        save_adapter(self.module, Path(tmp), state_dict=weights)
+                    else:
+                        self.module.save_pretrained(tmp, state_dict=weights)
                     if tokenizer is not None:
                         tokenizer.save_pretrained(tmp)
         self.barrier()

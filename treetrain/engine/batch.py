@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, fields
+from typing import Literal
 
 from treetrain.engine.schedule import CONTRACTS, ORDERS, Contract, Order
 from treetrain.lifetime import ClassBytes, larger
@@ -35,6 +36,9 @@ class ReplayConfig:
     """Skip branches whose every advantage is zero when no KL or entropy term is on (exactly no gradient)."""
     max_logit_elements: int = DEFAULT_MAX_LOGIT_ELEMENTS
     """Largest logits chunk (rows x vocab) materialized at once."""
+    reference_walk: Literal["fused", "separate"] = "fused"
+    """With KL and a reference that is the policy with its adapters off: 'fused' scores it in the scoring
+    walk (both KV sets resident during it), 'separate' in a second walk after it (less resident at once)."""
 
     def __post_init__(self) -> None:
         if self.contract not in CONTRACTS:
@@ -47,6 +51,8 @@ class ReplayConfig:
             raise ConfigError(f"replay.chunk_size must be >= 1 or None, got {self.chunk_size!r}")
         if self.max_logit_elements < 1:
             raise ConfigError("replay.max_logit_elements must be >= 1")
+        if self.reference_walk not in ("fused", "separate"):
+            raise ConfigError(f"reference_walk must be 'fused' or 'separate', got {self.reference_walk!r}")
 
 
 @dataclass(frozen=True)
@@ -150,6 +156,8 @@ class ReplayReport:
     """Offloaded KV copied back from host memory instead of recomputed."""
     kept_graphs: int = 0
     """Internal units whose first forward kept its graph for their own step (no recompute)."""
+    reference_walks: int = 0
+    """Trees whose reference logprobs took a walk of their own (0 with KL: scored in the scoring walk)."""
     measured_peak: ClassBytes | None = None
     """Peak live bytes by lifetime class, when a memory tracker was attached (the larger of two on merge)."""
 

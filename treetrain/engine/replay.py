@@ -2,7 +2,9 @@
 
 For one tree:
 1. Scoring (no graph): old logprobs when the ratio uses them, reference logprobs when KL is on, and the
-   resident KV of internal units. Without a scoring pass, KV is computed lazily when first needed.
+   resident KV of internal units. Without a scoring pass, KV is computed lazily when first needed. A
+   reference that is the policy with its adapters off is scored in the same walk (`fused_reference`);
+   any other, or with `ReplayConfig(reference_walk='separate')`, in a second walk after it.
 2. The schedule's steps, post-order: K sibling units run under autograd against their parent's resident
    path. In `exact` mode the path KV enters as leaf tensors, so backward deposits dL/dKV on every ancestor
    (accumulated as G in the store). A unit with children adds <KV_unit, G_unit> to its loss, which pushes
@@ -59,6 +61,7 @@ from treetrain.engine.resident import ResidentIdentity, ResidentStore
 from treetrain.engine.schedule import ReplayStep, active_units, build_schedule
 from treetrain.engine.scoring import (
     PathKV,
+    ReferenceWalk,
     ScoreBatch,
     past_before_overlap,
     reference_need,
@@ -69,11 +72,23 @@ from treetrain.engine.units import Unit, UnitTree
 from treetrain.loss.config import LossConfig
 from treetrain.loss.objective import Contributions, LossTerms, objective, sampler_logprobs
 from treetrain.models.decoder import DecoderOutput
-from treetrain.models.lora import Reference, adapters_disabled, reference_module
+from treetrain.models.lora import AdaptersOff, Reference, adapters_disabled, reference_module
 from treetrain.models.support import SupportGate
 from treetrain.tree.stats import tree_stats
 
 Backward = Callable[[torch.Tensor], None]
+
+
+def fused_reference(loss: LossConfig, replay: ReplayConfig, ref_model: Reference | None) -> bool:
+    """Whether the reference's logprobs come from the scoring walk itself: KL is on, there is a scoring pass
+    (`loss.ratio_source='scoring'`), the reference is the policy with its adapters off, and the replay
+    config does not ask for a separate walk (the planner does when both KV sets do not fit)."""
+    return (
+        loss.needs_reference
+        and loss.ratio_source == "scoring"
+        and isinstance(ref_model, AdaptersOff)
+        and replay.reference_walk == "fused"
+    )
 
 
 @dataclass
@@ -197,26 +212,32 @@ class TreeReplay:
         score_events = (
             scoring_schedule(units, scored, cfg.score_microbatch) if lcfg.ratio_source == "scoring" else ()
         )
+        fused = fused_reference(lcfg, cfg, self.ref_model)
         if self.retention is not None:
             self.retention.begin_tree(
                 units, score_events, steps, contract=cfg.contract, keep=needs_kv, kept_graphs=kept,
                 evict=lambda u: self.store.evict(paths.key(u)),
-                offload=lambda u: self.store.offload(paths.key(u)), model=self.model,
+                offload=lambda u: self.store.offload(paths.key(u)), model=self.model, fused_reference=fused,
             )  # fmt: skip
+        ref_walk = self._reference_walk(units) if fused else None
         try:
+            ref_lp: Sequence[torch.Tensor | None] = [None] * len(units)
             if lcfg.ratio_source == "scoring":
                 lps, n_tok = scoring_pass(
                     self.model, paths, microbatch=cfg.score_microbatch, need=scored,
                     keep=lambda u: needs_kv[u], max_logit_elements=cfg.max_logit_elements,
                     before_batch=self._before_score, forward_elsewhere=lambda u: u in kept,
+                    reference=ref_walk,
                 )  # fmt: skip
                 for u, lp in enumerate(lps):
                     old_lp[u] = lp if old_lp[u] is None else old_lp[u]
                 report = report.merged(ReplayReport(nograd_tokens=n_tok))
-            ref_lp: Sequence[torch.Tensor | None] = [None] * len(units)
-            if lcfg.needs_reference:
+            if ref_walk is not None:
+                ref_lp = ref_walk.logps
+                report = report.merged(ReplayReport(nograd_tokens=ref_walk.tokens))
+            elif lcfg.needs_reference:
                 ref_lp, n_tok = self._reference_logprobs(units)
-                report = report.merged(ReplayReport(nograd_tokens=n_tok))
+                report = report.merged(ReplayReport(nograd_tokens=n_tok, reference_walks=1))
             for i, step in enumerate(steps):
                 if self.retention is not None:
                     self.retention.before(step)
@@ -227,6 +248,8 @@ class TreeReplay:
             self._kept.clear()
             for u in range(len(units)):
                 self.store.release(paths.key(u))
+            if ref_walk is not None:
+                ref_walk.paths.store.clear()
             evicted = self.retention.end_tree() if self.retention is not None else 0
         return report.merged(
             ReplayReport(
@@ -271,6 +294,22 @@ class TreeReplay:
             for u in units.path(s.parent):
                 need[u] = True
         return need
+
+    def _reference_walk(self, units: UnitTree) -> ReferenceWalk:
+        """The reference's half of a fused scoring walk: its own store, under the identity the model has
+        inside `adapters_disabled`, so its KV is never the policy's and the policy's never its."""
+        assert self.ref_model is not None
+        ref_model = self.ref_model
+        with adapters_disabled(ref_model) as ref:
+            ref_identity = ResidentIdentity.of(ref, tokenizer=self.identity.tokenizer)
+        store = ResidentStore(ref_identity)
+        if self.tracker is not None:
+            self.tracker.attach_store(store)
+        return ReferenceWalk(
+            PathKV(ref, units, store, ref_identity, self.device),
+            enter=lambda: adapters_disabled(ref_model),
+            before_batch=lambda b: self._mark(f"reference {b.parent}:{b.units[0]}"),
+        )
 
     def _reference_logprobs(self, units: UnitTree) -> tuple[list[torch.Tensor | None], int]:
         """The reference's logprobs, in its own store. With `AdaptersOff` the policy itself runs with its

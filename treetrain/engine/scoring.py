@@ -8,20 +8,32 @@ subtree is done.
 `PathKV` is the one place that assembles a unit's ancestor KV, recomputing whatever is not resident (evicted
 under a retention budget, or never scored) from the nearest resident ancestor, or copying it back when it
 was offloaded to host memory.
+
+With a `ReferenceWalk` the same walk also scores the reference (the policy with its adapters off): at every
+batch the policy's forward runs, then the reference's on the same tokens against its own store, whose
+identity says adapters 'off'. The reference store holds only the current path and is emptied as each
+subtree is done, so the KL term costs no second walk.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel
 
 from treetrain.engine.pieces import forward_units, gather_targets, own_kv, target_stats
-from treetrain.engine.resident import ResidentIdentity, ResidentKey, ResidentStore
+from treetrain.engine.resident import (
+    ResidentIdentity,
+    ResidentKey,
+    ResidentStore,
+    StaleResidentStateError,
+)
 from treetrain.engine.units import Unit, UnitTree
 from treetrain.models.decoder import LayerKV, SharedPast
+from treetrain.models.lora import adapter_state
 from treetrain.tree.model import ROOT
 
 
@@ -155,6 +167,18 @@ def scoring_schedule(units: UnitTree, need: Sequence[bool], microbatch: int) -> 
     return tuple(events)
 
 
+@dataclass
+class ReferenceWalk:
+    """The reference scored in the policy's walk: `paths` over its own store and identity, run inside
+    `enter()` (e.g. the adapters switched off). `logps` and `tokens` fill as the walk goes."""
+
+    paths: PathKV
+    enter: Callable[[], contextlib.AbstractContextManager[object]]
+    before_batch: Callable[[ScoreBatch], None] | None = None
+    logps: list[torch.Tensor | None] = field(default_factory=list)
+    tokens: int = 0
+
+
 @torch.no_grad()
 def scoring_pass(
     model: PreTrainedModel,
@@ -167,6 +191,7 @@ def scoring_pass(
     max_logit_elements: int,
     before_batch: Callable[[ScoreBatch], None] | None = None,
     forward_elsewhere: Callable[[int], bool] | None = None,
+    reference: ReferenceWalk | None = None,
 ) -> tuple[list[torch.Tensor | None], int]:
     """Logprobs of every needed unit's targets, `[M_u]` per unit (None where not needed).
 
@@ -174,26 +199,45 @@ def scoring_pass(
     is stored; `keep(u)` says whether it stays after u's subtree is scored. `before_batch` is called before
     each batch (the retention policy and the memory tracker listen). Units for which `forward_elsewhere(u)`
     is true are left out of the no-grad forwards (their first forward keeps a graph; see `TreeReplay`).
+    With `reference`, every batch is also scored by the reference, all its units included (see the module
+    docstring); its logprobs and tokens are left in `reference`.
     Returns the logprobs and the number of tokens evaluated.
     """
     units = paths.units
     logps: list[torch.Tensor | None] = [None] * len(units)
     tokens = 0
+    if reference is not None:
+        reference.logps = [None] * len(units)
     for event in scoring_schedule(units, need, microbatch):
         if isinstance(event, ScoreDone):
             if not keep(event.unit):
                 paths.store.release(paths.key(event.unit))
+            if reference is not None:
+                reference.paths.store.release(reference.paths.key(event.unit))
             continue
         if before_batch is not None:
             before_batch(event)
         members = [c for c in event.units if forward_elsewhere is None or not forward_elsewhere(c)]
-        if not members:
-            if event.parent != ROOT:  # the path is still made resident, as the retention plan expects
-                paths.pieces(event.parent)
-            continue
-        tokens += _score_splitting(
-            model, paths, event.parent, [units[c] for c in members], logps, with_entropy, max_logit_elements
-        )
+        if members:
+            tokens += _score_splitting(
+                model,
+                paths,
+                event.parent,
+                [units[c] for c in members],
+                logps,
+                with_entropy,
+                max_logit_elements,
+            )
+        elif event.parent != ROOT:  # the path is still made resident, as the retention plan expects
+            paths.pieces(event.parent)
+        if reference is not None:
+            if reference.before_batch is not None:
+                reference.before_batch(event)
+            with reference.enter():
+                reference.tokens += _score_splitting(
+                    reference.paths.model, reference.paths, event.parent, [units[c] for c in event.units],
+                    reference.logps, False, max_logit_elements,
+                )  # fmt: skip
     return logps, tokens
 
 
@@ -232,6 +276,11 @@ def _score_batch(
     max_logit_elements: int,
 ) -> int:
     """One scoring forward; its activations die on return, before the next batch runs."""
+    state = adapter_state(model)
+    if state != paths.identity.adapters:  # e.g. a reference forward run with the adapters left on
+        raise StaleResidentStateError(
+            f"scoring with adapters {state!r} into a store of identity adapters={paths.identity.adapters!r}"
+        )
     batch_ids, out = forward_units(model, batch, paths.past_for_children(parent), paths.device)
     gathered = gather_targets([b.targets for b in batch], batch_ids.input_ids.shape[1], paths.device)
     lp, _ = target_stats(

@@ -99,10 +99,12 @@ def tree_events(
     kept_graphs: frozenset[int] = frozenset(),
     host_tier: bool = False,
     label_prefix: str = "",
+    fused_reference: bool = False,
 ) -> tuple[MemEvent, ...]:
-    """Every forward of one tree in execution order (the reference pass is added by the ledger).
+    """Every forward of one tree in execution order (a separate reference walk is added by the ledger).
 
     With `host_tier`, a unit computed before and evicted since is copied back ('restore'), not recomputed.
+    With `fused_reference`, each scoring batch is followed by the reference's forward of all its units.
     """
     events: list[MemEvent] = []
     exact = contract == "exact"
@@ -140,6 +142,8 @@ def tree_events(
                 events.append(
                     MemEvent(label, "score", shape, i, tuple(c.index for c in members), tokens=tokens)
                 )
+            if fused_reference:
+                events.append(_reference_event(units, ev, i))
         elif isinstance(ev, ReplayStep):
             fresh = [units[u] for u in ev.units if u not in kept_graphs]
             kept = tuple(u for u in ev.units if u in kept_graphs)
@@ -166,6 +170,14 @@ def tree_events(
     return tuple(events)
 
 
+def _reference_event(units: UnitTree, ev: ScoreBatch, use: int) -> MemEvent:
+    """The reference's no-grad forward of a scoring batch (all its units), in its own walk or the fused one."""
+    batch = [units[c] for c in ev.units]
+    shape = forward_shape(units, ev.parent, batch, stored=sum(len(c) for c in batch if c.children))
+    tokens = sum(len(c.input_tokens) for c in batch)
+    return MemEvent(f"reference {ev.parent}:{ev.units[0]}", "reference", shape, use, ev.units, tokens=tokens)
+
+
 @dataclass(frozen=True)
 class TreePlan:
     """Everything the engine will do with one tree, derived exactly as `TreeReplay` derives it."""
@@ -177,11 +189,13 @@ class TreePlan:
     events: tuple[MemEvent, ...]
     kept: frozenset[int]
     reference_events: tuple[MemEvent, ...]
-    """The reference model's scoring batches (empty without a KL term)."""
+    """The separate reference walk's scoring batches (empty without a KL term, or when it is fused)."""
     reference_schedule: tuple[ScoreEvent, ...]
-    """The reference scoring pass's events, releases included."""
+    """The separate reference walk's events, releases included."""
     kv_bytes: tuple[int, ...]
     """Resident KV bytes of each unit."""
+    fused_reference: bool = False
+    """The reference is scored in the scoring walk ('reference' events among `events`)."""
 
 
 def plan_tree(
@@ -193,8 +207,12 @@ def plan_tree(
     budget: int | None = None,
     keep_graph: KeepGraph | None = None,
     host_tier: bool = False,
+    fused_reference: bool = False,
 ) -> TreePlan:
-    """The schedule, retention plan and forward events of one tree (see `TreeReplay._tree`)."""
+    """The schedule, retention plan and forward events of one tree (see `TreeReplay._tree`).
+
+    `fused_reference` (`treetrain.engine.replay.fused_reference`): the reference is scored in the scoring
+    walk, its KV counted in the retention plan; otherwise, with KL, in a walk of its own."""
     units = UnitTree.build(work.tree, work.targets, replay.chunk_size)
     skip = replay.skip_inert and loss.zero_advantage_is_inert
     steps = build_schedule(
@@ -215,23 +233,18 @@ def plan_tree(
     score_events = (
         scoring_schedule(units, scored, replay.score_microbatch) if loss.ratio_source == "scoring" else ()
     )
-    uses = tree_uses(units, score_events, steps, contract=replay.contract, keep=needs_kv, kept_graphs=kept)
+    fused = fused_reference and bool(score_events)
+    uses = tree_uses(
+        units, score_events, steps, contract=replay.contract, keep=needs_kv, kept_graphs=kept,
+        fused_reference=fused,
+    )  # fmt: skip
     kv = tuple(len(u) * kv_bytes_per_token for u in units.units)
     plan = plan_retention(uses, kv, budget)
-    events = tree_events(units, uses, plan, contract=replay.contract, kept_graphs=kept, host_tier=host_tier)
-    reference: tuple[MemEvent, ...] = ()
-    ref_schedule = (
-        scoring_schedule(units, reference_need(units), replay.score_microbatch)
-        if loss.needs_reference
-        else ()
-    )
-    if loss.needs_reference:
-        for ev in ref_schedule:
-            if isinstance(ev, ScoreBatch):
-                batch = [units[c] for c in ev.units]
-                stored = sum(len(c) for c in batch if c.children)
-                shape = forward_shape(units, ev.parent, batch, stored=stored)
-                label = f"reference {ev.parent}:{ev.units[0]}"
-                tokens = sum(len(c.input_tokens) for c in batch)
-                reference += (MemEvent(label, "reference", shape, -1, ev.units, tokens=tokens),)
-    return TreePlan(units, steps, uses, plan, events, kept, reference, ref_schedule, kv)
+    events = tree_events(
+        units, uses, plan, contract=replay.contract, kept_graphs=kept, host_tier=host_tier,
+        fused_reference=fused,
+    )  # fmt: skip
+    separate = loss.needs_reference and not fused
+    ref_schedule = scoring_schedule(units, reference_need(units), replay.score_microbatch) if separate else ()
+    reference = tuple(_reference_event(units, ev, -1) for ev in ref_schedule if isinstance(ev, ScoreBatch))
+    return TreePlan(units, steps, uses, plan, events, kept, reference, ref_schedule, kv, fused)

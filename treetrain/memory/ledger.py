@@ -28,6 +28,7 @@ from transformers import PreTrainedModel
 
 from treetrain.engine.batch import ReplayConfig, UpdateBatch
 from treetrain.engine.hooks import KeepGraph
+from treetrain.engine.replay import fused_reference
 from treetrain.engine.scoring import ScoreBatch, ScoreDone
 from treetrain.lifetime import CLASSES, ClassBytes
 from treetrain.loss.config import LossConfig
@@ -146,6 +147,9 @@ def predict_ledger(
 ) -> Ledger:
     """Predict the timeline of `TreeReplay(model, loss, replay, ...).accumulate(batch)`.
 
+    With a reference scored in the scoring walk (`fused_reference`), its rows follow each scoring batch and
+    its resident KV is booked with the policy's in prompt_group.
+
     `persistent` overrides the run-persistent bytes (e.g. with optimizer state under ZeRO); by default
     they are the model's (and reference model's) parameters and gradients, without an optimizer.
     `host_tier` matches `RetentionPolicy(host_tier=True)`: evicted KV is copied back, not recomputed.
@@ -165,15 +169,16 @@ def predict_ledger(
     lp_size = max(4, next(model.parameters()).element_size())
     rows: list[LedgerRow] = []
     minimum, recomputes = 0, 0
+    fused = fused_reference(loss, replay, ref_model)
     for t, work in enumerate(batch.work):
         tp = plan_tree(
             work, replay, loss, kv_bytes_per_token=mm.kv_bytes_per_token, budget=budget, keep_graph=keep_graph,
-            host_tier=host_tier,
+            host_tier=host_tier, fused_reference=fused,
         )  # fmt: skip
         minimum = max(minimum, tp.plan.minimum)
         recomputes += tp.plan.recomputes
         walk = _TreeWalk(tp, mm, ref_mm, fixed, lp_size, t)
-        rows.extend(walk.run(len(rows), reference=loss.needs_reference))
+        rows.extend(walk.run(len(rows), reference=loss.needs_reference and not tp.fused_reference))
     if not rows:
         rows.append(LedgerRow(0, -1, "idle", "idle", fixed))
     peak_row = max(rows, key=lambda r: r.bytes.total)
@@ -217,6 +222,8 @@ class _TreeWalk:
         self.resident: set[int] = set()
         self.grads: set[int] = set()
         self.prompt = 0  # bytes of `resident` KV and `grads`
+        self.ref_held: set[int] = set()  # the fused reference walk's own store
+        self.ref_prompt = 0
         self.kept: dict[int, tuple[int, Shape]] = {}
         self.held = 0  # scores and kept graphs
         self.rows: list[LedgerRow] = []
@@ -236,7 +243,7 @@ class _TreeWalk:
 
     def _row(self, ev: MemEvent, temporary: int, extra_prompt: int = 0) -> None:
         bytes_ = self.fixed + ClassBytes(
-            prompt_group=self.prompt + extra_prompt, temporary=self.held + temporary
+            prompt_group=self.prompt + self.ref_prompt + extra_prompt, temporary=self.held + temporary
         )
         index = self.start + len(self.rows)
         self.rows.append(LedgerRow(index, self.tree, ev.label, ev.kind, bytes_, ev.shape, ev.tokens))
@@ -258,6 +265,9 @@ class _TreeWalk:
             for u in use.release:
                 if u in self.kept:
                     self.held -= self.kept.pop(u)[0]
+            if isinstance(use.event, ScoreDone) and use.event.unit in self.ref_held:
+                self.ref_held.discard(use.event.unit)
+                self.ref_prompt -= self.tp.kv_bytes[use.event.unit]
         return self.rows
 
     def _event(self, ev: MemEvent, stored: Sequence[int], new_grads: Sequence[int]) -> None:
@@ -277,6 +287,13 @@ class _TreeWalk:
         elif ev.kind == "score":
             self._row(ev, mm.nograd_peak(s))
             self._add(stored, self.resident)
+            self.held += s.targets * self.lp_size
+        elif ev.kind == "reference":  # fused: the reference's forward of the batch, into its own store
+            self._row(ev, self.ref_mm.nograd_peak(s))
+            for u in ev.units:
+                if self.tp.units[u].children and u not in self.ref_held:
+                    self.ref_held.add(u)
+                    self.ref_prompt += self.tp.kv_bytes[u]
             self.held += s.targets * self.lp_size
         else:
             extras = [mm.backward_extra(self.kept[u][1]) for u in ev.kept if u in self.kept]

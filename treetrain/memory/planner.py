@@ -7,6 +7,10 @@ Given the trees of an update, a model, a contract and a device memory budget, `p
   longer); every candidate is priced by its ledger (`predict_ledger`) and its token cost;
 - flat mode: the microbatch of calls (`predict_flat`).
 
+With KL and a reference that is the policy with its adapters off, tree mode scores the reference in the
+scoring walk, both KV sets resident together and budgeted together; when no such candidate fits, the
+search is repeated with the reference in a second walk, and the plan says so.
+
 A candidate fits when its ledger peak is at most the budget. Among fitting tree candidates the cheapest
 in tokens wins (then fewer, larger steps; then the lower peak). The geometry advisor then compares the
 modes: tree is chosen when it fits and its token-ceiling speedup over flat is at least `min_speedup`,
@@ -31,11 +35,13 @@ from transformers import PreTrainedModel
 
 from treetrain.engine.batch import ReplayConfig, UpdateBatch
 from treetrain.engine.hooks import KeepGraph
+from treetrain.engine.replay import fused_reference
 from treetrain.engine.schedule import Contract
 from treetrain.engine.units import UnitTree
 from treetrain.loss.config import LossConfig
 from treetrain.memory.ledger import Ledger
 from treetrain.memory.persistent import PersistentBytes
+from treetrain.memory.retention import BudgetTooSmallError
 from treetrain.memory.search import (
     Candidate,
     KeepChoice,
@@ -127,6 +133,8 @@ class Plan:
     forced: tuple[str, ...] = ()
     attention: str = ""
     """How tree mode attends over resident KV (shared-past attention, or why the past is concatenated)."""
+    reference_walk: Literal["fused", "separate"] = "fused"
+    """Tree mode with KL: the reference scored in the scoring walk, or in a second walk (see module doc)."""
 
     @property
     def speedup(self) -> float:
@@ -140,6 +148,7 @@ class Plan:
             contract=self.contract,
             microbatch=self.microbatch,
             chunk_size=self.chunk_size,
+            reference_walk=self.reference_walk,
         )
 
     def keep_graph_fn(self) -> KeepGraph:
@@ -203,13 +212,43 @@ def plan_update(
     flops = 2.0 * params
 
     tree_cand: Candidate | None = None
-    search = TreeSearch(batch, model, loss, base, budget, persistent, ref_model)
+    fused = fused_reference(loss, base, ref_model)
+    walk_note = ""
     if ov.mode != "flat":
         ks = [ov.microbatch] if ov.microbatch is not None else k_candidates(batch)
         chunks = [ov.chunk_size or None] if ov.chunk_size is not None else chunk_candidates(batch)
-        tree_cand = search_tree(search, contract, ks, chunks, ov.retention, ov.keep_graphs)
-        if tree_cand is None:
-            tree_cand = search.smallest
+
+        def search(walk: Literal["fused", "separate"]) -> tuple[TreeSearch, Candidate | None]:
+            s = TreeSearch(
+                batch, model, loss, replace(base, reference_walk=walk), budget, persistent, ref_model
+            )
+            return s, search_tree(s, contract, ks, chunks, ov.retention, ov.keep_graphs)
+
+        if fused:
+            try:
+                one, tree_cand = search("fused")
+            except BudgetTooSmallError:  # a forced retention below the fused minimum: two walks may fit
+                one, tree_cand = None, None
+            if one is None or not one.fits(tree_cand):
+                two, separate = search("separate")
+                if two.fits(separate) or one is None or one.smallest is None:
+                    smallest = one.smallest if one is not None else None
+                    tree_cand, fused = separate or two.smallest, False
+                    walk_note = (
+                        "the reference (adapters off) runs as a second walk: in the scoring walk its KV and "
+                        "the policy's do not fit together"
+                        + (f" (smallest peak {format_bytes(smallest.ledger.peak.total)})" if smallest else "")
+                    )
+                else:
+                    tree_cand = tree_cand or one.smallest
+            elif tree_cand is not None:
+                walk_note = (
+                    "the reference (adapters off) is scored in the scoring walk: its KV and the policy's are "
+                    "resident, and budgeted, together"
+                )
+        else:
+            one, tree_cand = search("separate")
+            tree_cand = tree_cand or one.smallest
     flat_mb, flat_ledger, flat_cost = search_flat(
         batch, model, loss, budget, ov.microbatch if ov.mode == "flat" else None, persistent, ref_model,
         base.max_logit_elements,
@@ -260,9 +299,12 @@ def plan_update(
             reasons.append(f"resident state is bounded to {format_bytes(c.retention)} so the peak fits")
         if c.keep:
             reasons.append(f"{len(c.keep)} internal unit(s) keep their first graph: no recompute for them")
+        if walk_note:
+            reasons.append(walk_note)
         return Plan(
             "tree", contract, c.microbatch, c.chunk, c.retention, c.keep, budget, tree, flat, c.ledger,
             min_speedup, tuple(reasons), ov.forced(), attention_note(model),
+            "fused" if fused else "separate",
         )  # fmt: skip
     return Plan(
         "flat", contract, flat_mb, None, None, frozenset(), budget, tree, flat, flat_ledger, min_speedup,

@@ -10,8 +10,9 @@ An evicted unit is recomputed, without a graph, from its nearest resident ancest
 (`treetrain.engine.scoring.PathKV`), so a budget changes cost, never the gradient.
 
 What cannot be evicted sets the *minimum* budget: at every use, the KV of the path it runs against, the
-KV it stores, every live G accumulator (they hold gradient not yet pushed through, `exact` mode) and the
-ancestors pinned by kept graphs. A budget below that maximum is refused (`BudgetTooSmallError`).
+KV it stores, every live G accumulator (they hold gradient not yet pushed through, `exact` mode), the
+ancestors pinned by kept graphs, and, when the reference is scored in the same walk, the reference's own
+KV of the path (`ResidentUse.other`: another store's bytes, counted against the same budget). A budget below that maximum is refused (`BudgetTooSmallError`).
 
 `plan_retention` is a pure function of the uses, so the engine (`RetentionPolicy`) and the ledger
 (`treetrain.memory.ledger`) make the same decisions.
@@ -73,6 +74,9 @@ class ResidentUse:
     """Units whose KV a kept graph holds during the event: not evictable."""
     event: Any = None
     """The engine's own event (`ScoreBatch`, `ScoreDone` or `ReplayStep`) this use stands for."""
+    other: tuple[int, ...] = ()
+    """Units whose KV the fused reference walk holds in its own store during the event (the path and what
+    the batch stores): counted against the budget, never evicted by it."""
 
 
 def tree_uses(
@@ -83,8 +87,11 @@ def tree_uses(
     contract: Contract,
     keep: Sequence[bool],
     kept_graphs: frozenset[int] = frozenset(),
+    fused_reference: bool = False,
 ) -> tuple[ResidentUse, ...]:
     """The uses of one tree in execution order: the scoring pass (if any), then the replay steps.
+
+    With `fused_reference`, each scoring batch also carries the reference store's KV (`other`).
 
     `keep[u]` is whether u's KV stays resident after its subtree is scored (the engine keeps what a step
     will read). Units in `kept_graphs` are not stored by scoring: their first forward keeps a graph and
@@ -99,7 +106,12 @@ def tree_uses(
             continue
         assert isinstance(ev, ScoreBatch)
         stored = tuple(c for c in ev.units if units[c].children and c not in kept_graphs)
-        raw.append(ResidentUse(f"score {len(raw)}", need=units.path(ev.parent), store=stored, event=ev))
+        other = (
+            (*units.path(ev.parent), *(c for c in ev.units if units[c].children)) if fused_reference else ()
+        )
+        raw.append(
+            ResidentUse(f"score {len(raw)}", need=units.path(ev.parent), store=stored, event=ev, other=other)
+        )
     has_grad: set[int] = set()
     for i, step in enumerate(steps):
         path = units.path(step.parent)
@@ -118,7 +130,9 @@ def tree_uses(
                 parent = units[u].parent
                 pins.update(units.path(parent) if parent not in (None, ROOT) else ())
         out.append(
-            ResidentUse(r.label, r.need, r.store, r.new_grads, r.release, tuple(sorted(pins)), r.event)
+            ResidentUse(
+                r.label, r.need, r.store, r.new_grads, r.release, tuple(sorted(pins)), r.event, r.other
+            )
         )
     return tuple(out)
 
@@ -160,7 +174,8 @@ def plan_retention(uses: Sequence[ResidentUse], kv_bytes: Sequence[int], budget:
     for i, use in enumerate(uses):
         fixed = set(use.need) | set(use.store) | set(use.pinned)
         grad_bytes = sum(kv_bytes[u] for u in grads | set(use.new_grads))
-        required = sum(kv_bytes[u] for u in fixed) + grad_bytes
+        other = sum(kv_bytes[u] for u in use.other)
+        required = sum(kv_bytes[u] for u in fixed) + grad_bytes + other
         if required > minimum:
             minimum, minimum_at = required, use.label
         evicted: list[int] = []
@@ -182,7 +197,7 @@ def plan_retention(uses: Sequence[ResidentUse], kv_bytes: Sequence[int], budget:
         resident.update(missing)
         resident.update(use.store)
         grads.update(use.new_grads)
-        resident_log.append(sum(kv_bytes[u] for u in resident) + sum(kv_bytes[u] for u in grads))
+        resident_log.append(sum(kv_bytes[u] for u in resident) + sum(kv_bytes[u] for u in grads) + other)
         evict_log.append(tuple(evicted))
         compute_log.append(tuple(dict.fromkeys(missing)))
         for u in use.release:
@@ -203,9 +218,8 @@ def _minimum(uses: Sequence[ResidentUse], kv_bytes: Sequence[int]) -> int:
     best = 0
     for use in uses:
         fixed = set(use.need) | set(use.store) | set(use.pinned)
-        best = max(
-            best, sum(kv_bytes[u] for u in fixed) + sum(kv_bytes[u] for u in grads | set(use.new_grads))
-        )
+        grad_bytes = sum(kv_bytes[u] for u in grads | set(use.new_grads))
+        best = max(best, sum(kv_bytes[u] for u in fixed) + grad_bytes + sum(kv_bytes[u] for u in use.other))
         grads.update(use.new_grads)
         grads.difference_update(use.release)
     return best
@@ -266,12 +280,14 @@ class RetentionPolicy:
         evict: Callable[[int], object],
         offload: Callable[[int], object],
         model: PreTrainedModel,
+        fused_reference: bool = False,
     ) -> None:
         per_token = kv_bytes_per_token(model)
         kv = [len(u) * per_token for u in units.units]
         self._uses = tree_uses(
-            units, score_events, steps, contract=cast(Contract, contract), keep=keep, kept_graphs=kept_graphs
-        )
+            units, score_events, steps, contract=cast(Contract, contract), keep=keep, kept_graphs=kept_graphs,
+            fused_reference=fused_reference,
+        )  # fmt: skip
         self._plan = plan_retention(self._uses, kv, self.budget)
         self.plans.append(self._plan)
         self._cursor = 0

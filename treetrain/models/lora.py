@@ -3,6 +3,14 @@
 Why adapters: only the low-rank matrices train, so the base model needs no gradient and no optimizer state,
 and the KL reference is the same weights with the adapters switched off (`AdaptersOff`): no second copy.
 
+Inits that rewrite the base (PiSSA, OLoRA) start the trained adapter at the base's principal (or QR)
+directions and subtract them from the base weights. treetrain restores the base weights afterwards and adds
+a second, frozen adapter `initial` holding minus the starting adapter, so the policy still starts as the
+base model and "adapters off" is exactly the starting model: the reference stays free, and the trained
+adapter moves from PiSSA's (or OLoRA's) starting point. Exported, the two become one plain LoRA adapter of
+twice the rank for the unmodified base (`save_adapter`, the conversion PEFT's
+`path_initial_model_for_weight_conversion` does).
+
 Exactness: the engine splits sequences and reuses resident KV, so two forwards of the same tokens must give
 the same numbers. LoRA dropout draws a new mask on every forward, so `dropout > 0` is refused. An adapter
 loaded from a directory that was trained with dropout gets it forced to 0 (with a warning): its weights
@@ -23,13 +31,15 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 from transformers import PreTrainedModel
 
 from treetrain.loss.config import ConfigError
@@ -43,6 +53,10 @@ MAX_RANK = 1 << 14
 ADAPTER_CONFIG = "adapter_config.json"
 MAX_ADAPTER_CONFIG_BYTES = 1 << 20
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+DEFAULT, INITIAL = "default", "initial"
+"""PEFT adapter names: the trained adapter, and (PiSSA, OLoRA) the frozen negated starting adapter."""
+REWRITING_INITS = ("pissa", "olora")
+"""Inits that rewrite the base weights (handled with the frozen `initial` adapter, see module docstring)."""
 
 
 @dataclass(frozen=True)
@@ -57,9 +71,11 @@ class LoraSection:
     """Module names (suffixes) that get adapters, or ['all-linear'] for every linear layer but the head."""
     modules_to_save: tuple[str, ...] = ()
     """Modules trained in full next to the adapters (e.g. ['lm_head']); switched off with the adapters."""
-    init: Literal["default", "gaussian"] = "default"
-    """'default': A Kaiming-uniform, B = 0 (the policy starts as the base); 'gaussian': A normal, B = 0.
-    Inits that rewrite the base weights (PiSSA, OLoRA) are not offered: the reference is the base."""
+    init: Literal["default", "gaussian", "pissa", "olora", "loftq"] = "default"
+    """'default': A Kaiming-uniform, B = 0 (the policy starts as the base); 'gaussian': A normal, B = 0;
+    'pissa' (principal singular vectors) or 'olora' (QR): the base's own directions, with a frozen copy
+    of the starting adapter subtracted so the policy and the reference (adapters off) still start as the
+    base; export gives a plain LoRA adapter of rank 2r. 'loftq' is refused (it needs a quantized base)."""
     dropout: float = 0.0
     """Must be 0: dropout makes two forwards of the same tokens differ, which breaks the exact contract."""
     adapter: str | None = None
@@ -82,6 +98,16 @@ class LoraSection:
                 f"model.lora.dropout: must be 0, got {self.dropout}: dropout draws a new mask on every forward, "
                 "so the scoring pass, resident KV and replay of the same tokens would differ and the exact "
                 "contract would not hold"
+            )
+        if self.init == "loftq":
+            raise ConfigError(
+                "model.lora.init: 'loftq' initializes adapters against a quantized base's quantization error, and "
+                "treetrain trains unquantized weights; use 'pissa' or 'olora'"
+            )
+        if self.init in REWRITING_INITS and self.modules_to_save:
+            raise ConfigError(
+                f"model.lora.init: {self.init!r} keeps a frozen starting adapter active next to the trained one, "
+                "which PEFT's modules_to_save does not support; leave model.lora.modules_to_save empty"
             )
         if self.adapter is not None:
             check_adapter_dir(self.adapter)
@@ -114,6 +140,13 @@ def check_adapter_dir(path: str) -> dict[str, Any]:
         raise ConfigError(f"model.lora.adapter: {cfg_file} is not valid JSON: {type(exc).__name__}") from None
     if not isinstance(cfg, dict) or cfg.get("peft_type") != "LORA":
         raise ConfigError(f"model.lora.adapter: {cfg_file} is not a LoRA adapter config")
+    init = str(cfg.get("init_lora_weights", True)).lower()
+    if init.startswith(("pissa", "olora", "corda", "loftq", "eva", "lora_ga")):
+        raise ConfigError(
+            f"model.lora.adapter: {cfg_file} says init_lora_weights={init!r}: loading it would rewrite the base "
+            "weights again; convert it to a plain LoRA adapter first (PEFT's path_initial_model_for_weight_"
+            "conversion; treetrain's own exports already are)"
+        )
     dropout = cfg.get("lora_dropout") or 0.0
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
         raise ConfigError(
@@ -176,16 +209,83 @@ def apply_lora(model: PreTrainedModel, section: LoraSection) -> Any:
             lora_dropout=0.0,
             target_modules=targets,
             modules_to_save=list(section.modules_to_save) or None,
-            init_lora_weights=True if section.init == "default" else "gaussian",
+            init_lora_weights="gaussian" if section.init == "gaussian" else True,
         )
         try:
             peft_model = get_peft_model(model, config)
         except ValueError as exc:
             raise ConfigError(f"model.lora.target_modules: {exc}") from None
+        if section.init in REWRITING_INITS:
+            try:
+                _start_from_base_directions(peft_model, section.init, config)
+            except (TypeError, ValueError) as exc:  # PEFT refuses some dtypes (float64)
+                raise ConfigError(f"model.lora.init: {section.init!r}: {exc}") from None
     for name, p in peft_model.named_parameters():
         if p.requires_grad and not is_adapter_param(name):
             raise RuntimeError(f"PEFT left base parameter {name} trainable")
     return peft_model
+
+
+@torch.no_grad()
+def _start_from_base_directions(peft_model: Any, init: str, config: Any) -> None:
+    """PEFT's PiSSA/OLoRA init of the `default` adapter, then the base weights restored and a frozen
+    `initial` adapter of minus the starting adapter added: policy = W + BA - B0A0, equal to W at the start,
+    and adapters off = W (see module docstring)."""
+    from peft.tuners.lora import LoraLayer
+
+    peft_model.add_adapter(INITIAL, copy.deepcopy(config))  # init True: B = 0, the base untouched
+    layers: list[Any] = [m for m in peft_model.modules() if isinstance(m, LoraLayer) and DEFAULT in m.lora_A]
+    for layer in layers:
+        weight = layer.get_base_layer().weight
+        original = weight.detach().clone()
+        if init == "pissa":
+            layer.pissa_init(DEFAULT, "pissa")  # W -> W - B0 A0 (scaled), in place
+        else:
+            layer.olora_init(DEFAULT)
+        weight.data.copy_(original)
+        layer.lora_A[INITIAL].weight.copy_(layer.lora_A[DEFAULT].weight)
+        layer.lora_B[INITIAL].weight.copy_(-layer.lora_B[DEFAULT].weight)
+        # PEFT's declaration of adapter weights that stay frozen: every later `set_adapter` (including the
+        # one that ends `disable_adapter()`, the reference pass) re-freezes them.
+        layer.frozen_peft_weight_names = {**layer.frozen_peft_weight_names, INITIAL: ("lora_A", "lora_B")}
+    peft_model.base_model.set_adapter([DEFAULT, INITIAL])
+    for name, p in peft_model.named_parameters():
+        if f".{INITIAL}." in name:
+            p.requires_grad_(False)
+
+
+def has_initial_adapter(model: Any) -> bool:
+    """Whether `model` carries the frozen starting adapter of a PiSSA/OLoRA init."""
+    return is_peft(model) and INITIAL in getattr(model, "peft_config", {})
+
+
+def save_adapter(model: Any, directory: Path, state_dict: Mapping[str, torch.Tensor] | None = None) -> None:
+    """Write `model`'s trained adapter as a PEFT adapter directory for the unmodified base model.
+
+    A plain init is PEFT's `save_pretrained`. With the frozen `initial` adapter (PiSSA, OLoRA) the two
+    adapters are written as one of twice the rank, A' = [A; A0'], B' = [B, -B0] with alpha doubled (the
+    same scale), the conversion PEFT's `path_initial_model_for_weight_conversion` makes. `state_dict`:
+    the full weights when the module's own are partitioned (ZeRO-3).
+    """
+    if not has_initial_adapter(model):
+        model.save_pretrained(str(directory), **({"state_dict": dict(state_dict)} if state_dict else {}))
+        return
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    sd = dict(state_dict) if state_dict is not None else None
+    trained = get_peft_model_state_dict(model, state_dict=sd, adapter_name=DEFAULT)
+    start = get_peft_model_state_dict(model, state_dict=sd, adapter_name=INITIAL)
+    out = {}
+    for key, value in trained.items():
+        dim = 0 if ".lora_A." in key else 1
+        out[key] = torch.cat([value, start[key]], dim=dim).detach().cpu().contiguous()
+    config = copy.deepcopy(model.peft_config[DEFAULT])
+    config.r, config.lora_alpha, config.init_lora_weights = 2 * config.r, 2 * config.lora_alpha, True
+    config.inference_mode = True
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(out, str(directory / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    config.save_pretrained(str(directory))
 
 
 def is_adapter_param(name: str) -> bool:
@@ -249,4 +349,7 @@ def adapter_state(model: Any) -> str:
     layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
     if not layers:
         return "none"
-    return "off" if all(m.disable_adapters for m in layers) else "on"
+    if all(m.disable_adapters for m in layers):
+        return "off"
+    active = sorted({a for m in layers for a in m.active_adapters})
+    return "on" if active in ([DEFAULT], [DEFAULT, INITIAL]) else "on:" + ",".join(active)

@@ -65,6 +65,11 @@ class ModelSection:
     """LoRA adapters (PEFT) on the policy; null trains every weight. `--set model.lora.r=8` turns them on."""
 
     def __post_init__(self) -> None:
+        if self.lora is not None and self.lora.init in ("pissa", "olora") and self.dtype == "float64":
+            raise ConfigError(
+                f"model.lora.init: PEFT's {self.lora.init!r} decomposition runs in float32, float16 or bfloat16, "
+                "not model.dtype float64"
+            )
         if self.reference == "base" and self.lora is None:
             raise ConfigError(
                 "model.reference: 'base' (the policy with adapters off) needs model.lora; use 'initial' or a path"
