@@ -459,6 +459,30 @@ def test_rewriting_init_reference_is_the_starting_model(init: str, tmp_path) -> 
         LoraSection(adapter=str(tmp_path / "final"))
 
 
+def test_trainer_with_pissa_exports_the_trained_policy(tmp_path) -> None:
+    """The trainer with PiSSA: KL 0 on the first update (the reference is the starting model), > 0 after;
+    final-merged/ (the rank-2r export merged into a freshly loaded base) gives the trained policy."""
+    from test_train import TINY
+    from transformers import AutoModelForCausalLM
+
+    from treetrain.train.loop import Trainer
+    from treetrain.train.metrics import read_metrics
+
+    sets = [*TINY, "measure_memory_every=0", "model.lora.r=4", "model.lora.init=pissa", "loss.kl_coef=0.05"]
+    sets += ["model.reference=base"]
+
+    sets += [f"run_dir={tmp_path / 'a'}", "updates=2", "model.lora.export_merged=true"]
+    straight = Trainer(load_config(None, sets), progress=False)
+    straight.run()
+    a = read_metrics(tmp_path / "a" / "metrics.jsonl")
+    assert abs(a[0].kl) < 1e-6 and a[1].kl > 0
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "a" / "final-merged", local_files_only=True)
+    ids = torch.tensor([[1, 5, 9, 13, 2]])
+    with torch.no_grad():
+        want = straight.backend.module(input_ids=ids).logits
+        assert torch.allclose(merged(input_ids=ids).logits, want, atol=1e-5)
+
+
 def test_rewriting_init_exact_with_kl_matches_flat() -> None:
     """With PiSSA, `exact` with KL (reference: adapters off, in the scoring walk) equals flat."""
     make = lora_factory("qwen3", torch.float32, init="pissa")
