@@ -52,8 +52,11 @@ def wide(width: int, prompt: int = 64) -> bytes:
     return _doc(nodes, trajs)
 
 
-def shared_calls(prefix: int, calls: int) -> bytes:
-    """One trajectory of `calls` calls that all run through one `prefix`-token node: T = calls x prefix."""
+def shared_calls(prefix: int, calls: int, logprobs: bool = False) -> bytes:
+    """One trajectory of `calls` calls that all run through one `prefix`-token node: T = calls x prefix.
+
+    With `logprobs`, every call carries the sampler's logprob of its one policy token."""
     nodes = [_node(None, [], []), _node(0, [5] * prefix, [0] * (prefix - 1) + [1])]
-    call = {"end": 1, "segment_lengths": [prefix - 1, 1], "logprobs": [None]}
+    lps = np.full(1, -0.5, dtype="<f8").tobytes() if logprobs else None
+    call = {"end": 1, "segment_lengths": [prefix - 1, 1], "logprobs": [lps]}
     return _doc(nodes, [_traj("t", [call] * calls)])

@@ -215,7 +215,9 @@ class Trajectory:
                 )
             if not all(math.isfinite(r) for r in self.step_rewards):
                 raise TrajectoryError(f"trajectory {self.id!r} has a non-finite step reward")
-        if self.num_policy_tokens == 0:
+        # Every policy token is owned by some call, so this is `num_policy_tokens == 0` without the
+        # prefix scans that cost calls^2 x tokens.
+        if not any(s.role is Role.POLICY for c in self.calls for s in c.segments):
             raise TrajectoryError(f"trajectory {self.id!r} has no policy tokens, so nothing to train on")
 
     @property

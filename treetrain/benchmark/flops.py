@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from transformers import PreTrainedModel
 
 from treetrain.benchmark.config import Mode
-from treetrain.tree.model import ROOT, CallRef, TrajectoryTree
+from treetrain.tree.model import ROOT, TrajectoryTree
 from treetrain.tree.stats import node_carries_loss
 
 
@@ -57,9 +57,9 @@ def flop_ceiling(tree: TrajectoryTree, mode: Mode, fm: FlopModel) -> float:
     """The FLOPs `mode` must spend on `tree` at its token-ceiling multiplicities."""
     if mode == "flat":
         total = 0.0
-        for t, record in enumerate(tree.records):
-            for c in range(len(record.calls)):
-                total += 3 * fm.forward(len(tree.call_tokens(CallRef(t, c))[0]), 0)
+        for record in tree.records:
+            for call in record.calls:
+                total += 3 * fm.forward(tree.nodes[call.end].end, 0)
         return total
     total = 0.0
     for node in tree.nodes:

@@ -52,16 +52,16 @@ def _fixed(model: PreTrainedModel) -> ClassBytes:
 def predict_flat_peak(model: PreTrainedModel, batch: UpdateBatch, cfg: BenchConfig) -> ClassBytes:
     """Flat's predicted peak: the largest microbatch's forward-and-backward peak, as a no-past step."""
     mm = calibrate(model, "response_only")  # a flat backward has no <KV, G> term
-    calls = FlatReference(model, LOSS, microbatch=cfg.flat_microbatch).calls(batch)
+    calls = FlatReference(model, LOSS, microbatch=cfg.flat_microbatch).call_sizes(batch)
     worst = 0
     for i in range(0, len(calls), cfg.flat_microbatch):
         group = calls[i : i + cfg.flat_microbatch]
         shape = Shape(
             rows=len(group),
-            width=max(len(c.tokens) for c in group),
+            width=max(c.tokens for c in group),
             past=0,
             pieces=0,
-            targets=sum(c.targets.num_targets for c in group),
+            targets=sum(c.targets for c in group),
         )
         worst = max(worst, mm.step_peak(shape))
     return _fixed(model) + ClassBytes(temporary=worst)

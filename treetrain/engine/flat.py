@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from transformers import PreTrainedModel
@@ -23,7 +24,7 @@ from treetrain.engine.pieces import GatheredTargets, gather_targets, pad_pieces,
 from treetrain.engine.schedule import ORDERS, Order
 from treetrain.loss.config import LossConfig
 from treetrain.loss.objective import Contributions, objective, sampler_logprobs
-from treetrain.loss.targets import TargetTable, call_targets
+from treetrain.loss.targets import TargetTable, call_target_counts, call_targets
 from treetrain.models.decoder import decoder_forward
 from treetrain.models.logprobs import DEFAULT_MAX_LOGIT_ELEMENTS
 from treetrain.models.lora import Reference, adapters_disabled
@@ -34,6 +35,17 @@ from treetrain.tree.model import CallRef
 class FlatCall:
     tokens: tuple[int, ...]
     targets: TargetTable
+
+
+@dataclass(frozen=True)
+class FlatCallSize:
+    """What the planner needs of a `FlatCall`: its length and its number of targets."""
+
+    tokens: int
+    targets: int
+
+
+_C = TypeVar("_C", FlatCall, FlatCallSize)
 
 
 class FlatReference:
@@ -71,11 +83,28 @@ class FlatReference:
         out = []
         for work in batch.work:
             for t in sorted(work.trajectories):
-                for c in range(len(work.tree.records[t].calls)):
+                traj = work.tree.trajectory(t)  # once per trajectory, not once per call
+                for c in range(len(traj.calls)):
                     ref = CallRef(t, c)
-                    table = call_targets(work.tree, ref, work.advantages, batch.manifest, self.loss_cfg)
+                    table = call_targets(work.tree, ref, work.advantages, batch.manifest, self.loss_cfg, traj)
                     if table.num_targets:
-                        out.append(FlatCall(work.tree.call_tokens(ref)[0], table))
+                        out.append(FlatCall(traj.calls[c].tokens, table))
+        return self._ordered(out)
+
+    def call_sizes(self, batch: UpdateBatch) -> list[FlatCallSize]:
+        """The length and target count of each call `calls` gives, in the same order, read off the tree:
+        the work is the tree's (node, trajectory) pairs, nodes and calls, never the calls' lengths, which
+        shared prefixes make far larger than the file (the planner prices flat mode with these)."""
+        out = []
+        for work in batch.work:
+            counts = call_target_counts(work.tree, batch.manifest, self.loss_cfg)
+            for t in sorted(work.trajectories):
+                for c, record in enumerate(work.tree.records[t].calls):
+                    if counts[CallRef(t, c)]:
+                        out.append(FlatCallSize(work.tree.nodes[record.end].end, counts[CallRef(t, c)]))
+        return self._ordered(out)
+
+    def _ordered(self, out: list[_C]) -> list[_C]:
         if self.order == "reverse":
             out.reverse()
         elif self.order == "shuffle":

@@ -87,8 +87,9 @@ class Manifest:
     def num_trajectories(self) -> int:
         return len(self.entries)
 
-    @property
+    @cached_property
     def policy_tokens(self) -> int:
+        """Owned policy tokens over all entries (cached: every token-mean coefficient reads it)."""
         return sum(e.policy_tokens for e in self.entries)
 
     @property

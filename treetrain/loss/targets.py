@@ -22,7 +22,7 @@ import numpy as np
 from treetrain.loss.advantages import TreeAdvantages
 from treetrain.loss.config import LossConfig
 from treetrain.loss.manifest import Manifest
-from treetrain.trajectory import Role
+from treetrain.trajectory import Role, Trajectory
 from treetrain.tree.model import ROOT, CallRef, TrajectoryTree
 
 
@@ -76,21 +76,45 @@ EMPTY = TargetTable(
 
 
 def _owner_calls(tree: TrajectoryTree) -> dict[tuple[int, int], int]:
-    """(trajectory, node) -> index of the earliest call of that trajectory whose path contains the node."""
+    """(trajectory, node) -> index of the earliest call of that trajectory whose path contains the node.
+
+    Each call walks up from its end only until a node an earlier call of its trajectory already claimed
+    (those claims are closed under ancestors), so the work is the (node, trajectory) pairs plus the calls,
+    never calls x depth."""
     owner: dict[tuple[int, int], int] = {}
     for t, rec in enumerate(tree.records):
-        for c in range(len(rec.calls)):
-            for n in tree.path(rec.calls[c].end):
-                owner.setdefault((t, n), c)
+        for c, call in enumerate(rec.calls):
+            n: int | None = call.end
+            while n is not None and n != ROOT and (t, n) not in owner:
+                owner[(t, n)] = c
+                n = tree.nodes[n].parent
     return owner
+
+
+def _policy_counts(tree: TrajectoryTree) -> tuple[list[int], list[int]]:
+    """Per node: its policy tokens that can be targets (a sequence's first token cannot), and the policy
+    tokens on the path above it (nodes come parent first, as `build_tree` and the reader guarantee)."""
+    own = [0] * len(tree.nodes)
+    above = [0] * len(tree.nodes)
+    for n in tree.nodes[1:]:
+        first = 1 if n.parent == ROOT else 0
+        own[n.index] = sum(1 for r in n.roles[first:] if r is Role.POLICY)
+        assert n.parent is not None
+        parent = tree.nodes[n.parent]
+        above[n.index] = above[n.parent] + sum(1 for r in parent.roles if r is Role.POLICY)
+    return own, above
 
 
 def _coefficients(tree: TrajectoryTree, manifest: Manifest, cfg: LossConfig) -> np.ndarray:
     return np.array([manifest.coefficient(tree.id, r.id, cfg) for r in tree.records], dtype=np.float64)
 
 
-def _sampler_table(tree: TrajectoryTree) -> dict[CallRef, tuple[float, ...] | None]:
-    return {ref: tree.sampler_logprobs(ref) for ref in tree.call_refs()}
+def _policy_logprobs(tree: TrajectoryTree, ref: CallRef) -> tuple[float, ...] | None:
+    """A call's sampler logprobs, one per policy token in order, or None when any segment lacks them."""
+    crec = tree.records[ref.trajectory].calls[ref.call]
+    if any(lp is None for lp in crec.logprobs):
+        return None
+    return tuple(x for lp in crec.logprobs if lp is not None for x in lp)
 
 
 @dataclass
@@ -138,7 +162,8 @@ def tree_targets(
     """One `TargetTable` per node (the empty root's is empty); `positions` are token indices in the node."""
     coefs = _coefficients(tree, manifest, cfg)
     owner = _owner_calls(tree)
-    sampler = _sampler_table(tree)
+    _, above = _policy_counts(tree)
+    sampler: dict[CallRef, tuple[float, ...] | None] = {}
     tables: list[TargetTable] = []
     for node in tree.nodes:
         if node.index == ROOT:
@@ -147,24 +172,53 @@ def tree_targets(
         table = _TableBuilder()
         contribs = [j for j in sorted(node.trajectories) if coefs[j] > 0]
         first = 1 if node.parent == ROOT else 0  # a sequence's first token has nothing before it
-        for k in range(first, len(node)):
-            if node.roles[k] is not Role.POLICY or not contribs:
+        rank = above[node.index]  # the policy rank of the next policy token along any call's path
+        for k in range(len(node)):
+            if node.roles[k] is not Role.POLICY:
+                continue
+            rank += 1
+            if k < first or not contribs:
                 continue
             m = table.target(k, node.tokens[k])
             for j in contribs:
-                lps = sampler[CallRef(j, owner[(j, node.index)])]
-                lp = lps[node.offset + k] if lps is not None else math.nan
+                ref = CallRef(j, owner[(j, node.index)])
+                if ref not in sampler:
+                    sampler[ref] = _policy_logprobs(tree, ref)
+                lps = sampler[ref]
+                lp = lps[rank - 1] if lps is not None else math.nan
                 table.contribution(m, coefs[j], advantages.at(j, node.index), lp, j)
         tables.append(table.build())
     return tuple(tables)
 
 
+def call_target_counts(tree: TrajectoryTree, manifest: Manifest, cfg: LossConfig) -> dict[CallRef, int]:
+    """The number of targets `call_targets` gives each call, read off the nodes each call owns.
+
+    The planner prices flat mode with these: the work is the (node, trajectory) pairs, the calls and the
+    nodes, never the calls' lengths (which shared prefixes make far larger than the file)."""
+    positive = [bool(c > 0) for c in _coefficients(tree, manifest, cfg)]
+    own, _ = _policy_counts(tree)
+    counts = [[0] * len(r.calls) for r in tree.records]
+    for (t, n), c in _owner_calls(tree).items():
+        if positive[t]:
+            counts[t][c] += own[n]
+    return {CallRef(t, c): k for t, row in enumerate(counts) for c, k in enumerate(row)}
+
+
 def call_targets(
-    tree: TrajectoryTree, ref: CallRef, advantages: TreeAdvantages, manifest: Manifest, cfg: LossConfig
+    tree: TrajectoryTree,
+    ref: CallRef,
+    advantages: TreeAdvantages,
+    manifest: Manifest,
+    cfg: LossConfig,
+    trajectory: Trajectory | None = None,
 ) -> TargetTable:
-    """The conventional view of one call: position t-1 predicts each owned policy token t."""
-    coef = _coefficients(tree, manifest, cfg)[ref.trajectory]
-    traj = tree.trajectory(ref.trajectory)
+    """The conventional view of one call: position t-1 predicts each owned policy token t.
+
+    `trajectory` is `tree.trajectory(ref.trajectory)` when the caller already rebuilt it (rebuilding it
+    for every call of a many-call trajectory would cost calls x its tokens)."""
+    coef = manifest.coefficient(tree.id, tree.records[ref.trajectory].id, cfg)
+    traj = trajectory if trajectory is not None else tree.trajectory(ref.trajectory)
     owned = traj.owned_policy_mask(ref.call)
     toks = traj.calls[ref.call].tokens
     lps = tree.sampler_logprobs(ref)

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from tqdm import tqdm
 from transformers import PreTrainedModel
 
 from treetrain.engine.batch import ReplayConfig, UpdateBatch
@@ -223,7 +224,9 @@ def measure(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # probes are tiny: more threads cost more than they give
     try:
-        for seed, (prompt, shared, fans, turn, k) in enumerate(PROBES):
+        name = str(getattr(model.config, "model_type", "model"))
+        probes = tqdm(PROBES, desc=f"calibrating {name} memory ({contract})", leave=False, disable=None)
+        for seed, (prompt, shared, fans, turn, k) in enumerate(probes):
             for p in model.parameters():  # the ledger books gradients from the window's start
                 # (not a ZeRO-3 parameter: it is partitioned here, its gradient has the full shape)
                 partitioned = getattr(p, "ds_numel", p.numel()) != p.numel()

@@ -11,10 +11,12 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from transformers import PreTrainedModel
 
 from treetrain.engine.batch import UpdateBatch
-from treetrain.engine.flat import FlatReference
+from treetrain.engine.flat import FlatCallSize, FlatReference
 from treetrain.lifetime import ClassBytes
 from treetrain.loss.config import LossConfig
 from treetrain.memory.calibrate import MemoryModel, calibrate
@@ -35,25 +37,27 @@ def predict_flat(
     persistent: PersistentBytes | None = None,
     memory_model: MemoryModel | None = None,
     max_logit_elements: int = DEFAULT_MAX_LOGIT_ELEMENTS,
+    sizes: Sequence[FlatCallSize] | None = None,
 ) -> tuple[Ledger, int]:
     """The predicted timeline of `FlatReference(model, loss, microbatch=...).accumulate(batch)` and its
-    token cost (forward 1, backward 2 per token, as `ReplayReport.token_cost` counts)."""
+    token cost (forward 1, backward 2 per token, as `ReplayReport.token_cost` counts). `sizes` are
+    `FlatReference.call_sizes(batch)` when the caller prices several microbatch sizes."""
     mm = memory_model or calibrate(
         model, "response_only", with_entropy=loss.needs_entropy, max_logit_elements=max_logit_elements
     )
     pers = persistent or model_persistent_bytes(model, ref_model=ref_model)
     fixed = ClassBytes(persistent=pers.run_persistent, boundary=pers.update_boundary)
     lp_size = max(4, next(model.parameters()).element_size())
-    calls = FlatReference(model, loss, ref_model=ref_model, microbatch=microbatch).calls(batch)
+    if sizes is None:
+        sizes = FlatReference(model, loss, ref_model=ref_model, microbatch=microbatch).call_sizes(batch)
+    calls = sizes
     rows: list[LedgerRow] = []
     cost = 0
     for i in range(0, len(calls), microbatch):
         group = calls[i : i + microbatch]
-        tokens = sum(len(c.tokens) for c in group)
-        targets = sum(c.targets.num_targets for c in group)
-        shape = Shape(
-            rows=len(group), width=max(len(c.tokens) for c in group), past=0, pieces=0, targets=targets
-        )
+        tokens = sum(c.tokens for c in group)
+        targets = sum(c.targets for c in group)
+        shape = Shape(rows=len(group), width=max(c.tokens for c in group), past=0, pieces=0, targets=targets)
         held = 0
         if loss.ratio_source == "scoring":
             rows.append(

@@ -16,6 +16,7 @@ from typing import Literal
 from transformers import PreTrainedModel
 
 from treetrain.engine.batch import ReplayConfig, UpdateBatch
+from treetrain.engine.flat import FlatReference
 from treetrain.engine.hooks import KeepGraph
 from treetrain.engine.schedule import Contract
 from treetrain.loss.config import LossConfig
@@ -218,10 +219,11 @@ def search_flat(
     calls = sum(len(w.tree.records[t].calls) for w in batch.work for t in w.trajectories)
     mbs = [microbatch] if microbatch else sorted({1, *_powers(calls + 1)}, reverse=True)
     found = []
+    sizes = FlatReference(model, loss, ref_model=ref_model).call_sizes(batch)
     for mb in mbs:
         ledger, cost = predict_flat(
             batch, model, loss, microbatch=max(1, mb), ref_model=ref_model, persistent=persistent,
-            max_logit_elements=max_logit_elements,
+            max_logit_elements=max_logit_elements, sizes=sizes,
         )  # fmt: skip
         found.append((max(1, mb), ledger, cost))
         if ledger.peak.total <= budget:
