@@ -18,8 +18,9 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from treetrain.models import ATTENTION
-from treetrain.tree.checks import NamedTrees, check_distinct, check_vocabulary, max_token_id
+from treetrain.tree.checks import NamedTrees, check_distinct, check_vocabulary, largest_token
 from treetrain.tree.format import TreeFormatError, load_trees
+from treetrain.tree.untrusted import short_repr
 from treetrain.units import format_bytes, parse_bytes
 
 if TYPE_CHECKING:  # the rest loads in `run`, so `treetrain --help` stays fast
@@ -171,8 +172,10 @@ def _from_config(args: argparse.Namespace, named: NamedTrees) -> int:
         vocab = None  # a checkpoint is sized from its tokenizer, never from the trees
         if args.model and section.path.startswith("tiny-"):
             vocab = _vocabulary(args, section.path, named)  # as `--model` alone sizes a preset
-        models = load_models(section, vocab_size=vocab)
-        check_vocabulary(named, int(models.policy.config.get_text_config(decoder=True).vocab_size))
+        # the trees are checked against the model's config before any model is built or sized
+        models = load_models(
+            section, vocab_size=vocab, check_config=lambda c: check_vocabulary(named, int(c.vocab_size))
+        )
     except (ConfigError, TreeFormatError) as e:
         return _fail(str(e))
     forced = {
@@ -300,11 +303,12 @@ def _vocabulary(args: argparse.Namespace, path: str, named: NamedTrees) -> int:
         return int(config.get_text_config(decoder=True).vocab_size)
     if args.vocab:
         return int(args.vocab)
-    name, top = max(((n, max_token_id(g)) for n, g in named), key=lambda item: item[1])
+    name, (top, trajectory) = max(((n, largest_token(g)) for n, g in named), key=lambda item: item[1][0])
     if top >= MAX_INFERRED_VOCAB:
         raise TreeFormatError(
-            f"{name}: token id {top} is too large to size a {args.model} vocabulary from (at most "
-            f"{MAX_INFERRED_VOCAB - 1} without --vocab); give --vocab N if the model really has that many"
+            f"{name}: token id {top} (in trajectory {short_repr(trajectory, 40)}) is too large to size a "
+            f"{args.model} vocabulary from (at most {MAX_INFERRED_VOCAB - 1} without --vocab); give --vocab N "
+            "if the model really has that many"
         )
     return max(top + 1, 1)
 

@@ -100,6 +100,24 @@ def tiny_model(
     return model
 
 
+def model_config(
+    path_or_preset: str | Path, *, vocab_size: int | None = None, attn: str = "sdpa"
+) -> PretrainedConfig:
+    """The text config `load_model` would build the model from, read without weights: a checkpoint's
+    `config.json`, or the preset's config (which needs `vocab_size`). Callers check untrusted input (token
+    ids, lengths) against it before any model is built or sized."""
+    name = str(path_or_preset)
+    if name.startswith("tiny-"):
+        if vocab_size is None:
+            raise ValueError(f"preset {name!r} needs a vocab_size (take it from the tokenizer)")
+        return tiny_config(name.removeprefix("tiny-"), vocab_size, attn=attn)
+    if not Path(name).is_dir():
+        presets = ", ".join(f"tiny-{f}" for f in FAMILIES)
+        raise FileNotFoundError(f"model {name!r} is neither a local directory nor a preset ({presets})")
+    config = AutoConfig.from_pretrained(name, local_files_only=True)
+    return config.get_text_config(decoder=True)
+
+
 def load_model(
     path_or_preset: str | Path,
     *,

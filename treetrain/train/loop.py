@@ -20,6 +20,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -52,7 +53,7 @@ from treetrain.train.sources import (
     check_context,
     check_first_prompt,
     check_template,
-    model_context,
+    config_context,
 )
 from treetrain.train.summary import RunSummary, plot_rewards
 from treetrain.tree import TrajectoryTree
@@ -146,8 +147,15 @@ class Trainer:
         seed_everything(cfg.seed)
         env_name, env_kwargs = cfg.env.name, dict(cfg.env.kwargs)
         make = lambda: make_env(env_name, **env_kwargs)  # noqa: E731
+        recorded: list[RecordedSource] = []
+
+        def read_trees(config: Any) -> None:  # before any model is built or sized from the config
+            recorded.append(RecordedSource(cfg, int(config.vocab_size), config_context(config)))
+
         models = load_models(
-            cfg.model, None if cfg.rollout.trees else lambda tok: check_template(cfg, tok, make)
+            cfg.model,
+            None if cfg.rollout.trees else lambda tok: check_template(cfg, tok, make),
+            check_config=read_trees if cfg.rollout.trees else None,
         )
         check_context(cfg, models.policy)
         if not cfg.rollout.trees:
@@ -167,15 +175,7 @@ class Trainer:
         self.store = ResidentStore(self.identity)
         self.device = next(self.backend.module.parameters()).device
         self.last_plan: Plan | None = None
-        self.source = (
-            RecordedSource(
-                cfg,
-                int(self.backend.module.config.get_text_config(decoder=True).vocab_size),
-                model_context(self.backend.module),
-            )
-            if cfg.rollout.trees
-            else RolloutSource(cfg, self.tokenizer, lambda: make_env(env_name, **env_kwargs), self.backend)
-        )
+        self.source = recorded[0] if recorded else RolloutSource(cfg, self.tokenizer, make, self.backend)
         if not resume and overwrite and self.lock is not None:
             remove_run_artifacts(self.run_dir)
         if resume:

@@ -12,13 +12,13 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from treetrain.assets import tokenizer_path
 from treetrain.io import atomic_directory
 from treetrain.loss.config import ConfigError
 from treetrain.models.lora import AdaptersOff, Reference, apply_lora
-from treetrain.models.presets import load_model
+from treetrain.models.presets import load_model, model_config
 from treetrain.train.config import ModelSection
 
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "assets" / "demo_model"
@@ -80,9 +80,14 @@ def _load(path: str, field: str, section: ModelSection, vocab_size: int) -> PreT
 
 
 def load_models(
-    section: ModelSection, check_tokenizer: Callable[[Any], None] | None = None, vocab_size: int | None = None
+    section: ModelSection,
+    check_tokenizer: Callable[[Any], None] | None = None,
+    vocab_size: int | None = None,
+    check_config: Callable[[PretrainedConfig], None] | None = None,
 ) -> LoadedModels:
-    """The policy, the reference and the tokenizer; `check_tokenizer(tokenizer)` runs before any model loads.
+    """The policy, the reference and the tokenizer. `check_tokenizer(tokenizer)` and then
+    `check_config(text config)` (read without weights: the vocabulary, the context) run before any model is
+    built or sized, so trees can be checked against the vocabulary first.
 
     `vocab_size` sizes a tiny-<family> preset (default: the tokenizer's length; `treetrain plan --model`
     sizes it from the trees, as without a config)."""
@@ -101,6 +106,12 @@ def load_models(
     if check_tokenizer is not None:
         check_tokenizer(tokenizer)
     vocab = vocab_size if vocab_size is not None and path.startswith("tiny-") else len(tokenizer)
+    if check_config is not None:
+        try:
+            config = model_config(path, vocab_size=vocab, attn=section.attn)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"model.path: {' '.join(str(exc).split())}") from None
+        check_config(config)
     policy = _load(path, "model.path", section, vocab)
     if section.lora is not None:
         policy = apply_lora(policy, section.lora)

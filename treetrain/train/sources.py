@@ -167,7 +167,11 @@ def check_first_prompt(
 
 def model_context(model: Any) -> int | None:
     """The longest sequence the model takes (`max_position_embeddings`), or None when it does not say."""
-    config = model.config.get_text_config(decoder=True)
+    return config_context(model.config.get_text_config(decoder=True))
+
+
+def config_context(config: Any) -> int | None:
+    """`model_context` read from a text config, before the model is built."""
     value = getattr(config, "max_position_embeddings", None)
     return int(value) if isinstance(value, int) and value > 0 else None
 

@@ -4,19 +4,19 @@ tree given twice.
 Both run on loaded trees, before any model is built or sized from them: a token id read from a file is
 never used to size an embedding (a hostile id of 2**32 - 1 would ask for hundreds of GiB), and a tree
 given twice (the same file named twice, or two copies) would train its trajectories twice. Errors are
-`TreeFormatError`s naming the file, the id or the trajectories.
+`TreeFormatError`s naming the file, the id and the trajectories.
 
 Example:
     >>> from treetrain.trajectory import Call, Role, Segment, Trajectory
     >>> from treetrain.tree.build import build_tree
     >>> call = Call((Segment(Role.PROMPT, (1, 2)), Segment(Role.POLICY, (70,))))
     >>> tree = build_tree([Trajectory("t0", (call,), reward=1.0)])
-    >>> max_token_id([tree])
-    70
+    >>> largest_token([tree])
+    (70, 't0')
     >>> check_vocabulary([("a.msgpack", (tree,))], 64)
     Traceback (most recent call last):
     ...
-    treetrain.tree.schema.TreeFormatError: a.msgpack: token id 70 is outside the model's vocabulary of 64 (ids 0..63); were these trees tokenized with another tokenizer?
+    treetrain.tree.schema.TreeFormatError: a.msgpack: token id 70 is outside the model's vocabulary of 64 (ids 0..63), in trajectory 't0'; were these trees tokenized with another tokenizer?
 """
 
 from __future__ import annotations
@@ -31,19 +31,25 @@ NamedTrees = Sequence[tuple[str, Sequence[TrajectoryTree]]]
 """(file name, the trees it holds), in the order given."""
 
 
-def max_token_id(trees: Sequence[TrajectoryTree]) -> int:
-    """The largest token id in `trees`, or -1 when they hold no tokens."""
-    return max((max(n.tokens) for t in trees for n in t.nodes if n.tokens), default=-1)
+def largest_token(trees: Sequence[TrajectoryTree]) -> tuple[int, str]:
+    """The largest token id in `trees` and the id of a trajectory holding it ((-1, "") when no tokens)."""
+    top, where = -1, ""
+    for tree in trees:
+        for node in tree.nodes:
+            if node.tokens and max(node.tokens) > top:
+                top, where = max(node.tokens), tree.records[min(node.trajectories)].id
+    return top, where
 
 
 def check_vocabulary(named: NamedTrees, vocab_size: int) -> None:
-    """Refuse the first file holding a token id >= `vocab_size`, naming the file and the id."""
+    """Refuse the first file holding a token id >= `vocab_size`, naming the file, a trajectory and the id."""
     for name, trees in named:
-        top = max_token_id(trees)
+        top, trajectory = largest_token(trees)
         if top >= vocab_size:
             raise TreeFormatError(
-                f"{name}: token id {top} is outside the model's vocabulary of {vocab_size} (ids 0..{vocab_size - 1}); "
-                "were these trees tokenized with another tokenizer?"
+                f"{name}: token id {top} is outside the model's vocabulary of {vocab_size} (ids "
+                f"0..{vocab_size - 1}), in trajectory {short_repr(trajectory, 40)}; were these trees tokenized "
+                "with another tokenizer?"
             )
 
 

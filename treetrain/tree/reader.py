@@ -65,8 +65,10 @@ def decode_trees(data: bytes, limits: Limits) -> tuple[TrajectoryTree, ...]:
 
 
 def _check_distinct(trees: Sequence[TrajectoryTree]) -> None:
-    """A group holding one tree twice would train its trajectories twice; refuse it, naming them."""
+    """A group holding one tree twice would train its trajectories twice, and two trees sharing a trajectory
+    id would make one id name two trajectories of the group; refuse both, naming the ids."""
     first: dict[str, int] = {}
+    owner: dict[str, int] = {}
     for k, tree in enumerate(trees):
         if tree.id in first:
             ids = ", ".join(short_repr(r.id, 24) for r in tree.records[:3])
@@ -76,6 +78,13 @@ def _check_distinct(trees: Sequence[TrajectoryTree]) -> None:
                 f"{ids}{more} would appear twice in the group"
             )
         first[tree.id] = k
+        for ti, rec in enumerate(tree.records):
+            if rec.id in owner:
+                raise TreeFormatError(
+                    f"trees[{k}].trajectories[{ti}].id: {short_repr(rec.id, 24)} is also the id of a trajectory "
+                    f"in trees[{owner[rec.id]}]; trajectory ids must be unique within a group"
+                )
+            owner[rec.id] = k
 
 
 class _Budget:
