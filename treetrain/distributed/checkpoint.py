@@ -25,6 +25,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from treetrain.jsonfile import read_json_object
+
 STATE_FILE = "client_state.json"
 SCHEMA = "treetrain.client_state/1"
 MAX_STATE_BYTES = 16 << 20
@@ -50,15 +52,9 @@ def read_client_state(directory: Path) -> dict[str, Any]:
     path = Path(directory) / STATE_FILE
     if not path.is_file():
         raise CheckpointError(f"{path}: no client state in this checkpoint directory")
-    if path.stat().st_size > MAX_STATE_BYTES:
-        raise CheckpointError(f"{path}: larger than {MAX_STATE_BYTES} bytes; not a client state file")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{path}: invalid JSON at line {exc.lineno}: {exc.msg}") from exc
-    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-        found = data.get("schema") if isinstance(data, dict) else type(data).__name__
-        raise CheckpointError(f"{path}: field 'schema' must be {SCHEMA!r}, found {found!r}")
+    data = read_json_object(path, max_bytes=MAX_STATE_BYTES, error=CheckpointError)
+    if data.get("schema") != SCHEMA:
+        raise CheckpointError(f"{path}: field 'schema' must be {SCHEMA!r}, found {data.get('schema')!r:.60}")
     state = data.get("client_state")
     if not isinstance(state, dict):
         raise CheckpointError(f"{path}: field 'client_state' must be an object")

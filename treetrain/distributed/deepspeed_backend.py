@@ -41,7 +41,6 @@ Example (under `torchrun` or `deepspeed`):
 from __future__ import annotations
 
 import copy
-import json
 import pickle
 import uuid
 from collections.abc import Iterator, Mapping
@@ -67,6 +66,7 @@ from treetrain.distributed.checkpoint import (
 )
 from treetrain.distributed.zero3_sync import FetchRendezvous
 from treetrain.io import atomic_directory
+from treetrain.jsonfile import read_json_object
 from treetrain.loss.config import ConfigError
 from treetrain.models.lora import is_peft, save_adapter
 
@@ -158,15 +158,9 @@ def read_config(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
     path = Path(source)
     if not path.is_file():
         raise ConfigError(f"DeepSpeed config {path} does not exist")
-    if path.stat().st_size > MAX_CONFIG_BYTES:
-        raise ConfigError(f"DeepSpeed config {path} is larger than {MAX_CONFIG_BYTES} bytes")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"DeepSpeed config {path}: invalid JSON at line {exc.lineno}: {exc.msg}") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(f"DeepSpeed config {path}: the top level must be an object")
-    return data
+    return read_json_object(
+        path, max_bytes=MAX_CONFIG_BYTES, error=lambda m: ConfigError(f"DeepSpeed config {m}")
+    )
 
 
 class WeightsOnlyReads:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ from typing import Any, Literal
 import torch
 from transformers import PreTrainedModel
 
+from treetrain.jsonfile import read_json_object
 from treetrain.loss.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -132,13 +132,10 @@ def check_adapter_dir(path: str) -> dict[str, Any]:
             f"model.lora.adapter: {path!r} is not a PEFT adapter directory (needs {ADAPTER_CONFIG} and "
             f"{ADAPTER_WEIGHTS})"
         )
-    if cfg_file.stat().st_size > MAX_ADAPTER_CONFIG_BYTES:
-        raise ConfigError(f"model.lora.adapter: {cfg_file} is larger than {MAX_ADAPTER_CONFIG_BYTES} bytes")
-    try:
-        cfg = json.loads(cfg_file.read_text())
-    except (OSError, ValueError, RecursionError) as exc:
-        raise ConfigError(f"model.lora.adapter: {cfg_file} is not valid JSON: {type(exc).__name__}") from None
-    if not isinstance(cfg, dict) or cfg.get("peft_type") != "LORA":
+    cfg = read_json_object(
+        cfg_file, max_bytes=MAX_ADAPTER_CONFIG_BYTES, error=lambda m: ConfigError(f"model.lora.adapter: {m}")
+    )
+    if cfg.get("peft_type") != "LORA":
         raise ConfigError(f"model.lora.adapter: {cfg_file} is not a LoRA adapter config")
     init = str(cfg.get("init_lora_weights", True)).lower()
     if init.startswith(("pissa", "olora", "corda", "loftq", "eva", "lora_ga")):
