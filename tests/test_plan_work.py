@@ -98,7 +98,7 @@ CASES: dict[str, Callable[[], bytes]] = {
         100_000, 2_684, logprobs=True
     ),
     "300 calls to the bottom of a 300-node chain": lambda: chain_calls(300, 300),
-    "2,000 trajectories on one wide node": lambda: wide(2_000),
+    "1,000 trajectories on one wide node": lambda: wide(1_000),
 }
 
 
@@ -122,7 +122,7 @@ def test_planning_work_is_a_constant_times_the_file(model, name: str) -> None:
 
 def test_the_count_sees_per_token_work() -> None:
     """Negative control: the flat oracle rebuilds every call token by token, and the count shows it."""
-    blob = shared_calls(500, 60)
+    blob = shared_calls(200, 40)
     trees = list(trees_from_bytes(blob))
     batch = _batch(trees, LossConfig())
     flat = FlatReference(_MODEL, LossConfig())
