@@ -37,8 +37,9 @@ Example:
 
 from __future__ import annotations
 
+import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,12 +90,18 @@ class ChatTemplate:
         end_of_turn: str | None = None,
         tool_format: str | None = None,
         extra_stop_ids: Sequence[int] = (),
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise TemplateError(
                 f"{type(tokenizer).__name__} has no chat_template; give a tokenizer that has one (model.tokenizer)"
             )
         self.tokenizer = tokenizer
+        problem = template_kwargs_problem(template_kwargs or {})
+        if problem:
+            raise TemplateError(f"template_kwargs: {problem}")
+        self.template_kwargs = dict(template_kwargs or {})
+        """Extra template variables (`enable_thinking=False`, ...) passed on every rendering."""
         named = tokenizer.chat_template  # a dict of named templates: `tool_use` renders tool conversations
         text = named.get("tool_use") or named.get("default") if isinstance(named, dict) else named
         self.format: ToolCallFormat = (
@@ -202,6 +209,7 @@ class ChatTemplate:
                 tools=[t.to_openai() for t in tools] or None,
                 tokenize=False,
                 add_generation_prompt=generation_prompt,
+                **self.template_kwargs,
             )
         except Exception as exc:  # jinja2 errors and the template's own raise_exception
             raise RenderError(f"the chat template failed to render: {type(exc).__name__}: {exc}") from None
@@ -402,7 +410,32 @@ class ChatTemplate:
         )
 
 
-def json_dumps(value: Any) -> str:
-    import json
+_RESERVED = frozenset(
+    {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+     "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+)  # fmt: skip
 
+
+def template_kwargs_problem(kwargs: Mapping[str, Any]) -> str | None:
+    """Why `kwargs` cannot be extra chat-template variables (one line), or None when they can.
+
+    >>> template_kwargs_problem({"enable_thinking": False}) is None, template_kwargs_problem({"tools": []})
+    (True, "'tools' is set by treetrain itself; give only the template's own variables")
+    """
+    if not isinstance(kwargs, Mapping):
+        return f"must be a mapping of names to values, got {type(kwargs).__name__}"
+    for key, value in kwargs.items():
+        if not isinstance(key, str) or not key.isidentifier():
+            return f"{key!r} is not a template variable name"
+        if key in _RESERVED:
+            return f"{key!r} is set by treetrain itself; give only the template's own variables"
+        try:
+            json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            return f"{key!r}: not a JSON value ({exc})"
+    return None
+
+
+def json_dumps(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value)

@@ -31,7 +31,7 @@ import ctypes
 import logging
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
@@ -102,6 +102,8 @@ class WrapperConfig:
     stop_token_ids: tuple[int, ...] = ()
     """More token ids that end a turn besides the end-of-turn marker and the tokenizer's EOS (the trainer
     adds the model's `generation_config.eos_token_id`)."""
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """Extra chat-template variables (`{"enable_thinking": False}` for Qwen3 and GLM), on every rendering."""
     max_tool_result_chars: int = 8000
     """Longest tool message shown to the agent, in characters; a longer one is cut there and ends with
     a `[... N more characters truncated]` marker, so a tool that dumps megabytes cannot fill the context."""
@@ -141,7 +143,11 @@ class TokenEnv:
         self.env = env
         self.config = config or WrapperConfig()
         self.template = ChatTemplate(
-            tokenizer, self.config.end_of_turn, self.config.tool_format, self.config.stop_token_ids
+            tokenizer,
+            self.config.end_of_turn,
+            self.config.tool_format,
+            self.config.stop_token_ids,
+            self.config.template_kwargs,
         )
         self.env_name = env_name or type(env).__name__
         self._seed: int | None = None

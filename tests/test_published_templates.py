@@ -235,3 +235,38 @@ def test_an_open_template_takes_the_sampled_opener_or_starts_a_new_call() -> Non
         assert step.new_call == new_call and [m.content[:8] for m in step.messages] == ['[{"seat"']
         if lead is not None:
             assert tpl.decode(step.observation).startswith(lead + "\n<tool_response>")
+
+
+def test_template_kwargs_reach_every_rendering() -> None:
+    """`enable_thinking=False` makes Qwen3's generation prompt carry an empty reasoning block; the prompt
+    is the template's own rendering with that variable, and the episode stays token-exact."""
+    tok = published_tokenizer("Qwen-Qwen3-0.6B")
+    config = WrapperConfig(step_timeout_s=None, template_kwargs={"enable_thinking": False})
+    env = TokenEnv(Booking(), tok, config)
+    prompt = env.reset(0)
+    tools = [t.to_openai() for t in env._tools]
+    opening = [m.to_openai() for m in env.messages]
+    expected = tok.apply_chat_template(
+        opening, tools=tools, tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
+    assert expected.endswith("<think>\n\n</think>\n\n") and env.template.decode(prompt) == expected
+    with pytest.raises(TemplateError, match="'tools' is set by treetrain itself"):
+        ChatTemplate(tok, template_kwargs={"tools": []})
+
+
+@pytest.mark.parametrize(
+    ("setting", "problem"),
+    [
+        ("env.template_kwargs={tools: []}", "env.template_kwargs: 'tools' is set by treetrain itself"),
+        (
+            "env.template_kwargs={my-var: true}",
+            "env.template_kwargs: 'my-var' is not a template variable name",
+        ),
+    ],
+)
+def test_bad_template_kwargs_are_a_config_error(
+    setting: str, problem: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["train", "--run-dir", str(tmp_path / "run"), "--set", setting]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"treetrain train: invalid config: {problem}")

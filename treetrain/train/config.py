@@ -89,14 +89,18 @@ class EnvSection:
     max_tool_result_chars: int = 8000
     """Longest tool result shown to the agent, in characters; longer ones are cut with a truncation marker."""
     tool_format: str = "auto"
-    """How the model writes tool calls: 'hermes', 'llama3', 'mistral', 'deepseek_v3', or 'auto' (detected
-    from the tokenizer's chat template)."""
+    """How the model writes tool calls: 'hermes', 'qwen3_coder', 'glm45', 'llama3', 'mistral',
+    'deepseek_v3', or 'auto' (detected from the tokenizer's chat template)."""
     end_of_turn: str | None = None
     """Text that ends an assistant turn, any number of tokens (null: taken from the chat template; the
     tokenizer's EOS and the model's generation_config EOS ids also end a turn)."""
+    template_kwargs: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    """Extra variables for the chat template, as `apply_chat_template(**template_kwargs)` takes them, e.g.
+    `{enable_thinking: false}` for Qwen3 and GLM (empty: the template's defaults)."""
 
     def __post_init__(self) -> None:
         from envs.formats import FORMATS
+        from envs.template import template_kwargs_problem
 
         if self.max_tool_result_chars < 1:
             raise ConfigError(f"env.max_tool_result_chars: must be >= 1, got {self.max_tool_result_chars}")
@@ -106,6 +110,9 @@ class EnvSection:
             )
         if self.end_of_turn is not None and not self.end_of_turn:
             raise ConfigError("env.end_of_turn: must be non-empty text or null")
+        problem = template_kwargs_problem(self.template_kwargs)
+        if problem:
+            raise ConfigError(f"env.template_kwargs: {problem}")
 
 
 @dataclass(frozen=True)

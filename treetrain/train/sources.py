@@ -124,6 +124,7 @@ def wrapper_config(cfg: TrainConfig, model: Any) -> WrapperConfig:
         max_episode_tokens=r.max_episode_tokens or model_context(model) or 8192,
         step_timeout_s=r.step_timeout_s, max_tool_result_chars=e.max_tool_result_chars,
         end_of_turn=e.end_of_turn, tool_format=e.tool_format, stop_token_ids=stops,
+        template_kwargs=dict(e.template_kwargs),
     )  # fmt: skip
 
 
@@ -135,7 +136,9 @@ def check_template(
     from envs.template import ChatTemplate, TemplateError
 
     try:
-        template = ChatTemplate(tokenizer, cfg.env.end_of_turn, cfg.env.tool_format)
+        template = ChatTemplate(
+            tokenizer, cfg.env.end_of_turn, cfg.env.tool_format, template_kwargs=dict(cfg.env.template_kwargs)
+        )
     except TemplateError as exc:
         raise ConfigError(f"env.end_of_turn / env.tool_format / model.tokenizer: {exc}") from None
     if make_env is None:
