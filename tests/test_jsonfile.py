@@ -86,3 +86,28 @@ def test_not_a_regular_file_is_refused_without_blocking(tmp_path: Path) -> None:
 def test_a_good_file_reads_back(tmp_path: Path) -> None:
     (tmp_path / "ok.json").write_text('{"a": [1, 2], "b": "é"}')
     assert read_json_object(tmp_path / "ok.json", max_bytes=64) == {"a": [1, 2], "b": "é"}
+
+
+METRICS_ROWS: dict[str, tuple[bytes, str]] = {
+    "not UTF-8": (b'{"update": 0}\n\xff\xfe\n{"update": 1}\n', "not UTF-8 text"),
+    "deeply nested": (
+        b"[" * 200_000 + b"]" * 200_000 + b'\n{"update": 1}\n',
+        ":1: not a metrics row: Recursion",
+    ),
+    "a list": (b'[1, 2]\n{"update": 1}\n', ":1: not a metrics row: TypeError: a JSON list, not an object"),
+    "a text update": (b'{"update": "x"}\n{"update": 1}\n', "'update' is 'x', not a whole number"),
+    "a 5,000-digit integer": (b'{"update": ' + b"9" * 5_000 + b'}\n{"update": 1}\n', ":1: not a metrics row"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(METRICS_ROWS))
+def test_a_hostile_metrics_file_is_one_metrics_error(tmp_path: Path, case: str) -> None:
+    """metrics.jsonl is read back on --resume; the train CLI reports a MetricsError in one line."""
+    from treetrain.train.metrics import MetricsError, read_metrics
+
+    blob, expected = METRICS_ROWS[case]
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(blob)
+    with pytest.raises(MetricsError) as info:
+        read_metrics(path)
+    assert "\n" not in str(info.value) and str(path) in str(info.value) and expected in str(info.value)

@@ -66,13 +66,14 @@ def run(args: argparse.Namespace) -> int:
     from treetrain.memory.retention import BudgetTooSmallError
     from treetrain.models.support import UnsupportedModelError
     from treetrain.train.loop import Trainer
+    from treetrain.train.metrics import MetricsError
     from treetrain.train.rundir import RunDirError
     from treetrain.tree.format import TreeFormatError
 
     user_errors = (
         ConfigError, FileNotFoundError, FileExistsError, TreeFormatError, CheckpointError, UnknownEnvironmentError,
         EnvironmentLoadError, UnsupportedModelError, PlanError, BudgetTooSmallError, PromptTooLongError,
-        RunDirError, PermissionError,
+        RunDirError, PermissionError, MetricsError,
     )  # fmt: skip
     try:
         trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress)

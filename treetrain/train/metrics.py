@@ -112,19 +112,37 @@ def read_metrics(path: str | Path) -> list[UpdateMetrics]:
     A last line cut short by a crash mid-append is skipped with a warning; a bad line elsewhere is an error.
     """
     names = {f.name for f in fields(UpdateMetrics)}
-    lines = Path(path).read_text().splitlines()
+    try:
+        lines = Path(path).read_bytes().decode("utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise MetricsError(f"{path}: not UTF-8 text (a bad byte at offset {exc.start})") from None
     rows = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
-            rows.append(UpdateMetrics(**{k: v for k, v in json.loads(line).items() if k in names}))
-        except (json.JSONDecodeError, TypeError) as exc:
+            rows.append(_row(json.loads(line), names))
+        except (ValueError, TypeError, RecursionError) as exc:  # JSONDecodeError is a ValueError
             if number == len(lines):
                 log.warning("%s:%d: skipping a partial last line (%s)", path, number, exc)
                 continue
-            raise MetricsError(f"{path}:{number}: not a metrics row: {exc}") from exc
+            raise MetricsError(
+                f"{path}:{number}: not a metrics row: {type(exc).__name__}: {' '.join(str(exc).split())}"[
+                    :300
+                ]
+            ) from None
     return rows
+
+
+def _row(obj: object, names: set[str]) -> UpdateMetrics:
+    """One row from a decoded line; a line that is not an object, or whose update is not a whole number, is
+    a TypeError (resuming compares and truncates by update)."""
+    if not isinstance(obj, dict):
+        raise TypeError(f"a JSON {type(obj).__name__}, not an object")
+    update = obj.get("update")
+    if isinstance(update, bool) or not isinstance(update, int):
+        raise TypeError(f"'update' is {update!r:.40}, not a whole number")
+    return UpdateMetrics(**{k: v for k, v in obj.items() if k in names})
 
 
 class MetricsWriter:
