@@ -1,8 +1,11 @@
 """Activation bytes calibrated on the actual model and dtype: what a forward of a given shape costs.
 
 Nothing here comes from a paper formula. `calibrate(model, contract)` runs the real engine on a fixed set
-of small probe trees with a `MemoryTracker` attached, pairs every scoring batch and replay step with its
-shape (`treetrain.memory.events`), and fits how many bytes each shape feature costs:
+of probe trees with a `MemoryTracker` attached, pairs every scoring batch and replay step with its
+shape (`treetrain.memory.events`), and fits how many bytes each shape feature costs. Most probes are
+small and vary the shape (K, depth, shared tokens); a few are long (up to `LONG_PROBE` tokens, see
+`long_probes`), so that the per-token costs are measured where they dominate: a whole 8192-token
+sequence is then predicted from 1024-token ones, not from 160-token ones. The features:
 
 - per token (`rows x width`): hidden states, MLP activations, norms;
 - per row and context token (`rows x (past + width)`): the key/value cache a batch attends over, its
@@ -17,12 +20,15 @@ Bytes alive at any instant are linear in these features, so every fit is a least
 non-negative costs per feature (`treetrain.memory.fit`); that keeps collinear probes from trading large
 costs of opposite sign, which would not extrapolate to longer sequences. A backward's peak is a maximum
 over instants (the head's logits early, a layer's attention gradients later), so it is fitted as the max of
-two affine pieces. There are two regimes, with and without a past, and per regime four fits: the graph
+two affine pieces (early: the head's logits and the largest weight gradient, alive for an instant; late: a
+per-token term). New KV-gradient accumulators G are allocated before a step's forward; their bytes are
+known exactly (tokens x KV bytes per token), so they are taken out of the measured samples and the ledger
+books them as resident state. There are two regimes, with and without a past, and per regime four fits: the graph
 alive when backward starts (`graph`, also what a kept graph holds), the forward's peak, the backward's
 peak above the graph, and a no-grad forward's peak.
 
 Calibrations are cached per (model config, dtype, attention implementation, device, contract, entropy,
-logits chunk), in this process.
+logits chunk, probes), in this process.
 
 Example:
     >>> model = tiny_model("llama", 64)                                          # doctest: +SKIP
@@ -56,23 +62,70 @@ from treetrain.trajectory import Call, Role, Segment, Trajectory
 from treetrain.tree.build import build_tree
 from treetrain.tree.model import TrajectoryTree
 
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 2
 
-#: Probe trees: (prompt tokens, shared policy tokens, fan-out per level, tokens per turn, K).
-PROBES: tuple[tuple[int, int, tuple[int, ...], int, int], ...] = (
-    (10, 0, (2,), 6, 0),
-    (24, 3, (3,), 9, 0),
-    (20, 4, (1,), 14, 0),
-    (64, 0, (3,), 20, 0),
-    (40, 0, (4,), 4, 2),
-    (12, 0, (3, 2), 10, 0),
-    (40, 0, (4, 2), 6, 0),
-    (26, 0, (4, 2), 12, 3),
-    (48, 2, (2, 2), 4, 0),
-    (5, 2, (2, 2, 2), 5, 3),
-    (160, 0, (2,), 4, 0),
-    (100, 3, (2,), 5, 1),
+
+@dataclass(frozen=True)
+class Probe:
+    """One probe tree: a `prompt` (and `shared` policy tokens), then `fans[i]` branches per level of
+    `turn` tokens each, replayed with K = `microbatch` (0: all siblings) and units of `chunk` tokens."""
+
+    prompt: int
+    shared: int
+    fans: tuple[int, ...]
+    turn: int
+    microbatch: int
+    chunk: int | None = None
+
+
+#: Short probes: many shapes (K, depth, shared tokens), each cheap.
+PROBES: tuple[Probe, ...] = (
+    Probe(10, 0, (2,), 6, 0),
+    Probe(24, 3, (3,), 9, 0),
+    Probe(20, 4, (1,), 14, 0),
+    Probe(64, 0, (3,), 20, 0),
+    Probe(40, 0, (4,), 4, 2),
+    Probe(12, 0, (3, 2), 10, 0),
+    Probe(40, 0, (4, 2), 6, 0),
+    Probe(26, 0, (4, 2), 12, 3),
+    Probe(48, 2, (2, 2), 4, 0),
+    Probe(5, 2, (2, 2, 2), 5, 3),
+    Probe(160, 0, (2,), 4, 0),
+    Probe(100, 3, (2,), 5, 1),
 )
+
+LONG_PROBE = 1024
+"""Tokens of the longest probe sequence (capped by the model's position limit)."""
+
+
+def long_probes(length: int) -> tuple[Probe, ...]:
+    """Probes at `length` and `length // 2` tokens, so per-token costs are measured, not extrapolated.
+
+    Short probes alone cannot tell a per-token cost from a per-token-squared one or from a constant (the
+    largest weight's gradient, alive for an instant in backward, is as large as a 100-token graph), and
+    flat's whole sequences are many times longer. Two whole sequences without a past pin the no-past
+    regime's slope; a chunked prompt with two short branches gives the past regime long pasts and wide
+    chunks. Each is one forward and backward of at most `length` tokens.
+
+    Example:
+        >>> [p.prompt + p.turn for p in long_probes(1024)]
+        [1024, 512, 256, 1024]
+    """
+    half, quarter = length // 2, length // 4
+    return (
+        Probe(length - 64, 0, (1,), 64, 0),
+        Probe(half - 16, 0, (1,), 16, 0),
+        Probe(quarter - 48, 0, (1,), 48, 0),
+        Probe(length - 16, 0, (2,), 16, 2, chunk=quarter),
+    )
+
+
+def probes_for(model: PreTrainedModel) -> tuple[Probe, ...]:
+    """The short probes and the long ones that fit `model`'s position limit."""
+    config = model.config.get_text_config(decoder=True)
+    limit = int(getattr(config, "max_position_embeddings", None) or LONG_PROBE)
+    length = min(LONG_PROBE, limit)
+    return PROBES + (long_probes(length) if length >= 256 else ())
 
 
 @dataclass(frozen=True)
@@ -105,6 +158,13 @@ class MemoryModel:
     """Measured forwards the fits rest on."""
     fit_error: float
     """Largest relative error of the fitted peaks on the probes themselves."""
+    head_grad_bytes: int = 0
+    """Bytes of the output head's weight gradient. With more targets than one logits chunk holds, the
+    chunks' weight gradients are summed in backward, so one more of them is alive (`multi_chunk_bytes`)."""
+
+    def multi_chunk_bytes(self, shape: Shape) -> int:
+        """Exact bytes a backward adds when `shape`'s targets span several logits chunks."""
+        return self.head_grad_bytes if shape.targets > self.logit_rows else 0
 
     def _regime(self, shape: Shape) -> RegimeModel:
         return self.past if shape.past > 0 else self.root
@@ -129,6 +189,7 @@ class MemoryModel:
         extra = r.backward.predict(
             step_head_features(shape, self.logit_rows), backward_features(shape, self.logit_rows)
         )
+        extra += self.multi_chunk_bytes(shape)
         return max(0, round(max(r.forward(body), r.graph(body) + extra)))
 
     def backward_extra(self, shape: Shape) -> int:
@@ -137,7 +198,8 @@ class MemoryModel:
             return 0
         r = self._regime(shape)
         head = step_head_features(shape, self.logit_rows)
-        return max(0, round(r.backward.predict(head, backward_features(shape, self.logit_rows))))
+        extra = r.backward.predict(head, backward_features(shape, self.logit_rows))
+        return max(0, round(extra + self.multi_chunk_bytes(shape)))
 
     def nograd_peak(self, shape: Shape) -> int:
         r = self._regime(shape)
@@ -158,12 +220,17 @@ def backward_features(s: Shape, logit_rows: int) -> np.ndarray:
     """`body_features` plus the backward's own terms: <KV, G> buffers, path gradients, new G."""
     g = 1.0 if s.kv_grad else 0.0
     extra = [g * s.rows * (s.past + s.width), s.path_tokens, s.new_grad_tokens]
-    return np.concatenate([body_features(s, logit_rows), np.array(extra, dtype=float)])
+    body = body_features(s, logit_rows)  # the constant stays last: the one coefficient of either sign
+    return np.concatenate([body[:-1], np.array(extra, dtype=float), body[-1:]])
 
 
 def step_head_features(s: Shape, logit_rows: int) -> np.ndarray:
+    """The early-backward instant: the head's logits, <KV, G> buffers, a per-token term and a constant
+    (the largest weight's gradient, alive for an instant before it is accumulated)."""
     g = 1.0 if s.kv_grad else 0.0
-    return np.array([min(s.targets, logit_rows), g * s.rows * (s.past + s.width), 1.0], dtype=float)
+    return np.array(
+        [min(s.targets, logit_rows), g * s.rows * (s.past + s.width), s.rows * s.width, 1.0], dtype=float
+    )
 
 
 def nograd_head_features(s: Shape, logit_rows: int) -> np.ndarray:
@@ -210,13 +277,20 @@ def _segments(tracker: MemoryTracker) -> dict[str, MeasuredSegment]:
 
 
 def measure(
-    model: PreTrainedModel, contract: Contract, *, with_entropy: bool, max_logit_elements: int
+    model: PreTrainedModel,
+    contract: Contract,
+    *,
+    with_entropy: bool,
+    max_logit_elements: int,
+    probes: tuple[Probe, ...] | None = None,
 ) -> tuple[list[StepSample], list[tuple[Shape, int]]]:
-    """Run the probes; return measured steps and no-grad batches. Parameter `.grad`s are restored.
+    """Run the probes (default `probes_for(model)`); return measured steps and no-grad batches.
 
-    Memory does not depend on parameter values, so the probes run on the model as it is."""
+    Parameter `.grad`s are restored. Memory does not depend on parameter values, so the probes run on
+    the model as it is."""
     vocab = int(model.config.get_text_config(decoder=True).vocab_size)
     per_token = kv_bytes_per_token(model)
+    logit_rows, head_grad = max(1, max_logit_elements // vocab), head_grad_bytes(model)
     loss = LossConfig(entropy_coef=0.01 if with_entropy else 0.0)
     saved = [p.grad for p in model.parameters()]
     steps: list[StepSample] = []
@@ -225,17 +299,22 @@ def measure(
     torch.set_num_threads(1)  # probes are tiny: more threads cost more than they give
     try:
         name = str(getattr(model.config, "model_type", "model"))
-        probes = tqdm(PROBES, desc=f"calibrating {name} memory ({contract})", leave=False, disable=None)
-        for seed, (prompt, shared, fans, turn, k) in enumerate(probes):
+        chosen = probes_for(model) if probes is None else probes
+        shown = tqdm(chosen, desc=f"calibrating {name} memory ({contract})", leave=False, disable=None)
+        for seed, probe in enumerate(shown):
             for p in model.parameters():  # the ledger books gradients from the window's start
                 # (not a ZeRO-3 parameter: it is partitioned here, its gradient has the full shape)
                 partitioned = getattr(p, "ds_numel", p.numel()) != p.numel()
                 p.grad = torch.zeros_like(p) if p.requires_grad and not partitioned else None
-            tree = probe_tree(prompt, shared, fans, turn, vocab, seed)
+            tree = probe_tree(probe.prompt, probe.shared, probe.fans, probe.turn, vocab, seed)
             adv = compute_advantages([tree], AdvantageConfig(zero_variance="keep"))
             batch = UpdateBatch.build([tree], adv.trees, Manifest.build([tree], 0), loss)
             cfg = ReplayConfig(
-                contract=contract, microbatch=k, skip_inert=False, max_logit_elements=max_logit_elements
+                contract=contract,
+                microbatch=probe.microbatch,
+                chunk_size=probe.chunk,
+                skip_inert=False,
+                max_logit_elements=max_logit_elements,
             )
             tracker = MemoryTracker(next(model.parameters()).device)
             engine = TreeReplay(model, loss, cfg, tracker=tracker, check_model=False)
@@ -251,12 +330,16 @@ def measure(
                     nograd.append((ev.shape, seg.peak.total - seg.start.total))
                 elif ev.kind == "step" and ev.shape.rows:
                     back = segs[f"{ev.label} backward"]
+                    # new G accumulators are allocated before the forward and booked by the ledger
+                    # as resident bytes, exactly, so the fits see only the step's own bytes
+                    start = seg.start.total + ev.shape.new_grad_tokens * per_token
+                    multi = head_grad if ev.shape.targets > logit_rows else 0  # known exactly too
                     steps.append(
                         StepSample(
                             ev.shape,
-                            seg.peak.total - seg.start.total,
-                            back.start.total - seg.start.total,
-                            back.peak.total - seg.start.total,
+                            seg.peak.total - start,
+                            back.start.total - start,
+                            back.peak.total - start - multi,
                         )
                     )
     finally:
@@ -297,16 +380,29 @@ def _fit_regime(
     return model, max(errs)
 
 
+def head_grad_bytes(model: PreTrainedModel) -> int:
+    """Bytes of the output head weight's gradient (0 when it is frozen, e.g. under LoRA)."""
+    head = model.get_output_embeddings()
+    w = getattr(head, "weight", None)
+    if not isinstance(w, torch.Tensor) or not w.requires_grad:
+        return 0
+    return int(getattr(w, "ds_numel", w.numel())) * w.element_size()
+
+
 _CACHE: dict[str, MemoryModel] = {}
 
 
 def calibration_key(
-    model: PreTrainedModel, contract: str, with_entropy: bool, max_logit_elements: int
+    model: PreTrainedModel,
+    contract: str,
+    with_entropy: bool,
+    max_logit_elements: int,
+    probes: tuple[Probe, ...] | None = None,
 ) -> str:
     p = next(model.parameters())
     config = model.config.get_text_config(decoder=True)
     attn = str(getattr(config, "_attn_implementation", "eager"))
-    text = f"{CALIBRATION_VERSION}|{model.config.to_json_string()}|{p.dtype}|{attn}|{p.device.type}|{contract}|{with_entropy}|{max_logit_elements}"
+    text = f"{CALIBRATION_VERSION}|{model.config.to_json_string()}|{p.dtype}|{attn}|{p.device.type}|{contract}|{with_entropy}|{max_logit_elements}|{probes!r}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -317,12 +413,17 @@ def calibrate(
     with_entropy: bool = False,
     max_logit_elements: int = DEFAULT_MAX_LOGIT_ELEMENTS,
     cache: bool = True,
+    probes: tuple[Probe, ...] | None = None,
 ) -> MemoryModel:
-    """Measure and fit `model`'s activation bytes (see module docstring); cached per configuration."""
-    key = calibration_key(model, contract, with_entropy, max_logit_elements)
+    """Measure and fit `model`'s activation bytes (see module docstring); cached per configuration.
+
+    `probes` replaces the default set (`probes_for(model)`), e.g. to see what short probes alone predict."""
+    key = calibration_key(model, contract, with_entropy, max_logit_elements, probes)
     if cache and key in _CACHE:
         return _CACHE[key]
-    steps, nograd = measure(model, contract, with_entropy=with_entropy, max_logit_elements=max_logit_elements)
+    steps, nograd = measure(
+        model, contract, with_entropy=with_entropy, max_logit_elements=max_logit_elements, probes=probes
+    )
     vocab = int(model.config.get_text_config(decoder=True).vocab_size)
     logit_rows = max(1, max_logit_elements // vocab)
     past, e1 = _fit_regime(
@@ -340,6 +441,7 @@ def calibrate(
         root,
         len(steps) + len(nograd),
         max(e1, e2),
+        head_grad_bytes(model),
     )
     if cache:
         _CACHE[key] = out

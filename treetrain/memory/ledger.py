@@ -300,8 +300,8 @@ class _TreeWalk:
             own = mm.step_peak(s)
             if extras:
                 own = max(own, mm.graph_bytes(s) + max(extras))
+            self._add(new_grads, self.grads)  # allocated before the step's forward
             self._row(ev, own)
-            self._add(new_grads, self.grads)
 
     def _reference(self) -> None:
         """The reference model's scoring pass: its own store holds the current path and pending siblings."""
