@@ -12,6 +12,7 @@ from types import ModuleType
 import pytest
 
 from treetrain.benchmark.config import MODES, QUICK, BenchConfig, GridPoint, Mode
+from treetrain.benchmark.report import check_lines
 from treetrain.benchmark.results import (
     BenchResults,
     Machine,
@@ -20,7 +21,9 @@ from treetrain.benchmark.results import (
     all_checks,
     budget_checks,
     from_json,
+    growth_checks,
     memory_checks,
+    resident_per_token,
     speed_checks,
     to_json,
 )
@@ -176,3 +179,29 @@ def test_result_file_errors_are_clear() -> None:
         from_json('{"config": {}}')
     good = _results(exact_seconds=2.0, g8_exact_bytes=12 * MIB, exact_longest=9000)
     assert from_json(to_json(good)) == replace(good)
+
+
+def test_growth_target_compares_peak_growth_with_resident_bytes_per_token() -> None:
+    cfg = BenchConfig(prefixes=(2048, 8192), branches=(8,), suffixes=(64,), depths=(1,))
+    kv = resident_per_token(cfg, "response_only")
+    assert resident_per_token(cfg, "exact") == 2 * kv  # G doubles the resident bytes
+    grow = {"flat": 50 * 1024, "exact": int(1.2 * 2 * kv), "response_only": 2 * kv}  # bytes per token
+    points = []
+    for prefix in (2048, 8192):
+        modes = tuple(
+            _mode(m, 1.0, 100, 10 * MIB + (prefix - 2048) * grow[m])
+            for m in ("flat", "exact", "response_only")
+        )
+        points.append(PointResult(GridPoint(prefix, 8, 64, 1), modes))
+    machine = Machine("cmd", "2026-01-01", "test", "0", 1, 1.0)
+    checks = {c.where: c for c in growth_checks(BenchResults(cfg, machine, tuple(points), ()))}
+    assert (
+        checks["G=8 S=64 d=1 exact"].value == pytest.approx(1.2, rel=1e-3)
+        and checks["G=8 S=64 d=1 exact"].met
+    )
+    assert checks["G=8 S=64 d=1 response_only"].value == pytest.approx(2.0)
+    assert not checks["G=8 S=64 d=1 response_only"].met  # 2x its KV per token: missed
+    assert checks["G=8 S=64 d=1 flat"].met  # flat has nothing resident: shown, never graded
+    lines = check_lines(tuple(checks.values()))
+    assert lines[0] == "- **growth**: 1 of 2 met."
+    assert any("response_only" in line and "2.00x" in line for line in lines)

@@ -161,14 +161,17 @@ def budget_table(results: BenchResults) -> list[str]:
 
 def check_lines(checks: tuple[Check, ...]) -> list[str]:
     lines = []
-    for target in ("speed", "memory", "budget"):
+    for target in ("speed", "memory", "budget", "growth"):
         group = [c for c in checks if c.target == target]
         if not group:
             continue
         missed = [c for c in group if not c.met]
-        lines.append(f"- **{target}**: {len(group) - len(missed)} of {len(group)} met.")
+        graded = [c for c in group if c.bound > 0]  # flat's growth is shown for comparison only
+        lines.append(f"- **{target}**: {len(graded) - len(missed)} of {len(graded)} met.")
         for c in missed:
             lines.append(f"  - missed at {c.where}: {c.note}")
+        if target == "growth":
+            lines += [f"  - {c.where}: {c.note}" for c in group if c.met]
     return lines
 
 

@@ -7,7 +7,9 @@ Targets (benchmarks reported, not test assertions):
    the token ceiling;
 2. memory: the measured peak at G = 8 is no more than K live response graphs above the peak at G = 2
    (same prefix, suffix, depth and mode);
-3. budget: the longest prefix that fits the memory limit in a tree mode is at least G x flat's.
+3. budget: the longest prefix that fits the memory limit in a tree mode is at least G x flat's;
+4. growth: between prefixes 2048 and 8192 (same G, suffix, depth), a tree mode's measured peak grows by
+   at most 1.5x its resident bytes per prefix token (KV, and in `exact` its gradient accumulator G too).
 
 Example:
     >>> r = ModeResult("exact", (2.0, 1.0, 3.0), 100, 100, ClassBytes(), ClassBytes())
@@ -35,6 +37,10 @@ SPEED_BRANCHES = 8
 """... at this G ..."""
 SPEED_SUFFIX = 64
 """... and this suffix."""
+GROWTH_TARGET = 1.5
+"""Peak growth per prefix token over resident bytes per token a tree mode may reach (target 4) ..."""
+GROWTH_PREFIXES = (2048, 8192)
+"""... measured between these prefixes."""
 
 
 @dataclass(frozen=True)
@@ -202,8 +208,58 @@ def budget_checks(results: BenchResults) -> tuple[Check, ...]:
     return tuple(out)
 
 
+def resident_per_token(config: BenchConfig, mode: Mode) -> int:
+    """Resident bytes per prefix token: KV of every layer, twice in `exact` (KV and its accumulator G).
+
+    Example:
+        >>> resident_per_token(BenchConfig(), "exact")  # 2 layers x K and V x 1 head x 64 x fp32, twice
+        2048
+    """
+    m = config.model
+    itemsize = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}[m.dtype]
+    kv = m.num_layers * 2 * m.num_kv_heads * (m.hidden_size // m.num_heads) * itemsize
+    return {"flat": 0, "exact": 2 * kv, "response_only": kv}[mode]
+
+
+def growth_checks(results: BenchResults) -> tuple[Check, ...]:
+    """Target 4 wherever both `GROWTH_PREFIXES` were measured with the same G, suffix and depth."""
+    out = []
+    lo, hi = GROWTH_PREFIXES
+    for r in results.points:
+        p = r.point
+        if p.prefix != hi:
+            continue
+        low = next(
+            (x for x in results.points if x.point == GridPoint(lo, p.branches, p.suffix, p.depth)), None
+        )
+        if low is None:
+            continue
+        for mode in MODES:
+            per_token = (r.mode(mode).measured.total - low.mode(mode).measured.total) / (hi - lo)
+            resident = resident_per_token(results.config, mode)
+            if mode == "flat":  # no resident state: reported for comparison, never a miss
+                note = f"{per_token / 1024:.1f} KiB per prefix token"
+                out.append(
+                    Check("growth", f"G={p.branches} S={p.suffix} d={p.depth} flat", per_token, 0, True, note)
+                )
+                continue
+            ratio = per_token / resident
+            note = f"{per_token / 1024:.2f} KiB per prefix token vs resident {resident / 1024:.2f} KiB ({ratio:.2f}x)"
+            out.append(
+                Check(
+                    "growth",
+                    f"G={p.branches} S={p.suffix} d={p.depth} {mode}",
+                    ratio,
+                    GROWTH_TARGET,
+                    ratio <= GROWTH_TARGET,
+                    note,
+                )
+            )
+    return tuple(out)
+
+
 def all_checks(results: BenchResults) -> tuple[Check, ...]:
-    return speed_checks(results) + memory_checks(results) + budget_checks(results)
+    return speed_checks(results) + memory_checks(results) + budget_checks(results) + growth_checks(results)
 
 
 # ----- JSON -------------------------------------------------------------------------------------------------
