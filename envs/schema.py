@@ -105,7 +105,10 @@ def _remote_ref(schema: Any, where: str) -> str | None:
 
 
 def _key(schema: Mapping[str, Any]) -> str:
-    return json.dumps(schema, sort_keys=True, default=repr)
+    """The schema as canonical JSON text; read-only mappings (`MappingProxyType`) count as objects."""
+    return json.dumps(
+        schema, sort_keys=True, default=lambda v: dict(v) if isinstance(v, Mapping) else repr(v)
+    )
 
 
 @functools.lru_cache(maxsize=512)

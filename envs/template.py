@@ -107,6 +107,7 @@ class ChatTemplate:
         self.format: ToolCallFormat = (
             detect_format(str(text or "")) if tool_format in (None, "auto") else get_format(str(tool_format))
         )
+        self._format_chosen = tool_format not in (None, "auto")
         probe_text = self.render([Message("user", "ping"), Message("assistant", _PROBE)])
         self.openers: dict[str, str] = {}
         """Open turns: the token that opens each next role, which is what ends the assistant's turn."""
@@ -238,8 +239,10 @@ class ChatTemplate:
 
         A template written without tool support drops the assistant's tool calls or the tool results
         (Phi-4's and Gemma's render only user, assistant and system turns), so the agent would call tools
-        and never see a result; that is a `TemplateError` naming what was lost. A template that shows no
-        tool schemas (DeepSeek V3's) is only logged: the environment's prompt may describe them."""
+        and never see a result; that is a `TemplateError` naming what was lost. The template's own rendering
+        of a call must parse back with the tool-call format: a detected format that cannot read it (a syntax
+        no format knows, such as MiniMax-M2's) is a `TemplateError`, a format set by name only a warning. A
+        template that shows no tool schemas (DeepSeek V3's) is only logged: the prompt may describe them."""
         if not tools or self._tools_checked:
             return
         probe = ToolSpec(
@@ -267,11 +270,32 @@ class ChatTemplate:
                 f"the chat template drops {' and '.join(lost)} (it has no tool support), so the agent would call "
                 "tools without seeing their results; give a tokenizer whose chat template renders them (model.tokenizer)"
             )
+        self._check_round_trip(opening, calls, probe)
         if self.render(opening, (probe,)) == self.render(opening):
             log.warning(
                 "the chat template does not show tool schemas to the model; describe the tools in the prompt"
             )
         self._tools_checked = True
+
+    def _check_round_trip(self, opening: list[Message], calls: tuple[ToolCall, ...], probe: ToolSpec) -> None:
+        before = self.render(opening, (probe,), generation_prompt=True)
+        full = self.render([*opening, Message("assistant", "", calls)], (probe,))
+        if not full.startswith(before):
+            return  # a template that rewrites the opening: the rendered turn cannot be isolated
+        turn = full[len(before) :]
+        if not self.openers and self.end_of_turn in turn:
+            turn = turn[: turn.index(self.end_of_turn)]
+        parsed = self.format.read(turn, 0, (probe,))
+        if [(c.name, dict(c.arguments)) for c in parsed.message.tool_calls] == [(probe.name, {"x": 1})]:
+            return
+        problem = (
+            f"the chat template writes a tool call as {turn.strip()[:160]!r}, which the {self.format.name!r} "
+            "tool-call format does not read back"
+        )
+        if self._format_chosen:
+            log.warning("%s (env.tool_format is set by name, so it is used as given)", problem)
+            return
+        raise TemplateError(f"{problem}; set env.tool_format to the model's format (envs.formats.FORMATS)")
 
     def write_call(self, name: str, arguments: dict[str, Any], call_id: str = "call_0_0") -> str:
         """The text this model writes to call a tool (for scripted policies and tests)."""

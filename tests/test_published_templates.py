@@ -270,3 +270,17 @@ def test_bad_template_kwargs_are_a_config_error(
     assert main(["train", "--run-dir", str(tmp_path / "run"), "--set", setting]) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith(f"treetrain train: invalid config: {problem}")
+
+
+def test_a_tool_syntax_no_format_reads_is_refused_unless_set_by_name(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """gpt-oss renders calls in its harmony syntax: detection falls back to `hermes`, which cannot read the
+    template's own rendering of a call back, so the episode is refused instead of every call being read
+    as a final answer. A format the user set by name is trusted, with a warning."""
+    tok = published_tokenizer("unsloth-gpt-oss-20b")
+    with pytest.raises(TemplateError, match="which the 'hermes' tool-call format does not read back"):
+        TokenEnv(Booking(), tok, WrapperConfig(step_timeout_s=None)).reset(0)
+    env = TokenEnv(Booking(), tok, WrapperConfig(step_timeout_s=None, tool_format="hermes"))
+    env.reset(0)
+    assert "is set by name, so it is used as given" in caplog.text
