@@ -182,5 +182,14 @@ def hostile_jsonl() -> dict[str, bytes]:
         "empty file": "",
         "only blank lines": "\n\n  \n",
         "not UTF-8": good.encode()[:10] + b"\xff\xfe" + good.encode()[10:],
+        "duplicate key reward": good[:-1] + ', "reward": 0.0}',
+        "duplicate key trajectory_id": good[:-1] + ', "trajectory_id": "t1"}',
+        "duplicate metadata key": _line(metadata={"k": "1"})[:-2] + ', "k": "2"}}',
+        "duplicate segment key": _line(
+            prompt_token_ids=...,
+            response_token_ids=...,
+            response_logprobs=...,
+            segments=[{"role": "prompt", "token_ids": [1]}, {"role": "policy", "token_ids": [2]}],
+        ).replace('"token_ids": [2]', '"token_ids": [2], "token_ids": [3]'),
     }
     return {name: text if isinstance(text, bytes) else (text + "\n").encode() for name, text in cases.items()}

@@ -5,6 +5,7 @@ do not import torch, so that they stay fast)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -149,3 +150,83 @@ def test_the_real_entry_point_answers_hostile_input_in_one_line(tmp_path: Path) 
         assert done.returncode == 2, done.stderr
         assert "Traceback" not in done.stdout + done.stderr
         assert done.stderr.strip().splitlines()[-1].startswith(f"treetrain {verb}: ")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_fifos_and_devices_are_refused_without_reading(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A FIFO would block `open` forever and /dev/zero never ends (a tree file would be read to its 2 GiB
+    limit): every verb refuses anything but a regular file before reading a byte."""
+    fifo = tmp_path / "fifo.msgpack"
+    os.mkfifo(fifo)
+    zero = tmp_path / "zero.msgpack"
+    zero.symlink_to("/dev/zero")
+    for path in (str(fifo), str(zero)):
+        for verb, argv in [
+            ("inspect", ["inspect", path]),
+            ("plan", ["plan", path, *PLAN]),
+            ("import", ["import", path, "--out", str(tmp_path / "out")]),
+        ]:
+            line = assert_refused(run_cli(capsys, argv), verb, path, f"{verb} {path}")
+            assert "not a regular file" in line
+        argv = ["train", "--trees", path, "--run-dir", str(tmp_path / "run"), *TRAIN]
+        assert_refused(run_cli(capsys, argv), "train", path, f"train {path}")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.timeout(120)
+def test_a_trajectory_of_thousands_of_calls_imports(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The trajectory checks are linear in its calls: 4,000 calls of one trajectory (which a quadratic
+    ownership check took minutes over) import, and the file loads again."""
+    row = {"trajectory_id": "t", "prompt_token_ids": [1, 2, 3], "response_token_ids": [4, 5]}
+    lines = [json.dumps({**row, "call_index": i, **({"reward": 1.0} if i == 0 else {})}) for i in range(4000)]
+    src = tmp_path / "calls.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    code, out, err = run_cli(capsys, ["import", str(src), "--out", str(tmp_path / "out")])
+    assert code == 0, err
+    (tree_file,) = (tmp_path / "out").glob("*.msgpack")
+    code, out, err = run_cli(capsys, ["inspect", "--json", str(tree_file)])
+    assert code == 0, err
+    assert json.loads(out)["trees"][0]["stats"]["num_calls"] == 4000
+
+
+@pytest.mark.timeout(60)
+def test_a_reader_that_leaves_early_is_not_an_error(tmp_path: Path) -> None:
+    """`treetrain inspect FILE | head`: stdout closed under the writer ends quietly (141), no traceback."""
+    tree = tmp_path / "tiny.msgpack"
+    tree.write_bytes(TINY_BYTES)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), *sys.path])}
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "treetrain", "inspect", str(tree)],
+            stdout=write, stderr=subprocess.PIPE, text=True, timeout=50, env=env,
+        )  # fmt: skip
+    finally:
+        os.close(write)
+    assert done.returncode == 141, done.stderr
+    assert done.stderr == ""
+
+
+@pytest.mark.timeout(120)
+def test_a_diverged_step_ends_train_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A non-finite gradient (huge but in-range coefficients can still overflow) is refused by the backend;
+    `treetrain train` says so in one line instead of a traceback."""
+    from treetrain.distributed.backend import TorchBackend
+
+    def diverged(self: TorchBackend) -> bool:
+        raise FloatingPointError("gradient norm is nan; the step is refused and the window discarded")
+
+    monkeypatch.setattr(TorchBackend, "step", diverged)
+    tree = tmp_path / "tiny.msgpack"
+    tree.write_bytes(TINY_BYTES)
+    argv = ["train", "--trees", str(tree), "--run-dir", str(tmp_path / "run"), *TRAIN]
+    line = assert_refused(run_cli(capsys, argv), "train", "gradient norm is nan", "diverged")
+    assert line.startswith("treetrain train: gradient norm is nan")

@@ -130,6 +130,14 @@ def test_not_a_regular_file(tmp_path: Path, capsys) -> None:
         ("seed", "seed"),
         ("=1", "names no field"),
         ("seed.x=1", "seed"),
+        ("loss.clip_high=1e308", "loss.clip_high"),
+        ("loss.entropy_coef=1e31", "loss.entropy_coef"),
+        ("loss.seq_sum_normalizer=1e-320", "loss.seq_sum_normalizer"),
+        ("rollout.temperature=1e-320", "rollout.temperature"),
+        ("rollout.step_timeout_s=1e12", "rollout.step_timeout_s"),
+        ("run_dir=", "run_dir: must not be empty"),
+        ("rollout.trees=''", "rollout.trees: must not be empty"),
+        ("model.reference=", "model.reference: must not be empty"),
     ],
 )
 def test_hostile_set_values_are_one_line_errors(capsys, override: str, needle: str) -> None:
@@ -268,3 +276,17 @@ def test_fuzz_config_files(tmp_path: Path, capsys, base, ops) -> None:
 @given(st.lists(st.tuples(st.sampled_from(FIELDS), st.sampled_from(VALUES)), min_size=1, max_size=3))
 def test_fuzz_set_values(capsys, assignments) -> None:
     _check_cli(None, [f"{field}={value}" for field, value in assignments], capsys)
+
+
+def test_a_huge_field_name_gives_a_short_line(capsys) -> None:
+    for override in ("x" * 10_000 + "=1", "x" * 10_000, "rollout." + "y" * 10_000 + "=1"):
+        assert main(["train", "--set", override, "--print-config"]) == 2
+        line = capsys.readouterr().err.strip()
+        assert "\n" not in line and len(line) < 600, line[:200]
+
+
+def test_empty_run_dir_and_trees_flags_are_refused_not_ignored(capsys) -> None:
+    """`--run-dir "$UNSET"` would otherwise run in runs/demo and `--trees "$UNSET"` sample rollouts."""
+    for flag in ("--run-dir", "--trees"):
+        assert main(["train", flag, "", "--print-config"]) == 2
+        _one_line_error(capsys.readouterr().err, "must not be empty")

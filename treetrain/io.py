@@ -1,4 +1,5 @@
-"""Atomic writes: readers see the old file (or directory) or the new one, never a partial one.
+"""Atomic writes: readers see the old file (or directory) or the new one, never a partial one; and the one
+way untrusted input files are opened (`open_regular`).
 
 Example:
     >>> import tempfile, pathlib
@@ -13,13 +14,16 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import shutil
+import stat
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 
 def _fsync_dir(directory: str) -> None:
@@ -49,6 +53,31 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
             os.unlink(tmp)
         raise
     _fsync_dir(directory)
+
+
+def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
+    """Open an untrusted input file for reading, refusing anything but a regular file.
+
+    A FIFO would block `open` forever and a device such as /dev/zero never ends, so the file is opened
+    non-blocking and its type checked before a byte is read. Raises `OSError` naming the path.
+
+    Example:
+        >>> open_regular("/dev/zero")
+        Traceback (most recent call last):
+        OSError: [Errno 22] not a regular file (a FIFO, device or socket): '/dev/zero'
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), os.fspath(path))
+        if not stat.S_ISREG(mode):
+            raise OSError(errno.EINVAL, "not a regular file (a FIFO, device or socket)", os.fspath(path))
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:

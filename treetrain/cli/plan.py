@@ -273,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, TreeFormatError) as e:
         return _fail(str(e))
     except (OSError, ValueError) as e:
-        return _fail(f"cannot load model {args.model!r}: {e}")
+        return _fail(f"--model {args.model!r}: {e}")
     except SafetensorError:
         return _fail(f"--model: {broken_weights(path)}")
     overrides = Overrides(
@@ -297,10 +297,9 @@ def _vocabulary(args: argparse.Namespace, path: str, named: NamedTrees) -> int:
     """The model's vocabulary, known before it is built: a checkpoint's config, `--vocab`, or for a preset
     the largest token id + 1, refused past `MAX_INFERRED_VOCAB` (a file's ids never size an embedding)."""
     if not path.startswith("tiny-"):
-        from transformers import AutoConfig
+        from treetrain.models.presets import model_config
 
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
-        return int(config.get_text_config(decoder=True).vocab_size)
+        return int(model_config(path).vocab_size)  # config.json read within limits (models/untrusted.py)
     if args.vocab:
         return int(args.vocab)
     name, (top, trajectory) = max(((n, largest_token(g)) for n, g in named), key=lambda item: item[1][0])

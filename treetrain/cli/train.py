@@ -44,11 +44,11 @@ def run(args: argparse.Namespace) -> int:
     from treetrain.train.config import dump_config, load_config
 
     overrides = list(args.overrides)
-    if args.run_dir:
+    if args.run_dir is not None:
         overrides.append(f"run_dir={args.run_dir}")
     if args.updates is not None:
         overrides.append(f"updates={args.updates}")
-    if args.trees:
+    if args.trees is not None:
         overrides.append(f"rollout.trees={args.trees}")
     try:
         cfg = load_config(args.config, overrides)
@@ -62,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
     from envs.registry import EnvironmentLoadError, UnknownEnvironmentError
     from envs.wrapper import PromptTooLongError
     from treetrain.distributed.checkpoint import CheckpointError
+    from treetrain.loss.manifest import ManifestError
     from treetrain.memory.planner import PlanError
     from treetrain.memory.retention import BudgetTooSmallError
     from treetrain.models.support import UnsupportedModelError
@@ -73,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     user_errors = (
         ConfigError, FileNotFoundError, FileExistsError, TreeFormatError, CheckpointError, UnknownEnvironmentError,
         EnvironmentLoadError, UnsupportedModelError, PlanError, BudgetTooSmallError, PromptTooLongError,
-        RunDirError, PermissionError, MetricsError,
+        RunDirError, PermissionError, MetricsError, ManifestError, FloatingPointError,
     )  # fmt: skip
     try:
         trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress)

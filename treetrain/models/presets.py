@@ -19,6 +19,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from treetrain.models import ATTENTION
+from treetrain.models.untrusted import check_checkpoint, checkpoint_config
 
 FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe")
 #: The tiny Mistral's sliding window: shorter than test sequences, so windowed attention is exercised.
@@ -114,7 +115,7 @@ def model_config(
     if not Path(name).is_dir():
         presets = ", ".join(f"tiny-{f}" for f in FAMILIES)
         raise FileNotFoundError(f"model {name!r} is neither a local directory nor a preset ({presets})")
-    config = AutoConfig.from_pretrained(name, local_files_only=True)
+    config = checkpoint_config(name)  # within limits, every failure one ValueError line
     return config.get_text_config(decoder=True)
 
 
@@ -128,7 +129,9 @@ def load_model(
 ) -> PreTrainedModel:
     """Load a local checkpoint directory, or build `tiny-<family>` (which needs `vocab_size`).
 
-    Weights load through safetensors (`use_safetensors=True`); nothing is fetched from a hub.
+    Weights load through safetensors (`use_safetensors=True`); nothing is fetched from a hub. A directory is
+    checked first (`treetrain.models.untrusted.check_checkpoint`): its config.json never sizes a model larger
+    than its weight files.
     """
     name = str(path_or_preset)
     if name.startswith("tiny-"):
@@ -139,6 +142,7 @@ def load_model(
     if not path.is_dir():
         presets = ", ".join(f"tiny-{f}" for f in FAMILIES)
         raise FileNotFoundError(f"model {name!r} is neither a local directory nor a preset ({presets})")
+    check_checkpoint(path)  # config.json's sizes against the weight files, before anything is allocated
     return AutoModelForCausalLM.from_pretrained(
         path, dtype=dtype, attn_implementation=attn, use_safetensors=True, local_files_only=True
     )

@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import re
@@ -33,8 +34,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
+from typing import Any
 
-from treetrain.io import write_files_all_or_nothing
+from treetrain.io import open_regular, write_files_all_or_nothing
 from treetrain.rollout.records import MAX_METADATA_ENTRIES, CallRecordIn, RecordError, parse_record
 from treetrain.trajectory import Role, Trajectory, TrajectoryError, TrajectoryMeta
 from treetrain.tree import TrajectoryTree
@@ -65,10 +67,26 @@ MAX_LINE_BYTES = 1 << 27
 held in memory whole."""
 
 
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object, refusing a key given twice (`json` would silently keep the last value)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
 def read_records(path: str | Path) -> Iterator[CallRecordIn]:
     """Validated records of a JSONL file, in order; blank lines are skipped."""
     source = str(path)
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         line_no = 0
         while raw := f.readline(MAX_LINE_BYTES + 1):
             line_no += 1
@@ -83,7 +101,9 @@ def read_records(path: str | Path) -> Iterator[CallRecordIn]:
             if not text.strip():
                 continue
             try:
-                obj = json.loads(text)
+                obj = json.loads(text, object_pairs_hook=_unique_keys)
+            except _DuplicateKey as exc:
+                raise RecordError(source, line_no, exc.key[:60], "duplicate key in one JSON object") from None
             except json.JSONDecodeError as exc:
                 raise RecordError(
                     source, line_no, "<json>", f"invalid JSON: {exc.msg} at column {exc.colno}"
@@ -204,6 +224,8 @@ def _file_name(group: str, tree: TrajectoryTree) -> str:
 
 def import_jsonl(path: str | Path, out_dir: str | Path, group_by: GroupBy = GroupBy.PROMPT) -> ImportResult:
     """Validate `path`, build one tree per group and write them to `out_dir` (all or nothing)."""
+    if not str(out_dir):  # Path("") is the working directory: an unset shell variable, not a choice
+        raise FileNotFoundError(errno.ENOENT, "an empty path is not an output directory", "")
     records = list(read_records(path))
     if not records:
         raise RecordError(str(path), 0, "<file>", "no records")

@@ -44,6 +44,8 @@ ROLLOUT_LIMITS = {
     "max_episode_tokens": 1 << 24,
 }
 """Upper bounds on sampling sizes: batches and buffers are sized from them, so a typo must not allocate."""
+MAX_STEP_TIMEOUT_S = 7 * 86400.0
+"""Longest environment step timeout (a week); beyond the platform's clocks a deadline overflows."""
 
 
 @dataclass(frozen=True)
@@ -163,8 +165,11 @@ class RolloutSection:
         for name, most in ROLLOUT_LIMITS.items():
             if getattr(self, name) is not None and getattr(self, name) > most:
                 raise ConfigError(f"rollout.{name}: at most {most}, got {getattr(self, name)}")
-        if self.step_timeout_s is not None and not self.step_timeout_s > 0:
-            raise ConfigError(f"rollout.step_timeout_s: must be > 0 or null, got {self.step_timeout_s}")
+        if self.step_timeout_s is not None and not 0 < self.step_timeout_s <= MAX_STEP_TIMEOUT_S:
+            raise ConfigError(
+                f"rollout.step_timeout_s: must be in (0, {MAX_STEP_TIMEOUT_S}] seconds or null (no timeout), "
+                f"got {self.step_timeout_s}"
+            )
         if not self.temperature > 0:
             raise ConfigError(f"rollout.temperature: must be > 0 for RL sampling, got {self.temperature}")
         if not 0 < self.top_p <= 1:

@@ -19,6 +19,7 @@ from treetrain.io import atomic_directory
 from treetrain.loss.config import ConfigError
 from treetrain.models.lora import AdaptersOff, Reference, apply_lora
 from treetrain.models.presets import load_model, model_config
+from treetrain.models.untrusted import checkpoint_config
 from treetrain.train.config import ModelSection
 
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "assets" / "demo_model"
@@ -53,6 +54,11 @@ def resolve_model_path(path: str, field: str = "model.path") -> str:
             f"{field}: {path!r} is not a model directory (no config.json there); give a local Hugging Face "
             "checkpoint directory, 'demo', or a tiny-<family> preset"
         )
+    if not path.startswith("tiny-"):
+        try:  # before a tokenizer or anything else reads it
+            checkpoint_config(path)
+        except ValueError as exc:
+            raise ConfigError(f"{field}: {exc}") from None
     return path
 
 
@@ -100,9 +106,11 @@ def load_models(
         tok_dir = path
     try:
         tokenizer = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
-    except (OSError, ValueError) as exc:
+    # transformers and tokenizers raise many types (even a bare Exception) for bad tokenizer files
+    except Exception as exc:
         field = "model.tokenizer" if section.tokenizer is not None else "model.path"
-        raise ConfigError(f"{field}: cannot load a tokenizer from {tok_dir}: {exc}") from exc
+        message = " ".join(str(exc).split())[:300]
+        raise ConfigError(f"{field}: cannot load a tokenizer from {tok_dir}: {message}") from None
     if check_tokenizer is not None:
         check_tokenizer(tokenizer)
     vocab = vocab_size if vocab_size is not None and path.startswith("tiny-") else len(tokenizer)

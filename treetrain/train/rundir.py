@@ -110,10 +110,15 @@ def claim_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> RunLock:
     caller removes later with `remove_run_artifacts`). `resume` needs a treetrain run. Leftovers of writes
     cut short by a crash are cleaned up once the lock is held.
     """
-    if run_dir.exists() and not run_dir.is_dir():
+    try:  # a name too long, a symlink loop, a directory that cannot be listed
+        not_a_dir = run_dir.exists() and not run_dir.is_dir()
+        foreign = [] if not_a_dir else [name for name in _entries(run_dir) if name not in (MARKER, LOCK)]
+        ours = is_run_dir(run_dir)
+    except OSError as exc:
+        raise RunDirError(f"--run-dir {run_dir}: cannot use it: {exc.strerror or exc}") from None
+    if not_a_dir:
         raise RunDirError(f"{run_dir} exists and is not a directory; use another --run-dir")
-    foreign = [name for name in _entries(run_dir) if name not in (MARKER, LOCK)]
-    if not is_run_dir(run_dir):
+    if not ours:
         if resume:
             raise RunDirError(f"--resume: {run_dir} holds no treetrain run (no {MARKER} marker there)")
         if foreign:

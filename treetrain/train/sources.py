@@ -224,7 +224,10 @@ class RecordedSource:
             raise FileNotFoundError(f"rollout.trees: no .msgpack files at {pattern!r}")
         self.groups: list[tuple[TrajectoryTree, ...]] = []
         for f in files:
-            trees = load_trees(f)
+            try:
+                trees = load_trees(f)
+            except OSError as exc:  # a FIFO, a device, a directory named *.msgpack, a symlink loop
+                raise ConfigError(f"rollout.trees: cannot read {f}: {exc.strerror or exc}") from None
             check_vocabulary([(f"rollout.trees: {f}", trees)], vocab_size)
             check_lengths(trees, context, f"rollout.trees: {f}")
             self.groups.append(trees)  # a file's trees are one group (trees/README.md)

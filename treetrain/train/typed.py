@@ -31,6 +31,11 @@ T = TypeVar("T")
 
 INT_MIN, INT_MAX = -(2**63), 2**63 - 1
 """Every integer in a config fits a 64-bit signed integer, whatever torch or numpy it later reaches."""
+FLOAT_TINY = 1e-30
+"""Smallest magnitude of a non-zero float in a config: well above float32's smallest normal (1.2e-38)."""
+FLOAT_MAX = 1e30
+"""Largest magnitude of a float in a config: well below float32's largest (3.4e38), so a coefficient, clip
+bound or temperature never overflows in torch."""
 
 
 def _show(value: Any) -> str:
@@ -41,6 +46,11 @@ def _show(value: Any) -> str:
         else f"an integer of {value.bit_length()} bits"
     )
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _cut(name: str) -> str:
+    """A field name cut to one short line (an unknown key may be as long as the file allows)."""
+    return name if len(name) <= 80 else name[:77] + "..."
 
 
 def _check_scalar(tp: Any, value: Any, where: str) -> Any:
@@ -63,10 +73,17 @@ def _check_scalar(tp: Any, value: Any, where: str) -> Any:
             raise ConfigError(f"{where}: {_show(value)} is out of range")
         if not math.isfinite(value):
             raise ConfigError(f"{where}: expected a finite number, got {value!r}")
+        if value != 0 and not FLOAT_TINY <= abs(value) <= FLOAT_MAX:
+            raise ConfigError(
+                f"{where}: {float(value)!r} is out of range; a number in a config is 0 or between {FLOAT_TINY} "
+                f"and {FLOAT_MAX} in magnitude, so that float32 arithmetic, where most end up, stays finite"
+            )
         return float(value)
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(f"{where}: expected a string, got {_show(value)}")
+        if not value:  # `--run-dir ""` would run in the working directory, `--trees ""` match nothing
+            raise ConfigError(f"{where}: must not be empty (null leaves an optional field unset)")
         return value
     raise ConfigError(f"{where}: unsupported config type {tp!r}")
 
@@ -130,7 +147,9 @@ def from_dict(cls: type[T], data: Mapping[str, Any], where: str = "") -> T:
             raise ConfigError(f"{prefix}{_show(key)}: a field name must be text")
     unknown = sorted(set(data) - set(fields))
     if unknown:
-        raise ConfigError(f"{prefix}{unknown[0]}: unknown field; known fields: {', '.join(sorted(fields))}")
+        raise ConfigError(
+            f"{prefix}{_cut(unknown[0])}: unknown field; known fields: {', '.join(sorted(fields))}"
+        )
     kwargs = {name: convert(hints[name], value, f"{prefix}{name}") for name, value in data.items()}
     try:
         return cls(**kwargs)
@@ -154,18 +173,18 @@ def to_dict(obj: Any) -> Any:
 def apply_override(data: dict[str, Any], assignment: str) -> None:
     """Apply `a.b.c=value` to nested `data`; the value is parsed as a YAML scalar (1, 0.5, true, null, text)."""
     if "=" not in assignment:
-        raise ConfigError(f"override {assignment!r} must look like section.field=value")
+        raise ConfigError(f"override {_show(assignment)} must look like section.field=value")
     key, raw = assignment.split("=", 1)
     parts = [p for p in key.strip().split(".") if p]
     if not parts:
-        raise ConfigError(f"override {assignment!r} names no field")
+        raise ConfigError(f"override {_show(assignment)} names no field")
     node = data
     for p in parts[:-1]:
         child = node.setdefault(p, {})
         if not isinstance(child, dict):
-            raise ConfigError(f"override {key}: {p} is not a section")
+            raise ConfigError(f"override {_cut(key)}: {_cut(p)} is not a section")
         node = child
     try:
         node[parts[-1]] = parse_value(raw)
     except ConfigError as exc:
-        raise ConfigError(f"override {key.strip()}: {exc}") from None
+        raise ConfigError(f"override {_cut(key.strip())}: {exc}") from None

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import msgpack
 import numpy as np
 
-from treetrain.io import atomic_write_bytes
+from treetrain.io import atomic_write_bytes, open_regular
 from treetrain.tree.model import TrajectoryRecord, TrajectoryTree
 from treetrain.tree.reader import decode_trees
 from treetrain.tree.schema import DEFAULT_LIMITS, FORMAT_NAME, FORMAT_VERSION, Limits, TreeFormatError
@@ -158,7 +158,7 @@ def tree_from_bytes(data: bytes, limits: Limits = DEFAULT_LIMITS) -> TrajectoryT
 def load_trees(path: str | os.PathLike[str], limits: Limits = DEFAULT_LIMITS) -> tuple[TrajectoryTree, ...]:
     """Read a group. The file size is checked against `limits` before anything is read."""
     name = os.fspath(path)
-    with open(name, "rb") as f:
+    with open_regular(name) as f:
         size = os.fstat(f.fileno()).st_size
         if size > limits.max_file_bytes:
             raise TreeFormatError(f"{name}: {size} bytes exceeds the limit of {limits.max_file_bytes}")
