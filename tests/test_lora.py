@@ -415,6 +415,17 @@ def _logprobs(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("init", ["pissa", "olora"])
+def test_rewriting_init_refuses_an_embedding_target(init: str) -> None:
+    """PEFT decomposes linear weights only: an embedding target would get a trainable 'initial' adapter and
+    an export that does not load, so it is a one-line ConfigError naming the module."""
+    section = LoraSection(r=4, init=init, target_modules=("q_proj", "embed_tokens"))
+    with pytest.raises(
+        ConfigError, match=f"model.lora.init: '{init}': applies to linear layers only; .*embed_tokens"
+    ):
+        apply_lora(base_model("llama", torch.float32), section)
+
+
+@pytest.mark.parametrize("init", ["pissa", "olora"])
 def test_rewriting_init_reference_is_the_starting_model(init: str, tmp_path) -> None:
     """At step 0 the reference (adapters off) is the plain model, exactly, and the policy equals it within
     the measured noise floor, though the trained adapter starts at the base's own directions. Negative

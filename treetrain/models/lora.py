@@ -230,6 +230,16 @@ def _start_from_base_directions(peft_model: Any, init: str, config: Any) -> None
     and adapters off = W (see module docstring)."""
     from peft.tuners.lora import LoraLayer
 
+    # PEFT decomposes linear weights only; an embedding (or conv) adapter would keep its plain init, and the
+    # frozen `initial` copy and the rank-2r export below are defined for lora_A/lora_B pairs alone.
+    other = sorted(
+        n for n, m in peft_model.named_modules() if isinstance(m, LoraLayer) and DEFAULT not in m.lora_A
+    )
+    if other:
+        raise ValueError(
+            f"applies to linear layers only; model.lora.target_modules also matches {other[0]!r} "
+            f"({type(peft_model.get_submodule(other[0]).get_base_layer()).__name__})"
+        )
     peft_model.add_adapter(INITIAL, copy.deepcopy(config))  # init True: B = 0, the base untouched
     layers: list[Any] = [m for m in peft_model.modules() if isinstance(m, LoraLayer) and DEFAULT in m.lora_A]
     for layer in layers:
@@ -275,7 +285,9 @@ def save_adapter(model: Any, directory: Path, state_dict: Mapping[str, torch.Ten
     start = get_peft_model_state_dict(model, state_dict=sd, adapter_name=INITIAL)
     out = {}
     for key, value in trained.items():
-        dim = 0 if ".lora_A." in key else 1
+        if ".lora_A." not in key and ".lora_B." not in key:  # `_start_from_base_directions` refuses others
+            raise ValueError(f"cannot export {key!r} as part of a rank-2r LoRA adapter")
+        dim = 0 if ".lora_A." in key else 1  # A [r, in] stacks rows, B [out, r] stacks columns
         out[key] = torch.cat([value, start[key]], dim=dim).detach().cpu().contiguous()
     config = copy.deepcopy(model.peft_config[DEFAULT])
     config.r, config.lora_alpha, config.init_lora_weights = 2 * config.r, 2 * config.lora_alpha, True
