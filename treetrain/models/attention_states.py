@@ -256,7 +256,7 @@ def _probe(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
         keys, values = k[:, :, :length], v[:, :, :length]
         vis = None if visible is None else visible.to(device)
         out, lse = cuda_state(q, keys, values, scale, causal=is_causal, visible=vis)
-        mask = _as_block_mask(None if ref_visible is None else ref_visible.to(device))
+        mask = block_mask(None if ref_visible is None else ref_visible.to(device))
         qf, kf, vf = q[0].float(), keys[0].float(), values[0].float()
         r_out, r_lse = partial_state(qf, kf, vf, scale, mask)
         seen = torch.isfinite(r_lse)
@@ -285,7 +285,8 @@ def _probe(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     return True
 
 
-def _as_block_mask(visible: torch.Tensor | None) -> Mask:
+def block_mask(visible: torch.Tensor | None) -> Mask:
+    """The `Mask` of a `[M, L]` visibility (None: every key visible) for the block-by-block reference."""
     if visible is None:
         return lambda a, b: None
     return lambda a, b: visible[None, :, a:b]

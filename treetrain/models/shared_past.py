@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from treetrain.models.attention_states import (
-    Mask,
+    block_mask,
     fused,
     fused_backward,
     fused_state,
@@ -139,12 +139,6 @@ def _own_visible(t: int, window: int | None, device: torch.device) -> torch.Tens
     return keep  # [T, T]
 
 
-def _as_mask(visible: torch.Tensor | None) -> Mask:
-    if visible is None:
-        return lambda a, b: None
-    return lambda a, b: visible[None, :, a:b]
-
-
 class _Layout:
     """Index maps between the per-row layout `[K, H, T, .]` and the stacked one `[H_kv, K * group * T, .]`."""
 
@@ -201,7 +195,7 @@ class _SharedAttention(torch.autograd.Function):
             o, ls = partial_state(
                 q.reshape(lay.rows * lay.kv_heads, lay.group * lay.t, lay.d),
                 k_own.reshape(lay.rows * lay.kv_heads, lay.t, -1), v_own.reshape(lay.rows * lay.kv_heads, lay.t, -1),
-                spec.scale, _as_mask(_own_visible(lay.t, spec.window, q.device).repeat(lay.group, 1)),
+                spec.scale, block_mask(_own_visible(lay.t, spec.window, q.device).repeat(lay.group, 1)),
             )  # fmt: skip
             out = lay.stacked(o.reshape(lay.rows, lay.heads, lay.t, -1))
             lse = lay.stacked(ls.reshape(lay.rows, lay.heads, lay.t, 1))[..., 0]
@@ -213,7 +207,7 @@ class _SharedAttention(torch.autograd.Function):
                 po, pl = fused_state(qs[None], k, v, spec.scale, visible=vis)
                 po, pl = po[0], pl[0].to(stat)
             else:
-                po, pl = partial_state(qs, k[0], v[0], spec.scale, _as_mask(vis))
+                po, pl = partial_state(qs, k[0], v[0], spec.scale, block_mask(vis))
             # The running state has seen each row's own token, so its lse is finite: merge in place.
             out, lse = merge_into(out, lse, po, pl)
         if sinks is not None:  # a sink is one more logit with a zero value: it only enlarges the denominator
@@ -261,7 +255,7 @@ class _SharedAttention(torch.autograd.Function):
                     dk[0, :, a:b] = gk
                     dv[0, :, a:b] = gv
 
-                partial_backward(qs, k[0], v[0], lse, do, delta, spec.scale, _as_mask(vis), d_qs, sink)
+                partial_backward(qs, k[0], v[0], lse, do, delta, spec.scale, block_mask(vis), d_qs, sink)
             if acc is not None:
                 acc[0].add_(dk)
                 acc[1].add_(dv)
@@ -293,7 +287,7 @@ class _SharedAttention(torch.autograd.Function):
             partial_backward(
                 q.reshape(n, g, lay.d), k_own.reshape(n, lay.t, -1), v_own.reshape(n, lay.t, -1),
                 own(lse[..., None])[..., 0], own(do), own(delta[..., None])[..., 0], spec.scale,
-                _as_mask(_own_visible(lay.t, spec.window, q.device).repeat(lay.group, 1)), d_qo, own_sink,
+                block_mask(_own_visible(lay.t, spec.window, q.device).repeat(lay.group, 1)), d_qo, own_sink,
             )  # fmt: skip
             d_q = d_qo.reshape(lay.rows, lay.heads, lay.t, lay.d)
         d_q = d_q + lay.per_row(d_qs)
