@@ -230,3 +230,74 @@ def test_a_diverged_step_ends_train_in_one_line(
     argv = ["train", "--trees", str(tree), "--run-dir", str(tmp_path / "run"), *TRAIN]
     line = assert_refused(run_cli(capsys, argv), "train", "gradient norm is nan", "diverged")
     assert line.startswith("treetrain train: gradient norm is nan")
+
+
+@pytest.mark.timeout(120)
+def test_outputs_never_replace_a_fifo_or_a_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An atomic write renames over its target: over a device, a FIFO or a socket that would put a file
+    where it was (as root, `--dot /dev/null` replaced /dev/null). Only regular files are replaced."""
+    tree = tmp_path / "tiny.msgpack"
+    tree.write_bytes(TINY_BYTES)
+    targets = [tmp_path / "a-directory"]
+    targets[0].mkdir()
+    if hasattr(os, "mkfifo"):
+        targets.append(tmp_path / "fifo.dot")
+        os.mkfifo(targets[1])
+    for target in targets:
+        line = assert_refused(
+            run_cli(capsys, ["inspect", str(tree), "--dot", str(target)]), "inspect", str(target), "dot"
+        )
+        assert "refusing to replace it" in line
+    assert targets[0].is_dir() and all(not t.is_file() for t in targets)
+
+
+@pytest.mark.timeout(120)
+def test_tree_paths_the_file_system_refuses_are_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    loop = tmp_path / "loop.msgpack"
+    loop.symlink_to(loop)
+    long = str(tmp_path / ("z" * 300))
+    for path in (str(loop), long, long + "/*.msgpack"):
+        argv = ["train", "--trees", path, "--run-dir", str(tmp_path / "run"), *TRAIN]
+        code, _, err = run_cli(capsys, argv)
+        assert code == 2 and "Traceback" not in err
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        assert lines[-1].startswith("treetrain train: rollout.trees: ") and len(lines[-1]) < 600, lines[-1][
+            :300
+        ]
+
+
+def test_a_preset_the_allocator_refuses_is_one_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--vocab` may be as large as 2^24; a tiny preset of that vocabulary needs GiBs, which may not be there."""
+    import treetrain.models.presets as presets
+
+    def refused(*args: object, **kwargs: object) -> None:
+        raise RuntimeError(
+            "DefaultCPUAllocator: can't allocate memory: you tried to allocate 2147483648 bytes"
+        )
+
+    monkeypatch.setattr(presets, "tiny_model", refused)
+    tree = str(Path(__file__).parent / "assets" / "tree_tiny.msgpack")
+    line = assert_refused(
+        run_cli(capsys, ["plan", tree, *PLAN, "--vocab", str(1 << 24)]), "plan", "tiny-llama", "alloc"
+    )
+    assert "can't allocate memory" in line
+
+
+@pytest.mark.timeout(60)
+def test_run_dirs_the_file_system_refuses_are_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tree = tmp_path / "tiny.msgpack"
+    tree.write_bytes(TINY_BYTES)
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    for run_dir in (str(tmp_path / ("q" * 300)), str(loop / "sub")):
+        argv = ["train", "--trees", str(tree), "--run-dir", run_dir, *TRAIN]
+        line = assert_refused(run_cli(capsys, argv), "train", "--run-dir", run_dir[-20:])
+        assert "cannot" in line

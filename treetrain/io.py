@@ -36,10 +36,22 @@ def _fsync_dir(directory: str) -> None:
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write `data` to `path` through a temporary file in the same directory, fsync, then rename."""
+    """Write `data` to `path` through a temporary file in the same directory, fsync, then rename.
+
+    Only a regular file (or nothing) is replaced: renaming over `/dev/null`, a FIFO or a socket would put a
+    file where a device was, so those raise `OSError` naming the path.
+    """
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
-    mode = os.stat(path).st_mode & 0o777 if os.path.exists(path) else 0o644
+    existing = os.stat(path) if os.path.lexists(path) and os.path.exists(path) else None
+    if existing is not None and not stat.S_ISREG(existing.st_mode):
+        kind = (
+            "a directory"
+            if stat.S_ISDIR(existing.st_mode)
+            else "not a regular file (a FIFO, device or socket)"
+        )
+        raise OSError(errno.EINVAL, f"{kind}; refusing to replace it", path)
+    mode = existing.st_mode & 0o777 if existing is not None else 0o644
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:

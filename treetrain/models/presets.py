@@ -137,7 +137,14 @@ def load_model(
     if name.startswith("tiny-"):
         if vocab_size is None:
             raise ValueError(f"preset {name!r} needs a vocab_size (take it from the tokenizer)")
-        return tiny_model(name.removeprefix("tiny-"), vocab_size, attn=attn, dtype=dtype, seed=seed)
+        try:
+            return tiny_model(name.removeprefix("tiny-"), vocab_size, attn=attn, dtype=dtype, seed=seed)
+        except (
+            RuntimeError
+        ) as exc:  # the allocator's refusal (a vocabulary near the 2^24 allowed, little memory)
+            raise ValueError(
+                f"cannot build {name} with a vocabulary of {vocab_size}: {' '.join(str(exc).split())[:200]}"
+            ) from None
     path = Path(name)
     if not path.is_dir():
         presets = ", ".join(f"tiny-{f}" for f in FAMILIES)

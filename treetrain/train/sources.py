@@ -29,6 +29,7 @@ from treetrain.train.config import TrainConfig
 from treetrain.tree import TrajectoryTree
 from treetrain.tree.checks import check_distinct, check_vocabulary
 from treetrain.tree.format import load_trees, tree_from_bytes, tree_to_bytes
+from treetrain.tree.untrusted import short_repr
 
 log = logging.getLogger(__name__)
 
@@ -215,13 +216,18 @@ class RecordedSource:
         assert cfg.rollout.trees is not None
         pattern = cfg.rollout.trees
         path = Path(pattern)
-        files = (
-            sorted(path.glob("**/*.msgpack"))
-            if path.is_dir()
-            else sorted(Path(p) for p in glob.glob(pattern, recursive=True))
-        )
+        try:  # a name too long or a symlink loop
+            files = (
+                sorted(path.glob("**/*.msgpack"))
+                if path.is_dir()
+                else sorted(Path(p) for p in glob.glob(pattern, recursive=True))
+            )
+        except OSError as exc:
+            raise ConfigError(
+                f"rollout.trees: cannot list {short_repr(pattern, 80)}: {exc.strerror or exc}"
+            ) from None
         if not files:
-            raise FileNotFoundError(f"rollout.trees: no .msgpack files at {pattern!r}")
+            raise FileNotFoundError(f"rollout.trees: no .msgpack files at {short_repr(pattern, 200)}")
         self.groups: list[tuple[TrajectoryTree, ...]] = []
         for f in files:
             try:
