@@ -272,7 +272,10 @@ def _xml_parse(text: str, turn: int) -> ParsedTurn:
     return ParsedTurn(Message("assistant", content, tuple(calls)), tuple(errors))
 
 
-_GLM_CALL = re.compile(re.escape(OPEN_TAG) + r"([^\n<]+)(.*?)" + re.escape(CLOSE_TAG), re.DOTALL)
+# The name is taken whole (`(?=(X))\1`: an atomic group that Python 3.10 can write): a CLOSE_TAG cannot
+# start inside it, so the matches are the same, but a name line without CLOSE_TAG is scanned once, not once
+# per character of the name (quadratic in a degenerate turn's length).
+_GLM_CALL = re.compile(re.escape(OPEN_TAG) + r"(?=([^\n<]+))\1(.*?)" + re.escape(CLOSE_TAG), re.DOTALL)
 _GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 GLM_HINT = "Write <tool_call>NAME\n<arg_key>ARG</arg_key>\n<arg_value>VALUE</arg_value>\n</tool_call>."
 

@@ -231,3 +231,30 @@ def test_partials_callable_objects_and_async_tools() -> None:
         for name, args in (("add", {"a": 1}), ("Scale", {"x": 1.5}), ("fetch", {"url": "u"}))
     ]
     assert results == ["6", "3.0", "page u"]
+
+
+GLM_TEXTS = (
+    "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>",
+    "a <tool_call>f  </tool_call> b <tool_call>g\n</tool_call><tool_call>\n</tool_call>",
+    "<tool_call>f<tool_call>g</tool_call></tool_call>",
+    "<tool_call>name with spaces and no close",
+)
+
+
+@pytest.mark.timeout(120)
+def test_a_glm_name_line_never_closed_is_read_in_one_pass() -> None:
+    """A degenerate turn (the opener, then a long line with no '<' or newline, never closed) is prose. The
+    call pattern takes the name whole, so this reads in one pass; with a backtracking name it was quadratic
+    (about 1 s at 8,000 characters, minutes at this length). The whole-name pattern matches the same calls
+    as the backtracking one (no closing tag can start inside a name)."""
+    import re
+
+    from envs.formats import _GLM_CALL
+
+    turn = FORMATS["glm45"].read("<tool_call>" + "a" * 200_000, 0)
+    assert not turn.message.tool_calls
+    backtracking = re.compile(r"<tool_call>([^\n<]+)(.*?)</tool_call>", re.DOTALL)
+    for text in GLM_TEXTS:
+        got = [m.span() + m.groups() for m in _GLM_CALL.finditer(text)]
+        assert got == [m.span() + m.groups() for m in backtracking.finditer(text)], text
+    assert [len(list(_GLM_CALL.finditer(t))) for t in GLM_TEXTS] == [1, 2, 1, 0]
