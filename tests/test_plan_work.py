@@ -38,8 +38,8 @@ PACKAGE = str(Path(treetrain.__file__).parent)
 #: Lines of treetrain code that planning may execute per unit of file, where the units are the file's bytes
 #: plus its (node, trajectory) pairs (the one tree statistic that can outgrow the file, limited per byte by
 #: `Limits.node_visits_per_byte`), plus a fixed part (the search, the ledger, the cached calibration).
-#: Measured (`pytest -s` prints them): 0.8 to 2.7 lines per unit, 7.1 on the chain. The code before this
-#: bound ran calls^3 x prefix lines on `shared_calls`.
+#: Measured (`pytest -s` prints them): 0.8 to 2.7 lines per unit, 7.1 on the chain. Planning that walked
+#: each call's own tokens would run calls^3 x prefix lines on `shared_calls`.
 LINES_PER_UNIT = 12
 FIXED_LINES = 200_000
 
