@@ -407,6 +407,29 @@ def test_plan_compares_adapters_with_full_finetuning() -> None:
     assert "full fine-tuning, same model" in text and "LoRA saves" in text
 
 
+def test_planner_takes_the_walk_with_the_lower_peak_when_neither_fits(monkeypatch) -> None:
+    """When neither walk fits, the plan (and the refusal's smallest tree peak) is the walk that comes
+    closer: here the second walk, though the fused one was searched first."""
+    from types import SimpleNamespace
+
+    import treetrain.memory.planner as planner
+
+    peaks = {"fused": 900_000_000, "separate": 500_000_000}
+
+    def nothing_fits(search, *args):
+        peak = peaks[search.base.reference_walk]
+        search.smallest = SimpleNamespace(
+            ledger=SimpleNamespace(peak=SimpleNamespace(total=peak), token_cost=1)
+        )
+        return None
+
+    monkeypatch.setattr(planner, "search_tree", nothing_fits)
+    model = lora_factory("llama", torch.float64)()
+    batch = make_batch(SHAPES["one_level"](0), KL)
+    with pytest.raises(planner.PlanError, match=r"smallest predicted peak is 476\.8 MiB in tree mode"):
+        plan_update(batch, model, budget=1, loss=KL, ref_model=AdaptersOff(model))
+
+
 # ----- PiSSA / OLoRA: inits that rewrite the base ---------------------------------------------------------
 def _logprobs(model, ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():

@@ -185,6 +185,14 @@ class Plan:
         return "\n".join(lines)
 
 
+def _lower(a: Candidate | None, b: Candidate | None) -> bool:
+    """Whether `a` has a strictly lower peak than `b` (a missing `b` is beaten by any `a`): when neither walk
+    fits, the plan (and a refusal's "smallest predicted peak") takes the walk that comes closer."""
+    if a is None:
+        return b is None
+    return b is None or a.ledger.peak.total < b.ledger.peak.total
+
+
 def plan_update(
     batch: UpdateBatch,
     model: PreTrainedModel,
@@ -231,7 +239,7 @@ def plan_update(
                 one, tree_cand = None, None
             if one is None or not one.fits(tree_cand):
                 two, separate = search("separate")
-                if two.fits(separate) or one is None or one.smallest is None:
+                if two.fits(separate) or one is None or _lower(two.smallest, one.smallest):
                     smallest = one.smallest if one is not None else None
                     tree_cand, fused = separate or two.smallest, False
                     walk_note = (
