@@ -66,9 +66,14 @@ CASES: list[tuple[str, dict[str, Any] | None, dict[str, bytes], str]] = [
     ),
     ("unknown model type", {"model_type": "no-such-family"}, {}, "not a usable model config"),
     ("not a causal LM", {"model_type": "bert", "architectures": ["BertModel"]}, {}, "supported causal LM"),
-    ("config nested 100000 deep", None, {"config_json": b"[" * 100_000 + b"]" * 100_000}, "not a valid JSON"),
-    ("config a JSON list", None, {"config_json": b"[1, 2]"}, "expected a JSON object"),
-    ("config not UTF-8", None, {"config_json": b'{"model_type": "\xff"}'}, "not a valid JSON"),
+    (
+        "config nested 100000 deep",
+        None,
+        {"config_json": b"[" * 100_000 + b"]" * 100_000},
+        "nested too deeply",
+    ),
+    ("config a JSON list", None, {"config_json": b"[1, 2]"}, "must be an object, found a list"),
+    ("config not UTF-8", None, {"config_json": b'{"model_type": "\xff"}'}, "not UTF-8 text"),
     (
         "config of 2 MiB",
         None,

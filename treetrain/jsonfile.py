@@ -26,6 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from treetrain.io import open_regular
+
 _KINDS = {list: "a list", str: "a string", int: "a number", float: "a number", bool: "a boolean"}
 
 
@@ -40,7 +42,7 @@ def read_json_object(
             raise error(f"{p}: not a regular file")
         if info.st_size > max_bytes:
             raise error(f"{p}: {info.st_size} bytes, larger than the limit of {max_bytes} bytes")
-        with open(p, "rb") as f:
+        with open_regular(p) as f:  # non-blocking open: a FIFO swapped in after the stat is refused too
             raw = f.read(max_bytes + 1)  # bounded even if the file grew after the stat
     except OSError as exc:
         raise error(f"{p}: cannot read it ({exc.strerror or type(exc).__name__})") from None

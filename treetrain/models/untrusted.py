@@ -25,7 +25,6 @@ Example:
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from transformers import PretrainedConfig
 
-from treetrain.io import open_regular
+from treetrain.jsonfile import read_json_object
 
 MAX_CONFIG_BYTES = 1 << 20
 """Largest config.json read (real ones are a few KB)."""
@@ -55,21 +54,7 @@ _EXPERTS = re.compile(r"^(num_experts|num_local_experts|n_routed_experts|moe_num
 
 
 def _config(directory: Path) -> dict[str, Any]:
-    path = directory / "config.json"
-    try:
-        with open_regular(path) as f:
-            raw = f.read(MAX_CONFIG_BYTES + 1)
-    except OSError as exc:
-        raise ValueError(f"{path}: cannot read it: {exc.strerror or exc}") from None
-    if len(raw) > MAX_CONFIG_BYTES:
-        raise ValueError(f"{path}: larger than the limit of {MAX_CONFIG_BYTES} bytes")
-    try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, too deep, too many digits
-        raise ValueError(f"{path}: not a valid JSON config ({_one_line(exc)})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
+    return read_json_object(directory / "config.json", max_bytes=MAX_CONFIG_BYTES)
 
 
 def _check_counts(data: dict[str, Any], path: Path) -> None:
