@@ -33,7 +33,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from envs.protocol import Message, ToolCall, ToolSpec
-from envs.toolcalls import CLOSE_TAG, OPEN_TAG, ParsedTurn, ToolCallError, call_from_object, parse_tool_calls
+from envs.toolcalls import (
+    CLOSE_TAG,
+    OPEN_TAG,
+    ParsedTurn,
+    ToolCallError,
+    call_from_object,
+    closed_end,
+    parse_tool_calls,
+)
 
 
 @dataclass(frozen=True)
@@ -249,7 +257,7 @@ def _xml_parse(text: str, turn: int) -> ParsedTurn:
     errors: list[ToolCallError] = []
     pieces: list[str] = []
     pos = 0
-    for index, m in enumerate(_XML_CALL.finditer(text)):
+    for index, m in enumerate(_XML_CALL.finditer(text, 0, closed_end(text))):
         pieces.append(text[pos : m.start()])
         pos = m.end()
         call_id = f"call_{turn}_{index}"
@@ -286,7 +294,7 @@ def _glm_parse(text: str, turn: int) -> ParsedTurn:
     errors: list[ToolCallError] = []
     pieces: list[str] = []
     pos = 0
-    for index, m in enumerate(_GLM_CALL.finditer(text)):
+    for index, m in enumerate(_GLM_CALL.finditer(text, 0, closed_end(text))):
         pieces.append(text[pos : m.start()])
         pos = m.end()
         call_id = f"call_{turn}_{index}"

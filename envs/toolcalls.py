@@ -37,6 +37,15 @@ CLOSE_TAG = "</tool_call>"
 _CALL_RE = re.compile(re.escape(OPEN_TAG) + r"(.*?)" + re.escape(CLOSE_TAG), re.DOTALL)
 
 
+def closed_end(text: str) -> int:
+    """Where the last CLOSE_TAG in `text` ends (0 when there is none): the end of the part a call pattern
+    that ends with CLOSE_TAG can match. Matching only there gives the same matches, and an opener after
+    it is never scanned to the end of the text for a CLOSE_TAG that is not there (once per opener:
+    quadratic in a degenerate turn that repeats an opener)."""
+    at = text.rfind(CLOSE_TAG)
+    return at + len(CLOSE_TAG) if at >= 0 else 0
+
+
 @dataclass(frozen=True)
 class ToolCallError:
     """A tool call the model wrote but that could not be parsed."""
@@ -112,7 +121,7 @@ def parse_tool_calls(text: str, turn: int) -> ParsedTurn:
     pieces: list[str] = []
     pos = 0
     index = 0
-    for m in _CALL_RE.finditer(text):
+    for m in _CALL_RE.finditer(text, 0, closed_end(text)):
         pieces.append(text[pos : m.start()])
         pos = m.end()
         parsed = _parse_one(m.group(1).strip(), f"call_{turn}_{index}")

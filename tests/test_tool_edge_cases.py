@@ -258,3 +258,18 @@ def test_a_glm_name_line_never_closed_is_read_in_one_pass() -> None:
         got = [m.span() + m.groups() for m in _GLM_CALL.finditer(text)]
         assert got == [m.span() + m.groups() for m in backtracking.finditer(text)], text
     assert [len(list(_GLM_CALL.finditer(t))) for t in GLM_TEXTS] == [1, 2, 1, 0]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["hermes", "qwen3_coder", "glm45"])
+def test_a_turn_of_repeated_unclosed_openers_is_read_in_one_pass(name: str) -> None:
+    """A degenerate turn that repeats a call's opening and never closes it is prose. Calls are matched only
+    up to the last closing tag, so no opener is scanned to the end of the text for one (which took 8-13 s
+    at 5,000 openers, about 16x that at this count)."""
+    fmt = FORMATS[name]
+    call = fmt.write("lookup", {"q": "x"}, "c00000001")
+    opener = call[: len(call) // 3]
+    degenerate = (opener + "a ") * 20_000
+    assert not fmt.read(degenerate, 0).message.tool_calls
+    turn = fmt.read(call + degenerate, 0)  # a complete call before them is still made
+    assert [c.name for c in turn.message.tool_calls] == ["lookup"]
