@@ -25,7 +25,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +103,8 @@ def checkpoint_config(directory: str | Path) -> PretrainedConfig:
     path = directory / "config.json"
     _check_counts(_config(directory), path)
     try:
-        config = AutoConfig.from_pretrained(directory, local_files_only=True)
+        with _quiet():
+            config = AutoConfig.from_pretrained(directory, local_files_only=True)
     except Exception as exc:  # transformers raises many types (TypeError, KeyError, ...) for bad fields
         raise ValueError(f"{path}: not a usable model config ({_one_line(exc)})") from None
     vocab = getattr(config.get_text_config(decoder=True), "vocab_size", None)
@@ -111,6 +114,19 @@ def checkpoint_config(directory: str | Path) -> PretrainedConfig:
             "(treetrain.models.untrusted.MAX_VOCAB)"
         )
     return config
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """transformers' warnings about a hostile config go to stderr beside our one line; the line says it all."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -123,7 +139,7 @@ def _meta_model(config: PretrainedConfig, path: Path) -> torch.nn.Module:
     from treetrain.models.decoder import base_model
 
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), _quiet():
             model = AutoModelForCausalLM.from_config(config)
         base_model(model)
     except Exception as exc:  # whatever the family's constructor makes of a hostile config
