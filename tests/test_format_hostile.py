@@ -122,6 +122,10 @@ CASES: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "tree id of wrong type": (_set("id", 5), "trees[0].id: expected a str, got int"),
     "nan reward": (_set("trajectories.0.reward", math.nan), "trajectories[0].reward: nan is not finite"),
     "inf reward": (_set("trajectories.1.reward", -math.inf), "trajectories[1].reward: -inf is not finite"),
+    "reward too large to normalize": (
+        _set("trajectories.0.reward", 1e308),
+        "trajectories[0].reward: 1e+308 is outside +-1e+15",
+    ),
     "reward as str": (
         _set("trajectories.0.reward", "1"),
         "trajectories[0].reward: expected a number, got str",

@@ -134,7 +134,6 @@ def test_the_count_sees_per_token_work() -> None:
     assert sizes[0] < lines[0] / 100
 
 
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # advantages of rewards near 1e308 overflow
 @settings(max_examples=40, deadline=None)
 @given(trajectory_sets(max_calls=4))
 def test_call_sizes_equal_the_calls(trajs: list[Trajectory]) -> None:
@@ -147,7 +146,6 @@ def test_call_sizes_equal_the_calls(trajs: list[Trajectory]) -> None:
             assert [(s.tokens, s.targets) for s in flat.call_sizes(batch)] == expected
 
 
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # advantages of rewards near 1e308 overflow
 @settings(max_examples=40, deadline=None)
 @given(trajectory_sets(max_calls=4))
 def test_tree_targets_take_the_owning_calls_sampler_logprobs(trajs: list[Trajectory]) -> None:

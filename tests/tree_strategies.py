@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from treetrain.trajectory import Call, Role, Segment, Trajectory, TrajectoryMeta
+from treetrain.trajectory import REWARD_LIMIT, Call, Role, Segment, Trajectory, TrajectoryMeta
 
 TOKENS = st.one_of(st.integers(0, 3), st.integers(0, 2**32 - 1))
 LOGPROB = st.floats(max_value=0.0, allow_nan=False, allow_infinity=False)
-FINITE = st.floats(allow_nan=False, allow_infinity=False)
+REWARD = st.floats(min_value=-REWARD_LIMIT, max_value=REWARD_LIMIT)
 OPTIONAL_INT = st.none() | st.integers(-(2**63), 2**64 - 1)
 
 
@@ -84,12 +84,12 @@ def trajectory_sets(draw: st.DrawFn, max_trajectories: int = 5, max_calls: int =
                 segs_per_call[0] = [*segs_per_call[0], Segment(Role.POLICY, (draw(TOKENS),))]
             calls = tuple(Call(tuple(s)) for s in segs_per_call)
         n_policy = sum(1 for c in calls for s in c.segments if s.role is Role.POLICY)
-        steps = draw(st.one_of(st.just([]), st.lists(FINITE, min_size=n_policy, max_size=n_policy)))
+        steps = draw(st.one_of(st.just([]), st.lists(REWARD, min_size=n_policy, max_size=n_policy)))
         meta = TrajectoryMeta(
             env=draw(st.text(max_size=4)),
             seed=draw(OPTIONAL_INT),
             model_version=draw(OPTIONAL_INT),
             extra=draw(st.dictionaries(st.text(max_size=3), st.text(max_size=3), max_size=2)),
         )
-        out.append(Trajectory(tid, calls, draw(FINITE), tuple(steps), meta))
+        out.append(Trajectory(tid, calls, draw(REWARD), tuple(steps), meta))
     return out

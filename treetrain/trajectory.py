@@ -181,6 +181,24 @@ class TrajectoryMeta:
         return hash((self.env, self.seed, self.model_version, tuple(sorted(self.extra.items()))))
 
 
+REWARD_LIMIT = 1e15
+"""Largest reward magnitude accepted. Advantages subtract and divide rewards in float64 and the loss weighs
+float32 logprobs by them; far below either range's edge, and far above any reward an environment means."""
+
+
+def _reward(value: object, where: str) -> float:
+    """`value` as a float reward, or a TrajectoryError naming `where`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TrajectoryError(f"{where} {value!r:.40} is not a number")
+    try:
+        out = float(value)
+    except OverflowError:
+        out = math.inf
+    if not math.isfinite(out) or abs(out) > REWARD_LIMIT:
+        raise TrajectoryError(f"{where} is {out!r}; rewards must be finite and within +-{REWARD_LIMIT:g}")
+    return out
+
+
 @dataclass(frozen=True)
 class Trajectory:
     """One episode: its calls, its final reward, and optional per-step rewards.
@@ -201,20 +219,21 @@ class Trajectory:
         object.__setattr__(self, "calls", tuple(self.calls))
         if not self.calls:
             raise TrajectoryError(f"trajectory {self.id!r} has no calls")
-        if isinstance(self.reward, bool) or not isinstance(self.reward, numbers.Real):
-            raise TrajectoryError(f"trajectory {self.id!r} reward {self.reward!r} is not a number")
-        object.__setattr__(self, "reward", float(self.reward))
-        if not math.isfinite(self.reward):
-            raise TrajectoryError(f"trajectory {self.id!r} reward is {self.reward!r}; rewards must be finite")
-        object.__setattr__(self, "step_rewards", tuple(float(r) for r in self.step_rewards))
+        object.__setattr__(self, "reward", _reward(self.reward, f"trajectory {self.id!r} reward"))
+        object.__setattr__(
+            self,
+            "step_rewards",
+            tuple(
+                _reward(r, f"trajectory {self.id!r} step_rewards[{i}]")
+                for i, r in enumerate(self.step_rewards)
+            ),
+        )
         if self.step_rewards:
             n_turns = sum(1 for c in self.calls for s in c.segments if s.role is Role.POLICY)
             if len(self.step_rewards) != n_turns:
                 raise TrajectoryError(
                     f"trajectory {self.id!r} has {len(self.step_rewards)} step_rewards but {n_turns} policy segments"
                 )
-            if not all(math.isfinite(r) for r in self.step_rewards):
-                raise TrajectoryError(f"trajectory {self.id!r} has a non-finite step reward")
         # Every policy token is owned by some call, so this is `num_policy_tokens == 0` without the
         # prefix scans that cost calls^2 x tokens.
         if not any(s.role is Role.POLICY for c in self.calls for s in c.segments):

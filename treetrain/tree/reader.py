@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from treetrain.trajectory import Role, TrajectoryMeta
+from treetrain.trajectory import REWARD_LIMIT, Role, TrajectoryMeta
 from treetrain.tree.model import ROOT_ID, CallRecord, CallRef, Node, TrajectoryRecord, TrajectoryTree, node_id
 from treetrain.tree.schema import FORMAT_NAME, SUPPORTED_VERSIONS, Limits, TreeFormatError
 from treetrain.tree.untrusted import (
@@ -326,9 +326,9 @@ def _decode_trajectory(obj: object, where: str, nodes: _Nodes, budget: _Budget) 
     tid = expect_str(fields["id"], f"{where}.id")
     if not tid:
         raise TreeFormatError(f"{where}.id: empty; trajectory ids must be non-empty")
-    reward = expect_finite(fields["reward"], f"{where}.reward")
+    reward = _reward(fields["reward"], f"{where}.reward")
     raw_steps = expect_array(fields["step_rewards"], f"{where}.step_rewards")
-    steps = tuple(expect_finite(x, f"{where}.step_rewards[{j}]") for j, x in enumerate(raw_steps))
+    steps = tuple(_reward(x, f"{where}.step_rewards[{j}]") for j, x in enumerate(raw_steps))
     meta = _decode_meta(fields["meta"], f"{where}.meta")
     raw_calls = expect_array(fields["calls"], f"{where}.calls", min_len=1)
     calls = tuple(_decode_call(c, f"{where}.calls[{ci}]", nodes, budget) for ci, c in enumerate(raw_calls))
@@ -452,3 +452,13 @@ def _decode_logprobs(obj: object, where: str, length: int) -> tuple[float, ...] 
         k = int(np.argmax(bad))
         raise TreeFormatError(f"{where}[{k}]: {float(values[k])!r} is not a finite log-probability <= 0")
     return tuple(values.tolist())
+
+
+def _reward(obj: object, where: str) -> float:
+    """A finite reward within the trajectory model's `REWARD_LIMIT`."""
+    value = expect_finite(obj, where)
+    if abs(value) > REWARD_LIMIT:
+        raise TreeFormatError(
+            f"{where}: {value!r} is outside +-{REWARD_LIMIT:g}, the largest reward accepted"
+        )
+    return value
