@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal, TypeVar
+
+from treetrain.trajectory import TrajectoryError, check_reward
 
 Role = Literal["system", "user", "assistant", "tool"]
 ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
@@ -189,10 +190,10 @@ class Rubric(ABC):
         """The reward of `episode`; must be finite."""
 
     def __call__(self, episode: Episode) -> float:
-        value = float(self.score(episode))
-        if not math.isfinite(value):
-            raise ProtocolError(f"{type(self).__name__} returned a non-finite reward {value!r}")
-        return value
+        try:
+            return check_reward(self.score(episode), f"{type(self).__name__}'s reward")
+        except TrajectoryError as exc:
+            raise ProtocolError(str(exc)) from None
 
 
 class Environment(ABC):

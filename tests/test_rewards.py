@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
 
+from envs.protocol import Episode, ProtocolError, Rubric
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
 from treetrain.trajectory import REWARD_LIMIT, Call, Role, Segment, Trajectory, TrajectoryError
 from treetrain.tree.build import build_tree
@@ -27,3 +30,22 @@ def test_advantages_at_the_limit_are_finite(normalize_std: bool) -> None:
     group = compute_advantages([build_tree(trajectories)], AdvantageConfig(normalize_std=normalize_std))
     values = group.trees[0].values
     assert values.shape[0] == 3 and bool((abs(values) < float("inf")).all())
+
+
+class _Fixed(Rubric):
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def score(self, episode: Episode) -> float:
+        return self.value  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("value", [1e300, 10**400, "1", float("inf")])
+def test_a_rubric_reward_out_of_range_is_a_protocol_error(value: object) -> None:
+    with pytest.raises(ProtocolError, match="_Fixed's reward"):
+        _Fixed(value)(None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", [0.5, 1, np.float32(0.25), torch.tensor(0.75)])
+def test_a_rubric_may_return_any_real_scalar(value: object) -> None:
+    assert _Fixed(value)(None) == float(value)  # type: ignore[arg-type]

@@ -23,11 +23,11 @@ Example:
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from types import MappingProxyType
+from typing import SupportsFloat
 
 
 class TrajectoryError(ValueError):
@@ -186,14 +186,25 @@ REWARD_LIMIT = 1e15
 float32 logprobs by them; far below either range's edge, and far above any reward an environment means."""
 
 
-def _reward(value: object, where: str) -> float:
-    """`value` as a float reward, or a TrajectoryError naming `where`."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TrajectoryError(f"{where} {value!r:.40} is not a number")
+def check_reward(value: object, where: str) -> float:
+    """`value` as a float reward, or a TrajectoryError naming `where`; every way a reward enters uses it.
+
+    >>> check_reward(3, "reward")
+    3.0
+    >>> check_reward(10**400, "reward")
+    Traceback (most recent call last):
+    ...
+    treetrain.trajectory.TrajectoryError: reward is inf; rewards must be finite and within +-1e+15
+    """
+    # Python and numpy numbers, and one-element tensors (they define __float__); never text or bool.
     try:
-        out = float(value)
+        out = float(value) if isinstance(value, SupportsFloat) and not isinstance(value, bool) else None
     except OverflowError:
         out = math.inf
+    except (TypeError, ValueError, RuntimeError):
+        out = None
+    if out is None:
+        raise TrajectoryError(f"{where} {value!r:.40} is not a number")
     if not math.isfinite(out) or abs(out) > REWARD_LIMIT:
         raise TrajectoryError(f"{where} is {out!r}; rewards must be finite and within +-{REWARD_LIMIT:g}")
     return out
@@ -219,12 +230,12 @@ class Trajectory:
         object.__setattr__(self, "calls", tuple(self.calls))
         if not self.calls:
             raise TrajectoryError(f"trajectory {self.id!r} has no calls")
-        object.__setattr__(self, "reward", _reward(self.reward, f"trajectory {self.id!r} reward"))
+        object.__setattr__(self, "reward", check_reward(self.reward, f"trajectory {self.id!r} reward"))
         object.__setattr__(
             self,
             "step_rewards",
             tuple(
-                _reward(r, f"trajectory {self.id!r} step_rewards[{i}]")
+                check_reward(r, f"trajectory {self.id!r} step_rewards[{i}]")
                 for i, r in enumerate(self.step_rewards)
             ),
         )
