@@ -273,7 +273,7 @@ def test_tree_paths_the_file_system_refuses_are_one_line(
 def test_a_preset_the_allocator_refuses_is_one_line(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`--vocab` may be as large as 2^24; a tiny preset of that vocabulary needs GiBs, which may not be there."""
+    """A preset that the allocator refuses (a large `--vocab` on a machine with little memory) is one line."""
     import treetrain.models.presets as presets
 
     def refused(*args: object, **kwargs: object) -> None:
@@ -284,7 +284,7 @@ def test_a_preset_the_allocator_refuses_is_one_line(
     monkeypatch.setattr(presets, "tiny_model", refused)
     tree = str(Path(__file__).parent / "assets" / "tree_tiny.msgpack")
     line = assert_refused(
-        run_cli(capsys, ["plan", tree, *PLAN, "--vocab", str(1 << 24)]), "plan", "tiny-llama", "alloc"
+        run_cli(capsys, ["plan", tree, *PLAN, "--vocab", str(1 << 20)]), "plan", "tiny-llama", "alloc"
     )
     assert "can't allocate memory" in line
 
@@ -301,3 +301,9 @@ def test_run_dirs_the_file_system_refuses_are_one_line(
         argv = ["train", "--trees", str(tree), "--run-dir", run_dir, *TRAIN]
         line = assert_refused(run_cli(capsys, argv), "train", "--run-dir", run_dir[-20:])
         assert "cannot" in line
+
+
+def test_a_vocab_that_would_take_gibs_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    tree = str(Path(__file__).parent / "assets" / "tree_tiny.msgpack")
+    code, _, err = run_cli(capsys, ["plan", tree, *PLAN, "--vocab", str(1 << 24)])
+    assert code == 2 and "Traceback" not in err and "must be in [1, 1048576]" in err

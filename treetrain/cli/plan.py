@@ -37,8 +37,9 @@ EXIT_BAD_INPUT = 2
 MAX_INFERRED_VOCAB = 1 << 19
 """Largest preset vocabulary taken from the trees' own token ids (above the 262,144 of the largest common
 tokenizers); beyond it `--vocab` must say so, because a hostile id must not size an embedding."""
-MAX_VOCAB = 1 << 24
-"""Largest `--vocab` accepted."""
+MAX_VOCAB = 1 << 20
+"""Largest `--vocab` accepted (it sizes a tiny preset: at 2^24 one embedding is 2 GiB, and planning needs its
+gradient and optimizer state too)."""
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
