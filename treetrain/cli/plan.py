@@ -274,7 +274,7 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, TreeFormatError) as e:
         return _fail(str(e))
     except (OSError, ValueError) as e:
-        return _fail(f"--model {args.model!r}: {e}")
+        return _fail(f"--model: cannot load model {args.model!r}: {e}")
     except SafetensorError:
         return _fail(f"--model: {broken_weights(path)}")
     overrides = Overrides(
