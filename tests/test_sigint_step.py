@@ -43,7 +43,7 @@ def test_sigint_during_a_threaded_env_step_then_resume(
     }  # fmt: skip
     proc = subprocess.Popen(
         [sys.executable, "-m", "treetrain", *_args(run)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
         seen = []
