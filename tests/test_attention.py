@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
+from attention_oracle import reference, reference_with_sinks
 from engine_cases import SHAPES, VOCAB, factory, make_batch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
@@ -48,22 +48,6 @@ class _Shapes(TorchDispatchMode):
         return out
 
 
-def _reference(q, k_own, v_own, positions, past, window):
-    """Plain SDPA over the concatenated, broadcast and head-expanded past (the naive oracle)."""
-    rows, heads = q.shape[0], q.shape[1]
-    group = heads // k_own.shape[1]
-    keys = torch.cat([torch.cat([k for k, _ in past], -2).expand(rows, -1, -1, -1), k_own], -2)
-    values = torch.cat([torch.cat([v for _, v in past], -2).expand(rows, -1, -1, -1), v_own], -2)
-    kpos = torch.cat([torch.arange(sum(k.shape[-2] for k, _ in past)).expand(rows, -1), positions], -1)
-    mask = kpos[:, None, :] <= positions[:, :, None]  # [K, T, P + T]
-    if window is not None:
-        mask &= kpos[:, None, :] > positions[:, :, None] - window
-    out = F.scaled_dot_product_attention(
-        q, keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1), attn_mask=mask[:, None]
-    )
-    return out.transpose(1, 2)
-
-
 @pytest.mark.parametrize("backend", ["fused", "reference"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("window", [None, 7, 30])
@@ -84,7 +68,7 @@ def test_shared_attention_equals_plain_attention_over_the_concatenated_past(
     positions = torch.arange(sum(lengths), sum(lengths) + t).expand(rows, -1)
     inputs = [q, k_own, v_own, *(x for kv in past for x in kv)]
     out = shared_attention(q, k_own, v_own, positions, past, (), scale=d**-0.5, window=window)
-    ref = _reference(q, k_own, v_own, positions, past, window)
+    ref = reference(q, k_own, v_own, positions, past, window)
     weight = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(dtype)
     grads = torch.autograd.grad((out * weight).sum(), inputs)
     ref_grads = torch.autograd.grad((ref * weight).sum(), inputs)
@@ -101,22 +85,6 @@ def test_shared_attention_equals_plain_attention_over_the_concatenated_past(
     (out2 * weight).sum().backward()
     for (gk, gv), i in zip(acc, range(3, len(grads), 2)):
         assert torch.equal(gk, grads[i]) and torch.equal(gv, grads[i + 1])
-
-
-def _reference_with_sinks(q, k_own, v_own, positions, past, window, sinks):
-    """gpt-oss's eager attention over the concatenated, head-expanded past: a sink column in every softmax."""
-    rows, heads, t, d = q.shape
-    group = heads // k_own.shape[1]
-    keys = torch.cat([torch.cat([k for k, _ in past], -2).expand(rows, -1, -1, -1), k_own], -2)
-    values = torch.cat([torch.cat([v for _, v in past], -2).expand(rows, -1, -1, -1), v_own], -2)
-    kpos = torch.cat([torch.arange(sum(k.shape[-2] for k, _ in past)).expand(rows, -1), positions], -1)
-    mask = kpos[:, None, :] <= positions[:, :, None]
-    if window is not None:
-        mask &= kpos[:, None, :] > positions[:, :, None] - window
-    scores = q @ keys.repeat_interleave(group, 1).transpose(-1, -2) * d**-0.5
-    scores = scores.masked_fill(~mask[:, None], float("-inf"))
-    probs = torch.cat([scores, sinks[None, :, None, None].expand(rows, -1, t, 1)], -1).softmax(-1)[..., :-1]
-    return (probs @ values.repeat_interleave(group, 1)).transpose(1, 2)
 
 
 @pytest.mark.parametrize("backend", ["fused", "reference"])
@@ -138,7 +106,7 @@ def test_sinks_enter_the_merge_as_one_more_logit(
     positions = torch.arange(sum(lengths), sum(lengths) + t).expand(rows, -1)
     inputs = [q, k_own, v_own, sinks, *(x for kv in past for x in kv)]
     out = shared_attention(q, k_own, v_own, positions, past, (), scale=d**-0.5, window=window, sinks=sinks)
-    ref = _reference_with_sinks(q, k_own, v_own, positions, past, window, sinks)
+    ref = reference_with_sinks(q, k_own, v_own, positions, past, window, sinks)
     weight = torch.randn(out.shape, generator=gen, dtype=torch.float64)
     grads = torch.autograd.grad((out * weight).sum(), inputs)
     ref_grads = torch.autograd.grad((ref * weight).sum(), inputs)

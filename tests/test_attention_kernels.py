@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
+from attention_oracle import reference
 
 import treetrain.models.attention_states as states
 import treetrain.models.shared_past as shared_past
@@ -57,21 +57,6 @@ def emulated(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(states, "_EFFICIENT_BACKWARD", _emulated_backward)
 
 
-def _reference(q, k_own, v_own, positions, past, window):
-    rows, heads = q.shape[:2]
-    group = heads // k_own.shape[1]
-    keys = torch.cat([torch.cat([k for k, _ in past], -2).expand(rows, -1, -1, -1), k_own], -2)
-    values = torch.cat([torch.cat([v for _, v in past], -2).expand(rows, -1, -1, -1), v_own], -2)
-    kpos = torch.cat([torch.arange(sum(k.shape[-2] for k, _ in past)).expand(rows, -1), positions], -1)
-    mask = kpos[:, None, :] <= positions[:, :, None]
-    if window is not None:
-        mask &= kpos[:, None, :] > positions[:, :, None] - window
-    out = F.scaled_dot_product_attention(
-        q, keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1), attn_mask=mask[:, None]
-    )
-    return out.transpose(1, 2)
-
-
 @pytest.mark.usefixtures("emulated")
 @pytest.mark.parametrize("window", [None, 7, 30])
 def test_shared_attention_on_the_cuda_glue_equals_plain_attention(
@@ -90,7 +75,7 @@ def test_shared_attention_on_the_cuda_glue_equals_plain_attention(
     positions = torch.arange(sum(lengths), sum(lengths) + t).expand(rows, -1)
     inputs = [q, k_own, v_own, *(x for kv in past for x in kv)]
     out = shared_attention(q, k_own, v_own, positions, past, (), scale=d**-0.5, window=window)
-    ref = _reference(q, k_own, v_own, positions, past, window)
+    ref = reference(q, k_own, v_own, positions, past, window)
     weight = torch.randn(out.shape, generator=gen)
     grads = torch.autograd.grad((out * weight).sum(), inputs)
     ref_grads = torch.autograd.grad((ref * weight).sum(), inputs)
@@ -154,7 +139,7 @@ def test_bfloat16_on_cpu_is_as_close_to_the_truth_as_plain_bfloat16_attention(wi
         return shared_attention(q, k_own, v_own, positions, past, (), scale=d**-0.5, window=window)
 
     def plain(q, k_own, v_own, positions, past):
-        return _reference(q, k_own, v_own, positions, past, window)
+        return reference(q, k_own, v_own, positions, past, window)
 
     truth = run(plain, torch.float64)
     for got, ref, true in zip(run(ours, torch.bfloat16), run(plain, torch.bfloat16), truth):
