@@ -18,7 +18,7 @@ import pytest
 from engine_cases import VOCAB
 from hypothesis import given, settings
 from tree_strategies import trajectory_sets
-from tree_worst import _doc, _node, _traj, shared_calls, wide
+from tree_worst import _doc, _traj, comb_chain, shared_calls, wide
 
 import treetrain
 from treetrain.engine import UpdateBatch
@@ -75,13 +75,7 @@ def _batch(trees: list[TrajectoryTree], loss: LossConfig) -> UpdateBatch:
 def chain_calls(depth: int, calls: int) -> bytes:
     """One trajectory whose `calls` calls all end at the bottom of a chain of `depth` prompt nodes (each
     with a one-token policy leaf, so every node is a divergence point): T = calls x depth."""
-    nodes, trajs, parent = [_node(None, [], [])], [], 0
-    for k in range(depth):
-        chain = len(nodes)
-        nodes.append(_node(parent, [2], [0]))
-        nodes.append(_node(chain, [1], [1]))
-        trajs.append(_traj(f"t{k}", [{"end": chain + 1, "segment_lengths": [k + 1, 1], "logprobs": [None]}]))
-        parent = chain
+    nodes, trajs, parent = comb_chain(depth)
     call = {"end": parent + 1, "segment_lengths": [depth, 1], "logprobs": [None]}
     chain_end = {
         "end": parent,

@@ -21,12 +21,8 @@ def _doc(nodes: list[dict[str, object]], trajs: list[dict[str, object]]) -> byte
     return msgpack.packb({"format": "treetrain.tree", "version": 1, "trees": [tree]}, use_bin_type=True)
 
 
-def comb(depth: int) -> bytes:
-    """A long chain of one-token prompt nodes, each with a one-token policy leaf ending its own trajectory.
-
-    Trajectory k passes through k + 2 nodes, so the (node, trajectory) pairs grow as depth**2 / 2 while
-    the file grows as depth.
-    """
+def comb_chain(depth: int) -> tuple[list[dict[str, object]], list[dict[str, object]], int]:
+    """The comb's nodes and trajectories, and the index of its deepest chain node."""
     nodes, trajs, parent = [_node(None, [], [])], [], 0
     for k in range(depth):
         chain = len(nodes)
@@ -34,6 +30,16 @@ def comb(depth: int) -> bytes:
         nodes.append(_node(chain, [1], [1]))
         trajs.append(_traj(f"t{k}", [{"end": chain + 1, "segment_lengths": [k + 1, 1], "logprobs": [None]}]))
         parent = chain
+    return nodes, trajs, parent
+
+
+def comb(depth: int) -> bytes:
+    """A long chain of one-token prompt nodes, each with a one-token policy leaf ending its own trajectory.
+
+    Trajectory k passes through k + 2 nodes, so the (node, trajectory) pairs grow as depth**2 / 2 while
+    the file grows as depth.
+    """
+    nodes, trajs, parent = comb_chain(depth)
     last = trajs[-1]["calls"]
     assert isinstance(last, list)
     last.append(
