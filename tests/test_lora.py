@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -39,6 +41,9 @@ from treetrain.models.lora import (
 )
 from treetrain.models.presets import FAMILIES
 from treetrain.train.config import load_config
+
+if TYPE_CHECKING:
+    from treetrain.train.loop import Trainer
 
 FACTOR = 5.0
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
@@ -368,7 +373,6 @@ def test_trainer_resume_with_adapters_equals_straight_run_and_exports(tmp_path) 
     final/ is the adapter, final-merged/ a plain model giving the adapted policy's logits."""
     from safetensors.torch import load_file
     from test_train import TINY
-    from transformers import AutoModelForCausalLM
 
     from treetrain.train.loop import Trainer
     from treetrain.train.metrics import read_metrics
@@ -386,10 +390,17 @@ def test_trainer_resume_with_adapters_equals_straight_run_and_exports(tmp_path) 
     assert a[0].kl == 0.0 and a[1].kl > 0 and a[1].loss == pytest.approx(b[1].loss, rel=1e-6, abs=1e-9)
     wa, wb = (load_file(tmp_path / n / "final" / "adapter_model.safetensors") for n in "ab")
     assert wa.keys() == wb.keys() and all(torch.allclose(wa[k], wb[k], rtol=1e-6, atol=1e-7) for k in wa)
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "a" / "final-merged", local_files_only=True)
+    _assert_merged_export_is_the_policy(straight, tmp_path / "a" / "final-merged")
+
+
+def _assert_merged_export_is_the_policy(trainer: Trainer, merged_dir: Path) -> None:
+    """The merged Hugging Face export gives the trained policy's logits."""
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir, local_files_only=True)
     ids = torch.tensor([[1, 5, 9, 13, 2]])
     with torch.no_grad():
-        want = straight.backend.module(input_ids=ids).logits
+        want = trainer.backend.module(input_ids=ids).logits
         assert torch.allclose(merged(input_ids=ids).logits, want, atol=1e-5)
 
 
@@ -497,7 +508,6 @@ def test_trainer_with_pissa_exports_the_trained_policy(tmp_path) -> None:
     """The trainer with PiSSA: KL 0 on the first update (the reference is the starting model), > 0 after;
     final-merged/ (the rank-2r export merged into a freshly loaded base) gives the trained policy."""
     from test_train import TINY
-    from transformers import AutoModelForCausalLM
 
     from treetrain.train.loop import Trainer
     from treetrain.train.metrics import read_metrics
@@ -510,11 +520,7 @@ def test_trainer_with_pissa_exports_the_trained_policy(tmp_path) -> None:
     straight.run()
     a = read_metrics(tmp_path / "a" / "metrics.jsonl")
     assert abs(a[0].kl) < 1e-6 and a[1].kl > 0
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "a" / "final-merged", local_files_only=True)
-    ids = torch.tensor([[1, 5, 9, 13, 2]])
-    with torch.no_grad():
-        want = straight.backend.module(input_ids=ids).logits
-        assert torch.allclose(merged(input_ids=ids).logits, want, atol=1e-5)
+    _assert_merged_export_is_the_policy(straight, tmp_path / "a" / "final-merged")
 
 
 def test_rewriting_init_exact_with_kl_matches_flat() -> None:
