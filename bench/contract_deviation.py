@@ -22,7 +22,7 @@ from treetrain.engine import ReplayConfig, UpdateBatch
 from treetrain.engine.verify import deviation, flat_gradient, noise_floor, tree_gradient
 from treetrain.io import atomic_write_text
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
-from treetrain.loss.config import LossConfig
+from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.manifest import Manifest
 from treetrain.models.presets import FAMILIES, load_model, tiny_model
 from treetrain.tree.format import load_trees

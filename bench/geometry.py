@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from treetrain.benchmark.config import GRIDS, with_overrides
+from treetrain.benchmark.bench_config import GRIDS, with_overrides
 from treetrain.benchmark.report import check_lines
 from treetrain.benchmark.results import all_checks, from_json
 from treetrain.benchmark.suite import run_bench, write_report

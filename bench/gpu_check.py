@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from treetrain.benchmark.config import FULL, QUICK, BenchConfig, GridPoint
+from treetrain.benchmark.bench_config import FULL, QUICK, BenchConfig, GridPoint
 from treetrain.benchmark.workload import (
     LOSS,
     bench_batch,
@@ -42,7 +42,7 @@ from treetrain.engine.batch import ReplayConfig, UpdateBatch
 from treetrain.engine.verify import deviation, flat_gradient, noise_floor, tree_gradient
 from treetrain.io import atomic_write_text
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
-from treetrain.loss.config import LossConfig
+from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.manifest import Manifest
 from treetrain.memory.ledger import predict_ledger
 from treetrain.models.presets import TinySize, tiny_model

@@ -19,12 +19,13 @@ from dataclasses import dataclass
 
 import torch
 
+from treetrain.bytesize import format_bytes
 from treetrain.distributed import TorchBackend
 from treetrain.distributed.backend import OptimizerConfig
 from treetrain.engine import ReplayConfig, TreeReplay
 from treetrain.engine.batch import UpdateBatch
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
-from treetrain.loss.config import LossConfig
+from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.manifest import Manifest
 from treetrain.memory.persistent import PersistentBytes, model_persistent_bytes
 from treetrain.memory.tracker import MemoryTracker
@@ -32,7 +33,6 @@ from treetrain.models.lora import AdaptersOff, LoraSection, apply_lora
 from treetrain.models.presets import load_model
 from treetrain.train.models import resolve_model_path
 from treetrain.tree.synthetic import synthetic_group
-from treetrain.units import format_bytes
 
 LOSS = LossConfig(kl_coef=0.05)
 

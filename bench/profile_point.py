@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from treetrain.benchmark.config import MODES, QUICK, TARGETS, GridPoint
+from treetrain.benchmark.bench_config import MODES, QUICK, TARGETS, GridPoint
 from treetrain.benchmark.workload import bench_batch, bench_model, run_update
 from treetrain.memory.planner import attention_note
 

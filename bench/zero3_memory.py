@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
+from treetrain.bytesize import format_bytes
 from treetrain.io import atomic_write_text
 from treetrain.memory.persistent import largest_module, model_persistent_bytes
 from treetrain.models.presets import TinySize, tiny_model
-from treetrain.units import format_bytes
 
 VOCAB = 4096
 SIZE = TinySize(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1536)
@@ -53,7 +53,7 @@ def worker(stage: int, out: Path) -> None:
     from treetrain.distributed import Group, OptimizerConfig, UpdateWindow, build_placement
     from treetrain.distributed.deepspeed_backend import DeepSpeedBackend
     from treetrain.loss.advantages import AdvantageConfig
-    from treetrain.loss.config import LossConfig
+    from treetrain.loss.loss_config import LossConfig
     from treetrain.tree.synthetic import synthetic_group
 
     torch.set_num_threads(1)

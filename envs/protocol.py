@@ -89,7 +89,7 @@ class ToolSpec(Immutable):
     )
 
     def __post_init__(self) -> None:
-        from envs.schema import parameters_problem
+        from envs.tool_schema import parameters_problem
 
         if not isinstance(self.name, str) or not self.name:
             raise ProtocolError(f"tool name {self.name!r} must be a non-empty string")

@@ -37,7 +37,7 @@ from typing import Any
 import docstring_parser
 
 from envs.protocol import Environment, Message, ProtocolError, StepResult, ToolCall, ToolSpec
-from envs.schema import arguments_problem, from_json, schema_for
+from envs.tool_schema import arguments_problem, from_json, schema_for
 
 
 class StepAbandoned(BaseException):
@@ -58,7 +58,7 @@ class Tool:
     def from_function(
         fn: Callable[..., object], name: str | None = None, description: str | None = None
     ) -> Tool:
-        """Build a tool from a typed function: annotations become JSON Schema (`envs.schema.schema_for`),
+        """Build a tool from a typed function: annotations become JSON Schema (`envs.tool_schema.schema_for`),
         defaults make a parameter optional, and a Google- or NumPy-style docstring gives the tool's and each
         parameter's description."""
         target = _annotated(fn)

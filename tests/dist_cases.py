@@ -23,7 +23,7 @@ from treetrain.distributed import Group, OptimizerConfig, TorchBackend
 from treetrain.engine import FlatReference, ReplayConfig, TreeReplay, UpdateBatch
 from treetrain.engine.verify import _perturb
 from treetrain.loss.advantages import AdvantageConfig
-from treetrain.loss.config import LossConfig
+from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.manifest import Manifest
 from treetrain.models.lora import AdaptersOff
 

@@ -10,7 +10,7 @@ from transformers import PreTrainedModel
 
 from treetrain.engine import UpdateBatch
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
-from treetrain.loss.config import LossConfig
+from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.manifest import Manifest
 from treetrain.models.presets import tiny_model
 from treetrain.trajectory import Call, Role, Segment, Trajectory

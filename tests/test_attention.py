@@ -23,7 +23,7 @@ import treetrain.models.shared_past as shared_past
 from treetrain.engine import ReplayConfig
 from treetrain.engine.replay import TreeReplay
 from treetrain.engine.verify import deviation, flat_grad, flat_gradient, noise_floor, tree_gradient
-from treetrain.loss.config import LossConfig
+from treetrain.loss.loss_config import LossConfig
 from treetrain.memory.retention import RetentionPolicy
 from treetrain.models.attention import NAME, engine_attention, shared_past_reason
 from treetrain.models.decoder import SharedPast, decoder_forward

@@ -11,7 +11,8 @@ from types import ModuleType
 
 import pytest
 
-from treetrain.benchmark.config import MODES, QUICK, BenchConfig, GridPoint, Mode
+from treetrain.benchmark.bench_config import MODES, QUICK, BenchConfig, GridPoint, Mode
+from treetrain.benchmark.longest_prefix import PrefixFit
 from treetrain.benchmark.report import check_lines
 from treetrain.benchmark.results import (
     BenchResults,
@@ -27,7 +28,6 @@ from treetrain.benchmark.results import (
     speed_checks,
     to_json,
 )
-from treetrain.benchmark.search import PrefixFit
 from treetrain.benchmark.timing import rotation
 from treetrain.benchmark.workload import bench_batch
 from treetrain.engine.units import UnitTree
@@ -49,10 +49,10 @@ def _script() -> ModuleType:
 @pytest.mark.parametrize(
     "name",
     [
-        "treetrain.benchmark.config",
+        "treetrain.benchmark.bench_config",
         "treetrain.benchmark.timing",
         "treetrain.benchmark.results",
-        "treetrain.benchmark.search",
+        "treetrain.benchmark.longest_prefix",
     ],
 )
 def test_doctests(name: str) -> None:

@@ -140,7 +140,7 @@ def test_timeout_keeps_the_pre_step_environment() -> None:
 MODULES = [
     "envs.protocol",
     "envs.tools",
-    "envs.schema",
+    "envs.tool_schema",
     "envs.formats",
     "envs.toolcalls",
     "envs.template",
@@ -149,7 +149,7 @@ MODULES = [
     "envs.calculator.arith",
     "envs.lookup.table",
     "treetrain.assets",
-    "treetrain.rollout.schedule",
+    "treetrain.rollout.fanout",
     "treetrain.rollout.sampler",
     "treetrain.rollout.importer",
 ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from treetrain.benchmark.config import MODES, REAL_LAYER, TARGETS
+from treetrain.benchmark.bench_config import MODES, REAL_LAYER, TARGETS
 from treetrain.benchmark.flops import FlopModel, flop_ceiling
 from treetrain.benchmark.workload import bench_model
 from treetrain.tree.stats import tree_stats

@@ -2,7 +2,7 @@
 uninterrupted run ends: the same metrics rows and the same final weights, nothing left behind. While the
 killed-to-be process runs, a second run or a resume on its directory is refused by the lock.
 
-The process is stopped at a point by the test hook `treetrain.hooks.stall` (TREETRAIN_TEST_STALL)."""
+The process is stopped at a point by the test hook `treetrain.stall.stall` (TREETRAIN_TEST_STALL)."""
 
 from __future__ import annotations
 

@@ -9,10 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from treetrain.distributed.checkpoint import MAX_STATE_BYTES, STATE_FILE, CheckpointError, read_client_state
+from treetrain.distributed.checkpoint_io import (
+    MAX_STATE_BYTES,
+    STATE_FILE,
+    CheckpointError,
+    read_client_state,
+)
 from treetrain.distributed.deepspeed_backend import MAX_CONFIG_BYTES, read_config
 from treetrain.jsonfile import read_json_object
-from treetrain.loss.config import ConfigError
+from treetrain.loss.loss_config import ConfigError
 from treetrain.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MAX_ADAPTER_CONFIG_BYTES, check_adapter_dir
 
 HOSTILE: dict[str, tuple[Callable[[int], bytes], str]] = {

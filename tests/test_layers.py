@@ -15,8 +15,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 LAYERS = (
     "io",
-    "units",
-    "hooks",
+    "bytesize",
+    "stall",
     "lifetime",
     "jsonfile",
     "trajectory",
@@ -81,6 +81,32 @@ def _upward_imports(sources: list[tuple[str, str, str]]) -> list[str]:
 
 def test_no_package_imports_a_higher_layer() -> None:
     assert _upward_imports(_sources()) == []
+
+
+SAME_CONCEPT = {"__init__.py", "env.py"}
+"""File names that may repeat: package markers, and each built-in environment's `env.py` (one concept)."""
+
+
+def _name_collisions(paths: list[str]) -> list[str]:
+    by_name: dict[str, list[str]] = {}
+    for path in paths:
+        by_name.setdefault(Path(path).name, []).append(path)
+    return sorted(
+        f"{name}: {', '.join(sorted(where))}"
+        for name, where in by_name.items()
+        if len(where) > 1 and name not in SAME_CONCEPT
+    )
+
+
+def test_no_two_modules_share_a_file_name() -> None:
+    assert _name_collisions([where for where, _, _ in _sources()]) == []
+
+
+def test_the_name_check_catches_a_collision() -> None:
+    paths = [where for where, _, _ in _sources()]
+    assert _name_collisions([*paths, "treetrain/viz/replay.py"]) == [
+        "replay.py: treetrain/engine/replay.py, treetrain/viz/replay.py"
+    ]
 
 
 def test_the_check_catches_an_upward_import_inside_a_function() -> None:

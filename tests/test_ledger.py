@@ -15,7 +15,7 @@ from engine_cases import VOCAB
 from treetrain.engine import ReplayConfig, ResidentIdentity, ResidentStore, TreeReplay, UpdateBatch
 from treetrain.engine.resident import ResidentKey
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
-from treetrain.loss.config import LossConfig
+from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.manifest import Manifest
 from treetrain.memory.ledger import predict_ledger
 from treetrain.memory.persistent import kv_bytes_per_token, model_persistent_bytes, persistent_bytes

@@ -19,12 +19,12 @@ import pytest
 import torch
 
 from treetrain.engine import ReplayConfig, TreeReplay, UpdateBatch
-from treetrain.engine.flat import FlatReference
+from treetrain.engine.flat_reference import FlatReference
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
-from treetrain.loss.config import LossConfig
+from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.manifest import Manifest
 from treetrain.memory.calibrate import LONG_PROBE, PROBES, calibrate, probes_for
-from treetrain.memory.flat import predict_flat
+from treetrain.memory.flat_cost import predict_flat
 from treetrain.memory.ledger import predict_ledger
 from treetrain.memory.planner import Overrides, PlanError, plan_update
 from treetrain.memory.tracker import MemoryTracker

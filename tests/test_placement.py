@@ -11,7 +11,7 @@ from engine_cases import SHAPES, factory, make_batch
 from treetrain.distributed.placement import build_placement, place, round_robin
 from treetrain.engine import FlatReference, ReplayConfig, TreeReplay, UpdateBatch
 from treetrain.engine.verify import deviation, flat_grad, noise_floor
-from treetrain.loss.config import LossConfig
+from treetrain.loss.loss_config import LossConfig
 from treetrain.tree.synthetic import synthetic_group
 
 

@@ -22,9 +22,9 @@ from tree_worst import _doc, _traj, comb_chain, shared_calls, wide
 
 import treetrain
 from treetrain.engine import UpdateBatch
-from treetrain.engine.flat import FlatReference
+from treetrain.engine.flat_reference import FlatReference
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
-from treetrain.loss.config import LossConfig
+from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.manifest import Manifest
 from treetrain.memory.planner import plan_update
 from treetrain.models.presets import tiny_model

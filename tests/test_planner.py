@@ -9,7 +9,7 @@ from engine_cases import VOCAB
 
 from treetrain.engine import TreeReplay, UpdateBatch
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
-from treetrain.loss.config import LossConfig
+from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.manifest import Manifest
 from treetrain.memory.planner import Overrides, PlanError, plan_update
 from treetrain.memory.retention import BudgetTooSmallError, RetentionPolicy

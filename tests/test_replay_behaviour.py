@@ -11,7 +11,7 @@ from treetrain.engine import BackwardFailed, ReplayConfig, TreeReplay
 from treetrain.engine.resident import ResidentIdentity, ResidentKey, ResidentStore, StaleResidentStateError
 from treetrain.engine.verify import flat_grad, tree_gradient
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
-from treetrain.loss.config import LossConfig
+from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.manifest import Manifest
 from treetrain.models.presets import tiny_model
 from treetrain.models.support import SupportGate, UnsupportedModelError, check_supported

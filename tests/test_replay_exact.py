@@ -17,7 +17,7 @@ from engine_cases import SHAPES, factory, make_batch
 
 from treetrain.engine import ReplayConfig, UpdateBatch
 from treetrain.engine.verify import deviation, flat_gradient, noise_floor, tree_gradient
-from treetrain.loss.config import LossConfig
+from treetrain.loss.loss_config import LossConfig
 from treetrain.models.presets import ATTENTION, FAMILIES
 
 FACTOR = 5.0

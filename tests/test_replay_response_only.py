@@ -15,7 +15,7 @@ from engine_cases import SHAPES, factory, make_batch
 from treetrain.engine import ReplayConfig, UpdateBatch
 from treetrain.engine.pieces import gather_targets, pad_pieces, target_stats
 from treetrain.engine.verify import deviation, flat_grad, noise_floor, tree_gradient
-from treetrain.loss.config import LossConfig
+from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.objective import Contributions, objective
 from treetrain.loss.targets import TargetTable, call_targets
 from treetrain.models.decoder import decoder_forward

@@ -15,12 +15,12 @@ import pytest
 import torch
 from engine_cases import SHAPES, factory, make_batch
 
+from treetrain.bytesize import format_bytes
 from treetrain.engine import ReplayConfig, TreeReplay
 from treetrain.engine.verify import deviation, flat_grad, flat_gradient, noise_floor
-from treetrain.loss.config import LossConfig
+from treetrain.loss.loss_config import LossConfig
 from treetrain.memory.retention import BudgetTooSmallError, ResidentUse, RetentionPolicy, plan_retention
 from treetrain.memory.tracker import MemoryTracker
-from treetrain.units import format_bytes
 
 FACTOR = 5.0
 

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from treetrain.cli.main import main
-from treetrain.distributed.checkpoint import CheckpointError
+from treetrain.distributed.checkpoint_io import CheckpointError
 from treetrain.train.rundir import LOCK, MARKER, RunDirError, claim_run_dir, remove_run_artifacts
 
 SETS = [a for kv in ["model.path=tiny-llama", "updates=1"] for a in ("--set", kv)]
@@ -114,7 +114,7 @@ def test_the_lock_refuses_a_second_process_and_dies_with_its_holder(tmp_path: Pa
 def test_a_torn_latest_checkpoint_falls_back_to_the_previous_one(tmp_path: Path, caplog) -> None:
     from treetrain.distributed.backend import OptimizerConfig, TorchBackend
     from treetrain.models.presets import load_model
-    from treetrain.train.checkpoint import TrainerState, resume_state, save_trainer_state
+    from treetrain.train.trainer_state import TrainerState, resume_state, save_trainer_state
 
     backend = TorchBackend(load_model("tiny-llama", vocab_size=64), OptimizerConfig(lr=0.1))
     run = tmp_path / "run"

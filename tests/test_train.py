@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from treetrain.cli.main import main
-from treetrain.loss.config import ConfigError
+from treetrain.loss.loss_config import ConfigError
 from treetrain.train.config import dump_config, load_config
 from treetrain.train.loop import Trainer
 from treetrain.train.metrics import read_metrics
@@ -230,7 +230,7 @@ def test_kl_reference_and_forced_flat_runs(tmp_path: Path, extra: tuple[str, ...
 
 def test_a_recorded_file_is_one_group_and_globs_recurse(tmp_path: Path) -> None:
     """Two trees with rewards [1, 1] and [0, 0] stored as one group have variance; apart, neither would."""
-    from treetrain.train.sources import RecordedSource
+    from treetrain.train.tree_sources import RecordedSource
     from treetrain.tree.format import save_trees
     from treetrain.tree.synthetic import synthetic_group
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from treetrain.units import MAX_BYTES, format_bytes, parse_bytes
+from treetrain.bytesize import MAX_BYTES, format_bytes, parse_bytes
 
 
 @pytest.mark.parametrize(

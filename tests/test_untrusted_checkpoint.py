@@ -1,4 +1,4 @@
-"""A checkpoint directory's config.json never sizes a model by itself (treetrain.models.untrusted).
+"""A checkpoint directory's config.json never sizes a model by itself (treetrain.models.checkpoint_bounds).
 
 Each case is the shipped demo checkpoint with one hostile change. The library refuses it with one line
 naming the file and the limit, before transformers builds or allocates anything; `plan --model` and
@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from treetrain.cli.main import main
-from treetrain.models.untrusted import MAX_LAYERS, check_checkpoint
+from treetrain.models.checkpoint_bounds import MAX_LAYERS, check_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "treetrain" / "assets" / "demo_model"

@@ -23,12 +23,12 @@ from treetrain.distributed import (
     round_robin,
 )
 from treetrain.distributed.backend import make_backend
-from treetrain.distributed.checkpoint import CheckpointError
+from treetrain.distributed.checkpoint_io import CheckpointError
 from treetrain.distributed.window import is_transient
 from treetrain.engine import BackwardFailed, ReplayConfig, UpdateBatch
 from treetrain.engine.resident import ResidentIdentity, ResidentKey, ResidentStore, StaleResidentStateError
 from treetrain.engine.schedule import ReplayStep
-from treetrain.loss.config import ConfigError
+from treetrain.loss.loss_config import ConfigError
 from treetrain.loss.manifest import ManifestError
 from treetrain.memory.retention import BudgetTooSmallError
 from treetrain.models.support import UnsupportedModelError

@@ -18,8 +18,8 @@ from treetrain.tree.synthetic import synthetic_group
 from treetrain.viz.geometry import MeasuredPoint, ceiling_grid, plot_ceiling_heatmaps
 from treetrain.viz.layout import tidy_layout
 from treetrain.viz.nodes import node_advantages, node_mean_rewards
-from treetrain.viz.sources import load_tree_sources, tree_files
 from treetrain.viz.tables import node_table, tree_table
+from treetrain.viz.tree_files import load_tree_sources, tree_files
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -144,12 +144,12 @@ def test_ledger_plot_stacks_classes_and_marks_measured_peaks() -> None:
 
     from treetrain.engine import ReplayConfig, TreeReplay, UpdateBatch
     from treetrain.lifetime import ClassBytes
-    from treetrain.loss.config import LossConfig
+    from treetrain.loss.loss_config import LossConfig
     from treetrain.loss.manifest import Manifest
     from treetrain.memory.ledger import predict_ledger
     from treetrain.memory.tracker import MeasuredSegment, MemoryTracker
     from treetrain.models.presets import tiny_model
-    from treetrain.viz.ledger import measured_peaks, plot_ledger
+    from treetrain.viz.ledger_plot import measured_peaks, plot_ledger
 
     segs = [
         MeasuredSegment("step 0", ClassBytes(), ClassBytes(temporary=5)),

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from treetrain.api import BatchBuild, TreeUpdateReport, build_batch, tree_update
     from treetrain.engine.batch import ReplayConfig, ReplayReport, UpdateBatch
     from treetrain.loss.advantages import AdvantageConfig
-    from treetrain.loss.config import LossConfig
+    from treetrain.loss.loss_config import LossConfig
 
 __version__ = "0.1.0"
 
@@ -40,7 +40,7 @@ _LAZY = {
     "ReplayReport": "treetrain.engine.batch",
     "UpdateBatch": "treetrain.engine.batch",
     "AdvantageConfig": "treetrain.loss.advantages",
-    "LossConfig": "treetrain.loss.config",
+    "LossConfig": "treetrain.loss.loss_config",
 }
 
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from treetrain.engine.batch import ReplayConfig, ReplayReport, UpdateBatch
 from treetrain.loss.advantages import AdvantageConfig, TreeAdvantages, compute_advantages
-from treetrain.loss.config import LossConfig
+from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.manifest import Manifest
 from treetrain.trajectory import Trajectory
 from treetrain.tree.build import build_tree

@@ -53,7 +53,7 @@ from treetrain.distributed import (
     round_robin,
 )
 from treetrain.distributed.backend import make_backend
-from treetrain.distributed.checkpoint import CheckpointError
+from treetrain.distributed.checkpoint_io import CheckpointError
 from treetrain.distributed.deepspeed_backend import DeepSpeedBackend
 from treetrain.engine import ReplayConfig, UpdateBatch
 from treetrain.engine.resident import ResidentKey, StaleResidentStateError

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedModel
 
-from treetrain.benchmark.config import Mode
+from treetrain.benchmark.bench_config import Mode
 from treetrain.tree.model import ROOT, TrajectoryTree
 from treetrain.tree.stats import node_carries_loss
 

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from transformers import PreTrainedModel
 
-from treetrain.benchmark.config import BenchConfig, Mode
+from treetrain.benchmark.bench_config import BenchConfig, Mode
 from treetrain.benchmark.workload import LOSS, make_engine, replay_config, zero_grads
 from treetrain.engine.batch import UpdateBatch
-from treetrain.engine.flat import FlatReference
+from treetrain.engine.flat_reference import FlatReference
 from treetrain.lifetime import ClassBytes
 from treetrain.memory.calibrate import calibrate
 from treetrain.memory.events import Shape, forward_shape, plan_tree

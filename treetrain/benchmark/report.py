@@ -15,12 +15,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from treetrain.benchmark.config import MODES, Mode
+from treetrain.benchmark.bench_config import MODES, Mode
+from treetrain.benchmark.longest_prefix import PrefixFit
 from treetrain.benchmark.results import BenchResults, Check, all_checks
-from treetrain.benchmark.search import PrefixFit
+from treetrain.bytesize import format_bytes
 from treetrain.io import atomic_write_bytes
 from treetrain.lifetime import CLASSES, ClassBytes
-from treetrain.units import format_bytes
 
 SHORT = {"flat": "flat", "exact": "exact", "response_only": "resp-only"}
 
@@ -200,7 +200,7 @@ def markdown(results: BenchResults) -> str:
     lines += ["", f"## Longest prefix within {format_bytes(c.memory_limit)}", ""]
     lines += [
         f"Search in steps of {c.search_step} tokens, up to {c.max_search_prefix} (≥: the cap fits), of the "
-        "peak over all classes (`treetrain.benchmark.search`). Flat: against measured peaks (one trajectory "
+        "peak over all classes (`treetrain.benchmark.longest_prefix`). Flat: against measured peaks (one trajectory "
         "per microbatch). Tree modes: against the ledger's prediction, lowering K when that fits a longer "
         "prefix; where a measured peak is shown, the answer was checked by measured runs (confirmed: it "
         "fits; corrected: it did not, and a measured search below it gave the answer shown).",
@@ -260,7 +260,7 @@ def _plot_speed(results: BenchResults, plt: Any) -> Any:
 def _plot_memory(results: BenchResults, plt: Any) -> Any:
     import numpy as np
 
-    from treetrain.viz.ledger import STACK
+    from treetrain.viz.ledger_plot import STACK
 
     fig, ax = plt.subplots(figsize=(max(8.0, 0.6 * len(results.points) + 2), 4.5))
     x = np.arange(len(results.points))

@@ -25,8 +25,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, cast
 
-from treetrain.benchmark.config import MODES, BenchConfig, GridPoint, Mode
-from treetrain.benchmark.search import PrefixFit
+from treetrain.benchmark.bench_config import MODES, BenchConfig, GridPoint, Mode
+from treetrain.benchmark.longest_prefix import PrefixFit
 from treetrain.lifetime import ClassBytes
 
 SPEED_TARGET = 0.9
@@ -279,7 +279,7 @@ def from_json(text: str) -> BenchResults:
     """Read `to_json`'s output back (bench/out/geometry.json); raises ValueError on a malformed file."""
     try:
         d = json.loads(text)
-        from treetrain.benchmark.config import ModelSpec
+        from treetrain.benchmark.bench_config import ModelSpec
 
         c = dict(d["config"])
         c["model"] = ModelSpec(**c["model"])

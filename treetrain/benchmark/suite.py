@@ -9,7 +9,7 @@ Order of work, so that nothing measured is disturbed by anything else:
    batch of the same geometry;
 4. time `cfg.reps` interleaved repetitions (no tracker attached);
 5. search the longest prefix within the memory limit per (G, suffix, depth) and mode
-   (`treetrain.benchmark.search`: flat against measured peaks, the tree modes against the ledger), and
+   (`treetrain.benchmark.longest_prefix`: flat against measured peaks, the tree modes against the ledger), and
    check the tree modes' answers with measured runs at the chosen combinations;
 6. write `geometry.json`, `geometry.md` and the PNGs into the output directory (atomically).
 
@@ -29,12 +29,12 @@ from pathlib import Path
 
 import torch
 
-from treetrain.benchmark.config import MODES, BenchConfig, Mode
+from treetrain.benchmark.bench_config import MODES, BenchConfig, Mode
 from treetrain.benchmark.flops import FlopModel, flop_ceiling
+from treetrain.benchmark.longest_prefix import PrefixFit, flat_search_batch, longest_prefix, refine
 from treetrain.benchmark.memory import measure_peak, predict_peak, response_graph_bytes
 from treetrain.benchmark.report import markdown, write_plots
 from treetrain.benchmark.results import BenchResults, Machine, ModeResult, PointResult, to_json
-from treetrain.benchmark.search import PrefixFit, flat_search_batch, longest_prefix, refine
 from treetrain.benchmark.timing import interleaved
 from treetrain.benchmark.workload import bench_batch, bench_model, bench_tree
 from treetrain.io import atomic_write_text

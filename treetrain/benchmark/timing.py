@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 from transformers import PreTrainedModel
 
-from treetrain.benchmark.config import MODES, BenchConfig, GridPoint, Mode
+from treetrain.benchmark.bench_config import MODES, BenchConfig, GridPoint, Mode
 from treetrain.benchmark.workload import run_update
 from treetrain.engine.batch import ReplayReport, UpdateBatch
 

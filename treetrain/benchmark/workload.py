@@ -18,13 +18,13 @@ import time
 import torch
 from transformers import PreTrainedModel
 
-from treetrain.benchmark.config import BenchConfig, GridPoint, Mode, ModelSpec
+from treetrain.benchmark.bench_config import BenchConfig, GridPoint, Mode, ModelSpec
 from treetrain.engine.batch import ReplayConfig, ReplayReport, UpdateBatch
-from treetrain.engine.flat import FlatReference
-from treetrain.engine.hooks import MemoryProbe
+from treetrain.engine.flat_reference import FlatReference
+from treetrain.engine.protocols import MemoryProbe
 from treetrain.engine.replay import TreeReplay
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
-from treetrain.loss.config import LossConfig
+from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.manifest import Manifest
 from treetrain.models.presets import TinySize, tiny_model
 from treetrain.tree.model import TrajectoryTree

@@ -17,16 +17,16 @@ import sys
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
+from treetrain.bytesize import format_bytes, parse_bytes
 from treetrain.models import ATTENTION
 from treetrain.tree.checks import NamedTrees, check_distinct, check_vocabulary, largest_token
 from treetrain.tree.format import TreeFormatError, load_trees
-from treetrain.tree.untrusted import short_repr
-from treetrain.units import format_bytes, parse_bytes
+from treetrain.tree.unpack import short_repr
 
 if TYPE_CHECKING:  # the rest loads in `run`, so `treetrain --help` stays fast
     from treetrain.engine.batch import UpdateBatch
     from treetrain.loss.advantages import AdvantageConfig
-    from treetrain.loss.config import LossConfig
+    from treetrain.loss.loss_config import LossConfig
     from treetrain.memory.persistent import PersistentBytes
     from treetrain.memory.planner import Plan
     from treetrain.train.config import TrainConfig
@@ -153,7 +153,7 @@ def _from_config(args: argparse.Namespace, named: NamedTrees) -> int:
     from dataclasses import replace
 
     from treetrain.loss.advantages import compute_advantages
-    from treetrain.loss.config import ConfigError
+    from treetrain.loss.loss_config import ConfigError
     from treetrain.memory.planner import PlanError
     from treetrain.memory.retention import BudgetTooSmallError
     from treetrain.models.support import UnsupportedModelError
@@ -238,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
     from safetensors import SafetensorError
 
     from treetrain.loss.advantages import AdvantageConfig
-    from treetrain.loss.config import ConfigError, LossConfig
+    from treetrain.loss.loss_config import ConfigError, LossConfig
     from treetrain.memory.persistent import model_persistent_bytes
     from treetrain.memory.planner import Overrides, PlanError, plan_update
     from treetrain.memory.retention import BudgetTooSmallError
@@ -300,7 +300,9 @@ def _vocabulary(args: argparse.Namespace, path: str, named: NamedTrees) -> int:
     if not path.startswith("tiny-"):
         from treetrain.models.presets import model_config
 
-        return int(model_config(path).vocab_size)  # config.json read within limits (models/untrusted.py)
+        return int(
+            model_config(path).vocab_size
+        )  # config.json read within limits (models/checkpoint_bounds.py)
     if args.vocab:
         return int(args.vocab)
     name, (top, trajectory) = max(((n, largest_token(g)) for n, g in named), key=lambda item: item[1][0])

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from treetrain.loss.config import ConfigError
+from treetrain.loss.loss_config import ConfigError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from envs.registry import EnvironmentLoadError, UnknownEnvironmentError
     from envs.wrapper import PromptTooLongError
-    from treetrain.distributed.checkpoint import CheckpointError
+    from treetrain.distributed.checkpoint_io import CheckpointError
     from treetrain.loss.manifest import ManifestError
     from treetrain.memory.planner import PlanError
     from treetrain.memory.retention import BudgetTooSmallError

@@ -5,7 +5,7 @@ importing this package does not import DeepSpeed.
 """
 
 from treetrain.distributed.backend import AgreementError, OptimizerConfig, TorchBackend, TrainBackend
-from treetrain.distributed.checkpoint import CheckpointError
+from treetrain.distributed.checkpoint_io import CheckpointError
 from treetrain.distributed.coverage import CoverageLedger, DuplicateContributionError
 from treetrain.distributed.placement import Placement, build_placement, place, round_robin
 from treetrain.distributed.window import (

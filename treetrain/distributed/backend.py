@@ -34,11 +34,11 @@ import torch
 from safetensors.torch import load_model, save_model
 from transformers import PreTrainedModel
 
-from treetrain.distributed.checkpoint import read_client_state, write_client_state
-from treetrain.hooks import stall
+from treetrain.distributed.checkpoint_io import read_client_state, write_client_state
 from treetrain.io import atomic_directory
-from treetrain.loss.config import ConfigError
+from treetrain.loss.loss_config import ConfigError
 from treetrain.models.lora import is_peft, save_adapter
+from treetrain.stall import stall
 
 
 class AgreementError(RuntimeError):

@@ -59,7 +59,7 @@ from deepspeed.utils.tensor_fragment import fragment_address
 from transformers import PreTrainedModel
 
 from treetrain.distributed.backend import OptimizerConfig, TrainBackend
-from treetrain.distributed.checkpoint import (
+from treetrain.distributed.checkpoint_io import (
     CheckpointError,
     read_client_state,
     write_client_state,
@@ -67,7 +67,7 @@ from treetrain.distributed.checkpoint import (
 from treetrain.distributed.zero3_sync import FetchRendezvous
 from treetrain.io import atomic_directory
 from treetrain.jsonfile import read_json_object
-from treetrain.loss.config import ConfigError
+from treetrain.loss.loss_config import ConfigError
 from treetrain.models.lora import is_peft, save_adapter
 
 TAG = "deepspeed"

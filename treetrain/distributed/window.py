@@ -60,10 +60,10 @@ from treetrain.engine import (
     UpdateBatch,
 )
 from treetrain.engine.batch import TreeWork
-from treetrain.engine.hooks import KeepGraph, MemoryProbe, RetentionHook
+from treetrain.engine.protocols import KeepGraph, MemoryProbe, RetentionHook
 from treetrain.engine.resident import ResidentIdentity, ResidentStore, StaleResidentStateError
 from treetrain.engine.schedule import ReplayStep
-from treetrain.loss.config import LossConfig
+from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.manifest import ContributionKey, Manifest, ManifestError
 from treetrain.memory.retention import BudgetTooSmallError
 from treetrain.models.lora import Reference

@@ -8,7 +8,7 @@ from typing import Literal
 
 from treetrain.engine import ReplayReport
 from treetrain.loss.advantages import AdvantageConfig, TreeAdvantages, compute_advantages
-from treetrain.loss.config import ConfigError
+from treetrain.loss.loss_config import ConfigError
 from treetrain.tree.model import TrajectoryTree
 
 Mode = Literal["tree", "flat"]

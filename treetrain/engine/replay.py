@@ -48,7 +48,6 @@ import torch
 from transformers import PreTrainedModel
 
 from treetrain.engine.batch import ReplayConfig, ReplayReport, TreeWork, UpdateBatch
-from treetrain.engine.hooks import KeepGraph, MemoryProbe, RetentionHook
 from treetrain.engine.pieces import (
     GatheredTargets,
     PieceBatch,
@@ -57,6 +56,7 @@ from treetrain.engine.pieces import (
     own_kv,
     target_stats,
 )
+from treetrain.engine.protocols import KeepGraph, MemoryProbe, RetentionHook
 from treetrain.engine.resident import ResidentIdentity, ResidentStore
 from treetrain.engine.schedule import ReplayStep, active_units, build_schedule
 from treetrain.engine.scoring import (
@@ -69,7 +69,7 @@ from treetrain.engine.scoring import (
     scoring_schedule,
 )
 from treetrain.engine.units import Unit, UnitTree
-from treetrain.loss.config import LossConfig
+from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.objective import Contributions, LossTerms, objective, sampler_logprobs
 from treetrain.models.decoder import DecoderOutput
 from treetrain.models.lora import AdaptersOff, Reference, adapters_disabled, reference_module

@@ -29,9 +29,9 @@ import torch
 from transformers import PreTrainedModel
 
 from treetrain.engine.batch import ReplayConfig, UpdateBatch
-from treetrain.engine.flat import FlatReference
+from treetrain.engine.flat_reference import FlatReference
 from treetrain.engine.replay import TreeReplay
-from treetrain.loss.config import LossConfig
+from treetrain.loss.loss_config import LossConfig
 from treetrain.models.lora import AdaptersOff, Reference
 
 ModelFactory = Callable[[], PreTrainedModel]

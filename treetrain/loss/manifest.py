@@ -8,7 +8,7 @@ microbatches or ranks. A trajectory's coefficient multiplies each of its policy-
     seq-mean-token-sum     1 / (trajectories in the manifest x seq_sum_normalizer)
 
 Example:
-    >>> from treetrain.loss.config import LossConfig
+    >>> from treetrain.loss.loss_config import LossConfig
     >>> m = Manifest(0, (ManifestEntry("t", "a", 1, 3), ManifestEntry("t", "b", 1, 1)))
     >>> m.coefficient("t", "a", LossConfig()), m.coefficient("t", "a", LossConfig(aggregation="seq-mean-token-mean"))
     (0.25, 0.16666666666666666)
@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-from treetrain.loss.config import LossConfig
+from treetrain.loss.loss_config import LossConfig
 from treetrain.tree.model import TrajectoryTree
 
 

@@ -7,7 +7,7 @@ per-trajectory terms exactly.
 
 Example:
     >>> import torch
-    >>> from treetrain.loss.config import LossConfig
+    >>> from treetrain.loss.loss_config import LossConfig
     >>> logp = torch.tensor([-1.0, -2.0], requires_grad=True)
     >>> c = Contributions(target=torch.tensor([0, 1, 1]), coef=torch.full((3,), 1 / 3),
     ...                   advantage=torch.tensor([1.0, -1.0, 0.5]), old_logprob=torch.tensor([-1.0, -2.0, -2.0]))
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from treetrain.loss.config import LossConfig
+from treetrain.loss.loss_config import LossConfig
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from treetrain.loss.advantages import TreeAdvantages
-from treetrain.loss.config import LossConfig
+from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.manifest import Manifest
 from treetrain.trajectory import Role, Trajectory
 from treetrain.tree.model import ROOT, CallRef, TrajectoryTree

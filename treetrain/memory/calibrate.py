@@ -51,7 +51,7 @@ from treetrain.engine.batch import ReplayConfig, UpdateBatch
 from treetrain.engine.replay import TreeReplay
 from treetrain.engine.schedule import Contract
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
-from treetrain.loss.config import LossConfig
+from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.manifest import Manifest
 from treetrain.memory.events import Shape, plan_tree
 from treetrain.memory.fit import Affine, MaxAffine, fit_affine, fit_max_affine

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 from treetrain.engine.batch import ReplayConfig, TreeWork
-from treetrain.engine.hooks import KeepGraph
+from treetrain.engine.protocols import KeepGraph
 from treetrain.engine.schedule import Contract, ReplayStep, active_units, build_schedule
 from treetrain.engine.scoring import ScoreBatch, ScoreEvent, reference_need, scoring_schedule
 from treetrain.engine.units import Unit, UnitTree
-from treetrain.loss.config import LossConfig
+from treetrain.loss.loss_config import LossConfig
 from treetrain.memory.retention import ResidentUse, RetentionPlan, plan_retention, tree_uses
 from treetrain.tree.model import ROOT
 

@@ -26,18 +26,18 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedModel
 
+from treetrain.bytesize import format_bytes
 from treetrain.engine.batch import ReplayConfig, UpdateBatch
-from treetrain.engine.hooks import KeepGraph
+from treetrain.engine.protocols import KeepGraph
 from treetrain.engine.replay import fused_reference
 from treetrain.engine.scoring import ScoreBatch, ScoreDone
 from treetrain.lifetime import CLASSES, ClassBytes
-from treetrain.loss.config import LossConfig
+from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.manifest import Manifest
 from treetrain.memory.calibrate import MemoryModel, calibrate
 from treetrain.memory.events import MemEvent, Shape, TreePlan, plan_tree
 from treetrain.memory.persistent import PersistentBytes, model_persistent_bytes
 from treetrain.models.lora import Reference, reference_module
-from treetrain.units import format_bytes
 
 
 @dataclass(frozen=True)

@@ -33,16 +33,16 @@ from typing import Literal
 
 from transformers import PreTrainedModel
 
+from treetrain.bytesize import format_bytes
 from treetrain.engine.batch import ReplayConfig, UpdateBatch
-from treetrain.engine.hooks import KeepGraph
+from treetrain.engine.protocols import KeepGraph
 from treetrain.engine.replay import fused_reference
 from treetrain.engine.schedule import Contract
 from treetrain.engine.units import UnitTree
-from treetrain.loss.config import LossConfig
+from treetrain.loss.loss_config import LossConfig
 from treetrain.memory.ledger import Ledger
 from treetrain.memory.persistent import PersistentBytes
-from treetrain.memory.retention import BudgetTooSmallError
-from treetrain.memory.search import (
+from treetrain.memory.plan_search import (
     Candidate,
     KeepChoice,
     TreeSearch,
@@ -51,9 +51,9 @@ from treetrain.memory.search import (
     search_flat,
     search_tree,
 )
+from treetrain.memory.retention import BudgetTooSmallError
 from treetrain.models.attention import shared_past_reason
 from treetrain.models.lora import Reference
-from treetrain.units import format_bytes
 
 Mode = Literal["tree", "flat"]
 

@@ -33,12 +33,12 @@ from typing import Any, cast
 
 from transformers import PreTrainedModel
 
+from treetrain.bytesize import format_bytes
 from treetrain.engine.schedule import Contract, ReplayStep
 from treetrain.engine.scoring import ScoreBatch, ScoreDone, ScoreEvent
 from treetrain.engine.units import UnitTree
 from treetrain.memory.persistent import kv_bytes_per_token
 from treetrain.tree.model import ROOT
-from treetrain.units import format_bytes
 
 NEVER = 1 << 62
 

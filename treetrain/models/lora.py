@@ -42,7 +42,7 @@ import torch
 from transformers import PreTrainedModel
 
 from treetrain.jsonfile import read_json_object
-from treetrain.loss.config import ConfigError
+from treetrain.loss.loss_config import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from treetrain.models import ATTENTION
-from treetrain.models.untrusted import check_checkpoint, checkpoint_config
+from treetrain.models.checkpoint_bounds import check_checkpoint, checkpoint_config
 
 FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe")
 #: The tiny Mistral's sliding window: shorter than test sequences, so windowed attention is exercised.
@@ -130,7 +130,7 @@ def load_model(
     """Load a local checkpoint directory, or build `tiny-<family>` (which needs `vocab_size`).
 
     Weights load through safetensors (`use_safetensors=True`); nothing is fetched from a hub. A directory is
-    checked first (`treetrain.models.untrusted.check_checkpoint`): its config.json never sizes a model larger
+    checked first (`treetrain.models.checkpoint_bounds.check_checkpoint`): its config.json never sizes a model larger
     than its weight files.
     """
     name = str(path_or_preset)

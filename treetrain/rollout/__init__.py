@@ -10,6 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from treetrain.rollout.fanout import FanOut
     from treetrain.rollout.sampler import (
         PrefixState,
         Sample,
@@ -18,7 +19,6 @@ if TYPE_CHECKING:
         SamplerStats,
         fork_cache,
     )
-    from treetrain.rollout.schedule import FanOut
     from treetrain.rollout.tree_rollout import RolloutConfig, RolloutResult, rollout_trees
 
 _WHERE = {

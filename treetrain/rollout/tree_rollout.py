@@ -25,8 +25,8 @@ from typing import Any
 
 from envs.protocol import Environment, Rubric, default_rubric
 from envs.wrapper import TokenEnv, WrapperConfig
+from treetrain.rollout.fanout import FanOut
 from treetrain.rollout.sampler import PrefixState, Sample, Sampler, SamplerConfig, SamplerStats, fork_cache
-from treetrain.rollout.schedule import FanOut
 from treetrain.trajectory import Trajectory
 from treetrain.tree import TrajectoryTree
 from treetrain.tree.build import build_tree

@@ -23,7 +23,7 @@ import yaml
 from treetrain.distributed.backend import OptimizerConfig
 from treetrain.engine.schedule import Contract
 from treetrain.loss.advantages import AdvantageConfig
-from treetrain.loss.config import ConfigError, LossConfig
+from treetrain.loss.loss_config import ConfigError, LossConfig
 from treetrain.models.logprobs import DEFAULT_MAX_LOGIT_ELEMENTS
 from treetrain.models.lora import LoraSection
 from treetrain.train.config_file import read_config_file
@@ -207,7 +207,7 @@ class ReplaySection:
             if value is not None and value < 0:
                 raise ConfigError(f"replay.{name}: must be >= 0 or null, got {value}")
         if self.retention is not None and self.retention != "unbounded":
-            from treetrain.units import parse_bytes
+            from treetrain.bytesize import parse_bytes
 
             try:
                 parse_bytes(self.retention)
@@ -263,7 +263,7 @@ class TrainConfig:
     rollout: RolloutSection = field(default_factory=RolloutSection)
     """Tree-shaped sampling (or recorded trees)."""
     loss: LossConfig = field(default_factory=LossConfig)
-    """PPO-clip / GRPO objective, KL, entropy and aggregation (treetrain.loss.config.LossConfig)."""
+    """PPO-clip / GRPO objective, KL, entropy and aggregation (treetrain.loss.loss_config.LossConfig)."""
     advantages: AdvantageConfig = field(default_factory=AdvantageConfig)
     """GRPO or tree-aware advantages, and zero-variance groups (treetrain.loss.advantages.AdvantageConfig)."""
     replay: ReplaySection = field(default_factory=ReplaySection)
@@ -303,7 +303,7 @@ class TrainConfig:
             free = "'base': the policy with adapters off" if self.model.lora is not None else "'initial'"
             raise ConfigError(f"model.reference: loss.kl_coef > 0 needs a reference model (e.g. {free})")
         if self.memory_budget is not None:
-            from treetrain.units import parse_bytes
+            from treetrain.bytesize import parse_bytes
 
             try:
                 parse_bytes(self.memory_budget)

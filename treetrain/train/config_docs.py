@@ -49,7 +49,7 @@ treetrain train --print-config > my.yaml            # every setting with its cur
 treetrain train --config my.yaml --set loss.kl_coef=0.02 --set model.reference=initial
 ```
 
-The code is `treetrain/train/config.py` (sections), `treetrain/loss/config.py` (`loss`),
+The code is `treetrain/train/config.py` (sections), `treetrain/loss/loss_config.py` (`loss`),
 `treetrain/loss/advantages.py` (`advantages`) and `treetrain/distributed/backend.py` (`optim`).
 """
 

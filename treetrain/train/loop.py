@@ -34,20 +34,21 @@ from treetrain.distributed.window import UpdateWindow
 from treetrain.distributed.window_types import Group, WindowConfig
 from treetrain.engine import ReplayReport
 from treetrain.engine.resident import ResidentIdentity, ResidentStore
-from treetrain.hooks import stall
 from treetrain.io import atomic_write_text
 from treetrain.loss.advantages import compute_advantages
-from treetrain.loss.config import ConfigError
+from treetrain.loss.loss_config import ConfigError
 from treetrain.memory.planner import Plan
 from treetrain.memory.tracker import MemoryTracker
-from treetrain.train.checkpoint import TrainerState, resume_state, save_trainer_state
+from treetrain.stall import stall
 from treetrain.train.config import EnvSection, TrainConfig, dump_config
 from treetrain.train.metrics import MetricsWriter, UpdateMetrics, read_metrics
 from treetrain.train.models import export_merged, load_models
 from treetrain.train.planning import plan_for
 from treetrain.train.progress import Progress
 from treetrain.train.rundir import RunLock, claim_run_dir, remove_run_artifacts
-from treetrain.train.sources import (
+from treetrain.train.summary import RunSummary, plot_rewards
+from treetrain.train.trainer_state import TrainerState, resume_state, save_trainer_state
+from treetrain.train.tree_sources import (
     RecordedSource,
     RolloutSource,
     check_context,
@@ -55,7 +56,6 @@ from treetrain.train.sources import (
     check_template,
     config_context,
 )
-from treetrain.train.summary import RunSummary, plot_rewards
 from treetrain.tree import TrajectoryTree
 from treetrain.tree.stats import tree_stats
 

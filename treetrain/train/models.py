@@ -16,10 +16,10 @@ from transformers import AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTr
 
 from treetrain.assets import tokenizer_path
 from treetrain.io import atomic_directory
-from treetrain.loss.config import ConfigError
+from treetrain.loss.loss_config import ConfigError
+from treetrain.models.checkpoint_bounds import checkpoint_config
 from treetrain.models.lora import AdaptersOff, Reference, apply_lora
 from treetrain.models.presets import load_model, model_config
-from treetrain.models.untrusted import checkpoint_config
 from treetrain.train.config import ModelSection
 
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "assets" / "demo_model"

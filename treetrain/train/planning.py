@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from treetrain.bytesize import parse_bytes
 from treetrain.engine import ReplayConfig, UpdateBatch
-from treetrain.engine.hooks import KeepGraph
+from treetrain.engine.protocols import KeepGraph
 from treetrain.loss.advantages import TreeAdvantages
 from treetrain.loss.manifest import Manifest
 from treetrain.memory.persistent import model_persistent_bytes
@@ -24,7 +25,6 @@ from treetrain.memory.retention import RetentionPolicy
 from treetrain.models.lora import Reference
 from treetrain.train.config import TrainConfig
 from treetrain.tree import TrajectoryTree
-from treetrain.units import parse_bytes
 
 
 def device_memory(device: torch.device) -> int:

@@ -27,8 +27,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from treetrain.bytesize import format_bytes
 from treetrain.train.metrics import UpdateMetrics
-from treetrain.units import format_bytes
 
 
 @dataclass

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from treetrain.bytesize import format_bytes
 from treetrain.train.metrics import UpdateMetrics
-from treetrain.units import format_bytes
 
 _BARS = "▁▂▃▄▅▆▇█"
 

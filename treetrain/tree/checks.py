@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 from treetrain.tree.model import TrajectoryTree
 from treetrain.tree.schema import TreeFormatError
-from treetrain.tree.untrusted import short_repr
+from treetrain.tree.unpack import short_repr
 
 NamedTrees = Sequence[tuple[str, Sequence[TrajectoryTree]]]
 """(file name, the trees it holds), in the order given."""

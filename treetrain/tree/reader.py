@@ -19,7 +19,7 @@ import numpy as np
 from treetrain.trajectory import REWARD_LIMIT, Role, TrajectoryMeta
 from treetrain.tree.model import ROOT_ID, CallRecord, CallRef, Node, TrajectoryRecord, TrajectoryTree, node_id
 from treetrain.tree.schema import FORMAT_NAME, SUPPORTED_VERSIONS, Limits, TreeFormatError
-from treetrain.tree.untrusted import (
+from treetrain.tree.unpack import (
     expect_array,
     expect_bin,
     expect_fields,

@@ -30,7 +30,7 @@ from treetrain.tree.model import ROOT, TrajectoryTree
 from treetrain.tree.render import role_runs
 from treetrain.tree.stats import node_carries_loss, tree_stats
 from treetrain.viz.nodes import node_advantages, node_mean_rewards
-from treetrain.viz.sources import NamedTree
+from treetrain.viz.tree_files import NamedTree
 
 Row = TypeVar("Row")
 

@@ -22,7 +22,7 @@ from transformers import PreTrainedModel
 from treetrain.engine.batch import ReplayReport, UpdateBatch
 from treetrain.engine.pieces import GatheredTargets, gather_targets, pad_pieces, target_stats
 from treetrain.engine.schedule import ORDERS, Order
-from treetrain.loss.config import LossConfig
+from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.objective import Contributions, objective, sampler_logprobs
 from treetrain.loss.targets import TargetTable, call_target_counts, call_targets
 from treetrain.models.decoder import decoder_forward

@@ -28,7 +28,7 @@ from typing import Literal
 
 from transformers import PreTrainedModel
 
-from treetrain.benchmark.config import BenchConfig, GridPoint, Mode
+from treetrain.benchmark.bench_config import BenchConfig, GridPoint, Mode
 from treetrain.benchmark.memory import measure_peak, predict_peak
 from treetrain.benchmark.workload import bench_batch
 from treetrain.engine.batch import UpdateBatch

@@ -16,12 +16,12 @@ from typing import Literal
 from transformers import PreTrainedModel
 
 from treetrain.engine.batch import ReplayConfig, UpdateBatch
-from treetrain.engine.flat import FlatReference
-from treetrain.engine.hooks import KeepGraph
+from treetrain.engine.flat_reference import FlatReference
+from treetrain.engine.protocols import KeepGraph
 from treetrain.engine.schedule import Contract
-from treetrain.loss.config import LossConfig
+from treetrain.loss.loss_config import LossConfig
 from treetrain.memory.events import plan_tree
-from treetrain.memory.flat import predict_flat
+from treetrain.memory.flat_cost import predict_flat
 from treetrain.memory.ledger import Ledger, predict_ledger
 from treetrain.memory.persistent import PersistentBytes, kv_bytes_per_token
 from treetrain.memory.retention import BudgetTooSmallError

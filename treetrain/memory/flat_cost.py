@@ -16,9 +16,9 @@ from collections.abc import Sequence
 from transformers import PreTrainedModel
 
 from treetrain.engine.batch import UpdateBatch
-from treetrain.engine.flat import FlatCallSize, FlatReference
+from treetrain.engine.flat_reference import FlatCallSize, FlatReference
 from treetrain.lifetime import ClassBytes
-from treetrain.loss.config import LossConfig
+from treetrain.loss.loss_config import LossConfig
 from treetrain.memory.calibrate import MemoryModel, calibrate
 from treetrain.memory.events import Shape
 from treetrain.memory.ledger import Ledger, LedgerRow, manifest_host_bytes

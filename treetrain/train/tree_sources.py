@@ -21,15 +21,15 @@ from typing import Any
 from envs.protocol import Environment
 from envs.wrapper import WrapperConfig
 from treetrain.distributed.backend import TrainBackend
-from treetrain.loss.config import ConfigError
+from treetrain.loss.loss_config import ConfigError
+from treetrain.rollout.fanout import FanOut
 from treetrain.rollout.sampler import SamplerConfig
-from treetrain.rollout.schedule import FanOut
 from treetrain.rollout.tree_rollout import RolloutConfig, rollout_trees
 from treetrain.train.config import TrainConfig
 from treetrain.tree import TrajectoryTree
 from treetrain.tree.checks import check_distinct, check_vocabulary
 from treetrain.tree.format import load_trees, tree_from_bytes, tree_to_bytes
-from treetrain.tree.untrusted import short_repr
+from treetrain.tree.unpack import short_repr
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ Example:
     >>> _ = (d / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 10**9}))
     >>> check_checkpoint(d)
     Traceback (most recent call last):
-    ValueError: .../config.json: num_hidden_layers = 1000000000 is above the limit of 1024 (treetrain.models.untrusted.MAX_LAYERS)
+    ValueError: .../config.json: num_hidden_layers = 1000000000 is above the limit of 1024 (treetrain.models.checkpoint_bounds.MAX_LAYERS)
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def _check_counts(data: dict[str, Any], path: Path) -> None:
                     raise ValueError(f"{path}: {key} must be a whole number >= 0, got {str(value)[:40]}")
                 if value > limit:
                     raise ValueError(
-                        f"{path}: {key} = {value} is above the limit of {limit} (treetrain.models.untrusted.{name})"
+                        f"{path}: {key} = {value} is above the limit of {limit} (treetrain.models.checkpoint_bounds.{name})"
                     )
 
 
@@ -111,7 +111,7 @@ def checkpoint_config(directory: str | Path) -> PretrainedConfig:
     if isinstance(vocab, bool) or not isinstance(vocab, int) or not 1 <= vocab <= MAX_VOCAB:
         raise ValueError(
             f"{path}: vocab_size must be a whole number in [1, {MAX_VOCAB}], got {str(vocab)[:40]} "
-            "(treetrain.models.untrusted.MAX_VOCAB)"
+            "(treetrain.models.checkpoint_bounds.MAX_VOCAB)"
         )
     return config
 
@@ -162,7 +162,7 @@ def check_checkpoint(directory: str | Path) -> None:
         raise ValueError(
             f"{path}: describes a model of {count:,} parameters and {buffers:,} buffer elements, more than its "
             f"weight files ({held:,} bytes) hold at {MIN_BITS_PER_PARAMETER} bits a parameter "
-            "(treetrain.models.untrusted.MIN_BITS_PER_PARAMETER)"
+            "(treetrain.models.checkpoint_bounds.MIN_BITS_PER_PARAMETER)"
         )
     for name, param in params.items():
         shape = shapes.get(name)

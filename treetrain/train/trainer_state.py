@@ -20,7 +20,7 @@ import torch
 from safetensors import SafetensorError
 
 from treetrain.distributed.backend import TrainBackend
-from treetrain.distributed.checkpoint import CheckpointError
+from treetrain.distributed.checkpoint_io import CheckpointError
 
 log = logging.getLogger(__name__)
 
