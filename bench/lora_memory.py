@@ -22,7 +22,7 @@ import torch
 from treetrain.bytesize import format_bytes
 from treetrain.distributed import TorchBackend
 from treetrain.distributed.backend import OptimizerConfig
-from treetrain.engine import ReplayConfig, TreeReplay
+from treetrain.engine import ReplayPlan, TreeReplay
 from treetrain.engine.batch import UpdateBatch
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
 from treetrain.loss.loss_config import LossConfig
@@ -68,7 +68,7 @@ def measure(model_path: str, r: int | None, batch_args: dict[str, int], vocab: i
     batch = UpdateBatch.build(trees, adv.trees, Manifest.build(trees, 0), LOSS)
     backend = TorchBackend(policy, OptimizerConfig(lr=1e-5))
     tracker = MemoryTracker()
-    engine = TreeReplay(policy, LOSS, ReplayConfig(), ref_model=reference, tracker=tracker)  # type: ignore[arg-type]
+    engine = TreeReplay(policy, LOSS, ReplayPlan(tracker=tracker), ref_model=reference)  # type: ignore[arg-type]
     report = engine.accumulate(batch)
     grads = _bytes([p.grad for p in policy.parameters() if p.grad is not None])
     backend.optimizer.step()

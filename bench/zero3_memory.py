@@ -50,11 +50,13 @@ def storage(module: torch.nn.Module) -> int:
 
 
 def worker(stage: int, out: Path) -> None:
-    from treetrain.distributed import Group, OptimizerConfig, UpdateWindow, build_placement
+    from treetrain.distributed import OptimizerConfig, build_placement
     from treetrain.distributed.deepspeed_backend import DeepSpeedBackend
     from treetrain.loss.advantages import AdvantageConfig
     from treetrain.loss.loss_config import LossConfig
     from treetrain.tree.synthetic import synthetic_group
+    from treetrain.update.window import UpdateWindow
+    from treetrain.update.window_types import Group
 
     torch.set_num_threads(1)
     backend = DeepSpeedBackend(
@@ -76,7 +78,8 @@ def worker(stage: int, out: Path) -> None:
     def sample(phase: str, step: object) -> None:
         sampled[0] = max(sampled[0], storage(backend.module))
 
-    window = UpdateWindow(backend, LossConfig(), step_hook=sample)
+    window = UpdateWindow(backend, LossConfig())
+    window.step_hook = sample
     backend.reset_param_peak()
     window.run(groups, build_placement(trees, owned, WORLD))
     peak = max(backend.param_peak_bytes, sampled[0])

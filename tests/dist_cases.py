@@ -19,13 +19,14 @@ from engine_cases import SHAPES, VOCAB, factory
 from lora_cases import lora_factory
 from transformers import PreTrainedModel
 
-from treetrain.distributed import Group, OptimizerConfig, TorchBackend
+from treetrain.distributed import OptimizerConfig, TorchBackend
 from treetrain.engine import FlatReference, ReplayConfig, TreeReplay, UpdateBatch
 from treetrain.engine.verify import _perturb
 from treetrain.loss.advantages import AdvantageConfig
 from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.manifest import Manifest
 from treetrain.models.lora import AdaptersOff
+from treetrain.update.window_types import Group
 
 LOSS = LossConfig()
 OPTIMIZER = OptimizerConfig(name="sgd", lr=1.0, weight_decay=0.0, grad_clip=0.0)

@@ -20,7 +20,7 @@ import treetrain.models.attention as attention
 import treetrain.models.attention_states as attention_states
 import treetrain.models.decoder as decoder
 import treetrain.models.shared_past as shared_past
-from treetrain.engine import ReplayConfig
+from treetrain.engine import ReplayConfig, ReplayPlan
 from treetrain.engine.replay import TreeReplay
 from treetrain.engine.verify import deviation, flat_grad, flat_gradient, noise_floor, tree_gradient
 from treetrain.loss.loss_config import LossConfig
@@ -29,7 +29,7 @@ from treetrain.models.attention import NAME, engine_attention, shared_past_reaso
 from treetrain.models.decoder import SharedPast, decoder_forward
 from treetrain.models.presets import TinySize, tiny_model
 from treetrain.models.shared_past import shared_attention
-from treetrain.models.support import UnsupportedModelError
+from treetrain.models.support import SupportGate, UnsupportedModelError
 
 SIZE = TinySize(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=1, intermediate_size=64)
 PAST, NEW = 40, 6
@@ -201,7 +201,9 @@ def _gpt_oss_vs_flat(check_model: bool = True) -> tuple[float, float]:
     batch = make_batch(SHAPES["multi_level"](0), loss)
     floor = noise_floor(_gpt_oss, batch, loss)
     model = _gpt_oss()
-    TreeReplay(model, loss, ReplayConfig(microbatch=2), check_model=check_model).accumulate(batch)
+    TreeReplay(
+        model, loss, ReplayConfig(microbatch=2), support=SupportGate(trusting=not check_model)
+    ).accumulate(batch)
     return deviation(flat_grad(model), flat_gradient(_gpt_oss(), batch, loss)).abs, floor
 
 
@@ -239,14 +241,15 @@ def test_gpt_oss_matches_flat_across_k_order_chunking_and_budget() -> None:
     flat = flat_gradient(_gpt_oss(), batch, loss)
     bounded = ReplayConfig(microbatch=1, chunk_size=6, order="reverse")
     free = RetentionPolicy(None)
-    TreeReplay(_gpt_oss(), loss, bounded, retention=free).accumulate(batch)
+    TreeReplay(_gpt_oss(), loss, ReplayPlan(config=bounded, retention=free)).accumulate(batch)
     cases = [
         (ReplayConfig(microbatch=0, order="shuffle", seed=4), None),
         (bounded, max(p.minimum for p in free.plans)),  # the smallest feasible budget: recomputes
     ]
     for replay, budget in cases:
         model = _gpt_oss()
-        report = TreeReplay(model, loss, replay, retention=RetentionPolicy(budget)).accumulate(batch)
+        plan = ReplayPlan(config=replay, retention=RetentionPolicy(budget))
+        report = TreeReplay(model, loss, plan).accumulate(batch)
         assert budget is None or report.recomputed_units > 0
         dev = deviation(flat_grad(model), flat).abs
         assert dev <= 5.0 * floor, f"{replay}, budget {budget}: {dev:.3e} > 5 x {floor:.3e}"

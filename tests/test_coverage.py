@@ -1,4 +1,4 @@
-"""The coverage ledger and the cross-rank coverage summary: every contribution exactly once."""
+"""Coverage claims and the cross-rank coverage summary: every contribution exactly once."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 import pytest
 
 from treetrain.distributed.coverage import (
-    CoverageLedger,
+    CoverageClaims,
     CoverageSummary,
     DuplicateContributionError,
     check_coverage,
@@ -21,32 +21,32 @@ KEYS = [ContributionKey(3, "tree", f"t{i}", c) for i in range(4) for c in range(
 
 
 def test_claim_commit_release_reset() -> None:
-    ledger = CoverageLedger(KEYS)
-    ledger.claim(KEYS[:2])
-    assert not ledger.complete and ledger.missing() == tuple(sorted(KEYS))
+    claims = CoverageClaims(KEYS)
+    claims.claim(KEYS[:2])
+    assert not claims.complete and claims.missing() == tuple(sorted(KEYS))
     with pytest.raises(DuplicateContributionError, match="already covered"):
-        ledger.claim(KEYS[1:3])  # in flight counts as covered
-    ledger.commit(KEYS[:2])
-    ledger.claim(KEYS[2:4])
-    ledger.release(KEYS[2:4])  # failed before any gradient: missing again
-    assert ledger.missing() == tuple(sorted(KEYS[2:]))
-    ledger.claim(KEYS[2:])
-    ledger.commit(KEYS[2:])
-    assert ledger.complete and ledger.is_covered(KEYS)
+        claims.claim(KEYS[1:3])  # in flight counts as covered
+    claims.commit(KEYS[:2])
+    claims.claim(KEYS[2:4])
+    claims.release(KEYS[2:4])  # failed before any gradient: missing again
+    assert claims.missing() == tuple(sorted(KEYS[2:]))
+    claims.claim(KEYS[2:])
+    claims.commit(KEYS[2:])
+    assert claims.complete and claims.is_covered(KEYS)
     with pytest.raises(DuplicateContributionError, match=r"trajectory t0, call 0\) is already covered"):
-        ledger.claim(KEYS[:1])
-    ledger.reset()
-    assert ledger.missing() == tuple(sorted(KEYS)) and not ledger.covered
+        claims.claim(KEYS[:1])
+    claims.reset()
+    assert claims.missing() == tuple(sorted(KEYS)) and not claims.covered
 
 
 def test_refuses_foreign_and_repeated_keys() -> None:
-    ledger = CoverageLedger(KEYS[:4])
+    claims = CoverageClaims(KEYS[:4])
     with pytest.raises(ManifestError, match="not part of this rank's share"):
-        ledger.claim([KEYS[5]])
+        claims.claim([KEYS[5]])
     with pytest.raises(DuplicateContributionError, match="same contribution twice"):
-        ledger.claim([KEYS[0], KEYS[0]])
+        claims.claim([KEYS[0], KEYS[0]])
     with pytest.raises(ManifestError, match="without a claim"):
-        ledger.commit([KEYS[1]])
+        claims.commit([KEYS[1]])
 
 
 def _summaries(*ranks: list[ContributionKey]) -> list[str]:

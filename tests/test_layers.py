@@ -31,6 +31,7 @@ LAYERS = (
     "distributed",
     "benchmark",
     "assets",
+    "update",
     "train",
     "cli",
     "api",

@@ -12,7 +12,14 @@ import pytest
 import torch
 from engine_cases import VOCAB
 
-from treetrain.engine import ReplayConfig, ResidentIdentity, ResidentStore, TreeReplay, UpdateBatch
+from treetrain.engine import (
+    ReplayConfig,
+    ReplayPlan,
+    ResidentIdentity,
+    ResidentStore,
+    TreeReplay,
+    UpdateBatch,
+)
 from treetrain.engine.resident import ResidentKey
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
 from treetrain.loss.loss_config import LossConfig
@@ -36,11 +43,12 @@ def make_batch(prefix: int, branches: int, suffix: int, depth: int, loss: LossCo
     return UpdateBatch.build([tree], adv.trees, Manifest.build([tree], 0), loss)
 
 
-def measure(model, batch: UpdateBatch, loss: LossConfig, replay: ReplayConfig, **engine_kw):
+def measure(model, batch: UpdateBatch, loss: LossConfig, replay: ReplayConfig, ref_model=None, **plan_kw):
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     tracker = MemoryTracker()
-    report = TreeReplay(model, loss, replay, tracker=tracker, **engine_kw).accumulate(batch)
+    plan = ReplayPlan(config=replay, tracker=tracker, **plan_kw)
+    report = TreeReplay(model, loss, plan, ref_model=ref_model).accumulate(batch)
     tracker.detach()
     return report, tracker
 

@@ -18,7 +18,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from treetrain.engine import ReplayConfig, TreeReplay, UpdateBatch
+from treetrain.engine import ReplayConfig, ReplayPlan, TreeReplay, UpdateBatch
 from treetrain.engine.flat_reference import FlatReference
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
 from treetrain.loss.loss_config import LossConfig
@@ -54,7 +54,7 @@ def zero_grads(model: torch.nn.Module) -> None:
 def measured_tree(model, batch: UpdateBatch, replay: ReplayConfig):
     zero_grads(model)
     tracker = MemoryTracker()
-    report = TreeReplay(model, LOSS, replay, tracker=tracker).accumulate(batch)
+    report = TreeReplay(model, LOSS, ReplayPlan(config=replay, tracker=tracker)).accumulate(batch)
     tracker.detach()
     assert report.measured_peak is not None
     return report.measured_peak

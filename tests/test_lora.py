@@ -226,9 +226,9 @@ def test_negative_control_fused_walk_with_adapters_left_on_is_caught(monkeypatch
     is caught by the differential check, like the reference passed as the policy itself."""
     import contextlib
 
-    import treetrain.engine.replay as replay_module
+    import treetrain.engine.reference as reference_mod
 
-    monkeypatch.setattr(replay_module, "adapters_disabled", lambda ref: contextlib.nullcontext(ref.model))
+    monkeypatch.setattr(reference_mod, "adapters_disabled", lambda ref: contextlib.nullcontext(ref.model))
     dev, floor = _deviation("llama", torch.float64, KL)
     assert dev.abs > 100 * FACTOR * floor
 

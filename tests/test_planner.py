@@ -12,7 +12,7 @@ from treetrain.loss.advantages import AdvantageConfig, compute_advantages
 from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.manifest import Manifest
 from treetrain.memory.planner import Overrides, PlanError, plan_update
-from treetrain.memory.retention import BudgetTooSmallError, RetentionPolicy
+from treetrain.memory.retention import BudgetTooSmallError
 from treetrain.memory.tracker import MemoryTracker
 from treetrain.models.presets import tiny_model
 from treetrain.tree.synthetic import synthetic_group
@@ -65,8 +65,7 @@ def test_tight_budget_is_met_and_the_run_stays_within_it(model) -> None:
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     tracker = MemoryTracker()
-    retention = RetentionPolicy(plan.retention) if plan.retention is not None else None
-    engine = TreeReplay(model, LossConfig(), plan.replay_config(), retention=retention, tracker=tracker)
+    engine = TreeReplay(model, LossConfig(), plan.replay(tracker=tracker))
     report = engine.accumulate(batch)
     tracker.detach()
     assert report.measured_peak is not None
@@ -80,7 +79,8 @@ def test_kept_graphs_are_chosen_when_memory_allows_and_lower_the_cost(model) -> 
     auto = plan_update(batch, model, budget=LARGE, overrides=Overrides(mode="tree"))
     assert auto.keep_graph and not none.keep_graph
     assert auto.tree.token_cost < none.tree.token_cost
-    keep = auto.keep_graph_fn()
+    keep = auto.replay().keep_graph
+    assert keep is not None
     from treetrain.engine.units import UnitTree
 
     work = batch.work[0]

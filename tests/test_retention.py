@@ -16,7 +16,7 @@ import torch
 from engine_cases import SHAPES, factory, make_batch
 
 from treetrain.bytesize import format_bytes
-from treetrain.engine import ReplayConfig, TreeReplay
+from treetrain.engine import ReplayConfig, ReplayPlan, TreeReplay
 from treetrain.engine.verify import deviation, flat_grad, flat_gradient, noise_floor
 from treetrain.loss.loss_config import LossConfig
 from treetrain.memory.retention import BudgetTooSmallError, ResidentUse, RetentionPolicy, plan_retention
@@ -34,9 +34,8 @@ def run(make, batch, loss, replay, budget=None, keep=None):
     model.zero_grad(set_to_none=True)
     policy = RetentionPolicy(budget)
     tracker = MemoryTracker()
-    report = TreeReplay(model, loss, replay, retention=policy, keep_graph=keep, tracker=tracker).accumulate(
-        batch
-    )
+    plan = ReplayPlan(config=replay, retention=policy, keep_graph=keep, tracker=tracker)
+    report = TreeReplay(model, loss, plan).accumulate(batch)
     tracker.detach()
     return flat_grad(model), report, policy, tracker
 
@@ -76,7 +75,7 @@ def test_budget_below_minimum_fails_cleanly_naming_it() -> None:
     minimum = policy.plans[0].minimum
     model = make()
     model.zero_grad(set_to_none=True)
-    engine = TreeReplay(model, loss, replay, retention=RetentionPolicy(minimum - 1))
+    engine = TreeReplay(model, loss, ReplayPlan(config=replay, retention=RetentionPolicy(minimum - 1)))
     with pytest.raises(BudgetTooSmallError) as info:
         engine.accumulate(batch)
     assert info.value.minimum == minimum
@@ -100,7 +99,7 @@ def test_host_tier_restores_instead_of_recomputing() -> None:
     model = make()
     model.zero_grad(set_to_none=True)
     tier = RetentionPolicy(budget, host_tier=True)
-    report = TreeReplay(model, loss, replay, retention=tier).accumulate(batch)
+    report = TreeReplay(model, loss, ReplayPlan(config=replay, retention=tier)).accumulate(batch)
     assert report.restored_units == tier.plans[0].recomputes > 0
     assert report.recomputed_units == 0
     assert report.graph_tokens == recomputed.graph_tokens
@@ -186,7 +185,9 @@ def test_kept_graphs_give_the_same_gradient_for_less_compute(loss: LossConfig) -
         model = make()
         model.zero_grad(set_to_none=True)
         ref = make_ref() if make_ref else None
-        report = TreeReplay(model, loss, replay, ref_model=ref, keep_graph=keep).accumulate(batch)
+        report = TreeReplay(
+            model, loss, ReplayPlan(config=replay, keep_graph=keep), ref_model=ref
+        ).accumulate(batch)
         return flat_grad(model), report
 
     recompute, r_report = tree(None)

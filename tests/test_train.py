@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from treetrain.train.config import dump_config, load_config
 from treetrain.train.loop import Trainer
 from treetrain.train.metrics import read_metrics
 from treetrain.tree.format import load_trees
+from treetrain.update.run import advantage_groups
 
 TINY = [
     "model.path=tiny-llama",
@@ -241,5 +241,5 @@ def test_a_recorded_file_is_one_group_and_globs_recurse(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path / "run", f"rollout.trees={tmp_path}/**/*.msgpack")
     produced = RecordedSource(cfg, vocab_size=64)(None, 0, 0)
     assert [len(g) for g in produced.groups] == [2]
-    groups, dropped = Trainer._groups(SimpleNamespace(cfg=cfg), produced.groups)  # type: ignore[arg-type]
+    groups, dropped = advantage_groups(produced.groups, cfg.advantages)
     assert dropped == 0 and len(groups) == 1 and len(groups[0].trees) == 2

@@ -18,20 +18,21 @@ from treetrain.distributed import (
     DuplicateContributionError,
     OptimizerConfig,
     TorchBackend,
-    UpdateWindow,
-    WindowConfig,
     round_robin,
 )
 from treetrain.distributed.backend import make_backend
 from treetrain.distributed.checkpoint_io import CheckpointError
-from treetrain.distributed.window import is_transient
-from treetrain.engine import BackwardFailed, ReplayConfig, UpdateBatch
+from treetrain.engine import BackwardFailed, ReplayConfig, ReplayPlan, UpdateBatch
+from treetrain.engine.replay_plan import Mode
 from treetrain.engine.resident import ResidentIdentity, ResidentKey, ResidentStore, StaleResidentStateError
 from treetrain.engine.schedule import ReplayStep
 from treetrain.loss.loss_config import ConfigError
 from treetrain.loss.manifest import ManifestError
 from treetrain.memory.retention import BudgetTooSmallError
 from treetrain.models.support import UnsupportedModelError
+from treetrain.update.faults import is_transient
+from treetrain.update.window import UpdateWindow
+from treetrain.update.window_types import WindowConfig
 
 FACTOR = 5.0
 
@@ -53,12 +54,14 @@ def _far(delta: torch.Tensor, ref: tuple[torch.Tensor, float], what: str) -> flo
     return err / ref[1]
 
 
-def _run(backend: TorchBackend | None = None, **kw: Any) -> tuple[torch.Tensor, Any]:
+def _run(
+    backend: TorchBackend | None = None, *, mode: Mode = "tree", step_hook: Any = None
+) -> tuple[torch.Tensor, Any]:
     backend = backend or TorchBackend(make_model(), OPTIMIZER)
     start = params_vector(backend.module)
-    report = UpdateWindow(backend, LOSS, kw.pop("replay", None), WindowConfig(**kw.pop("cfg", {})), **kw).run(
-        groups()
-    )
+    window = UpdateWindow(backend, LOSS, ReplayPlan(mode))
+    window.step_hook = step_hook
+    report = window.run(groups())
     return params_vector(backend.module) - start, report
 
 
@@ -81,7 +84,7 @@ class Raise:
 def test_single_process_window_matches_the_engine_run_directly(
     flat: tuple[torch.Tensor, float], mode: str
 ) -> None:
-    delta, report = _run(cfg={"mode": mode})
+    delta, report = _run(mode=mode)
     _close(delta, flat)
     assert report.version == 1 and report.contributions == 10 and not report.dropped
 
@@ -135,7 +138,7 @@ def test_repeated_out_of_memory_in_backward_narrows_k(
     _close(delta, flat)
     assert not report.dropped and report.window_resets == 1  # two siblings per step, then K = 1
     # Without narrowing, every attempt fails the same way and the groups are dropped.
-    monkeypatch.setattr("treetrain.distributed.window.OpenWindow._narrow_after_oom", lambda self, exc: None)
+    monkeypatch.setattr("treetrain.update.window.OpenWindow._narrow_after_oom", lambda self, exc: None)
     backend = WideStepOOMBackend(make_model(), OPTIMIZER)
     with pytest.raises(ManifestError, match="dropped"):
         _run(backend, step_hook=backend.hook)
@@ -158,13 +161,14 @@ def test_a_permanent_error_is_raised_at_once_without_retry_or_drop(exc: Exceptio
     backend = TorchBackend(make_model(), OPTIMIZER)
     start = params_vector(backend.module)
     hook = Raise("forward", {1}, exc)
-    window = UpdateWindow(backend, LOSS, step_hook=hook)
+    window = UpdateWindow(backend, LOSS)
+    window.step_hook = hook
     opened = window.open(groups())
     with pytest.raises(type(exc)) as raised:
         opened.replay_all()
     assert raised.value is exc and hook.count == 1, "retried"
     assert not opened.failures and not opened.dropped and opened.counters.tree_retries == 0
-    assert not opened.ledger.covered and window.version == 0
+    assert not opened.claims.covered and window.version == 0
     assert torch.equal(params_vector(backend.module), start)
 
 
@@ -175,10 +179,12 @@ def test_a_permanent_error_after_a_backward_discards_the_partial_gradient(
     backend = TorchBackend(make_model(), OPTIMIZER)
     start = params_vector(backend.module)
     hook = Raise("backward", {2}, ValueError("bad advantage"))
-    opened = UpdateWindow(backend, LOSS, step_hook=hook).open(groups())
+    window = UpdateWindow(backend, LOSS)
+    window.step_hook = hook
+    opened = window.open(groups())
     with pytest.raises(ValueError, match="bad advantage"):
         opened.replay_all()
-    assert all(p.grad is None for p in backend.params) and not opened.ledger.covered
+    assert all(p.grad is None for p in backend.params) and not opened.claims.covered
     assert opened.counters.window_resets == 0 and not opened.failures
     opened.commit()
     _close(params_vector(backend.module) - start, flat)
@@ -234,7 +240,7 @@ def test_a_group_that_keeps_failing_is_dropped_whole(caplog: pytest.LogCaptureFi
     start = params_vector(backend.module)
     window = UpdateWindow(backend, LOSS, cfg=WindowConfig(tree_attempts=2))
     window.step_hook = _fail_tree(window, groups()[1].trees[0].id)
-    with caplog.at_level(logging.ERROR, logger="treetrain.distributed"):
+    with caplog.at_level(logging.ERROR, logger="treetrain.update"):
         report = window.run(groups())
     assert [d.index for d in report.dropped] == [1] and "broken tree" in report.dropped[0].reason
     assert any("dropped from the update" in r.message for r in caplog.records)
@@ -245,12 +251,8 @@ def test_a_group_that_keeps_failing_is_dropped_whole(caplog: pytest.LogCaptureFi
 def test_every_group_failing_refuses_the_step() -> None:
     backend = TorchBackend(make_model(), OPTIMIZER)
     start = params_vector(backend.module)
-    window = UpdateWindow(
-        backend,
-        LOSS,
-        cfg=WindowConfig(tree_attempts=1),
-        step_hook=Raise("forward", set(range(1, 99)), RuntimeError("x")),
-    )
+    window = UpdateWindow(backend, LOSS, cfg=WindowConfig(tree_attempts=1))
+    window.step_hook = Raise("forward", set(range(1, 99)), RuntimeError("x"))
     with pytest.raises(ManifestError, match="every group of the update was dropped"):
         window.run(groups())
     assert torch.equal(params_vector(backend.module), start) and window.version == 0
@@ -274,7 +276,9 @@ def test_duplicate_and_unknown_requests_are_refused(flat: tuple[torch.Tensor, fl
 
 def test_commit_bumps_the_version_and_invalidates_resident_state() -> None:
     backend = TorchBackend(make_model(), OPTIMIZER)
-    window = UpdateWindow(backend, LOSS, tokenizer="tok-1")
+    window = UpdateWindow(
+        backend, LOSS, store=ResidentStore(ResidentIdentity.of(backend.module, tokenizer="tok-1"))
+    )
     tree = groups()[0].trees[0]
     key = ResidentKey(tree.id, 1, tree.nodes[1].id)
     old = window.identity
@@ -288,7 +292,7 @@ def test_commit_bumps_the_version_and_invalidates_resident_state() -> None:
     with pytest.raises(StaleResidentStateError, match="the store holds identity"):
         window.store.get(key, old)
     second = window.open(groups(1))
-    assert {k.version for k in second.ledger.expected} == {1}
+    assert {k.version for k in second.claims.expected} == {1}
 
 
 def _thread_ranks(
@@ -311,7 +315,8 @@ def _thread_ranks(
     def rank_fn(r: int) -> Any:
         def fn() -> Any:
             start = params_vector(backends[r].module)
-            window = UpdateWindow(backends[r], LOSS, replay(r), version=version(r))
+            store = ResidentStore(ResidentIdentity.of(backends[r].module, version=version(r)))
+            window = UpdateWindow(backends[r], LOSS, replay(r), store=store)
             window.step_hook = hook(r, window)
             report = window.run(groups(), round_robin(trees, world.size))
             return params_vector(backends[r].module) - start, report
@@ -414,7 +419,9 @@ def test_torch_checkpoint_resume_reproduces_the_next_update(tmp_path: Any) -> No
     fresh = TorchBackend(make_model(), OPTIMIZER)
     state = fresh.load_checkpoint(tmp_path / "ckpt")
     assert state == {"version": 1}
-    UpdateWindow(fresh, LOSS, version=state["version"]).run(groups(1))
+    UpdateWindow(
+        fresh, LOSS, store=ResidentStore(ResidentIdentity.of(fresh.module, version=state["version"]))
+    ).run(groups(1))
     assert torch.equal(params_vector(fresh.module), params_vector(backend.module))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
     with pytest.raises(CheckpointError, match="not JSON-serializable"):
@@ -461,7 +468,7 @@ def test_negative_control_a_tree_counted_twice_is_far_outside_the_tolerance(
     opened = UpdateWindow(backend, LOSS).open(groups())
     opened.replay_all()
     work = next(iter(opened.work.values()))
-    opened.engine.accumulate(UpdateBatch((work,), opened.manifest))  # behind the ledger's back
+    opened.engine.accumulate(UpdateBatch((work,), opened.manifest))  # behind the claims' back
     opened.commit()
     assert float((params_vector(backend.module) - start - flat[0]).norm()) > 100 * FACTOR * flat[1]
 
@@ -470,14 +477,11 @@ def test_window_takes_over_a_given_identity_and_store() -> None:
     backend = TorchBackend(make_model(), OPTIMIZER)
     identity = ResidentIdentity.of(backend.module, version=7, tokenizer="tok")
     store = ResidentStore(identity)
-    window = UpdateWindow(backend, LOSS, identity=identity, store=store)
-    assert {k.version for k in window.open(groups()).ledger.expected} == {7}
+    window = UpdateWindow(backend, LOSS, store=store)
+    assert window.identity == identity
+    assert {k.version for k in window.open(groups()).claims.expected} == {7}
     window.active.commit()  # type: ignore[union-attr]
     assert window.identity == identity.bumped() and store.identity == identity.bumped()
-    with pytest.raises(ValueError, match="either whole"):
-        UpdateWindow(backend, LOSS, version=3, identity=identity)
-    with pytest.raises(ValueError, match="the store holds identity"):
-        UpdateWindow(backend, LOSS, identity=identity, store=ResidentStore(identity.bumped()))
 
 
 def test_torch_backend_refuses_a_non_finite_step() -> None:

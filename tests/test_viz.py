@@ -142,7 +142,7 @@ def test_plots_draw_without_error() -> None:
 def test_ledger_plot_stacks_classes_and_marks_measured_peaks() -> None:
     import torch
 
-    from treetrain.engine import ReplayConfig, TreeReplay, UpdateBatch
+    from treetrain.engine import ReplayConfig, ReplayPlan, TreeReplay, UpdateBatch
     from treetrain.lifetime import ClassBytes
     from treetrain.loss.loss_config import LossConfig
     from treetrain.loss.manifest import Manifest
@@ -167,7 +167,7 @@ def test_ledger_plot_stacks_classes_and_marks_measured_peaks() -> None:
     batch = UpdateBatch.build([tree], adv.trees, Manifest.build([tree], 0), loss)
     ledger = predict_ledger(batch, model, replay, loss)
     tracker = MemoryTracker()
-    TreeReplay(model, loss, replay, tracker=tracker).accumulate(batch)
+    TreeReplay(model, loss, ReplayPlan(config=replay, tracker=tracker)).accumulate(batch)
     tracker.detach()
     ax = plot_ledger(ledger, measured=tracker.segments, limit=ledger.peak.total)
     bars = [p for p in ax.patches]

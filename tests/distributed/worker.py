@@ -44,11 +44,9 @@ from safetensors.torch import save_file
 
 from treetrain.distributed import (
     AgreementError,
-    CoverageLedger,
+    CoverageClaims,
     DuplicateContributionError,
     OptimizerConfig,
-    UpdateWindow,
-    WindowConfig,
     build_placement,
     round_robin,
 )
@@ -56,9 +54,11 @@ from treetrain.distributed.backend import make_backend
 from treetrain.distributed.checkpoint_io import CheckpointError
 from treetrain.distributed.deepspeed_backend import DeepSpeedBackend
 from treetrain.engine import ReplayConfig, UpdateBatch
-from treetrain.engine.resident import ResidentKey, StaleResidentStateError
+from treetrain.engine.resident import ResidentIdentity, ResidentKey, ResidentStore, StaleResidentStateError
 from treetrain.loss.manifest import ManifestError
 from treetrain.models.lora import AdaptersOff, is_adapter_param
+from treetrain.update.window import UpdateWindow
+from treetrain.update.window_types import WindowConfig
 
 torch.set_num_threads(1)
 OUT = Path(sys.argv[1])
@@ -124,7 +124,8 @@ def one_update(
         if step_hook is not None:
             step_hook(phase, step)
 
-    window = UpdateWindow(backend, LOSS, replay, WindowConfig(**window_kw), step_hook=sample)
+    window = UpdateWindow(backend, LOSS, replay, WindowConfig(**window_kw))
+    window.step_hook = sample
     if placement == "round_robin":
         given = round_robin(trees, backend.world_size)
     elif placement in ("uneven", "idle"):
@@ -259,12 +260,17 @@ def drop_group(stage_name: str) -> tuple[torch.Tensor, Info]:
     return one_update(stage_name, step_hook=hook, body=body, placement="round_robin")
 
 
+def store_at(backend: Any, version: int) -> ResidentStore:
+    """A resident store for the backend's model at `version` (a resumed or a deliberately mismatched run)."""
+    return ResidentStore(ResidentIdentity.of(backend.module, version=version))
+
+
 # ----- refusals and negative controls -------------------------------------------------------------
 def stale_and_version(stage_name: str) -> tuple[torch.Tensor, Info]:
     info: Info = {}
     backend = backend_for(stage_name)
     start = current(backend)
-    mismatched = UpdateWindow(backend, LOSS, version=backend.rank)
+    mismatched = UpdateWindow(backend, LOSS, store=store_at(backend, backend.rank))
     try:
         mismatched.open(groups())
         info["version_mismatch"] = "not refused"
@@ -288,7 +294,7 @@ def stale_and_version(stage_name: str) -> tuple[torch.Tensor, Info]:
 
 
 def coverage_controls(stage_name: str) -> tuple[torch.Tensor, Info]:
-    """The collective coverage check refuses a doubled and a missing contribution (rank 1's ledger is
+    """The collective coverage check refuses a doubled and a missing contribution (rank 1's claims are
     replaced after its replay, as if it had covered one of rank 0's keys, or lost one of its own)."""
     info: Info = {}
     backend = backend_for(stage_name)
@@ -298,16 +304,16 @@ def coverage_controls(stage_name: str) -> tuple[torch.Tensor, Info]:
         opened = window.open(groups())
         opened.replay_all()
         if backend.rank == 1:
-            mine = sorted(opened.ledger.covered)
+            mine = sorted(opened.claims.covered)
             if case == "doubled":
                 other = sorted(set(opened.manifest.keys()) - set(mine))[0]
                 keys = [*mine, other]
             else:
                 keys = mine[1:]
-            tampered = CoverageLedger(keys)
+            tampered = CoverageClaims(keys)
             tampered.claim(keys)
             tampered.commit(keys)
-            opened.ledger = tampered
+            opened.claims = tampered
         try:
             opened.check()  # the collective check commit() runs before stepping
             info[case] = "not refused"
@@ -318,7 +324,7 @@ def coverage_controls(stage_name: str) -> tuple[torch.Tensor, Info]:
 
 
 def bypass(stage_name: str, kind: str) -> tuple[torch.Tensor, Info]:
-    """Numeric negative controls: rank 1 doubles or skips a tree behind the ledger's back."""
+    """Numeric negative controls: rank 1 doubles or skips a tree behind the claims' back."""
 
     def body(opened: Any) -> None:
         if opened.backend.rank != 1:
@@ -330,8 +336,8 @@ def bypass(stage_name: str, kind: str) -> tuple[torch.Tensor, Info]:
             opened.replay(tree_id)
             opened.engine.accumulate(UpdateBatch((work,), opened.manifest))
         else:
-            opened.ledger.claim(keys)
-            opened.ledger.commit(keys)
+            opened.claims.claim(keys)
+            opened.claims.commit(keys)
 
     return one_update(stage_name, body=body, placement="round_robin")
 
@@ -389,7 +395,7 @@ def resume(stage_name: str) -> tuple[torch.Tensor, Info]:
     assert isinstance(fresh, DeepSpeedBackend)
     state = fresh.load_checkpoint(ckpt)
     loaded = current(fresh)
-    UpdateWindow(fresh, LOSS, version=state["version"]).run(groups(1))
+    UpdateWindow(fresh, LOSS, store=store_at(fresh, state["version"])).run(groups(1))
     info: Info = {
         "loaded_equals_saved": bool(torch.equal(loaded, after_one)),
         "client_state": state,
@@ -446,7 +452,9 @@ def lora_backend(stage_name: str, optimizer: OptimizerConfig = OPTIMIZER) -> Dee
 
 
 def lora_window(backend: DeepSpeedBackend, version: int = 0) -> UpdateWindow:
-    return UpdateWindow(backend, LORA_LOSS, ref_model=AdaptersOff(backend.module), version=version)
+    return UpdateWindow(
+        backend, LORA_LOSS, store=store_at(backend, version), ref_model=AdaptersOff(backend.module)
+    )
 
 
 def lora_update(stage_name: str) -> tuple[torch.Tensor, Info]:

@@ -23,10 +23,12 @@ from treetrain.engine.batch import ReplayConfig, ReplayReport, UpdateBatch
 from treetrain.engine.flat_reference import FlatReference
 from treetrain.engine.protocols import MemoryProbe
 from treetrain.engine.replay import TreeReplay
+from treetrain.engine.replay_plan import ReplayPlan
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
 from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.manifest import Manifest
 from treetrain.models.presets import TinySize, tiny_model
+from treetrain.models.support import SupportGate
 from treetrain.tree.model import TrajectoryTree
 from treetrain.tree.synthetic import synthetic_group
 
@@ -91,7 +93,12 @@ def make_engine(
 ) -> FlatReference | TreeReplay:
     if mode == "flat":
         return FlatReference(model, LOSS, microbatch=cfg.flat_microbatch)
-    return TreeReplay(model, LOSS, replay_config(mode, cfg), tracker=tracker, check_model=False)
+    return TreeReplay(
+        model,
+        LOSS,
+        ReplayPlan(config=replay_config(mode, cfg), tracker=tracker),
+        support=SupportGate(trusting=True),
+    )
 
 
 def run_update(

@@ -152,14 +152,16 @@ def _from_config(args: argparse.Namespace, named: NamedTrees) -> int:
     """Plan exactly as `treetrain train` would for an update made of these trees."""
     from dataclasses import replace
 
+    from treetrain.engine import UpdateBatch
     from treetrain.loss.advantages import compute_advantages
     from treetrain.loss.loss_config import ConfigError
+    from treetrain.loss.manifest import Manifest
     from treetrain.memory.planner import PlanError
     from treetrain.memory.retention import BudgetTooSmallError
     from treetrain.models.support import UnsupportedModelError
     from treetrain.train.config import load_config
     from treetrain.train.models import load_models
-    from treetrain.train.planning import plan_for
+    from treetrain.update.planning import plan_for
 
     trees = [t for _, group in named for t in group]
     try:
@@ -187,8 +189,9 @@ def _from_config(args: argparse.Namespace, named: NamedTrees) -> int:
     cfg = replace(cfg, replay=replace(replay, contract=args.contract or cfg.replay.contract))
     advantages = [compute_advantages([t], cfg.advantages).trees[0] for t in trees]
     try:
+        batch = UpdateBatch.build(trees, advantages, Manifest.build(trees, 0), cfg.loss)
         planned = plan_for(
-            cfg, trees, advantages, 0, models.policy, models.reference, args.world_size,
+            cfg, batch, models.policy, models.reference, world_size=args.world_size,
             zero_stage=cfg.distributed.zero_stage if args.zero_stage is None else args.zero_stage,
             offload_optimizer=cfg.distributed.offload_optimizer,
         )  # fmt: skip
@@ -196,12 +199,12 @@ def _from_config(args: argparse.Namespace, named: NamedTrees) -> int:
         return _fail(str(e))
     vs_full = lora_vs_full(models, cfg) if cfg.model.lora is not None else None
     if args.json:
-        out = plan_json(planned.plan)
+        out = plan_json(planned)
         if vs_full is not None:
             out["lora_vs_full_finetuning"] = {name: asdict(b) for name, b in zip(("lora", "full"), vs_full)}
         print(json.dumps(out, indent=2))
     else:
-        print(render(planned.plan) + ("\n\n" + lora_text(*vs_full) if vs_full is not None else ""))
+        print(render(planned) + ("\n\n" + lora_text(*vs_full) if vs_full is not None else ""))
     return 0
 
 

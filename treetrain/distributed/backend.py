@@ -1,6 +1,6 @@
 """The training backend: where gradients accumulate and the optimizer steps.
 
-The update window (`treetrain.distributed.window`) talks to a `TrainBackend` only. It forwards
+The update window (`treetrain.update.window`) talks to a `TrainBackend` only. It forwards
 `backend.module`, calls `backward(loss)` once per replay step, any number of times, and `step()` once when
 the whole manifest is covered. Two implementations:
 

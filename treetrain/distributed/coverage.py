@@ -1,6 +1,6 @@
 """Exactly-once accounting: which manifest contributions the current update window holds.
 
-Every contribution is a `ContributionKey(version, tree, trajectory, call)`. A rank's `CoverageLedger` knows
+Every contribution is a `ContributionKey(version, tree, trajectory, call)`. A rank's `CoverageClaims` knows
 the keys placement gave it. A replay first *claims* its keys (a key already covered or in flight is refused:
 running it twice would double count), then *commits* them once its gradient is in, or *releases* them when
 the attempt failed before any gradient was accumulated. Resetting the window uncovers everything.
@@ -12,10 +12,10 @@ count or the hash. Only on a mismatch are the key lists gathered, to name what i
 
 Example:
     >>> key = ContributionKey(0, "tree", "t0", 0)
-    >>> ledger = CoverageLedger([key])
-    >>> ledger.claim([key]); ledger.commit([key]); ledger.complete
+    >>> claims = CoverageClaims([key])
+    >>> claims.claim([key]); claims.commit([key]); claims.complete
     True
-    >>> ledger.claim([key])
+    >>> claims.claim([key])
     Traceback (most recent call last):
     ...
     treetrain.distributed.coverage.DuplicateContributionError: contribution (version 0, tree tree, trajectory t0, call 0) is already covered in this update window; a second replay would count it twice
@@ -75,7 +75,7 @@ class CoverageSummary:
         return CoverageSummary(int(count), int(h, 16))
 
 
-class CoverageLedger:
+class CoverageClaims:
     """The keys one rank must cover in this window, and which of them it has."""
 
     def __init__(self, expected: Iterable[ContributionKey]) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Literal
 
@@ -110,6 +110,23 @@ class UpdateBatch:
                 tables = tuple(_restrict(t, in_manifest) for t in tables)
             work.append(TreeWork(tree, adv, tables, in_manifest))
         return UpdateBatch(tuple(work), manifest)
+
+    def restricted(self, owned: Mapping[str, Collection[int]]) -> UpdateBatch:
+        """The part of this batch one rank replays: tree id -> the trajectory indices it owns. The targets
+        keep the coefficients the whole batch's manifest gave them (normalization never depends on how the
+        work was split), so this equals `build(..., owned=...)` without recomputing any target."""
+        work = []
+        for w in self.work:
+            mine = w.trajectories & frozenset(owned.get(w.tree.id, ()))
+            if not mine:
+                continue
+            if mine == w.trajectories:
+                work.append(w)
+            else:
+                work.append(
+                    TreeWork(w.tree, w.advantages, tuple(_restrict(t, mine) for t in w.targets), mine)
+                )
+        return UpdateBatch(tuple(work), self.manifest)
 
 
 def _restrict(table: TargetTable, trajectories: frozenset[int]) -> TargetTable:

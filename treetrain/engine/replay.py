@@ -1,21 +1,22 @@
 """Tree replay: the RL loss over a tree, with each shared unit evaluated once (docs/design.md, the exact gradient).
 
-For one tree:
-1. Scoring (no graph): old logprobs when the ratio uses them, reference logprobs when KL is on, and the
-   resident KV of internal units. Without a scoring pass, KV is computed lazily when first needed. A
-   reference that is the policy with its adapters off is scored in the same walk (`fused_reference`);
-   any other, or with `ReplayConfig(reference_walk='separate')`, in a second walk after it.
-2. The schedule's steps, post-order: K sibling units run under autograd against their parent's resident
-   path. In `exact` mode the path KV enters as leaf tensors, so backward deposits dL/dKV on every ancestor
-   (accumulated as G in the store). A unit with children adds <KV_unit, G_unit> to its loss, which pushes
-   its descendants' gradient through its own recompute. `response_only` reads the path KV detached and
-   adds no such term.
-3. A unit's KV and G are released right after its own step.
+For one tree, the three steps of the exact algorithm (`TreeReplay._tree`):
+
+1. **Score** (`_score`, no graph): every needed unit forwarded once against its resident ancestors. It
+   yields old logprobs when the ratio uses them, reference logprobs when KL is on, and the resident KV of
+   internal units. A reference that is the policy with its adapters off is scored in the same walk
+   (`fused_reference`); any other, or with `ReplayConfig(reference_walk='separate')`, in a second walk.
+2. **Replay** (`_replay`, under autograd): the schedule's steps, post-order. K sibling units run against
+   their parent's resident path. In `exact` mode the path KV enters as leaf tensors, so backward deposits
+   dL/dKV on every ancestor, accumulated as G in the store.
+3. **Close** (`_close`): a unit with children adds <KV_unit, G_unit> to its own step's loss, which
+   pushes its descendants' gradient through its recompute. `response_only` reads the path KV detached and
+   adds no such term. A unit's KV and G are released right after its own step.
 
 Normalization comes from the manifest through the target coefficients; how units are batched or ordered
 only changes the summation order.
 
-Three optional collaborators change memory and cost, never the gradient: a `retention` policy is told each
+The plan (`ReplayPlan`) changes memory and cost, never the gradient: its `retention` policy is told each
 tree's schedule and evicts resident KV before each use to stay within a byte budget (evicted KV is
 recomputed from the nearest resident ancestor); `keep_graph` names internal units (in `exact` mode) whose
 first forward keeps its graph until their own step, which then needs no recompute (3 token-costs instead
@@ -41,7 +42,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -49,59 +50,37 @@ from transformers import PreTrainedModel
 
 from treetrain.engine.batch import ReplayConfig, ReplayReport, TreeWork, UpdateBatch
 from treetrain.engine.pieces import (
-    GatheredTargets,
-    PieceBatch,
     forward_units,
     gather_targets,
     own_kv,
     target_stats,
 )
-from treetrain.engine.protocols import KeepGraph, MemoryProbe, RetentionHook
+from treetrain.engine.reference import (
+    ReferenceView,
+    fused_reference,
+    fused_reference_walk,
+    separate_reference_logprobs,
+)
+from treetrain.engine.replay_plan import ReplayPlan
 from treetrain.engine.resident import ResidentIdentity, ResidentStore
-from treetrain.engine.schedule import ReplayStep, active_units, build_schedule
+from treetrain.engine.schedule import ReplayStep
 from treetrain.engine.scoring import (
     PathKV,
-    ReferenceWalk,
     ScoreBatch,
+    ScoreEvent,
     past_before_overlap,
-    reference_need,
     scoring_pass,
     scoring_schedule,
 )
-from treetrain.engine.units import Unit, UnitTree
+from treetrain.engine.units import Unit
+from treetrain.engine.walk import StepGraph, TreeWalk
 from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.objective import Contributions, LossTerms, objective, sampler_logprobs
-from treetrain.models.decoder import DecoderOutput
-from treetrain.models.lora import AdaptersOff, Reference, adapters_disabled, reference_module
+from treetrain.models.lora import Reference, reference_module
 from treetrain.models.support import SupportGate
 from treetrain.tree.stats import tree_stats
 
 Backward = Callable[[torch.Tensor], None]
-
-
-def fused_reference(loss: LossConfig, replay: ReplayConfig, ref_model: Reference | None) -> bool:
-    """Whether the reference's logprobs come from the scoring walk itself: KL is on, there is a scoring pass
-    (`loss.ratio_source='scoring'`), the reference is the policy with its adapters off, and the replay
-    config does not ask for a separate walk (the planner does when both KV sets do not fit)."""
-    return (
-        loss.needs_reference
-        and loss.ratio_source == "scoring"
-        and isinstance(ref_model, AdaptersOff)
-        and replay.reference_walk == "fused"
-    )
-
-
-@dataclass
-class _Graph:
-    """A forward under autograd of sibling units against leaf copies of their parent path's KV."""
-
-    units: list[Unit]
-    path: tuple[int, ...]
-    padded: PieceBatch
-    out: DecoderOutput
-    gathered: GatheredTargets
-    logp: torch.Tensor  # [M]
-    entropy: torch.Tensor | None  # [M]
 
 
 class BackwardFailed(RuntimeError):
@@ -113,46 +92,45 @@ def _default_backward(loss: torch.Tensor) -> None:
 
 
 class TreeReplay:
-    """Accumulates parameter gradients for an update by tree replay. `optimizer.step()` is the caller's."""
+    """Accumulates parameter gradients for an update by tree replay. `optimizer.step()` is the caller's.
+
+    `plan` is the planner's `ReplayPlan` (or a bare `ReplayConfig`). `store` holds resident state under its
+    identity (a fresh one for the model if omitted); `backward` runs each step's backward (the update
+    window routes it through the training backend); `support` remembers which models were checked (pass
+    `SupportGate(trusting=True)` for a model known to split exactly).
+    """
 
     def __init__(
         self,
         model: PreTrainedModel,
         loss: LossConfig,
-        replay: ReplayConfig,
+        plan: ReplayPlan | ReplayConfig | None = None,
         *,
         ref_model: Reference | None = None,
-        identity: ResidentIdentity | None = None,
         store: ResidentStore | None = None,
         backward: Backward = _default_backward,
-        check_model: bool = True,
         support: SupportGate | None = None,
-        retention: RetentionHook | None = None,
-        keep_graph: KeepGraph | None = None,
-        tracker: MemoryProbe | None = None,
     ) -> None:
         if loss.needs_reference and ref_model is None:
             raise ValueError("loss.kl_coef > 0 needs a reference model")
         self.model = model
         self.ref_model = ref_model
         self.loss_cfg = loss
-        self.cfg = replay
-        self.identity = identity or ResidentIdentity.of(model)
-        self.store = store or ResidentStore(self.identity)
+        self.plan = ReplayPlan.of(plan)
+        if self.plan.mode != "tree":
+            raise ValueError("TreeReplay runs tree-mode plans; flat mode is treetrain.engine.FlatReference")
+        self.store = store or ResidentStore(ResidentIdentity.of(model))
         self.backward = backward
-        self.support = (support or SupportGate()) if check_model else None
-        """Refuses models the engine cannot split exactly (policy and reference); None skips the check."""
+        self.support = support or SupportGate()
+        """Refuses models the engine cannot split exactly (policy and reference)."""
         self.device = next(model.parameters()).device
         self.step_hook: Callable[[str, ReplayStep], None] | None = None
         """Called with ("forward" | "backward", step) before each phase; tests inject faults through it."""
-        self.retention = retention
-        self.keep_graph = keep_graph
-        self.tracker = tracker
-        self._kept: dict[int, _Graph] = {}
         self.widest_step = 0
         """The most sibling rows any replay step has run with (the K in effect); the update window halves it
         after an out-of-memory error during backward."""
         self._label = ""
+        tracker = self.plan.tracker
         if tracker is not None:
             tracker.attach_model(model)
             ref_own = reference_module(ref_model)
@@ -160,184 +138,165 @@ class TreeReplay:
                 tracker.attach_model(ref_own)
             tracker.attach_store(self.store)
 
+    @property
+    def cfg(self) -> ReplayConfig:
+        """The plan's replay config: contract, K, chunking, order, reference walk."""
+        return self.plan.config
+
+    @property
+    def identity(self) -> ResidentIdentity:
+        """The identity resident state is read and written under: the store's."""
+        return self.store.identity
+
     # ----- public -----------------------------------------------------------------------------------
     def accumulate(self, batch: UpdateBatch) -> ReplayReport:
         """Run every tree of the batch; parameter `.grad`s accumulate the update's gradient."""
-        if self.support is not None:
-            longest = max((tree_stats(t.tree).max_sequence_length for t in batch.work), default=0)
-            self.support.require(self.model, longest)
-            ref_own = reference_module(self.ref_model)
-            if ref_own is not None:
-                self.support.require(ref_own, longest)
+        longest = max((tree_stats(t.tree).max_sequence_length for t in batch.work), default=0)
+        self.support.require(self.model, longest)
+        ref_own = reference_module(self.ref_model)
+        if ref_own is not None:
+            self.support.require(ref_own, longest)
         report = ReplayReport()
+        tracker = self.plan.tracker
         tracking: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-        if self.tracker is not None:
-            self.tracker.reset_peak()
-            if not self.tracker.active:
-                tracking = self.tracker
+        if tracker is not None:
+            tracker.reset_peak()
+            if not tracker.active:
+                tracking = tracker
         with tracking:
             for work in batch.work:
                 report = report.merged(self._tree(work))
-        if self.tracker is not None:
-            report = report.merged(ReplayReport(measured_peak=self.tracker.peak))
+        if tracker is not None:
+            report = report.merged(ReplayReport(measured_peak=tracker.peak))
         return report
 
     def _mark(self, label: str) -> None:
-        if self.tracker is not None:
-            self.tracker.mark(label)
+        if self.plan.tracker is not None:
+            self.plan.tracker.mark(label)
 
-    # ----- one tree ---------------------------------------------------------------------------------
+    # ----- one tree: the three steps ----------------------------------------------------------------
     def _tree(self, work: TreeWork) -> ReplayReport:
-        cfg, lcfg = self.cfg, self.loss_cfg
-        units = UnitTree.build(work.tree, work.targets, cfg.chunk_size)
-        skip = cfg.skip_inert and lcfg.zero_advantage_is_inert
-        steps = build_schedule(
-            units,
-            contract=cfg.contract,
-            microbatch=cfg.microbatch,
-            order=cfg.order,
-            seed=cfg.seed,
-            skip_inert=skip,
-        )
-        active = active_units(units, cfg.contract, skip)
-        needs_kv = self._needs_kv(units, steps)
-        paths = PathKV(self.model, units, self.store, self.identity, self.device)
-        report = ReplayReport(skipped_units=sum(1 for u in units.units[1:] if not active[u.index]))
-        kept = self._kept_units(units, active)
-        old_lp: list[torch.Tensor | None] = [None] * len(units)
-        if kept:
-            paths.first_forward = lambda u: self._first_forward(units, paths, u, kept, old_lp)
-
-        scored = [u.targets.num_targets > 0 or needs_kv[u.index] for u in units.units]
-        score_events = (
-            scoring_schedule(units, scored, cfg.score_microbatch) if lcfg.ratio_source == "scoring" else ()
-        )
-        fused = fused_reference(lcfg, cfg, self.ref_model)
-        if self.retention is not None:
-            self.retention.begin_tree(
-                units, score_events, steps, contract=cfg.contract, keep=needs_kv, kept_graphs=kept,
-                evict=lambda u: self.store.evict(paths.key(u)),
-                offload=lambda u: self.store.offload(paths.key(u)), model=self.model, fused_reference=fused,
+        walk = self._walk(work)
+        retention = self.plan.retention
+        if retention is not None:
+            retention.begin_tree(
+                walk.units, self._score_events(walk), walk.steps, contract=self.cfg.contract,
+                keep=walk.needs_kv, kept_graphs=walk.kept, evict=lambda u: self.store.evict(walk.paths.key(u)),
+                offload=lambda u: self.store.offload(walk.paths.key(u)), model=self.model,
+                fused_reference=fused_reference(self.loss_cfg, self.cfg, self.ref_model),
             )  # fmt: skip
-        ref_walk = self._reference_walk(units) if fused else None
+        report = ReplayReport(skipped_units=walk.skipped)
         try:
-            ref_lp: Sequence[torch.Tensor | None] = [None] * len(units)
-            if lcfg.ratio_source == "scoring":
-                lps, n_tok = scoring_pass(
-                    self.model, paths, microbatch=cfg.score_microbatch, need=scored,
-                    keep=lambda u: needs_kv[u], max_logit_elements=cfg.max_logit_elements,
-                    before_batch=self._before_score, forward_elsewhere=lambda u: u in kept,
-                    reference=ref_walk,
-                )  # fmt: skip
-                for u, lp in enumerate(lps):
-                    old_lp[u] = lp if old_lp[u] is None else old_lp[u]
-                report = report.merged(ReplayReport(nograd_tokens=n_tok))
-            if ref_walk is not None:
-                ref_lp = ref_walk.logps
-                report = report.merged(ReplayReport(nograd_tokens=ref_walk.tokens))
-            elif lcfg.needs_reference:
-                ref_lp, n_tok = self._reference_logprobs(units)
-                report = report.merged(ReplayReport(nograd_tokens=n_tok, reference_walks=1))
-            for i, step in enumerate(steps):
-                if self.retention is not None:
-                    self.retention.before(step)
+            # 1. Score: every needed unit once, without a graph (old and reference logprobs, resident KV).
+            report = report.merged(self._score(walk))
+            # 2 and 3. Replay post-order: K siblings under autograd against resident KV (G accumulates on
+            # every ancestor); a unit with children closes with <KV, G> in its own step.
+            for i, step in enumerate(walk.steps):
+                if retention is not None:
+                    retention.before(step)
                 self._label = f"step {i}"
                 self._mark(self._label)
-                report = report.merged(self._run_step(units, paths, step, old_lp, ref_lp))
+                report = report.merged(self._replay(walk, step))
         finally:
-            self._kept.clear()
-            for u in range(len(units)):
-                self.store.release(paths.key(u))
-            if ref_walk is not None:
-                ref_walk.paths.store.clear()
-            evicted = self.retention.end_tree() if self.retention is not None else 0
+            walk.graphs.clear()
+            for u in range(len(walk.units)):
+                self.store.release(walk.paths.key(u))
+            if walk.reference is not None:
+                walk.reference.paths.store.clear()
+            evicted = retention.end_tree() if retention is not None else 0
+        paths = walk.paths
         return report.merged(
             ReplayReport(
                 nograd_tokens=paths.recomputed_tokens,
                 recomputed_units=paths.recomputed_units,
                 restored_units=paths.restored_units,
                 evicted_units=evicted,
-                kept_graphs=len(kept),
-                graph_tokens=sum(len(units[u].input_tokens) for u in kept),
+                kept_graphs=len(walk.kept),
+                graph_tokens=sum(len(walk.units[u].input_tokens) for u in walk.kept),
             )
         )
 
-    def _before_score(self, batch: ScoreBatch) -> None:
-        if self.retention is not None:
-            self.retention.before(batch)
-        self._mark(f"score {batch.parent}:{batch.units[0]}")
+    def _walk(self, work: TreeWork) -> TreeWalk:
+        walk = TreeWalk.build(work, self.cfg, self.plan.keep_graph, skip_inert=self._skip_inert)
+        walk.paths = PathKV(
+            self.model, walk.units, self.store, self.identity, self.device,
+            produce=partial(self._first_forward, walk) if walk.kept else None,
+        )  # fmt: skip
+        return walk
 
-    def _kept_units(self, units: UnitTree, active: Sequence[bool]) -> frozenset[int]:
-        if self.keep_graph is None or self.cfg.contract != "exact":
-            return frozenset()
-        chosen = self.keep_graph(units)
-        return frozenset(u for u in chosen if 0 < u < len(units) and units[u].children and active[u])
+    @property
+    def _skip_inert(self) -> bool:
+        return self.cfg.skip_inert and self.loss_cfg.zero_advantage_is_inert
 
-    def _first_forward(
-        self, units: UnitTree, paths: PathKV, u: int, kept: frozenset[int], old_lp: list[torch.Tensor | None]
-    ) -> bool:
-        """Produce a kept unit's KV by its graph forward, the first time anything needs it."""
-        if u not in kept or u in self._kept:
-            return False
-        with torch.enable_grad():
-            graph = self._forward(units, paths, units[u].parent or 0, [units[u]])
-        kv = [(k.detach().clone(), v.detach().clone()) for k, v in own_kv(units[u], graph.out, 0)]
-        self.store.put(paths.key(u), kv, self.identity)
-        old_lp[u] = graph.logp.detach()
-        self._kept[u] = graph
-        return True
+    def _score_events(self, walk: TreeWalk) -> tuple[ScoreEvent, ...]:
+        if self.loss_cfg.ratio_source != "scoring":
+            return ()
+        return scoring_schedule(walk.units, walk.scored, self.cfg.score_microbatch)
 
-    @staticmethod
-    def _needs_kv(units: UnitTree, steps: Sequence[ReplayStep]) -> list[bool]:
-        need = [False] * len(units)
-        for s in steps:
-            for u in units.path(s.parent):
-                need[u] = True
-        return need
+    # ----- step 1: score ----------------------------------------------------------------------------
+    def _score(self, walk: TreeWalk) -> ReplayReport:
+        """Old logprobs (with a scoring pass), reference logprobs (with KL) and the resident KV of internal
+        units, all without a graph. Without a scoring pass, KV is computed lazily when a step first needs it."""
+        lcfg, cfg = self.loss_cfg, self.cfg
+        report = ReplayReport()
+        ref_walk = None
+        if fused_reference(lcfg, cfg, self.ref_model):
+            assert self.ref_model is not None
+            ref_walk = walk.reference = fused_reference_walk(
+                self.ref_model, walk.units, self._reference_view()
+            )
+        if lcfg.ratio_source == "scoring":
+            lps, n_tok = scoring_pass(
+                self.model, walk.paths, microbatch=cfg.score_microbatch, need=walk.scored,
+                keep=lambda u: walk.needs_kv[u], max_logit_elements=cfg.max_logit_elements,
+                before_batch=self._before_score, forward_elsewhere=lambda u: u in walk.kept,
+                reference=ref_walk,
+            )  # fmt: skip
+            walk.old_lp = [old if old is not None else lp for old, lp in zip(walk.old_lp, lps)]
+            report = report.merged(ReplayReport(nograd_tokens=n_tok))
+        if ref_walk is not None:
+            walk.ref_lp = ref_walk.logps
+            report = report.merged(ReplayReport(nograd_tokens=ref_walk.tokens))
+        elif lcfg.needs_reference:
+            assert self.ref_model is not None
+            walk.ref_lp, n_tok = separate_reference_logprobs(
+                self.ref_model, walk.units, self._reference_view()
+            )
+            report = report.merged(ReplayReport(nograd_tokens=n_tok, reference_walks=1))
+        else:
+            walk.ref_lp = [None] * len(walk.units)
+        return report
 
-    def _reference_walk(self, units: UnitTree) -> ReferenceWalk:
-        """The reference's half of a fused scoring walk: its own store, under the identity the model has
-        inside `adapters_disabled`, so its KV is never the policy's and the policy's never its."""
-        assert self.ref_model is not None
-        ref_model = self.ref_model
-        with adapters_disabled(ref_model) as ref:
-            ref_identity = ResidentIdentity.of(ref, tokenizer=self.identity.tokenizer)
-        store = ResidentStore(ref_identity)
-        if self.tracker is not None:
-            self.tracker.attach_store(store)
-        return ReferenceWalk(
-            PathKV(ref, units, store, ref_identity, self.device),
-            enter=lambda: adapters_disabled(ref_model),
-            before_batch=lambda b: self._mark(f"reference {b.parent}:{b.units[0]}"),
+    def _reference_view(self) -> ReferenceView:
+        return ReferenceView(
+            self.identity.tokenizer,
+            self.device,
+            self.cfg.score_microbatch,
+            self.cfg.max_logit_elements,
+            self.plan.tracker,
+            lambda b: self._mark(f"reference {b.parent}:{b.units[0]}"),
         )
 
-    def _reference_logprobs(self, units: UnitTree) -> tuple[list[torch.Tensor | None], int]:
-        """The reference's logprobs, in its own store. With `AdaptersOff` the policy itself runs with its
-        adapters disabled; the identity then says adapters 'off', so this KV is never the policy's."""
-        assert self.ref_model is not None
-        with adapters_disabled(self.ref_model) as ref:
-            ref_identity = ResidentIdentity.of(ref, tokenizer=self.identity.tokenizer)
-            store = ResidentStore(ref_identity)
-            if self.tracker is not None:
-                self.tracker.attach_store(store)
-            paths = PathKV(ref, units, store, ref_identity, self.device)
-            lps, n_tok = scoring_pass(
-                ref, paths, microbatch=self.cfg.score_microbatch, need=reference_need(units),
-                keep=lambda u: False, max_logit_elements=self.cfg.max_logit_elements,
-                before_batch=lambda b: self._mark(f"reference {b.parent}:{b.units[0]}"),
-            )  # fmt: skip
-            store.clear()
-        return lps, n_tok
+    def _before_score(self, batch: ScoreBatch) -> None:
+        if self.plan.retention is not None:
+            self.plan.retention.before(batch)
+        self._mark(f"score {batch.parent}:{batch.units[0]}")
 
-    # ----- one step ---------------------------------------------------------------------------------
-    def _run_step(
-        self,
-        units: UnitTree,
-        paths: PathKV,
-        step: ReplayStep,
-        old_lp: Sequence[torch.Tensor | None],
-        ref_lp: Sequence[torch.Tensor | None],
-    ) -> ReplayReport:
+    def _first_forward(self, walk: TreeWalk, u: int) -> bool:
+        """Produce a kept unit's KV by its graph forward, the first time anything needs it."""
+        if u not in walk.kept or u in walk.graphs:
+            return False
+        units = walk.units
+        with torch.enable_grad():
+            graph = self._forward(walk, units[u].parent or 0, [units[u]])
+        kv = [(k.detach().clone(), v.detach().clone()) for k, v in own_kv(units[u], graph.out, 0)]
+        self.store.put(walk.paths.key(u), kv, self.identity)
+        walk.old_lp[u] = graph.logp.detach()
+        walk.graphs[u] = graph
+        return True
+
+    # ----- step 2: replay ---------------------------------------------------------------------------
+    def _replay(self, walk: TreeWalk, step: ReplayStep) -> ReplayReport:
         """Run a step; an out-of-memory error before backward splits it in two and retries each half.
 
         Before backward nothing has been accumulated, so a retry cannot double count. A failure once
@@ -345,23 +304,22 @@ class TreeReplay:
         only the caller can reset the update window.
         """
         try:
-            return self._step(units, paths, step, old_lp, ref_lp)
+            return self._step(walk, step)
         except torch.OutOfMemoryError:
             if len(step.units) == 1:
                 raise
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             half = len(step.units) // 2
-            first = ReplayStep(step.parent, step.units[:half])
-            second = ReplayStep(step.parent, step.units[half:])
-            report = self._run_step(units, paths, first, old_lp, ref_lp)
-            report = report.merged(self._run_step(units, paths, second, old_lp, ref_lp))
+            report = self._replay(walk, ReplayStep(step.parent, step.units[:half]))
+            report = report.merged(self._replay(walk, ReplayStep(step.parent, step.units[half:])))
             return report.merged(ReplayReport(oom_splits=1))
 
-    def _forward(self, units: UnitTree, paths: PathKV, parent: int, batch_units: list[Unit]) -> _Graph:
+    def _forward(self, walk: TreeWalk, parent: int, batch_units: list[Unit]) -> StepGraph:
         """Forward sibling units under autograd against their parent's path, read in place; in `exact` the
         backward adds dL/dKV of every path piece, summed over the rows, into that piece's G accumulator."""
-        path = units.path(parent)
+        paths = walk.paths
+        path = walk.units.path(parent)
         pieces = paths.pieces(parent) if path else []
         grads = None
         if self.cfg.contract == "exact":
@@ -372,48 +330,17 @@ class TreeReplay:
             self.model, out.hidden, gathered, with_entropy=self.loss_cfg.needs_entropy,
             max_logit_elements=self.cfg.max_logit_elements,
         )  # fmt: skip
-        return _Graph(batch_units, path, padded, out, gathered, logp, entropy)
+        return StepGraph(batch_units, path, padded, out, gathered, logp, entropy)
 
-    def _loss(
-        self,
-        paths: PathKV,
-        graph: _Graph,
-        old_lp: Sequence[torch.Tensor | None],
-        ref_lp: Sequence[torch.Tensor | None],
-    ) -> tuple[LossTerms, torch.Tensor]:
-        """The graph's RL loss terms, and the scalar to backpropagate (plus <KV, G> in `exact` mode)."""
-        lcfg, logp, batch_units = self.loss_cfg, graph.logp, graph.units
-        given = graph.gathered.contributions
-        old = self._old_logprobs(given, batch_units, old_lp, logp)
-        ref = self._cat([ref_lp[u.index] for u in batch_units], logp) if lcfg.needs_reference else None
-        contrib = Contributions(given.target, given.coef, given.advantage, old)
-        terms = objective(lcfg, logp, contrib, entropy=graph.entropy, ref_logprob=ref)
-        total = terms.loss
-        if self.cfg.contract == "exact":
-            for row, unit in enumerate(batch_units):
-                grad = self.store.grad(paths.key(unit.index), self.identity) if unit.children else None
-                if grad is None:
-                    continue
-                for (k_new, v_new), (gk, gv) in zip(own_kv(unit, graph.out, row), grad):
-                    total = total + (k_new * gk).sum() + (v_new * gv).sum()
-        return terms, total
-
-    def _step(
-        self,
-        units: UnitTree,
-        paths: PathKV,
-        step: ReplayStep,
-        old_lp: Sequence[torch.Tensor | None],
-        ref_lp: Sequence[torch.Tensor | None],
-    ) -> ReplayReport:
-        fresh = [units[u] for u in step.units if u not in self._kept]
+    def _step(self, walk: TreeWalk, step: ReplayStep) -> ReplayReport:
+        fresh = [walk.units[u] for u in step.units if u not in walk.graphs]
         self.widest_step = max(self.widest_step, len(step.units))
         if self.step_hook is not None:
             self.step_hook("forward", step)
-        graphs = [self._kept[u] for u in step.units if u in self._kept]
+        graphs = [walk.graphs[u] for u in step.units if u in walk.graphs]
         if fresh:
-            graphs.insert(0, self._forward(units, paths, step.parent, fresh))
-        parts = [self._loss(paths, g, old_lp, ref_lp) for g in graphs]
+            graphs.insert(0, self._forward(walk, step.parent, fresh))
+        parts = [self._loss(walk, g) for g in graphs]
         total = parts[0][1]
         for _, t in parts[1:]:
             total = total + t
@@ -427,8 +354,8 @@ class TreeReplay:
         except Exception as exc:
             raise BackwardFailed(f"backward of step {step} failed; the update window must be reset") from exc
         for u in step.units:
-            self._kept.pop(u, None)
-            self.store.release(paths.key(u))
+            walk.graphs.pop(u, None)
+            self.store.release(walk.paths.key(u))
         losses = [t for t, _ in parts]
         return ReplayReport(
             loss=sum(float(t.loss.detach()) for t in losses),
@@ -440,10 +367,35 @@ class TreeReplay:
             steps=1,
         )
 
+    def _loss(self, walk: TreeWalk, graph: StepGraph) -> tuple[LossTerms, torch.Tensor]:
+        """The graph's RL loss terms, and the scalar to backpropagate (plus <KV, G> in `exact` mode)."""
+        lcfg, logp, batch_units = self.loss_cfg, graph.logp, graph.units
+        given = graph.gathered.contributions
+        old = self._old_logprobs(given, batch_units, walk.old_lp, logp)
+        ref = self._cat([walk.ref_lp[u.index] for u in batch_units], logp) if lcfg.needs_reference else None
+        contrib = Contributions(given.target, given.coef, given.advantage, old)
+        terms = objective(lcfg, logp, contrib, entropy=graph.entropy, ref_logprob=ref)
+        total = terms.loss
+        if self.cfg.contract == "exact":
+            total = self._close(walk, graph, total)
+        return terms, total
+
+    # ----- step 3: close ----------------------------------------------------------------------------
+    def _close(self, walk: TreeWalk, graph: StepGraph, total: torch.Tensor) -> torch.Tensor:
+        """`total` plus <KV_unit, G_unit> for each of the graph's units with children: its backward pushes
+        the gradient the unit's descendants deposited on its KV (G) through the unit's own recompute."""
+        for row, unit in enumerate(graph.units):
+            grad = self.store.grad(walk.paths.key(unit.index), self.identity) if unit.children else None
+            if grad is None:
+                continue
+            for (k_new, v_new), (gk, gv) in zip(own_kv(unit, graph.out, row), grad):
+                total = total + (k_new * gk).sum() + (v_new * gv).sum()
+        return total
+
     def _old_logprobs(
         self,
         contrib: Contributions,
-        batch_units: Sequence,
+        batch_units: Sequence[Unit],
         old_lp: Sequence[torch.Tensor | None],
         logp: torch.Tensor,
     ) -> torch.Tensor:

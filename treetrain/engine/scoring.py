@@ -47,17 +47,16 @@ class PathKV:
         store: ResidentStore,
         identity: ResidentIdentity,
         device: torch.device,
-        on_recompute: Callable[[int, int], None] | None = None,
+        produce: Callable[[int], bool] | None = None,
     ) -> None:
         self.model = model
         self.units = units
         self.store = store
         self.identity = identity
         self.device = device
-        self.on_recompute = on_recompute
-        self.first_forward: Callable[[int], bool] | None = None
+        self.produce = produce
         """Called for a missing unit before recomputing it; returns True if it produced the KV itself
-        (the engine's kept-graph forward does)."""
+        (the engine's kept-graph forward does: a kept unit's KV comes from its graph forward)."""
         self.recomputed_units = 0
         self.recomputed_tokens = 0
         self.restored_units = 0
@@ -77,7 +76,7 @@ class PathKV:
             if self.store.has_host(self.key(u)):
                 self.store.restore(self.key(u), self.identity, self.device)
                 self.restored_units += 1
-            elif self.first_forward is None or not self.first_forward(u):
+            elif self.produce is None or not self.produce(u):
                 self._recompute(u)
         return [self.store.get(self.key(u), self.identity) for u in path]
 
@@ -96,8 +95,6 @@ class PathKV:
         self.store.put(self.key(unit), kv, self.identity)
         self.recomputed_units += 1
         self.recomputed_tokens += len(self.units[unit])
-        if self.on_recompute is not None:
-            self.on_recompute(unit, len(self.units[unit]))
 
     def past_for_children(self, unit: int) -> SharedPast | None:
         """The past that `unit`'s children run against (None under the empty root)."""

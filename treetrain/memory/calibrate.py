@@ -49,6 +49,7 @@ from transformers import PreTrainedModel
 
 from treetrain.engine.batch import ReplayConfig, UpdateBatch
 from treetrain.engine.replay import TreeReplay
+from treetrain.engine.replay_plan import ReplayPlan
 from treetrain.engine.schedule import Contract
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
 from treetrain.loss.loss_config import LossConfig
@@ -58,6 +59,7 @@ from treetrain.memory.fit import Affine, MaxAffine, fit_affine, fit_max_affine
 from treetrain.memory.persistent import kv_bytes_per_token
 from treetrain.memory.tracker import MeasuredSegment, MemoryTracker
 from treetrain.models.logprobs import DEFAULT_MAX_LOGIT_ELEMENTS
+from treetrain.models.support import SupportGate
 from treetrain.trajectory import Call, Role, Segment, Trajectory
 from treetrain.tree.build import build_tree
 from treetrain.tree.model import TrajectoryTree
@@ -317,7 +319,9 @@ def measure(
                 max_logit_elements=max_logit_elements,
             )
             tracker = MemoryTracker(next(model.parameters()).device)
-            engine = TreeReplay(model, loss, cfg, tracker=tracker, check_model=False)
+            engine = TreeReplay(
+                model, loss, ReplayPlan(config=cfg, tracker=tracker), support=SupportGate(trusting=True)
+            )
             engine.accumulate(batch)
             tracker.detach()
             segs = _segments(tracker)

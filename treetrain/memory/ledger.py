@@ -29,7 +29,7 @@ from transformers import PreTrainedModel
 from treetrain.bytesize import format_bytes
 from treetrain.engine.batch import ReplayConfig, UpdateBatch
 from treetrain.engine.protocols import KeepGraph
-from treetrain.engine.replay import fused_reference
+from treetrain.engine.reference import fused_reference
 from treetrain.engine.scoring import ScoreBatch, ScoreDone
 from treetrain.lifetime import CLASSES, ClassBytes
 from treetrain.loss.loss_config import LossConfig

@@ -35,8 +35,9 @@ from transformers import PreTrainedModel
 
 from treetrain.bytesize import format_bytes
 from treetrain.engine.batch import ReplayConfig, UpdateBatch
-from treetrain.engine.protocols import KeepGraph
-from treetrain.engine.replay import fused_reference
+from treetrain.engine.protocols import MemoryProbe
+from treetrain.engine.reference import fused_reference
+from treetrain.engine.replay_plan import ReplayPlan
 from treetrain.engine.schedule import Contract
 from treetrain.engine.units import UnitTree
 from treetrain.loss.loss_config import LossConfig
@@ -51,7 +52,7 @@ from treetrain.memory.plan_search import (
     search_flat,
     search_tree,
 )
-from treetrain.memory.retention import BudgetTooSmallError
+from treetrain.memory.retention import BudgetTooSmallError, RetentionPolicy
 from treetrain.models.attention import shared_past_reason
 from treetrain.models.lora import Reference
 
@@ -151,14 +152,15 @@ class Plan:
             reference_walk=self.reference_walk,
         )
 
-    def keep_graph_fn(self) -> KeepGraph:
-        """The engine's `keep_graph` argument for this plan."""
-        chosen = self.keep_graph
-
-        def keep(units: UnitTree) -> frozenset[int]:
-            return frozenset(u for t, u in chosen if t == units.tree.id)
-
-        return keep
+    def replay(self, base: ReplayConfig | None = None, tracker: MemoryProbe | None = None) -> ReplayPlan:
+        """This plan as the engine runs it: mode, K, chunking and reference walk, a fresh retention policy
+        for the budget, and the kept graphs. `tracker`, if given, measures the replay."""
+        config = self.replay_config(base)
+        if self.mode == "flat":
+            return ReplayPlan("flat", replace(config, microbatch=max(1, self.microbatch)), tracker=tracker)
+        retention = RetentionPolicy(self.retention) if self.retention is not None else None
+        keep = KeptGraphs(self.keep_graph) if self.keep_graph else None
+        return ReplayPlan("tree", config, retention, keep, tracker)
 
     def explain(self) -> str:
         t, f = self.tree, self.flat
@@ -183,6 +185,16 @@ class Plan:
         if self.attention:
             lines.append(f"  attention against resident KV: {self.attention}")
         return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class KeptGraphs:
+    """The engine's `keep_graph` for a plan: the chosen (tree id, unit) pairs, looked up per tree."""
+
+    chosen: frozenset[tuple[str, int]]
+
+    def __call__(self, units: UnitTree) -> frozenset[int]:
+        return frozenset(u for t, u in self.chosen if t == units.tree.id)
 
 
 def _lower(a: Candidate | None, b: Candidate | None) -> bool:

@@ -250,7 +250,7 @@ class RetentionPolicy:
 
     Example:
         >>> policy = RetentionPolicy(budget=64 << 20)                                   # doctest: +SKIP
-        >>> TreeReplay(model, LossConfig(), ReplayConfig(), retention=policy)          # doctest: +SKIP
+        >>> TreeReplay(model, LossConfig(), ReplayPlan(retention=policy))          # doctest: +SKIP
     """
 
     def __init__(self, budget: int | None, *, host_tier: bool = False) -> None:

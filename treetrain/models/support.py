@@ -282,10 +282,14 @@ class SupportGate:
     the general probe runs the first time, the window probe the first time sequences run past the window.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, trusting: bool = False) -> None:
         self._checked: dict[int, int] = {}
+        self.trusting = trusting
+        """Check nothing: for callers that run a model already checked (calibration, benchmarks)."""
 
     def require(self, model: PreTrainedModel, max_sequence_length: int) -> None:
+        if self.trusting:
+            return
         key = id(model)
         before = self._checked.get(key)
         if before is not None and before >= max_sequence_length:

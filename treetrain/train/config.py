@@ -21,13 +21,12 @@ from typing import Any, Literal
 import yaml
 
 from treetrain.distributed.backend import OptimizerConfig
-from treetrain.engine.schedule import Contract
 from treetrain.loss.advantages import AdvantageConfig
 from treetrain.loss.loss_config import ConfigError, LossConfig
-from treetrain.models.logprobs import DEFAULT_MAX_LOGIT_ELEMENTS
 from treetrain.models.lora import LoraSection
 from treetrain.train.config_file import read_config_file
 from treetrain.train.typed import apply_override, from_dict, to_dict
+from treetrain.update.settings import ReplaySection
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 SEED_LIMIT = 2**32
@@ -174,49 +173,6 @@ class RolloutSection:
             raise ConfigError(f"rollout.temperature: must be > 0 for RL sampling, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"rollout.top_p: must be in (0, 1], got {self.top_p}")
-
-
-@dataclass(frozen=True)
-class ReplaySection:
-    """How each update is replayed. Fields left null are chosen per update by the planner (`treetrain plan`)."""
-
-    contract: Contract = "exact"
-    """exact: the same gradient as flat; response_only: resident KV detached (cheaper, biased; see docs/design.md)."""
-    microbatch: int | None = None
-    """K, sibling branches replayed together (0 = all); null: the planner chooses."""
-    chunk_size: int | None = None
-    """Split nodes longer than this into chains (0 = never split); null: the planner chooses."""
-    retention: str | None = None
-    """Byte budget for resident state ('256MiB') or 'unbounded'; null: the planner chooses within memory_budget."""
-    keep_graphs: Literal["none", "all", "auto"] | None = None
-    """exact mode: keep internal nodes' first-forward graphs instead of recomputing; null: the planner chooses."""
-    min_speedup: float = 1.25
-    """mode=auto picks tree only when its token-ceiling speedup over flat is at least this (or only tree fits)."""
-    score_microbatch: int = 0
-    """Sibling units per no-grad scoring forward (0 = all)."""
-    skip_inert: bool = True
-    """Skip branches whose advantages are all zero when no KL or entropy term is on (no gradient at all)."""
-    max_logit_elements: int = DEFAULT_MAX_LOGIT_ELEMENTS
-    """Largest logits chunk (rows x vocabulary) materialized at once."""
-
-    def __post_init__(self) -> None:
-        if self.contract not in ("exact", "response_only"):
-            raise ConfigError(f"replay.contract: must be 'exact' or 'response_only', got {self.contract!r}")
-        for name in ("microbatch", "chunk_size"):
-            value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ConfigError(f"replay.{name}: must be >= 0 or null, got {value}")
-        if self.retention is not None and self.retention != "unbounded":
-            from treetrain.bytesize import parse_bytes
-
-            try:
-                parse_bytes(self.retention)
-            except ValueError as exc:
-                raise ConfigError(f"replay.retention: {exc}") from exc
-        if not self.min_speedup > 0:
-            raise ConfigError(f"replay.min_speedup: must be > 0, got {self.min_speedup}")
-        if self.score_microbatch < 0 or self.max_logit_elements < 1:
-            raise ConfigError("replay.score_microbatch must be >= 0 and replay.max_logit_elements >= 1")
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 One update is one optimizer step over one update window. Each tree is one advantage group (one task's
 rollouts); groups with zero reward variance are dropped before the manifest is built, so they never dilute
-a denominator. The exactly-once window (`treetrain.distributed.window`) builds the manifest, replays,
+a denominator. The update itself (`treetrain.update.run.run_update`) builds the manifest, plans, replays,
 retries what failed, and steps only when every contribution is counted once; then the model version
 advances and every resident tensor of the old version becomes unreadable.
 
@@ -17,7 +17,6 @@ import logging
 import os
 import random
 import time
-from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -30,12 +29,9 @@ from tqdm.auto import tqdm
 from envs.protocol import ProtocolError, default_rubric
 from envs.registry import make_env, resolve
 from treetrain.distributed.backend import TrainBackend, make_backend
-from treetrain.distributed.window import UpdateWindow
-from treetrain.distributed.window_types import Group, WindowConfig
 from treetrain.engine import ReplayReport
 from treetrain.engine.resident import ResidentIdentity, ResidentStore
 from treetrain.io import atomic_write_text
-from treetrain.loss.advantages import compute_advantages
 from treetrain.loss.loss_config import ConfigError
 from treetrain.memory.planner import Plan
 from treetrain.memory.tracker import MemoryTracker
@@ -43,7 +39,6 @@ from treetrain.stall import stall
 from treetrain.train.config import EnvSection, TrainConfig, dump_config
 from treetrain.train.metrics import MetricsWriter, UpdateMetrics, read_metrics
 from treetrain.train.models import export_merged, load_models
-from treetrain.train.planning import plan_for
 from treetrain.train.progress import Progress
 from treetrain.train.rundir import RunLock, claim_run_dir, remove_run_artifacts
 from treetrain.train.summary import RunSummary, plot_rewards
@@ -56,8 +51,9 @@ from treetrain.train.tree_sources import (
     check_template,
     config_context,
 )
-from treetrain.tree import TrajectoryTree
 from treetrain.tree.stats import tree_stats
+from treetrain.update.run import run_update
+from treetrain.update.window import UpdateWindow
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +168,9 @@ class Trainer:
             else:
                 self.state = found[0]
                 self.identity = replace(self.identity, model_version=self.state.version)
-        self.store = ResidentStore(self.identity)
+        self.window = UpdateWindow(
+            self.backend, cfg.loss, store=ResidentStore(self.identity), ref_model=self.reference
+        )
         self.device = next(self.backend.module.parameters()).device
         self.last_plan: Plan | None = None
         self.source = recorded[0] if recorded else RolloutSource(cfg, self.tokenizer, make, self.backend)
@@ -188,68 +186,31 @@ class Trainer:
         )
 
     # ----- one update -------------------------------------------------------------------------------
-    def _groups(self, produced: Sequence[tuple[TrajectoryTree, ...]]) -> tuple[list[Group], int]:
-        """The update's advantage groups; zero-variance groups dropped when configured (never diluting)."""
-        groups, dropped = [], 0
-        for trees in produced:
-            adv = compute_advantages(list(trees), self.cfg.advantages)
-            if adv.zero_variance and self.cfg.advantages.zero_variance == "drop":
-                dropped += 1
-                continue
-            groups.append(Group(tuple(trees), adv.trees))
-        return groups, dropped
-
     def learning_rate(self, index: int) -> float:
         warm = self.cfg.lr_warmup_updates
         return self.cfg.optim.lr * (min(1.0, (index + 1) / warm) if warm else 1.0)
 
     def update(self, index: int) -> UpdateMetrics:
+        """Roll out, run one update (`treetrain.update.run.run_update`), and say what it did."""
         cfg = self.cfg
         produced = self.source(self.backend.module, index, self.state.version)
         trees = produced.trees
         rewards = [r.reward for t in trees for r in t.records]
-        groups, zero_var = self._groups(produced.groups)
-        kept = [t for g in groups for t in g.trees]
+        every = cfg.measure_memory_every
+        tracker = MemoryTracker(self.device) if every and index % every == 0 else None
+        self.backend.set_learning_rate(self.learning_rate(index))
         start = time.perf_counter()
-        dropped, report, plan = 0, ReplayReport(), None
-        balance: tuple[int, ...] = ()
-        if groups:
-            with self.backend.scratch():  # planning may calibrate with real backward passes
-                plan = plan_for(
-                    cfg,
-                    kept,
-                    [a for g in groups for a in g.advantages],
-                    self.state.version,
-                    self.backend.module,
-                    self.reference,
-                    self.backend.world_size,
-                    zero_stage=self.backend.zero_stage,
-                    offload_optimizer=self.backend.offload_optimizer,
-                )
-            self.last_plan = plan.plan
-            every = cfg.measure_memory_every
-            tracker = MemoryTracker(self.device) if every and index % every == 0 else None
-            self.backend.set_learning_rate(self.learning_rate(index))
-            window = UpdateWindow(
-                self.backend,
-                cfg.loss,
-                plan.replay,
-                WindowConfig(mode=plan.plan.mode, flat_microbatch=max(1, plan.plan.microbatch)),
-                identity=self.identity,
-                store=self.store,
-                ref_model=self.reference,
-                retention=plan.retention,
-                keep_graph=plan.keep_graph,
-                tracker=tracker,
-            )
-            result = window.run(groups)
-            self.identity = window.identity
-            dropped, report = len(result.dropped), result.local
-            balance = result.rank_tokens
+        outcome = run_update(self.window, cfg, produced.groups, tracker=tracker)
+        plan, result = outcome.plan, outcome.report
+        if plan is not None:
+            self.last_plan = plan
         else:
             log.warning("update %d: every group had zero reward variance; no optimizer step", index)
+        report = result.local if result is not None else ReplayReport()
+        kept = [t for g in outcome.groups for t in g.trees]
+        balance = result.rank_tokens if result is not None else ()
         train_seconds = time.perf_counter() - start
-        self.state = TrainerState(update=index + 1, version=self.identity.model_version)
+        self.state = TrainerState(update=index + 1, version=self.window.version)
         flat_cost = sum(tree_stats(t).cost_flat(scoring=cfg.loss.ratio_source == "scoring") for t in kept)
         return UpdateMetrics(
             update=index,
@@ -258,7 +219,7 @@ class Trainer:
             reward_std=float(np.std(rewards)) if rewards else 0.0,
             trajectories=len(rewards),
             groups=len(trees),
-            groups_dropped=zero_var + dropped,
+            groups_dropped=outcome.zero_variance + (len(result.dropped) if result is not None else 0),
             loss=report.loss,
             pg=report.pg,
             kl=report.kl,
@@ -273,7 +234,7 @@ class Trainer:
             rollout_seconds=produced.seconds,
             train_seconds=train_seconds,
             peak_bytes=report.measured_peak.dynamic if report.measured_peak else 0,
-            predicted_peak_bytes=plan.predicted_dynamic_bytes if plan and report.measured_peak else 0,
+            predicted_peak_bytes=int(plan.ledger.peak.dynamic) if plan and report.measured_peak else 0,
             replay_tokens_max=max(balance, default=0),
             replay_tokens_mean=sum(balance) / len(balance) if balance else 0.0,
         )

@@ -4,36 +4,25 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 from treetrain.engine import ReplayReport
 from treetrain.loss.advantages import AdvantageConfig, TreeAdvantages, compute_advantages
 from treetrain.loss.loss_config import ConfigError
 from treetrain.tree.model import TrajectoryTree
 
-Mode = Literal["tree", "flat"]
-
 
 @dataclass(frozen=True)
 class WindowConfig:
-    """Fault handling and the gradient path of an update window."""
+    """Fault handling of an update window."""
 
-    mode: Mode = "tree"
-    """tree: the replay engine (contract from ReplayConfig); flat: the conventional per-call reference."""
     tree_attempts: int = 3
     """Tries of one tree that fails before any backward, before its group is marked failed."""
     window_attempts: int = 3
     """Window resets caused by one group's failing backward, before that group is marked failed."""
-    flat_microbatch: int = 1
-    """Calls per forward/backward in flat mode."""
 
     def __post_init__(self) -> None:
-        if self.mode not in ("tree", "flat"):
-            raise ConfigError(f"window.mode must be 'tree' or 'flat', got {self.mode!r}")
-        if self.tree_attempts < 1 or self.window_attempts < 1 or self.flat_microbatch < 1:
-            raise ConfigError(
-                "window.tree_attempts, window.window_attempts and window.flat_microbatch must be >= 1"
-            )
+        if self.tree_attempts < 1 or self.window_attempts < 1:
+            raise ConfigError("window.tree_attempts and window.window_attempts must be >= 1")
 
 
 @dataclass(frozen=True)

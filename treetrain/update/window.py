@@ -1,13 +1,14 @@
 """The update window: one optimizer step whose manifest is covered exactly once, on any number of ranks.
 
-    window = UpdateWindow(backend, LossConfig(), ReplayConfig())
-    report = window.run(groups)          # open -> replay_all -> commit
+    window = UpdateWindow(backend, LossConfig())
+    report = window.run(groups, plan=ReplayConfig())     # open -> replay_all -> commit
 
-`open` builds the manifest (normalization) and the placement from every rank's identical input, and all
-ranks agree on the resident identity (model version included), the manifest digest and the placement
-digest before any compute. `replay(tree_id)` runs one tree's share on this rank through the tree engine
-(or the flat reference), claiming its `ContributionKey`s in a `CoverageLedger` first, so a duplicate
-request is refused instead of counted twice. Faults (only the transient kinds, see `is_transient`:
+`treetrain.update.run.run_update` drives it for the trainer, one step at a time. `open` takes the
+manifest and batch built once for the update (or builds them) and the placement, and all ranks agree on
+the resident identity (model version included), the manifest digest and the placement digest before any
+compute. `replay(tree_id)` runs one tree's share on this rank through the tree engine (or the flat
+reference), claiming its `ContributionKey`s in `CoverageClaims` first, so a duplicate request is refused
+instead of counted twice. Faults (only the transient kinds, see `treetrain.update.faults.is_transient`:
 `RuntimeError` including out-of-memory and `BackwardFailed`, and `OSError`):
 
 - an error that will not go away on a retry (`ValueError`, `TypeError`, `IndexError`, `KeyError`,
@@ -23,8 +24,9 @@ request is refused instead of counted twice. Faults (only the transient kinds, s
   it (so normalization excludes it), every rank resets and replays, and the group is never trained on
   in part.
 
-`commit` replays anything still missing, then checks, collectively, the identity, the manifest digest and
-the coverage (every key exactly once over all ranks) and only then lets the backend step. Afterwards the
+`commit` is `settle` (replay anything still missing, drop failed groups), `check` (collectively: the
+identity, the manifest digest and the coverage, every key exactly once over all ranks) and `step` (the
+backend's optimizer step, then the next model version). Afterwards the
 model version is bumped and resident state invalidated: reading it again raises
 `StaleResidentStateError`. The version counts committed windows, so it is bumped also when the backend
 skipped the update (`WindowReport.step_applied` is False: DeepSpeed may skip a step on overflow): the weights did
@@ -43,108 +45,70 @@ import torch
 
 from treetrain.distributed.backend import TrainBackend
 from treetrain.distributed.coverage import (
-    CoverageLedger,
+    CoverageClaims,
     check_coverage,
     decode_keys,
     encode_keys,
     explain_mismatch,
 )
 from treetrain.distributed.placement import Placement, place
-from treetrain.distributed.window_types import DroppedGroup, Group, WindowConfig, WindowReport
 from treetrain.engine import (
     BackwardFailed,
     FlatReference,
     ReplayConfig,
+    ReplayPlan,
     ReplayReport,
     TreeReplay,
     UpdateBatch,
 )
 from treetrain.engine.batch import TreeWork
-from treetrain.engine.protocols import KeepGraph, MemoryProbe, RetentionHook
-from treetrain.engine.resident import ResidentIdentity, ResidentStore, StaleResidentStateError
+from treetrain.engine.resident import ResidentIdentity, ResidentStore
 from treetrain.engine.schedule import ReplayStep
 from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.manifest import ContributionKey, Manifest, ManifestError
-from treetrain.memory.retention import BudgetTooSmallError
 from treetrain.models.lora import Reference
-from treetrain.models.support import SupportGate, UnsupportedModelError
+from treetrain.models.support import SupportGate
+from treetrain.update.faults import is_transient
+from treetrain.update.window_types import DroppedGroup, Group, WindowConfig, WindowReport
 
-log = logging.getLogger("treetrain.distributed")
-
-TRANSIENT: tuple[type[BaseException], ...] = (RuntimeError, OSError)
-"""Faults a retry or a window reset can get past: out of memory (`torch.OutOfMemoryError` is a
-`RuntimeError`), a failed backward (`BackwardFailed`), a collective or I/O error."""
-PERMANENT: tuple[type[BaseException], ...] = (
-    ValueError, TypeError, IndexError, KeyError, NotImplementedError, StaleResidentStateError,
-    ManifestError, UnsupportedModelError, BudgetTooSmallError,
-)  # fmt: skip
-"""Bugs and bad input: a retry would fail the same way. Some are `RuntimeError`s, so this list wins."""
-
-
-def is_transient(exc: BaseException) -> bool:
-    """Whether a replay failure may be retried: a `TRANSIENT` kind that is not `PERMANENT`. A
-    `BackwardFailed` is judged by the error that made backward fail.
-
-    >>> is_transient(RuntimeError("CUDA error")), is_transient(ManifestError("bad")), is_transient(KeyError(1))
-    (True, False, False)
-    """
-    cause = exc.__cause__ if isinstance(exc, BackwardFailed) and exc.__cause__ is not None else exc
-    return isinstance(cause, TRANSIENT) and not isinstance(cause, PERMANENT)
+log = logging.getLogger("treetrain.update")
 
 
 class UpdateWindow:
     """Runs update windows over a backend, one optimizer step each (see module docstring).
 
-    The resident identity starts at `version` (with `adapter_version` and the `tokenizer` fingerprint), or
-    is given whole as `identity`, with the `store` that holds resident state under it. The window owns
-    them from then on: each commit bumps `identity` and invalidates `store`.
+    `store` holds resident state under its identity (model version, adapters, tokenizer, dtype, ...); a
+    fresh one at version 0 if omitted. The window owns it from then on: each commit bumps the identity and
+    invalidates the store. `plan` is how windows replay unless `open` is given one.
     """
 
     def __init__(
         self,
         backend: TrainBackend,
         loss: LossConfig,
-        replay: ReplayConfig | None = None,
+        plan: ReplayPlan | ReplayConfig | None = None,
         cfg: WindowConfig | None = None,
         *,
-        version: int = 0,
-        adapter_version: int = 0,
-        tokenizer: str = "",
-        identity: ResidentIdentity | None = None,
         store: ResidentStore | None = None,
         ref_model: Reference | None = None,
-        step_hook: Callable[[str, ReplayStep], None] | None = None,
-        retention: RetentionHook | None = None,
-        keep_graph: KeepGraph | None = None,
-        tracker: MemoryProbe | None = None,
     ) -> None:
         self.backend = backend
-        self.retention = retention
-        """Bounded retention of resident KV (the tree engine's `retention`)."""
-        self.keep_graph = keep_graph
-        """Which internal units keep their first forward's graph (the tree engine's `keep_graph`)."""
-        self.tracker = tracker
-        """Measures live bytes by lifetime class during replay (the tree engine's `tracker`)."""
         self.loss = loss
-        self.replay_cfg = replay or ReplayConfig()
+        self.plan = ReplayPlan.of(plan)
         self.cfg = cfg or WindowConfig()
         self.ref_model = ref_model
-        self.step_hook = step_hook
+        self.store = store if store is not None else ResidentStore(ResidentIdentity.of(backend.module))
+        self.step_hook: Callable[[str, ReplayStep], None] | None = None
         """Passed to the tree engine: called with ("forward" | "backward", step); tests inject faults here."""
-        if identity is not None and (version, adapter_version, tokenizer) != (0, 0, ""):
-            raise ValueError("give the resident identity either whole (identity=) or by its parts, not both")
-        self.identity = identity or ResidentIdentity.of(
-            backend.module, version=version, adapter_version=adapter_version, tokenizer=tokenizer
-        )
-        self.store = store if store is not None else ResidentStore(self.identity)
-        if self.store.identity != self.identity:
-            raise ValueError(
-                f"the store holds identity {self.store.identity}, the window starts at {self.identity}"
-            )
         self.support = SupportGate()
         """Remembers which models and lengths the tree engine has already checked."""
         self.active: OpenWindow | None = None
         """The window between `open` and `commit`, if any (step hooks read `active.current_tree`)."""
+
+    @property
+    def identity(self) -> ResidentIdentity:
+        """The resident identity of the current version (the store's)."""
+        return self.store.identity
 
     @property
     def version(self) -> int:
@@ -152,19 +116,40 @@ class UpdateWindow:
         skipped (see the module docstring); equal to the last `WindowReport.version`."""
         return self.identity.model_version
 
-    def open(self, groups: Sequence[Group], placement: Placement | None = None) -> OpenWindow:
-        self.active = OpenWindow(self, groups, placement)
+    def open(
+        self,
+        groups: Sequence[Group],
+        placement: Placement | None = None,
+        *,
+        plan: ReplayPlan | ReplayConfig | None = None,
+        batch: UpdateBatch | None = None,
+    ) -> OpenWindow:
+        """Open the window over `groups`. `batch` is the whole update's batch when the caller already built
+        it (for the planner) at this version; otherwise it is built here."""
+        if batch is not None and batch.manifest.version != self.version:
+            raise ManifestError(
+                f"the batch is for version {batch.manifest.version}, the window is at {self.version}"
+            )
+        self.active = OpenWindow(
+            self, groups, placement, ReplayPlan.of(plan) if plan is not None else self.plan, batch
+        )
         return self.active
 
-    def run(self, groups: Sequence[Group], placement: Placement | None = None) -> WindowReport:
-        window = self.open(groups, placement)
+    def run(
+        self,
+        groups: Sequence[Group],
+        placement: Placement | None = None,
+        *,
+        plan: ReplayPlan | ReplayConfig | None = None,
+    ) -> WindowReport:
+        """Open, replay and commit one window (`treetrain.update.run.run_update` spells the steps out)."""
+        window = self.open(groups, placement, plan=plan)
         window.replay_all()
         return window.commit()
 
     def advance(self) -> None:
         """After a commit (applied or skipped step): a new model version; all resident state is stale."""
-        self.identity = self.identity.bumped()
-        self.store.invalidate(self.identity)
+        self.store.invalidate(self.identity.bumped())
 
 
 @dataclass
@@ -177,9 +162,17 @@ class _Counters:
 class OpenWindow:
     """One update window between `UpdateWindow.open` and `commit`."""
 
-    def __init__(self, owner: UpdateWindow, groups: Sequence[Group], placement: Placement | None) -> None:
+    def __init__(
+        self,
+        owner: UpdateWindow,
+        groups: Sequence[Group],
+        placement: Placement | None,
+        plan: ReplayPlan,
+        batch: UpdateBatch | None,
+    ) -> None:
         self.owner = owner
         self.backend = owner.backend
+        self.plan = plan
         self.groups = tuple(groups)
         self.alive = set(range(len(self.groups)))
         self.dropped: list[DroppedGroup] = []
@@ -205,19 +198,25 @@ class OpenWindow:
         self.backend.agree(
             repr(owner.identity), "resident identity (model version, adapter, tokenizer, dtype, ...)"
         )
-        self._build()
+        self._build(batch)
         self.backend.begin_window()
         self.engine = self._engine()
 
     # ----- manifest, placement, local share ---------------------------------------------------------
-    def _build(self) -> None:
+    def _build(self, whole: UpdateBatch | None = None) -> None:
+        """The manifest, the placement and this rank's share, over the groups still alive. `whole` is the
+        update's batch as the caller built it; after a group is dropped it is built again without it."""
         alive = sorted(self.alive)
         if not alive:
             reasons = "; ".join(f"group {d.index}: {d.reason}" for d in self.dropped)
             raise ManifestError(f"every group of the update was dropped, nothing to train on ({reasons})")
         trees = [t for gi in alive for t in self.groups[gi].trees]
-        advantages = [a for gi in alive for a in self.groups[gi].advantages]
-        self.manifest = Manifest.build(trees, self.owner.version)
+        if whole is None:
+            advantages = [a for gi in alive for a in self.groups[gi].advantages]
+            whole = UpdateBatch.build(
+                trees, advantages, Manifest.build(trees, self.owner.version), self.owner.loss
+            )
+        self.manifest = whole.manifest
         ws = self.backend.world_size
         given = self._given_placement
         self.placement = place(trees, ws) if given is None else given.restricted_to(trees)
@@ -225,26 +224,24 @@ class OpenWindow:
             raise ValueError(f"placement is for {self.placement.world_size} ranks, the backend has {ws}")
         self.backend.agree(self.manifest.digest, "manifest digest")
         self.backend.agree(self.placement.digest, "placement")
-        batch = UpdateBatch.build(
-            trees, advantages, self.manifest, self.owner.loss, self.placement.for_rank(self.backend.rank)
-        )
+        mine = self.placement.for_rank(self.backend.rank)
+        batch = whole.restricted(dict(zip(self.placement.tree_ids, mine)))
         self.work: dict[str, TreeWork] = {w.tree.id: w for w in batch.work}
-        self.ledger = CoverageLedger(k for w in batch.work for k in self.keys(w))
+        self.claims = CoverageClaims(k for w in batch.work for k in self.keys(w))
 
     def keys(self, work: TreeWork) -> tuple[ContributionKey, ...]:
         return work.contribution_keys(self.owner.version)
 
     def _engine(self) -> TreeReplay | FlatReference:
-        o = self.owner
-        if o.cfg.mode == "flat":
+        o, plan = self.owner, self.plan
+        if plan.mode == "flat":
             return FlatReference(
-                self.backend.module, o.loss, ref_model=o.ref_model, microbatch=o.cfg.flat_microbatch,
+                self.backend.module, o.loss, ref_model=o.ref_model, microbatch=max(1, plan.config.microbatch),
                 backward=self._backward,
             )  # fmt: skip
         engine = TreeReplay(
-            self.backend.module, o.loss, o.replay_cfg, ref_model=o.ref_model, identity=o.identity,
-            store=o.store, backward=self._backward, support=o.support,
-            retention=o.retention, keep_graph=o.keep_graph, tracker=o.tracker,
+            self.backend.module, o.loss, plan, ref_model=o.ref_model, store=o.store, backward=self._backward,
+            support=o.support,
         )  # fmt: skip
         engine.step_hook = o.step_hook
         return engine
@@ -265,22 +262,22 @@ class OpenWindow:
             )
         group = self.group_of[tree_id]
         keys = self.keys(work)
-        self.ledger.claim(keys)
+        self.claims.claim(keys)
         if group in self.failures:
-            self.ledger.release(keys)
+            self.claims.release(keys)
             return
         self.current_tree = tree_id
         attempts = self.owner.cfg.tree_attempts
         for attempt in range(attempts):
             if attempt:
                 self.counters.tree_retries += 1
-                self.ledger.claim(keys)
+                self.claims.claim(keys)
             before = self.backward_calls
             try:
                 report = self.engine.accumulate(UpdateBatch((work,), self.manifest))
             except Exception as exc:
                 self.owner.store.clear()
-                self.ledger.release(keys)
+                self.claims.release(keys)
                 if not is_transient(exc):
                     if self.backward_calls != before:
                         self._discard()
@@ -294,7 +291,7 @@ class OpenWindow:
                 if attempt + 1 == attempts:
                     self._fail(group, f"tree {tree_id[:12]} failed {attempts} times before backward: {exc!r}")
                 continue
-            self.ledger.commit(keys)
+            self.claims.commit(keys)
             self.local = self.local.merged(report)
             return
 
@@ -303,12 +300,12 @@ class OpenWindow:
         while True:
             pending = [
                 tid for tid, w in self.work.items()
-                if self.group_of[tid] not in self.failures and not self.ledger.is_covered(self.keys(w))
+                if self.group_of[tid] not in self.failures and not self.claims.is_covered(self.keys(w))
             ]  # fmt: skip
             if not pending:
                 return
             for tid in pending:
-                if self.group_of[tid] not in self.failures and not self.ledger.is_covered(
+                if self.group_of[tid] not in self.failures and not self.claims.is_covered(
                     self.keys(self.work[tid])
                 ):
                     self.replay(tid)
@@ -316,7 +313,7 @@ class OpenWindow:
     def _discard(self) -> None:
         """Forget this rank's gradients and coverage (local; the trees are replayed again if needed)."""
         self.backend.reset_window()
-        self.ledger.reset()
+        self.claims.reset()
         self.local = ReplayReport()
 
     def _reset(self, group: int, reason: str) -> None:
@@ -341,7 +338,7 @@ class OpenWindow:
         k = max(1, engine.widest_step // 2)
         if engine.widest_step > 1:
             log.warning("rank %d: replaying with K = %d after running out of memory", self.backend.rank, k)
-            engine.cfg = replace(engine.cfg, microbatch=k)
+            engine.plan = replace(engine.plan, config=replace(engine.cfg, microbatch=k))
             engine.widest_step = 0
 
     def _fail(self, group: int, reason: str) -> None:
@@ -358,14 +355,21 @@ class OpenWindow:
         return failed
 
     def commit(self) -> WindowReport:
-        """Replay what is missing, drop failed groups, check everything collectively, then step."""
+        """The window's last three steps: `settle`, `check`, `step`."""
+        self.settle()
+        self.check()
+        return self.step()
+
+    def settle(self) -> None:
+        """Replay what is missing; a group that failed on any rank is dropped whole on every rank, and the
+        manifest is rebuilt without it (so normalization excludes it) and everything replayed again."""
         if self.closed:
             raise RuntimeError("this update window is already committed")
         for _ in range(len(self.groups) + 1):
             self.replay_all()
             failed = self._exchange_failures()
             if not failed:
-                break
+                return
             for gi, reason in sorted(failed.items()):
                 tree_ids = tuple(t.id for t in self.groups[gi].trees)
                 self.dropped.append(DroppedGroup(gi, tree_ids, reason))
@@ -378,7 +382,12 @@ class OpenWindow:
             self.owner.store.clear()
             self._build()
             self.local = ReplayReport()
-        self.check()
+
+    def step(self) -> WindowReport:
+        """The optimizer step (after `check`), then the next model version: resident state of this one
+        becomes unreadable."""
+        if self.closed:
+            raise RuntimeError("this update window is already committed")
         applied = self.backend.step()
         self.closed = True
         self.current_tree = None
@@ -397,9 +406,9 @@ class OpenWindow:
         )
         self.backend.agree(self.manifest.digest, "manifest digest")
         expected = self.manifest.keys()
-        if check_coverage(self.backend.gather(self.ledger.summary().encode()), expected):
+        if check_coverage(self.backend.gather(self.claims.summary().encode()), expected):
             return
-        per_rank = [decode_keys(t) for t in self.backend.gather(encode_keys(self.ledger.covered))]
+        per_rank = [decode_keys(t) for t in self.backend.gather(encode_keys(self.claims.covered))]
         raise ManifestError(
             f"coverage check failed, the optimizer step is refused: {explain_mismatch(per_rank, expected)}"
         )

@@ -1,0 +1,84 @@
+"""One tree's replay state: its units, post-order schedule, resident paths, logprobs and kept graphs.
+
+`TreeWalk.build` decides everything about a tree that does not need the model: the units (nodes split into
+chunks), the schedule of replay steps, which units' KV some step reads, which internal units keep their
+first graph, and which units the scoring pass evaluates. `TreeReplay` then fills in the logprobs and the
+graphs as it walks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from treetrain.engine.batch import ReplayConfig, TreeWork
+from treetrain.engine.pieces import GatheredTargets, PieceBatch
+from treetrain.engine.protocols import KeepGraph
+from treetrain.engine.schedule import ReplayStep, active_units, build_schedule
+from treetrain.engine.scoring import PathKV, ReferenceWalk
+from treetrain.engine.units import Unit, UnitTree
+from treetrain.models.decoder import DecoderOutput
+
+
+@dataclass
+class StepGraph:
+    """A forward under autograd of sibling units against their parent path's resident KV."""
+
+    units: list[Unit]
+    path: tuple[int, ...]
+    padded: PieceBatch
+    out: DecoderOutput
+    gathered: GatheredTargets
+    logp: torch.Tensor  # [M]
+    entropy: torch.Tensor | None  # [M]
+
+
+@dataclass
+class TreeWalk:
+    """One tree's state while it is replayed."""
+
+    units: UnitTree
+    steps: tuple[ReplayStep, ...]
+    needs_kv: list[bool]
+    """Units whose KV some step reads (they are on a step's parent path)."""
+    kept: frozenset[int]
+    """Internal units whose first forward keeps its graph (`ReplayPlan.keep_graph`)."""
+    scored: list[bool]
+    """Units the scoring pass evaluates: those with targets, and those whose KV is needed."""
+    skipped: int
+    """Units left out because nothing in their subtree carries gradient (`skip_inert`)."""
+    paths: PathKV = field(init=False)
+    """The tree's resident KV, recomputed on demand (set by the engine, which owns the store)."""
+    reference: ReferenceWalk | None = None
+    """The reference's half of a fused scoring walk, when there is one."""
+    old_lp: list[torch.Tensor | None] = field(default_factory=list)
+    """Old-policy logprobs of each unit's targets (`[M_u]`), from scoring or a kept graph's forward."""
+    ref_lp: Sequence[torch.Tensor | None] = ()
+    """Reference logprobs of each unit's targets, when KL is on."""
+    graphs: dict[int, StepGraph] = field(default_factory=dict)
+    """Kept units' first-forward graphs, until their own step consumes them."""
+
+    @staticmethod
+    def build(
+        work: TreeWork, cfg: ReplayConfig, keep_graph: KeepGraph | None, *, skip_inert: bool
+    ) -> TreeWalk:
+        """The walk of one tree under `cfg`; `skip_inert` leaves out branches that carry no gradient."""
+        units = UnitTree.build(work.tree, work.targets, cfg.chunk_size)
+        steps = build_schedule(
+            units, contract=cfg.contract, microbatch=cfg.microbatch, order=cfg.order, seed=cfg.seed,
+            skip_inert=skip_inert,
+        )  # fmt: skip
+        needs_kv = [False] * len(units)
+        for s in steps:
+            for u in units.path(s.parent):
+                needs_kv[u] = True
+        active = active_units(units, cfg.contract, skip_inert)
+        kept: frozenset[int] = frozenset()
+        if keep_graph is not None and cfg.contract == "exact":
+            chosen = keep_graph(units)
+            kept = frozenset(u for u in chosen if 0 < u < len(units) and units[u].children and active[u])
+        scored = [u.targets.num_targets > 0 or needs_kv[u.index] for u in units.units]
+        skipped = sum(1 for u in units.units[1:] if not active[u.index])
+        return TreeWalk(units, tuple(steps), needs_kv, kept, scored, skipped, old_lp=[None] * len(units))

@@ -1,0 +1,67 @@
+"""From the run's settings to the planner's decision for one update.
+
+The planner (`treetrain.memory.planner`) sees the update's batch, the model and a memory budget, and chooses
+tree or flat mode, K, chunk size, retention and kept graphs; whatever the `replay` section fixes is passed as
+an override. Without `memory_budget`, the budget is the device's memory (total RAM on a CPU). The `Plan` it
+returns is the one plan object of the update: `plan.replay(...)` is what the engine runs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from transformers import PreTrainedModel
+
+from treetrain.bytesize import parse_bytes
+from treetrain.engine import UpdateBatch
+from treetrain.memory.persistent import model_persistent_bytes
+from treetrain.memory.planner import Plan, plan_update
+from treetrain.models.lora import Reference
+from treetrain.update.settings import UpdateSettings
+
+
+def device_memory(device: torch.device) -> int:
+    """Bytes of memory on `device` (CUDA: the card's total; CPU: physical RAM)."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def plan_for(
+    cfg: UpdateSettings,
+    batch: UpdateBatch,
+    model: PreTrainedModel,
+    ref_model: Reference | None,
+    *,
+    world_size: int = 1,
+    zero_stage: int = 0,
+    offload_optimizer: bool = False,
+) -> Plan:
+    """Plan one update of `batch` (the whole update, every rank's share). `world_size`, `zero_stage` and
+    `offload_optimizer` are what the backend really runs with: they size the run-persistent bytes."""
+    budget = (
+        parse_bytes(cfg.memory_budget)
+        if cfg.memory_budget
+        else device_memory(next(model.parameters()).device)
+    )
+    persistent = model_persistent_bytes(
+        model,
+        ref_model=ref_model,
+        optimizer=True,
+        zero_stage=zero_stage,
+        world_size=world_size,
+        offload_optimizer=offload_optimizer,
+    )
+    return plan_update(
+        batch,
+        model,
+        budget=budget,
+        contract=cfg.replay.contract,
+        loss=cfg.loss,
+        overrides=cfg.replay.overrides(cfg.mode),
+        ref_model=ref_model,
+        persistent=persistent,
+        base=cfg.replay.engine_config(cfg.seed),
+        min_speedup=cfg.replay.min_speedup,
+    )

@@ -1,0 +1,110 @@
+"""One update, top to bottom: the steps of docs/design.md § One update, each done by the module it names.
+
+`run_update` is the whole of an update; the trainer (`treetrain.train.loop`) calls it once per optimizer
+step and keeps only the run around it (rollouts, metrics, checkpoints). Every other way in (the Python API,
+`treetrain plan`) calls the same modules in the same order:
+
+1. **Advantages** per group (`treetrain.loss.advantages`). A group whose rewards are all equal carries no
+   policy gradient; it is left out before anything is built, so it never dilutes a denominator.
+2. **Manifest and batch, once** (`treetrain.loss.manifest`, `treetrain.engine.batch`): the exact set of
+   contributions of this step, and each node's loss targets normalized by that manifest alone.
+3. **Plan** (`treetrain.update.planning` → `treetrain.memory.planner`): tree or flat, K, chunking, retention,
+   kept graphs and the reference walk, priced by the memory ledger against the budget.
+4. **Place** the trees over ranks (`treetrain.distributed.placement`) and open the window
+   (`treetrain.update.window`): every rank agrees on identity, manifest and placement first.
+5. **Score and replay** each tree of this rank (`treetrain.engine.replay`, or the flat reference
+   `treetrain.engine.flat_reference`), retrying what failed (`treetrain.update.faults`).
+6. **Check coverage** (`treetrain.distributed.coverage`): groups that failed are dropped whole, then every
+   manifest key must be covered exactly once over all ranks, or the step is refused.
+7. **Step and advance** (the backend's optimizer, `treetrain.distributed.backend`): the model version goes
+   up, and resident state of the old version becomes unreadable (`treetrain.engine.resident`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from treetrain.engine import UpdateBatch
+from treetrain.engine.protocols import MemoryProbe
+from treetrain.loss.advantages import AdvantageConfig, compute_advantages
+from treetrain.loss.manifest import Manifest
+from treetrain.memory.planner import Plan
+from treetrain.tree.model import TrajectoryTree
+from treetrain.update.planning import plan_for
+from treetrain.update.settings import UpdateSettings
+from treetrain.update.window import UpdateWindow
+from treetrain.update.window_types import Group, WindowReport
+
+
+@dataclass(frozen=True)
+class UpdateOutcome:
+    """What one `run_update` did."""
+
+    zero_variance: int
+    """Groups left out because every reward in them was equal."""
+    groups: tuple[Group, ...] = ()
+    """The groups the update was built from (a group that failed in replay is in `report.dropped`)."""
+    plan: Plan | None = None
+    """The planner's decision; None when no group was left to train on (and no step was taken)."""
+    report: WindowReport | None = None
+    """The committed window: version, contributions, this rank's replay sums, dropped groups."""
+
+
+def advantage_groups(
+    rollouts: Sequence[Sequence[TrajectoryTree]], cfg: AdvantageConfig
+) -> tuple[list[Group], int]:
+    """The update's advantage groups (one per tuple of trees), and how many were left out because every
+    reward in them was equal (with `zero_variance='drop'`: they would only dilute the normalization)."""
+    groups, zero_variance = [], 0
+    for trees in rollouts:
+        advantages = compute_advantages(list(trees), cfg)
+        if advantages.zero_variance and cfg.zero_variance == "drop":
+            zero_variance += 1
+        else:
+            groups.append(Group(tuple(trees), advantages.trees))
+    return groups, zero_variance
+
+
+def run_update(
+    window: UpdateWindow,
+    cfg: UpdateSettings,
+    rollouts: Sequence[Sequence[TrajectoryTree]],
+    *,
+    tracker: MemoryProbe | None = None,
+) -> UpdateOutcome:
+    """One optimizer step over `rollouts` (one tuple of trees per advantage group) on `window`'s backend.
+
+    `tracker`, if given, measures this update's replay by lifetime class against the ledger's prediction.
+    """
+    backend = window.backend
+
+    # 1. Advantages per group; groups without reward variance are left out (treetrain.loss.advantages).
+    groups, zero_variance = advantage_groups(rollouts, cfg.advantages)
+    if not groups:
+        return UpdateOutcome(zero_variance)
+
+    # 2. The manifest and the batch, once: normalization comes from the manifest alone.
+    trees = [t for g in groups for t in g.trees]
+    manifest = Manifest.build(trees, window.version)
+    batch = UpdateBatch.build(trees, [a for g in groups for a in g.advantages], manifest, cfg.loss)
+
+    # 3. Plan: mode, K, chunking, retention, kept graphs, reference walk (priced by the memory ledger).
+    with backend.scratch():  # planning may calibrate with real backward passes
+        plan = plan_for(
+            cfg, batch, backend.module, window.ref_model, world_size=backend.world_size,
+            zero_stage=backend.zero_stage, offload_optimizer=backend.offload_optimizer,
+        )  # fmt: skip
+
+    # 4. Place the trees over ranks and open the window (identity, manifest and placement agreed).
+    opened = window.open(groups, plan=plan.replay(cfg.replay.engine_config(cfg.seed), tracker), batch=batch)
+
+    # 5. Score and replay every tree this rank owns, retrying transient faults.
+    opened.replay_all()
+
+    # 6. Drop groups that failed on any rank, then check coverage: every contribution exactly once.
+    opened.settle()
+    opened.check()
+
+    # 7. The optimizer step, and the next model version (old resident state becomes unreadable).
+    return UpdateOutcome(zero_variance, tuple(groups), plan, opened.step())
