@@ -78,7 +78,7 @@ def test_unknown_name_lists_what_is_available() -> None:
 
 def test_module_class_strings() -> None:
     assert resolve("envs.calculator:CalculatorEnv") is CalculatorEnv
-    assert resolve("env_fixtures:FixedTurnsEnv") is FixedTurnsEnv
+    assert resolve("support.env_fixtures:FixedTurnsEnv") is FixedTurnsEnv
 
 
 @pytest.mark.parametrize(
