@@ -1,4 +1,4 @@
-"""Distributed scenarios for tests/test_distributed.py: run as `torchrun --nproc_per_node=2 worker.py OUT`.
+"""Distributed scenarios for tests/distributed/test_distributed.py: run as `torchrun --nproc_per_node=2 worker.py OUT`.
 
 Every scenario builds a fresh tiny model and a fresh DeepSpeed engine, runs one update (sometimes with a
 fault injected) and rank 0 writes the parameter delta to OUT/<name>.safetensors and what happened to
@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import deepspeed
 import torch
-from dist_cases import (
+from safetensors.torch import save_file
+from support.dist_cases import (
     ADAMW,
     LORA_LOSS,
     LOSS,
@@ -40,7 +41,6 @@ from dist_cases import (
     uneven_groups,
     uneven_owned,
 )
-from safetensors.torch import save_file
 
 from treetrain.distributed import (
     AgreementError,

@@ -4,7 +4,7 @@ Every field of `TrainConfig` and of its sections is listed with its type, its de
 and its field docstring, read from the source. A field without a docstring is an error: the page would
 otherwise have a hole, and the project requires one on every field.
 
-Regenerate the page (the test `tests/test_docs.py` says when it is stale) with one command:
+Regenerate the page (the test `tests/project/test_docs.py` says when it is stale) with one command:
 
     python -m treetrain.train.config_docs docs/configuration.md
 

@@ -1,0 +1,240 @@
+"""The ledger predicts the measured peak within +-10%, and the tracker that measures it is exact.
+
+Measured = `MemoryTracker` (live tensor bytes by storage, deterministic on CPU) attached to the engine.
+Predicted = `predict_ledger`, calibrated on the same tiny model. The comparison is on the *dynamic* bytes
+(everything but parameters), which the schedule controls; comparing totals would let the parameters hide
+errors. Gradients are allocated before the run because the ledger books them for the whole window.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.engine_cases import VOCAB
+
+from treetrain.engine import (
+    ReplayConfig,
+    ReplayPlan,
+    ResidentIdentity,
+    ResidentStore,
+    TreeReplay,
+    UpdateBatch,
+)
+from treetrain.engine.resident import ResidentKey
+from treetrain.loss.advantages import AdvantageConfig, compute_advantages
+from treetrain.loss.loss_config import LossConfig
+from treetrain.loss.manifest import Manifest
+from treetrain.memory.ledger import predict_ledger
+from treetrain.memory.persistent import kv_bytes_per_token, model_persistent_bytes, persistent_bytes
+from treetrain.memory.retention import RetentionPolicy
+from treetrain.memory.tracker import MemoryTracker
+from treetrain.models.presets import tiny_model
+from treetrain.tree.synthetic import synthetic_group
+
+TOLERANCE = 0.10
+
+
+def make_batch(prefix: int, branches: int, suffix: int, depth: int, loss: LossConfig) -> UpdateBatch:
+    rewards = [float(i % 3 == 0) for i in range(branches)]
+    tree = synthetic_group(
+        prefix=prefix, branches=branches, suffix=suffix, depth=depth, vocab=VOCAB, seed=1, rewards=rewards
+    )
+    adv = compute_advantages([tree], AdvantageConfig())
+    return UpdateBatch.build([tree], adv.trees, Manifest.build([tree], 0), loss)
+
+
+def measure(model, batch: UpdateBatch, loss: LossConfig, replay: ReplayConfig, ref_model=None, **plan_kw):
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    tracker = MemoryTracker()
+    plan = ReplayPlan(config=replay, tracker=tracker, **plan_kw)
+    report = TreeReplay(model, loss, plan, ref_model=ref_model).accumulate(batch)
+    tracker.detach()
+    return report, tracker
+
+
+GRID = [
+    # prefix, branches (G), suffix, depth, K, contract
+    (48, 4, 12, 1, 0, "exact"),
+    (96, 8, 16, 1, 2, "exact"),
+    (24, 6, 40, 2, 0, "exact"),
+    (128, 4, 8, 3, 1, "exact"),
+    (64, 16, 10, 2, 0, "exact"),
+    (48, 4, 12, 1, 0, "response_only"),
+    (96, 8, 16, 2, 2, "response_only"),
+    (16, 8, 64, 1, 4, "response_only"),
+]
+
+
+@pytest.mark.parametrize(("prefix", "branches", "suffix", "depth", "k", "contract"), GRID)
+def test_predicted_peak_matches_measured(prefix, branches, suffix, depth, k, contract) -> None:
+    loss = LossConfig()
+    batch = make_batch(prefix, branches, suffix, depth, loss)
+    model = tiny_model("llama", VOCAB)
+    replay = ReplayConfig(contract=contract, microbatch=k)
+    ledger = predict_ledger(batch, model, replay, loss)
+    report, _ = measure(model, batch, loss, replay)
+    measured = report.measured_peak
+    assert measured is not None
+    err = (ledger.peak.dynamic - measured.dynamic) / measured.dynamic
+    assert abs(err) <= TOLERANCE, f"predicted {ledger.peak} vs measured {measured}: {err:+.1%}"
+    assert ledger.peak.persistent == measured.persistent  # parameters are counted, not estimated
+    assert ledger.token_cost == report.token_cost
+
+
+@pytest.mark.parametrize(
+    ("loss", "budget_fraction", "keep"),
+    [
+        (LossConfig(kl_coef=0.1), None, False),
+        (LossConfig(entropy_coef=0.01), None, False),
+        (LossConfig(), 0.0, False),
+        (LossConfig(), None, True),
+        (LossConfig(), 0.3, True),
+    ],
+    ids=["kl", "entropy", "min-budget", "kept-graphs", "budget+kept"],
+)
+def test_prediction_holds_with_reference_budgets_and_kept_graphs(loss, budget_fraction, keep) -> None:
+    batch = make_batch(48, 8, 12, 3, loss)
+    model = tiny_model("llama", VOCAB)
+    ref = tiny_model("llama", VOCAB, seed=5) if loss.needs_reference else None
+    replay = ReplayConfig(microbatch=1)
+    keep_graph = (lambda units: frozenset(u.index for u in units.units if u.children)) if keep else None
+    budget = None
+    if budget_fraction is not None:
+        free = predict_ledger(batch, model, replay, loss, ref_model=ref, keep_graph=keep_graph)
+        resident = max(r.bytes.prompt_group for r in free.rows)
+        budget = int(free.minimum_budget + budget_fraction * (resident - free.minimum_budget))
+    ledger = predict_ledger(batch, model, replay, loss, budget=budget, keep_graph=keep_graph, ref_model=ref)
+    retention = RetentionPolicy(budget) if budget is not None else None
+    report, _ = measure(model, batch, loss, replay, ref_model=ref, keep_graph=keep_graph, retention=retention)
+    measured = report.measured_peak
+    assert measured is not None
+    err = (ledger.peak.dynamic - measured.dynamic) / measured.dynamic
+    assert abs(err) <= TOLERANCE, f"predicted {ledger.peak} vs measured {measured}: {err:+.1%}"
+    assert ledger.token_cost == report.token_cost
+    if keep:
+        assert report.kept_graphs > 0
+
+
+def test_host_tier_ledger_copies_back_instead_of_recomputing() -> None:
+    """Costs only: on a CPU the host tier's copies are the same memory, so there is no peak to compare."""
+    loss = LossConfig()
+    batch = make_batch(48, 8, 12, 3, loss)
+    model = tiny_model("llama", VOCAB)
+    replay = ReplayConfig(microbatch=1, chunk_size=8)
+    budget = predict_ledger(batch, model, replay, loss).minimum_budget
+    ledger = predict_ledger(batch, model, replay, loss, budget=budget, host_tier=True)
+    report, _ = measure(model, batch, loss, replay, retention=RetentionPolicy(budget, host_tier=True))
+    assert ledger.recomputes == report.restored_units > 0
+    assert any(r.kind == "restore" for r in ledger.rows) and not any(
+        r.kind == "recompute" for r in ledger.rows
+    )
+    assert ledger.token_cost == report.token_cost
+
+
+def test_negative_control_a_wrong_schedule_is_caught() -> None:
+    """The ledger of another K (all siblings instead of one at a time) is far outside the tolerance."""
+    loss = LossConfig()
+    batch = make_batch(32, 8, 40, 1, loss)
+    model = tiny_model("llama", VOCAB)
+    wrong = predict_ledger(batch, model, ReplayConfig(microbatch=0), loss)
+    report, _ = measure(model, batch, loss, ReplayConfig(microbatch=1))
+    assert report.measured_peak is not None
+    assert (
+        abs(wrong.peak.dynamic - report.measured_peak.dynamic) > 2 * TOLERANCE * report.measured_peak.dynamic
+    )
+
+
+def test_ledger_table_names_the_peak_and_its_cause() -> None:
+    loss = LossConfig()
+    ledger = predict_ledger(make_batch(48, 4, 12, 1, loss), tiny_model("llama", VOCAB), ReplayConfig(), loss)
+    assert ledger.rows[ledger.peak_step].bytes == ledger.peak
+    assert "replay step" in ledger.peak_cause or "scoring" in ledger.peak_cause
+    text = ledger.table()
+    assert "<- peak" in text and "prompt_group" in text
+    assert ledger.as_dict()["peak_step"] == ledger.peak_step
+
+
+# ----- the tracker -------------------------------------------------------------------------------------------
+def test_tracker_counts_storages_once_and_frees_them() -> None:
+    with MemoryTracker() as mt:
+        a = torch.zeros(1000)  # 4000 bytes
+        views = [a[:10], a.view(10, 100), a[::2]]
+        b = a.add_(1)  # in place: same storage
+        assert mt.current.temporary == 4000
+        del a, b, views
+        assert mt.current.temporary == 0
+        c = torch.ones(10) * 3  # the ones() temporary dies at once
+        assert mt.current.temporary == 40
+    assert mt.peak.temporary == 4000
+    assert c.sum() == 30
+
+
+def test_tracker_classifies_by_lifetime() -> None:
+    model = tiny_model("llama", VOCAB)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    identity = ResidentIdentity.of(model)
+    store = ResidentStore(identity)
+    mt = MemoryTracker()
+    mt.attach_model(model)
+    mt.attach_store(store)
+    with mt:
+        kv = [(torch.zeros(1, 2, 8, 8), torch.zeros(1, 2, 8, 8))]
+        store.put(ResidentKey("t", 1, "n"), kv, identity)
+        out = model(torch.tensor([[1, 2, 3]])).logits.sum()
+        out.backward()
+        del out
+    now = mt.current
+    assert now.persistent == params
+    assert now.prompt_group == 2 * 2 * 8 * 8 * 4
+    assert now.boundary == params  # every parameter got a gradient
+    mt.detach()
+
+
+def test_measurement_is_deterministic() -> None:
+    loss = LossConfig()
+    batch = make_batch(40, 4, 12, 2, loss)
+    peaks = [
+        measure(tiny_model("llama", VOCAB), batch, loss, ReplayConfig(microbatch=2))[0].measured_peak
+        for _ in range(2)
+    ]
+    assert peaks[0] == peaks[1]
+
+
+def test_report_has_no_measured_peak_without_a_tracker() -> None:
+    loss = LossConfig()
+    report = TreeReplay(tiny_model("llama", VOCAB), loss, ReplayConfig()).accumulate(
+        make_batch(16, 2, 6, 1, loss)
+    )
+    assert report.measured_peak is None
+
+
+# ----- run-persistent bytes ------------------------------------------------------------------------------------
+def test_persistent_bytes_per_zero_stage() -> None:
+    n, w = 1000, 4
+    stage = [persistent_bytes(n, "bfloat16", zero_stage=s, world_size=w) for s in range(4)]
+    assert (stage[0].params, stage[0].grads, stage[0].optimizer, stage[0].master) == (2000, 2000, 8000, 4000)
+    assert (stage[1].params, stage[1].grads, stage[1].optimizer, stage[1].master) == (2000, 2000, 2000, 1000)
+    assert (stage[2].params, stage[2].grads) == (2000, 2000)  # whole inside the window
+    assert (stage[3].params, stage[3].grads, stage[3].in_flight) == (500, 2000, 0)
+    fp32 = persistent_bytes(n, "float32")
+    assert fp32.master == 0  # no separate master copy for fp32 parameters
+    off = persistent_bytes(n, "bfloat16", offload_optimizer=True)
+    assert off.run_persistent == 2000 and off.host == 12000
+    ref = persistent_bytes(n, "bfloat16", reference_params=n, zero_stage=3, world_size=w)
+    assert ref.reference == 2000  # a full replica on every rank
+    gathered = persistent_bytes(n, "bfloat16", zero_stage=3, world_size=w, largest_module_params=100)
+    assert gathered.in_flight == 400 and gathered.run_persistent == 500 + 400 + 2000 + 1000
+    assert (
+        persistent_bytes(n, "bfloat16", zero_stage=2, world_size=w, largest_module_params=100).in_flight == 0
+    )
+    with pytest.raises(ValueError, match="zero_stage"):
+        persistent_bytes(n, "float32", zero_stage=4)
+
+
+def test_model_persistent_bytes_and_kv_size_come_from_the_model() -> None:
+    model = tiny_model("llama", VOCAB)
+    b = model_persistent_bytes(model)
+    assert b.params == sum(p.numel() * 4 for p in model.parameters())
+    config = model.config
+    assert kv_bytes_per_token(model) == 2 * config.num_hidden_layers * config.num_key_value_heads * 8 * 4

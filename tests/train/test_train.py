@@ -1,0 +1,245 @@
+"""The training loop end to end on a tiny model: artifacts, resume, and config validation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from treetrain.cli.main import main
+from treetrain.loss.loss_config import ConfigError
+from treetrain.train.config import dump_config, load_config
+from treetrain.train.loop import Trainer
+from treetrain.train.metrics import read_metrics
+from treetrain.tree.format import load_trees
+from treetrain.update.run import advantage_groups
+
+TINY = [
+    "model.path=tiny-llama",
+    "rollout.groups_per_update=2",
+    "rollout.fanout_root=4",
+    "rollout.max_turns=2",
+    "rollout.max_turn_tokens=12",
+    "optim.lr=0.01",
+    "advantages.zero_variance=keep",
+    "loss.entropy_coef=0.01",
+    "checkpoint_every=1",
+]
+
+
+def _cfg(run_dir: Path, *extra: str):
+    return load_config(None, [*TINY, f"run_dir={run_dir}", *extra])
+
+
+def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_three_updates_end_to_end(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path / "run", "updates=3")
+    trainer = Trainer(cfg, progress=False)
+    before = _weights(trainer.backend.module)
+    summary = trainer.run()
+    after = _weights(trainer.backend.module)
+    assert any(not torch.equal(before[k], after[k]) for k in before), "no parameter changed"
+    run = tmp_path / "run"
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [r.update for r in rows] == [0, 1, 2] and [r.version for r in rows] == [1, 2, 3]
+    assert all(r.trajectories == 8 and r.graph_tokens > 0 for r in rows)
+    tree_files = sorted((run / "rollouts").glob("**/*.msgpack"))
+    assert len(tree_files) == 6 and all(load_trees(f) for f in tree_files)
+    exported = AutoModelForCausalLM.from_pretrained(run / "final", local_files_only=True)
+    for k, v in exported.state_dict().items():
+        assert torch.allclose(v, after[k]), k
+    assert (run / "reward.png").stat().st_size > 1000
+    assert "mean reward" in (run / "summary.txt").read_text()
+    assert summary.updates == 3
+    assert (run / "config.yaml").read_text() == dump_config(cfg)
+
+
+def test_resume_reproduces_the_next_update(tmp_path: Path) -> None:
+    straight = Trainer(_cfg(tmp_path / "a", "updates=3"), progress=False)
+    straight.run()
+    first = Trainer(_cfg(tmp_path / "b", "updates=2"), progress=False)
+    first.run()
+    resumed = Trainer(_cfg(tmp_path / "b", "updates=3"), resume=True, progress=False)
+    assert resumed.state.update == 2 and resumed.state.version == 2
+    resumed.run()
+    a = read_metrics(tmp_path / "a" / "metrics.jsonl")
+    b = read_metrics(tmp_path / "b" / "metrics.jsonl")
+    assert [r.update for r in b] == [0, 1, 2]
+    assert a[2].reward_mean == b[2].reward_mean and a[2].loss == pytest.approx(b[2].loss, rel=1e-6, abs=1e-9)
+    wa = load_file(tmp_path / "a" / "final" / "model.safetensors")
+    wb = load_file(tmp_path / "b" / "final" / "model.safetensors")
+    assert all(torch.allclose(wa[k], wb[k], rtol=1e-6, atol=1e-7) for k in wa)
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ("rollout.fanout_root=0", "rollout.fanout_root"),
+        ("loss.aggregation=mean", "loss.aggregation"),
+        ("optim.lr=-1", "optim.lr"),
+        ("nonsense=1", "nonsense"),
+        ("loss.kl_coef=0.1", "model.reference"),
+        ("memory_budget=lots", "memory_budget"),
+        ("replay.microbatch=two", "replay.microbatch"),
+    ],
+)
+def test_bad_config_fails_before_any_work(tmp_path: Path, override: str, field: str, capsys) -> None:
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_config(None, [override])
+    code = main(["train", "--run-dir", str(tmp_path / "run"), "--set", override, "--no-progress"])
+    assert code == 2
+    assert field in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_config_file_and_print_config(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('updates = 7\n[loss]\nkl_coef = 0.02\n[model]\nreference = "initial"\n')
+    assert main(["train", "--config", str(path), "--set", "seed=3", "--print-config"]) == 0
+    out = capsys.readouterr().out
+    assert "updates: 7" in out and "kl_coef: 0.02" in out and "seed: 3" in out
+    yml = tmp_path / "c.yaml"
+    yml.write_text("rollout:\n  fanout_root: 0\n")
+    assert main(["train", "--config", str(yml), "--print-config"]) == 2
+    assert "rollout.fanout_root" in capsys.readouterr().err
+
+
+@pytest.mark.distributed
+def test_two_rank_deepspeed_run_matches_one_process(tmp_path: Path) -> None:
+    """`torchrun -m treetrain train` on 2 ranks (ZeRO-2) makes the same first update as one process."""
+    import os
+    import sys
+
+    from support.ports import free_port
+    from support.ports import run as launch
+
+    sgd = ["optim.name=sgd", "optim.lr=0.5", "optim.grad_clip=0"]  # one step is exactly -lr * g: scale shows
+    common = [*TINY, "updates=1", "measure_memory_every=0", *sgd]
+    single = Trainer(_cfg(tmp_path / "one", "updates=1", "measure_memory_every=0", *sgd), progress=False)
+    start = _weights(single.backend.module)
+    single.run()
+    args = [a for kv in common for a in ("--set", kv)]
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        "-m", "treetrain", "train", "--run-dir", str(tmp_path / "two"), "--no-progress",
+        "--set", "distributed.backend=deepspeed", "--set", "distributed.zero_stage=2", *args,
+    ]  # fmt: skip
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    done = launch(cmd, env, 600)
+    assert done.returncode == 0, done.output[-3000:]
+    one = load_file(tmp_path / "one" / "final" / "model.safetensors")
+    two = load_file(tmp_path / "two" / "final" / "model.safetensors")
+    a = torch.cat([(one[k] - start[k]).flatten() for k in sorted(one)])
+    b = torch.cat([(two[k] - start[k]).flatten() for k in sorted(one)])
+    assert float(a.norm()) > 0
+    assert float((a - b).norm()) <= 1e-4 * float(a.norm())
+    rows = read_metrics(tmp_path / "two" / "metrics.jsonl")
+    assert len(rows) == 1 and rows[0].trajectories == 8
+
+
+def test_demo_defaults_run_one_update(tmp_path: Path) -> None:
+    """The embedded default (shipped checkpoint, calculator) loads, samples, and steps."""
+    cfg = load_config(None, [f"run_dir={tmp_path / 'demo'}", "updates=1", "checkpoint_every=0"])
+    trainer = Trainer(cfg, progress=False)
+    assert trainer.reference is None and type(trainer.backend.module).__name__ == "LlamaForCausalLM"
+    trainer.run()
+    row = read_metrics(tmp_path / "demo" / "metrics.jsonl")[0]
+    assert row.trajectories == 32 and row.mode == "tree" and row.tokens_saved > 0.5
+
+
+def test_cli_trees_overwrite_and_resume(tmp_path: Path, capsys) -> None:
+    """Recorded trees feed training; a used run directory needs --overwrite or --resume; bad trees are refused."""
+    sets = [a for kv in [*TINY, "updates=1", "measure_memory_every=0"] for a in ("--set", kv)]
+    first = tmp_path / "first"
+    assert main(["train", "--run-dir", str(first), "--no-progress", *sets]) == 0
+    recorded = first / "rollouts"
+    again = ["train", "--run-dir", str(first), "--no-progress", *sets]
+    assert main(again) == 2
+    assert "--resume" in capsys.readouterr().err
+    assert main([*again, "--overwrite", "--trees", str(recorded)]) == 0
+    rows = read_metrics(first / "metrics.jsonl")
+    assert len(rows) == 1 and rows[0].rollout_seconds == 0.0 and rows[0].trajectories == 8
+    assert not (first / "rollouts").exists(), "--overwrite must remove the earlier run's rollouts"
+    resumed = [
+        "train",
+        "--run-dir",
+        str(first),
+        "--no-progress",
+        "--resume",
+        "--trees",
+        f"{recorded}/**/*.msgpack",
+    ]
+    capsys.readouterr()
+    assert main([*resumed, *sets, "--updates", "2"]) == 2  # the rollouts were removed with the earlier run
+    assert "no .msgpack files" in capsys.readouterr().err
+    code = main(
+        [
+            "train",
+            "--run-dir",
+            str(tmp_path / "x"),
+            "--no-progress",
+            *sets,
+            "--trees",
+            "trees/tool_use.msgpack",
+        ]
+    )
+    assert code == 2
+    assert "outside the model's vocabulary" in capsys.readouterr().err
+
+
+def test_sampler_ratio_with_tempered_sampling_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"loss\.ratio_source"):
+        load_config(None, ["loss.ratio_source=sampler", "rollout.temperature=0.7"])
+    load_config(
+        None, ["loss.ratio_source=sampler"]
+    )  # temperature 1, top_p 1: the sampler's logprobs are exact
+
+
+def test_metrics_skip_a_partial_last_line(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path / "run", "updates=2", "measure_memory_every=0")
+    Trainer(cfg, progress=False).run()
+    path = tmp_path / "run" / "metrics.jsonl"
+    path.write_text(path.read_text() + '{"update": 2, "vers')
+    assert [r.update for r in read_metrics(path)] == [0, 1]
+    from treetrain.train.metrics import MetricsError
+
+    path.write_text('{"update": 0, "vers\n' + path.read_text())
+    with pytest.raises(MetricsError, match=r"metrics\.jsonl:1"):
+        read_metrics(path)
+
+
+@pytest.mark.parametrize("extra", [("loss.kl_coef=0.05", "model.reference=initial"), ("mode=flat",)])
+def test_kl_reference_and_forced_flat_runs(tmp_path: Path, extra: tuple[str, ...]) -> None:
+    trainer = Trainer(
+        _cfg(tmp_path / "run", "updates=2", "rollout.groups_per_update=2", *extra), progress=False
+    )
+    trainer.run()
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r.version for r in rows] == [1, 2] and rows[0].graph_tokens > 0
+    assert rows[0].mode == ("flat" if "mode=flat" in extra else "tree")
+    # The first update's policy is the reference itself (KL 0); after one step the KL term must show.
+    assert rows[0].kl == 0.0 and (rows[1].kl > 0) == ("loss.kl_coef=0.05" in extra)
+
+
+def test_a_recorded_file_is_one_group_and_globs_recurse(tmp_path: Path) -> None:
+    """Two trees with rewards [1, 1] and [0, 0] stored as one group have variance; apart, neither would."""
+    from treetrain.train.tree_sources import RecordedSource
+    from treetrain.tree.format import save_trees
+    from treetrain.tree.synthetic import synthetic_group
+
+    ones = synthetic_group(prefix=6, branches=2, suffix=3, vocab=64, seed=1, rewards=[1.0, 1.0])
+    zeros = synthetic_group(prefix=6, branches=2, suffix=3, vocab=64, seed=2, rewards=[0.0, 0.0])
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    save_trees([ones, zeros], tmp_path / "a" / "b" / "group.msgpack")
+    cfg = _cfg(tmp_path / "run", f"rollout.trees={tmp_path}/**/*.msgpack")
+    produced = RecordedSource(cfg, vocab_size=64)(None, 0, 0)
+    assert [len(g) for g in produced.groups] == [2]
+    groups, dropped = advantage_groups(produced.groups, cfg.advantages)
+    assert dropped == 0 and len(groups) == 1 and len(groups[0].trees) == 2

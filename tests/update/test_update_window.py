@@ -1,0 +1,500 @@
+"""The update window without DeepSpeed: exactly-once accounting and fault handling, on one process and on
+ranks simulated by threads (tests/support/fake_world.py). References are the engine run directly (dist_cases),
+compared as SGD deltas (-lr * g), so a gradient of the wrong scale fails as surely as a wrong direction."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from support.dist_cases import ADAMW, LOSS, OPTIMIZER, delta_floor, groups, make_model, params_vector
+from support.fake_world import FlakyBackend, ThreadRankBackend, ThreadWorld
+
+from treetrain.distributed import (
+    AgreementError,
+    DuplicateContributionError,
+    OptimizerConfig,
+    TorchBackend,
+    round_robin,
+)
+from treetrain.distributed.backend import make_backend
+from treetrain.distributed.checkpoint_io import CheckpointError
+from treetrain.engine import BackwardFailed, ReplayConfig, ReplayPlan, UpdateBatch
+from treetrain.engine.replay_plan import Mode
+from treetrain.engine.resident import ResidentIdentity, ResidentKey, ResidentStore, StaleResidentStateError
+from treetrain.engine.schedule import ReplayStep
+from treetrain.loss.loss_config import ConfigError
+from treetrain.loss.manifest import ManifestError
+from treetrain.memory.retention import BudgetTooSmallError
+from treetrain.models.support import UnsupportedModelError
+from treetrain.update.faults import is_transient
+from treetrain.update.window import UpdateWindow
+from treetrain.update.window_types import WindowConfig
+
+FACTOR = 5.0
+
+
+@pytest.fixture(scope="module")
+def flat() -> tuple[torch.Tensor, float]:
+    return delta_floor("flat", groups())
+
+
+def _close(delta: torch.Tensor, ref: tuple[torch.Tensor, float]) -> None:
+    err = float((delta - ref[0]).norm())
+    assert err <= FACTOR * ref[1], f"|delta - reference| = {err:.3e} > {FACTOR} x {ref[1]:.3e}"
+
+
+def _far(delta: torch.Tensor, ref: tuple[torch.Tensor, float], what: str) -> float:
+    """Negative controls: the error must be far outside the tolerance; returns error / floor."""
+    err = float((delta - ref[0]).norm())
+    assert err > 100 * FACTOR * ref[1], f"{what}: {err:.3e} is not far above the floor {ref[1]:.3e}"
+    return err / ref[1]
+
+
+def _run(
+    backend: TorchBackend | None = None, *, mode: Mode = "tree", step_hook: Any = None
+) -> tuple[torch.Tensor, Any]:
+    backend = backend or TorchBackend(make_model(), OPTIMIZER)
+    start = params_vector(backend.module)
+    window = UpdateWindow(backend, LOSS, ReplayPlan(mode))
+    window.step_hook = step_hook
+    report = window.run(groups())
+    return params_vector(backend.module) - start, report
+
+
+class Raise:
+    """A step hook raising `exc` at the listed (phase, occurrence) points."""
+
+    def __init__(self, phase: str, at: set[int], exc: Exception, when: Any = None) -> None:
+        self.phase, self.at, self.exc, self.when = phase, at, exc, when
+        self.count = 0
+
+    def __call__(self, phase: str, step: ReplayStep) -> None:
+        if phase != self.phase or (self.when is not None and not self.when(step)):
+            return
+        self.count += 1
+        if self.count in self.at:
+            raise self.exc
+
+
+@pytest.mark.parametrize("mode", ["tree", "flat"])
+def test_single_process_window_matches_the_engine_run_directly(
+    flat: tuple[torch.Tensor, float], mode: str
+) -> None:
+    delta, report = _run(mode=mode)
+    _close(delta, flat)
+    assert report.version == 1 and report.contributions == 10 and not report.dropped
+
+
+def test_exception_before_backward_retries_only_that_tree(flat: tuple[torch.Tensor, float]) -> None:
+    delta, report = _run(step_hook=Raise("forward", {1}, RuntimeError("boom")))
+    _close(delta, flat)
+    assert (report.tree_retries, report.window_resets) == (1, 0)
+
+
+def test_exception_after_a_backward_of_the_tree_resets_the_window(flat: tuple[torch.Tensor, float]) -> None:
+    delta, report = _run(step_hook=Raise("backward", {2}, RuntimeError("boom")))
+    _close(delta, flat)
+    assert (report.tree_retries, report.window_resets) == (0, 1)
+
+
+def test_failure_inside_backward_resets_the_window(flat: tuple[torch.Tensor, float]) -> None:
+    delta, report = _run(FlakyBackend(make_model(), OPTIMIZER, fail_on=[3]))
+    _close(delta, flat)
+    assert report.window_resets == 1
+
+
+def test_out_of_memory_splits_the_step(flat: tuple[torch.Tensor, float]) -> None:
+    hook = Raise("forward", {1}, torch.OutOfMemoryError("simulated"), when=lambda s: len(s.units) > 1)
+    delta, report = _run(step_hook=hook)
+    _close(delta, flat)
+    assert report.local.oom_splits == 1 and report.window_resets == 0
+
+
+class WideStepOOMBackend(TorchBackend):
+    """Runs out of memory inside backward whenever the step has more than one sibling row, every time."""
+
+    width = 0
+
+    def hook(self, phase: str, step: ReplayStep) -> None:
+        self.width = len(step.units)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.width > 1:
+            loss.backward()  # part of the gradient lands before the failure, as in a real OOM
+            raise torch.OutOfMemoryError("simulated: backward of a wide step")
+        loss.backward()
+
+
+def test_repeated_out_of_memory_in_backward_narrows_k(
+    flat: tuple[torch.Tensor, float], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Splitting cannot help once backward has started; the window resets and replays with a smaller K."""
+    backend = WideStepOOMBackend(make_model(), OPTIMIZER)
+    delta, report = _run(backend, step_hook=backend.hook)
+    _close(delta, flat)
+    assert not report.dropped and report.window_resets == 1  # two siblings per step, then K = 1
+    # Without narrowing, every attempt fails the same way and the groups are dropped.
+    monkeypatch.setattr("treetrain.update.window.OpenWindow._narrow_after_oom", lambda self, exc: None)
+    backend = WideStepOOMBackend(make_model(), OPTIMIZER)
+    with pytest.raises(ManifestError, match="dropped"):
+        _run(backend, step_hook=backend.hook)
+
+
+PERMANENT = [
+    ValueError("bad input"),
+    TypeError("bad type"),
+    IndexError("no such unit"),
+    KeyError("no such node"),
+    StaleResidentStateError("stale"),
+    ManifestError("bad manifest"),
+    UnsupportedModelError("unsupported"),
+    BudgetTooSmallError(1, 2, "unit 3"),
+]
+
+
+@pytest.mark.parametrize("exc", PERMANENT, ids=lambda e: type(e).__name__)
+def test_a_permanent_error_is_raised_at_once_without_retry_or_drop(exc: Exception) -> None:
+    backend = TorchBackend(make_model(), OPTIMIZER)
+    start = params_vector(backend.module)
+    hook = Raise("forward", {1}, exc)
+    window = UpdateWindow(backend, LOSS)
+    window.step_hook = hook
+    opened = window.open(groups())
+    with pytest.raises(type(exc)) as raised:
+        opened.replay_all()
+    assert raised.value is exc and hook.count == 1, "retried"
+    assert not opened.failures and not opened.dropped and opened.counters.tree_retries == 0
+    assert not opened.claims.covered and window.version == 0
+    assert torch.equal(params_vector(backend.module), start)
+
+
+def test_a_permanent_error_after_a_backward_discards_the_partial_gradient(
+    flat: tuple[torch.Tensor, float],
+) -> None:
+    """Raised at once; what the tree accumulated is gone, so a caller that goes on replays it exactly."""
+    backend = TorchBackend(make_model(), OPTIMIZER)
+    start = params_vector(backend.module)
+    hook = Raise("backward", {2}, ValueError("bad advantage"))
+    window = UpdateWindow(backend, LOSS)
+    window.step_hook = hook
+    opened = window.open(groups())
+    with pytest.raises(ValueError, match="bad advantage"):
+        opened.replay_all()
+    assert all(p.grad is None for p in backend.params) and not opened.claims.covered
+    assert opened.counters.window_resets == 0 and not opened.failures
+    opened.commit()
+    _close(params_vector(backend.module) - start, flat)
+
+
+class BadInputBackend(TorchBackend):
+    """A backward that fails with a ValueError (bad input reaching autograd), not a fault."""
+
+    def backward(self, loss: torch.Tensor) -> None:
+        raise ValueError("loss is not a scalar")
+
+
+def test_a_backward_failing_on_bad_input_is_not_retried() -> None:
+    opened = UpdateWindow(BadInputBackend(make_model(), OPTIMIZER), LOSS).open(groups())
+    with pytest.raises(BackwardFailed) as raised:
+        opened.replay_all()
+    assert isinstance(raised.value.__cause__, ValueError)
+    assert opened.counters.window_resets == 0 and not opened.failures
+
+
+@pytest.mark.parametrize(
+    ("exc", "transient"),
+    [
+        (RuntimeError("NCCL timeout"), True),
+        (torch.OutOfMemoryError("oom"), True),
+        (OSError("disk"), True),
+        (BackwardFailed("step 3"), True),
+        (NotImplementedError("todo"), False),
+        (AssertionError("bug"), False),
+        (*PERMANENT[:1], False),
+        (ManifestError("m"), False),
+        (StaleResidentStateError("s"), False),
+    ],
+    ids=lambda v: type(v).__name__ if isinstance(v, BaseException) else str(v),
+)
+def test_transient_and_permanent_kinds(exc: Exception, transient: bool) -> None:
+    assert is_transient(exc) is transient
+    wrapped = BackwardFailed("backward failed")
+    wrapped.__cause__ = exc
+    assert is_transient(wrapped) is transient
+
+
+def _fail_tree(window: UpdateWindow, tree_id: str) -> Raise:
+    """A hook that always raises while `tree_id` is being replayed."""
+    return Raise(
+        "forward", set(range(1, 1000)), RuntimeError("broken tree"),
+        when=lambda step: window.active is not None and window.active.current_tree == tree_id,
+    )  # fmt: skip
+
+
+def test_a_group_that_keeps_failing_is_dropped_whole(caplog: pytest.LogCaptureFixture) -> None:
+    backend = TorchBackend(make_model(), OPTIMIZER)
+    start = params_vector(backend.module)
+    window = UpdateWindow(backend, LOSS, cfg=WindowConfig(tree_attempts=2))
+    window.step_hook = _fail_tree(window, groups()[1].trees[0].id)
+    with caplog.at_level(logging.ERROR, logger="treetrain.update"):
+        report = window.run(groups())
+    assert [d.index for d in report.dropped] == [1] and "broken tree" in report.dropped[0].reason
+    assert any("dropped from the update" in r.message for r in caplog.records)
+    assert report.contributions == 6 and report.tree_retries == 1
+    _close(params_vector(backend.module) - start, delta_floor("flat", groups()[:1]))
+
+
+def test_every_group_failing_refuses_the_step() -> None:
+    backend = TorchBackend(make_model(), OPTIMIZER)
+    start = params_vector(backend.module)
+    window = UpdateWindow(backend, LOSS, cfg=WindowConfig(tree_attempts=1))
+    window.step_hook = Raise("forward", set(range(1, 99)), RuntimeError("x"))
+    with pytest.raises(ManifestError, match="every group of the update was dropped"):
+        window.run(groups())
+    assert torch.equal(params_vector(backend.module), start) and window.version == 0
+
+
+def test_duplicate_and_unknown_requests_are_refused(flat: tuple[torch.Tensor, float]) -> None:
+    backend = TorchBackend(make_model(), OPTIMIZER)
+    start = params_vector(backend.module)
+    opened = UpdateWindow(backend, LOSS).open(groups())
+    opened.replay_all()
+    for tree_id in opened.work:
+        with pytest.raises(DuplicateContributionError, match="a second replay would count it twice"):
+            opened.replay(tree_id)
+    with pytest.raises(ManifestError, match="has no contributions on rank 0"):
+        opened.replay("f" * 32)
+    opened.commit()
+    with pytest.raises(RuntimeError, match="already committed"):
+        opened.commit()
+    _close(params_vector(backend.module) - start, flat)
+
+
+def test_commit_bumps_the_version_and_invalidates_resident_state() -> None:
+    backend = TorchBackend(make_model(), OPTIMIZER)
+    window = UpdateWindow(
+        backend, LOSS, store=ResidentStore(ResidentIdentity.of(backend.module, tokenizer="tok-1"))
+    )
+    tree = groups()[0].trees[0]
+    key = ResidentKey(tree.id, 1, tree.nodes[1].id)
+    old = window.identity
+    opened = window.open(groups())
+    opened.replay_all()
+    window.store.put(key, [(torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2))], old)  # kept across the step
+    opened.commit()
+    assert window.version == 1 and window.identity == old.bumped()
+    with pytest.raises(StaleResidentStateError, match="invalidated by an optimizer step"):
+        window.store.get(key, window.identity)
+    with pytest.raises(StaleResidentStateError, match="the store holds identity"):
+        window.store.get(key, old)
+    second = window.open(groups(1))
+    assert {k.version for k in second.claims.expected} == {1}
+
+
+def _thread_ranks(
+    world: ThreadWorld,
+    *,
+    fail_on: dict[int, list[int]] | None = None,
+    replay: Any = lambda rank: None,
+    version: Any = lambda rank: 0,
+    hook: Any = lambda rank, window: None,
+    mean: bool = False,
+) -> list[Any]:
+    """Run one update on every simulated rank; per rank, (delta, report) or the exception raised."""
+    fail_on = fail_on or {}
+    backends = [
+        ThreadRankBackend(world, r, make_model(), OPTIMIZER, fail_on.get(r, ()), mean=mean)
+        for r in range(world.size)
+    ]
+    trees = [t for g in groups() for t in g.trees]
+
+    def rank_fn(r: int) -> Any:
+        def fn() -> Any:
+            start = params_vector(backends[r].module)
+            store = ResidentStore(ResidentIdentity.of(backends[r].module, version=version(r)))
+            window = UpdateWindow(backends[r], LOSS, replay(r), store=store)
+            window.step_hook = hook(r, window)
+            report = window.run(groups(), round_robin(trees, world.size))
+            return params_vector(backends[r].module) - start, report
+
+        return fn
+
+    return world.run([rank_fn(r) for r in range(world.size)])
+
+
+class DoublingBackend(TorchBackend):
+    """Negative control: the gradient reaching the optimizer is twice the right one."""
+
+    def step(self) -> bool:
+        with torch.no_grad():
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(2.0)
+        return super().step()
+
+
+def test_negative_control_a_doubled_gradient_is_far_outside_the_tolerance(
+    flat: tuple[torch.Tensor, float],
+) -> None:
+    delta, _ = _run(DoublingBackend(make_model(), OPTIMIZER))
+    print(f"doubled gradient: |delta - reference| = {_far(delta, flat, 'doubled'):.0f} x floor")
+
+
+def test_negative_control_averaging_over_ranks_instead_of_summing_is_visible(
+    flat: tuple[torch.Tensor, float],
+) -> None:
+    """The manifest normalizes the global sum: a mean over 2 ranks (DeepSpeed's default) halves it."""
+    for delta, _ in _thread_ranks(ThreadWorld(2), mean=True):
+        print(f"mean over ranks: |delta - reference| = {_far(delta, flat, 'mean'):.0f} x floor")
+        _close(delta, (flat[0] / 2, flat[1]))
+
+
+def test_adamw_window_matches_the_engine_run_directly() -> None:
+    delta, _ = _run(TorchBackend(make_model(), ADAMW))
+    _close(delta, delta_floor("flat", groups(), ADAMW))
+
+
+class SkippingBackend(TorchBackend):
+    """The optimizer skips the update (as DeepSpeed may on overflow)."""
+
+    def step(self) -> bool:
+        self.optimizer.zero_grad(set_to_none=True)
+        return False
+
+
+def test_a_skipped_step_still_counts_as_a_committed_window() -> None:
+    backend = SkippingBackend(make_model(), OPTIMIZER)
+    start = params_vector(backend.module)
+    window = UpdateWindow(backend, LOSS)
+    tree = groups()[0].trees[0]
+    key = ResidentKey(tree.id, 1, tree.nodes[1].id)
+    opened = window.open(groups())
+    opened.replay_all()
+    window.store.put(key, [(torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2))], window.identity)
+    report = opened.commit()
+    assert not report.step_applied and report.version == window.version == 1
+    assert torch.equal(params_vector(backend.module), start)
+    with pytest.raises(StaleResidentStateError):
+        window.store.get(key, window.identity)
+
+
+def test_thread_ranks_match_one_process_under_faults(flat: tuple[torch.Tensor, float]) -> None:
+    results = _thread_ranks(
+        ThreadWorld(3),
+        fail_on={1: [2]},
+        replay=lambda r: ReplayConfig(order="shuffle", seed=r, microbatch=r),
+        hook=lambda r, w: Raise("forward", {1}, RuntimeError("x")) if r == 2 else None,
+    )
+    for delta, _ in results:
+        _close(delta, flat)
+    assert [rep.window_resets for _, rep in results] == [0, 1, 0] and results[2][1].tree_retries == 1
+
+
+def test_thread_ranks_drop_a_group_that_one_rank_cannot_finish() -> None:
+    victim = groups()[1].trees[0].id
+    results = _thread_ranks(ThreadWorld(2), hook=lambda r, w: _fail_tree(w, victim) if r == 1 else None)
+    reference = delta_floor("flat", groups()[:1])
+    for delta, report in results:
+        assert [d.index for d in report.dropped] == [1] and report.dropped[0].reason.startswith("rank 1: ")
+        _close(delta, reference)
+
+
+def test_thread_ranks_refuse_a_version_mismatch() -> None:
+    results = _thread_ranks(ThreadWorld(2), version=lambda r: r)
+    for exc in results:
+        assert isinstance(exc, AgreementError) and "ranks [1] differ" in str(exc)
+
+
+def test_torch_checkpoint_resume_reproduces_the_next_update(tmp_path: Any) -> None:
+    backend = TorchBackend(make_model(), OPTIMIZER)
+    window = UpdateWindow(backend, LOSS)
+    window.run(groups(0))
+    backend.save_checkpoint(tmp_path / "ckpt", {"version": 0})
+    backend.save_checkpoint(tmp_path / "ckpt", {"version": window.version})  # replaces atomically
+    window.run(groups(1))
+    fresh = TorchBackend(make_model(), OPTIMIZER)
+    state = fresh.load_checkpoint(tmp_path / "ckpt")
+    assert state == {"version": 1}
+    UpdateWindow(
+        fresh, LOSS, store=ResidentStore(ResidentIdentity.of(fresh.module, version=state["version"]))
+    ).run(groups(1))
+    assert torch.equal(params_vector(fresh.module), params_vector(backend.module))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    with pytest.raises(CheckpointError, match="not JSON-serializable"):
+        backend.save_checkpoint(tmp_path / "ckpt", {"rng": object()})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"] and fresh.load_checkpoint(tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "client_state.json").write_text(
+        '{"schema": "treetrain.client_state/1", "client_state": 3}'
+    )
+    with pytest.raises(CheckpointError, match="field 'client_state' must be an object"):
+        fresh.load_checkpoint(tmp_path / "ckpt")
+
+
+def test_make_backend_reads_trainer_settings() -> None:
+    @dataclass(frozen=True)
+    class Distributed:
+        backend: str = "torch"
+        zero_stage: int = 0
+        offload_optimizer: bool = False
+        deepspeed_config: str | None = None
+
+    optim = OptimizerConfig(lr=1e-3, betas=(0.9, 0.99), grad_clip=0.0)
+    backend = make_backend(make_model(), optim, Distributed())
+    assert (
+        isinstance(backend, TorchBackend)
+        and backend.cfg.grad_clip == 0.0
+        and backend.cfg.betas == (0.9, 0.99)
+        and isinstance(backend.optimizer, torch.optim.AdamW)
+    )
+    assert (backend.zero_stage, backend.offload_optimizer) == (0, False)
+    with pytest.raises(ConfigError, match=r"distributed\.backend must be 'torch' or 'deepspeed'"):
+        make_backend(make_model(), optim, Distributed(backend="horovod"))
+
+    sgd = make_backend(make_model(), OptimizerConfig(name="sgd"), Distributed())
+    assert isinstance(sgd, TorchBackend) and type(sgd.optimizer) is torch.optim.SGD
+    with pytest.raises(ConfigError, match=r"optim\.name must be 'adamw' or 'sgd'"):
+        OptimizerConfig(name="lion")  # type: ignore[arg-type]
+
+
+def test_negative_control_a_tree_counted_twice_is_far_outside_the_tolerance(
+    flat: tuple[torch.Tensor, float],
+) -> None:
+    backend = TorchBackend(make_model(), OPTIMIZER)
+    start = params_vector(backend.module)
+    opened = UpdateWindow(backend, LOSS).open(groups())
+    opened.replay_all()
+    work = next(iter(opened.work.values()))
+    opened.engine.accumulate(UpdateBatch((work,), opened.manifest))  # behind the claims' back
+    opened.commit()
+    assert float((params_vector(backend.module) - start - flat[0]).norm()) > 100 * FACTOR * flat[1]
+
+
+def test_window_takes_over_a_given_identity_and_store() -> None:
+    backend = TorchBackend(make_model(), OPTIMIZER)
+    identity = ResidentIdentity.of(backend.module, version=7, tokenizer="tok")
+    store = ResidentStore(identity)
+    window = UpdateWindow(backend, LOSS, store=store)
+    assert window.identity == identity
+    assert {k.version for k in window.open(groups()).claims.expected} == {7}
+    window.active.commit()  # type: ignore[union-attr]
+    assert window.identity == identity.bumped() and store.identity == identity.bumped()
+
+
+def test_torch_backend_refuses_a_non_finite_step() -> None:
+    """A NaN gradient never reaches the weights: the step raises and the gradients are discarded."""
+    import math
+
+    from treetrain.models.presets import tiny_model
+
+    model = tiny_model("llama", 32)
+    backend = TorchBackend(model, OptimizerConfig(lr=0.1, grad_clip=0.0))
+    before = [p.detach().clone() for p in model.parameters()]
+    backend.backward(sum(p.sum() for p in model.parameters()) * math.nan)
+    with pytest.raises(FloatingPointError, match="refused"):
+        backend.step()
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters())
