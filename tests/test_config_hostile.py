@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from treetrain.cli.main import main
-from treetrain.loss.loss_config import ConfigError
+from treetrain.errors import ConfigError
 from treetrain.train.config import TrainConfig, dump_config, load_config
 from treetrain.train.config_file import MAX_CONFIG_BYTES
 from treetrain.train.typed import from_dict

@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 LAYERS = (
     "io",
+    "errors",
     "bytesize",
     "stall",
     "lifetime",

@@ -24,7 +24,8 @@ from treetrain.engine.resident import ResidentIdentity, ResidentKey, ResidentSto
 from treetrain.engine.scoring import PathKV, scoring_pass
 from treetrain.engine.units import UnitTree
 from treetrain.engine.verify import deviation, flat_grad, flat_gradient, noise_floor
-from treetrain.loss.loss_config import ConfigError, LossConfig
+from treetrain.errors import ConfigError
+from treetrain.loss.loss_config import LossConfig
 from treetrain.memory.calibrate import calibrate
 from treetrain.memory.ledger import predict_ledger
 from treetrain.memory.persistent import full_finetune_bytes, model_persistent_bytes

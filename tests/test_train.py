@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from treetrain.cli.main import main
-from treetrain.loss.loss_config import ConfigError
+from treetrain.errors import ConfigError
 from treetrain.train.config import dump_config, load_config
 from treetrain.train.loop import Trainer
 from treetrain.train.metrics import read_metrics

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from treetrain.engine import ReplayReport
+from treetrain.errors import ConfigError
 from treetrain.loss.advantages import AdvantageConfig, TreeAdvantages, compute_advantages
-from treetrain.loss.loss_config import ConfigError
 from treetrain.tree.model import TrajectoryTree
 
 Mode = Literal["tree", "flat"]

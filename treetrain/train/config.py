@@ -22,8 +22,9 @@ import yaml
 
 from treetrain.distributed.backend import OptimizerConfig
 from treetrain.engine.schedule import Contract
+from treetrain.errors import ConfigError
 from treetrain.loss.advantages import AdvantageConfig
-from treetrain.loss.loss_config import ConfigError, LossConfig
+from treetrain.loss.loss_config import LossConfig
 from treetrain.models.logprobs import DEFAULT_MAX_LOGIT_ELEMENTS
 from treetrain.models.lora import LoraSection
 from treetrain.train.config_file import read_config_file

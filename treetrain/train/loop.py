@@ -34,9 +34,9 @@ from treetrain.distributed.window import UpdateWindow
 from treetrain.distributed.window_types import Group, WindowConfig
 from treetrain.engine import ReplayReport
 from treetrain.engine.resident import ResidentIdentity, ResidentStore
+from treetrain.errors import ConfigError
 from treetrain.io import atomic_write_text
 from treetrain.loss.advantages import compute_advantages
-from treetrain.loss.loss_config import ConfigError
 from treetrain.memory.planner import Plan
 from treetrain.memory.tracker import MemoryTracker
 from treetrain.stall import stall

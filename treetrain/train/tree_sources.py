@@ -21,7 +21,7 @@ from typing import Any
 from envs.protocol import Environment
 from envs.wrapper import WrapperConfig
 from treetrain.distributed.backend import TrainBackend
-from treetrain.loss.loss_config import ConfigError
+from treetrain.errors import ConfigError
 from treetrain.rollout.fanout import FanOut
 from treetrain.rollout.sampler import SamplerConfig
 from treetrain.rollout.tree_rollout import RolloutConfig, rollout_trees

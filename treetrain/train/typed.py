@@ -12,7 +12,7 @@ Example:
     Opt(lr=0.5)
     >>> from_dict(Opt, {"lr": "fast"}, "optim")
     Traceback (most recent call last):
-    treetrain.loss.loss_config.ConfigError: optim.lr: expected a number, got 'fast'
+    treetrain.errors.ConfigError: optim.lr: expected a number, got 'fast'
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
-from treetrain.loss.loss_config import ConfigError
+from treetrain.errors import ConfigError
 from treetrain.train.config_file import parse_value
 
 T = TypeVar("T")
