@@ -101,7 +101,7 @@ def test_config_error_is_imported_from_one_home() -> None:
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if (
                 isinstance(node, ast.ImportFrom)
-                and node.module != "treetrain.errors"
+                and node.module not in ("treetrain.errors", "treetrain")
                 and any(alias.name == "ConfigError" for alias in node.names)
             ):
                 wrong.append(f"{path.relative_to(ROOT)}: from {node.module}")

@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress)
         summary = trainer.run()
-    except (TreetrainError, OSError, FloatingPointError) as exc:  # bad input, the filesystem, a non-finite step
+    except (TreetrainError, OSError, FloatingPointError) as exc:  # bad input, the disk, a non-finite step
         print(f"treetrain train: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
