@@ -62,7 +62,9 @@ def test_fanout_is_validated() -> None:
         FanOut(root=8, after_tool_result=8, max_depth=4)
     with pytest.raises(ValueError, match=r"^after_assistant_turn: must be an integer"):
         FanOut(after_assistant_turn=True)
-    with pytest.raises(ValueError, match=r"^max_depth: must be in"):  # refused before `max_leaves` is computed
+    with pytest.raises(
+        ValueError, match=r"^max_depth: must be in"
+    ):  # refused before `max_leaves` is computed
         FanOut(after_tool_result=2, max_depth=10**18)
 
 

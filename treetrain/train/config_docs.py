@@ -41,16 +41,18 @@ _INTRO = f"""# Configuration reference
 
 `treetrain train` reads one configuration: the defaults below (they are the demo), then a TOML or YAML file
 (`--config my.yaml`), then `--set section.field=value` overrides. The whole configuration is validated when it
-is loaded, before any model loads, and an error names the field (`rollout.fanout_root: must be >= 1, got 0`).
-Fields of `replay` left `null` are chosen by the planner for every update.
+is loaded, before any model loads, and an error names the field (`rollout.fanout.root: must be in [1, 4096],
+got 0`); a key that was renamed is refused naming its new one (`rollout.fanout_env was renamed
+rollout.fanout.after_assistant_turn`). Fields of `replay` left `null` are chosen by the planner for every update.
 
 ```bash
 treetrain train --print-config > my.yaml            # every setting with its current value
 treetrain train --config my.yaml --set loss.kl_coef=0.02 --set model.reference=initial
 ```
 
-The code is `treetrain/train/config.py` (sections), `treetrain/loss/loss_config.py` (`loss`),
-`treetrain/loss/advantages.py` (`advantages`) and `treetrain/distributed/backend.py` (`optim`).
+The code is `treetrain/train/config.py` (sections), `treetrain/rollout/fanout.py` (`rollout.fanout`),
+`treetrain/loss/loss_config.py` (`loss`), `treetrain/loss/advantages.py` (`advantages`) and
+`treetrain/distributed/backend.py` (`optim`).
 """
 
 
