@@ -12,6 +12,8 @@ import importlib
 import types
 from pathlib import Path
 
+import pytest
+
 from treetrain.errors import ConfigError, TreetrainError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -108,3 +110,24 @@ def test_config_error_is_imported_from_one_home() -> None:
     assert wrong == []
     defined = [where for where in exception_classes(_modules()) if where.endswith(".ConfigError")]
     assert defined == ["treetrain.errors.ConfigError"]
+
+
+def test_the_cli_turns_a_treetrain_error_a_verb_lets_through_into_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import treetrain.cli.inspect as verb
+    from treetrain.cli.main import main
+
+    def refuse(args: object) -> int:
+        raise ConfigError("must be >= 1, got 0", field="x")
+
+    monkeypatch.setattr(verb, "run", refuse)
+    assert main(["inspect", "some.msgpack"]) == 2
+    assert capsys.readouterr().err == "treetrain inspect: x: must be >= 1, got 0\n"
+
+    def bug(args: object) -> int:
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(verb, "run", bug)  # the control: a bug is not bad input, and is not hidden
+    with pytest.raises(ZeroDivisionError):
+        main(["inspect", "some.msgpack"])
