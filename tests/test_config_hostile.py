@@ -171,6 +171,7 @@ def test_a_renamed_key_fails_naming_its_new_key(tmp_path: Path, capsys, old: str
     assert main(["train", "--set", f"rollout.{new}=2", "--print-config"]) == 0  # the control: it loads
     section, key = new.split(".")
     assert getattr(getattr(load_config(None, [f"rollout.{new}=2"]).rollout, section), key) == 2
+    assert f"| `rollout.{old}` | `rollout.{new}` |" in (ROOT / "docs" / "configuration.md").read_text()
 
 
 def test_an_unknown_key_beside_a_renamed_one_still_names_the_rename() -> None:

@@ -152,13 +152,33 @@ def _sections(cls: type, default: Any, prefix: str) -> list[str]:
     return out
 
 
+def renamed_keys(cls: type, prefix: str = "") -> list[tuple[str, str]]:
+    """(old key, new key) for every `RENAMED_FIELDS` entry of `cls` and of its sections, in full."""
+    pairs = [(f"{prefix}{old}", f"{prefix}{new}") for old, new in getattr(cls, "RENAMED_FIELDS", {}).items()]
+    hints = get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        section = _optional_section(hints[f.name]) or (hints[f.name] if _is_section(hints[f.name]) else None)
+        if section is not None:
+            pairs += renamed_keys(section, f"{prefix}{f.name}.")
+    return pairs
+
+
+def _renamed_table() -> str:
+    rows = "\n".join(f"| `{old}` | `{new}` |" for old, new in renamed_keys(TrainConfig))
+    return (
+        "## Renamed keys\n\nA config file that still uses an old key is refused with a line naming the new one.\n\n"
+        f"| old key | new key |\n|---|---|\n{rows}\n"
+    )
+
+
 def render() -> str:
-    """The whole page: the top-level fields, then one table per section, in declaration order."""
+    """The whole page: the top-level fields, one table per section in declaration order, the renamed keys."""
     default = TrainConfig()
     parts = [
         _INTRO,
         "## Top level\n\n" + section_table(TrainConfig, default, "") + "\n",
         *_sections(TrainConfig, default, ""),
+        _renamed_table(),
     ]
     return "\n".join(parts)
 
