@@ -20,9 +20,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from envs.protocol import Environment, Episode, Message, Rubric, StepResult, ToolCall, ToolSpec
+from treetrain.errors import TreetrainError
 
 
-class ConformanceError(AssertionError):
+class ConformanceError(TreetrainError, AssertionError):
     """The environment breaks the protocol; the message lists each problem."""
 
 

@@ -42,6 +42,7 @@ from envs.toolcalls import (
     closed_end,
     parse_tool_calls,
 )
+from treetrain.errors import TreetrainError
 
 
 @dataclass(frozen=True)
@@ -402,7 +403,7 @@ FORMATS: Mapping[str, ToolCallFormat] = {
 }
 
 
-class UnknownFormatError(ValueError):
+class UnknownFormatError(TreetrainError, ValueError):
     """No tool-call format has that name; the message lists the known ones."""
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal, TypeVar
 
+from treetrain.errors import TreetrainError
 from treetrain.trajectory import TrajectoryError, check_reward
 
 Role = Literal["system", "user", "assistant", "tool"]
@@ -33,7 +34,7 @@ _E = TypeVar("_E", bound="Environment")
 _T = TypeVar("_T")
 
 
-class ProtocolError(ValueError):
+class ProtocolError(TreetrainError, ValueError):
     """A value that breaks the protocol (bad role, non-JSON arguments, ...); the message names it."""
 
 

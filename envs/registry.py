@@ -31,6 +31,7 @@ from types import MappingProxyType
 from typing import Any
 
 from envs.protocol import Environment
+from treetrain.errors import TreetrainError
 
 ENTRY_POINT_GROUP = "treetrain.envs"
 
@@ -43,11 +44,11 @@ BUILTINS: Mapping[str, str] = MappingProxyType(
 )
 
 
-class UnknownEnvironmentError(LookupError):
+class UnknownEnvironmentError(TreetrainError, LookupError):
     """No environment has that name; the message lists the available ones."""
 
 
-class EnvironmentLoadError(ImportError):
+class EnvironmentLoadError(TreetrainError, ImportError):
     """A name was found but its target could not be imported, or is not an `Environment` subclass."""
 
 

@@ -45,13 +45,14 @@ from typing import Any
 
 from envs.formats import ToolCallFormat, detect_format, get_format
 from envs.protocol import Message, ToolCall, ToolSpec
+from treetrain.errors import TreetrainError
 
 log = logging.getLogger(__name__)
 
 _PROBE = "PROBE_7c1e"
 
 
-class TemplateError(ValueError):
+class TemplateError(TreetrainError, ValueError):
     """The tokenizer's chat template is missing, fails to render, or has no usable end-of-turn marker."""
 
 

@@ -38,14 +38,15 @@ from typing import Any
 from envs.protocol import Environment, Episode, Message, Rubric, StepResult, ToolSpec, default_rubric
 from envs.template import ChatTemplate, RenderError, Rewrite
 from envs.tools import StepAbandoned
+from treetrain.errors import TreetrainError
 from treetrain.trajectory import Call, Role, Segment, Trajectory, TrajectoryMeta
 
 
-class PromptTooLongError(ValueError):
+class PromptTooLongError(TreetrainError, ValueError):
     """A task's opening does not fit the episode's token budget (the message names both numbers)."""
 
 
-class EnvStepError(RuntimeError):
+class EnvStepError(TreetrainError, RuntimeError):
     """The environment's `step` raised (a bug in the environment, not in the agent's output)."""
 
 

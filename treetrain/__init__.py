@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from treetrain.errors import ConfigError, TreetrainError
 from treetrain.trajectory import Call, Role, Segment, Trajectory, TrajectoryError, TrajectoryMeta
 from treetrain.tree import TrajectoryTree, TreeStats, build_tree, tree_stats
 
@@ -56,6 +57,7 @@ __all__ = [
     "AdvantageConfig",
     "BatchBuild",
     "Call",
+    "ConfigError",
     "LossConfig",
     "ReplayConfig",
     "ReplayReport",
@@ -67,6 +69,7 @@ __all__ = [
     "TrajectoryTree",
     "TreeStats",
     "TreeUpdateReport",
+    "TreetrainError",
     "UpdateBatch",
     "__version__",
     "build_batch",

@@ -29,8 +29,10 @@ from enum import Enum
 from types import MappingProxyType
 from typing import SupportsFloat
 
+from treetrain.errors import TreetrainError
 
-class TrajectoryError(ValueError):
+
+class TrajectoryError(TreetrainError, ValueError):
     """An invalid trajectory: the message names the trajectory, call, segment and field."""
 
 

@@ -16,7 +16,7 @@ from treetrain.distributed.deepspeed_backend import (
     own_boundary,
     read_config,
 )
-from treetrain.loss.loss_config import ConfigError
+from treetrain.errors import ConfigError
 
 
 def test_generated_default_from_explicit_arguments() -> None:

@@ -21,7 +21,7 @@ from treetrain.tree.format import load_trees
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "tools-and-templates.md"
 TRAIN = [
     "rollout.groups_per_update=2",
-    "rollout.fanout_root=2",
+    "rollout.fanout.root=2",
     "rollout.max_turns=2",
     "rollout.max_turn_tokens=6",
     "advantages.zero_variance=keep",

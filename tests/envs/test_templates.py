@@ -176,7 +176,7 @@ def test_a_rewriting_template_trains_from_the_cli(tmp_path: Path) -> None:
     args = ["train", "--run-dir", str(tmp_path / "run"), "--updates", "1", "--no-progress"]
     for s in (
         f"model.path={tmp_path / 'model'}", "env.name=support.env_fixtures:FixedTurnsEnv", "rollout.groups_per_update=1",
-        "rollout.fanout_root=2", "rollout.max_turns=3", "rollout.max_turn_tokens=4", "loss.entropy_coef=0.01",
+        "rollout.fanout.root=2", "rollout.max_turns=3", "rollout.max_turn_tokens=4", "loss.entropy_coef=0.01",
         "advantages.zero_variance=keep", "measure_memory_every=0", "threads=1",
     ):  # fmt: skip
         args += ["--set", s]

@@ -16,8 +16,8 @@ from treetrain.distributed.checkpoint_io import (
     read_client_state,
 )
 from treetrain.distributed.deepspeed_backend import MAX_CONFIG_BYTES, read_config
+from treetrain.errors import ConfigError
 from treetrain.jsonfile import read_json_object
-from treetrain.loss.loss_config import ConfigError
 from treetrain.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MAX_ADAPTER_CONFIG_BYTES, check_adapter_dir
 
 HOSTILE: dict[str, tuple[Callable[[int], bytes], str]] = {

@@ -19,12 +19,13 @@ from support.lora_cases import OTHER_FAMILY, base_model, lora_factory, trained_l
 
 from treetrain.distributed import TorchBackend
 from treetrain.distributed.backend import OptimizerConfig
-from treetrain.engine import FlatReference, ReplayConfig, TreeReplay
+from treetrain.engine import FlatReference, ReplayConfig, ReplayPlan, TreeReplay
 from treetrain.engine.resident import ResidentIdentity, ResidentKey, ResidentStore, StaleResidentStateError
 from treetrain.engine.scoring import PathKV, scoring_pass
 from treetrain.engine.units import UnitTree
 from treetrain.engine.verify import deviation, flat_grad, flat_gradient, noise_floor
-from treetrain.loss.loss_config import ConfigError, LossConfig
+from treetrain.errors import ConfigError
+from treetrain.loss.loss_config import LossConfig
 from treetrain.memory.calibrate import calibrate
 from treetrain.memory.ledger import predict_ledger
 from treetrain.memory.persistent import full_finetune_bytes, model_persistent_bytes
@@ -308,10 +309,8 @@ def test_lora_under_a_retention_budget_with_kept_graphs_and_the_tracker() -> Non
     for p in model.parameters():
         p.grad = torch.zeros_like(p) if p.requires_grad else None
     tracker = MemoryTracker()
-    engine = TreeReplay(
-        model, KL, replay, ref_model=AdaptersOff(model), retention=RetentionPolicy(budget), keep_graph=keep,
-        tracker=tracker,
-    )  # fmt: skip
+    plan = ReplayPlan(config=replay, retention=RetentionPolicy(budget), keep_graph=keep, tracker=tracker)
+    engine = TreeReplay(model, KL, plan, ref_model=AdaptersOff(model))
     report = engine.accumulate(batch)
     tracker.detach()
     assert report.recomputed_units > 0 and report.kept_graphs > 0
@@ -356,10 +355,8 @@ def test_planner_budgets_both_kv_sets_and_falls_back_to_two_walks() -> None:
     tight = Overrides(**forced, retention=mins["separate"])
     plan = plan_update(batch, model, budget=1 << 30, loss=KL, ref_model=ref, overrides=tight)
     assert plan.reference_walk == "separate" and "runs as a second walk" in plan.explain()
-    replay = plan.replay_config()
-    report = TreeReplay(
-        model, KL, replay, ref_model=ref, retention=RetentionPolicy(plan.retention)
-    ).accumulate(batch)
+    bounded = ReplayPlan(config=plan.replay_config(), retention=RetentionPolicy(plan.retention))
+    report = TreeReplay(model, KL, bounded, ref_model=ref).accumulate(batch)
     assert report.reference_walks == len(batch.work) and report.evicted_units > 0
     floor = noise_floor(make, batch, KL, adapters_off_reference=True)
     flat_model = make()

@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 LAYERS = (
     "io",
+    "errors",
     "bytesize",
     "stall",
     "lifetime",

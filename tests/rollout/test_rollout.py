@@ -56,10 +56,16 @@ def _boundaries(traj: Trajectory) -> list[int]:
 def test_fanout_is_validated() -> None:
     assert FanOut(root=3, after_tool_result=2, max_depth=3).max_leaves == 12
     assert FanOut(root=1, after_tool_result=2, max_depth=2).max_leaves == 4
-    with pytest.raises(ValueError, match="root"):
+    with pytest.raises(ValueError, match=r"^root: must be in \[1, 4096\], got 0$"):
         FanOut(root=0)
-    with pytest.raises(ValueError, match="max_trajectories"):
+    with pytest.raises(ValueError, match=r"^max_trajectories: the schedule can produce up to 4096 "):
         FanOut(root=8, after_tool_result=8, max_depth=4)
+    with pytest.raises(ValueError, match=r"^after_assistant_turn: must be an integer"):
+        FanOut(after_assistant_turn=True)
+    with pytest.raises(
+        ValueError, match=r"^max_depth: must be in"
+    ):  # refused before `max_leaves` is computed
+        FanOut(after_tool_result=2, max_depth=10**18)
 
 
 def test_policy_fanout_gives_expected_leaves_and_divergence_points(tmp_path: Path) -> None:

@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from treetrain.cli.main import main
-from treetrain.loss.loss_config import ConfigError
-from treetrain.train.config import TrainConfig, dump_config, load_config
+from treetrain.errors import ConfigError
+from treetrain.train.config import RolloutSection, TrainConfig, dump_config, load_config
 from treetrain.train.config_file import MAX_CONFIG_BYTES
 from treetrain.train.typed import from_dict
 
@@ -40,10 +40,10 @@ def _alias_bomb() -> str:
 # (file name, content, what the one-line error must contain)
 HOSTILE_FILES: list[tuple[str, bytes, str]] = [
     ("bomb.yaml", _alias_bomb().encode(), "alias"),
-    ("dup.yaml", b"seed: 1\nrollout:\n  fanout_root: 2\n  fanout_root: 3\n", "duplicate key 'fanout_root'"),
+    ("dup.yaml", b"seed: 1\nrollout:\n  top_p: 0.5\n  top_p: 0.6\n", "duplicate key 'top_p'"),
     ("dup.toml", b"seed = 1\nseed = 2\n", "line 2: duplicate key 'seed'"),
     ("dup_dotted.toml", b"[loss]\nkl_coef = 1\n[model]\nx.y = 1\nx.y = 2\n", "duplicate key 'x.y'"),
-    ("dup_section.toml", b"[rollout]\nfanout_root = 2\n[rollout]\ntop_p = 0.5\n", "('rollout',) twice"),
+    ("dup_section.toml", b"[rollout]\ntemperature = 2\n[rollout]\ntop_p = 0.5\n", "('rollout',) twice"),
     ("stage.toml", b"[distributed]\nzero_stage = true\n", "distributed.zero_stage"),
     ("stage_float.yaml", b"distributed:\n  zero_stage: 1.0\n", "distributed.zero_stage"),
     ("text_float.toml", b'[rollout]\ntemperature = "0.5"\n', "rollout.temperature"),
@@ -70,10 +70,21 @@ HOSTILE_FILES: list[tuple[str, bytes, str]] = [
     ("scalar.toml", b"= 1\n", "not valid TOML"),
     ("big.yaml", b"# " + b"x" * MAX_CONFIG_BYTES + b"\n", "larger than"),
     ("wide.yaml", b"env:\n  kwargs:\n    x: [" + b"0," * 11_000 + b"]\n", "values"),
-    ("tab.yaml", b"rollout:\n\tfanout_root: 2\n", "not valid YAML"),
-    ("unknown.toml", b"[rollout]\nfanout = 2\n", "rollout.fanout"),
+    ("tab.yaml", b"rollout:\n\ttop_p: 0.5\n", "not valid YAML"),
+    ("unknown.toml", b"[rollout]\nbranching = 2\n", "rollout.branching: unknown field"),
     ("section.yaml", b"rollout: 3\n", "rollout"),
-    ("fanout.yaml", b"rollout:\n  fanout_root: 1000000000\n", "rollout.fanout_root"),
+    ("fanout_section.toml", b"[rollout]\nfanout = 2\n", "rollout.fanout: expected a section"),
+    (
+        "fanout.yaml",
+        b"rollout:\n  fanout:\n    root: 1000000000\n",
+        "rollout.fanout.root: must be in [1, 4096]",
+    ),
+    ("fanout_leaves.toml", b"[rollout.fanout]\nafter_tool_result = 64\n", "rollout.fanout.max_trajectories"),
+    (
+        "renamed.yaml",
+        b"rollout:\n  fanout_env: 2\n",
+        "rollout.fanout_env was renamed rollout.fanout.after_assistant_turn",
+    ),
     ("threads.toml", b"threads = 1000000\n", "threads"),
     ("config.txt", b"seed: 1\n", "use .toml"),
 ]
@@ -149,6 +160,29 @@ def test_hostile_set_values_are_one_line_errors(capsys, override: str, needle: s
     _one_line_error(capsys.readouterr().err, needle)
 
 
+@pytest.mark.parametrize(("old", "new"), sorted(RolloutSection.RENAMED_FIELDS.items()))
+def test_a_renamed_key_fails_naming_its_new_key(tmp_path: Path, capsys, old: str, new: str) -> None:
+    """An earlier config file fails loudly instead of losing the setting; the new key loads the value."""
+    path = tmp_path / "old.yaml"
+    path.write_text(f"rollout:\n  {old}: 2\n")
+    for source in (["--config", str(path)], ["--set", f"rollout.{old}=2"]):
+        assert main(["train", *source, "--print-config"]) == 2
+        _one_line_error(capsys.readouterr().err, f"rollout.{old} was renamed rollout.{new}")
+    assert main(["train", "--set", f"rollout.{new}=2", "--print-config"]) == 0  # the control: it loads
+    section, key = new.split(".")
+    assert getattr(getattr(load_config(None, [f"rollout.{new}=2"]).rollout, section), key) == 2
+    assert f"| `rollout.{old}` | `rollout.{new}` |" in (ROOT / "docs" / "configuration.md").read_text()
+
+
+def test_an_unknown_key_beside_a_renamed_one_still_names_the_rename() -> None:
+    with pytest.raises(
+        ConfigError, match=r"^rollout\.max_branch_depth was renamed rollout\.fanout\.max_depth$"
+    ):
+        load_config(None, ["rollout.aaa=1", "rollout.max_branch_depth=2"])
+    with pytest.raises(ConfigError, match=r"^rollout\.aaa: unknown field"):
+        load_config(None, ["rollout.aaa=1"])
+
+
 def test_yaml_exponent_floats_and_merge_keys_still_load(tmp_path: Path) -> None:
     """YAML 1.2 numbers (5e-4) are numbers; a merge key (<<) overriding a merged key is not a duplicate."""
     path = tmp_path / "c.yaml"
@@ -184,13 +218,13 @@ def test_truncated_safetensors_names_the_file(tmp_path: Path, capsys) -> None:
 # ----- fuzzing ------------------------------------------------------------------------------------------
 BASE_YAML = (
     "run_dir: runs/x\nseed: 3\nupdates: 2\nmodel:\n  path: tiny-llama\n  reference: initial\n"
-    "rollout:\n  fanout_root: 4\n  temperature: 1.0\n  trees: null\nloss:\n  kl_coef: 0.05\n"
+    "rollout:\n  fanout:\n    root: 4\n  temperature: 1.0\n  trees: null\nloss:\n  kl_coef: 0.05\n"
     "optim:\n  lr: 5e-4\n  betas: [0.9, 0.99]\nenv:\n  kwargs: {a: 1, b: [x, y]}\n"
     "distributed:\n  zero_stage: 2\n"
 )
 BASE_TOML = (
     'run_dir = "runs/x"\nseed = 3\nupdates = 2\n[model]\npath = "tiny-llama"\nreference = "initial"\n'
-    "[rollout]\nfanout_root = 4\ntemperature = 1.0\n[loss]\nkl_coef = 0.05\n"
+    "[rollout]\ntemperature = 1.0\n[rollout.fanout]\nroot = 4\n[loss]\nkl_coef = 0.05\n"
     "[optim]\nlr = 5e-4\nbetas = [0.9, 0.99]\n[env.kwargs]\na = 1\nb = ['x', 'y']\n"
     "[distributed]\nzero_stage = 2\n"
 )
@@ -202,8 +236,9 @@ HOSTILE_SNIPPETS = [
 ]  # fmt: skip
 FIELDS = [
     "seed", "updates", "threads", "memory_budget", "checkpoint_every", "mode", "run_dir",
-    "model.path", "model.dtype", "model.reference", "rollout.fanout_root", "rollout.temperature",
+    "model.path", "model.dtype", "model.reference", "rollout.fanout.root", "rollout.temperature",
     "rollout.top_p", "rollout.step_timeout_s", "rollout.max_turn_tokens", "rollout.trees",
+    "rollout.fanout.max_depth", "rollout.fanout_env", "rollout.fanout",
     "replay.microbatch", "replay.retention", "replay.max_logit_elements", "replay.keep_graphs",
     "loss.kl_coef", "loss.dual_clip", "optim.lr", "optim.betas", "optim.name", "env.kwargs", "env.name",
     "distributed.zero_stage", "distributed.backend", "advantages.eps", "nonsense", "rollout.nonsense.x",

@@ -10,7 +10,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from treetrain.cli.main import main
-from treetrain.loss.loss_config import ConfigError
+from treetrain.errors import ConfigError
+from treetrain.rollout.fanout import FanOut
+from treetrain.rollout.tree_rollout import RolloutConfig
 from treetrain.train.config import dump_config, load_config
 from treetrain.train.loop import Trainer
 from treetrain.train.metrics import read_metrics
@@ -20,7 +22,7 @@ from treetrain.update.run import advantage_groups
 TINY = [
     "model.path=tiny-llama",
     "rollout.groups_per_update=2",
-    "rollout.fanout_root=4",
+    "rollout.fanout.root=4",
     "rollout.max_turns=2",
     "rollout.max_turn_tokens=12",
     "optim.lr=0.01",
@@ -80,7 +82,8 @@ def test_resume_reproduces_the_next_update(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("override", "field"),
     [
-        ("rollout.fanout_root=0", "rollout.fanout_root"),
+        ("rollout.fanout.root=0", "rollout.fanout.root"),
+        ("rollout.fanout.max_depth=65", "rollout.fanout.max_depth"),
         ("loss.aggregation=mean", "loss.aggregation"),
         ("optim.lr=-1", "optim.lr"),
         ("nonsense=1", "nonsense"),
@@ -98,6 +101,15 @@ def test_bad_config_fails_before_any_work(tmp_path: Path, override: str, field: 
     assert not (tmp_path / "run").exists()
 
 
+def test_the_rollout_section_is_the_schedule_the_rollout_takes() -> None:
+    """One default, defined once: `rollout.fanout` is `FanOut` itself, so the trainer and a bare rollout agree."""
+    assert load_config(None).rollout.fanout == RolloutConfig().fanout == FanOut()
+    assert load_config(None, ["rollout.fanout.after_assistant_turn=2"]).rollout.fanout == FanOut(
+        after_assistant_turn=2
+    )
+    assert load_config(None, ["rollout.fanout.root=3"]).rollout.fanout != FanOut()
+
+
 def test_config_file_and_print_config(tmp_path: Path, capsys) -> None:
     path = tmp_path / "c.toml"
     path.write_text('updates = 7\n[loss]\nkl_coef = 0.02\n[model]\nreference = "initial"\n')
@@ -105,9 +117,9 @@ def test_config_file_and_print_config(tmp_path: Path, capsys) -> None:
     out = capsys.readouterr().out
     assert "updates: 7" in out and "kl_coef: 0.02" in out and "seed: 3" in out
     yml = tmp_path / "c.yaml"
-    yml.write_text("rollout:\n  fanout_root: 0\n")
+    yml.write_text("rollout:\n  fanout:\n    root: 0\n")
     assert main(["train", "--config", str(yml), "--print-config"]) == 2
-    assert "rollout.fanout_root" in capsys.readouterr().err
+    assert "rollout.fanout.root" in capsys.readouterr().err
 
 
 @pytest.mark.distributed

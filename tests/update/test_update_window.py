@@ -26,7 +26,7 @@ from treetrain.engine import BackwardFailed, ReplayConfig, ReplayPlan, UpdateBat
 from treetrain.engine.replay_plan import Mode
 from treetrain.engine.resident import ResidentIdentity, ResidentKey, ResidentStore, StaleResidentStateError
 from treetrain.engine.schedule import ReplayStep
-from treetrain.loss.loss_config import ConfigError
+from treetrain.errors import ConfigError
 from treetrain.loss.manifest import ManifestError
 from treetrain.memory.retention import BudgetTooSmallError
 from treetrain.models.support import UnsupportedModelError

@@ -11,9 +11,8 @@ import argparse
 import sys
 from typing import Any
 
+from treetrain.errors import TreetrainError
 from treetrain.rollout.importer import GroupBy, import_jsonl
-from treetrain.rollout.records import RecordError
-from treetrain.tree.format import TreeFormatError
 from treetrain.tree.stats import tree_stats
 
 EXIT_BAD_INPUT = 2
@@ -41,7 +40,7 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         result = import_jsonl(args.input, args.out, GroupBy(args.group_by))
-    except (RecordError, TreeFormatError, OSError) as e:
+    except (TreetrainError, OSError) as e:
         print(f"treetrain import: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     n_traj = sum(tree_stats(t).num_trajectories for t in result.trees)

@@ -1,7 +1,7 @@
 """`treetrain inspect FILE`: look at a tree file in the terminal, as JSON statistics, or as a DOT graph.
 
 Rendering lives in `treetrain.tree.render`; this module only parses arguments and reports errors. A file
-that is not a valid tree file prints the `TreeFormatError` message and exits with status 2.
+that is not a valid tree file prints the `TreeFormatError` (a `TreetrainError`) message and exits with status 2.
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import json
 import sys
 from typing import Any
 
+from treetrain.errors import TreetrainError
 from treetrain.io import atomic_write_bytes
-from treetrain.tree.format import TreeFormatError, load_trees
+from treetrain.tree.format import load_trees
 from treetrain.tree.render import Decoder, RenderOptions, render_trees, to_dot, tokenizer_decoder
 from treetrain.tree.stats import tree_stats
 
@@ -48,7 +49,7 @@ def _fail(message: str) -> int:
 def run(args: argparse.Namespace) -> int:
     try:
         trees = load_trees(args.file)
-    except TreeFormatError as e:
+    except TreetrainError as e:
         return _fail(str(e))
     except OSError as e:
         return _fail(f"cannot read {args.file}: {e.strerror or e}")

@@ -1,5 +1,6 @@
 """`treetrain` command line. Each subcommand lives in its own module and exposes `add_parser(subparsers)`;
-the parser stores the function to run in `func`. This file only wires them together."""
+the parser stores the function to run in `func`. This file only wires them together, and turns any
+`TreetrainError` (bad input) a verb lets through into one line and exit status 2."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import importlib
 import os
 import sys
 from collections.abc import Sequence
+
+from treetrain.errors import TreetrainError
 
 #: Subcommand modules, in the order `--help` lists them.
 SUBCOMMANDS: tuple[str, ...] = (
@@ -34,6 +37,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
+    except TreetrainError as exc:  # bad input a verb did not word itself: still one line, never a traceback
+        print(f"treetrain {args.command}: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

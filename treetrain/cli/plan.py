@@ -18,6 +18,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from treetrain.bytesize import format_bytes, parse_bytes
+from treetrain.errors import TreetrainError
 from treetrain.models import ATTENTION
 from treetrain.tree.checks import NamedTrees, check_distinct, check_vocabulary, largest_token
 from treetrain.tree.format import TreeFormatError, load_trees
@@ -154,11 +155,7 @@ def _from_config(args: argparse.Namespace, named: NamedTrees) -> int:
 
     from treetrain.engine import UpdateBatch
     from treetrain.loss.advantages import compute_advantages
-    from treetrain.loss.loss_config import ConfigError
     from treetrain.loss.manifest import Manifest
-    from treetrain.memory.planner import PlanError
-    from treetrain.memory.retention import BudgetTooSmallError
-    from treetrain.models.support import UnsupportedModelError
     from treetrain.train.config import load_config
     from treetrain.train.models import load_models
     from treetrain.update.planning import plan_for
@@ -179,7 +176,7 @@ def _from_config(args: argparse.Namespace, named: NamedTrees) -> int:
         models = load_models(
             section, vocab_size=vocab, check_config=lambda c: check_vocabulary(named, int(c.vocab_size))
         )
-    except (ConfigError, TreeFormatError) as e:
+    except TreetrainError as e:
         return _fail(str(e))
     forced = {
         "microbatch": args.microbatch, "chunk_size": args.chunk_size, "keep_graphs": args.keep_graphs,
@@ -195,7 +192,7 @@ def _from_config(args: argparse.Namespace, named: NamedTrees) -> int:
             zero_stage=cfg.distributed.zero_stage if args.zero_stage is None else args.zero_stage,
             offload_optimizer=cfg.distributed.offload_optimizer,
         )  # fmt: skip
-    except (BudgetTooSmallError, PlanError, UnsupportedModelError) as e:
+    except TreetrainError as e:
         return _fail(str(e))
     vs_full = lora_vs_full(models, cfg) if cfg.model.lora is not None else None
     if args.json:
@@ -241,25 +238,23 @@ def run(args: argparse.Namespace) -> int:
     from safetensors import SafetensorError
 
     from treetrain.loss.advantages import AdvantageConfig
-    from treetrain.loss.loss_config import ConfigError, LossConfig
+    from treetrain.loss.loss_config import LossConfig
     from treetrain.memory.persistent import model_persistent_bytes
-    from treetrain.memory.planner import Overrides, PlanError, plan_update
-    from treetrain.memory.retention import BudgetTooSmallError
+    from treetrain.memory.planner import Overrides, plan_update
     from treetrain.models.presets import load_model
-    from treetrain.models.support import UnsupportedModelError
     from treetrain.train.models import broken_weights, resolve_model_path
 
     named: list[tuple[str, tuple[TrajectoryTree, ...]]] = []
     for path in args.trees:
         try:
             named.append((path, load_trees(path)))
-        except TreeFormatError as e:
+        except TreetrainError as e:
             return _fail(str(e))
         except OSError as e:
             return _fail(f"cannot read {path}: {e.strerror or e}")
     try:
         check_distinct(named)
-    except TreeFormatError as e:
+    except TreetrainError as e:
         return _fail(str(e))
     trees = [t for _, group in named for t in group]
     if args.world_size < 1:
@@ -274,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
         check_vocabulary(named, vocab)  # before the model is built
         dtype = getattr(torch, args.dtype or "float32")
         model = load_model(path, vocab_size=vocab, dtype=dtype, attn=args.attn or "sdpa")
-    except (ConfigError, TreeFormatError) as e:
+    except TreetrainError as e:
         return _fail(str(e))
     except (OSError, ValueError) as e:
         return _fail(f"--model: cannot load model {args.model!r}: {e}")
@@ -291,7 +286,7 @@ def run(args: argparse.Namespace) -> int:
             contract=args.contract or "exact", overrides=overrides,
             min_speedup=args.min_speedup, persistent=persistent,
         )  # fmt: skip
-    except (BudgetTooSmallError, PlanError, UnsupportedModelError) as e:
+    except TreetrainError as e:
         return _fail(str(e))
     print(json.dumps(plan_json(plan), indent=2) if args.json else render(plan))
     return 0

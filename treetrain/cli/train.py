@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from treetrain.loss.loss_config import ConfigError
+from treetrain.errors import ConfigError, TreetrainError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -59,27 +59,12 @@ def run(args: argparse.Namespace) -> int:
         print(dump_config(cfg), end="")
         return 0
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from envs.registry import EnvironmentLoadError, UnknownEnvironmentError
-    from envs.wrapper import PromptTooLongError
-    from treetrain.distributed.checkpoint_io import CheckpointError
-    from treetrain.loss.manifest import ManifestError
-    from treetrain.memory.planner import PlanError
-    from treetrain.memory.retention import BudgetTooSmallError
-    from treetrain.models.support import UnsupportedModelError
     from treetrain.train.loop import Trainer
-    from treetrain.train.metrics import MetricsError
-    from treetrain.train.rundir import RunDirError
-    from treetrain.tree.format import TreeFormatError
 
-    user_errors = (
-        ConfigError, FileNotFoundError, FileExistsError, TreeFormatError, CheckpointError, UnknownEnvironmentError,
-        EnvironmentLoadError, UnsupportedModelError, PlanError, BudgetTooSmallError, PromptTooLongError,
-        RunDirError, PermissionError, MetricsError, ManifestError, FloatingPointError,
-    )  # fmt: skip
     try:
         trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress)
         summary = trainer.run()
-    except user_errors as exc:
+    except (TreetrainError, OSError, FloatingPointError) as exc:  # bad input, the disk, a non-finite step
         print(f"treetrain train: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -35,13 +35,13 @@ from safetensors.torch import load_model, save_model
 from transformers import PreTrainedModel
 
 from treetrain.distributed.checkpoint_io import read_client_state, write_client_state
+from treetrain.errors import ConfigError, TreetrainError
 from treetrain.io import atomic_directory
-from treetrain.loss.loss_config import ConfigError
 from treetrain.models.lora import is_peft, save_adapter
 from treetrain.stall import stall
 
 
-class AgreementError(RuntimeError):
+class AgreementError(TreetrainError, RuntimeError):
     """Ranks hold different values where they must agree (version, manifest, placement, coverage)."""
 
 

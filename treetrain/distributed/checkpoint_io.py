@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from treetrain.errors import TreetrainError
 from treetrain.jsonfile import read_json_object
 
 STATE_FILE = "client_state.json"
@@ -32,7 +33,7 @@ SCHEMA = "treetrain.client_state/1"
 MAX_STATE_BYTES = 16 << 20
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(TreetrainError, RuntimeError):
     """A checkpoint is missing, malformed or from another schema; the message names the file and field."""
 
 

@@ -65,9 +65,9 @@ from treetrain.distributed.checkpoint_io import (
     write_client_state,
 )
 from treetrain.distributed.zero3_sync import FetchRendezvous
+from treetrain.errors import ConfigError
 from treetrain.io import atomic_directory
 from treetrain.jsonfile import read_json_object
-from treetrain.loss.loss_config import ConfigError
 from treetrain.models.lora import is_peft, save_adapter
 
 TAG = "deepspeed"

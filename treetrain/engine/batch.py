@@ -7,9 +7,10 @@ from dataclasses import dataclass, fields
 from typing import Literal
 
 from treetrain.engine.schedule import CONTRACTS, ORDERS, Contract, Order
+from treetrain.errors import ConfigError
 from treetrain.lifetime import ClassBytes, larger
 from treetrain.loss.advantages import TreeAdvantages
-from treetrain.loss.loss_config import ConfigError, LossConfig
+from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.manifest import ContributionKey, Manifest
 from treetrain.loss.targets import EMPTY, TargetTable, tree_targets
 from treetrain.models.logprobs import DEFAULT_MAX_LOGIT_ELEMENTS

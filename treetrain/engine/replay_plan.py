@@ -18,7 +18,7 @@ from typing import Literal
 
 from treetrain.engine.batch import ReplayConfig
 from treetrain.engine.protocols import KeepGraph, MemoryProbe, RetentionHook
-from treetrain.loss.loss_config import ConfigError
+from treetrain.errors import ConfigError
 
 Mode = Literal["tree", "flat"]
 

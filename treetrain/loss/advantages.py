@@ -24,7 +24,7 @@ from typing import Literal
 
 import numpy as np
 
-from treetrain.loss.loss_config import ConfigError
+from treetrain.errors import ConfigError
 from treetrain.tree.model import ROOT, TrajectoryTree
 
 AdvantageMode = Literal["grpo", "tree"]

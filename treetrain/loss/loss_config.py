@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from treetrain.errors import ConfigError
+
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 RatioSource = Literal["scoring", "sampler"]
 KLEstimator = Literal["k1", "k3"]
@@ -12,10 +14,6 @@ KLEstimator = Literal["k1", "k3"]
 AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 RATIO_SOURCES: tuple[str, ...] = ("scoring", "sampler")
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k3")
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field."""
 
 
 @dataclass(frozen=True)

@@ -21,11 +21,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
+from treetrain.errors import TreetrainError
 from treetrain.loss.loss_config import LossConfig
 from treetrain.tree.model import TrajectoryTree
 
 
-class ManifestError(RuntimeError):
+class ManifestError(TreetrainError, RuntimeError):
     """The contributions of an update do not match its manifest; the step is refused."""
 
 

@@ -40,6 +40,7 @@ from treetrain.engine.reference import fused_reference
 from treetrain.engine.replay_plan import ReplayPlan
 from treetrain.engine.schedule import Contract
 from treetrain.engine.units import UnitTree
+from treetrain.errors import TreetrainError
 from treetrain.loss.loss_config import LossConfig
 from treetrain.memory.ledger import Ledger
 from treetrain.memory.persistent import PersistentBytes
@@ -59,7 +60,7 @@ from treetrain.models.lora import Reference
 Mode = Literal["tree", "flat"]
 
 
-class PlanError(ValueError):
+class PlanError(TreetrainError, ValueError):
     """No candidate fits the budget; the message names the smallest peak found."""
 
 

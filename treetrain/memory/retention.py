@@ -37,13 +37,14 @@ from treetrain.bytesize import format_bytes
 from treetrain.engine.schedule import Contract, ReplayStep
 from treetrain.engine.scoring import ScoreBatch, ScoreDone, ScoreEvent
 from treetrain.engine.units import UnitTree
+from treetrain.errors import TreetrainError
 from treetrain.memory.persistent import kv_bytes_per_token
 from treetrain.tree.model import ROOT
 
 NEVER = 1 << 62
 
 
-class BudgetTooSmallError(ValueError):
+class BudgetTooSmallError(TreetrainError, ValueError):
     """The retention budget is below the minimum this update can run in; the message names the minimum."""
 
     def __init__(self, budget: int, minimum: int, where: str) -> None:

@@ -41,8 +41,8 @@ from typing import Any, Literal
 import torch
 from transformers import PreTrainedModel
 
+from treetrain.errors import ConfigError
 from treetrain.jsonfile import read_json_object
-from treetrain.loss.loss_config import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from treetrain.errors import TreetrainError
 from treetrain.models.decoder import base_model, decoder_forward, output_head
 
 #: Layer types whose state is plain KV over every earlier position.
@@ -56,7 +57,7 @@ BIDIRECTIONAL_FLAGS: dict[str, bool] = {"use_bidirectional_attention": True, "is
 LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(TreetrainError, ValueError):
     """The engine cannot reproduce this model's computation across a tree split; the message says why."""
 
 

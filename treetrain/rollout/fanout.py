@@ -14,6 +14,9 @@ There are two kinds of branch point:
 path; past it every factor is 1. This bounds the trajectories per tree (`max_leaves`), which is checked
 against `max_trajectories` when the schedule is built.
 
+`FanOut` is also the trainer's `rollout.fanout` config section, as it is: its defaults are the demo's and
+its field names are the config's keys (`--set rollout.fanout.after_assistant_turn=2`).
+
 Example:
     >>> FanOut(root=3, after_tool_result=2, max_depth=2).max_leaves
     6
@@ -23,12 +26,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from treetrain.errors import ConfigError
+
+FACTOR_LIMIT = 1 << 12
+"""Most samples or forks at one branch point: a batch is sized from it, so a typo must not allocate."""
+DEPTH_LIMIT = 64
+"""Most branch points on one path."""
+TRAJECTORY_LIMIT = 1 << 16
+"""Largest `max_trajectories` accepted."""
+
 
 @dataclass(frozen=True)
 class FanOut:
-    """How a tree rollout branches. See the module docstring."""
+    """How a tree rollout branches; the trainer's `rollout.fanout` section. See the module docstring.
 
-    root: int = 4
+    Errors name the field alone (`root: ...`); the config loader puts the section in front.
+    """
+
+    root: int = 8
     """G: samples of the first assistant turn."""
     after_tool_result: int = 1
     """Samples of the next assistant turn after each observation (tool results, user replies)."""
@@ -37,17 +52,24 @@ class FanOut:
     max_depth: int = 2
     """Most branch points with a factor above 1 on one path, the root included."""
     max_trajectories: int = 256
-    """Upper bound on trajectories per tree; a schedule that could exceed it is rejected."""
+    """Upper bound on trajectories per tree; a schedule that could exceed it is refused."""
 
     def __post_init__(self) -> None:
-        for name in ("root", "after_tool_result", "after_assistant_turn", "max_depth", "max_trajectories"):
+        limits = {
+            "root": FACTOR_LIMIT, "after_tool_result": FACTOR_LIMIT, "after_assistant_turn": FACTOR_LIMIT,
+            "max_depth": DEPTH_LIMIT, "max_trajectories": TRAJECTORY_LIMIT,
+        }  # fmt: skip
+        for name, most in limits.items():
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"FanOut.{name} must be a positive int, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"must be an integer, got {value!r}", field=name)
+            if not 1 <= value <= most:
+                raise ConfigError(f"must be in [1, {most}], got {value}", field=name)
         if self.max_leaves > self.max_trajectories:
-            raise ValueError(
-                f"FanOut can produce up to {self.max_leaves} trajectories per tree, above "
-                f"max_trajectories={self.max_trajectories}; lower a factor or max_depth"
+            raise ConfigError(
+                f"the schedule can produce up to {self.max_leaves} trajectories per tree, more than this "
+                f"limit of {self.max_trajectories}; raise it, or lower a factor or max_depth",
+                field="max_trajectories",
             )
 
     @property

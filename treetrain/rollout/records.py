@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from treetrain.errors import TreetrainError
 from treetrain.trajectory import Call, Role, Segment, TrajectoryError
 from treetrain.tree.schema import DEFAULT_LIMITS
 
@@ -62,7 +63,7 @@ FIELDS = frozenset(
 SEGMENT_FIELDS = frozenset({"role", "token_ids", "logprobs"})
 
 
-class RecordError(ValueError):
+class RecordError(TreetrainError, ValueError):
     """An invalid import record: `source`, 1-based `line` and `field` say where."""
 
     def __init__(self, source: str, line: int, field: str, problem: str) -> None:

@@ -2,7 +2,7 @@
 
 The defaults *are* the embedded demo: the shipped checkpoint on the calculator environment, sized to finish in
 minutes on two CPU cores. Every field is validated when the file is loaded, before any work starts, and an
-error names the field (`rollout.fanout_root: must be >= 1, got 0`).
+error names the field (`rollout.fanout.root: must be in [1, 4096], got 0`).
 
 Example:
     >>> cfg = load_config(None, ["updates=3", "loss.kl_coef=0.05", "model.reference=initial"])
@@ -16,14 +16,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 
 from treetrain.distributed.backend import OptimizerConfig
+from treetrain.errors import ConfigError
 from treetrain.loss.advantages import AdvantageConfig
-from treetrain.loss.loss_config import ConfigError, LossConfig
+from treetrain.loss.loss_config import LossConfig
 from treetrain.models.lora import LoraSection
+from treetrain.rollout.fanout import FanOut
 from treetrain.train.config_file import read_config_file
 from treetrain.train.typed import apply_override, from_dict, to_dict
 from treetrain.update.settings import ReplaySection
@@ -34,15 +36,12 @@ SEED_LIMIT = 2**32
 MAX_THREADS = 4096
 ROLLOUT_LIMITS = {
     "groups_per_update": 1 << 16,
-    "fanout_root": 1 << 12,
-    "fanout_after_tool": 1 << 12,
-    "fanout_env": 1 << 12,
-    "max_branch_depth": 64,
     "max_turns": 1 << 12,
     "max_turn_tokens": 1 << 20,
     "max_episode_tokens": 1 << 24,
 }
-"""Upper bounds on sampling sizes: batches and buffers are sized from them, so a typo must not allocate."""
+"""Upper bounds on sampling sizes: batches and buffers are sized from them, so a typo must not allocate
+(`FanOut` bounds its own factors)."""
 MAX_STEP_TIMEOUT_S = 7 * 86400.0
 """Longest environment step timeout (a week); beyond the platform's clocks a deadline overflows."""
 
@@ -120,17 +119,21 @@ class EnvSection:
 class RolloutSection:
     """Tree-shaped sampling from the current policy (ignored when `trees` is set)."""
 
+    RENAMED_FIELDS: ClassVar[Mapping[str, str]] = MappingProxyType(
+        {
+            "fanout_root": "fanout.root",
+            "fanout_after_tool": "fanout.after_tool_result",
+            "fanout_env": "fanout.after_assistant_turn",
+            "max_branch_depth": "fanout.max_depth",
+        }
+    )
+    """Keys of earlier config files and where they went: loading one names the new key."""
+
     groups_per_update: int = 4
     """Advantage groups per update: sampled trees (one task each, each its own group), or with `trees`
     recorded files (a file's trees are one group)."""
-    fanout_root: int = 8
-    """G: samples of the first assistant turn."""
-    fanout_after_tool: int = 1
-    """Samples of the next assistant turn after each tool result."""
-    fanout_env: int = 1
-    """Environment forks answering the same assistant turn."""
-    max_branch_depth: int = 2
-    """Most branch points (factor > 1) on one path."""
+    fanout: FanOut = field(default_factory=FanOut)
+    """Where and how wide episodes branch (treetrain.rollout.fanout.FanOut, which the rollout takes as is)."""
     temperature: float = 1.0
     """Sampling temperature."""
     top_p: float = 1.0
@@ -149,16 +152,7 @@ class RolloutSection:
     """Train on recorded trees instead: a directory or glob of .msgpack files, consumed in order."""
 
     def __post_init__(self) -> None:
-        for name in (
-            "groups_per_update",
-            "fanout_root",
-            "fanout_after_tool",
-            "fanout_env",
-            "max_branch_depth",
-        ):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"rollout.{name}: must be >= 1, got {getattr(self, name)}")
-        for name in ("max_turns", "max_turn_tokens", "max_episode_tokens"):
+        for name in ("groups_per_update", "max_turns", "max_turn_tokens", "max_episode_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"rollout.{name}: must be >= 1, got {getattr(self, name)}")
         for name, most in ROLLOUT_LIMITS.items():

@@ -41,16 +41,18 @@ _INTRO = f"""# Configuration reference
 
 `treetrain train` reads one configuration: the defaults below (they are the demo), then a TOML or YAML file
 (`--config my.yaml`), then `--set section.field=value` overrides. The whole configuration is validated when it
-is loaded, before any model loads, and an error names the field (`rollout.fanout_root: must be >= 1, got 0`).
-Fields of `replay` left `null` are chosen by the planner for every update.
+is loaded, before any model loads, and an error names the field (`rollout.fanout.root: must be in [1, 4096],
+got 0`); a key that was renamed is refused naming its new one (`rollout.fanout_env was renamed
+rollout.fanout.after_assistant_turn`). Fields of `replay` left `null` are chosen by the planner for every update.
 
 ```bash
 treetrain train --print-config > my.yaml            # every setting with its current value
 treetrain train --config my.yaml --set loss.kl_coef=0.02 --set model.reference=initial
 ```
 
-The code is `treetrain/train/config.py` (sections), `treetrain/loss/loss_config.py` (`loss`),
-`treetrain/loss/advantages.py` (`advantages`) and `treetrain/distributed/backend.py` (`optim`).
+The code is `treetrain/train/config.py` (sections), `treetrain/rollout/fanout.py` (`rollout.fanout`),
+`treetrain/loss/loss_config.py` (`loss`), `treetrain/loss/advantages.py` (`advantages`) and
+`treetrain/distributed/backend.py` (`optim`).
 """
 
 
@@ -150,13 +152,33 @@ def _sections(cls: type, default: Any, prefix: str) -> list[str]:
     return out
 
 
+def renamed_keys(cls: type, prefix: str = "") -> list[tuple[str, str]]:
+    """(old key, new key) for every `RENAMED_FIELDS` entry of `cls` and of its sections, in full."""
+    pairs = [(f"{prefix}{old}", f"{prefix}{new}") for old, new in getattr(cls, "RENAMED_FIELDS", {}).items()]
+    hints = get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        section = _optional_section(hints[f.name]) or (hints[f.name] if _is_section(hints[f.name]) else None)
+        if section is not None:
+            pairs += renamed_keys(section, f"{prefix}{f.name}.")
+    return pairs
+
+
+def _renamed_table() -> str:
+    rows = "\n".join(f"| `{old}` | `{new}` |" for old, new in renamed_keys(TrainConfig))
+    return (
+        "## Renamed keys\n\nA config file that still uses an old key is refused with a line naming the new one.\n\n"
+        f"| old key | new key |\n|---|---|\n{rows}\n"
+    )
+
+
 def render() -> str:
-    """The whole page: the top-level fields, then one table per section, in declaration order."""
+    """The whole page: the top-level fields, one table per section in declaration order, the renamed keys."""
     default = TrainConfig()
     parts = [
         _INTRO,
         "## Top level\n\n" + section_table(TrainConfig, default, "") + "\n",
         *_sections(TrainConfig, default, ""),
+        _renamed_table(),
     ]
     return "\n".join(parts)
 

@@ -13,7 +13,7 @@ Example:
     (0.0005, True, '*.msgpack')
     >>> parse_yaml("a: 1\\na: 2\\n", "c.yaml")
     Traceback (most recent call last):
-    treetrain.loss.loss_config.ConfigError: config file c.yaml: line 2: duplicate key 'a'
+    treetrain.errors.ConfigError: config file c.yaml: line 2: duplicate key 'a'
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
-from treetrain.loss.loss_config import ConfigError
+from treetrain.errors import ConfigError
 
 if sys.version_info >= (3, 11):
     import tomllib

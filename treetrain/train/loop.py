@@ -31,8 +31,8 @@ from envs.registry import make_env, resolve
 from treetrain.distributed.backend import TrainBackend, make_backend
 from treetrain.engine import ReplayReport
 from treetrain.engine.resident import ResidentIdentity, ResidentStore
+from treetrain.errors import ConfigError
 from treetrain.io import atomic_write_text
-from treetrain.loss.loss_config import ConfigError
 from treetrain.memory.planner import Plan
 from treetrain.memory.tracker import MemoryTracker
 from treetrain.stall import stall

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from treetrain.errors import TreetrainError
 from treetrain.io import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ class UpdateMetrics:
         return d
 
 
-class MetricsError(ValueError):
+class MetricsError(TreetrainError, ValueError):
     """A metrics file that cannot be read; the message names the file and line."""
 
 

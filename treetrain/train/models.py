@@ -15,8 +15,8 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from treetrain.assets import tokenizer_path
+from treetrain.errors import ConfigError
 from treetrain.io import atomic_directory
-from treetrain.loss.loss_config import ConfigError
 from treetrain.models.checkpoint_bounds import checkpoint_config
 from treetrain.models.lora import AdaptersOff, Reference, apply_lora
 from treetrain.models.presets import load_model, model_config

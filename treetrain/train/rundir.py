@@ -31,6 +31,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from treetrain.errors import TreetrainError
 from treetrain.io import atomic_write_text, recover_atomic_leftovers
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ _UPDATE_DIR = re.compile(r"update-\d{5,}")
 _PLOT_TMP = ".reward.png.tmp.png"
 
 
-class RunDirError(RuntimeError):
+class RunDirError(TreetrainError, RuntimeError):
     """The run directory cannot be used as asked; the message names it and what to do."""
 
 

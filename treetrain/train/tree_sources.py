@@ -21,8 +21,7 @@ from typing import Any
 from envs.protocol import Environment
 from envs.wrapper import WrapperConfig
 from treetrain.distributed.backend import TrainBackend
-from treetrain.loss.loss_config import ConfigError
-from treetrain.rollout.fanout import FanOut
+from treetrain.errors import ConfigError
 from treetrain.rollout.sampler import SamplerConfig
 from treetrain.rollout.tree_rollout import RolloutConfig, rollout_trees
 from treetrain.train.config import TrainConfig
@@ -73,17 +72,10 @@ class RolloutSource:
     def __init__(
         self, cfg: TrainConfig, tokenizer: Any, make_env: Callable[[], Environment], backend: TrainBackend
     ) -> None:
-        r = cfg.rollout
         self.cfg = cfg
         self.backend = backend
         self.tokenizer = tokenizer
         self.make_env = make_env
-        self.fanout = FanOut(
-            root=r.fanout_root,
-            after_tool_result=r.fanout_after_tool,
-            after_assistant_turn=r.fanout_env,
-            max_depth=r.max_branch_depth,
-        )
         self.wrapper = wrapper_config(cfg, backend.module)
 
     def __call__(self, model: Any, update: int, version: int) -> Produced:
@@ -98,7 +90,7 @@ class RolloutSource:
             with self.backend.uneven():  # ranks generate different lengths (ZeRO-3: fetches rendezvous)
                 for seed in task_seeds(self.cfg, update)[rank::world]:
                     config = RolloutConfig(
-                        fanout=self.fanout,
+                        fanout=r.fanout,
                         sampler=SamplerConfig(temperature=r.temperature, top_p=r.top_p, seed=seed),
                         wrapper=self.wrapper,
                         rubric=self.cfg.env.rubric,
@@ -227,7 +219,7 @@ class RecordedSource:
                 f"rollout.trees: cannot list {short_repr(pattern, 80)}: {exc.strerror or exc}"
             ) from None
         if not files:
-            raise FileNotFoundError(f"rollout.trees: no .msgpack files at {short_repr(pattern, 200)}")
+            raise ConfigError(f"rollout.trees: no .msgpack files at {short_repr(pattern, 200)}")
         self.groups: list[tuple[TrajectoryTree, ...]] = []
         for f in files:
             try:

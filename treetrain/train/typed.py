@@ -1,7 +1,11 @@
 """Build frozen config dataclasses from plain dicts (TOML/YAML) with errors that name the field.
 
 Each dataclass validates its own values in `__post_init__`; this module checks structure and types
-(unknown keys, wrong scalar types, nested sections) and applies `section.field=value` overrides.
+(unknown keys, wrong scalar types, nested sections) and applies `section.field=value` overrides. A
+dataclass that lists `RENAMED_FIELDS` (old key -> new key) has an old key refused with the new one named,
+so an earlier config file fails loudly instead of losing a setting. A library dataclass used as a section
+names only its own field in a `ConfigError` (`ConfigError(..., field="root")`); the section's path is put
+in front here (`rollout.fanout.root: ...`).
 
 Example:
     >>> from dataclasses import dataclass
@@ -12,7 +16,7 @@ Example:
     Opt(lr=0.5)
     >>> from_dict(Opt, {"lr": "fast"}, "optim")
     Traceback (most recent call last):
-    treetrain.loss.loss_config.ConfigError: optim.lr: expected a number, got 'fast'
+    treetrain.errors.ConfigError: optim.lr: expected a number, got 'fast'
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
-from treetrain.loss.loss_config import ConfigError
+from treetrain.errors import ConfigError
 from treetrain.train.config_file import parse_value
 
 T = TypeVar("T")
@@ -145,7 +149,10 @@ def from_dict(cls: type[T], data: Mapping[str, Any], where: str = "") -> T:
     for key in data:
         if not isinstance(key, str):
             raise ConfigError(f"{prefix}{_show(key)}: a field name must be text")
-    unknown = sorted(set(data) - set(fields))
+    renamed: Mapping[str, str] = getattr(cls, "RENAMED_FIELDS", {})
+    unknown = sorted(set(data) - set(fields), key=lambda key: (key not in renamed, key))
+    if unknown and unknown[0] in renamed:
+        raise ConfigError(f"{prefix}{unknown[0]} was renamed {prefix}{renamed[unknown[0]]}")
     if unknown:
         raise ConfigError(
             f"{prefix}{_cut(unknown[0])}: unknown field; known fields: {', '.join(sorted(fields))}"
@@ -153,8 +160,8 @@ def from_dict(cls: type[T], data: Mapping[str, Any], where: str = "") -> T:
     kwargs = {name: convert(hints[name], value, f"{prefix}{name}") for name, value in data.items()}
     try:
         return cls(**kwargs)
-    except ConfigError:
-        raise
+    except ConfigError as exc:
+        raise exc.within(where) from exc.__cause__
     except (TypeError, ValueError, ArithmeticError) as exc:
         raise ConfigError(f"{where or cls.__name__}: {exc}") from exc
 

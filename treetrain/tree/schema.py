@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from treetrain.errors import TreetrainError
+
 FORMAT_NAME = "treetrain.tree"
 """Value of the top-level `format` field; anything else is not a tree file."""
 
@@ -20,7 +22,7 @@ SUPPORTED_VERSIONS = frozenset({1})
 """Versions this code reads. A new field or a changed meaning bumps the version (trees/README.md)."""
 
 
-class TreeFormatError(ValueError):
+class TreeFormatError(TreetrainError, ValueError):
     """A tree file (or bytes) that does not follow the schema.
 
     The message names the field and the node / trajectory index, e.g.

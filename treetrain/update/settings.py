@@ -14,8 +14,9 @@ from typing import Literal, Protocol
 from treetrain.bytesize import parse_bytes
 from treetrain.engine.batch import ReplayConfig
 from treetrain.engine.schedule import Contract
+from treetrain.errors import ConfigError
 from treetrain.loss.advantages import AdvantageConfig
-from treetrain.loss.loss_config import ConfigError, LossConfig
+from treetrain.loss.loss_config import LossConfig
 from treetrain.memory.planner import Overrides
 from treetrain.models.logprobs import DEFAULT_MAX_LOGIT_ELEMENTS
 

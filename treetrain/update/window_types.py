@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from treetrain.engine import ReplayReport
+from treetrain.errors import ConfigError
 from treetrain.loss.advantages import AdvantageConfig, TreeAdvantages, compute_advantages
-from treetrain.loss.loss_config import ConfigError
 from treetrain.tree.model import TrajectoryTree
 
 
