@@ -369,7 +369,7 @@ def test_trainer_resume_with_adapters_equals_straight_run_and_exports(tmp_path) 
     """KL against adapters off (0 on the first update, > 0 after); resume reproduces the uninterrupted run;
     final/ is the adapter, final-merged/ a plain model giving the adapted policy's logits."""
     from safetensors.torch import load_file
-    from test_train import TINY
+    from support.train_cases import TINY
 
     from treetrain.train.loop import Trainer
     from treetrain.train.metrics import read_metrics
@@ -504,7 +504,7 @@ def test_rewriting_init_reference_is_the_starting_model(init: str, tmp_path) -> 
 def test_trainer_with_pissa_exports_the_trained_policy(tmp_path) -> None:
     """The trainer with PiSSA: KL 0 on the first update (the reference is the starting model), > 0 after;
     final-merged/ (the rank-2r export merged into a freshly loaded base) gives the trained policy."""
-    from test_train import TINY
+    from support.train_cases import TINY
 
     from treetrain.train.loop import Trainer
     from treetrain.train.metrics import read_metrics

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from support.train_cases import TINY
 from transformers import AutoModelForCausalLM
 
 from treetrain.cli.main import main
@@ -18,18 +19,6 @@ from treetrain.train.loop import Trainer
 from treetrain.train.metrics import read_metrics
 from treetrain.tree.format import load_trees
 from treetrain.update.run import advantage_groups
-
-TINY = [
-    "model.path=tiny-llama",
-    "rollout.groups_per_update=2",
-    "rollout.fanout.root=4",
-    "rollout.max_turns=2",
-    "rollout.max_turn_tokens=12",
-    "optim.lr=0.01",
-    "advantages.zero_variance=keep",
-    "loss.entropy_coef=0.01",
-    "checkpoint_every=1",
-]
 
 
 def _cfg(run_dir: Path, *extra: str):

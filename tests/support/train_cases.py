@@ -1,0 +1,15 @@
+"""The tiny trainer run the training tests share: a tiny Llama preset on the calculator environment,
+two groups of four, two short turns, and a learning rate high enough for the weights to move visibly."""
+
+TINY = [
+    "model.path=tiny-llama",
+    "rollout.groups_per_update=2",
+    "rollout.fanout.root=4",
+    "rollout.max_turns=2",
+    "rollout.max_turn_tokens=12",
+    "optim.lr=0.01",
+    "advantages.zero_variance=keep",
+    "loss.entropy_coef=0.01",
+    "checkpoint_every=1",
+]
+"""`--set` overrides for a run of seconds (the defaults are the demo, which takes minutes)."""
