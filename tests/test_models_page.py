@@ -42,7 +42,9 @@ def table_rows(text: str) -> dict[str, list[str]]:
 
 
 def test_the_command_parser_joins_continuations_and_drops_comments() -> None:
-    body = "treetrain plan --model m   # check\n\n# a comment\ntreetrain train --set a=1 \\\n    --set b='x y'\n"
+    body = (
+        "treetrain plan --model m   # check\n\n# a comment\ntreetrain train --set a=1 \\\n    --set b='x y'\n"
+    )
     assert commands(body) == [
         ["treetrain", "plan", "--model", "m"],
         ["treetrain", "train", "--set", "a=1", "--set", "b=x y"],
