@@ -54,7 +54,7 @@ def test_a_checkpoint_is_accepted_and_described(tmp_path: Path, capsys: pytest.C
     code, out, _ = _plan(["--model", str(model)], capsys)
     assert code == 0
     lines = out.strip().splitlines()
-    assert lines[0] == f"model: {model} (LlamaForCausalLM, model type 'llama', 1 layers)"
+    assert lines[0] == f"model: {model} (LlamaForCausalLM, model type 'llama', 1 layer)"
     assert "vocabulary: model 576 ids, tokenizer 514 ids" in lines
     assert lines[-1].startswith("accepted: ")
 

@@ -62,9 +62,10 @@ class ModelCheck:
         trained = "all weights" if self.trainable == self.parameters else "LoRA adapters"
         tools = ", ".join(self.tools) or "none"
         how = "detected" if self.format_detected else "set by name"
+        layers = f"{self.layers} layer" + ("" if self.layers == 1 else "s")
         return "\n".join(
             [
-                f"model: {self.path} ({self.architecture}, model type {self.model_type!r}, {self.layers} layers)",
+                f"model: {self.path} ({self.architecture}, model type {self.model_type!r}, {layers})",
                 f"parameters: {self.parameters:,}, trained: {self.trainable:,} ({trained})",
                 f"vocabulary: model {self.vocab_model:,} ids, tokenizer {self.vocab_tokenizer:,} ids",
                 f"context: {context}; probes run for {self.probe_length:,} tokens, {window}",
