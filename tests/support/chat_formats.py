@@ -91,27 +91,11 @@ def published_template(name: str) -> str:
 
 @functools.lru_cache(maxsize=1)
 def llama3_tokenizer() -> Any:
-    """The real Llama 3 tokenizer (128,256 ids), from the tiktoken file Meta's `llama-models` package ships,
-    converted the way transformers converts tiktoken files."""
-    import llama_models
-    from llama_models.llama3.tokenizer import Tokenizer
-    from transformers import PreTrainedTokenizerFast
-    from transformers.convert_slow_tokenizer import TikTokenConverter
+    """The real Llama 3 tokenizer (128,256 ids), from the tiktoken file Meta's `llama-models` package ships
+    (`treetrain.models.tokenizers.llama3_tokenizer`, tested id for id against Meta's in test_tokenizers.py)."""
+    from treetrain.models.tokenizers import llama3_tokenizer as convert
 
-    path = Path(llama_models.__file__).parent / "llama3" / "tokenizer.model"
-    meta = Tokenizer(path)
-    specials = sorted(meta.special_tokens, key=meta.special_tokens.__getitem__)
-    converted = TikTokenConverter(
-        str(path), pattern=Tokenizer.pat_str, extra_special_tokens=specials
-    ).converted()
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=converted, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>"
-    )
-    text = "Hi there!  123 ümlaut\n\n<|python_tag|>"
-    assert tok.encode(text, add_special_tokens=False) == meta.encode(
-        text, bos=False, eos=False, allowed_special="all"
-    )
-    return tok
+    return convert()
 
 
 def published_tokenizer(name: str) -> Any:

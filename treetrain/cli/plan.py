@@ -5,8 +5,13 @@ parses arguments, loads trees and the model, and prints. Bad input (an unreadabl
 is not a byte size, a model that is neither a directory nor a preset) and a budget nothing fits in exit
 with status 2 and a message that names the problem (for a budget, the smallest peak or the minimum).
 
+With no tree files, `treetrain plan --model PATH` checks the model instead: every check `treetrain train`
+makes at start (`treetrain.train.model_check.check_model`), printed as one fact a line and `accepted: ...`,
+or the first refusal in one line.
+
 Example:
     treetrain plan trees/long_prefix.msgpack --model tiny-qwen3 --budget 64MiB --contract exact --json
+    treetrain plan --model /path/to/hf_checkpoint --set env.name=lookup
 """
 
 from __future__ import annotations
@@ -79,9 +84,15 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "plan",
         help="predict the memory ledger of an update and choose K, chunking, retention and tree or flat mode",
-        description="Plan the replay of the trees in TREES (one update) within a device memory budget.",
+        description="Plan the replay of the trees in TREES (one update) within a device memory budget. "
+        "Without TREES, check that `treetrain train` would accept the model (--model, --config, --set).",
     )
-    p.add_argument("trees", nargs="+", metavar="TREES", help="tree files (msgpack, see trees/README.md)")
+    p.add_argument(
+        "trees",
+        nargs="*",
+        metavar="TREES",
+        help="tree files (msgpack, see trees/README.md); none: check the model",
+    )
     p.add_argument(
         "--config",
         help="a `treetrain train` config: plan with its model, reference model, loss, advantages and replay "
@@ -102,7 +113,7 @@ def add_parser(sub: Any) -> None:
         "replaces model.path (e.g. --set model.lora.r=8 plans LoRA adapters on it)",
     )
     p.add_argument(
-        "--budget", required=True, type=_bytes, help="device memory budget: 8GiB, 512MiB, 1.5GB, bytes"
+        "--budget", type=_bytes, help="device memory budget: 8GiB, 512MiB, 1.5GB, bytes (needed with TREES)"
     )
     p.add_argument("--contract", choices=("exact", "response_only"), help="default: exact, or the config's")
     p.add_argument(
@@ -244,6 +255,10 @@ def run(args: argparse.Namespace) -> int:
     from treetrain.models.presets import load_model
     from treetrain.train.models import broken_weights, resolve_model_path
 
+    if not args.trees:
+        return _check_model(args)
+    if args.budget is None:
+        return _fail("give --budget (8GiB, 512MiB, ...) to plan TREES within it")
     named: list[tuple[str, tuple[TrajectoryTree, ...]]] = []
     for path in args.trees:
         try:
@@ -289,6 +304,40 @@ def run(args: argparse.Namespace) -> int:
     except TreetrainError as e:
         return _fail(str(e))
     print(json.dumps(plan_json(plan), indent=2) if args.json else render(plan))
+    return 0
+
+
+def _check_model(args: argparse.Namespace) -> int:
+    """`treetrain plan --model PATH` without trees: `treetrain train`'s start-up checks, and what they found."""
+    from dataclasses import replace
+
+    from envs.registry import EnvironmentLoadError, UnknownEnvironmentError
+    from envs.template import TemplateError
+    from treetrain.loss.loss_config import ConfigError
+    from treetrain.models.support import UnsupportedModelError
+    from treetrain.train.config import load_config
+    from treetrain.train.model_check import check_model
+
+    if not (args.model or args.config or args.overrides):
+        return _fail(
+            "give tree files to plan, or --model ('demo', a model directory, tiny-<family>) to check"
+        )
+    try:
+        cfg = load_config(args.config, args.overrides)
+        section = replace(
+            cfg.model, path=args.model or cfg.model.path, dtype=args.dtype or cfg.model.dtype,
+            attn=args.attn or cfg.model.attn,
+        )  # fmt: skip
+        found = check_model(replace(cfg, model=section))
+    except (
+        ConfigError,
+        UnsupportedModelError,
+        TemplateError,
+        UnknownEnvironmentError,
+        EnvironmentLoadError,
+    ) as e:
+        return _fail(str(e))
+    print(found.text())
     return 0
 
 

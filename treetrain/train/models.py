@@ -62,6 +62,19 @@ def resolve_model_path(path: str, field: str = "model.path") -> str:
     return path
 
 
+def check_tokenizer_fits(tokenizer_ids: int, model_ids: int) -> None:
+    """Refuse a tokenizer that makes ids the model has no embedding row for, naming both numbers.
+
+    A conversion that loses special tokens, or a tokenizer of another model, fails here instead of at the
+    first prompt that holds such an id. A larger embedding is common (rows padded to a multiple of 64)."""
+    if tokenizer_ids > model_ids:
+        raise ConfigError(
+            f"model.tokenizer: the tokenizer has {tokenizer_ids:,} ids but the model's vocabulary is "
+            f"{model_ids:,} (config.json vocab_size), so ids from {model_ids:,} on have no embedding row; save "
+            "the model with vocab_size >= len(tokenizer), or give the tokenizer it was trained with"
+        )
+
+
 def broken_weights(directory: str) -> str:
     """Which safetensors file in `directory` is unreadable (a header check, no tensor is read)."""
     for file in sorted(Path(directory).glob("*.safetensors")):
@@ -114,11 +127,13 @@ def load_models(
     if check_tokenizer is not None:
         check_tokenizer(tokenizer)
     vocab = vocab_size if vocab_size is not None and path.startswith("tiny-") else len(tokenizer)
+    try:
+        config = model_config(path, vocab_size=vocab, attn=section.attn)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model.path: {' '.join(str(exc).split())}") from None
+    if not path.startswith("tiny-"):  # a preset is sized from the tokenizer (or, in `plan`, the trees)
+        check_tokenizer_fits(len(tokenizer), int(config.vocab_size))
     if check_config is not None:
-        try:
-            config = model_config(path, vocab_size=vocab, attn=section.attn)
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"model.path: {' '.join(str(exc).split())}") from None
         check_config(config)
     policy = _load(path, "model.path", section, vocab)
     if section.lora is not None:

@@ -16,7 +16,7 @@ import pytest
 
 from treetrain.errors import ConfigError, TreetrainError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 INTERNAL = {
     "treetrain.engine.replay.BackwardFailed": "control flow: a failed backward, judged by its cause and retried",
