@@ -14,6 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 LAYERS = (
+    "runfs",
     "io",
     "bytesize",
     "stall",
