@@ -56,7 +56,7 @@ def entry_kind(path: str | os.PathLike[str]) -> Kind:
     """What `path` itself is, never what a link at it points to."""
     try:
         mode = os.lstat(path).st_mode
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return "missing"
     if stat.S_ISLNK(mode):
         return "symlink"
@@ -97,7 +97,9 @@ def check_parents(root: str | os.PathLike[str], path: str | os.PathLike[str]) ->
 
 
 def make_dirs(root: str | os.PathLike[str], path: str | os.PathLike[str]) -> Path:
-    """`mkdir -p path` below `root`, refusing a component that is a link, a file or a special file."""
+    """`mkdir -p path` below `root`, refusing a component that is a link, a file or a special file (the
+    root itself is created as `mkdir -p` would)."""
+    os.makedirs(root, exist_ok=True)
     for component in _below(Path(root), Path(path)):
         if expect(component, "dir") == "missing":
             try:

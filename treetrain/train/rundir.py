@@ -94,6 +94,12 @@ def check_layout(run_dir: Path) -> None:
     for name in (*OWN_DIRS, *OWN_PARENTS):
         if expect(run_dir / name, "dir") == "dir":
             _check_below(run_dir / name)
+    for name in OWN_PARENTS:
+        if entry_kind(run_dir / name) == "dir":
+            for path in (run_dir / name).iterdir():
+                if _UPDATE_DIR.fullmatch(path.name):
+                    expect(path, "dir")
+                    expect(path / "trees", "dir")
 
 
 def _check_below(directory: Path) -> None:
