@@ -123,7 +123,7 @@ def test_writes_after_the_start_never_follow_a_planted_link(tmp_path: Path) -> N
     _plant(run / "metrics.jsonl", "dangling", user, want_dir=False)
     from test_progress import _row  # a valid metrics row
 
-    with pytest.raises(UnsafePathError, match="metrics.jsonl: a symbolic link"):
+    with pytest.raises(UnsafePathError, match=r"metrics\.jsonl: a symbolic link"):
         writer.write(_row(0, 0))
     assert not (user / "not-there").exists()
     _plant(run / "rollouts" / "update-00000", "link-to-dir", user, want_dir=True)
