@@ -62,7 +62,7 @@ def test_a_config_file_on_resume_is_held_to_the_same_rule(tmp_path: Path) -> Non
     (tmp_path / "more.yaml").write_text("updates: 9\n")
     assert resume_config(run, tmp_path / "more.yaml", []).updates == 9
     (tmp_path / "other.yaml").write_text("optim:\n  lr: 0.1\n")
-    with pytest.raises(ConfigError, match="optim.lr"):
+    with pytest.raises(ConfigError, match=r"optim\.lr"):
         resume_config(run, tmp_path / "other.yaml", [])
 
 
