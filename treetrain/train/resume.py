@@ -12,7 +12,9 @@ difference is refused in one line that names the key.
 Example:
     >>> import tempfile, pathlib
     >>> from treetrain.train.config import dump_config, load_config
-    >>> run = pathlib.Path(tempfile.mkdtemp())
+    >>> from treetrain.train.rundir import claim_run_dir
+    >>> run = pathlib.Path(tempfile.mkdtemp()) / "run"
+    >>> claim_run_dir(run, resume=False, overwrite=False).release()
     >>> _ = (run / "config.yaml").write_text(dump_config(load_config(None, ["updates=8", "rollout.groups_per_update=2"])))
     >>> cfg = resume_config(run, None, ["updates=12"])
     >>> cfg.updates, cfg.rollout.groups_per_update, cfg.run_dir == str(run)
