@@ -145,3 +145,11 @@ def test_resume_as_printed_continues_the_same_run(tmp_path: Path, capsys) -> Non
     err = capsys.readouterr().err
     assert "optim.lr" in err and len(err.strip().splitlines()) == 1
     assert len(read_metrics(run / "metrics.jsonl")) == 3
+
+
+def test_print_config_on_resume_shows_the_saved_settings(tmp_path: Path, capsys) -> None:
+    run = _run(tmp_path)
+    assert main(["train", "--resume", "--run-dir", str(run), "--updates", "9", "--print-config"]) == 0
+    (tmp_path / "shown.yaml").write_text(capsys.readouterr().out)
+    cfg = load_config(tmp_path / "shown.yaml")  # the printed YAML loads back as the resumed config
+    assert cfg == load_config(None, [*SAVED, f"run_dir={run}", "updates=9"])

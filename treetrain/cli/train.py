@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"treetrain train: invalid config: {exc}", file=sys.stderr)
         return 2
-    if args.print_config:
+    if args.print_config and not args.resume:
         print(dump_config(cfg), end="")
         return 0
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -85,6 +85,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.resume:  # the run's own saved settings, changed only where that is safe
             cfg = resume_config(cfg.run_dir, args.config, overrides)
+            if args.print_config:  # what the resume would run with
+                print(dump_config(cfg), end="")
+                return 0
         trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress)
         summary = trainer.run()
     except user_errors as exc:

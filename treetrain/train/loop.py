@@ -170,6 +170,11 @@ class Trainer:
             else:
                 self.state = found[0]
                 self.identity = replace(self.identity, model_version=self.state.version)
+            if self.state.update >= cfg.updates:
+                log.warning(
+                    "--resume: the run has completed %d updates (updates=%d); nothing to train, raise --updates "
+                    "to continue it", self.state.update, cfg.updates,
+                )  # fmt: skip
         self.store = ResidentStore(self.identity)
         self.device = next(self.backend.module.parameters()).device
         self.last_plan: Plan | None = None
