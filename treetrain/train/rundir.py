@@ -5,7 +5,9 @@ the marker, or a new or empty one, is ever written to, and `--overwrite` deletes
 writes (`config.yaml`, `metrics.jsonl`, `checkpoints/update-NNNNN`, `final`, ...), never anything else: a
 user's `checkpoints/my-model.pt` survives. While a run or a resume is active it holds an exclusive
 `fcntl.flock` on `.treetrain-lock`; the kernel drops that lock when the process dies, even by `kill -9`, so a
-crashed run never leaves the directory stuck, and a second process on the same directory is refused.
+crashed run never leaves the directory stuck, and a second process on the same directory is refused. Every
+entry treetrain owns there must be a regular file or a real directory (`check_layout`, `treetrain.runfs`):
+a planted link or special file is refused before anything is written, never followed.
 
 Example:
     >>> import tempfile, pathlib
