@@ -39,15 +39,18 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     """Write `data` to `path` through a temporary file in the same directory, fsync, then rename.
 
     Only a regular file (or nothing) is replaced: renaming over `/dev/null`, a FIFO or a socket would put a
-    file where a device was, so those raise `OSError` naming the path.
+    file where a device was, and a symbolic link is someone else's pointer, so those raise `OSError`
+    naming the path.
     """
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
-    existing = os.stat(path) if os.path.lexists(path) and os.path.exists(path) else None
+    existing = os.lstat(path) if os.path.lexists(path) else None
     if existing is not None and not stat.S_ISREG(existing.st_mode):
         kind = (
             "a directory"
             if stat.S_ISDIR(existing.st_mode)
+            else "a symbolic link"
+            if stat.S_ISLNK(existing.st_mode)
             else "not a regular file (a FIFO, device or socket)"
         )
         raise OSError(errno.EINVAL, f"{kind}; refusing to replace it", path)
@@ -112,6 +115,9 @@ def atomic_directory(
     directory), a `barrier`, and `writer=True` on exactly one rank: that rank creates, swaps and cleans up.
     """
     final = Path(final).absolute()
+    if os.path.islink(final) or (os.path.lexists(final) and not final.is_dir()):
+        kind = "a symbolic link" if os.path.islink(final) else "not a directory"
+        raise OSError(errno.EINVAL, f"{kind}; refusing to replace it", str(final))
     token = token or uuid.uuid4().hex[:12]
     tmp = final.parent / f".{final.name}.tmp-{token}"
     old = final.parent / f".{final.name}.old-{token}"
@@ -129,7 +135,7 @@ def atomic_directory(
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     if writer:
-        if final.exists():
+        if os.path.lexists(final):
             os.replace(final, old)
         os.replace(tmp, final)
         _fsync_dir(str(final.parent))
@@ -234,12 +240,12 @@ def recover_atomic_leftovers(directory: str | os.PathLike[str]) -> list[Path]:
         found = _DIR_LEFTOVER.fullmatch(path.name)
         if found and path.is_dir() and not path.is_symlink():
             final = root / found["name"]
-            if found["kind"] == "old" and not final.exists():
+            if found["kind"] == "old" and not os.path.lexists(final):
                 os.replace(path, final)
                 continue
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
-        elif _FILE_LEFTOVER.fullmatch(path.name) and path.is_file():
+        elif _FILE_LEFTOVER.fullmatch(path.name) and (path.is_symlink() or path.is_file()):
             path.unlink()
             removed.append(path)
     if removed:

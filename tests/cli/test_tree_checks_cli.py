@@ -99,7 +99,13 @@ def test_every_verb_refuses_a_group_with_a_repeated_trajectory_id(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = tmp_path / "dup.msgpack"
-    save_trees([build_tree([trajectory("x", 4)]), build_tree([trajectory("x", 5)])], path)
+    group = [build_tree([trajectory("x", 4)]), build_tree([trajectory("x", 5)])]
+    with pytest.raises(
+        TreeFormatError, match=r"not written, its reader would refuse it: .*'x' is also the id"
+    ):
+        save_trees(group, path)  # the writer refuses what its reader would
+    assert not path.exists()
+    path.write_bytes(trees_to_bytes(group))  # written by hand, as another program might
     with pytest.raises(TreeFormatError, match="'x' is also the id"):
         load_trees(path)
     argvs = {

@@ -14,8 +14,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 LAYERS = (
-    "io",
     "errors",
+    "runfs",
+    "io",
     "bytesize",
     "stall",
     "lifetime",

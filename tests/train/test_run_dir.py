@@ -81,7 +81,7 @@ def test_leftovers_of_interrupted_writes_are_cleaned_up(tmp_path: Path) -> None:
     (run / ".final.old-0123456789ab").mkdir()  # killed between moving the old export aside and the swap
     (run / ".final.old-0123456789ab" / "model.safetensors").write_text("previous export")
     (run / ".metrics.jsonl.k2j4_x9a.tmp").write_text("partial")
-    (run / ".reward.png.tmp.png").write_text("partial")
+    (run / ".reward.png.ab12cd34.tmp").write_bytes(b"partial png")
     claim_run_dir(run, resume=True, overwrite=False).release()
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["update-00001"]
     assert sorted(p.name for p in run.iterdir()) == [LOCK, MARKER, "checkpoints", "final"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from treetrain.errors import ConfigError, TreetrainError
 
@@ -32,7 +33,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--updates", type=int, help="shorthand for --set updates=N")
     p.add_argument("--trees", help="train on recorded trees (a directory or glob) instead of rollouts")
     p.add_argument(
-        "--resume", action="store_true", help="continue from the latest checkpoint in the run directory"
+        "--resume",
+        action="store_true",
+        help="continue the run in the run directory from its latest checkpoint, with its saved config.yaml "
+        "(--set may change only updates, checkpoint and measurement cadence, threads and memory_budget)",
     )
     p.add_argument("--overwrite", action="store_true", help="replace an earlier run in the run directory")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
@@ -55,22 +59,34 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"treetrain train: invalid config: {exc}", file=sys.stderr)
         return 2
-    if args.print_config:
+    if args.print_config and not args.resume:
         print(dump_config(cfg), end="")
         return 0
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from treetrain.train.loop import Trainer
+    from treetrain.train.resume import resume_config
+    from treetrain.train.rundir import is_run_dir
 
     try:
+        if args.resume:  # the run's own saved settings, changed only where that is safe
+            cfg = resume_config(cfg.run_dir, args.config, overrides)
+            if args.print_config:  # what the resume would run with
+                print(dump_config(cfg), end="")
+                return 0
         trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress)
         summary = trainer.run()
     except (TreetrainError, OSError, FloatingPointError) as exc:  # bad input, the disk, a non-finite step
-        print(f"treetrain train: {exc}", file=sys.stderr)
+        notes = getattr(exc, "__notes__", [])  # e.g. what a run that never started left behind
+        print("; ".join([f"treetrain train: {exc}", *notes]), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(
-            f"treetrain train: interrupted; continue with --resume --run-dir {cfg.run_dir}", file=sys.stderr
-        )
+        if is_run_dir(Path(cfg.run_dir)):
+            print(
+                f"treetrain train: interrupted; continue with --resume --run-dir {cfg.run_dir}",
+                file=sys.stderr,
+            )
+        else:
+            print("treetrain train: interrupted before the run started; nothing was kept", file=sys.stderr)
         return 130
     if trainer.backend.rank == 0:
         print(summary.text(trainer.read_rows()))

@@ -41,7 +41,7 @@ from treetrain.rollout.records import MAX_METADATA_ENTRIES, CallRecordIn, Record
 from treetrain.trajectory import Role, Trajectory, TrajectoryError, TrajectoryMeta
 from treetrain.tree import TrajectoryTree
 from treetrain.tree.build import build_tree
-from treetrain.tree.format import tree_to_bytes
+from treetrain.tree.format import file_bytes
 
 
 class GroupBy(str, Enum):
@@ -231,6 +231,9 @@ def import_jsonl(path: str | Path, out_dir: str | Path, group_by: GroupBy = Grou
         raise RecordError(str(path), 0, "<file>", "no records")
     groups = group_trajectories(path, records, group_by)
     trees = {g: build_tree(ts) for g, ts in groups.items()}
-    payloads = [(Path(out_dir) / _file_name(g, t), tree_to_bytes(t)) for g, t in trees.items()]
+    names = [(Path(out_dir) / _file_name(g, t), t) for g, t in trees.items()]
+    payloads = [
+        (path, file_bytes([t], str(path))) for path, t in names
+    ]  # every file checked before any is written
     write_files_all_or_nothing(payloads)
     return ImportResult(tuple(trees.values()), tuple(trees), tuple(p for p, _ in payloads))

@@ -228,19 +228,30 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file {p}: cannot read it: {exc.strerror or exc}") from None
     except ValueError as exc:  # an embedded NUL in the path
         raise ConfigError(f"config file {p!r}: {exc}") from None
+    return parse_config_bytes(raw, p.suffix, str(p))
+
+
+def parse_config_bytes(raw: bytes, suffix: str, where: str) -> dict[str, Any]:
+    """Config bytes already read (at most `MAX_CONFIG_BYTES + 1` of them) as a dict, within the limits.
+
+    Example:
+        >>> parse_config_bytes(b"- a list\\n", ".yaml", "runs/x/config.yaml")
+        Traceback (most recent call last):
+        treetrain.loss.loss_config.ConfigError: config file runs/x/config.yaml: the top level must be a mapping, got list
+    """
     if len(raw) > MAX_CONFIG_BYTES:
-        raise ConfigError(f"config file {p} is larger than {MAX_CONFIG_BYTES} bytes")
+        raise ConfigError(f"config file {where} is larger than {MAX_CONFIG_BYTES} bytes")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(
-            f"config file {p} is not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start})"
+            f"config file {where} is not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start})"
         ) from None
-    data = parse_toml(text, str(p)) if p.suffix == ".toml" else parse_yaml(text, str(p))
+    data = parse_toml(text, where) if suffix == ".toml" else parse_yaml(text, where)
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {p}: the top level must be a mapping, got {type(data).__name__}")
+        raise ConfigError(f"config file {where}: the top level must be a mapping, got {type(data).__name__}")
     return data
 
 

@@ -23,7 +23,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import yaml
 from tqdm.auto import tqdm
 
 from envs.protocol import ProtocolError, default_rubric
@@ -35,12 +34,14 @@ from treetrain.errors import ConfigError
 from treetrain.io import atomic_write_text
 from treetrain.memory.planner import Plan
 from treetrain.memory.tracker import MemoryTracker
+from treetrain.runfs import UnsafePathError
 from treetrain.stall import stall
 from treetrain.train.config import EnvSection, TrainConfig, dump_config
 from treetrain.train.metrics import MetricsWriter, UpdateMetrics, read_metrics
 from treetrain.train.models import export_merged, load_models
 from treetrain.train.progress import Progress
-from treetrain.train.rundir import RunLock, claim_run_dir, remove_run_artifacts
+from treetrain.train.resume import SAVED_CONFIG, check_resumable, saved_config
+from treetrain.train.rundir import RunLock, abandon_run_dir, claim_run_dir, remove_run_artifacts
 from treetrain.train.summary import RunSummary, plot_rewards
 from treetrain.train.trainer_state import TrainerState, resume_state, save_trainer_state
 from treetrain.train.tree_sources import (
@@ -56,25 +57,6 @@ from treetrain.update.run import run_update
 from treetrain.update.window import UpdateWindow
 
 log = logging.getLogger(__name__)
-
-
-def warn_config_changes(saved: Path, cfg: TrainConfig) -> None:
-    """A resumed run should be the same run: say which settings differ from the saved config."""
-    if not saved.is_file():
-        return
-    old = yaml.safe_load(saved.read_text()) or {}
-    new = yaml.safe_load(dump_config(cfg))
-
-    def flat(d: dict, prefix: str = "") -> dict[str, object]:
-        out: dict[str, object] = {}
-        for k, v in d.items():
-            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-        return out
-
-    a, b = flat(old), flat(new)
-    changed = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k) and k != "updates")
-    if changed:
-        log.warning("resuming with settings that differ from the saved run: %s", ", ".join(changed))
 
 
 def check_environment_config(section: EnvSection, seed: int = 0) -> None:
@@ -107,8 +89,11 @@ def seed_everything(seed: int) -> None:
 class Trainer:
     """Runs `cfg.updates` updates in `cfg.run_dir`.
 
-    `resume=True` continues from the latest checkpoint there. A fresh run refuses a directory that already
-    holds a run unless `overwrite=True`, which removes the earlier run's artifacts first.
+    `resume=True` continues from the latest checkpoint there, and `cfg` must be the run's saved settings
+    changed only where `treetrain.train.resume.RESUMABLE` allows. A fresh run refuses a directory that
+    already holds a run unless `overwrite=True`, which removes the earlier run's artifacts first. A fresh run
+    in a new or empty directory that fails before its first update completes removes what it wrote, and the
+    error carries a note saying so.
     """
 
     def __init__(
@@ -127,8 +112,11 @@ class Trainer:
         if int(os.environ.get("RANK", "0")) == 0:
             self.lock = claim_run_dir(self.run_dir, resume=resume, overwrite=overwrite)
         try:
+            if resume:  # the same run: only the settings a resume may change differ
+                check_resumable(saved_config(self.run_dir), cfg, self.run_dir / SAVED_CONFIG)
             self._setup(resume=resume, overwrite=overwrite)
-        except BaseException:
+        except BaseException as exc:
+            self.abandon_unstarted(exc)
             self.close()
             raise
 
@@ -137,6 +125,16 @@ class Trainer:
         if self.lock is not None:
             self.lock.release()
             self.lock = None
+
+    def abandon_unstarted(self, exc: BaseException, completed: int = 0) -> None:
+        """A fresh run in a new or empty directory that ends with `completed == 0` updates removes what it
+        wrote (`abandon_run_dir`) and notes on `exc` what is left, so the refusal says it in its one line."""
+        if self.lock is None or not self.lock.fresh or completed:
+            return
+        try:
+            exc.add_note(abandon_run_dir(self.run_dir, self.lock))
+        except (OSError, UnsafePathError) as problem:
+            exc.add_note(f"the run never started, and cleaning up {self.run_dir} failed: {problem}")
 
     def _setup(self, *, resume: bool, overwrite: bool) -> None:
         cfg = self.cfg
@@ -168,6 +166,11 @@ class Trainer:
             else:
                 self.state = found[0]
                 self.identity = replace(self.identity, model_version=self.state.version)
+            if self.state.update >= cfg.updates:
+                log.warning(
+                    "--resume: the run has completed %d updates (updates=%d); nothing to train, raise --updates "
+                    "to continue it", self.state.update, cfg.updates,
+                )  # fmt: skip
         self.window = UpdateWindow(
             self.backend, cfg.loss, store=ResidentStore(self.identity), ref_model=self.reference
         )
@@ -176,11 +179,9 @@ class Trainer:
         self.source = recorded[0] if recorded else RolloutSource(cfg, self.tokenizer, make, self.backend)
         if not resume and overwrite and self.lock is not None:
             remove_run_artifacts(self.run_dir)
-        if resume:
-            warn_config_changes(self.run_dir / "config.yaml", cfg)
         if self.backend.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(self.run_dir / "config.yaml", dump_config(cfg))
+            atomic_write_text(self.run_dir / SAVED_CONFIG, dump_config(cfg))
         self.metrics = (
             MetricsWriter(self.run_dir, truncate_after=self.state.update) if self.backend.rank == 0 else None
         )
@@ -276,6 +277,9 @@ class Trainer:
                     cfg.model, self.run_dir / "final", self.run_dir / "final-merged", self.tokenizer
                 )
             return self.finish()
+        except Exception as exc:  # an interrupt keeps what --resume can use: config.yaml and the marker
+            self.abandon_unstarted(exc, completed=self.state.update)
+            raise
         finally:
             self.close()
 

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from treetrain.errors import TreetrainError
 from treetrain.io import atomic_write_text
+from treetrain.runfs import open_file
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +116,8 @@ def read_metrics(path: str | Path) -> list[UpdateMetrics]:
     """
     names = {f.name for f in fields(UpdateMetrics)}
     try:
-        lines = Path(path).read_bytes().decode("utf-8").splitlines()
+        with open_file(None, path, "rb") as f:  # never through a link, never a FIFO
+            lines = f.read().decode("utf-8").splitlines()
     except UnicodeDecodeError as exc:
         raise MetricsError(f"{path}: not UTF-8 text (a bad byte at offset {exc.start})") from None
     rows = []
@@ -152,7 +155,7 @@ class MetricsWriter:
     def __init__(self, run_dir: str | Path, *, truncate_after: int | None = None) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if truncate_after is not None and self.path.exists():
+        if truncate_after is not None and os.path.lexists(self.path):
             kept = [r for r in read_metrics(self.path) if r.update < truncate_after]
             atomic_write_text(self.path, "".join(json.dumps(r.as_dict()) + "\n" for r in kept))
         self._tb: Any = None
@@ -164,8 +167,8 @@ class MetricsWriter:
             self._tb = None
 
     def write(self, row: UpdateMetrics) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps(row.as_dict()) + "\n")
+        with open_file(self.path.parent, self.path, "ab") as f:  # a planted link is refused, not followed
+            f.write((json.dumps(row.as_dict()) + "\n").encode())
             f.flush()
         if self._tb is not None:
             for key, value in row.as_dict().items():

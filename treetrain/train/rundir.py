@@ -5,7 +5,9 @@ the marker, or a new or empty one, is ever written to, and `--overwrite` deletes
 writes (`config.yaml`, `metrics.jsonl`, `checkpoints/update-NNNNN`, `final`, ...), never anything else: a
 user's `checkpoints/my-model.pt` survives. While a run or a resume is active it holds an exclusive
 `fcntl.flock` on `.treetrain-lock`; the kernel drops that lock when the process dies, even by `kill -9`, so a
-crashed run never leaves the directory stuck, and a second process on the same directory is refused.
+crashed run never leaves the directory stuck, and a second process on the same directory is refused. Every
+entry treetrain owns there must be a regular file or a real directory (`check_layout`, `treetrain.runfs`):
+a planted link or special file is refused before anything is written, never followed.
 
 Example:
     >>> import tempfile, pathlib
@@ -22,17 +24,19 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
 import os
 import re
-import shutil
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from treetrain.errors import TreetrainError
 from treetrain.io import atomic_write_text, recover_atomic_leftovers
+from treetrain.runfs import UnsafePathError, entry_kind, expect, refuse, remove_file, remove_tree
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +48,9 @@ MARKER_SCHEMA = "treetrain.run/1"
 
 OWN_FILES = ("config.yaml", "metrics.jsonl", "summary.txt", "reward.png")
 OWN_DIRS = ("final", "final-merged", "tensorboard")
+OWN_PARENTS = ("checkpoints", "rollouts")
+"""Directories holding one `update-NNNNN` directory per checkpoint or per update's rollouts."""
 _UPDATE_DIR = re.compile(r"update-\d{5,}")
-_PLOT_TMP = ".reward.png.tmp.png"
 
 
 class RunDirError(TreetrainError, RuntimeError):
@@ -58,6 +63,10 @@ class RunLock:
 
     path: Path
     fd: int | None
+    created: bool = False
+    """Whether claiming created the run directory itself (an abandoned run then removes it again)."""
+    fresh: bool = False
+    """A fresh run in a new or empty directory: if it never completes an update, it leaves nothing behind."""
 
     def release(self) -> None:
         if self.fd is not None:
@@ -71,19 +80,59 @@ class RunLock:
 
 
 def is_run_dir(run_dir: Path) -> bool:
-    return (run_dir / MARKER).is_file()
+    """Whether `run_dir` holds the marker as a regular file of its own (a link to one does not count)."""
+    return entry_kind(run_dir / MARKER) == "file"
 
 
 def _entries(run_dir: Path) -> list[str]:
     return sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
 
 
+def check_layout(run_dir: Path) -> None:
+    """Refuse a run directory where an entry treetrain writes, reads back or deletes is a link, a special
+    file, or the wrong kind, before anything is written; every file below its own directories is checked too.
+    """
+    for name in (MARKER, LOCK, *OWN_FILES):
+        expect(run_dir / name, "file")
+    for name in (*OWN_DIRS, *OWN_PARENTS):
+        if expect(run_dir / name, "dir") == "dir":
+            _check_below(run_dir / name)
+    for name in OWN_PARENTS:
+        if entry_kind(run_dir / name) == "dir":
+            for path in (run_dir / name).iterdir():
+                if _UPDATE_DIR.fullmatch(path.name):
+                    expect(path, "dir")
+                    expect(path / "trees", "dir")
+
+
+def _check_below(directory: Path) -> None:
+    """Everything below `directory` is a regular file or a real directory (walked without following links)."""
+    for parent, dirs, files in os.walk(directory, followlinks=False, onerror=_raise):
+        for name in dirs + files:
+            kind = entry_kind(Path(parent) / name)
+            if kind not in ("file", "dir"):
+                raise refuse(Path(parent) / name, kind)
+
+
+def _raise(exc: OSError) -> None:
+    raise UnsafePathError(f"{exc.filename}: cannot list it: {exc.strerror}")
+
+
 def _lock(run_dir: Path) -> RunLock:
     path = run_dir / LOCK
+    flags = (
+        os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    )
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path, flags, 0o644)
     except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise refuse(path, "symlink") from None
         raise RunDirError(f"{path}: cannot open the run lock: {exc.strerror}") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise refuse(path, "dir" if stat.S_ISDIR(mode) else "special")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -108,13 +157,20 @@ def claim_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> RunLock:
     """Check that this run may use `run_dir`, mark it, and lock it (one process: rank 0).
 
     A fresh run needs a new or empty directory, or a treetrain run with `overwrite` (whose own entries the
-    caller removes later with `remove_run_artifacts`). `resume` needs a treetrain run. Leftovers of writes
-    cut short by a crash are cleaned up once the lock is held.
+    caller removes later with `remove_run_artifacts`). `resume` needs a treetrain run. Every entry treetrain
+    owns is checked first (`check_layout`): a link or a special file among them is refused before anything is
+    written. Leftovers of writes cut short by a crash are cleaned up once the lock is held.
     """
     try:  # a name too long, a symlink loop, a directory that cannot be listed
-        not_a_dir = run_dir.exists() and not run_dir.is_dir()
+        existed = os.path.lexists(run_dir)
+        not_a_dir = existed and not run_dir.is_dir()
+        if existed and not not_a_dir:
+            expect(run_dir / MARKER, "file")
+            expect(run_dir / LOCK, "file")
         foreign = [] if not_a_dir else [name for name in _entries(run_dir) if name not in (MARKER, LOCK)]
         ours = is_run_dir(run_dir)
+        if ours:
+            check_layout(run_dir)
     except OSError as exc:
         raise RunDirError(f"--run-dir {run_dir}: cannot use it: {exc.strerror or exc}") from None
     if not_a_dir:
@@ -136,14 +192,15 @@ def claim_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> RunLock:
     if not is_run_dir(run_dir):
         atomic_write_text(run_dir / MARKER, json.dumps({"schema": MARKER_SCHEMA}) + "\n")
     lock = _lock(run_dir)
+    lock.created = not existed
     try:
-        if not resume and not overwrite:
-            found = [name for name in _entries(run_dir) if name not in (MARKER, LOCK)]
-            if found:
-                raise RunDirError(
-                    f"{run_dir} already holds a run ({', '.join(found[:5])}); use --resume to continue it, "
-                    "--overwrite to replace it, or another --run-dir"
-                )
+        found = [name for name in _entries(run_dir) if name not in (MARKER, LOCK)]
+        lock.fresh = not resume and not found
+        if not resume and not overwrite and found:
+            raise RunDirError(
+                f"{run_dir} already holds a run ({', '.join(found[:5])}); use --resume to continue it, "
+                "--overwrite to replace it, or another --run-dir"
+            )
         clean_leftovers(run_dir)
     except BaseException:
         lock.release()
@@ -155,12 +212,8 @@ def clean_leftovers(run_dir: Path) -> None:
     """Remove what writes cut short left behind (temporary checkpoint, export and file copies)."""
     removed = recover_atomic_leftovers(run_dir)
     for sub in ("checkpoints", *(f"rollouts/{p.name}" for p in _update_dirs(run_dir / "rollouts"))):
-        if (run_dir / sub).is_dir():
+        if entry_kind(run_dir / sub) == "dir":
             removed += recover_atomic_leftovers(run_dir / sub)
-    plot = run_dir / _PLOT_TMP
-    if plot.is_file():
-        plot.unlink()
-        removed.append(plot)
     if removed:
         log.info(
             "removed %d leftover(s) of interrupted writes: %s", len(removed), ", ".join(map(str, removed))
@@ -168,27 +221,39 @@ def clean_leftovers(run_dir: Path) -> None:
 
 
 def _update_dirs(parent: Path) -> list[Path]:
-    if not parent.is_dir():
+    if entry_kind(parent) != "dir":
         return []
-    return [
-        p for p in parent.iterdir() if p.is_dir() and not p.is_symlink() and _UPDATE_DIR.fullmatch(p.name)
-    ]
+    return [p for p in parent.iterdir() if entry_kind(p) == "dir" and _UPDATE_DIR.fullmatch(p.name)]
 
 
 def remove_run_artifacts(run_dir: Path) -> None:
-    """Delete what an earlier run in `run_dir` wrote, and nothing else (the lock must be held)."""
+    """Delete what an earlier run in `run_dir` wrote, and nothing else (the lock must be held).
+
+    Nothing is followed: a link or a special file where treetrain keeps one of its entries is refused.
+    """
+    check_layout(run_dir)
     clean_leftovers(run_dir)
     for name in OWN_FILES:
-        path = run_dir / name
-        if path.is_file() or path.is_symlink():
-            path.unlink()
+        remove_file(run_dir, run_dir / name)
     for name in OWN_DIRS:
-        path = run_dir / name
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-    for name in ("checkpoints", "rollouts"):
+        remove_tree(run_dir, run_dir / name)
+    for name in OWN_PARENTS:
         parent = run_dir / name
         for path in _update_dirs(parent):
-            shutil.rmtree(path)
+            remove_tree(run_dir, path)
         with contextlib.suppress(OSError):  # kept when it holds anything else
             parent.rmdir()
+
+
+def abandon_run_dir(run_dir: Path, lock: RunLock) -> str:
+    """Undo a fresh run that never completed an update: its entries, the marker, the lock, and the directory
+    when claiming created it. Returns what was done, for the one-line refusal."""
+    remove_run_artifacts(run_dir)
+    remove_file(run_dir, run_dir / MARKER)
+    remove_file(run_dir, run_dir / LOCK)
+    lock.release()
+    if lock.created:
+        with contextlib.suppress(OSError):
+            run_dir.rmdir()
+            return f"the run never started; {run_dir} was removed again"
+    return f"the run never started; nothing of it was left in {run_dir}"

@@ -7,11 +7,13 @@ Example:
 
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from treetrain.bytesize import format_bytes
+from treetrain.io import atomic_write_bytes
 from treetrain.train.metrics import UpdateMetrics
 
 _BARS = "▁▂▃▄▅▆▇█"
@@ -112,8 +114,8 @@ def plot_rewards(rows: Sequence[UpdateMetrics], path: str | Path) -> Path | None
     ax.grid(alpha=0.3)
     fig.tight_layout()
     out = Path(path)
-    tmp = out.with_name(f".{out.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
     plt.close(fig)
-    tmp.replace(out)
+    atomic_write_bytes(out, png.getvalue())  # refuses a link or a special file at `out`
     return out

@@ -21,6 +21,7 @@ from safetensors import SafetensorError
 
 from treetrain.distributed.backend import TrainBackend
 from treetrain.distributed.checkpoint_io import CheckpointError
+from treetrain.runfs import expect, make_dirs
 
 log = logging.getLogger(__name__)
 
@@ -63,13 +64,17 @@ def checkpoint_dir(run_dir: Path, update: int) -> Path:
 def checkpoints(run_dir: Path) -> list[Path]:
     """Checkpoint directories in `run_dir`, oldest first (temporary ones, `.update-*.tmp-*`, never)."""
     root = run_dir / "checkpoints"
-    if not root.is_dir():
+    if expect(root, "dir") != "dir":  # a link there is refused, never listed
         return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and CHECKPOINT_NAME.fullmatch(p.name))
+    return sorted(
+        p for p in root.iterdir() if CHECKPOINT_NAME.fullmatch(p.name) and expect(p, "dir") == "dir"
+    )
 
 
 def save_trainer_state(backend: TrainBackend, run_dir: Path, state: TrainerState) -> Path:
     path = checkpoint_dir(run_dir, state.update)
+    if backend.rank == 0:
+        make_dirs(run_dir, path.parent)  # `checkpoints/` as a link to elsewhere is refused
     backend.save_checkpoint(path, {"update": state.update, "version": state.version, "rng": _rng_state()})
     return path
 

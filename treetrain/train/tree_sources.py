@@ -12,6 +12,7 @@ import base64
 import glob
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from treetrain.distributed.backend import TrainBackend
 from treetrain.errors import ConfigError
 from treetrain.rollout.sampler import SamplerConfig
 from treetrain.rollout.tree_rollout import RolloutConfig, rollout_trees
+from treetrain.runfs import make_dirs
 from treetrain.train.config import TrainConfig
 from treetrain.tree import TrajectoryTree
 from treetrain.tree.checks import check_distinct, check_vocabulary
@@ -83,6 +85,7 @@ class RolloutSource:
         r = self.cfg.rollout
         rank, world = self.backend.rank, self.backend.world_size
         out_dir = Path(self.cfg.run_dir) / "rollouts" / f"update-{update:05d}"
+        make_dirs(self.cfg.run_dir, out_dir / "trees")  # a planted link on the way is refused, not followed
         local: list[TrajectoryTree] = []
         was_training = model.training
         model.eval()
@@ -197,6 +200,41 @@ def check_lengths(trees: Sequence[TrajectoryTree], context: int | None, where: s
                     )
 
 
+def check_sampler_logprobs(trees: Sequence[TrajectoryTree], where: str) -> None:
+    """`loss.ratio_source='sampler'` takes the PPO ratio's old logprobs from the file: refuse, before any model
+    loads, a tree with a policy segment that was recorded without them (trees imported without logprobs)."""
+    for tree in trees:
+        for record in tree.records:
+            if any(lp is None for call in record.calls for lp in call.logprobs):
+                raise ConfigError(
+                    f"loss.ratio_source: 'sampler' needs the sampler's logprobs of every policy token, but in "
+                    f"{where} trajectory {short_repr(record.id, 40)} has a policy segment without them; "
+                    "record them at rollout or use ratio_source='scoring'"
+                )
+
+
+def glob_files(pattern: str) -> list[Path]:
+    """Files matching a glob, sorted; `**` never descends a symbolic link, so a link loop cannot hang it.
+
+    `glob.glob(recursive=True)` follows links to directories at every level (a loop is walked until path
+    names get too long, exponentially often); `pathlib`'s `**` does not, so the pattern's literal leading
+    directories become the root of a `Path.glob`.
+
+    Example:
+        >>> import os, tempfile
+        >>> d = tempfile.mkdtemp(); os.makedirs(f"{d}/a"); os.symlink("..", f"{d}/a/loop")
+        >>> _ = open(f"{d}/a/x.msgpack", "wb").close()
+        >>> [p.name for p in glob_files(f"{d}/**/*.msgpack")]
+        ['x.msgpack']
+    """
+    parts = Path(pattern).parts
+    first = next((k for k, part in enumerate(parts) if glob.has_magic(part)), len(parts))
+    root = Path(*parts[:first]) if first else Path()
+    if first == len(parts):
+        return [root] if os.path.lexists(root) else []
+    return sorted(root.glob(str(Path(*parts[first:]))))
+
+
 class RecordedSource:
     """Consumes recorded tree files in sorted order, `groups_per_update` trees per update, cycling at the end.
 
@@ -209,11 +247,7 @@ class RecordedSource:
         pattern = cfg.rollout.trees
         path = Path(pattern)
         try:  # a name too long or a symlink loop
-            files = (
-                sorted(path.glob("**/*.msgpack"))
-                if path.is_dir()
-                else sorted(Path(p) for p in glob.glob(pattern, recursive=True))
-            )
+            files = sorted(path.glob("**/*.msgpack")) if path.is_dir() else glob_files(pattern)
         except OSError as exc:
             raise ConfigError(
                 f"rollout.trees: cannot list {short_repr(pattern, 80)}: {exc.strerror or exc}"
@@ -228,6 +262,8 @@ class RecordedSource:
                 raise ConfigError(f"rollout.trees: cannot read {f}: {exc.strerror or exc}") from None
             check_vocabulary([(f"rollout.trees: {f}", trees)], vocab_size)
             check_lengths(trees, context, f"rollout.trees: {f}")
+            if cfg.loss.ratio_source == "sampler":
+                check_sampler_logprobs(trees, f"rollout.trees: {f}")
             self.groups.append(trees)  # a file's trees are one group (trees/README.md)
         check_distinct([(f"rollout.trees: {f}", g) for f, g in zip(files, self.groups)])
         self.per_update = min(cfg.rollout.groups_per_update, len(self.groups))

@@ -132,9 +132,27 @@ def _int64(value: object, where: str) -> int | None:
     return out
 
 
+def file_bytes(trees: Sequence[TrajectoryTree], where: str) -> bytes:
+    """The bytes of a tree file for `trees`, refused (TreeFormatError naming `where`) when `load_trees`
+    would refuse them.
+
+    The reader bounds a file by `DEFAULT_LIMITS` (its size, the summed call length, node visits per byte);
+    the writer is held to the same ones by decoding its own bytes under them before anything reaches the
+    disk, so a file treetrain writes is one its reader, `treetrain inspect` and training accept.
+    """
+    data = trees_to_bytes(trees)
+    try:
+        if len(data) > DEFAULT_LIMITS.max_file_bytes:
+            raise TreeFormatError(f"{len(data)} bytes exceeds the limit of {DEFAULT_LIMITS.max_file_bytes}")
+        decode_trees(data, DEFAULT_LIMITS)
+    except TreeFormatError as e:
+        raise TreeFormatError(f"{where}: not written, its reader would refuse it: {e}") from None
+    return data
+
+
 def save_trees(trees: Sequence[TrajectoryTree], path: str | os.PathLike[str]) -> None:
-    """Atomically write a group of trees to `path`."""
-    atomic_write_bytes(path, trees_to_bytes(trees))
+    """Atomically write a group of trees to `path`; nothing is written when its reader would refuse it."""
+    atomic_write_bytes(path, file_bytes(trees, os.fspath(path)))
 
 
 def save_tree(tree: TrajectoryTree, path: str | os.PathLike[str]) -> None:
