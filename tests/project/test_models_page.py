@@ -91,7 +91,7 @@ def test_the_template_table_is_what_the_trainer_says() -> None:
 
     from envs.registry import make_env
     from envs.template import ChatTemplate
-    from treetrain.loss.loss_config import ConfigError
+    from treetrain.errors import ConfigError
     from treetrain.models.tokenizers import llama3_tokenizer
     from treetrain.train.config import load_config
     from treetrain.train.tree_sources import check_template

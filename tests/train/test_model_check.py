@@ -15,7 +15,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from treetrain.assets import tokenizer_path
 from treetrain.cli.main import main
-from treetrain.loss.loss_config import ConfigError
+from treetrain.errors import ConfigError
 from treetrain.train.config import ModelSection
 from treetrain.train.models import load_models
 

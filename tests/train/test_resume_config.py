@@ -11,7 +11,7 @@ import pytest
 from test_config_hostile import _alias_bomb
 
 from treetrain.cli.main import main
-from treetrain.loss.loss_config import ConfigError
+from treetrain.errors import ConfigError
 from treetrain.train.config import dump_config, load_config
 from treetrain.train.metrics import read_metrics
 from treetrain.train.resume import RESUMABLE, resume_config
@@ -120,7 +120,7 @@ def test_a_good_saved_config_passes_the_same_path(tmp_path: Path, capsys) -> Non
 
 
 TINY = [
-    "model.path=tiny-llama", "rollout.groups_per_update=2", "rollout.fanout_root=4", "rollout.max_turns=2",
+    "model.path=tiny-llama", "rollout.groups_per_update=2", "rollout.fanout.root=4", "rollout.max_turns=2",
     "rollout.max_turn_tokens=12", "optim.lr=0.01", "advantages.zero_variance=keep", "measure_memory_every=0",
 ]  # fmt: skip
 

@@ -313,7 +313,7 @@ def _check_model(args: argparse.Namespace) -> int:
 
     from envs.registry import EnvironmentLoadError, UnknownEnvironmentError
     from envs.template import TemplateError
-    from treetrain.loss.loss_config import ConfigError
+    from treetrain.errors import ConfigError
     from treetrain.models.support import UnsupportedModelError
     from treetrain.train.config import load_config
     from treetrain.train.model_check import check_model

@@ -237,7 +237,7 @@ def parse_config_bytes(raw: bytes, suffix: str, where: str) -> dict[str, Any]:
     Example:
         >>> parse_config_bytes(b"- a list\\n", ".yaml", "runs/x/config.yaml")
         Traceback (most recent call last):
-        treetrain.loss.loss_config.ConfigError: config file runs/x/config.yaml: the top level must be a mapping, got list
+        treetrain.errors.ConfigError: config file runs/x/config.yaml: the top level must be a mapping, got list
     """
     if len(raw) > MAX_CONFIG_BYTES:
         raise ConfigError(f"config file {where} is larger than {MAX_CONFIG_BYTES} bytes")

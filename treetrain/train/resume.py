@@ -21,7 +21,7 @@ Example:
     (12, 2, True)
     >>> resume_config(run, None, ["optim.lr=0.1"])
     Traceback (most recent call last):
-    treetrain.loss.loss_config.ConfigError: --resume: optim.lr is 3e-05 in the saved run (...config.yaml) and cannot change on resume (asked 0.1); only updates, checkpoint_every, checkpoint_every_s, measure_memory_every, threads, memory_budget, run_dir may; start a new run for other settings
+    treetrain.errors.ConfigError: --resume: optim.lr is 3e-05 in the saved run (...config.yaml) and cannot change on resume (asked 0.1); only updates, checkpoint_every, checkpoint_every_s, measure_memory_every, threads, memory_budget, run_dir may; start a new run for other settings
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from treetrain.loss.loss_config import ConfigError
+from treetrain.errors import ConfigError
 from treetrain.runfs import UnsafePathError, expect, read_bytes
 from treetrain.train.config import TrainConfig, read_file
 from treetrain.train.config_file import MAX_CONFIG_BYTES, parse_config_bytes
