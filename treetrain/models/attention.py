@@ -38,7 +38,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.utils.import_utils import is_torch_greater_or_equal
 
-from treetrain.models.shared_past import SharedPast, shared_attention
+from treetrain.models.shared_past import SharedPast, expanded_past, shared_attention
 
 NAME = "treetrain_sdpa"
 SHARED = "treetrain_shared_past"
@@ -67,6 +67,8 @@ def shared_past_reason(model: PreTrainedModel) -> str | None:
     impl = str(getattr(model.config, "_attn_implementation", None))
     if impl not in DECOMPOSABLE:
         return f"attention implementation {impl!r} is not decomposed"
+    if not getattr(model, "_supports_attention_backend", False):
+        return f"{type(model).__name__}'s attention does not go through transformers' attention interface"
     for name in UNMODELLED_CONFIG:
         if getattr(config, name, None):
             return f"{name} (logit soft-capping) is not decomposed"
@@ -94,8 +96,12 @@ def shared_past_forward(
             f"{type(module).__name__} passes {extra or ['dropout']} to its attention, which shared-past attention "
             "does not model; this model must use the concatenated path (shared_past_reason)"
         )
-    layer = int(getattr(module, "layer_idx", 0))
+    layer = kv_source_layer(module)
     past, grads = active.past.layer(layer)
+    expand = getattr(module, "expand_kv", None)
+    if callable(expand):  # MLA: the cache holds compressed latents, which the layer expands to keys and values
+        past, grads = expanded_past(expand, past, grads, anchor=query)
+    _check_past_shapes(module, layer, past, key, value)
     window = kwargs.get("sliding_window")
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))  # [H], gpt-oss's learned per-head sink logits
     out = shared_attention(
@@ -104,6 +110,39 @@ def shared_past_forward(
         window=int(window) if window else None, sinks=sinks,
     )  # fmt: skip
     return out, None
+
+
+def kv_source_layer(module: torch.nn.Module) -> int:
+    """The cache index whose KV `module` attends over: its own `layer_idx`, or for a layer that reuses an
+    earlier layer's KV (Gemma 3n and Gemma 4: `is_kv_shared_layer`) the last layer before it of the same
+    layer type that stores its KV for sharing (`kv_sharing_modes[j] == "store"`)."""
+    layer = int(getattr(module, "layer_idx", 0))
+    if not getattr(module, "is_kv_shared_layer", False):
+        return layer
+    config = getattr(module, "config", None)
+    types = list(getattr(config, "layer_types", None) or [])
+    modes = list(getattr(config, "kv_sharing_modes", None) or [])
+    for j in range(layer - 1, -1, -1):
+        if j < len(modes) and modes[j] == "store" and j < len(types) and layer < len(types) and types[j] == types[layer]:
+            return j
+    raise RuntimeError(f"{type(module).__name__} (layer {layer}) reuses KV, but no earlier layer of its type stores any")
+
+
+def _check_past_shapes(
+    module: torch.nn.Module,
+    layer: int,
+    past: tuple[tuple[torch.Tensor, torch.Tensor], ...],
+    key: torch.Tensor,  # [K, H_kv, T, D]
+    value: torch.Tensor,  # [K, H_kv, T, Dv]
+) -> None:
+    """The resident pieces must be what the layer attends over: its keys' and values' heads and sizes."""
+    for k, v in past:
+        if k.shape[1] != key.shape[1] or k.shape[-1] != key.shape[-1] or v.shape[-1] != value.shape[-1]:
+            raise RuntimeError(
+                f"{type(module).__name__} (layer {layer}) attends over keys {tuple(key.shape[1::2])} and values "
+                f"{tuple(value.shape[1::2])} (heads, head size), but its cache holds {tuple(k.shape[1::2])} and "
+                f"{tuple(v.shape[1::2])}: the cache stores something other than the attention's keys and values"
+            )
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:
@@ -165,8 +204,8 @@ def engine_attention(
         if positions is None:
             raise ValueError("a shared past needs the rows' positions")
         name = SHARED
-    elif original == "sdpa":
-        name = NAME
+    elif original == "sdpa" and getattr(model, "_supports_attention_backend", False):
+        name = NAME  # a model with attention of its own branches on the name "sdpa": it keeps it
     else:
         yield
         return

@@ -309,15 +309,18 @@ def fused_state(
     visible: torch.Tensor | None = None,  # [M, L] bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The fused kernel's state `(out [B, H, M, Dv], lse [B, H, M])`; -inf where a row sees no key."""
+    dv = v.shape[-1]
+    q, k, v = _same_head_size(q, k, v)
     if q.device.type == "cuda":
-        return cuda_state(q, k, v, scale, causal=causal, visible=visible)
+        out, lse = cuda_state(q, k, v, scale, causal=causal, visible=visible)
+        return out[..., :dv], lse
     mask = None if visible is None else _additive(visible, q.dtype)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, 0.0, causal, attn_mask=mask, scale=scale
     )
     if visible is not None:  # the kernel reports 0, not -inf, for a row without keys
         lse = lse.masked_fill(~visible.any(-1), float("-inf"))
-    return out, lse
+    return out[..., :dv], lse
 
 
 def fused_backward(
@@ -333,10 +336,29 @@ def fused_backward(
     visible: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dL/dq, dL/dk, dL/dv of one key set, given the merged state."""
+    d, dv = q.shape[-1], v.shape[-1]
+    q, k, v = _same_head_size(q, k, v)
+    out, d_out = _pad_head(out, v.shape[-1]), _pad_head(d_out, v.shape[-1])
     if q.device.type == "cuda":
-        return cuda_backward(q, k, v, out, lse, d_out, scale, causal=causal, visible=visible)
-    mask = None if visible is None else _additive(visible, q.dtype)
-    d_q, d_k, d_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        d_out, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale
-    )
-    return d_q, d_k, d_v
+        d_q, d_k, d_v = cuda_backward(q, k, v, out, lse, d_out, scale, causal=causal, visible=visible)
+    else:
+        mask = None if visible is None else _additive(visible, q.dtype)
+        d_q, d_k, d_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            d_out, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale
+        )
+    return d_q[..., :d], d_k[..., :d], d_v[..., :dv]
+
+
+def _pad_head(x: torch.Tensor, size: int) -> torch.Tensor:
+    return x if x.shape[-1] == size else torch.nn.functional.pad(x, (0, size - x.shape[-1]))
+
+
+def _same_head_size(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`q`, `k`, `v` zero-padded to one head size: the fused kernels need it, and MLA (DeepSeek V2/V3) has
+    a value head smaller than its query/key head. Zero query/key columns add nothing to a score (the scale
+    is passed explicitly), zero value columns give zero output columns, sliced off by the caller; so do
+    their gradients."""
+    size = max(q.shape[-1], v.shape[-1])
+    return _pad_head(q, size), _pad_head(k, size), _pad_head(v, size)

@@ -23,6 +23,7 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
 from treetrain.models.attention import engine_attention, shared_past_reason
+from treetrain.models.logit_head import output_head
 from treetrain.models.lora import unwrap
 from treetrain.models.shared_past import LayerKV, SharedPast, concatenated
 
@@ -33,6 +34,7 @@ __all__ = [
     "base_model",
     "concat_past",
     "decoder_forward",
+    "decoder_layers",
     "output_head",
 ]
 
@@ -46,23 +48,39 @@ class DecoderOutput:
     values: tuple[torch.Tensor, ...]  # per layer [B, H_kv, T, D]
 
 
+#: Attribute names under which a decoder stack keeps its blocks: `layers` (Llama and most), `h` (GPT-2,
+#: GPT-J, Falcon, BLOOM, GPTBigCode, CTRL), `blocks` (MPT).
+BLOCK_LISTS = ("layers", "h", "blocks")
+
+
 def base_model(model: PreTrainedModel) -> nn.Module:
-    """The decoder stack without the LM head (`model.model` for every supported family; PEFT-wrapped models
-    are unwrapped, their adapter layers stay in place)."""
+    """The decoder stack without the LM head (`model.model`, `model.transformer`, `model.model.decoder`, as
+    transformers' `get_decoder` finds it; PEFT-wrapped models are unwrapped, their adapter layers stay in
+    place)."""
     model = unwrap(model)
-    base = getattr(model, "model", None) or model.get_decoder()
-    if base is None or not hasattr(base, "layers"):
+    base = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else None
+    base = base if isinstance(base, nn.Module) and base is not model else getattr(model, "model", None)
+    if not isinstance(base, nn.Module) or _blocks(base) is None:
         raise TypeError(
-            f"{type(model).__name__} has no decoder stack with `.layers`; not a supported causal LM"
+            f"{type(model).__name__} has no decoder stack with its blocks in {', '.join(f'`.{n}`' for n in BLOCK_LISTS)}; "
+            "not a supported causal LM"
         )
     return base
 
 
-def output_head(model: PreTrainedModel) -> nn.Module:
-    head = model.get_output_embeddings()
-    if head is None:
-        raise TypeError(f"{type(model).__name__} has no output embeddings (LM head)")
-    return head
+def _blocks(base: nn.Module) -> nn.ModuleList | None:
+    for name in BLOCK_LISTS:
+        blocks = getattr(base, name, None)
+        if isinstance(blocks, nn.ModuleList):
+            return blocks
+    return None
+
+
+def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
+    """The decoder's blocks, wherever the family keeps them (`BLOCK_LISTS`)."""
+    blocks = _blocks(base_model(model))
+    assert blocks is not None  # base_model refuses a stack without them
+    return blocks
 
 
 _CACHE_KWARG: dict[type, str] = {}

@@ -32,7 +32,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -335,6 +335,26 @@ class _Into(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
         ctx.acc.add_(grad)
         return None, None, None
+
+
+def expanded_past(
+    expand: Callable[[torch.Tensor, torch.Tensor], LayerKV],
+    past: Sequence[LayerKV],  # per piece, what the cache holds: MLA's latents `[1, 1, P_i, r]`, `[1, 1, P_i, R]`
+    grads: Sequence[LayerKV | None],
+    anchor: torch.Tensor,
+) -> tuple[tuple[LayerKV, ...], tuple[None, ...]]:
+    """Each piece's keys and values, `expand(cached_k, cached_v)` once per piece (never per row), for a layer
+    whose cache holds compressed latents (multi-head latent attention: DeepSeek V2/V3, GLM-4-MoE-Lite,
+    MiniCPM3, ...). The expansion runs under autograd, so its projection gets the past's share of the
+    gradient; a piece's latent gradient goes into its G accumulator (`anchor`, any tensor under autograd,
+    keeps that routing in the graph), so the expanded pieces are passed on without accumulators.
+    """
+    out = []
+    for (k, v), acc in zip(past, grads):
+        if acc is not None and anchor.requires_grad:
+            k, v = _Into.apply(k, acc[0], anchor), _Into.apply(v, acc[1], anchor)
+        out.append(expand(k, v))
+    return tuple(out), (None,) * len(out)
 
 
 def concatenated(past: SharedPast, rows: int, anchor: torch.Tensor | None) -> list[LayerKV]:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from treetrain.models.decoder import base_model, decoder_forward, output_head
+from treetrain.models.decoder import decoder_forward, decoder_layers, output_head
 
 #: Layer types whose state is plain KV over every earlier position.
 FULL_ATTENTION_TYPES = frozenset({"full_attention"})
@@ -48,6 +48,7 @@ RECURRENT_MODEL_TYPES = frozenset(
         "bamba",
         "zamba",
         "zamba2",
+        "xlstm",
     }
 )
 #: Config flags that make attention bidirectional, with the value that does.
@@ -119,10 +120,6 @@ def check_supported(
         raise UnsupportedModelError(
             f"model type {mtype!r} uses rope_type {dynamic[0]!r}, whose frequencies depend on the longest position "
             "in each forward call; a prefix evaluated once would rotate differently than inside the full sequence"
-        )
-    if getattr(config, "attn_logit_softcapping", None) or getattr(config, "final_logit_softcapping", None):
-        raise UnsupportedModelError(
-            f"model type {mtype!r} uses logit soft-capping, which the engine does not apply"
         )
     bidirectional = [f for f in BIDIRECTIONAL_FLAGS if getattr(config, f, None) is BIDIRECTIONAL_FLAGS[f]]
     if bidirectional:
@@ -227,13 +224,7 @@ def _probe(
     try:
         whole = decoder_forward(model, ids, pos, None).hidden
         first = decoder_forward(model, ids[:, :split], pos[:, :split], None)
-        layers: Any = base_model(model).layers
-        n_layers = len(layers)
-        if len(first.keys) != n_layers:
-            raise UnsupportedModelError(
-                f"model type {mtype!r} keeps {len(first.keys)} KV caches for {n_layers} layers: it runs layers "
-                "more than once per forward (a looped transformer), and resident KV is one entry per layer"
-            )
+        _check_cache_count(model, mtype, len(first.keys))
         past = list(zip(first.keys, first.values))
         second = decoder_forward(model, ids[:, split:], pos[:, split:], past).hidden
         head_err = None
@@ -272,6 +263,31 @@ def _probe(
         raise UnsupportedModelError(
             f"model type {mtype!r}: the model changes its logits after the LM head (logprob difference "
             f"{head_err:.2e}; e.g. logit scaling or soft-capping), which the engine's logprobs do not apply"
+        )
+
+
+def _check_cache_count(model: PreTrainedModel, mtype: str, caches: int) -> None:
+    """One KV cache per attention layer that keeps its own (each has a distinct `layer_idx`; a layer that
+    reuses an earlier layer's KV, Gemma 3n/4's `num_kv_shared_layers`, keeps none), else a refusal that says
+    what the model does instead."""
+    n_blocks = len(decoder_layers(model))
+    if caches == 0:
+        raise UnsupportedModelError(
+            f"model type {mtype!r} returns no KV cache from its forward, so a prefix cannot be continued from "
+            "resident KV"
+        )
+    indices = {m.layer_idx for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int)}
+    reusing = sum(1 for m in model.modules() if getattr(m, "is_kv_shared_layer", False) is True)
+    own = (len(indices) or n_blocks) - reusing
+    if caches > own:
+        raise UnsupportedModelError(
+            f"model type {mtype!r} keeps {caches} KV caches for {own} attention layers ({n_blocks} blocks): it runs "
+            "layers more than once per forward (a looped transformer), and resident KV is one entry per layer"
+        )
+    if caches < own:
+        raise UnsupportedModelError(
+            f"model type {mtype!r} keeps {caches} KV caches for {own} attention layers that compute their own keys: "
+            "some layers reuse another layer's KV in a way the engine does not map"
         )
 
 
