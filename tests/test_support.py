@@ -70,7 +70,7 @@ def test_a_looped_model_is_refused_not_crashed() -> None:
     model = _model(
         "dory", **SMALL, num_hidden_layers=3, head_dim=8, n_input_layers=1, n_output_layers=1, n_recurrent_loops=2,
     ).eval()  # fmt: skip
-    with pytest.raises(UnsupportedModelError, match=r"'dory' keeps 4 KV caches for 3 layers.*looped"):
+    with pytest.raises(UnsupportedModelError, match=r"'dory' keeps 4 KV caches for 3 attention layers.*looped"):
         check_supported(model, 32)
 
 

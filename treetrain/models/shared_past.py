@@ -351,6 +351,8 @@ def expanded_past(
     """
     out = []
     for (k, v), acc in zip(past, grads):
+        if k.shape[-2] == 0:  # a one-token last piece without its overlap position: no keys to expand
+            continue
         if acc is not None and anchor.requires_grad:
             k, v = _Into.apply(k, acc[0], anchor), _Into.apply(v, acc[1], anchor)
         out.append(expand(k, v))
