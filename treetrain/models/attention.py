@@ -52,6 +52,23 @@ UNMODELLED_CONFIG = ("attn_logit_softcapping",)
 _UNMODELLED = ("softcap", "position_bias")
 
 
+class PastLayoutError(RuntimeError):
+    """A layer's resident pieces are not shaped like the keys and values it attends over."""
+
+
+#: Model classes whose cache was found, on a forward, to hold other tensors than their attention's keys and
+#: values (e.g. keys kept per KV head and expanded by the layer itself); they take the concatenated path.
+_LAYOUT_MISMATCH: set[type] = set()
+
+
+def mark_layout_mismatch(model: PreTrainedModel) -> None:
+    _LAYOUT_MISMATCH.add(type(model))
+
+
+def forget_layout_mismatch(model: PreTrainedModel) -> None:
+    _LAYOUT_MISMATCH.discard(type(model))
+
+
 @dataclass(frozen=True)
 class _Active:
     past: SharedPast
@@ -69,6 +86,8 @@ def shared_past_reason(model: PreTrainedModel) -> str | None:
         return f"attention implementation {impl!r} is not decomposed"
     if not getattr(model, "_supports_attention_backend", False):
         return f"{type(model).__name__}'s attention does not go through transformers' attention interface"
+    if type(model) in _LAYOUT_MISMATCH:
+        return "its cache holds other tensors than the keys and values its attention reads"
     for name in UNMODELLED_CONFIG:
         if getattr(config, name, None):
             return f"{name} (logit soft-capping) is not decomposed"
@@ -138,7 +157,7 @@ def _check_past_shapes(
     """The resident pieces must be what the layer attends over: its keys' and values' heads and sizes."""
     for k, v in past:
         if k.shape[1] != key.shape[1] or k.shape[-1] != key.shape[-1] or v.shape[-1] != value.shape[-1]:
-            raise RuntimeError(
+            raise PastLayoutError(
                 f"{type(module).__name__} (layer {layer}) attends over keys {tuple(key.shape[1::2])} and values "
                 f"{tuple(value.shape[1::2])} (heads, head size), but its cache holds {tuple(k.shape[1::2])} and "
                 f"{tuple(v.shape[1::2])}: the cache stores something other than the attention's keys and values"

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
-from treetrain.models.attention import engine_attention, shared_past_reason
+from treetrain.models.attention import PastLayoutError, engine_attention, mark_layout_mismatch, shared_past_reason
 from treetrain.models.logit_head import output_head
 from treetrain.models.lora import unwrap
 from treetrain.models.shared_past import LayerKV, SharedPast, concatenated
@@ -58,14 +58,17 @@ def base_model(model: PreTrainedModel) -> nn.Module:
     transformers' `get_decoder` finds it; PEFT-wrapped models are unwrapped, their adapter layers stay in
     place)."""
     model = unwrap(model)
-    base = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else None
-    base = base if isinstance(base, nn.Module) and base is not model else getattr(model, "model", None)
-    if not isinstance(base, nn.Module) or _blocks(base) is None:
-        raise TypeError(
-            f"{type(model).__name__} has no decoder stack with its blocks in {', '.join(f'`.{n}`' for n in BLOCK_LISTS)}; "
-            "not a supported causal LM"
-        )
-    return base
+    try:
+        found = model.get_decoder()
+    except (AttributeError, ValueError, NotImplementedError):
+        found = None
+    for base in (found, getattr(model, "model", None), getattr(model, "transformer", None)):
+        if isinstance(base, nn.Module) and base is not model and _blocks(base) is not None:
+            return base
+    raise TypeError(
+        f"{type(model).__name__} has no decoder stack with its blocks in "
+        f"{', '.join(f'`.{n}`' for n in BLOCK_LISTS)}; not a supported causal LM"
+    )
 
 
 def _blocks(base: nn.Module) -> nn.ModuleList | None:
@@ -129,8 +132,14 @@ def decoder_forward(
         for layer, (k, v) in enumerate(concatenated(past, bsz, _anchor(model))):
             cache.update(k, v, layer)
     kwargs = {_cache_kwarg(base): cache}
-    with engine_attention(model, past if shared else None, positions):
-        out = base(input_ids=input_ids, position_ids=positions, use_cache=True, **kwargs)
+    try:
+        with engine_attention(model, past if shared else None, positions):
+            out = base(input_ids=input_ids, position_ids=positions, use_cache=True, **kwargs)
+    except PastLayoutError:
+        if not shared:
+            raise
+        mark_layout_mismatch(unwrap(model))  # from now on this class takes the concatenated path
+        return decoder_forward(model, input_ids, positions, past)
     returned: Any = getattr(out, "cache", None) or getattr(out, "past_key_values", None) or cache
     keys = tuple(layer.keys[:, :, past_len:, :] for layer in returned.layers)
     values = tuple(layer.values[:, :, past_len:, :] for layer in returned.layers)
