@@ -65,10 +65,6 @@ def mark_layout_mismatch(model: PreTrainedModel) -> None:
     _LAYOUT_MISMATCH.add(type(model))
 
 
-def forget_layout_mismatch(model: PreTrainedModel) -> None:
-    _LAYOUT_MISMATCH.discard(type(model))
-
-
 @dataclass(frozen=True)
 class _Active:
     past: SharedPast

@@ -107,6 +107,8 @@ def decoder_forward(
     input_ids: torch.Tensor,  # [B, T]
     positions: torch.Tensor,  # [B, T]
     past: Sequence[LayerKV] | SharedPast | None,
+    *,
+    concatenate: bool = False,
 ) -> DecoderOutput:
     """Run the decoder on `input_ids` continuing `past`.
 
@@ -114,7 +116,8 @@ def decoder_forward(
     per-layer list of `[1 or B, H_kv, P, D]` tensors. Every row attends to the same past. Where the model's
     attention decomposes (`shared_past_reason`), the pieces are read in place by shared-past attention;
     otherwise they are concatenated and broadcast to the B rows, with gradients routed into the pieces' G
-    accumulators. Rows are right-padded by the caller; a real token never attends to padding after it.
+    accumulators (always, with `concatenate`). Rows are right-padded by the caller; a real token never
+    attends to padding after it.
     """
     base = base_model(model)
     bsz = input_ids.shape[0]
@@ -123,7 +126,7 @@ def decoder_forward(
     if past is not None and not past.pieces:
         past = None
     shared = (
-        past is not None and shared_past_reason(unwrap(model)) is None and past.pieces[0][0][0].shape[0] == 1
+        not concatenate and past is not None and shared_past_reason(unwrap(model)) is None and past.pieces[0][0][0].shape[0] == 1
     )
     cache = DynamicCache()
     past_len = 0

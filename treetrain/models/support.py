@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from treetrain.models.attention import forget_layout_mismatch, mark_layout_mismatch, shared_past_reason
+from treetrain.models.attention import shared_past_reason
 from treetrain.models.decoder import decoder_forward, decoder_layers, output_head
 from treetrain.models.lora import unwrap
 
@@ -234,13 +234,18 @@ def _probe(
         past = list(zip(first.keys, first.values))
         second = decoder_forward(model, ids[:, split:], pos[:, split:], past).hidden
         tol = {torch.bfloat16: 3e-2, torch.float16: 4e-3}.get(whole.dtype, 1e-5)
-        if shared_past_reason(unwrap(model)) is None and not _split_error(whole, first.hidden, second) <= tol:
-            # A layer that transforms what it cached before attending (DiffLlama splits its values) reads
-            # other tensors than the resident pieces; the concatenated past runs the layer's own code on it.
-            mark_layout_mismatch(unwrap(model))
-            second = decoder_forward(model, ids[:, split:], pos[:, split:], past).hidden
-            if not _split_error(whole, first.hidden, second) <= tol:
-                forget_layout_mismatch(unwrap(model))
+        shared_err = _split_error(whole, first.hidden, second)
+        if shared_past_reason(unwrap(model)) is None and not shared_err <= tol:
+            # Tell a layer that attends over other tensors than it caches (DiffLlama splits its cached values)
+            # from a past the model cannot continue at all: the layer's own attention over the concatenated past.
+            again = decoder_forward(model, ids[:, split:], pos[:, split:], past, concatenate=True).hidden
+            if _split_error(whole, first.hidden, again) <= tol:
+                raise UnsupportedModelError(
+                    f"model type {mtype!r}: shared-past attention over resident KV changes the hidden states "
+                    f"(relative error {shared_err:.2e}) where the layer's own attention over the concatenated past "
+                    "does not: its layers attend over other tensors than they cache (as DiffLlama's split values), "
+                    "which shared-past attention does not reproduce"
+                )
         head_err = None
         if window is None:  # the head check needs `[1, length, V]` logits: only on the short probe
             reference = model(input_ids=ids, position_ids=pos, use_cache=False).logits.float().log_softmax(-1)
