@@ -203,10 +203,14 @@ def test_exact_matches_flat_more_families(family: str, dtype: str) -> None:
     cross-layer KV sharing (Gemma 4), through a tree of several levels with chunks and K = 2."""
     replay = ReplayConfig(microbatch=2, chunk_size=5)
     dev, floor = _check(family, DTYPES[dtype], "multi_level", LossConfig(), replay, _more_family(family))
-    assert dev.abs <= FACTOR * floor, f"{family}/{dtype}: |exact - flat| = {dev.abs:.3e} > {FACTOR} x {floor:.3e}"
+    assert dev.abs <= FACTOR * floor, (
+        f"{family}/{dtype}: |exact - flat| = {dev.abs:.3e} > {FACTOR} x {floor:.3e}"
+    )
 
 
-def test_negative_control_mla_latent_gradient_left_out_of_g_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_negative_control_mla_latent_gradient_left_out_of_g_is_rejected(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """MLA's resident pieces are latents, expanded per piece: expanding detached latents, so that their
     gradient never reaches G, is caught far above the bound."""
     import treetrain.models.attention as attention
@@ -219,7 +223,9 @@ def test_negative_control_mla_latent_gradient_left_out_of_g_is_rejected(monkeypa
     assert dev.abs > 100 * FACTOR * floor, f"{dev.abs:.3e} not far above {FACTOR} x {floor:.3e}"
 
 
-def test_negative_control_kv_sharing_gradient_left_out_of_g_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_negative_control_kv_sharing_gradient_left_out_of_g_is_rejected(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Gemma 4's reusing layers attend over the source layer's resident pieces: leaving their share of the
     pieces' gradient out of G (the source layers' own share stays) is caught far above the bound."""
     import treetrain.models.attention as attention

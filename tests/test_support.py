@@ -3,9 +3,8 @@ and a probe that fails for any reason is a refusal naming the model type and the
 
 from __future__ import annotations
 
-from typing import Any
-
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -16,8 +15,8 @@ import treetrain.models.logit_head as logit_head
 import treetrain.models.support as support
 from treetrain.models.attention import shared_past_reason
 from treetrain.models.presets import EAGER_ONLY, tiny_model
-from treetrain.models.support_table import support_row
 from treetrain.models.support import UnsupportedModelError, check_supported
+from treetrain.models.support_table import support_row
 
 VOCAB = 64
 SMALL: dict[str, Any] = dict(
@@ -76,7 +75,9 @@ def test_a_looped_model_is_refused_not_crashed() -> None:
     model = _model(
         "dory", **SMALL, num_hidden_layers=3, head_dim=8, n_input_layers=1, n_output_layers=1, n_recurrent_loops=2,
     ).eval()  # fmt: skip
-    with pytest.raises(UnsupportedModelError, match=r"'dory' keeps 4 KV caches for 3 attention layers.*looped"):
+    with pytest.raises(
+        UnsupportedModelError, match=r"'dory' keeps 4 KV caches for 3 attention layers.*looped"
+    ):
         check_supported(model, 32)
 
 
@@ -124,7 +125,9 @@ def test_logit_scaling_and_final_soft_capping_are_applied_by_the_head(
     assert not logit_head.logit_transform(model.config).identity
     check_supported(model, 32)
     monkeypatch.setattr(logit_head, "logit_transform", lambda config: logit_head.LogitTransform())
-    with pytest.raises(UnsupportedModelError, match=rf"'{family}': the model changes its logits after the LM head"):
+    with pytest.raises(
+        UnsupportedModelError, match=rf"'{family}': the model changes its logits after the LM head"
+    ):
         check_supported(model, 32)
 
 

@@ -114,7 +114,7 @@ def shared_past_forward(
     layer = kv_source_layer(module)
     past, grads = active.past.layer(layer)
     expand = getattr(module, "expand_kv", None)
-    if callable(expand):  # MLA: the cache holds compressed latents, which the layer expands to keys and values
+    if callable(expand):  # MLA: the cache holds latents, which the layer expands to keys and values
         past, grads = expanded_past(expand, past, grads, anchor=query)
     _check_past_shapes(module, layer, past, key, value)
     window = kwargs.get("sliding_window")
@@ -137,10 +137,13 @@ def kv_source_layer(module: torch.nn.Module) -> int:
     config = getattr(module, "config", None)
     types = list(getattr(config, "layer_types", None) or [])
     modes = list(getattr(config, "kv_sharing_modes", None) or [])
-    for j in range(layer - 1, -1, -1):
-        if j < len(modes) and modes[j] == "store" and j < len(types) and layer < len(types) and types[j] == types[layer]:
+    kind = types[layer] if layer < len(types) else None
+    for j in range(min(layer, len(modes), len(types)) - 1, -1, -1):
+        if modes[j] == "store" and types[j] == kind:
             return j
-    raise RuntimeError(f"{type(module).__name__} (layer {layer}) reuses KV, but no earlier layer of its type stores any")
+    raise RuntimeError(
+        f"{type(module).__name__} (layer {layer}) reuses KV, but no earlier layer of its type stores any"
+    )
 
 
 def _check_past_shapes(

@@ -22,7 +22,12 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
-from treetrain.models.attention import PastLayoutError, engine_attention, mark_layout_mismatch, shared_past_reason
+from treetrain.models.attention import (
+    PastLayoutError,
+    engine_attention,
+    mark_layout_mismatch,
+    shared_past_reason,
+)
 from treetrain.models.logit_head import output_head
 from treetrain.models.lora import unwrap
 from treetrain.models.shared_past import LayerKV, SharedPast, concatenated
@@ -126,7 +131,10 @@ def decoder_forward(
     if past is not None and not past.pieces:
         past = None
     shared = (
-        not concatenate and past is not None and shared_past_reason(unwrap(model)) is None and past.pieces[0][0][0].shape[0] == 1
+        not concatenate
+        and past is not None
+        and shared_past_reason(unwrap(model)) is None
+        and past.pieces[0][0][0].shape[0] == 1
     )
     cache = DynamicCache()
     past_len = 0

@@ -95,6 +95,10 @@ def output_head(model: PreTrainedModel) -> nn.Module:
     inner = unwrap(model)
     pre = getattr(inner, "lm_head", None)
     # ModernBERT's decoder: `lm_head` is the prediction head and `decoder` the projection.
-    pre = pre if isinstance(pre, nn.Module) and pre is not proj and getattr(inner, "decoder", None) is proj else None
+    pre = (
+        pre
+        if isinstance(pre, nn.Module) and pre is not proj and getattr(inner, "decoder", None) is proj
+        else None
+    )
     transform = logit_transform(model.config.get_text_config(decoder=True))
     return proj if transform.identity and pre is None else LogitHead(proj, transform, pre)

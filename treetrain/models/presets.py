@@ -104,7 +104,12 @@ def _more(family: str, size: TinySize, vocab_size: int) -> dict[str, Any]:
     if family == "cohere":
         return dict(logit_scale=2.0)
     if family == "gemma2":  # caps low enough to bend a tiny random model's scores and logits
-        return dict(head_dim=head, attn_logit_softcapping=0.5, final_logit_softcapping=0.2, sliding_window=MISTRAL_WINDOW)
+        return dict(
+            head_dim=head,
+            attn_logit_softcapping=0.5,
+            final_logit_softcapping=0.2,
+            sliding_window=MISTRAL_WINDOW,
+        )
     if family == "gpt2":
         return dict(
             n_embd=size.hidden_size, n_layer=size.num_layers, n_head=size.num_heads, n_inner=size.intermediate_size,

@@ -339,7 +339,7 @@ class _Into(torch.autograd.Function):
 
 def expanded_past(
     expand: Callable[[torch.Tensor, torch.Tensor], LayerKV],
-    past: Sequence[LayerKV],  # per piece, what the cache holds: MLA's latents `[1, 1, P_i, r]`, `[1, 1, P_i, R]`
+    past: Sequence[LayerKV],  # per piece, the cached latents `[1, 1, P_i, r]`, `[1, 1, P_i, R]`
     grads: Sequence[LayerKV | None],
     anchor: torch.Tensor,
 ) -> tuple[tuple[LayerKV, ...], tuple[None, ...]]:

@@ -25,7 +25,6 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from transformers import PreTrainedModel

@@ -138,7 +138,9 @@ def _notes(model: PreTrainedModel) -> list[str]:
     config = model.config.get_text_config(decoder=True)
     notes = []
     if any(callable(getattr(m, "expand_kv", None)) for m in model.modules()):
-        notes.append("multi-head latent attention: resident KV is the compressed latents, expanded once per piece")
+        notes.append(
+            "multi-head latent attention: resident KV is the compressed latents, expanded once per piece"
+        )
     if any(getattr(m, "is_kv_shared_layer", False) is True for m in model.modules()):
         notes.append("cross-layer KV sharing: a reusing layer reads its source layer's resident KV")
     head = output_head(model)
@@ -163,7 +165,9 @@ def support_row(family: str) -> SupportRow:
             model, eager = _build(tiny_family_config(family))
             model.eval()
         except Exception as exc:
-            return SupportRow(family, "not checked", f"no tiny model: {type(exc).__name__}: {short_message(exc, 160)}")
+            return SupportRow(
+                family, "not checked", f"no tiny model: {type(exc).__name__}: {short_message(exc, 160)}"
+            )
         try:
             check_supported(model, 4 * VOCAB)
         except UnsupportedModelError as exc:
