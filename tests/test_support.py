@@ -131,16 +131,18 @@ def test_logit_scaling_and_final_soft_capping_are_applied_by_the_head(
         check_supported(model, 32)
 
 
-def test_attention_soft_capping_takes_the_concatenated_past_and_shared_past_would_be_refused(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Gemma 2 caps its attention scores; shared-past attention does not, so the model keeps its own eager
-    attention over the concatenated past. Forced onto shared-past attention, the probe refuses it."""
+def test_attention_soft_capping_is_applied_by_shared_past_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gemma 2 caps its attention scores; shared-past attention caps them too (on its reference kernel), and
+    the probe is what shows it: shared-past attention that leaves the cap out is refused."""
     model = _preset("gemma2")
-    assert "attn_logit_softcapping" in str(shared_past_reason(model))
+    assert shared_past_reason(model) is None
+    assert "attn_logit_softcapping" in str(attention.shared_past_kernel_note(model))
     check_supported(model, 32)
-    monkeypatch.setattr(attention, "UNMODELLED_CONFIG", ())
-    with pytest.raises(UnsupportedModelError, match=r"'gemma2' failed the split probe .*softcap"):
+    real = attention.shared_attention
+    monkeypatch.setattr(attention, "shared_attention", lambda *a, **kw: real(*a, **{**kw, "softcap": None}))
+    with pytest.raises(
+        UnsupportedModelError, match=r"'gemma2'.*shared-past attention over resident KV changes"
+    ):
         check_supported(model, 32)
 
 

@@ -46,10 +46,11 @@ SHARED = "treetrain_shared_past"
 #: even for a float64 model; the decomposition keeps the model's precision, which the tests' noise floor,
 #: measured with float32 islands, covers).
 DECOMPOSABLE = frozenset({"sdpa", "eager", NAME})
-#: Config fields whose attention terms the decomposition leaves out (soft-capping: torch's kernels with a
-#: log-sum-exp take no score modification).
-UNMODELLED_CONFIG = ("attn_logit_softcapping",)
-_UNMODELLED = ("softcap", "position_bias")
+#: Attention arguments the decomposition does not model.
+_UNMODELLED = ("position_bias",)
+#: Config fields of attention soft-capping: torch's fused kernels with a log-sum-exp take no score
+#: modification, so shared-past attention runs its plain-PyTorch reference for such a model.
+SOFTCAP_CONFIG = ("attn_logit_softcapping",)
 
 
 class PastLayoutError(RuntimeError):
@@ -84,9 +85,15 @@ def shared_past_reason(model: PreTrainedModel) -> str | None:
         return f"{type(model).__name__}'s attention does not go through transformers' attention interface"
     if type(model) in _LAYOUT_MISMATCH:
         return "its cache holds other tensors than the keys and values its attention reads"
-    for name in UNMODELLED_CONFIG:
+    return None
+
+
+def shared_past_kernel_note(model: PreTrainedModel) -> str | None:
+    """Why shared-past attention runs its plain-PyTorch reference instead of a fused kernel, or None."""
+    config = model.config.get_text_config(decoder=True)
+    for name in SOFTCAP_CONFIG:
         if getattr(config, name, None):
-            return f"{name} (logit soft-capping) is not decomposed"
+            return f"{name} (attention soft-capping): the fused kernels take no score modification"
     return None
 
 
@@ -119,10 +126,11 @@ def shared_past_forward(
     _check_past_shapes(module, layer, past, key, value)
     window = kwargs.get("sliding_window")
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))  # [H], gpt-oss's learned per-head sink logits
+    softcap = kwargs.get("softcap")  # Gemma 2's attention soft-capping
     out = shared_attention(
         query, key, value, active.positions, past, grads,
         scale=float(scaling if scaling is not None else query.shape[-1] ** -0.5),
-        window=int(window) if window else None, sinks=sinks,
+        window=int(window) if window else None, sinks=sinks, softcap=float(softcap) if softcap else None,
     )  # fmt: skip
     return out, None
 

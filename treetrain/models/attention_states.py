@@ -86,9 +86,16 @@ def _block(rows: int, keys: int) -> int:
 
 
 def _scores(
-    q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor | None, stat: torch.dtype
+    q: torch.Tensor,
+    k: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None,
+    stat: torch.dtype,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     s = torch.matmul(q, k.transpose(-1, -2)).to(stat) * scale  # [N, M, b]
+    if softcap is not None:  # Gemma 2's attention soft-capping, before the mask as in its eager attention
+        s = torch.tanh(s / softcap) * softcap
     return s if mask is None else s.masked_fill(~mask, float("-inf"))
 
 
@@ -98,9 +105,10 @@ def partial_state(
     v: torch.Tensor,  # [N, L, D]
     scale: float,
     mask: Mask,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of `q` over one key set, block by block: `(out [N, M, D], lse [N, M])`, both in at least
-    float32 (float64 stays float64)."""
+    float32 (float64 stays float64). `softcap` caps the scaled scores, `cap * tanh(s / cap)`."""
     stat = torch.promote_types(q.dtype, torch.float32)
     n, m, _ = q.shape
     out = torch.zeros((n, m, v.shape[-1]), dtype=stat, device=q.device)
@@ -108,7 +116,7 @@ def partial_state(
     step = _block(n * m, k.shape[1])
     for a in range(0, k.shape[1], step):
         b = min(a + step, k.shape[1])
-        s = _scores(q, k[:, a:b], scale, mask(a, b), stat)
+        s = _scores(q, k[:, a:b], scale, mask(a, b), stat, softcap)
         top = s.amax(-1)
         top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
         p = torch.exp(s - top[..., None])  # [N, M, b]
@@ -130,16 +138,22 @@ def partial_backward(
     mask: Mask,
     d_q: torch.Tensor,  # [N, M, D], accumulated into
     d_kv: Callable[[int, int, torch.Tensor, torch.Tensor], None] | None,
+    softcap: float | None = None,
 ) -> None:
-    """The flash-attention backward over one key set; `d_kv(a, b, dk, dv)` receives each block's key grads."""
+    """The flash-attention backward over one key set; `d_kv(a, b, dk, dv)` receives each block's key grads.
+    With `softcap`, the score gradient passes through the cap: d(cap * tanh(s / cap))/ds = 1 - tanh^2."""
     stat = lse.dtype
     step = _block(q.shape[0] * q.shape[1], k.shape[1])
     for a in range(0, k.shape[1], step):
         b = min(a + step, k.shape[1])
         kb, vb = k[:, a:b], v[:, a:b]
-        p = torch.exp(_scores(q, kb, scale, mask(a, b), stat) - lse[..., None])  # [N, M, b]
+        capped = _scores(q, kb, scale, mask(a, b), stat, softcap)
+        p = torch.exp(capped - lse[..., None])  # [N, M, b]
         dp = torch.matmul(d_out, vb.transpose(-1, -2)).to(stat)
-        ds = (p * (dp - delta[..., None])).to(q.dtype)  # [N, M, b]
+        ds = p * (dp - delta[..., None])  # [N, M, b]
+        if softcap is not None:  # masked entries have p = 0; their capped score is -inf, so keep them out
+            ds = ds * (1 - torch.nan_to_num(capped / softcap, neginf=0.0) ** 2)
+        ds = ds.to(q.dtype)
         d_q.add_(torch.matmul(ds, kb), alpha=scale)
         if d_kv is not None:
             dk = torch.matmul(ds.transpose(-1, -2), q) * scale  # [N, b, D]

@@ -106,7 +106,7 @@ def _more(family: str, size: TinySize, vocab_size: int) -> dict[str, Any]:
     if family == "gemma2":  # caps low enough to bend a tiny random model's scores and logits
         return dict(
             head_dim=head,
-            attn_logit_softcapping=0.5,
+            attn_logit_softcapping=0.005,
             final_logit_softcapping=0.2,
             sliding_window=MISTRAL_WINDOW,
         )

@@ -36,7 +36,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from treetrain.io import atomic_write_bytes
-from treetrain.models.attention import shared_past_reason
+from treetrain.models.attention import shared_past_kernel_note, shared_past_reason
 from treetrain.models.logit_head import LogitHead, logit_transform, output_head
 from treetrain.models.support import UnsupportedModelError, check_supported, short_message
 
@@ -69,8 +69,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "longcat_flash": dict(_MLA, num_layers=2, ffn_hidden_size=64, expert_ffn_hidden_size=16, zero_expert_num=1),
     "granite": dict(logits_scaling=4.0), "granitemoe": dict(logits_scaling=4.0),
     "cohere": dict(logit_scale=2.0), "cohere2": dict(logit_scale=2.0), "cohere2_moe": dict(logit_scale=2.0),
-    "gemma2": dict(attn_logit_softcapping=0.5, final_logit_softcapping=0.2),
-    "vaultgemma": dict(attn_logit_softcapping=0.5, final_logit_softcapping=0.2),
+    "gemma2": dict(attn_logit_softcapping=0.005, final_logit_softcapping=0.2),
+    "vaultgemma": dict(attn_logit_softcapping=0.005, final_logit_softcapping=0.2),
     "gemma3n_text": dict(
         _KV_SHARED, intermediate_size=[64] * 4, activation_sparsity_pattern=[0.0] * 4, laurel_rank=4,
         altup_num_inputs=2,
@@ -152,6 +152,8 @@ def _notes(model: PreTrainedModel) -> list[str]:
     reason = shared_past_reason(model)
     if reason is not None:
         notes.append(f"concatenated past, because {reason}")
+    elif (kernel := shared_past_kernel_note(model)) is not None:
+        notes.append(f"shared-past attention on its reference kernel, because {kernel}")
     return notes
 
 
