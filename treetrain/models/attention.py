@@ -4,10 +4,14 @@ With a `SharedPast` active (`engine_attention(model, shared=...)`), every attent
 `treetrain.models.shared_past.shared_attention`: the rows' own tokens from the layer's arguments, the past
 from the resident pieces, never concatenated. The decomposition reproduces what the layer asks of its
 attention function, whichever Hugging Face kernel the user configured (`sdpa` or `eager`): the scaling,
-a sliding window (a mask per piece), and attention sinks (`s_aux`, gpt-oss: one more logit per head in the
-log-sum-exp merge). Models whose attention has terms it does not model (logit soft-capping, position
-biases, dropout) or another implementation keep the concatenated path; `shared_past_reason` names why,
-and `treetrain plan` prints it.
+a sliding window (a mask per piece), attention sinks (`s_aux`, gpt-oss: one more logit per head in the
+log-sum-exp merge), attention soft-capping (`softcap`, Gemma 2: on the reference kernel, since the fused
+ones take no score modification; `shared_past_kernel_note` says so), a value head of another size than the
+query/key head, latent caches expanded per piece (MLA: the layer's `expand_kv`), and layers that reuse an
+earlier layer's KV (Gemma 3n/4: `kv_source_layer`). Models whose attention has terms it does not model
+(position biases, dropout), whose attention does not go through transformers' attention interface, whose
+cache turns out to hold other tensors than their attention reads, or that use another implementation keep
+the concatenated path; `shared_past_reason` names why, and `treetrain plan` prints it.
 
 Without a past (flat forwards, a first chunk):
 
@@ -77,7 +81,6 @@ _ACTIVE: ContextVar[_Active | None] = ContextVar("treetrain_shared_past", defaul
 
 def shared_past_reason(model: PreTrainedModel) -> str | None:
     """None when `model`'s attention decomposes over resident pieces; otherwise why it does not."""
-    config = model.config.get_text_config(decoder=True)
     impl = str(getattr(model.config, "_attn_implementation", None))
     if impl not in DECOMPOSABLE:
         return f"attention implementation {impl!r} is not decomposed"

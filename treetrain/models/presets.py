@@ -113,6 +113,7 @@ def _more(family: str, size: TinySize, vocab_size: int) -> dict[str, Any]:
     if family == "gpt2":
         return dict(
             n_embd=size.hidden_size, n_layer=size.num_layers, n_head=size.num_heads, n_inner=size.intermediate_size,
+            num_key_value_heads=size.num_heads,  # GPT-2 has no grouped-query heads
             n_positions=size.max_positions, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0,
         )  # fmt: skip
     if family == "gemma4_text":  # the second half of the layers reuses the first half's KV, per layer type

@@ -4,16 +4,19 @@ The engine splits every sequence at node boundaries and continues from stored KV
 layer's whole state is its per-token keys and values over *all* earlier positions. Recurrent or linear
 attention layers carry a running state instead, and dynamic RoPE variants choose their frequencies from
 the longest position *in each forward call*, so a prefix evaluated alone rotates differently than inside
-the whole sequence. The engine also computes logprobs from the LM head directly, so a model that rescales or caps its
-logits after the head would train on the wrong distribution. Rather than risk a silent wrong gradient, such
-models are refused with the reason; a short probe backs up the static checks: split-versus-whole hidden
-states, and head-only logprobs against the model's own. A sliding window shorter than the sequences is
+the whole sequence. The engine also computes logprobs from the LM head directly, so the head applies what
+the family does to its logits (`treetrain.models.logit_head`: scaling, final soft-capping); a model that
+does something else after the head would train on the wrong distribution. Rather than risk a silent wrong
+gradient, such models are refused with the reason; a short probe backs up the static checks:
+split-versus-whole hidden states, and head-only logprobs against the model's own. A sliding window shorter than the sequences is
 accepted once a probe that splits inside the window and runs past it agrees with the whole forward.
 
 Exactness is also checked by behaviour, because names miss things (functional dropout reading a config field
 such as Starcoder2's `residual_dropout`): the same tokens run twice in the model's current mode must agree.
-Bidirectional attention (a prefix that sees later tokens) and looped layers (more KV caches than layers) are
-refused with those reasons, and any exception inside a probe becomes an `UnsupportedModelError` naming the
+Bidirectional attention (a prefix that sees later tokens), looped layers (more KV caches than attention
+layers; a layer that reuses an earlier layer's KV, as in Gemma 3n/4, keeps none of its own), a forward
+that returns no cache, and layers that attend over other tensors than they cache are refused with those
+reasons, and any exception inside a probe becomes an `UnsupportedModelError` naming the
 model type and the step.
 
 Example:
@@ -276,7 +279,8 @@ def _probe(
     if head_err is not None and not head_err <= head_tol:
         raise UnsupportedModelError(
             f"model type {mtype!r}: the model changes its logits after the LM head (logprob difference "
-            f"{head_err:.2e}; e.g. logit scaling or soft-capping), which the engine's logprobs do not apply"
+            f"{head_err:.2e}) in a way the engine's head does not reproduce (it applies `logit_scale`, "
+            "`logits_scaling` and `final_logit_softcapping`)"
         )
 
 
