@@ -60,7 +60,9 @@ def tiny_config(
     if attn not in ATTENTION:
         raise ValueError(f"unknown attention implementation {attn!r}; known: {', '.join(ATTENTION)}")
     if family in EAGER_ONLY and attn != "eager":
-        raise ValueError(f"{family} has only eager attention in transformers; use attn='eager'")
+        raise ValueError(
+            f"{family} has only eager attention in transformers: use --attn eager (model.attn=eager)"
+        )
     common: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=size.hidden_size,
