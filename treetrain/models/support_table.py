@@ -37,6 +37,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from treetrain.io import atomic_write_bytes
 from treetrain.models.attention import shared_past_kernel_note, shared_past_reason
+from treetrain.models.decoder import decoder_layers
 from treetrain.models.logit_head import LogitHead, logit_transform, output_head
 from treetrain.models.support import UnsupportedModelError, check_supported, short_message
 
@@ -141,6 +142,12 @@ def _notes(model: PreTrainedModel) -> list[str]:
         notes.append(
             "multi-head latent attention: resident KV is the compressed latents, expanded once per piece"
         )
+    blocks = len(decoder_layers(model))
+    attention_layers = len(
+        {m.layer_idx for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int)}
+    )
+    if attention_layers > blocks:
+        notes.append(f"{attention_layers // blocks} attention sublayers per block, each with its own KV")
     if any(getattr(m, "is_kv_shared_layer", False) is True for m in model.modules()):
         notes.append("cross-layer KV sharing: a reusing layer reads its source layer's resident KV")
     head = output_head(model)
