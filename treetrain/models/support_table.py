@@ -198,13 +198,17 @@ family refused here is refused there with the same reason; a family accepted her
 configuration the tiny model has (a real checkpoint's own settings, a sliding window, an `attn_implementation`,
 are checked again then).
 
-- **accepted**: `exact` holds for it; a note says what the engine does particularly for the family.
+- **accepted**: the check passes, so training runs the family; a note says what the engine does
+  particularly for it. `exact` follows from the split agreeing, but is measured against the flat reference
+  only for the families named below.
 - **refused**: the check's reason.
 - **not checked**: no tiny model of the family could be built from its config with generic small sizes (the
   reason is transformers'); the check has not run on it.
 
-Six of the accepted families also run through the engine against the flat reference in the tests
-(`tests/test_replay_exact.py`, `MORE_FAMILIES` in `treetrain/models/presets.py`), besides the five presets.
+Measured against the flat reference in the tests (`tests/test_replay_exact.py`, `tests/test_attention.py`):
+the five presets (`llama`, `qwen2`, `qwen3`, `mistral`, `qwen3_moe`), `MORE_FAMILIES` in
+`treetrain/models/presets.py` (`deepseek_v3`, `granite`, `cohere`, `gemma2`, `gpt2`, `gemma4_text`) and
+`gpt_oss`.
 
 Generated with transformers {{version}} and torch {{torch}}.
 """
