@@ -116,12 +116,12 @@ def test_sliding_window_is_accepted_only_when_the_window_probe_agrees(
 
     original = support.decoder_forward
 
-    def window_lost_across_the_split(model, ids, pos, past):
+    def window_lost_across_the_split(model, ids, pos, past, **kwargs):
         if past is None:
-            return original(model, ids, pos, past)
+            return original(model, ids, pos, past, **kwargs)
         window, model.config.sliding_window = model.config.sliding_window, None
         try:
-            return original(model, ids, pos, past)
+            return original(model, ids, pos, past, **kwargs)
         finally:
             model.config.sliding_window = window
 
@@ -210,14 +210,19 @@ def test_length_dependent_rope_is_refused(rope_type: str) -> None:
         check_supported(model, 32, probe=False)
 
 
-def test_logits_changed_after_the_head_are_refused() -> None:
-    """Granite divides its logits by `logits_scaling` after the LM head; the engine's logprobs would not."""
+def test_logits_changed_after_the_head_are_applied_or_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Granite divides its logits by `logits_scaling` after the LM head, and the engine's head does too; a
+    head that got the transform wrong (here: multiplying, as for HyperCLOVA X) is refused."""
     from transformers import GraniteConfig, GraniteForCausalLM
+
+    import treetrain.models.logit_head as logit_head
 
     config = GraniteConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2, logits_scaling=8.0,
     )  # fmt: skip
+    check_supported(GraniteForCausalLM(config), 32)
+    monkeypatch.setattr(logit_head, "MULTIPLIED_LOGITS_SCALING", frozenset({"granite"}))
     with pytest.raises(UnsupportedModelError, match="changes its logits after the LM head"):
         check_supported(GraniteForCausalLM(config), 32)
     config.logits_scaling = 1.0

@@ -18,7 +18,7 @@ from support.engine_cases import SHAPES, factory, make_batch
 from treetrain.engine import ReplayConfig, UpdateBatch
 from treetrain.engine.verify import deviation, flat_gradient, noise_floor, tree_gradient
 from treetrain.loss.loss_config import LossConfig
-from treetrain.models.presets import ATTENTION, FAMILIES
+from treetrain.models.presets import ATTENTION, EAGER_ONLY, FAMILIES, MORE_FAMILIES
 
 FACTOR = 5.0
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
@@ -190,3 +190,60 @@ def test_exact_matches_flat_to_float64_precision_without_float32_islands(
     dev = deviation(tree, flat)
     assert dev.abs <= FACTOR * floor, f"|exact - flat| = {dev.abs:.3e} > {FACTOR} x {floor:.3e}"
     assert dev.rel < 1e-13
+
+
+def _more_family(family: str) -> str:
+    return "eager" if family in EAGER_ONLY else "sdpa"
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("family", MORE_FAMILIES)
+def test_exact_matches_flat_more_families(family: str, dtype: str) -> None:
+    """MLA (DeepSeek V3), logit scaling (Granite, Cohere), soft-capping (Gemma 2), `.h` blocks (GPT-2) and
+    cross-layer KV sharing (Gemma 4), through a tree of several levels with chunks and K = 2."""
+    replay = ReplayConfig(microbatch=2, chunk_size=5)
+    dev, floor = _check(family, DTYPES[dtype], "multi_level", LossConfig(), replay, _more_family(family))
+    assert dev.abs <= FACTOR * floor, (
+        f"{family}/{dtype}: |exact - flat| = {dev.abs:.3e} > {FACTOR} x {floor:.3e}"
+    )
+
+
+def test_negative_control_mla_latent_gradient_left_out_of_g_is_rejected(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """MLA's resident pieces are latents, expanded per piece: expanding detached latents, so that their
+    gradient never reaches G, is caught far above the bound."""
+    import treetrain.models.attention as attention
+
+    def detached(expand, past, grads, anchor):  # type: ignore[no-untyped-def]
+        return tuple(expand(k.detach(), v.detach()) for k, v in past), (None,) * len(past)
+
+    monkeypatch.setattr(attention, "expanded_past", detached)
+    dev, floor = _check("deepseek_v3", torch.float64, "multi_level", LossConfig(), ReplayConfig(microbatch=2))
+    assert dev.abs > 100 * FACTOR * floor, f"{dev.abs:.3e} not far above {FACTOR} x {floor:.3e}"
+
+
+def test_negative_control_kv_sharing_gradient_left_out_of_g_is_rejected(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Gemma 4's reusing layers attend over the source layer's resident pieces: leaving their share of the
+    pieces' gradient out of G (the source layers' own share stays) is caught far above the bound."""
+    import treetrain.models.attention as attention
+
+    source, attend = attention.kv_source_layer, attention.shared_attention
+    reusing: list[bool] = []
+
+    def spy(module):  # type: ignore[no-untyped-def]
+        reusing.append(bool(getattr(module, "is_kv_shared_layer", False)))
+        return source(module)
+
+    def detached(q, k, v, positions, past, grads, **kw):  # type: ignore[no-untyped-def]
+        if reusing[-1]:
+            past, grads = tuple((a.detach(), b.detach()) for a, b in past), (None,) * len(past)
+        return attend(q, k, v, positions, past, grads, **kw)
+
+    monkeypatch.setattr(attention, "kv_source_layer", spy)
+    monkeypatch.setattr(attention, "shared_attention", detached)
+    dev, floor = _check("gemma4_text", torch.float64, "multi_level", LossConfig(), ReplayConfig(microbatch=2))
+    assert any(reusing) and not all(reusing), "the case ran no reusing layer, or only reusing ones"
+    assert dev.abs > 100 * FACTOR * floor, f"{dev.abs:.3e} not far above {FACTOR} x {floor:.3e}"

@@ -238,3 +238,19 @@ def test_model_persistent_bytes_and_kv_size_come_from_the_model() -> None:
     assert b.params == sum(p.numel() * 4 for p in model.parameters())
     config = model.config
     assert kv_bytes_per_token(model) == 2 * config.num_hidden_layers * config.num_key_value_heads * 8 * 4
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3", "gemma4_text", "gpt2"])
+def test_resident_kv_bytes_per_token_are_what_the_cache_holds(family: str) -> None:
+    """The ledger's per-token KV size against the cache a forward returns: MLA caches latents, and Gemma 4's
+    reusing layers cache nothing (a size from heads x head size would be several times off for both)."""
+    from treetrain.memory.persistent import kv_bytes_per_token
+    from treetrain.models.decoder import decoder_forward
+    from treetrain.models.presets import tiny_model
+
+    model = tiny_model(family, 64)
+    ids = torch.arange(1, 6)[None]
+    with torch.no_grad():
+        out = decoder_forward(model, ids, torch.arange(5)[None], None)
+    cached = sum(t.numel() * t.element_size() for t in (*out.keys, *out.values)) // 5
+    assert kv_bytes_per_token(model) == cached

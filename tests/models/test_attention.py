@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.attention_oracle import reference, reference_with_sinks
+from support.attention_oracle import reference, reference_eager, reference_with_sinks
 from support.engine_cases import SHAPES, VOCAB, factory, make_batch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
@@ -25,7 +25,7 @@ from treetrain.engine.replay import TreeReplay
 from treetrain.engine.verify import deviation, flat_grad, flat_gradient, noise_floor, tree_gradient
 from treetrain.loss.loss_config import LossConfig
 from treetrain.memory.retention import RetentionPolicy
-from treetrain.models.attention import NAME, engine_attention, shared_past_reason
+from treetrain.models.attention import NAME, engine_attention, shared_past_kernel_note, shared_past_reason
 from treetrain.models.decoder import SharedPast, decoder_forward
 from treetrain.models.presets import TinySize, tiny_model
 from treetrain.models.shared_past import shared_attention
@@ -118,6 +118,43 @@ def test_sinks_enter_the_merge_as_one_more_logit(
     assert (plain - ref).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("backend", ["fused", "reference"])
+@pytest.mark.parametrize(("value_head", "softcap"), [(4, None), (12, None), (8, 0.7), (4, 0.7)])
+@pytest.mark.parametrize("window", [None, 7])
+def test_a_value_head_of_another_size_and_soft_capped_scores(
+    backend: str, value_head: int, softcap: float | None, window: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MLA's value head is smaller than its query/key head (the fused kernels need one size: padded, then
+    sliced); Gemma 2 caps every score (`cap * tanh(s / cap)`: the reference kernel). Forward and every
+    gradient against eager attention over the concatenated past."""
+    monkeypatch.setattr(attention_states, "FUSED_CPU", backend == "fused")
+    monkeypatch.setattr(attention_states, "BLOCK_ELEMENTS", 64 * 8)
+    gen = torch.Generator().manual_seed(value_head)
+    rows, heads, kv_heads, t, d, lengths = 3, 4, 2, 5, 8, (9, 1, 30)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (2.0 * torch.randn(*shape, generator=gen, dtype=torch.float64)).requires_grad_()
+
+    q, k_own, v_own = rand(rows, heads, t, d), rand(rows, kv_heads, t, d), rand(rows, kv_heads, t, value_head)
+    past = [(rand(1, kv_heads, n, d), rand(1, kv_heads, n, value_head)) for n in lengths]
+    positions = torch.arange(sum(lengths), sum(lengths) + t).expand(rows, -1)
+    inputs = [q, k_own, v_own, *(x for kv in past for x in kv)]
+    out = shared_attention(
+        q, k_own, v_own, positions, past, (), scale=d**-0.5, window=window, softcap=softcap
+    )
+    ref = reference_eager(q, k_own, v_own, positions, past, window, softcap)
+    assert out.shape == (rows, t, heads, value_head)
+    weight = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    grads = torch.autograd.grad((out * weight).sum(), inputs)
+    ref_grads = torch.autograd.grad((ref * weight).sum(), inputs)
+    assert (out - ref).abs().max() <= 1e-12
+    for g, r in zip(grads, ref_grads):
+        assert (g - r).abs().max() <= 1e-12 * max(1.0, float(r.abs().max()))
+    if softcap is not None:  # the control: the same scores uncapped are far off (the scores reach the cap)
+        uncapped = shared_attention(q, k_own, v_own, positions, past, (), scale=d**-0.5, window=window)
+        assert (uncapped - ref).abs().max() > 1e-2
+
+
 def _decoder_run(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, ...]]]:
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 64, (2, PAST + NEW), generator=gen)
@@ -164,9 +201,9 @@ def test_attention_that_does_not_decompose_keeps_the_concatenated_path() -> None
     reason = shared_past_reason(other)
     assert reason is not None and "flash_attention_2" in reason
     capped = tiny_model("llama", 64, size=SIZE)
-    capped.config.attn_logit_softcapping = 50.0
-    reason = shared_past_reason(capped)
-    assert reason is not None and "soft-capping" in reason
+    capped.config.attn_logit_softcapping = 50.0  # decomposed, on the reference kernel
+    assert shared_past_reason(capped) is None and shared_past_kernel_note(tiny_model("llama", 64)) is None
+    assert "soft-capping" in str(shared_past_kernel_note(capped))
     eager = tiny_model("llama", 64, size=SIZE, attn="eager")
     with engine_attention(eager):
         assert eager.config._attn_implementation == "eager"

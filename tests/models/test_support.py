@@ -3,15 +3,20 @@ and a probe that fails for any reason is a refusal naming the model type and the
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+import treetrain.models.attention as attention
+import treetrain.models.logit_head as logit_head
 import treetrain.models.support as support
-from treetrain.models.presets import tiny_model
+from treetrain.models.attention import shared_past_reason
+from treetrain.models.presets import EAGER_ONLY, tiny_model
 from treetrain.models.support import UnsupportedModelError, check_supported
+from treetrain.models.support_table import support_row
 
 VOCAB = 64
 SMALL: dict[str, Any] = dict(
@@ -70,7 +75,9 @@ def test_a_looped_model_is_refused_not_crashed() -> None:
     model = _model(
         "dory", **SMALL, num_hidden_layers=3, head_dim=8, n_input_layers=1, n_output_layers=1, n_recurrent_loops=2,
     ).eval()  # fmt: skip
-    with pytest.raises(UnsupportedModelError, match=r"'dory' keeps 4 KV caches for 3 layers.*looped"):
+    with pytest.raises(
+        UnsupportedModelError, match=r"'dory' keeps 4 KV caches for 3 attention layers.*looped"
+    ):
         check_supported(model, 32)
 
 
@@ -102,3 +109,81 @@ def test_an_exception_inside_the_probe_becomes_a_refusal_naming_type_and_step(
         UnsupportedModelError, match=r"'llama' failed the split probe \(RuntimeError: The size"
     ):
         check_supported(tiny_model("llama", VOCAB), 32)
+
+
+def _preset(family: str) -> PreTrainedModel:
+    return tiny_model(family, VOCAB, attn="eager" if family in EAGER_ONLY else "sdpa").eval()
+
+
+@pytest.mark.parametrize("family", ["granite", "cohere", "gemma2"])
+def test_logit_scaling_and_final_soft_capping_are_applied_by_the_head(
+    family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Granite divides its logits, Cohere multiplies them, Gemma 2 soft-caps them; the engine's head does the
+    same, and the head check is what shows it: a head without the transform is refused."""
+    model = _preset(family)
+    assert not logit_head.logit_transform(model.config).identity
+    check_supported(model, 32)
+    monkeypatch.setattr(logit_head, "logit_transform", lambda config: logit_head.LogitTransform())
+    with pytest.raises(
+        UnsupportedModelError, match=rf"'{family}': the model changes its logits after the LM head"
+    ):
+        check_supported(model, 32)
+
+
+def test_attention_soft_capping_is_applied_by_shared_past_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gemma 2 caps its attention scores; shared-past attention caps them too (on its reference kernel), and
+    the probe is what shows it: shared-past attention that leaves the cap out is refused."""
+    model = _preset("gemma2")
+    assert shared_past_reason(model) is None
+    assert "attn_logit_softcapping" in str(attention.shared_past_kernel_note(model))
+    check_supported(model, 32)
+    real = attention.shared_attention
+    monkeypatch.setattr(attention, "shared_attention", lambda *a, **kw: real(*a, **{**kw, "softcap": None}))
+    with pytest.raises(
+        UnsupportedModelError, match=r"'gemma2'.*shared-past attention over resident KV changes"
+    ):
+        check_supported(model, 32)
+
+
+@pytest.mark.parametrize(
+    "family", ["gpt2", "gpt_bigcode", "opt", "falcon", "bloom", "gptj", "codegen", "mpt", "ctrl"]
+)
+def test_blocks_under_other_names_are_found_and_checked_by_behaviour(family: str) -> None:
+    """`.h` (GPT-2, GPT-J, CodeGen, Falcon, BLOOM, GPTBigCode, CTRL), `.blocks` (MPT), `model.decoder.layers`
+    (OPT): learned absolute positions, ALiBi and rotary alike pass the split probe."""
+    row = support_row(family)
+    assert row.status == "accepted", row
+
+
+@pytest.mark.parametrize(
+    ("family", "reason"),
+    [
+        ("openai-gpt", "returns no KV cache from its forward"),
+        ("xlstm", "keeps recurrent state"),
+        ("bert", r"has no decoder stack with its blocks in `.layers`, `.h`, `.blocks`"),
+        ("diffllama", "attend over other tensors than they cache"),
+    ],
+)
+def test_refusals_give_the_true_reason(family: str, reason: str) -> None:
+    row = support_row(family)
+    assert row.status == "refused" and re.search(reason, row.note), row
+    assert "looped" not in row.note
+
+
+@pytest.mark.parametrize(
+    ("family", "note"),
+    [
+        ("gemma3n_text", "cross-layer KV sharing"),
+        ("gemma4_text", "cross-layer KV sharing"),
+        ("longcat_flash", "multi-head latent attention"),  # two attention sublayers per block, not a loop
+        ("deepseek_v2", "multi-head latent attention"),
+        ("glm4_moe_lite", "multi-head latent attention"),
+        ("minicpm3", "multi-head latent attention"),
+        ("youtu", "multi-head latent attention"),
+        ("jetmoe", "concatenated past, because its cache holds other tensors"),
+    ],
+)
+def test_kv_sharing_and_mla_families_are_accepted(family: str, note: str) -> None:
+    row = support_row(family)
+    assert row.status == "accepted" and note in row.note, row

@@ -33,3 +33,13 @@ def reference_with_sinks(q, k_own, v_own, positions, past, window, sinks):
     scores = (q @ keys.transpose(-1, -2) * d**-0.5).masked_fill(~mask[:, None], float("-inf"))
     probs = torch.cat([scores, sinks[None, :, None, None].expand(rows, -1, t, 1)], -1).softmax(-1)[..., :-1]
     return (probs @ values).transpose(1, 2)
+
+
+def reference_eager(q, k_own, v_own, positions, past, window, softcap=None):
+    """Eager attention over the concatenated past, any value head size, with Gemma 2's score soft-capping."""
+    keys, values, mask = _concatenated(q, k_own, v_own, positions, past, window)
+    scores = q @ keys.transpose(-1, -2) * q.shape[-1] ** -0.5
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    probs = scores.masked_fill(~mask[:, None], float("-inf")).softmax(-1)
+    return (probs @ values).transpose(1, 2)

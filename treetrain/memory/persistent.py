@@ -188,10 +188,17 @@ def largest_module(model: torch.nn.Module) -> int:
 
 
 def kv_bytes_per_token(model: PreTrainedModel) -> int:
-    """Resident KV bytes of one token: keys and values of every layer, in the model's dtype."""
+    """Resident KV bytes of one token: what every layer's cache holds, in the model's dtype.
+
+    That is keys and values per KV head, except that multi-head latent attention (`kv_lora_rank`) caches one
+    latent and one rotary key per layer, and layers that reuse an earlier layer's KV
+    (`num_kv_shared_layers`, Gemma 3n/4) cache nothing.
+    """
     config = model.config.get_text_config(decoder=True)
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-    layers = int(config.num_hidden_layers)
-    return 2 * layers * kv_heads * head_dim * next(model.parameters()).element_size()
+    layers = int(config.num_hidden_layers) - int(getattr(config, "num_kv_shared_layers", None) or 0)
+    rank = getattr(config, "kv_lora_rank", None)
+    per_layer = int(rank) + int(config.qk_rope_head_dim) if rank else 2 * kv_heads * head_dim
+    return layers * per_layer * next(model.parameters()).element_size()

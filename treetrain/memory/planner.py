@@ -54,7 +54,7 @@ from treetrain.memory.plan_search import (
     search_tree,
 )
 from treetrain.memory.retention import BudgetTooSmallError, RetentionPolicy
-from treetrain.models.attention import shared_past_reason
+from treetrain.models.attention import shared_past_kernel_note, shared_past_reason
 from treetrain.models.lora import Reference
 
 Mode = Literal["tree", "flat"]
@@ -337,5 +337,7 @@ def attention_note(model: PreTrainedModel) -> str:
     """What `treetrain plan` says about attention against resident KV for `model`."""
     reason = shared_past_reason(model)
     if reason is None:
-        return "shared-past (each resident piece read once per step, the K rows' queries stacked against it)"
+        kernel = shared_past_kernel_note(model)
+        how = "" if kernel is None else f"; on the plain-PyTorch reference kernel, because {kernel}"
+        return f"shared-past (each resident piece read once per step, the K rows' queries stacked against it){how}"
     return f"concatenated and broadcast to the K rows (the slower, larger path), because {reason}"

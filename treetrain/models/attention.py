@@ -4,10 +4,14 @@ With a `SharedPast` active (`engine_attention(model, shared=...)`), every attent
 `treetrain.models.shared_past.shared_attention`: the rows' own tokens from the layer's arguments, the past
 from the resident pieces, never concatenated. The decomposition reproduces what the layer asks of its
 attention function, whichever Hugging Face kernel the user configured (`sdpa` or `eager`): the scaling,
-a sliding window (a mask per piece), and attention sinks (`s_aux`, gpt-oss: one more logit per head in the
-log-sum-exp merge). Models whose attention has terms it does not model (logit soft-capping, position
-biases, dropout) or another implementation keep the concatenated path; `shared_past_reason` names why,
-and `treetrain plan` prints it.
+a sliding window (a mask per piece), attention sinks (`s_aux`, gpt-oss: one more logit per head in the
+log-sum-exp merge), attention soft-capping (`softcap`, Gemma 2: on the reference kernel, since the fused
+ones take no score modification; `shared_past_kernel_note` says so), a value head of another size than the
+query/key head, latent caches expanded per piece (MLA: the layer's `expand_kv`), and layers that reuse an
+earlier layer's KV (Gemma 3n/4: `kv_source_layer`). Models whose attention has terms it does not model
+(position biases, dropout), whose attention does not go through transformers' attention interface, whose
+cache turns out to hold other tensors than their attention reads, or that use another implementation keep
+the concatenated path; `shared_past_reason` names why, and `treetrain plan` prints it.
 
 Without a past (flat forwards, a first chunk):
 
@@ -38,7 +42,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.utils.import_utils import is_torch_greater_or_equal
 
-from treetrain.models.shared_past import SharedPast, shared_attention
+from treetrain.models.shared_past import SharedPast, expanded_past, shared_attention
 
 NAME = "treetrain_sdpa"
 SHARED = "treetrain_shared_past"
@@ -46,10 +50,24 @@ SHARED = "treetrain_shared_past"
 #: even for a float64 model; the decomposition keeps the model's precision, which the tests' noise floor,
 #: measured with float32 islands, covers).
 DECOMPOSABLE = frozenset({"sdpa", "eager", NAME})
-#: Config fields whose attention terms the decomposition leaves out (soft-capping: torch's kernels with a
-#: log-sum-exp take no score modification).
-UNMODELLED_CONFIG = ("attn_logit_softcapping",)
-_UNMODELLED = ("softcap", "position_bias")
+#: Attention arguments the decomposition does not model.
+_UNMODELLED = ("position_bias",)
+#: Config fields of attention soft-capping: torch's fused kernels with a log-sum-exp take no score
+#: modification, so shared-past attention runs its plain-PyTorch reference for such a model.
+SOFTCAP_CONFIG = ("attn_logit_softcapping",)
+
+
+class PastLayoutError(RuntimeError):
+    """A layer's resident pieces are not shaped like the keys and values it attends over."""
+
+
+#: Model classes whose cache was found, on a forward, to hold other tensors than their attention's keys and
+#: values (e.g. keys kept per KV head and expanded by the layer itself); they take the concatenated path.
+_LAYOUT_MISMATCH: set[type] = set()
+
+
+def mark_layout_mismatch(model: PreTrainedModel) -> None:
+    _LAYOUT_MISMATCH.add(type(model))
 
 
 @dataclass(frozen=True)
@@ -63,13 +81,22 @@ _ACTIVE: ContextVar[_Active | None] = ContextVar("treetrain_shared_past", defaul
 
 def shared_past_reason(model: PreTrainedModel) -> str | None:
     """None when `model`'s attention decomposes over resident pieces; otherwise why it does not."""
-    config = model.config.get_text_config(decoder=True)
     impl = str(getattr(model.config, "_attn_implementation", None))
     if impl not in DECOMPOSABLE:
         return f"attention implementation {impl!r} is not decomposed"
-    for name in UNMODELLED_CONFIG:
+    if not getattr(model, "_supports_attention_backend", False):
+        return f"{type(model).__name__}'s attention does not go through transformers' attention interface"
+    if type(model) in _LAYOUT_MISMATCH:
+        return "its cache holds other tensors than the keys and values its attention reads"
+    return None
+
+
+def shared_past_kernel_note(model: PreTrainedModel) -> str | None:
+    """Why shared-past attention runs its plain-PyTorch reference instead of a fused kernel, or None."""
+    config = model.config.get_text_config(decoder=True)
+    for name in SOFTCAP_CONFIG:
         if getattr(config, name, None):
-            return f"{name} (logit soft-capping) is not decomposed"
+            return f"{name} (attention soft-capping): the fused kernels take no score modification"
     return None
 
 
@@ -94,16 +121,57 @@ def shared_past_forward(
             f"{type(module).__name__} passes {extra or ['dropout']} to its attention, which shared-past attention "
             "does not model; this model must use the concatenated path (shared_past_reason)"
         )
-    layer = int(getattr(module, "layer_idx", 0))
+    layer = kv_source_layer(module)
     past, grads = active.past.layer(layer)
+    expand = getattr(module, "expand_kv", None)
+    if callable(expand):  # MLA: the cache holds latents, which the layer expands to keys and values
+        past, grads = expanded_past(expand, past, grads, anchor=query)
+    _check_past_shapes(module, layer, past, key, value)
     window = kwargs.get("sliding_window")
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))  # [H], gpt-oss's learned per-head sink logits
+    softcap = kwargs.get("softcap")  # Gemma 2's attention soft-capping
     out = shared_attention(
         query, key, value, active.positions, past, grads,
         scale=float(scaling if scaling is not None else query.shape[-1] ** -0.5),
-        window=int(window) if window else None, sinks=sinks,
+        window=int(window) if window else None, sinks=sinks, softcap=float(softcap) if softcap else None,
     )  # fmt: skip
     return out, None
+
+
+def kv_source_layer(module: torch.nn.Module) -> int:
+    """The cache index whose KV `module` attends over: its own `layer_idx`, or for a layer that reuses an
+    earlier layer's KV (Gemma 3n and Gemma 4: `is_kv_shared_layer`) the last layer before it of the same
+    layer type that stores its KV for sharing (`kv_sharing_modes[j] == "store"`)."""
+    layer = int(getattr(module, "layer_idx", 0))
+    if not getattr(module, "is_kv_shared_layer", False):
+        return layer
+    config = getattr(module, "config", None)
+    types = list(getattr(config, "layer_types", None) or [])
+    modes = list(getattr(config, "kv_sharing_modes", None) or [])
+    kind = types[layer] if layer < len(types) else None
+    for j in range(min(layer, len(modes), len(types)) - 1, -1, -1):
+        if modes[j] == "store" and types[j] == kind:
+            return j
+    raise RuntimeError(
+        f"{type(module).__name__} (layer {layer}) reuses KV, but no earlier layer of its type stores any"
+    )
+
+
+def _check_past_shapes(
+    module: torch.nn.Module,
+    layer: int,
+    past: tuple[tuple[torch.Tensor, torch.Tensor], ...],
+    key: torch.Tensor,  # [K, H_kv, T, D]
+    value: torch.Tensor,  # [K, H_kv, T, Dv]
+) -> None:
+    """The resident pieces must be what the layer attends over: its keys' and values' heads and sizes."""
+    for k, v in past:
+        if k.shape[1] != key.shape[1] or k.shape[-1] != key.shape[-1] or v.shape[-1] != value.shape[-1]:
+            raise PastLayoutError(
+                f"{type(module).__name__} (layer {layer}) attends over keys {tuple(key.shape[1::2])} and values "
+                f"{tuple(value.shape[1::2])} (heads, head size), but its cache holds {tuple(k.shape[1::2])} and "
+                f"{tuple(v.shape[1::2])}: the cache stores something other than the attention's keys and values"
+            )
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:
@@ -165,8 +233,8 @@ def engine_attention(
         if positions is None:
             raise ValueError("a shared past needs the rows' positions")
         name = SHARED
-    elif original == "sdpa":
-        name = NAME
+    elif original == "sdpa" and getattr(model, "_supports_attention_backend", False):
+        name = NAME  # a model with attention of its own branches on the name "sdpa": it keeps it
     else:
         yield
         return

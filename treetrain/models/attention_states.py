@@ -86,9 +86,16 @@ def _block(rows: int, keys: int) -> int:
 
 
 def _scores(
-    q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor | None, stat: torch.dtype
+    q: torch.Tensor,
+    k: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None,
+    stat: torch.dtype,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     s = torch.matmul(q, k.transpose(-1, -2)).to(stat) * scale  # [N, M, b]
+    if softcap is not None:  # Gemma 2's attention soft-capping, before the mask as in its eager attention
+        s = torch.tanh(s / softcap) * softcap
     return s if mask is None else s.masked_fill(~mask, float("-inf"))
 
 
@@ -98,9 +105,10 @@ def partial_state(
     v: torch.Tensor,  # [N, L, D]
     scale: float,
     mask: Mask,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of `q` over one key set, block by block: `(out [N, M, D], lse [N, M])`, both in at least
-    float32 (float64 stays float64)."""
+    float32 (float64 stays float64). `softcap` caps the scaled scores, `cap * tanh(s / cap)`."""
     stat = torch.promote_types(q.dtype, torch.float32)
     n, m, _ = q.shape
     out = torch.zeros((n, m, v.shape[-1]), dtype=stat, device=q.device)
@@ -108,7 +116,7 @@ def partial_state(
     step = _block(n * m, k.shape[1])
     for a in range(0, k.shape[1], step):
         b = min(a + step, k.shape[1])
-        s = _scores(q, k[:, a:b], scale, mask(a, b), stat)
+        s = _scores(q, k[:, a:b], scale, mask(a, b), stat, softcap)
         top = s.amax(-1)
         top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
         p = torch.exp(s - top[..., None])  # [N, M, b]
@@ -130,16 +138,22 @@ def partial_backward(
     mask: Mask,
     d_q: torch.Tensor,  # [N, M, D], accumulated into
     d_kv: Callable[[int, int, torch.Tensor, torch.Tensor], None] | None,
+    softcap: float | None = None,
 ) -> None:
-    """The flash-attention backward over one key set; `d_kv(a, b, dk, dv)` receives each block's key grads."""
+    """The flash-attention backward over one key set; `d_kv(a, b, dk, dv)` receives each block's key grads.
+    With `softcap`, the score gradient passes through the cap: d(cap * tanh(s / cap))/ds = 1 - tanh^2."""
     stat = lse.dtype
     step = _block(q.shape[0] * q.shape[1], k.shape[1])
     for a in range(0, k.shape[1], step):
         b = min(a + step, k.shape[1])
         kb, vb = k[:, a:b], v[:, a:b]
-        p = torch.exp(_scores(q, kb, scale, mask(a, b), stat) - lse[..., None])  # [N, M, b]
+        capped = _scores(q, kb, scale, mask(a, b), stat, softcap)
+        p = torch.exp(capped - lse[..., None])  # [N, M, b]
         dp = torch.matmul(d_out, vb.transpose(-1, -2)).to(stat)
-        ds = (p * (dp - delta[..., None])).to(q.dtype)  # [N, M, b]
+        ds = p * (dp - delta[..., None])  # [N, M, b]
+        if softcap is not None:  # masked entries have p = 0; their capped score is -inf, so keep them out
+            ds = ds * (1 - torch.nan_to_num(capped / softcap, neginf=0.0) ** 2)
+        ds = ds.to(q.dtype)
         d_q.add_(torch.matmul(ds, kb), alpha=scale)
         if d_kv is not None:
             dk = torch.matmul(ds.transpose(-1, -2), q) * scale  # [N, b, D]
@@ -309,15 +323,18 @@ def fused_state(
     visible: torch.Tensor | None = None,  # [M, L] bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The fused kernel's state `(out [B, H, M, Dv], lse [B, H, M])`; -inf where a row sees no key."""
+    dv = v.shape[-1]
+    q, k, v = _same_head_size(q, k, v)
     if q.device.type == "cuda":
-        return cuda_state(q, k, v, scale, causal=causal, visible=visible)
+        out, lse = cuda_state(q, k, v, scale, causal=causal, visible=visible)
+        return out[..., :dv], lse
     mask = None if visible is None else _additive(visible, q.dtype)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, 0.0, causal, attn_mask=mask, scale=scale
     )
     if visible is not None:  # the kernel reports 0, not -inf, for a row without keys
         lse = lse.masked_fill(~visible.any(-1), float("-inf"))
-    return out, lse
+    return out[..., :dv], lse
 
 
 def fused_backward(
@@ -333,10 +350,29 @@ def fused_backward(
     visible: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dL/dq, dL/dk, dL/dv of one key set, given the merged state."""
+    d, dv = q.shape[-1], v.shape[-1]
+    q, k, v = _same_head_size(q, k, v)
+    out, d_out = _pad_head(out, v.shape[-1]), _pad_head(d_out, v.shape[-1])
     if q.device.type == "cuda":
-        return cuda_backward(q, k, v, out, lse, d_out, scale, causal=causal, visible=visible)
-    mask = None if visible is None else _additive(visible, q.dtype)
-    d_q, d_k, d_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        d_out, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale
-    )
-    return d_q, d_k, d_v
+        d_q, d_k, d_v = cuda_backward(q, k, v, out, lse, d_out, scale, causal=causal, visible=visible)
+    else:
+        mask = None if visible is None else _additive(visible, q.dtype)
+        d_q, d_k, d_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            d_out, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale
+        )
+    return d_q[..., :d], d_k[..., :d], d_v[..., :dv]
+
+
+def _pad_head(x: torch.Tensor, size: int) -> torch.Tensor:
+    return x if x.shape[-1] == size else torch.nn.functional.pad(x, (0, size - x.shape[-1]))
+
+
+def _same_head_size(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`q`, `k`, `v` zero-padded to one head size: the fused kernels need it, and MLA (DeepSeek V2/V3) has
+    a value head smaller than its query/key head. Zero query/key columns add nothing to a score (the scale
+    is passed explicitly), zero value columns give zero output columns, sliced off by the caller; so do
+    their gradients."""
+    size = max(q.shape[-1], v.shape[-1])
+    return _pad_head(q, size), _pad_head(k, size), _pad_head(v, size)

@@ -22,7 +22,13 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
-from treetrain.models.attention import engine_attention, shared_past_reason
+from treetrain.models.attention import (
+    PastLayoutError,
+    engine_attention,
+    mark_layout_mismatch,
+    shared_past_reason,
+)
+from treetrain.models.logit_head import output_head
 from treetrain.models.lora import unwrap
 from treetrain.models.shared_past import LayerKV, SharedPast, concatenated
 
@@ -33,6 +39,7 @@ __all__ = [
     "base_model",
     "concat_past",
     "decoder_forward",
+    "decoder_layers",
     "output_head",
 ]
 
@@ -46,23 +53,42 @@ class DecoderOutput:
     values: tuple[torch.Tensor, ...]  # per layer [B, H_kv, T, D]
 
 
+#: Attribute names under which a decoder stack keeps its blocks: `layers` (Llama and most), `h` (GPT-2,
+#: GPT-J, Falcon, BLOOM, GPTBigCode, CTRL), `blocks` (MPT).
+BLOCK_LISTS = ("layers", "h", "blocks")
+
+
 def base_model(model: PreTrainedModel) -> nn.Module:
-    """The decoder stack without the LM head (`model.model` for every supported family; PEFT-wrapped models
-    are unwrapped, their adapter layers stay in place)."""
+    """The decoder stack without the LM head (`model.model`, `model.transformer`, `model.model.decoder`, as
+    transformers' `get_decoder` finds it; PEFT-wrapped models are unwrapped, their adapter layers stay in
+    place)."""
     model = unwrap(model)
-    base = getattr(model, "model", None) or model.get_decoder()
-    if base is None or not hasattr(base, "layers"):
-        raise TypeError(
-            f"{type(model).__name__} has no decoder stack with `.layers`; not a supported causal LM"
-        )
-    return base
+    try:
+        found = model.get_decoder()
+    except (AttributeError, ValueError, NotImplementedError):
+        found = None
+    for base in (found, getattr(model, "model", None), getattr(model, "transformer", None)):
+        if isinstance(base, nn.Module) and base is not model and _blocks(base) is not None:
+            return base
+    raise TypeError(
+        f"{type(model).__name__} has no decoder stack with its blocks in "
+        f"{', '.join(f'`.{n}`' for n in BLOCK_LISTS)}; not a supported causal LM"
+    )
 
 
-def output_head(model: PreTrainedModel) -> nn.Module:
-    head = model.get_output_embeddings()
-    if head is None:
-        raise TypeError(f"{type(model).__name__} has no output embeddings (LM head)")
-    return head
+def _blocks(base: nn.Module) -> nn.ModuleList | None:
+    for name in BLOCK_LISTS:
+        blocks = getattr(base, name, None)
+        if isinstance(blocks, nn.ModuleList):
+            return blocks
+    return None
+
+
+def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
+    """The decoder's blocks, wherever the family keeps them (`BLOCK_LISTS`)."""
+    blocks = _blocks(base_model(model))
+    assert blocks is not None  # base_model refuses a stack without them
+    return blocks
 
 
 _CACHE_KWARG: dict[type, str] = {}
@@ -86,6 +112,8 @@ def decoder_forward(
     input_ids: torch.Tensor,  # [B, T]
     positions: torch.Tensor,  # [B, T]
     past: Sequence[LayerKV] | SharedPast | None,
+    *,
+    concatenate: bool = False,
 ) -> DecoderOutput:
     """Run the decoder on `input_ids` continuing `past`.
 
@@ -93,7 +121,8 @@ def decoder_forward(
     per-layer list of `[1 or B, H_kv, P, D]` tensors. Every row attends to the same past. Where the model's
     attention decomposes (`shared_past_reason`), the pieces are read in place by shared-past attention;
     otherwise they are concatenated and broadcast to the B rows, with gradients routed into the pieces' G
-    accumulators. Rows are right-padded by the caller; a real token never attends to padding after it.
+    accumulators (always, with `concatenate`). Rows are right-padded by the caller; a real token never
+    attends to padding after it.
     """
     base = base_model(model)
     bsz = input_ids.shape[0]
@@ -102,7 +131,10 @@ def decoder_forward(
     if past is not None and not past.pieces:
         past = None
     shared = (
-        past is not None and shared_past_reason(unwrap(model)) is None and past.pieces[0][0][0].shape[0] == 1
+        not concatenate
+        and past is not None
+        and shared_past_reason(unwrap(model)) is None
+        and past.pieces[0][0][0].shape[0] == 1
     )
     cache = DynamicCache()
     past_len = 0
@@ -111,8 +143,14 @@ def decoder_forward(
         for layer, (k, v) in enumerate(concatenated(past, bsz, _anchor(model))):
             cache.update(k, v, layer)
     kwargs = {_cache_kwarg(base): cache}
-    with engine_attention(model, past if shared else None, positions):
-        out = base(input_ids=input_ids, position_ids=positions, use_cache=True, **kwargs)
+    try:
+        with engine_attention(model, past if shared else None, positions):
+            out = base(input_ids=input_ids, position_ids=positions, use_cache=True, **kwargs)
+    except PastLayoutError:
+        if not shared:
+            raise
+        mark_layout_mismatch(unwrap(model))  # from now on this class takes the concatenated path
+        return decoder_forward(model, input_ids, positions, past)
     returned: Any = getattr(out, "cache", None) or getattr(out, "past_key_values", None) or cache
     keys = tuple(layer.keys[:, :, past_len:, :] for layer in returned.layers)
     values = tuple(layer.values[:, :, past_len:, :] for layer in returned.layers)

@@ -22,6 +22,13 @@ from treetrain.models import ATTENTION
 from treetrain.models.checkpoint_bounds import check_checkpoint, checkpoint_config
 
 FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe")
+#: More tiny presets, one per mechanism the engine reproduces beyond those: multi-head latent attention
+#: (DeepSeek V3: a value head smaller than the query/key head, a cache of compressed latents), logits
+#: divided (Granite) and multiplied (Cohere) after the head, attention and final-logit soft-capping
+#: (Gemma 2), blocks in `.h` with learned absolute positions (GPT-2), and cross-layer KV sharing (Gemma 4).
+MORE_FAMILIES: tuple[str, ...] = ("deepseek_v3", "granite", "cohere", "gemma2", "gpt2", "gemma4_text")
+#: Families whose transformers classes have no `sdpa` attention.
+EAGER_ONLY = frozenset({"gemma2"})
 #: The tiny Mistral's sliding window: shorter than test sequences, so windowed attention is exercised.
 MISTRAL_WINDOW = 12
 
@@ -48,10 +55,14 @@ def tiny_config(
     family: str, vocab_size: int, size: TinySize = TinySize(), attn: str = "sdpa"
 ) -> PretrainedConfig:
     """A small config of `family`; raises ValueError naming the known families otherwise."""
-    if family not in FAMILIES:
-        raise ValueError(f"unknown model family {family!r}; known: {', '.join(FAMILIES)}")
+    if family not in FAMILIES + MORE_FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; known: {', '.join(FAMILIES + MORE_FAMILIES)}")
     if attn not in ATTENTION:
         raise ValueError(f"unknown attention implementation {attn!r}; known: {', '.join(ATTENTION)}")
+    if family in EAGER_ONLY and attn != "eager":
+        raise ValueError(
+            f"{family} has only eager attention in transformers: use --attn eager (model.attn=eager)"
+        )
     common: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=size.hidden_size,
@@ -71,12 +82,50 @@ def tiny_config(
         common.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=size.intermediate_size // 2)
     if family in ("qwen3", "qwen3_moe"):
         common["head_dim"] = size.hidden_size // size.num_heads
+    common.update(_more(family, size, vocab_size))
     config = AutoConfig.for_model(family, **common)
     config._attn_implementation = attn
-    if family == "qwen3_moe":
+    if family in ("qwen3_moe", "deepseek_v3"):
         # The grouped-matmul experts kernel has no float64 path; the per-expert loop does.
         config._experts_implementation = "eager"
     return config
+
+
+def _more(family: str, size: TinySize, vocab_size: int) -> dict[str, Any]:
+    """Config fields of a `MORE_FAMILIES` preset beyond the common ones (nothing for `FAMILIES`)."""
+    head = size.hidden_size // size.num_heads
+    if family == "deepseek_v3":  # MLA: query/key heads of head + head // 2, value heads of head
+        return dict(
+            num_key_value_heads=size.num_heads, q_lora_rank=size.hidden_size // 2, kv_lora_rank=size.hidden_size // 2,
+            qk_nope_head_dim=head, qk_rope_head_dim=head // 2, v_head_dim=head, n_routed_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=size.intermediate_size // 4, first_k_dense_replace=1,
+            n_group=1, topk_group=1,
+        )  # fmt: skip
+    if family == "granite":
+        return dict(logits_scaling=4.0)
+    if family == "cohere":
+        return dict(logit_scale=2.0)
+    if family == "gemma2":  # caps low enough to bend a tiny random model's scores and logits
+        return dict(
+            head_dim=head,
+            attn_logit_softcapping=0.005,
+            final_logit_softcapping=0.2,
+            sliding_window=MISTRAL_WINDOW,
+        )
+    if family == "gpt2":
+        return dict(
+            n_embd=size.hidden_size, n_layer=size.num_layers, n_head=size.num_heads, n_inner=size.intermediate_size,
+            num_key_value_heads=size.num_heads,  # GPT-2 has no grouped-query heads
+            n_positions=size.max_positions, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0,
+        )  # fmt: skip
+    if family == "gemma4_text":  # the second half of the layers reuses the first half's KV, per layer type
+        layers = max(4, size.num_layers)
+        return dict(
+            num_hidden_layers=layers, num_kv_shared_layers=layers // 2, head_dim=head, global_head_dim=head,
+            hidden_size_per_layer_input=8, vocab_size_per_layer_input=vocab_size, sliding_window=MISTRAL_WINDOW,
+            layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+        )  # fmt: skip
+    return {}
 
 
 def tiny_model(
@@ -113,7 +162,7 @@ def model_config(
             raise ValueError(f"preset {name!r} needs a vocab_size (take it from the tokenizer)")
         return tiny_config(name.removeprefix("tiny-"), vocab_size, attn=attn)
     if not Path(name).is_dir():
-        presets = ", ".join(f"tiny-{f}" for f in FAMILIES)
+        presets = ", ".join(f"tiny-{f}" for f in FAMILIES + MORE_FAMILIES)
         raise FileNotFoundError(f"model {name!r} is neither a local directory nor a preset ({presets})")
     config = checkpoint_config(name)  # within limits, every failure one ValueError line
     return config.get_text_config(decoder=True)
@@ -147,7 +196,7 @@ def load_model(
             ) from None
     path = Path(name)
     if not path.is_dir():
-        presets = ", ".join(f"tiny-{f}" for f in FAMILIES)
+        presets = ", ".join(f"tiny-{f}" for f in FAMILIES + MORE_FAMILIES)
         raise FileNotFoundError(f"model {name!r} is neither a local directory nor a preset ({presets})")
     check_checkpoint(path)  # config.json's sizes against the weight files, before anything is allocated
     return AutoModelForCausalLM.from_pretrained(

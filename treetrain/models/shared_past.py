@@ -32,7 +32,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,6 +103,7 @@ class _Spec:
     starts: tuple[int, ...]
     scale: float
     window: int | None
+    softcap: float | None = None
 
 
 Visible = torch.Tensor | None | str
@@ -186,7 +187,7 @@ class _SharedAttention(torch.autograd.Function):
         qpos = spec.positions[:, None, :].expand(lay.rows, lay.group, lay.t).reshape(-1)  # [M]
         bounds = _bounds(qpos, spec.window)
         own_vis = None if spec.window is None else _own_visible(lay.t, spec.window, q.device)
-        use_fused = fused(q)
+        use_fused = fused(q) and spec.softcap is None  # the fused kernels take no score modification
         if use_fused:  # the rows' own keys are T-sized: expanding them to the query heads is cheap
             ke, ve = k_own.repeat_interleave(lay.group, 1), v_own.repeat_interleave(lay.group, 1)
             o, ls = fused_state(q, ke, ve, spec.scale, causal=own_vis is None, visible=own_vis)
@@ -196,6 +197,7 @@ class _SharedAttention(torch.autograd.Function):
                 q.reshape(lay.rows * lay.kv_heads, lay.group * lay.t, lay.d),
                 k_own.reshape(lay.rows * lay.kv_heads, lay.t, -1), v_own.reshape(lay.rows * lay.kv_heads, lay.t, -1),
                 spec.scale, block_mask(_own_visible(lay.t, spec.window, q.device).repeat(lay.group, 1)),
+                spec.softcap,
             )  # fmt: skip
             out = lay.stacked(o.reshape(lay.rows, lay.heads, lay.t, -1))
             lse = lay.stacked(ls.reshape(lay.rows, lay.heads, lay.t, 1))[..., 0]
@@ -207,7 +209,7 @@ class _SharedAttention(torch.autograd.Function):
                 po, pl = fused_state(qs[None], k, v, spec.scale, visible=vis)
                 po, pl = po[0], pl[0].to(stat)
             else:
-                po, pl = partial_state(qs, k[0], v[0], spec.scale, block_mask(vis))
+                po, pl = partial_state(qs, k[0], v[0], spec.scale, block_mask(vis), spec.softcap)
             # The running state has seen each row's own token, so its lse is finite: merge in place.
             out, lse = merge_into(out, lse, po, pl)
         if sinks is not None:  # a sink is one more logit with a zero value: it only enlarges the denominator
@@ -255,7 +257,9 @@ class _SharedAttention(torch.autograd.Function):
                     dk[0, :, a:b] = gk
                     dv[0, :, a:b] = gv
 
-                partial_backward(qs, k[0], v[0], lse, do, delta, spec.scale, block_mask(vis), d_qs, sink)
+                partial_backward(
+                    qs, k[0], v[0], lse, do, delta, spec.scale, block_mask(vis), d_qs, sink, spec.softcap
+                )
             if acc is not None:
                 acc[0].add_(dk)
                 acc[1].add_(dv)
@@ -288,6 +292,7 @@ class _SharedAttention(torch.autograd.Function):
                 q.reshape(n, g, lay.d), k_own.reshape(n, lay.t, -1), v_own.reshape(n, lay.t, -1),
                 own(lse[..., None])[..., 0], own(do), own(delta[..., None])[..., 0], spec.scale,
                 block_mask(_own_visible(lay.t, spec.window, q.device).repeat(lay.group, 1)), d_qo, own_sink,
+                spec.softcap,
             )  # fmt: skip
             d_q = d_qo.reshape(lay.rows, lay.heads, lay.t, lay.d)
         d_q = d_q + lay.per_row(d_qs)
@@ -305,19 +310,24 @@ def shared_attention(
     scale: float,
     window: int | None,
     sinks: torch.Tensor | None = None,  # [H]
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of the rows' queries over the shared past and their own tokens: `[K, T, H, Dv]`.
 
     Past keys sit at positions `0..P-1` and every query comes after them; `window` keeps keys with
     position > query position - window (Hugging Face's sliding window). The rows' own tokens are
     consecutive, so a query at own index i sees own keys j <= i (and i - j < window). `sinks` (gpt-oss) are
-    per-head logits in every softmax's denominator with no value; they get their gradient.
+    per-head logits in every softmax's denominator with no value; they get their gradient. `softcap`
+    (Gemma 2) caps every scaled score, `cap * tanh(s / cap)`; the fused kernels take no score modification,
+    so a capped layer runs the block-by-block reference for every key set.
     """
     starts, at = [], 0
     for k, _ in past:
         starts.append(at)
         at += int(k.shape[-2])
-    spec = _Spec(tuple(past), tuple(grads) or (None,) * len(past), positions, tuple(starts), scale, window)
+    spec = _Spec(
+        tuple(past), tuple(grads) or (None,) * len(past), positions, tuple(starts), scale, window, softcap
+    )
     flat = [t for kv in past for t in kv]
     out: torch.Tensor = _SharedAttention.apply(q, k_own, v_own, sinks, spec, *flat)
     return out
@@ -335,6 +345,28 @@ class _Into(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
         ctx.acc.add_(grad)
         return None, None, None
+
+
+def expanded_past(
+    expand: Callable[[torch.Tensor, torch.Tensor], LayerKV],
+    past: Sequence[LayerKV],  # per piece, the cached latents `[1, 1, P_i, r]`, `[1, 1, P_i, R]`
+    grads: Sequence[LayerKV | None],
+    anchor: torch.Tensor,
+) -> tuple[tuple[LayerKV, ...], tuple[None, ...]]:
+    """Each piece's keys and values, `expand(cached_k, cached_v)` once per piece (never per row), for a layer
+    whose cache holds compressed latents (multi-head latent attention: DeepSeek V2/V3, GLM-4-MoE-Lite,
+    MiniCPM3, ...). The expansion runs under autograd, so its projection gets the past's share of the
+    gradient; a piece's latent gradient goes into its G accumulator (`anchor`, any tensor under autograd,
+    keeps that routing in the graph), so the expanded pieces are passed on without accumulators.
+    """
+    out = []
+    for (k, v), acc in zip(past, grads):
+        if k.shape[-2] == 0:  # a one-token last piece without its overlap position: no keys to expand
+            continue
+        if acc is not None and anchor.requires_grad:
+            k, v = _Into.apply(k, acc[0], anchor), _Into.apply(v, acc[1], anchor)
+        out.append(expand(k, v))
+    return tuple(out), (None,) * len(out)
 
 
 def concatenated(past: SharedPast, rows: int, anchor: torch.Tensor | None) -> list[LayerKV]:

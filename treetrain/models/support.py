@@ -4,16 +4,19 @@ The engine splits every sequence at node boundaries and continues from stored KV
 layer's whole state is its per-token keys and values over *all* earlier positions. Recurrent or linear
 attention layers carry a running state instead, and dynamic RoPE variants choose their frequencies from
 the longest position *in each forward call*, so a prefix evaluated alone rotates differently than inside
-the whole sequence. The engine also computes logprobs from the LM head directly, so a model that rescales or caps its
-logits after the head would train on the wrong distribution. Rather than risk a silent wrong gradient, such
-models are refused with the reason; a short probe backs up the static checks: split-versus-whole hidden
-states, and head-only logprobs against the model's own. A sliding window shorter than the sequences is
+the whole sequence. The engine also computes logprobs from the LM head directly, so the head applies what
+the family does to its logits (`treetrain.models.logit_head`: scaling, final soft-capping); a model that
+does something else after the head would train on the wrong distribution. Rather than risk a silent wrong
+gradient, such models are refused with the reason; a short probe backs up the static checks:
+split-versus-whole hidden states, and head-only logprobs against the model's own. A sliding window shorter than the sequences is
 accepted once a probe that splits inside the window and runs past it agrees with the whole forward.
 
 Exactness is also checked by behaviour, because names miss things (functional dropout reading a config field
 such as Starcoder2's `residual_dropout`): the same tokens run twice in the model's current mode must agree.
-Bidirectional attention (a prefix that sees later tokens) and looped layers (more KV caches than layers) are
-refused with those reasons, and any exception inside a probe becomes an `UnsupportedModelError` naming the
+Bidirectional attention (a prefix that sees later tokens), looped layers (more KV caches than attention
+layers; a layer that reuses an earlier layer's KV, as in Gemma 3n/4, keeps none of its own), a forward
+that returns no cache, and layers that attend over other tensors than they cache are refused with those
+reasons, and any exception inside a probe becomes an `UnsupportedModelError` naming the
 model type and the step.
 
 Example:
@@ -25,13 +28,14 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
 from treetrain.errors import TreetrainError
-from treetrain.models.decoder import base_model, decoder_forward, output_head
+from treetrain.models.attention import shared_past_reason
+from treetrain.models.decoder import decoder_forward, decoder_layers, output_head
+from treetrain.models.lora import unwrap
 
 #: Layer types whose state is plain KV over every earlier position.
 FULL_ATTENTION_TYPES = frozenset({"full_attention"})
@@ -49,6 +53,7 @@ RECURRENT_MODEL_TYPES = frozenset(
         "bamba",
         "zamba",
         "zamba2",
+        "xlstm",
     }
 )
 #: Config flags that make attention bidirectional, with the value that does.
@@ -105,6 +110,10 @@ def check_supported(
     """
     config = model.config.get_text_config(decoder=True)
     mtype = getattr(config, "model_type", type(model).__name__)
+    try:
+        decoder_layers(model)
+    except TypeError as exc:
+        raise UnsupportedModelError(f"model type {mtype!r}: {exc}") from None
     if mtype in RECURRENT_MODEL_TYPES:
         raise UnsupportedModelError(
             f"model type {mtype!r} keeps recurrent state; resident KV cannot represent it, so tree replay is refused"
@@ -120,10 +129,6 @@ def check_supported(
         raise UnsupportedModelError(
             f"model type {mtype!r} uses rope_type {dynamic[0]!r}, whose frequencies depend on the longest position "
             "in each forward call; a prefix evaluated once would rotate differently than inside the full sequence"
-        )
-    if getattr(config, "attn_logit_softcapping", None) or getattr(config, "final_logit_softcapping", None):
-        raise UnsupportedModelError(
-            f"model type {mtype!r} uses logit soft-capping, which the engine does not apply"
         )
     bidirectional = [f for f in BIDIRECTIONAL_FLAGS if getattr(config, f, None) is BIDIRECTIONAL_FLAGS[f]]
     if bidirectional:
@@ -228,15 +233,22 @@ def _probe(
     try:
         whole = decoder_forward(model, ids, pos, None).hidden
         first = decoder_forward(model, ids[:, :split], pos[:, :split], None)
-        layers: Any = base_model(model).layers
-        n_layers = len(layers)
-        if len(first.keys) != n_layers:
-            raise UnsupportedModelError(
-                f"model type {mtype!r} keeps {len(first.keys)} KV caches for {n_layers} layers: it runs layers "
-                "more than once per forward (a looped transformer), and resident KV is one entry per layer"
-            )
+        _check_cache_count(model, mtype, len(first.keys))
         past = list(zip(first.keys, first.values))
         second = decoder_forward(model, ids[:, split:], pos[:, split:], past).hidden
+        tol = {torch.bfloat16: 3e-2, torch.float16: 4e-3}.get(whole.dtype, 1e-5)
+        shared_err = _split_error(whole, first.hidden, second)
+        if shared_past_reason(unwrap(model)) is None and not shared_err <= tol:
+            # Tell a layer that attends over other tensors than it caches (DiffLlama splits its cached values)
+            # from a past the model cannot continue at all: the layer's own attention over the concatenated past.
+            again = decoder_forward(model, ids[:, split:], pos[:, split:], past, concatenate=True).hidden
+            if _split_error(whole, first.hidden, again) <= tol:
+                raise UnsupportedModelError(
+                    f"model type {mtype!r}: shared-past attention over resident KV changes the hidden states "
+                    f"(relative error {shared_err:.2e}) where the layer's own attention over the concatenated past "
+                    "does not: its layers attend over other tensors than they cache (as DiffLlama's split values), "
+                    "which shared-past attention does not reproduce"
+                )
         head_err = None
         if window is None:  # the head check needs `[1, length, V]` logits: only on the short probe
             reference = model(input_ids=ids, position_ids=pos, use_cache=False).logits.float().log_softmax(-1)
@@ -244,11 +256,7 @@ def _probe(
             head_err = (from_head - reference).abs().max().item()
     finally:
         model.train(was_training)
-    joined = torch.cat([first.hidden, second], dim=1)
     scale = whole.abs().max().clamp_min(1.0)
-    # A few units in the last place of half precision (bfloat16's is 3.9e-3): the split forward runs other
-    # kernels than the whole one, so it agrees to rounding, not bit for bit; a real mismatch is far larger.
-    tol = {torch.bfloat16: 3e-2, torch.float16: 4e-3}.get(whole.dtype, 1e-5)
     prefix_err = ((first.hidden - whole[:, :split]).abs().max() / scale).item()
     if not prefix_err <= tol:
         raise UnsupportedModelError(
@@ -256,7 +264,7 @@ def _probe(
             f"sequence (relative error {prefix_err:.2e}), so its positions see later tokens (attention is not "
             "causal); a shared prefix evaluated once cannot stand for it"
         )
-    err = ((joined - whole).abs().max() / scale).item()
+    err = _split_error(whole, first.hidden, second)
     if not err <= tol and window is not None:
         raise UnsupportedModelError(
             f"model type {mtype!r} uses a sliding window of {window} tokens, and continuing from stored KV across "
@@ -272,7 +280,39 @@ def _probe(
     if head_err is not None and not head_err <= head_tol:
         raise UnsupportedModelError(
             f"model type {mtype!r}: the model changes its logits after the LM head (logprob difference "
-            f"{head_err:.2e}; e.g. logit scaling or soft-capping), which the engine's logprobs do not apply"
+            f"{head_err:.2e}) in a way the engine's head does not reproduce (it applies `logit_scale`, "
+            "`logits_scaling` and `final_logit_softcapping`)"
+        )
+
+
+def _split_error(whole: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> float:
+    """Relative max error of the split forward's hidden states `[1, T, H]` against the whole one's."""
+    joined = torch.cat([first, second], dim=1)
+    return float(((joined - whole).abs().max() / whole.abs().max().clamp_min(1.0)).item())
+
+
+def _check_cache_count(model: PreTrainedModel, mtype: str, caches: int) -> None:
+    """One KV cache per attention layer that keeps its own (each has a distinct `layer_idx`; a layer that
+    reuses an earlier layer's KV, Gemma 3n/4's `num_kv_shared_layers`, keeps none), else a refusal that says
+    what the model does instead."""
+    n_blocks = len(decoder_layers(model))
+    if caches == 0:
+        raise UnsupportedModelError(
+            f"model type {mtype!r} returns no KV cache from its forward, so a prefix cannot be continued from "
+            "resident KV"
+        )
+    indices = {m.layer_idx for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int)}
+    reusing = sum(1 for m in model.modules() if getattr(m, "is_kv_shared_layer", False) is True)
+    own = (len(indices) or n_blocks) - reusing
+    if caches > own:
+        raise UnsupportedModelError(
+            f"model type {mtype!r} keeps {caches} KV caches for {own} attention layers ({n_blocks} blocks): it runs "
+            "layers more than once per forward (a looped transformer), and resident KV is one entry per layer"
+        )
+    if caches < own:
+        raise UnsupportedModelError(
+            f"model type {mtype!r} keeps {caches} KV caches for {own} attention layers that compute their own keys: "
+            "some layers reuse another layer's KV in a way the engine does not map"
         )
 
 
