@@ -23,6 +23,7 @@ INTERNAL = {
     "treetrain.engine.resident.StaleResidentStateError": "an invariant of the engine: reading it is a bug",
     "treetrain.train.config_docs.MissingDocstring": "a developer's tool: a config field without a docstring",
     "envs.tools.StepAbandoned": "control flow: injected into a timed-out tool thread to stop it",
+    "treetrain.models.attention.PastLayoutError": "control flow: the layer takes the concatenated past instead",
 }
 """Public exception classes that are not bad input, and why."""
 
