@@ -234,18 +234,6 @@ def lora_text(lora: PersistentBytes, full: PersistentBytes) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-    from safetensors import SafetensorError
-
-    from treetrain.loss.advantages import AdvantageConfig
-    from treetrain.loss.loss_config import ConfigError, LossConfig
-    from treetrain.memory.persistent import model_persistent_bytes
-    from treetrain.memory.planner import Overrides, PlanError, plan_update
-    from treetrain.memory.retention import BudgetTooSmallError
-    from treetrain.models.presets import load_model
-    from treetrain.models.support import UnsupportedModelError
-    from treetrain.train.models import broken_weights, resolve_model_path
-
     named: list[tuple[str, tuple[TrajectoryTree, ...]]] = []
     for path in args.trees:
         try:
@@ -265,6 +253,19 @@ def run(args: argparse.Namespace) -> int:
         return _from_config(args, named)
     if not args.model:
         return _fail("give --model ('demo', a local model directory or tiny-<family>) or --config")
+    # the arguments are checked above; only now load torch and transformers (seconds)
+    import torch
+    from safetensors import SafetensorError
+
+    from treetrain.loss.advantages import AdvantageConfig
+    from treetrain.loss.loss_config import ConfigError, LossConfig
+    from treetrain.memory.persistent import model_persistent_bytes
+    from treetrain.memory.planner import Overrides, PlanError, plan_update
+    from treetrain.memory.retention import BudgetTooSmallError
+    from treetrain.models.presets import load_model
+    from treetrain.models.support import UnsupportedModelError
+    from treetrain.train.models import broken_weights, resolve_model_path
+
     try:
         path = resolve_model_path(args.model, "--model")  # the same names `treetrain train` accepts
         vocab = _vocabulary(args, path, named)

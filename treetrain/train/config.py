@@ -20,12 +20,12 @@ from typing import Any, Literal
 
 import yaml
 
-from treetrain.distributed.backend import OptimizerConfig
+from treetrain.distributed.optim_config import OptimizerConfig
 from treetrain.engine.schedule import Contract
 from treetrain.loss.advantages import AdvantageConfig
 from treetrain.loss.loss_config import ConfigError, LossConfig
-from treetrain.models.logprobs import DEFAULT_MAX_LOGIT_ELEMENTS
-from treetrain.models.lora import LoraSection
+from treetrain.models import DEFAULT_MAX_LOGIT_ELEMENTS
+from treetrain.models.lora_config import LoraSection
 from treetrain.train.config_file import read_config_file
 from treetrain.train.typed import apply_override, from_dict, to_dict
 
