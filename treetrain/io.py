@@ -23,7 +23,7 @@ import tempfile
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Literal
 
 
 def _fsync_dir(directory: str) -> None:
@@ -90,6 +90,41 @@ def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
     except BaseException:
         os.close(fd)
         raise
+
+
+def path_problem(path: str | os.PathLike[str], want: Literal["file", "directory"]) -> str | None:
+    """What is wrong with an input path given on the command line or in a config, or None.
+
+    One wording for every verb, so that a missing path, a directory given for a file (or the other way
+    round) and a FIFO read the same everywhere, and before any library is asked to open it (Hugging Face
+    takes a missing directory for a hub repository id).
+
+    Example:
+        >>> path_problem("/no/such/dir", "directory")
+        "'/no/such/dir' does not exist"
+        >>> path_problem("/", "file")
+        "'/' is a directory, not a file"
+    """
+    name = os.fspath(path)
+    if not name:
+        return "an empty path names nothing"
+    try:
+        mode = os.stat(name).st_mode
+    except FileNotFoundError:
+        return f"{name!r} does not exist"
+    except NotADirectoryError:
+        return f"{name!r} does not exist (a part of it is a file)"
+    except (OSError, ValueError) as e:
+        return f"{name!r} cannot be read: {getattr(e, 'strerror', None) or e}"
+    if want == "file" and stat.S_ISDIR(mode):
+        return f"{name!r} is a directory, not a file"
+    if want == "directory" and not stat.S_ISDIR(mode):
+        return f"{name!r} is a file, not a directory"
+    if want == "file" and not stat.S_ISREG(mode):
+        return f"{name!r} is not a regular file (a FIFO, device or socket)"
+    if not os.access(name, os.R_OK | (os.X_OK if want == "directory" else 0)):
+        return f"{name!r} cannot be read: permission denied"
+    return None
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:

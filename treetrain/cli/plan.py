@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Any
 from treetrain.bytesize import format_bytes, parse_bytes
 from treetrain.models import ATTENTION
 from treetrain.tree.checks import NamedTrees, check_distinct, check_vocabulary, largest_token
-from treetrain.tree.format import TreeFormatError, load_trees
+from treetrain.tree.format import TreeFormatError
 from treetrain.tree.unpack import short_repr
+from treetrain.viz.tree_files import tree_groups
 
 if TYPE_CHECKING:  # the rest loads in `run`, so `treetrain --help` stays fast
     from treetrain.engine.batch import UpdateBatch
@@ -80,7 +81,10 @@ def add_parser(sub: Any) -> None:
         help="predict the memory ledger of an update and choose K, chunking, retention and tree or flat mode",
         description="Plan the replay of the trees in TREES (one update) within a device memory budget.",
     )
-    p.add_argument("trees", nargs="+", metavar="TREES", help="tree files (msgpack, see trees/README.md)")
+    p.add_argument(
+        "trees", nargs="+", metavar="TREES",
+        help="tree files (msgpack, see trees/README.md), or directories or run directories searched for *.msgpack",
+    )  # fmt: skip
     p.add_argument(
         "--config",
         help="a `treetrain train` config: plan with its model, reference model, loss, advantages and replay "
@@ -237,11 +241,11 @@ def run(args: argparse.Namespace) -> int:
     named: list[tuple[str, tuple[TrajectoryTree, ...]]] = []
     for path in args.trees:
         try:
-            named.append((path, load_trees(path)))
+            named.extend(tree_groups(path))
         except TreeFormatError as e:
             return _fail(str(e))
         except OSError as e:
-            return _fail(f"cannot read {path}: {e.strerror or e}")
+            return _fail(f"cannot read {e.filename}: {e.strerror}" if e.filename and e.strerror else str(e))
     try:
         check_distinct(named)
     except TreeFormatError as e:

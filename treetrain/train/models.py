@@ -15,7 +15,7 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from treetrain.assets import tokenizer_path
-from treetrain.io import atomic_directory
+from treetrain.io import atomic_directory, path_problem
 from treetrain.loss.loss_config import ConfigError
 from treetrain.models.checkpoint_bounds import checkpoint_config
 from treetrain.models.lora import AdaptersOff, Reference, apply_lora
@@ -104,11 +104,14 @@ def load_models(
         tok_dir = tokenizer_path()
     else:
         tok_dir = path
+    field = "model.tokenizer" if section.tokenizer is not None else "model.path"
+    problem = path_problem(tok_dir, "directory")  # before Hugging Face takes a missing path for a repo id
+    if problem is not None:
+        raise ConfigError(f"{field}: {problem}; give a local tokenizer directory")
     try:
         tokenizer = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
     # transformers and tokenizers raise many types (even a bare Exception) for bad tokenizer files
     except Exception as exc:
-        field = "model.tokenizer" if section.tokenizer is not None else "model.path"
         message = " ".join(str(exc).split())[:300]
         raise ConfigError(f"{field}: cannot load a tokenizer from {tok_dir}: {message}") from None
     if check_tokenizer is not None:
