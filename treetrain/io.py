@@ -35,6 +35,26 @@ def _fsync_dir(directory: str) -> None:
             os.close(fd)
 
 
+def _kind(mode: int) -> str:
+    return "a directory" if stat.S_ISDIR(mode) else "not a regular file (a FIFO, device or socket)"
+
+
+def output_problem(path: str | os.PathLike[str]) -> str | None:
+    """Why `atomic_write_bytes(path, ...)` would be refused, or None: checked before any work, so a verb
+    does not print its result and then fail to write it.
+
+    Example:
+        >>> output_problem("/no/such/dir/out.dot")
+        "'/no/such/dir' does not exist"
+        >>> output_problem("/")
+        "'/': a directory; refusing to replace it"
+    """
+    name = os.fspath(path)
+    if os.path.exists(name) and not stat.S_ISREG(mode := os.stat(name).st_mode):
+        return f"{name!r}: {_kind(mode)}; refusing to replace it"
+    return path_problem(os.path.dirname(name) or ".", "directory")
+
+
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     """Write `data` to `path` through a temporary file in the same directory, fsync, then rename.
 
@@ -45,12 +65,7 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     existing = os.stat(path) if os.path.lexists(path) and os.path.exists(path) else None
     if existing is not None and not stat.S_ISREG(existing.st_mode):
-        kind = (
-            "a directory"
-            if stat.S_ISDIR(existing.st_mode)
-            else "not a regular file (a FIFO, device or socket)"
-        )
-        raise OSError(errno.EINVAL, f"{kind}; refusing to replace it", path)
+        raise OSError(errno.EINVAL, f"{_kind(existing.st_mode)}; refusing to replace it", path)
     mode = existing.st_mode & 0o777 if existing is not None else 0o644
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
     try:

@@ -12,10 +12,9 @@ import argparse
 import json
 import sys
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
-from treetrain.io import atomic_write_bytes, path_problem
+from treetrain.io import atomic_write_bytes, output_problem
 from treetrain.tree.format import TreeFormatError
 from treetrain.tree.render import Decoder, RenderOptions, render_trees, to_dot, tokenizer_decoder
 from treetrain.tree.stats import tree_stats
@@ -73,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
         return _fail(str(e))
     except OSError as e:
         return _fail(f"cannot read {e.filename}: {e.strerror}" if e.filename and e.strerror else str(e))
-    if args.dot and (problem := _dot_problem(args.dot)):
+    if args.dot and (problem := output_problem(args.dot)):
         return _fail(f"--dot: {problem}")
     decode: Decoder | None = None
     if args.tokenizer:
@@ -102,11 +101,3 @@ def run(args: argparse.Namespace) -> int:
             return _fail(f"cannot write {args.dot}: {e.strerror or e}")
         print(f"wrote {args.dot}", file=sys.stderr)
     return 0
-
-
-def _dot_problem(path: str) -> str | None:
-    """Why `--dot PATH` cannot be written, checked before anything is printed."""
-    target = Path(path)
-    if target.is_dir():
-        return f"{path!r} is a directory; give a file name such as tree.dot"
-    return path_problem(target.parent if str(target.parent) else ".", "directory")
