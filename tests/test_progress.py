@@ -14,31 +14,31 @@ from treetrain.tree.format import save_trees
 from treetrain.tree.synthetic import synthetic_group
 
 
-def _row(update: int, peak: int, dropped: int = 0) -> UpdateMetrics:
+def _row(update: int, peak: int | None, dropped: int = 0) -> UpdateMetrics:
     return UpdateMetrics(
         update=update, version=update, reward_mean=0.25, reward_std=0.4, trajectories=4, groups=1,
         groups_dropped=dropped, loss=0.0, pg=0.0, kl=0.0, entropy=0.0, clipped=0.0,
         mode="none" if dropped else "tree", contract="exact", graph_tokens=0 if dropped else 40,
         nograd_tokens=0 if dropped else 20, flat_token_cost=0 if dropped else 300,
         token_cost=0 if dropped else 140, rollout_seconds=1.0, train_seconds=0.0 if dropped else 1.0,
-        peak_bytes=peak, predicted_peak_bytes=peak,
+        peak_bytes=peak, predicted_peak_bytes=peak or 0,
     )  # fmt: skip
 
 
 def test_fields_label_what_was_not_measured() -> None:
     bar = Progress()
-    assert bar.fields(_row(0, 0)) == {
+    assert bar.fields(_row(0, None)) == {
         "reward": "0.25",
         "tok_s": "60",
         "saved": "53%",
         "peak": "not measured yet",
     }
     assert bar.fields(_row(1, 2048))["peak"] == "2.0 KiB"
-    assert bar.fields(_row(2, 0))["peak"] == "2.0 KiB (update 1)"
-    idle = bar.fields(_row(3, 0, dropped=1))
+    assert bar.fields(_row(2, None))["peak"] == "2.0 KiB (update 1)"
+    idle = bar.fields(_row(3, None, dropped=1))
     assert idle == {"reward": "0.25", "update": "no step: all 1 groups dropped", "peak": "2.0 KiB (update 1)"}
     assert (
-        Progress.after([_row(0, 0), _row(1, 4096), _row(2, 0)]).fields(_row(3, 0))["peak"]
+        Progress.after([_row(0, None), _row(1, 4096), _row(2, None)]).fields(_row(3, None))["peak"]
         == "4.0 KiB (update 1)"
     )
 
@@ -60,7 +60,9 @@ def test_trainer_bar_shows_last_peak_and_dropped_update(
     )  # fmt: skip
     Trainer(cfg, progress=True).run()
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
-    assert rows[0].peak_bytes > 0 and rows[1].groups_dropped == 1 and rows[1].peak_bytes == 0
+    assert rows[0].peak_bytes > 0 and rows[1].groups_dropped == 1 and rows[1].peak_bytes is None
+    raw = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert '"peak_bytes": null' in raw[1] and '"peak_bytes": null' not in raw[0]
     shown = capsys.readouterr().err
     assert "no step: all 1 groups dropped" in shown and "(update 0)" in shown
     assert "peak=0" not in shown and "tok_s=0" not in shown

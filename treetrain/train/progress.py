@@ -41,8 +41,8 @@ class Progress:
     @staticmethod
     def after(rows: Sequence[UpdateMetrics]) -> Progress:
         """The state after `rows` (a resumed run keeps showing the peak measured before it stopped)."""
-        measured = [r for r in rows if r.peak_bytes > 0]
-        return Progress((measured[-1].update, measured[-1].peak_bytes) if measured else None)
+        measured = [(r.update, r.peak_bytes) for r in rows if r.peak_bytes is not None]
+        return Progress(measured[-1] if measured else None)
 
     def fields(self, row: UpdateMetrics) -> dict[str, str]:
         """The bar's fields for `row`: tok_s and saved only when the update trained, the peak always labelled."""
@@ -52,7 +52,7 @@ class Progress:
         else:
             out["tok_s"] = f"{row.tokens_per_second:.0f}"
             out["saved"] = f"{100 * row.tokens_saved:.0f}%"
-        if row.peak_bytes > 0:
+        if row.peak_bytes is not None:
             self.last_peak = (row.update, row.peak_bytes)
             out["peak"] = format_bytes(row.peak_bytes)
         elif self.last_peak is not None:

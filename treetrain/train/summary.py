@@ -43,7 +43,8 @@ class RunSummary:
     last_reward: float
     """Mean reward of the last `window` updates."""
     window: int
-    peak_bytes: int
+    peak_bytes: int | None
+    """Largest measured peak (None: no update was measured)."""
     predicted_peak_bytes: int
     tokens_saved: float
     """1 - (token cost spent) / (token cost flat would have spent), over the whole run."""
@@ -64,8 +65,10 @@ class RunSummary:
             first_reward=sum(rewards[:w]) / w,
             last_reward=sum(rewards[-w:]) / w,
             window=w,
-            peak_bytes=max(r.peak_bytes for r in rows),
-            predicted_peak_bytes=max((r.predicted_peak_bytes for r in rows if r.peak_bytes), default=0),
+            peak_bytes=max((r.peak_bytes for r in rows if r.peak_bytes is not None), default=None),
+            predicted_peak_bytes=max(
+                (r.predicted_peak_bytes for r in rows if r.peak_bytes is not None), default=0
+            ),
             tokens_saved=1.0 - spent / flat if flat else 0.0,
             train_seconds=sum(r.train_seconds for r in rows),
             rollout_seconds=sum(r.rollout_seconds for r in rows),
@@ -79,7 +82,7 @@ class RunSummary:
             f"tokens saved       {100 * self.tokens_saved:.1f}% of flat's token cost",
             f"time               rollout {self.rollout_seconds:.0f}s, train {self.train_seconds:.0f}s",
         ]
-        if self.peak_bytes:
+        if self.peak_bytes is not None:
             ratio = self.peak_bytes / self.predicted_peak_bytes if self.predicted_peak_bytes else float("nan")
             lines.append(
                 f"peak memory        measured {format_bytes(self.peak_bytes)}, ledger predicted "
