@@ -36,7 +36,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--overwrite", action="store_true", help="replace an earlier run in the run directory")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--no-progress", action="store_true",
+        help="no progress bars (treetrain's per-update bar and transformers' weight loading): plain log lines",
+    )  # fmt: skip
     p.set_defaults(func=run)
 
 
@@ -59,6 +62,10 @@ def run(args: argparse.Namespace) -> int:
         print(dump_config(cfg), end="")
         return 0
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.no_progress:
+        from treetrain.train.progress import hide_library_bars
+
+        hide_library_bars()
     from envs.registry import EnvironmentLoadError, UnknownEnvironmentError
     from envs.wrapper import PromptTooLongError
     from treetrain.distributed.checkpoint_io import CheckpointError
@@ -89,5 +96,7 @@ def run(args: argparse.Namespace) -> int:
         return 130
     if trainer.backend.rank == 0:
         print(summary.text(trainer.read_rows()))
-        print(f"run directory: {cfg.run_dir} (metrics.jsonl, reward.png, summary.txt, final/, checkpoints/)")
+        print(
+            f"run directory: {cfg.run_dir} (metrics.jsonl, reward.png, summary.txt, rollouts/, final/, checkpoints/)"
+        )
     return 0

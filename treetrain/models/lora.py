@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +54,15 @@ log = logging.getLogger(__name__)
 
 DEFAULT, INITIAL = "default", "initial"
 """PEFT adapter names: the trained adapter, and (PiSSA, OLoRA) the frozen negated starting adapter."""
+
+
+@contextlib.contextmanager
+def peft_quiet() -> Iterator[None]:
+    """Wrap a model with PEFT without its `is_gradient_checkpointing` FutureWarning: PEFT asks transformers
+    for the deprecated name on every wrap, a skew between the two libraries that the user cannot act on."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+        yield
 
 
 def _check_every_adapter_weight_loaded(peft_model: Any, weights: Path) -> None:
@@ -92,7 +102,10 @@ def apply_lora(model: PreTrainedModel, section: LoraSection) -> Any:
             )
             config.lora_dropout = 0.0
         try:
-            peft_model = PeftModel.from_pretrained(model, section.adapter, config=config, is_trainable=True)
+            with peft_quiet():
+                peft_model = PeftModel.from_pretrained(
+                    model, section.adapter, config=config, is_trainable=True
+                )
         except (ValueError, RuntimeError, KeyError, OSError) as exc:  # another base model's adapter
             first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
             raise ConfigError(
@@ -112,7 +125,8 @@ def apply_lora(model: PreTrainedModel, section: LoraSection) -> Any:
             init_lora_weights="gaussian" if section.init == "gaussian" else True,
         )
         try:
-            peft_model = get_peft_model(model, config)
+            with peft_quiet():
+                peft_model = get_peft_model(model, config)
         except ValueError as exc:
             raise ConfigError(f"model.lora.target_modules: {exc}") from None
         if section.init in REWRITING_INITS:

@@ -18,7 +18,7 @@ from treetrain.assets import tokenizer_path
 from treetrain.io import atomic_directory, path_problem
 from treetrain.loss.loss_config import ConfigError
 from treetrain.models.checkpoint_bounds import checkpoint_config
-from treetrain.models.lora import AdaptersOff, Reference, apply_lora
+from treetrain.models.lora import AdaptersOff, Reference, apply_lora, peft_quiet
 from treetrain.models.presets import load_model, model_config
 from treetrain.train.config import ModelSection
 
@@ -153,7 +153,8 @@ def export_merged(section: ModelSection, adapter_dir: Path, out_dir: Path, token
 
     vocab = len(tokenizer) if tokenizer is not None else 0
     base = _load(resolve_model_path(section.path), "model.path", section, vocab)
-    merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    with peft_quiet():
+        merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     with atomic_directory(out_dir) as tmp:
         merged.save_pretrained(tmp)
         if tokenizer is not None:

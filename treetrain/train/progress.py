@@ -12,13 +12,13 @@ Example:
     ...         trajectories=8, groups=2, groups_dropped=dropped, loss=0.1, pg=0.1, kl=0.0, entropy=0.0,
     ...         clipped=0.0, mode="tree", contract="exact", graph_tokens=100, nograd_tokens=50,
     ...         flat_token_cost=900, token_cost=350, rollout_seconds=1.0, train_seconds=2.0,
-    ...         peak_bytes=peak, predicted_peak_bytes=peak)
+    ...         peak_bytes=peak, predicted_peak_bytes=peak or 0)
     >>> bar = Progress()
-    >>> bar.fields(row(0, 0))["peak"]
+    >>> bar.fields(row(0, None))["peak"]
     'not measured yet'
     >>> bar.fields(row(1, 3 * 2**20))
     {'reward': '0.50', 'tok_s': '75', 'saved': '61%', 'peak': '3.0 MiB'}
-    >>> bar.fields(row(2, 0, dropped=2))
+    >>> bar.fields(row(2, None, dropped=2))
     {'reward': '0.50', 'update': 'no step: all 2 groups dropped', 'peak': '3.0 MiB (update 1)'}
 """
 
@@ -61,3 +61,11 @@ class Progress:
         else:
             out["peak"] = "not measured yet"
         return out
+
+
+def hide_library_bars() -> None:
+    """Turn off the progress bars of transformers and huggingface_hub (transformers draws one while it loads
+    weights), for `--no-progress`: no bar at all on stderr, so a log holds only lines."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # also huggingface_hub's

@@ -92,8 +92,11 @@ class RunSummary:
         return "\n".join(lines)
 
 
-def plot_rewards(rows: Sequence[UpdateMetrics], path: str | Path) -> Path | None:
-    """Reward curve (per update and a 10-update moving mean) as a PNG; None when matplotlib is missing."""
+def plot_rewards(rows: Sequence[UpdateMetrics], path: str | Path, run_name: str | None = None) -> Path | None:
+    """Reward curve (per update and a 10-update moving mean) as a PNG; None when matplotlib is missing.
+
+    The title names the run (default: the directory the PNG is written to, the run directory), so a copied
+    or attached picture still says which run it shows."""
     try:
         import matplotlib
 
@@ -111,6 +114,8 @@ def plot_rewards(rows: Sequence[UpdateMetrics], path: str | Path) -> Path | None
     ax.set_ylabel("reward")
     if ys and min(ys) >= 0 and max(ys) <= 1:  # rewards in [0, 1]: show the whole range
         ax.set_ylim(-0.05, 1.05)
+    run = run_name if run_name is not None else (Path(path).resolve().parent.name or str(path))
+    ax.set_title(f"{run}: reward over {len(rows)} updates", fontsize=10)
     ax.legend(loc="lower right")
     ax.grid(alpha=0.3)
     fig.tight_layout()
