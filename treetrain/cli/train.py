@@ -44,7 +44,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from treetrain.train.config import dump_config, load_config
+    from treetrain.train.config import config_template, load_config
 
     overrides = list(args.overrides)
     if args.run_dir is not None:
@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"treetrain train: invalid config: {exc}", file=sys.stderr)
         return 2
     if args.print_config:
-        print(dump_config(cfg), end="")
+        print(config_template(cfg), end="")
         return 0
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.no_progress:

@@ -238,7 +238,8 @@ class TrainConfig:
     """Everything `treetrain train` needs. The defaults are the demo."""
 
     run_dir: str = "runs/demo"
-    """Where trees, metrics, checkpoints and the final model go."""
+    """Where trees, metrics, checkpoints and the final model go (a config file that leaves it out:
+    `runs/<file stem>`)."""
     seed: int = 0
     """Seeds task selection, sampling and any shuffles."""
     updates: int = 60
@@ -317,13 +318,36 @@ def read_file(path: str | Path) -> dict[str, Any]:
 
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> TrainConfig:
-    """Defaults, then the file, then `section.field=value` overrides; validated as a whole."""
+    """Defaults, then the file, then `section.field=value` overrides; validated as a whole.
+
+    A config file that does not set `run_dir` runs in `runs/<file stem>`, not in the demo's `runs/demo`:
+    a copy of `--print-config` must not train into (and, with --overwrite, replace) the demo's run."""
     data: dict[str, Any] = read_file(path) if path is not None else {}
+    if path is not None and "run_dir" not in data:
+        data["run_dir"] = str(Path("runs") / Path(path).stem)
     for assignment in overrides:
         apply_override(data, assignment)
     return from_dict(TrainConfig, data)
 
 
 def dump_config(cfg: TrainConfig) -> str:
-    """The resolved config as YAML (what `--print-config` shows and the run directory keeps)."""
+    """The resolved config as YAML (what the run directory keeps)."""
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def config_template(cfg: TrainConfig) -> str:
+    """What `--print-config` shows: the resolved config, with the demo's `run_dir` commented out, so a copy
+    saved as `my.yaml` runs in `runs/my` (see `load_config`) rather than in the demo's directory.
+
+    Example:
+        >>> config_template(load_config(None)).splitlines()[0]
+        '# run_dir: runs/demo  (the demo default; a config file without run_dir runs in runs/<file stem>)'
+        >>> config_template(load_config(None, ["run_dir=runs/mine"])).splitlines()[0]
+        'run_dir: runs/mine'
+    """
+    text = dump_config(cfg)
+    default = f"run_dir: {TrainConfig.run_dir}\n"
+    if text.startswith(default):
+        note = "  (the demo default; a config file without run_dir runs in runs/<file stem>)"
+        text = f"# {default.rstrip()}{note}\n{text[len(default) :]}"
+    return text
