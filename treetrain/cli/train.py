@@ -44,7 +44,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from treetrain.train.config import config_template, load_config
+    from treetrain.train.config import check_paths, config_template, load_config
 
     overrides = list(args.overrides)
     if args.run_dir is not None:
@@ -55,6 +55,8 @@ def run(args: argparse.Namespace) -> int:
         overrides.append(f"rollout.trees={args.trees}")
     try:
         cfg = load_config(args.config, overrides)
+        if not args.print_config:
+            check_paths(cfg)
     except ConfigError as exc:
         print(f"treetrain train: invalid config: {exc}", file=sys.stderr)
         return 2
