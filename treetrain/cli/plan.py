@@ -156,17 +156,11 @@ def _from_config(args: argparse.Namespace, named: NamedTrees) -> int:
     """Plan exactly as `treetrain train` would for an update made of these trees."""
     from dataclasses import replace
 
-    from treetrain.loss.advantages import compute_advantages
     from treetrain.loss.loss_config import ConfigError
-    from treetrain.memory.planner import PlanError
-    from treetrain.memory.retention import BudgetTooSmallError
-    from treetrain.models.support import UnsupportedModelError
-    from treetrain.train.config import load_config
-    from treetrain.train.models import load_models
-    from treetrain.train.planning import plan_for
+    from treetrain.train.config import check_paths, load_config
 
     trees = [t for _, group in named for t in group]
-    try:
+    try:  # the config is checked before torch and transformers load (seconds)
         cfg = load_config(args.config, args.overrides)
         cfg = replace(cfg, memory_budget=str(args.budget), mode=args.mode or cfg.mode)
         section = replace(
@@ -174,6 +168,17 @@ def _from_config(args: argparse.Namespace, named: NamedTrees) -> int:
             attn=args.attn or cfg.model.attn,
         )  # fmt: skip
         cfg = replace(cfg, model=section)
+        check_paths(cfg)
+    except ConfigError as e:
+        return _fail(str(e))
+    from treetrain.loss.advantages import compute_advantages
+    from treetrain.memory.planner import PlanError
+    from treetrain.memory.retention import BudgetTooSmallError
+    from treetrain.models.support import UnsupportedModelError
+    from treetrain.train.models import load_models
+    from treetrain.train.planning import plan_for
+
+    try:
         vocab = None  # a checkpoint is sized from its tokenizer, never from the trees
         if args.model and section.path.startswith("tiny-"):
             vocab = _vocabulary(args, section.path, named)  # as `--model` alone sizes a preset
