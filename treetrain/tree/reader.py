@@ -47,6 +47,7 @@ def decode_trees(data: bytes, limits: Limits) -> tuple[TrajectoryTree, ...]:
             f"file: not a treetrain tree file ({_looks_like(data)}; tree files are msgpack maps)"
         )
     top = unpack_limited(data, limits, check_top=_check_top)
+    assert isinstance(top, dict)  # _check_top refused anything else
     if "version" not in top:
         raise TreeFormatError("file: missing field 'version'")
     version = expect_int(top["version"], "file.version")
