@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from treetrain.cli.main import main
 from treetrain.loss.loss_config import ConfigError
-from treetrain.train.config import TrainConfig, dump_config, load_config
+from treetrain.train.config import TrainConfig, config_template, load_config
 from treetrain.train.config_file import MAX_CONFIG_BYTES
 from treetrain.train.typed import from_dict
 
@@ -241,7 +241,7 @@ def _check_cli(path: Path | None, overrides: list[str], capsys) -> None:
     assert "Traceback" not in err
     if code == 0:  # what was accepted prints as a config that loads to the same thing
         again = from_dict(TrainConfig, yaml.safe_load(out))
-        assert dump_config(again) == out
+        assert config_template(again) == out
         return
     assert code == 2
     _one_line_error(err)
