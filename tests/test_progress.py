@@ -66,3 +66,57 @@ def test_trainer_bar_shows_last_peak_and_dropped_update(
     shown = capsys.readouterr().err
     assert "no step: all 1 groups dropped" in shown and "(update 0)" in shown
     assert "peak=0" not in shown and "tok_s=0" not in shown
+
+
+def test_reward_plot_is_titled_with_its_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reward.png copied out of its run directory still says which run it shows."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.axes import Axes
+
+    from treetrain.train.summary import plot_rewards
+
+    titles: list[str] = []
+    original = Axes.set_title
+    monkeypatch.setattr(
+        Axes, "set_title", lambda ax, label, *a, **k: titles.append(label) or original(ax, label, *a, **k)
+    )
+    run = tmp_path / "my-run"
+    run.mkdir()
+    rows = [_row(i, None) for i in range(3)]
+    assert (
+        plot_rewards(rows, run / "reward.png") == run / "reward.png"
+        and (run / "reward.png").stat().st_size > 0
+    )
+    assert plot_rewards(rows, run / "other.png", run_name="named") is not None
+    assert titles == ["my-run: reward over 3 updates", "named: reward over 3 updates"]
+
+
+LOAD_DEMO = """
+import sys
+from transformers import AutoModelForCausalLM
+from treetrain.train.models import DEMO_MODEL
+from treetrain.train.progress import hide_library_bars
+if sys.argv[1] == "hide":
+    hide_library_bars()
+AutoModelForCausalLM.from_pretrained(DEMO_MODEL)
+"""
+
+
+@pytest.mark.timeout(240)
+def test_no_progress_hides_the_weight_loading_bar() -> None:
+    """`--no-progress` calls `hide_library_bars`; transformers draws a bar while it loads weights."""
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), *sys.path]), "TQDM_DISABLE": ""}
+    err = {}
+    for mode in ("show", "hide"):
+        done = subprocess.run(
+            [sys.executable, "-c", LOAD_DEMO, mode], capture_output=True, text=True, timeout=200, env=env
+        )
+        assert done.returncode == 0, done.stderr
+        err[mode] = done.stderr
+    assert "Loading weights" in err["show"]  # the control: the bar is there to hide
+    assert "Loading weights" not in err["hide"], err["hide"]
