@@ -14,7 +14,7 @@ import sys
 from collections import Counter
 from typing import Any
 
-from treetrain.io import atomic_write_bytes, output_problem
+from treetrain.io import atomic_write_bytes, output_problem, path_problem
 from treetrain.tree.format import TreeFormatError
 from treetrain.tree.render import Decoder, RenderOptions, render_trees, to_dot, tokenizer_decoder
 from treetrain.tree.stats import tree_stats
@@ -33,14 +33,18 @@ def _at_least_two(text: str) -> int:
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "inspect",
-        help="show a tree file: outline, statistics (--json) or a DOT graph (--dot)",
+        help="show trees (files, directories, run directories): outline, statistics (--json) or DOT (--dot)",
         description="Show the trees in tree files (trees/*.msgpack), directories of them, or run directories.",
     )
     p.add_argument(
         "paths", nargs="+", metavar="PATH",
         help="tree file (msgpack, see trees/README.md), or a directory or run directory searched for *.msgpack",
     )  # fmt: skip
-    p.add_argument("--json", action="store_true", help="print tree statistics as JSON instead of the outline")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print each tree's statistics and token-ceiling costs as JSON (docs/tree-format.md)",
+    )
     p.add_argument("--dot", metavar="OUT.dot", help="also write a Graphviz DOT drawing (colour = role)")
     p.add_argument("--max-tokens", type=_at_least_two, default=8, metavar="N", help="tokens shown per node")
     p.add_argument("--tokenizer", metavar="DIR", help="local Hugging Face tokenizer dir: show text, not ids")
@@ -75,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
     if args.dot and (problem := output_problem(args.dot)):
         return _fail(f"--dot: {problem}")
     decode: Decoder | None = None
+    if args.tokenizer and (problem := path_problem(args.tokenizer, "directory")):
+        return _fail(f"--tokenizer: {problem}")
     if args.tokenizer:
         try:
             decode = tokenizer_decoder(args.tokenizer)
