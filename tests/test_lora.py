@@ -38,6 +38,7 @@ from treetrain.models.lora import (
     adapters_disabled,
     apply_lora,
     is_adapter_param,
+    peft_quiet,
 )
 from treetrain.models.presets import FAMILIES
 from treetrain.train.config import load_config
@@ -484,10 +485,11 @@ def test_rewriting_init_reference_is_the_starting_model(init: str, tmp_path) -> 
     assert float((_logprobs(policy, ids) - want).abs().max()) <= FACTOR * floor
     trainable = {n for n, p in policy.named_parameters() if p.requires_grad}  # after a reference pass too
     assert trainable and all(".default." in n for n in trainable)
-    naive = get_peft_model(
-        base_model("llama", torch.float32), LoraConfig(r=4, target_modules=list(LoraSection().target_modules),
-        init_lora_weights=init),
-    )  # fmt: skip
+    with peft_quiet():
+        naive = get_peft_model(
+            base_model("llama", torch.float32), LoraConfig(r=4, target_modules=list(LoraSection().target_modules),
+            init_lora_weights=init),
+        )  # fmt: skip
     with naive.disable_adapter():
         assert float((_logprobs(naive, ids) - want).abs().max()) > 100 * FACTOR * floor
     trained_like(policy)
