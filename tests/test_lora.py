@@ -498,7 +498,8 @@ def test_rewriting_init_reference_is_the_starting_model(init: str, tmp_path) -> 
     saved = json.loads((tmp_path / "final" / "adapter_config.json").read_text())
     assert (saved["r"], saved["lora_alpha"], saved["init_lora_weights"]) == (8, 32, True)
     assert LoraSection(adapter=str(tmp_path / "final")).adapter  # a plain adapter: continuing from it works
-    loaded = PeftModel.from_pretrained(base_model("llama", torch.float32), str(tmp_path / "final"))
+    with peft_quiet():
+        loaded = PeftModel.from_pretrained(base_model("llama", torch.float32), str(tmp_path / "final"))
     assert float((_logprobs(loaded, ids) - _logprobs(policy, ids)).abs().max()) <= FACTOR * floor
     saved["init_lora_weights"] = init  # an unconverted adapter would rewrite the base again on load
     (tmp_path / "final" / "adapter_config.json").write_text(json.dumps(saved))
