@@ -57,6 +57,7 @@ def _cases(tmp: Path) -> list[tuple[list[str], str, str]]:
         ),
         (["train", "--set", f"model.path={missing}"], "train", f"model.path: '{missing}' does not exist"),
         (["train", "--set", f"model.tokenizer={missing}"], "train", f"model.tokenizer: '{missing}' does not"),
+        (["train", "--trees", str(missing)], "train", f"rollout.trees: '{missing}' does not exist"),
         # a directory where a file is expected, a file where a directory is
         (["import", str(TREES), "--out", str(tmp / "o")], "import", f"'{TREES}' is a directory, not a file"),
         (["train", "--config", str(TREES)], "train", f"'{TREES}' is a directory, not a file"),

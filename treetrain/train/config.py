@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -347,6 +348,9 @@ def check_paths(cfg: TrainConfig) -> None:
         ("model.reference", cfg.model.reference, "directory"),
         ("distributed.deepspeed_config", cfg.distributed.deepspeed_config, "file"),
     )
+    trees = cfg.rollout.trees
+    if trees is not None and not any(c in trees for c in "*?["):  # a glob is matched where it is read
+        named += (("rollout.trees", trees, "directory" if os.path.isdir(trees) else "file"),)
     for name, value, want in named:
         if value is None or value in ("demo", "initial", "base") or value.startswith("tiny-"):
             continue
