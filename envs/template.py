@@ -52,6 +52,17 @@ log = logging.getLogger(__name__)
 _PROBE = "PROBE_7c1e"
 
 
+_WARNED: set[str] = set()
+"""Template warnings already logged by this process: a template is checked once per episode (each episode
+gets its own environment), and a run would otherwise repeat the same warning every episode."""
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        log.warning("%s", message)
+
+
 class TemplateError(TreetrainError, ValueError):
     """The tokenizer's chat template is missing, fails to render, or has no usable end-of-turn marker."""
 
@@ -273,7 +284,7 @@ class ChatTemplate:
             )
         self._check_round_trip(opening, calls, probe)
         if self.render(opening, (probe,)) == self.render(opening):
-            log.warning(
+            _warn_once(
                 "the chat template does not show tool schemas to the model; describe the tools in the prompt"
             )
         self._tools_checked = True
@@ -294,7 +305,7 @@ class ChatTemplate:
             "tool-call format does not read back"
         )
         if self._format_chosen:
-            log.warning("%s (env.tool_format is set by name, so it is used as given)", problem)
+            _warn_once(f"{problem} (env.tool_format is set by name, so it is used as given)")
             return
         raise TemplateError(f"{problem}; set env.tool_format to the model's format (envs.formats.FORMATS)")
 

@@ -23,7 +23,7 @@ import tempfile
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Literal
 
 
 def _fsync_dir(directory: str) -> None:
@@ -33,6 +33,26 @@ def _fsync_dir(directory: str) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _kind(mode: int) -> str:
+    return "a directory" if stat.S_ISDIR(mode) else "not a regular file (a FIFO, device or socket)"
+
+
+def output_problem(path: str | os.PathLike[str]) -> str | None:
+    """Why `atomic_write_bytes(path, ...)` would be refused, or None: checked before any work, so a verb
+    does not print its result and then fail to write it.
+
+    Example:
+        >>> output_problem("/no/such/dir/out.dot")
+        "'/no/such/dir' does not exist"
+        >>> output_problem("/")
+        "'/': a directory; refusing to replace it"
+    """
+    name = os.fspath(path)
+    if os.path.exists(name) and not stat.S_ISREG(mode := os.stat(name).st_mode):
+        return f"{name!r}: {_kind(mode)}; refusing to replace it"
+    return path_problem(os.path.dirname(name) or ".", "directory")
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
@@ -46,14 +66,7 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     existing = os.lstat(path) if os.path.lexists(path) else None
     if existing is not None and not stat.S_ISREG(existing.st_mode):
-        kind = (
-            "a directory"
-            if stat.S_ISDIR(existing.st_mode)
-            else "a symbolic link"
-            if stat.S_ISLNK(existing.st_mode)
-            else "not a regular file (a FIFO, device or socket)"
-        )
-        raise OSError(errno.EINVAL, f"{kind}; refusing to replace it", path)
+        raise OSError(errno.EINVAL, f"{_kind(existing.st_mode)}; refusing to replace it", path)
     mode = existing.st_mode & 0o777 if existing is not None else 0o644
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
     try:
@@ -93,6 +106,41 @@ def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
     except BaseException:
         os.close(fd)
         raise
+
+
+def path_problem(path: str | os.PathLike[str], want: Literal["file", "directory"]) -> str | None:
+    """What is wrong with an input path given on the command line or in a config, or None.
+
+    One wording for every verb, so that a missing path, a directory given for a file (or the other way
+    round) and a FIFO read the same everywhere, and before any library is asked to open it (Hugging Face
+    takes a missing directory for a hub repository id).
+
+    Example:
+        >>> path_problem("/no/such/dir", "directory")
+        "'/no/such/dir' does not exist"
+        >>> path_problem("/", "file")
+        "'/' is a directory, not a file"
+    """
+    name = os.fspath(path)
+    if not name:
+        return "an empty path names nothing"
+    try:
+        mode = os.stat(name).st_mode
+    except FileNotFoundError:
+        return f"{name!r} does not exist"
+    except NotADirectoryError:
+        return f"{name!r} does not exist (a part of it is a file)"
+    except (OSError, ValueError) as e:
+        return f"{name!r} cannot be read: {getattr(e, 'strerror', None) or e}"
+    if want == "file" and stat.S_ISDIR(mode):
+        return f"{name!r} is a directory, not a file"
+    if want == "directory" and not stat.S_ISDIR(mode):
+        return f"{name!r} is a file, not a directory"
+    if want == "file" and not stat.S_ISREG(mode):
+        return f"{name!r} is not a regular file (a FIFO, device or socket)"
+    if not os.access(name, os.R_OK | (os.X_OK if want == "directory" else 0)):
+        return f"{name!r} cannot be read: permission denied"
+    return None
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:

@@ -106,10 +106,14 @@ def test_unreadable_inputs_exit_2(
     tmp_path: Path, trees_file: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert main(["plan", str(tmp_path / "missing.msgpack"), "--model", "tiny-llama", "--budget", "1GiB"]) == 2
-    assert "cannot read" in capsys.readouterr().err
+    assert "missing.msgpack' does not exist" in capsys.readouterr().err
     bad = tmp_path / "bad.msgpack"
     bad.write_bytes(b"not a tree file")
     assert main(["plan", str(bad), "--model", "tiny-llama", "--budget", "1GiB"]) == 2
+    assert "bad.msgpack: file: not a treetrain tree file (it looks like text" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["plan", str(tmp_path / "empty"), "--model", "tiny-llama", "--budget", "1GiB"]) == 2
+    assert "no *.msgpack tree files under" in capsys.readouterr().err
     assert main(["plan", str(trees_file), "--model", "tiny-nonesuch", "--budget", "1GiB"]) == 2
     assert "cannot load model" in capsys.readouterr().err
 

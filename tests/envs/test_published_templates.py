@@ -26,6 +26,7 @@ from support.chat_formats import published_template, published_tokenizer
 from transformers import LlamaConfig
 
 from envs import Episode, Message, Rubric, Tool, ToolCall, ToolEnv, tools_from_openai
+from envs import template as template_module
 from envs.template import ChatTemplate, TemplateError
 from envs.wrapper import TokenEnv, WrapperConfig
 from treetrain.cli.main import main
@@ -273,7 +274,7 @@ def test_bad_template_kwargs_are_a_config_error(
 
 
 def test_a_tool_syntax_no_format_reads_is_refused_unless_set_by_name(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """gpt-oss renders calls in its harmony syntax: detection falls back to `hermes`, which cannot read the
     template's own rendering of a call back, so the episode is refused instead of every call being read
@@ -281,6 +282,7 @@ def test_a_tool_syntax_no_format_reads_is_refused_unless_set_by_name(
     tok = published_tokenizer("unsloth-gpt-oss-20b")
     with pytest.raises(TemplateError, match="which the 'hermes' tool-call format does not read back"):
         TokenEnv(Booking(), tok, WrapperConfig(step_timeout_s=None)).reset(0)
-    env = TokenEnv(Booking(), tok, WrapperConfig(step_timeout_s=None, tool_format="hermes"))
-    env.reset(0)
-    assert "is set by name, so it is used as given" in caplog.text
+    monkeypatch.setattr(template_module, "_WARNED", set())  # as in a fresh process
+    for seed in range(3):  # an episode each, as a run makes them: the warning is logged once
+        TokenEnv(Booking(), tok, WrapperConfig(step_timeout_s=None, tool_format="hermes")).reset(seed)
+    assert caplog.text.count("is set by name, so it is used as given") == 1

@@ -18,7 +18,12 @@ from treetrain.distributed.checkpoint_io import (
 from treetrain.distributed.deepspeed_backend import MAX_CONFIG_BYTES, read_config
 from treetrain.errors import ConfigError
 from treetrain.jsonfile import read_json_object
-from treetrain.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MAX_ADAPTER_CONFIG_BYTES, check_adapter_dir
+from treetrain.models.lora_config import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    MAX_ADAPTER_CONFIG_BYTES,
+    check_adapter_dir,
+)
 
 HOSTILE: dict[str, tuple[Callable[[int], bytes], str]] = {
     "too big": (lambda limit: b'{"x": "' + b"a" * limit + b'"}', "larger than the limit"),

@@ -25,9 +25,11 @@ def test_both_notebooks_are_checked_in_without_outputs() -> None:
 
 @pytest.mark.skipif(importlib.util.find_spec("ipykernel") is None, reason="needs ipykernel (dev extra)")
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_executes(path: Path) -> None:
+def test_notebook_executes(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import nbformat
     from nbclient import NotebookClient
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the kernel's temporary files go here, to be counted
 
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(
@@ -40,3 +42,4 @@ def test_notebook_executes(path: Path) -> None:
         o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})
     ]
     assert images, "the notebook drew nothing"
+    assert not list(tmp_path.glob("treetrain-run-*")), "the notebook left its temporary run directory behind"

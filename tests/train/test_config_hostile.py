@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from treetrain.cli.main import main
 from treetrain.errors import ConfigError
-from treetrain.train.config import RolloutSection, TrainConfig, dump_config, load_config
+from treetrain.train.config import RolloutSection, TrainConfig, config_template, load_config
 from treetrain.train.config_file import MAX_CONFIG_BYTES
 from treetrain.train.typed import from_dict
 
@@ -114,11 +114,25 @@ def test_hostile_config_files_are_one_line_errors(tmp_path: Path, capsys, name, 
 def test_not_a_regular_file(tmp_path: Path, capsys) -> None:
     (tmp_path / "dir.yaml").mkdir()
     assert main(["train", "--config", str(tmp_path / "dir.yaml"), "--print-config"]) == 2
-    _one_line_error(capsys.readouterr().err, "not a regular file")
+    _one_line_error(capsys.readouterr().err, "dir.yaml' is a directory, not a file")
     if hasattr(os, "mkfifo"):  # reading a FIFO would block forever
         os.mkfifo(tmp_path / "fifo.yaml")
         assert main(["train", "--config", str(tmp_path / "fifo.yaml"), "--print-config"]) == 2
-        _one_line_error(capsys.readouterr().err, "fifo.yaml")
+        _one_line_error(capsys.readouterr().err, "fifo.yaml' is not a regular file")
+
+
+def test_missing_and_wrong_kind_of_config_file(tmp_path: Path, capsys) -> None:
+    """The path is named once, as given, and the problem in plain words (no PosixPath repr)."""
+    assert main(["train", "--config", str(tmp_path / "nope.yaml"), "--print-config"]) == 2
+    err = capsys.readouterr().err
+    _one_line_error(err, f"config file: '{tmp_path / 'nope.yaml'}' does not exist")
+    assert "PosixPath" not in err and err.count("nope.yaml") == 1
+    (tmp_path / "notes.md").write_text("# notes\n")
+    assert main(["train", "--config", str(tmp_path / "notes.md"), "--print-config"]) == 2
+    _one_line_error(capsys.readouterr().err, "notes.md: not a config file; use .toml, .yaml or .yml")
+    (tmp_path / "ok.yaml").write_text("updates: 2\n")  # negative control: a good file is read
+    assert main(["train", "--config", str(tmp_path / "ok.yaml"), "--print-config"]) == 0
+    assert "updates: 2" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
@@ -262,7 +276,7 @@ def _check_cli(path: Path | None, overrides: list[str], capsys) -> None:
     assert "Traceback" not in err
     if code == 0:  # what was accepted prints as a config that loads to the same thing
         again = from_dict(TrainConfig, yaml.safe_load(out))
-        assert dump_config(again) == out
+        assert config_template(again) == out
         return
     assert code == 2
     _one_line_error(err)

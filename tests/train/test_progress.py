@@ -14,31 +14,31 @@ from treetrain.tree.format import save_trees
 from treetrain.tree.synthetic import synthetic_group
 
 
-def _row(update: int, peak: int, dropped: int = 0) -> UpdateMetrics:
+def _row(update: int, peak: int | None, dropped: int = 0) -> UpdateMetrics:
     return UpdateMetrics(
         update=update, version=update, reward_mean=0.25, reward_std=0.4, trajectories=4, groups=1,
         groups_dropped=dropped, loss=0.0, pg=0.0, kl=0.0, entropy=0.0, clipped=0.0,
         mode="none" if dropped else "tree", contract="exact", graph_tokens=0 if dropped else 40,
         nograd_tokens=0 if dropped else 20, flat_token_cost=0 if dropped else 300,
         token_cost=0 if dropped else 140, rollout_seconds=1.0, train_seconds=0.0 if dropped else 1.0,
-        peak_bytes=peak, predicted_peak_bytes=peak,
+        peak_bytes=peak, predicted_peak_bytes=peak or 0,
     )  # fmt: skip
 
 
 def test_fields_label_what_was_not_measured() -> None:
     bar = Progress()
-    assert bar.fields(_row(0, 0)) == {
+    assert bar.fields(_row(0, None)) == {
         "reward": "0.25",
         "tok_s": "60",
         "saved": "53%",
         "peak": "not measured yet",
     }
     assert bar.fields(_row(1, 2048))["peak"] == "2.0 KiB"
-    assert bar.fields(_row(2, 0))["peak"] == "2.0 KiB (update 1)"
-    idle = bar.fields(_row(3, 0, dropped=1))
+    assert bar.fields(_row(2, None))["peak"] == "2.0 KiB (update 1)"
+    idle = bar.fields(_row(3, None, dropped=1))
     assert idle == {"reward": "0.25", "update": "no step: all 1 groups dropped", "peak": "2.0 KiB (update 1)"}
     assert (
-        Progress.after([_row(0, 0), _row(1, 4096), _row(2, 0)]).fields(_row(3, 0))["peak"]
+        Progress.after([_row(0, None), _row(1, 4096), _row(2, None)]).fields(_row(3, None))["peak"]
         == "4.0 KiB (update 1)"
     )
 
@@ -60,7 +60,63 @@ def test_trainer_bar_shows_last_peak_and_dropped_update(
     )  # fmt: skip
     Trainer(cfg, progress=True).run()
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
-    assert rows[0].peak_bytes > 0 and rows[1].groups_dropped == 1 and rows[1].peak_bytes == 0
+    assert rows[0].peak_bytes > 0 and rows[1].groups_dropped == 1 and rows[1].peak_bytes is None
+    raw = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert '"peak_bytes": null' in raw[1] and '"peak_bytes": null' not in raw[0]
     shown = capsys.readouterr().err
     assert "no step: all 1 groups dropped" in shown and "(update 0)" in shown
     assert "peak=0" not in shown and "tok_s=0" not in shown
+
+
+def test_reward_plot_is_titled_with_its_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reward.png copied out of its run directory still says which run it shows."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.axes import Axes
+
+    from treetrain.train.summary import plot_rewards
+
+    titles: list[str] = []
+    original = Axes.set_title
+    monkeypatch.setattr(
+        Axes, "set_title", lambda ax, label, *a, **k: titles.append(label) or original(ax, label, *a, **k)
+    )
+    run = tmp_path / "my-run"
+    run.mkdir()
+    rows = [_row(i, None) for i in range(3)]
+    assert (
+        plot_rewards(rows, run / "reward.png") == run / "reward.png"
+        and (run / "reward.png").stat().st_size > 0
+    )
+    assert plot_rewards(rows, run / "other.png", run_name="named") is not None
+    assert titles == ["my-run: reward over 3 updates", "named: reward over 3 updates"]
+
+
+LOAD_DEMO = """
+import sys
+from transformers import AutoModelForCausalLM
+from treetrain.train.models import DEMO_MODEL
+from treetrain.train.progress import hide_library_bars
+if sys.argv[1] == "hide":
+    hide_library_bars()
+AutoModelForCausalLM.from_pretrained(DEMO_MODEL)
+"""
+
+
+@pytest.mark.timeout(240)
+def test_no_progress_hides_the_weight_loading_bar() -> None:
+    """`--no-progress` calls `hide_library_bars`; transformers draws a bar while it loads weights."""
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), *sys.path]), "TQDM_DISABLE": ""}
+    err = {}
+    for mode in ("show", "hide"):
+        done = subprocess.run(
+            [sys.executable, "-c", LOAD_DEMO, mode], capture_output=True, text=True, timeout=200, env=env
+        )
+        assert done.returncode == 0, done.stderr
+        err[mode] = done.stderr
+    assert "Loading weights" in err["show"]  # the control: the bar is there to hide
+    assert "Loading weights" not in err["hide"], err["hide"]

@@ -235,7 +235,12 @@ def test_hostile_document(name: str) -> None:
 
 RAW_CASES: dict[str, tuple[bytes, str]] = {
     "empty": (b"", "file: empty"),
-    "top-level array": (msgpack.packb([1, 2]), "expected a map at the top level, got array"),
+    "top-level array": (msgpack.packb([1, 2]), "not a treetrain tree file"),
+    "top-level int, then more": (b"\x23 treetrain", "not a treetrain tree file (it looks like text"),
+    "map of another format, then more": (
+        msgpack.packb({"format": "x"}) + b"\xc0",
+        "not a treetrain tree file",
+    ),
     "trailing data": (TINY_BYTES + b"\xc0", "1 bytes of trailing data"),
     "truncated": (TINY_BYTES[:-3], "ends early"),
     "duplicate key": (

@@ -19,7 +19,7 @@ from treetrain.viz.geometry import MeasuredPoint, ceiling_grid, plot_ceiling_hea
 from treetrain.viz.layout import tidy_layout
 from treetrain.viz.nodes import node_advantages, node_mean_rewards
 from treetrain.viz.tables import node_table, tree_table
-from treetrain.viz.tree_files import load_tree_sources, tree_files
+from treetrain.viz.tree_files import load_tree_sources, tree_files, tree_groups
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -52,8 +52,14 @@ def test_sources_find_checked_in_trees_and_run_directories(tmp_path: Path) -> No
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match=r"no \*\.msgpack"):
         load_tree_sources(tmp_path / "empty")
-    with pytest.raises(FileNotFoundError, match="no tree file"):
+    with pytest.raises(FileNotFoundError, match="missing' does not exist"):
         load_tree_sources(tmp_path / "missing")
+    groups = tree_groups(tmp_path)  # planning's view: one group per file
+    assert [(name, [t.id for t in trees]) for name, trees in groups] == [
+        (str(nested / "g.msgpack"), [t.id for t in group])
+    ]
+    with pytest.raises(FileNotFoundError, match=r"no \*\.msgpack"):
+        tree_groups(tmp_path / "empty")
 
 
 def test_tidy_layout_never_overlaps_and_centres_parents() -> None:

@@ -1,7 +1,9 @@
-"""`treetrain inspect FILE`: look at a tree file in the terminal, as JSON statistics, or as a DOT graph.
+"""`treetrain inspect PATH...`: look at trees in the terminal, as JSON statistics, or as a DOT graph.
 
-Rendering lives in `treetrain.tree.render`; this module only parses arguments and reports errors. A file
-that is not a valid tree file prints the `TreeFormatError` (a `TreetrainError`) message and exits with status 2.
+Each PATH is a tree file, a directory of them or a run directory (`treetrain.viz.tree_files` finds the
+trees); rendering lives in `treetrain.tree.render`. This module only parses arguments and reports errors: a
+path that is missing or holds no trees, or a file that is not a valid tree file, prints one line naming it
+(a `TreetrainError`) and exits with status 2.
 """
 
 from __future__ import annotations
@@ -9,13 +11,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections import Counter
 from typing import Any
 
 from treetrain.errors import TreetrainError
-from treetrain.io import atomic_write_bytes
-from treetrain.tree.format import load_trees
+from treetrain.io import atomic_write_bytes, output_problem, path_problem
 from treetrain.tree.render import Decoder, RenderOptions, render_trees, to_dot, tokenizer_decoder
 from treetrain.tree.stats import tree_stats
+from treetrain.viz.tree_files import NamedTree, load_tree_sources
 
 EXIT_BAD_INPUT = 2
 
@@ -30,11 +33,18 @@ def _at_least_two(text: str) -> int:
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "inspect",
-        help="show a tree file: outline, statistics (--json) or a DOT graph (--dot)",
-        description="Show the trees in a treetrain tree file (trees/*.msgpack).",
+        help="show trees (files, directories, run directories): outline, statistics (--json) or DOT (--dot)",
+        description="Show the trees in tree files (trees/*.msgpack), directories of them, or run directories.",
     )
-    p.add_argument("file", help="tree file (msgpack, see trees/README.md)")
-    p.add_argument("--json", action="store_true", help="print tree statistics as JSON instead of the outline")
+    p.add_argument(
+        "paths", nargs="+", metavar="PATH",
+        help="tree file (msgpack, see trees/README.md), or a directory or run directory searched for *.msgpack",
+    )  # fmt: skip
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print each tree's statistics and token-ceiling costs as JSON (docs/tree-format.md)",
+    )
     p.add_argument("--dot", metavar="OUT.dot", help="also write a Graphviz DOT drawing (colour = role)")
     p.add_argument("--max-tokens", type=_at_least_two, default=8, metavar="N", help="tokens shown per node")
     p.add_argument("--tokenizer", metavar="DIR", help="local Hugging Face tokenizer dir: show text, not ids")
@@ -46,25 +56,50 @@ def _fail(message: str) -> int:
     return EXIT_BAD_INPUT
 
 
+def _load(paths: list[str]) -> list[NamedTree]:
+    """Every tree under every path, in argument order, each named by its file (and `#i` in a group)."""
+    out: list[NamedTree] = []
+    for path in paths:
+        found = load_tree_sources(path)
+        sizes = Counter(t.path for t in found)
+        out.extend(
+            NamedTree(str(t.path) if sizes[t.path] == 1 else f"{t.path}#{t.index}", t.path, t.index, t.tree)
+            for t in found
+        )
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     try:
-        trees = load_trees(args.file)
+        named = _load(args.paths)
     except TreetrainError as e:
         return _fail(str(e))
     except OSError as e:
-        return _fail(f"cannot read {args.file}: {e.strerror or e}")
+        return _fail(f"cannot read {e.filename}: {e.strerror}" if e.filename and e.strerror else str(e))
+    if args.dot and (problem := output_problem(args.dot)):
+        return _fail(f"--dot: {problem}")
     decode: Decoder | None = None
+    if args.tokenizer and (problem := path_problem(args.tokenizer, "directory")):
+        return _fail(f"--tokenizer: {problem}")
     if args.tokenizer:
         try:
             decode = tokenizer_decoder(args.tokenizer)
         except (OSError, ValueError) as e:
-            return _fail(f"cannot load tokenizer from {args.tokenizer}: {e}")
+            return _fail(f"--tokenizer: cannot load a tokenizer from {args.tokenizer}: {e}")
     options = RenderOptions(max_tokens=args.max_tokens, decode=decode)
+    trees = [t.tree for t in named]
     if args.json:
-        doc = {"file": args.file, "trees": [{"id": t.id, "stats": tree_stats(t).as_dict()} for t in trees]}
+        doc = {
+            "paths": args.paths,
+            "trees": [
+                {"name": t.name, "file": str(t.path), "id": t.tree.id, "stats": tree_stats(t.tree).as_dict()}
+                for t in named
+            ],
+        }
         print(json.dumps(doc, indent=2))
     else:
-        print(render_trees(trees, options))
+        print("\n\n".join(f"{t.name}: {render_trees([t.tree], options)}" for t in named) if len(named) > 1
+              else render_trees(trees, options))  # fmt: skip
     if args.dot:
         try:
             atomic_write_bytes(args.dot, to_dot(trees, options).encode("utf-8"))

@@ -26,8 +26,9 @@ from treetrain.bytesize import format_bytes, parse_bytes
 from treetrain.errors import TreetrainError
 from treetrain.models import ATTENTION
 from treetrain.tree.checks import NamedTrees, check_distinct, check_vocabulary, largest_token
-from treetrain.tree.format import TreeFormatError, load_trees
+from treetrain.tree.format import TreeFormatError
 from treetrain.tree.unpack import short_repr
+from treetrain.viz.tree_files import tree_groups
 
 if TYPE_CHECKING:  # the rest loads in `run`, so `treetrain --help` stays fast
     from treetrain.engine.batch import UpdateBatch
@@ -91,7 +92,8 @@ def add_parser(sub: Any) -> None:
         "trees",
         nargs="*",
         metavar="TREES",
-        help="tree files (msgpack, see trees/README.md); none: check the model",
+        help="tree files (msgpack, see trees/README.md), or directories or run directories searched for "
+        "*.msgpack; none: check the model",
     )
     p.add_argument(
         "--config",
@@ -164,15 +166,11 @@ def _from_config(args: argparse.Namespace, named: NamedTrees) -> int:
     """Plan exactly as `treetrain train` would for an update made of these trees."""
     from dataclasses import replace
 
-    from treetrain.engine import UpdateBatch
-    from treetrain.loss.advantages import compute_advantages
-    from treetrain.loss.manifest import Manifest
-    from treetrain.train.config import load_config
-    from treetrain.train.models import load_models
-    from treetrain.update.planning import plan_for
+    from treetrain.errors import ConfigError
+    from treetrain.train.config import check_paths, load_config
 
     trees = [t for _, group in named for t in group]
-    try:
+    try:  # the config is checked before torch and transformers load (seconds)
         cfg = load_config(args.config, args.overrides)
         cfg = replace(cfg, memory_budget=str(args.budget), mode=args.mode or cfg.mode)
         section = replace(
@@ -180,6 +178,16 @@ def _from_config(args: argparse.Namespace, named: NamedTrees) -> int:
             attn=args.attn or cfg.model.attn,
         )  # fmt: skip
         cfg = replace(cfg, model=section)
+        check_paths(cfg)
+    except ConfigError as e:
+        return _fail(str(e))
+    from treetrain.engine import UpdateBatch
+    from treetrain.loss.advantages import compute_advantages
+    from treetrain.loss.manifest import Manifest
+    from treetrain.train.models import load_models
+    from treetrain.update.planning import plan_for
+
+    try:
         vocab = None  # a checkpoint is sized from its tokenizer, never from the trees
         if args.model and section.path.startswith("tiny-"):
             vocab = _vocabulary(args, section.path, named)  # as `--model` alone sizes a preset
@@ -245,6 +253,30 @@ def lora_text(lora: PersistentBytes, full: PersistentBytes) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not args.trees:
+        return _check_model(args)
+    if args.budget is None:
+        return _fail("give --budget (8GiB, 512MiB, ...) to plan TREES within it")
+    named: list[tuple[str, tuple[TrajectoryTree, ...]]] = []
+    for path in args.trees:
+        try:
+            named.extend(tree_groups(path))
+        except TreeFormatError as e:
+            return _fail(str(e))
+        except OSError as e:
+            return _fail(f"cannot read {e.filename}: {e.strerror}" if e.filename and e.strerror else str(e))
+    try:
+        check_distinct(named)
+    except TreeFormatError as e:
+        return _fail(str(e))
+    trees = [t for _, group in named for t in group]
+    if args.world_size < 1:
+        return _fail(f"--world-size must be >= 1, got {args.world_size}")
+    if args.config or args.overrides:
+        return _from_config(args, named)
+    if not args.model:
+        return _fail("give --model ('demo', a local model directory or tiny-<family>) or --config")
+    # the arguments are checked above; only now load torch and transformers (seconds)
     import torch
     from safetensors import SafetensorError
 
@@ -255,29 +287,6 @@ def run(args: argparse.Namespace) -> int:
     from treetrain.models.presets import load_model
     from treetrain.train.models import broken_weights, resolve_model_path
 
-    if not args.trees:
-        return _check_model(args)
-    if args.budget is None:
-        return _fail("give --budget (8GiB, 512MiB, ...) to plan TREES within it")
-    named: list[tuple[str, tuple[TrajectoryTree, ...]]] = []
-    for path in args.trees:
-        try:
-            named.append((path, load_trees(path)))
-        except TreetrainError as e:
-            return _fail(str(e))
-        except OSError as e:
-            return _fail(f"cannot read {path}: {e.strerror or e}")
-    try:
-        check_distinct(named)
-    except TreetrainError as e:
-        return _fail(str(e))
-    trees = [t for _, group in named for t in group]
-    if args.world_size < 1:
-        return _fail(f"--world-size must be >= 1, got {args.world_size}")
-    if args.config or args.overrides:
-        return _from_config(args, named)
-    if not args.model:
-        return _fail("give --model ('demo', a local model directory or tiny-<family>) or --config")
     try:
         path = resolve_model_path(args.model, "--model")  # the same names `treetrain train` accepts
         vocab = _vocabulary(args, path, named)
@@ -311,10 +320,6 @@ def _check_model(args: argparse.Namespace) -> int:
     """`treetrain plan --model PATH` without trees: `treetrain train`'s start-up checks, and what they found."""
     from dataclasses import replace
 
-    from envs.registry import EnvironmentLoadError, UnknownEnvironmentError
-    from envs.template import TemplateError
-    from treetrain.errors import ConfigError
-    from treetrain.models.support import UnsupportedModelError
     from treetrain.train.config import load_config
     from treetrain.train.model_check import check_model
 
@@ -329,13 +334,7 @@ def _check_model(args: argparse.Namespace) -> int:
             attn=args.attn or cfg.model.attn,
         )  # fmt: skip
         found = check_model(replace(cfg, model=section))
-    except (
-        ConfigError,
-        UnsupportedModelError,
-        TemplateError,
-        UnknownEnvironmentError,
-        EnvironmentLoadError,
-    ) as e:
+    except TreetrainError as e:
         return _fail(str(e))
     print(found.text())
     return 0

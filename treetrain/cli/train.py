@@ -40,12 +40,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--overwrite", action="store_true", help="replace an earlier run in the run directory")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--no-progress", action="store_true",
+        help="no progress bars (treetrain's per-update bar and transformers' weight loading): plain log lines",
+    )  # fmt: skip
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from treetrain.train.config import dump_config, load_config
+    from treetrain.train.config import check_paths, config_template, dump_config, load_config
 
     overrides = list(args.overrides)
     if args.run_dir is not None:
@@ -56,13 +59,19 @@ def run(args: argparse.Namespace) -> int:
         overrides.append(f"rollout.trees={args.trees}")
     try:
         cfg = load_config(args.config, overrides)
+        if not args.print_config:
+            check_paths(cfg)
     except ConfigError as exc:
         print(f"treetrain train: invalid config: {exc}", file=sys.stderr)
         return 2
     if args.print_config and not args.resume:
-        print(dump_config(cfg), end="")
+        print(config_template(cfg), end="")
         return 0
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.no_progress:
+        from treetrain.train.progress import hide_library_bars
+
+        hide_library_bars()
     from treetrain.train.loop import Trainer
     from treetrain.train.resume import resume_config
     from treetrain.train.rundir import is_run_dir
@@ -90,5 +99,7 @@ def run(args: argparse.Namespace) -> int:
         return 130
     if trainer.backend.rank == 0:
         print(summary.text(trainer.read_rows()))
-        print(f"run directory: {cfg.run_dir} (metrics.jsonl, reward.png, summary.txt, final/, checkpoints/)")
+        print(
+            f"run directory: {cfg.run_dir} (metrics.jsonl, reward.png, summary.txt, rollouts/, final/, checkpoints/)"
+        )
     return 0

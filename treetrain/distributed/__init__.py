@@ -1,13 +1,44 @@
 """Distributed training: placement over ranks, exactly-once coverage, and training backends.
 
-`DeepSpeedBackend` lives in `treetrain.distributed.deepspeed_backend` and is imported from there, so that
-importing this package does not import DeepSpeed.
+Names load on first use (PEP 562), so that `treetrain.distributed.optim_config` can be read by the config
+without importing torch. `DeepSpeedBackend` lives in `treetrain.distributed.deepspeed_backend` and is
+imported from there, so that using this package does not import DeepSpeed.
 """
 
-from treetrain.distributed.backend import AgreementError, OptimizerConfig, TorchBackend, TrainBackend
-from treetrain.distributed.checkpoint_io import CheckpointError
-from treetrain.distributed.coverage import CoverageClaims, DuplicateContributionError
-from treetrain.distributed.placement import Placement, build_placement, place, round_robin
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from treetrain.distributed.backend import AgreementError, TorchBackend, TrainBackend
+    from treetrain.distributed.checkpoint_io import CheckpointError
+    from treetrain.distributed.coverage import CoverageClaims, DuplicateContributionError
+    from treetrain.distributed.optim_config import OptimizerConfig
+    from treetrain.distributed.placement import Placement, build_placement, place, round_robin
+
+_LAZY = {
+    "AgreementError": "treetrain.distributed.backend",
+    "TorchBackend": "treetrain.distributed.backend",
+    "TrainBackend": "treetrain.distributed.backend",
+    "CheckpointError": "treetrain.distributed.checkpoint_io",
+    "CoverageClaims": "treetrain.distributed.coverage",
+    "DuplicateContributionError": "treetrain.distributed.coverage",
+    "OptimizerConfig": "treetrain.distributed.optim_config",
+    "Placement": "treetrain.distributed.placement",
+    "build_placement": "treetrain.distributed.placement",
+    "place": "treetrain.distributed.placement",
+    "round_robin": "treetrain.distributed.placement",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'treetrain.distributed' has no attribute {name!r}")
+
 
 __all__ = [
     "AgreementError",

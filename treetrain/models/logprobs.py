@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-DEFAULT_MAX_LOGIT_ELEMENTS = 1 << 24  # 64 MiB of float32 logits per chunk
+from treetrain.models import DEFAULT_MAX_LOGIT_ELEMENTS
 
 
 def _chunk_stats(

@@ -36,7 +36,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from treetrain.io import open_regular, write_files_all_or_nothing
+from treetrain.io import open_regular, path_problem, write_files_all_or_nothing
 from treetrain.rollout.records import MAX_METADATA_ENTRIES, CallRecordIn, RecordError, parse_record
 from treetrain.trajectory import Role, Trajectory, TrajectoryError, TrajectoryMeta
 from treetrain.tree import TrajectoryTree
@@ -226,6 +226,10 @@ def import_jsonl(path: str | Path, out_dir: str | Path, group_by: GroupBy = Grou
     """Validate `path`, build one tree per group and write them to `out_dir` (all or nothing)."""
     if not str(out_dir):  # Path("") is the working directory: an unset shell variable, not a choice
         raise FileNotFoundError(errno.ENOENT, "an empty path is not an output directory", "")
+    if (problem := path_problem(path, "file")) is not None:
+        raise FileNotFoundError(problem)
+    if Path(out_dir).exists() and (problem := path_problem(out_dir, "directory")) is not None:
+        raise FileExistsError(f"output directory: {problem}")
     records = list(read_records(path))
     if not records:
         raise RecordError(str(path), 0, "<file>", "no records")

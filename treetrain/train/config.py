@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,11 +21,12 @@ from typing import Any, ClassVar, Literal
 
 import yaml
 
-from treetrain.distributed.backend import OptimizerConfig
+from treetrain.distributed.optim_config import OptimizerConfig
 from treetrain.errors import ConfigError
+from treetrain.io import path_problem
 from treetrain.loss.advantages import AdvantageConfig
 from treetrain.loss.loss_config import LossConfig
-from treetrain.models.lora import LoraSection
+from treetrain.models.lora_config import LoraSection
 from treetrain.rollout.fanout import FanOut
 from treetrain.train.config_file import read_config_file
 from treetrain.train.typed import apply_override, from_dict, to_dict
@@ -188,7 +190,8 @@ class TrainConfig:
     """Everything `treetrain train` needs. The defaults are the demo."""
 
     run_dir: str = "runs/demo"
-    """Where trees, metrics, checkpoints and the final model go."""
+    """Where trees, metrics, checkpoints and the final model go (a config file that leaves it out:
+    `runs/<file stem>`)."""
     seed: int = 0
     """Seeds task selection, sampling and any shuffles."""
     updates: int = 60
@@ -267,13 +270,63 @@ def read_file(path: str | Path) -> dict[str, Any]:
 
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> TrainConfig:
-    """Defaults, then the file, then `section.field=value` overrides; validated as a whole."""
+    """Defaults, then the file, then `section.field=value` overrides; validated as a whole.
+
+    A config file that does not set `run_dir` runs in `runs/<file stem>`, not in the demo's `runs/demo`:
+    a copy of `--print-config` must not train into (and, with --overwrite, replace) the demo's run."""
     data: dict[str, Any] = read_file(path) if path is not None else {}
+    if path is not None and "run_dir" not in data:
+        data["run_dir"] = str(Path("runs") / Path(path).stem)
     for assignment in overrides:
         apply_override(data, assignment)
     return from_dict(TrainConfig, data)
 
 
+def check_paths(cfg: TrainConfig) -> None:
+    """Refuse a path the config names that does not exist or is of the wrong kind, before torch and
+    transformers load (seconds sooner) and in the wording every verb uses (`treetrain.io.path_problem`).
+    What is inside the directory is checked where it is read.
+
+    Example:
+        >>> check_paths(load_config(None, ["model.tokenizer=/no/such/dir"]))
+        Traceback (most recent call last):
+        treetrain.loss.loss_config.ConfigError: model.tokenizer: '/no/such/dir' does not exist
+    """
+    named: tuple[tuple[str, str | None, Literal["file", "directory"]], ...] = (
+        ("model.path", cfg.model.path, "directory"),
+        ("model.tokenizer", cfg.model.tokenizer, "directory"),
+        ("model.reference", cfg.model.reference, "directory"),
+        ("distributed.deepspeed_config", cfg.distributed.deepspeed_config, "file"),
+    )
+    trees = cfg.rollout.trees
+    if trees is not None and not any(c in trees for c in "*?["):  # a glob is matched where it is read
+        named += (("rollout.trees", trees, "directory" if os.path.isdir(trees) else "file"),)
+    for name, value, want in named:
+        if value is None or value in ("demo", "initial", "base") or value.startswith("tiny-"):
+            continue
+        problem = path_problem(value, want)
+        if problem is not None:
+            raise ConfigError(f"{name}: {problem}")
+
+
 def dump_config(cfg: TrainConfig) -> str:
-    """The resolved config as YAML (what `--print-config` shows and the run directory keeps)."""
+    """The resolved config as YAML (what the run directory keeps)."""
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def config_template(cfg: TrainConfig) -> str:
+    """What `--print-config` shows: the resolved config, with the demo's `run_dir` commented out, so a copy
+    saved as `my.yaml` runs in `runs/my` (see `load_config`) rather than in the demo's directory.
+
+    Example:
+        >>> config_template(load_config(None)).splitlines()[0]
+        '# run_dir: runs/demo  (the demo default; a config file without run_dir runs in runs/<file stem>)'
+        >>> config_template(load_config(None, ["run_dir=runs/mine"])).splitlines()[0]
+        'run_dir: runs/mine'
+    """
+    text = dump_config(cfg)
+    default = f"run_dir: {TrainConfig.run_dir}\n"
+    if text.startswith(default):
+        note = "  (the demo default; a config file without run_dir runs in runs/<file stem>)"
+        text = f"# {default.rstrip()}{note}\n{text[len(default) :]}"
+    return text

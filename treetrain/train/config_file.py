@@ -27,6 +27,7 @@ import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from treetrain.errors import ConfigError
+from treetrain.io import open_regular, path_problem
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -217,12 +218,13 @@ def parse_toml(text: str, where: str) -> Any:
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """A TOML (.toml) or YAML (.yaml/.yml) file as a dict, read as untrusted input."""
     p = Path(path)
+    problem = path_problem(p, "file")  # a FIFO or a device would block or never end
+    if problem is not None:
+        raise ConfigError(f"config file: {problem}")
     if p.suffix not in (".toml", ".yaml", ".yml"):
-        raise ConfigError(f"config file {p}: use .toml, .yaml or .yml")
+        raise ConfigError(f"config file {p}: not a config file; use .toml, .yaml or .yml")
     try:
-        if not p.is_file():  # a FIFO or a device would block or never end
-            raise ConfigError(f"config file {p} does not exist or is not a regular file")
-        with p.open("rb") as f:
+        with open_regular(p) as f:
             raw = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as exc:
         raise ConfigError(f"config file {p}: cannot read it: {exc.strerror or exc}") from None

@@ -234,7 +234,7 @@ class Trainer:
             token_cost=report.token_cost,
             rollout_seconds=produced.seconds,
             train_seconds=train_seconds,
-            peak_bytes=report.measured_peak.dynamic if report.measured_peak else 0,
+            peak_bytes=report.measured_peak.dynamic if report.measured_peak else None,
             predicted_peak_bytes=int(plan.ledger.peak.dynamic) if plan and report.measured_peak else 0,
             replay_tokens_max=max(balance, default=0),
             replay_tokens_mean=sum(balance) / len(balance) if balance else 0.0,

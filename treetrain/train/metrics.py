@@ -72,8 +72,9 @@ class UpdateMetrics:
     """Wall time of sampling (0 for recorded trees)."""
     train_seconds: float
     """Wall time of planning, replay and the optimizer step."""
-    peak_bytes: int
-    """Measured peak of live tensor bytes during replay, run-persistent bytes left out (0: not measured)."""
+    peak_bytes: int | None
+    """Measured peak of live tensor bytes during replay, run-persistent bytes left out (None, `null` in
+    metrics.jsonl: this update was not measured, see `measure_memory_every`)."""
     predicted_peak_bytes: int
     """The ledger's prediction of the same quantity (0 when this update was not measured)."""
     replay_tokens_max: int = 0

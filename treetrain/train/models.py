@@ -16,9 +16,9 @@ from transformers import AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTr
 
 from treetrain.assets import tokenizer_path
 from treetrain.errors import ConfigError
-from treetrain.io import atomic_directory
+from treetrain.io import atomic_directory, path_problem
 from treetrain.models.checkpoint_bounds import checkpoint_config
-from treetrain.models.lora import AdaptersOff, Reference, apply_lora
+from treetrain.models.lora import AdaptersOff, Reference, apply_lora, peft_quiet
 from treetrain.models.presets import load_model, model_config
 from treetrain.train.config import ModelSection
 
@@ -117,11 +117,14 @@ def load_models(
         tok_dir = tokenizer_path()
     else:
         tok_dir = path
+    field = "model.tokenizer" if section.tokenizer is not None else "model.path"
+    problem = path_problem(tok_dir, "directory")  # before Hugging Face takes a missing path for a repo id
+    if problem is not None:
+        raise ConfigError(f"{field}: {problem}; give a local tokenizer directory")
     try:
         tokenizer = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
     # transformers and tokenizers raise many types (even a bare Exception) for bad tokenizer files
     except Exception as exc:
-        field = "model.tokenizer" if section.tokenizer is not None else "model.path"
         message = " ".join(str(exc).split())[:300]
         raise ConfigError(f"{field}: cannot load a tokenizer from {tok_dir}: {message}") from None
     if check_tokenizer is not None:
@@ -165,7 +168,8 @@ def export_merged(section: ModelSection, adapter_dir: Path, out_dir: Path, token
 
     vocab = len(tokenizer) if tokenizer is not None else 0
     base = _load(resolve_model_path(section.path), "model.path", section, vocab)
-    merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+    with peft_quiet():
+        merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     with atomic_directory(out_dir) as tmp:
         merged.save_pretrained(tmp)
         if tokenizer is not None:

@@ -12,13 +12,13 @@ Example:
     ...         trajectories=8, groups=2, groups_dropped=dropped, loss=0.1, pg=0.1, kl=0.0, entropy=0.0,
     ...         clipped=0.0, mode="tree", contract="exact", graph_tokens=100, nograd_tokens=50,
     ...         flat_token_cost=900, token_cost=350, rollout_seconds=1.0, train_seconds=2.0,
-    ...         peak_bytes=peak, predicted_peak_bytes=peak)
+    ...         peak_bytes=peak, predicted_peak_bytes=peak or 0)
     >>> bar = Progress()
-    >>> bar.fields(row(0, 0))["peak"]
+    >>> bar.fields(row(0, None))["peak"]
     'not measured yet'
     >>> bar.fields(row(1, 3 * 2**20))
     {'reward': '0.50', 'tok_s': '75', 'saved': '61%', 'peak': '3.0 MiB'}
-    >>> bar.fields(row(2, 0, dropped=2))
+    >>> bar.fields(row(2, None, dropped=2))
     {'reward': '0.50', 'update': 'no step: all 2 groups dropped', 'peak': '3.0 MiB (update 1)'}
 """
 
@@ -41,8 +41,8 @@ class Progress:
     @staticmethod
     def after(rows: Sequence[UpdateMetrics]) -> Progress:
         """The state after `rows` (a resumed run keeps showing the peak measured before it stopped)."""
-        measured = [r for r in rows if r.peak_bytes > 0]
-        return Progress((measured[-1].update, measured[-1].peak_bytes) if measured else None)
+        measured = [(r.update, r.peak_bytes) for r in rows if r.peak_bytes is not None]
+        return Progress(measured[-1] if measured else None)
 
     def fields(self, row: UpdateMetrics) -> dict[str, str]:
         """The bar's fields for `row`: tok_s and saved only when the update trained, the peak always labelled."""
@@ -52,7 +52,7 @@ class Progress:
         else:
             out["tok_s"] = f"{row.tokens_per_second:.0f}"
             out["saved"] = f"{100 * row.tokens_saved:.0f}%"
-        if row.peak_bytes > 0:
+        if row.peak_bytes is not None:
             self.last_peak = (row.update, row.peak_bytes)
             out["peak"] = format_bytes(row.peak_bytes)
         elif self.last_peak is not None:
@@ -61,3 +61,11 @@ class Progress:
         else:
             out["peak"] = "not measured yet"
         return out
+
+
+def hide_library_bars() -> None:
+    """Turn off the progress bars of transformers and huggingface_hub (transformers draws one while it loads
+    weights), for `--no-progress`: no bar at all on stderr, so a log holds only lines."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # also huggingface_hub's

@@ -45,7 +45,8 @@ class RunSummary:
     last_reward: float
     """Mean reward of the last `window` updates."""
     window: int
-    peak_bytes: int
+    peak_bytes: int | None
+    """Largest measured peak (None: no update was measured)."""
     predicted_peak_bytes: int
     tokens_saved: float
     """1 - (token cost spent) / (token cost flat would have spent), over the whole run."""
@@ -66,8 +67,10 @@ class RunSummary:
             first_reward=sum(rewards[:w]) / w,
             last_reward=sum(rewards[-w:]) / w,
             window=w,
-            peak_bytes=max(r.peak_bytes for r in rows),
-            predicted_peak_bytes=max((r.predicted_peak_bytes for r in rows if r.peak_bytes), default=0),
+            peak_bytes=max((r.peak_bytes for r in rows if r.peak_bytes is not None), default=None),
+            predicted_peak_bytes=max(
+                (r.predicted_peak_bytes for r in rows if r.peak_bytes is not None), default=0
+            ),
             tokens_saved=1.0 - spent / flat if flat else 0.0,
             train_seconds=sum(r.train_seconds for r in rows),
             rollout_seconds=sum(r.rollout_seconds for r in rows),
@@ -81,7 +84,7 @@ class RunSummary:
             f"tokens saved       {100 * self.tokens_saved:.1f}% of flat's token cost",
             f"time               rollout {self.rollout_seconds:.0f}s, train {self.train_seconds:.0f}s",
         ]
-        if self.peak_bytes:
+        if self.peak_bytes is not None:
             ratio = self.peak_bytes / self.predicted_peak_bytes if self.predicted_peak_bytes else float("nan")
             lines.append(
                 f"peak memory        measured {format_bytes(self.peak_bytes)}, ledger predicted "
@@ -91,8 +94,11 @@ class RunSummary:
         return "\n".join(lines)
 
 
-def plot_rewards(rows: Sequence[UpdateMetrics], path: str | Path) -> Path | None:
-    """Reward curve (per update and a 10-update moving mean) as a PNG; None when matplotlib is missing."""
+def plot_rewards(rows: Sequence[UpdateMetrics], path: str | Path, run_name: str | None = None) -> Path | None:
+    """Reward curve (per update and a 10-update moving mean) as a PNG; None when matplotlib is missing.
+
+    The title names the run (default: the directory the PNG is written to, the run directory), so a copied
+    or attached picture still says which run it shows."""
     try:
         import matplotlib
 
@@ -110,6 +116,8 @@ def plot_rewards(rows: Sequence[UpdateMetrics], path: str | Path) -> Path | None
     ax.set_ylabel("reward")
     if ys and min(ys) >= 0 and max(ys) <= 1:  # rewards in [0, 1]: show the whole range
         ax.set_ylim(-0.05, 1.05)
+    run = run_name if run_name is not None else (Path(path).resolve().parent.name or str(path))
+    ax.set_title(f"{run}: reward over {len(rows)} updates", fontsize=10)
     ax.legend(loc="lower right")
     ax.grid(alpha=0.3)
     fig.tight_layout()

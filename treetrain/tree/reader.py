@@ -20,6 +20,7 @@ from treetrain.trajectory import REWARD_LIMIT, Role, TrajectoryMeta
 from treetrain.tree.model import ROOT_ID, CallRecord, CallRef, Node, TrajectoryRecord, TrajectoryTree, node_id
 from treetrain.tree.schema import FORMAT_NAME, SUPPORTED_VERSIONS, Limits, TreeFormatError
 from treetrain.tree.unpack import (
+    MAP_HEADERS,
     expect_array,
     expect_bin,
     expect_fields,
@@ -41,13 +42,12 @@ _KNOWN_CODES = ", ".join(f"{r.code} {r.value}" for r in _ROLES)
 # ----- document ---------------------------------------------------------------------------------------
 def decode_trees(data: bytes, limits: Limits) -> tuple[TrajectoryTree, ...]:
     """Parse and validate a whole file; the trees of its group, in file order."""
-    top = unpack_limited(data, limits)
-    if not isinstance(top, dict):
-        raise TreeFormatError(f"file: expected a map at the top level, got {kind(top)}")
-    if top.get("format") != FORMAT_NAME:
+    if data and data[0] not in MAP_HEADERS:
         raise TreeFormatError(
-            f"file.format: {short_repr(top.get('format'))} is not {FORMAT_NAME!r}; not a tree file"
+            f"file: not a treetrain tree file ({_looks_like(data)}; tree files are msgpack maps)"
         )
+    top = unpack_limited(data, limits, check_top=_check_top)
+    assert isinstance(top, dict)  # _check_top refused anything else
     if "version" not in top:
         raise TreeFormatError("file: missing field 'version'")
     version = expect_int(top["version"], "file.version")
@@ -62,6 +62,30 @@ def decode_trees(data: bytes, limits: Limits) -> tuple[TrajectoryTree, ...]:
     trees = tuple(_decode_tree(t, f"trees[{k}]", budget, visits) for k, t in enumerate(raw_trees))
     _check_distinct(trees)
     return trees
+
+
+def _check_top(top: object) -> None:
+    if not isinstance(top, dict):
+        raise TreeFormatError(f"file: expected a map at the top level, got {kind(top)}; not a tree file")
+    if top.get("format") != FORMAT_NAME:
+        raise TreeFormatError(
+            f"file.format: {short_repr(top.get('format'))} is not {FORMAT_NAME!r}; not a treetrain tree file"
+        )
+
+
+def _looks_like(data: bytes) -> str:
+    """What a file that is not a tree file seems to be, from its first bytes, for the message."""
+    head = data[:4096]
+    if head[8:9] == b"{":  # an 8-byte little-endian header length, then the JSON header
+        return "it looks like a safetensors file"
+    if head.lstrip()[:1] in (b"{", b"["):
+        return "it looks like JSON or JSONL; `treetrain import` turns rollout JSONL into trees"
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if e.start < len(head) - 4:  # a multi-byte character cut at the end of `head` is still text
+            return f"it starts with byte 0x{data[0]:02x}"
+    return "it looks like text"
 
 
 def _check_distinct(trees: Sequence[TrajectoryTree]) -> None:

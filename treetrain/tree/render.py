@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import groupby
 
+from treetrain.io import path_problem
 from treetrain.trajectory import Role
 from treetrain.tree.model import ROOT, Node, TrajectoryTree
 from treetrain.tree.stats import tree_stats
@@ -191,7 +192,11 @@ def to_dot(trees: Sequence[TrajectoryTree], options: RenderOptions | None = None
 
 
 def tokenizer_decoder(directory: str) -> Decoder:
-    """A decoder backed by a local Hugging Face tokenizer directory (no network)."""
+    """A decoder backed by a local Hugging Face tokenizer directory (no network). Raises `ValueError`
+    naming the problem for a path that is not a directory (Hugging Face would take it for a repo id)."""
+    problem = path_problem(directory, "directory")
+    if problem is not None:
+        raise ValueError(problem)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)

@@ -9,7 +9,7 @@ and refuses ext types (timestamps included) and duplicate map keys.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import msgpack
 
@@ -44,8 +44,15 @@ def _unique_keys(pairs: Sequence[tuple[object, object]]) -> dict[object, object]
     return out
 
 
-def unpack_limited(data: bytes, limits: Limits) -> object:
-    """Decode exactly one msgpack document filling `data`: no trailing bytes, no ext types."""
+MAP_HEADERS = frozenset(range(0x80, 0x90)) | {0xDE, 0xDF}
+"""First bytes of a msgpack map (fixmap, map 16, map 32): every tree file starts with one."""
+
+
+def unpack_limited(data: bytes, limits: Limits, check_top: Callable[[object], None] | None = None) -> object:
+    """Decode exactly one msgpack document filling `data`: no trailing bytes, no ext types.
+
+    `check_top` sees the first document before trailing bytes are refused, so a file of another kind (whose
+    first bytes happen to decode as a small msgpack value) is named as such, not as trailing data."""
     n = len(data)
     if n == 0:
         raise TreeFormatError("file: empty")
@@ -76,6 +83,8 @@ def unpack_limited(data: bytes, limits: Limits) -> object:
         raise TreeFormatError(f"file: {e}") from None
     except (ValueError, TypeError, msgpack.UnpackException) as e:
         raise TreeFormatError(f"file: not a valid msgpack document ({e})") from None
+    if check_top is not None:
+        check_top(obj)
     if unpacker.tell() != n:
         raise TreeFormatError(
             f"file: {n - unpacker.tell()} bytes of trailing data after the msgpack document"

@@ -3,22 +3,25 @@
 `ReplaySection` is the `replay` section of the run's config file, and the update consumes it as it is:
 it fixes the engine settings (`engine_config`) and forces whichever planner choices it names
 (`overrides`). `UpdateSettings` is the part of the trainer's config that one update reads; the trainer's
-`TrainConfig` satisfies it, so this layer never imports the trainer's.
+`TrainConfig` satisfies it, so this layer never imports the trainer's. Nothing here imports torch: the
+command line validates a config before torch loads.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from treetrain.bytesize import parse_bytes
-from treetrain.engine.batch import ReplayConfig
 from treetrain.engine.schedule import Contract
 from treetrain.errors import ConfigError
 from treetrain.loss.advantages import AdvantageConfig
 from treetrain.loss.loss_config import LossConfig
-from treetrain.memory.planner import Overrides
-from treetrain.models.logprobs import DEFAULT_MAX_LOGIT_ELEMENTS
+from treetrain.models import DEFAULT_MAX_LOGIT_ELEMENTS
+
+if TYPE_CHECKING:
+    from treetrain.engine.batch import ReplayConfig
+    from treetrain.memory.planner import Overrides
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,8 @@ class ReplaySection:
 
     def engine_config(self, seed: int) -> ReplayConfig:
         """The engine settings this section fixes; the planner fills in K, chunk size and the reference walk."""
+        from treetrain.engine.batch import ReplayConfig  # the engine loads torch; the config must not
+
         return ReplayConfig(
             contract=self.contract,
             score_microbatch=self.score_microbatch,
@@ -73,6 +78,8 @@ class ReplaySection:
 
     def overrides(self, mode: Literal["auto", "tree", "flat"]) -> Overrides:
         """The planner's choices this section (and the run's `mode`) force; null fields are left to it."""
+        from treetrain.memory.planner import Overrides
+
         retention: int | Literal["unbounded"] | None = None
         if self.retention is not None:
             retention = "unbounded" if self.retention == "unbounded" else parse_bytes(self.retention)

@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from treetrain.io import path_problem
 from treetrain.tree.format import load_trees
 from treetrain.tree.model import TrajectoryTree
 
@@ -41,7 +42,7 @@ def tree_files(path: str | os.PathLike[str]) -> tuple[Path, ...]:
         return (p,)
     if p.is_dir():
         return tuple(sorted(p.rglob("*.msgpack")))
-    raise FileNotFoundError(f"no tree file or directory at {str(p)!r}")
+    raise FileNotFoundError(path_problem(p, "file") or f"no tree file or directory at {str(p)!r}")
 
 
 def load_tree_sources(path: str | os.PathLike[str]) -> tuple[NamedTree, ...]:
@@ -59,3 +60,12 @@ def load_tree_sources(path: str | os.PathLike[str]) -> tuple[NamedTree, ...]:
             name = stem if len(group) == 1 else f"{stem}#{i}"
             out.append(NamedTree(name, f, i, tree))
     return tuple(out)
+
+
+def tree_groups(path: str | os.PathLike[str]) -> tuple[tuple[str, tuple[TrajectoryTree, ...]], ...]:
+    """(file name, its group of trees) for every tree file in a file or directory, as planning takes them
+    (a file's trees are one advantage group); raises FileNotFoundError if there are none."""
+    files = tree_files(path)
+    if not files:
+        raise FileNotFoundError(f"no *.msgpack tree files under {os.fspath(path)!r}")
+    return tuple((str(f), load_trees(f)) for f in files)
