@@ -96,7 +96,7 @@ def test_episode_longer_than_the_model_context_is_refused(tmp_path: Path, capsys
 def test_module_class_resolves_from_the_current_directory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    (tmp_path / "my_cwd_env.py").write_text("from env_fixtures import FixedTurnsEnv as Here\n")
+    (tmp_path / "my_cwd_env.py").write_text("from support.env_fixtures import FixedTurnsEnv as Here\n")
     monkeypatch.chdir(tmp_path)
     # The `treetrain` console script does not put the current directory on sys.path; python -m does.
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])

@@ -179,7 +179,7 @@ def test_cli_trees_overwrite_and_resume(tmp_path: Path, capsys) -> None:
     ]
     capsys.readouterr()
     assert main([*resumed, *sets, "--updates", "2"]) == 2  # the rollouts were removed with the earlier run
-    assert "no .msgpack files" in capsys.readouterr().err
+    assert "rollouts' does not exist" in capsys.readouterr().err
     assert main([*resumed[:-1], f"{recorded}/**/*.msgpack", *sets, "--updates", "2"]) == 2
     err = capsys.readouterr().err
     assert "rollout.trees" in err and "cannot change on resume" in err and len(err.splitlines()) == 1

@@ -290,7 +290,7 @@ def check_paths(cfg: TrainConfig) -> None:
     Example:
         >>> check_paths(load_config(None, ["model.tokenizer=/no/such/dir"]))
         Traceback (most recent call last):
-        treetrain.loss.loss_config.ConfigError: model.tokenizer: '/no/such/dir' does not exist
+        treetrain.errors.ConfigError: model.tokenizer: '/no/such/dir' does not exist
     """
     named: tuple[tuple[str, str | None, Literal["file", "directory"]], ...] = (
         ("model.path", cfg.model.path, "directory"),
