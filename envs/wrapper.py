@@ -27,9 +27,7 @@ Example (a scripted "policy"; a real one samples from a model):
 from __future__ import annotations
 
 import copy
-import ctypes
 import logging
-import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -37,7 +35,7 @@ from typing import Any
 
 from envs.protocol import Environment, Episode, Message, Rubric, StepResult, ToolSpec, default_rubric
 from envs.template import ChatTemplate, RenderError, Rewrite
-from envs.tools import StepAbandoned
+from envs.step_thread import DeadlineEnvironment, step_within
 from treetrain.trajectory import Call, Role, Segment, Trajectory, TrajectoryMeta
 
 
@@ -59,13 +57,6 @@ def _encodable(text: str) -> str:
     except UnicodeEncodeError:
         return "".join("\ufffd" if "\ud800" <= ch <= "\udfff" else ch for ch in text)
     return text
-
-
-def _abandon(worker: threading.Thread) -> None:
-    if worker.ident is not None and worker.is_alive():
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(
-            ctypes.c_ulong(worker.ident), ctypes.py_object(StepAbandoned)
-        )
 
 
 class Finish(str, Enum):
@@ -289,37 +280,27 @@ class TokenEnv:
 
     def _run_step(self, message: Message) -> StepResult:
         timeout = self.config.step_timeout_s
-        if timeout is None:
+        if isinstance(self.env, DeadlineEnvironment):  # hosted elsewhere: it keeps the deadline itself
+            answered = self.env.step_within(message, timeout)
+        elif timeout is None:
             return self._call_env(self.env, message)
-        # Step a copy and adopt it only on success: a step abandoned on timeout keeps running in its
-        # thread, and must not mutate the state the episode continues from.
-        try:
-            candidate = copy.deepcopy(self.env)
-        except Exception as exc:
-            raise EnvStepError(
-                f"{self.env_name}: a step timeout steps a deep copy of the environment, and this one cannot be "
-                f"copied ({exc!r}); make its state deep-copyable (see Environment) or set step_timeout_s=None"
-            ) from exc
-        box: list[StepResult | BaseException] = []
-
-        def run() -> None:
+        else:
             try:
-                box.append(self._call_env(candidate, message))
-            except StepAbandoned:
-                pass
-            except BaseException as exc:
-                box.append(exc)
-
-        worker = threading.Thread(target=run, name=f"{self.env_name}-step", daemon=True)
-        worker.start()
-        worker.join(timeout)
-        if not box:
-            _abandon(worker)
+                stepped = step_within(self.env, message, timeout, self._call_env, self.env_name)
+            except EnvStepError:
+                raise
+            except Exception as exc:
+                raise EnvStepError(
+                    f"{self.env_name}: a step timeout steps a deep copy of the environment, and this one cannot "
+                    f"be copied ({exc!r}); make its state deep-copyable (see Environment) or set step_timeout_s=None"
+                ) from exc
+            answered = None if stepped is None else stepped[1]
+            if stepped is not None:
+                self.env = stepped[0]
+        if answered is None:
+            assert timeout is not None
             return StepResult(self._timeout_messages(message, timeout))
-        if isinstance(box[0], BaseException):
-            raise box[0]
-        self.env = candidate
-        return box[0]
+        return answered
 
     def _call_env(self, env: Environment, message: Message) -> StepResult:
         try:
