@@ -66,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
     from treetrain.memory.planner import PlanError
     from treetrain.memory.retention import BudgetTooSmallError
     from treetrain.models.support import UnsupportedModelError
+    from treetrain.train.env_failures import EnvironmentFailedError
     from treetrain.train.loop import Trainer
     from treetrain.train.metrics import MetricsError
     from treetrain.train.rundir import RunDirError
@@ -74,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     user_errors = (
         ConfigError, FileNotFoundError, FileExistsError, TreeFormatError, CheckpointError, UnknownEnvironmentError,
         EnvironmentLoadError, UnsupportedModelError, PlanError, BudgetTooSmallError, PromptTooLongError,
-        RunDirError, PermissionError, MetricsError, ManifestError, FloatingPointError,
+        RunDirError, PermissionError, MetricsError, ManifestError, FloatingPointError, EnvironmentFailedError,
     )  # fmt: skip
     try:
         trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress)

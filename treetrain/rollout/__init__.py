@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from treetrain.rollout.tree_rollout import RolloutConfig, RolloutResult, rollout_trees
 
 _WHERE = {
-    "FanOut": "schedule",
+    "FanOut": "fanout",
     "PrefixState": "sampler",
     "RolloutConfig": "tree_rollout",
     "RolloutResult": "tree_rollout",
