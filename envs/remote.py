@@ -52,6 +52,8 @@ from envs.wrapper import EnvStepError
 GRACE_S = 10.0
 """How much longer than the step deadline a worker may stay silent before it is stopped (a step stuck in
 C code, holding the interpreter, cannot be abandoned in its thread)."""
+BUILD_S = 300.0
+"""How long building an environment may take, the worker's start (its imports) included."""
 
 
 @dataclass(frozen=True)
@@ -113,11 +115,12 @@ class EnvWorker:
         self.alive = True
         self._finalizer = weakref.finalize(self, _stop, self._conn, self._proc)
 
-    def call(self, method: str, request: dict[str, Any]) -> Any:
-        """Send `request`, return the worker's answer; any failure is an `EnvFailure` naming `method`."""
+    def call(self, method: str, request: dict[str, Any], extra_s: float = 0.0) -> Any:
+        """Send `request`, return the worker's answer; any failure is an `EnvFailure` naming `method`. The
+        worker has the step deadline plus `GRACE_S` and `extra_s` to answer (no step deadline: forever)."""
         if not self.alive:
             raise EnvFailure(EnvError(self.name, method, "WorkerGone: the worker had already stopped"))
-        deadline = None if self.timeout is None else self.timeout + GRACE_S
+        deadline = None if self.timeout is None else self.timeout + GRACE_S + extra_s
         try:
             self._conn.send_bytes(dumps(request))
             if not self._conn.poll(deadline):
@@ -275,7 +278,7 @@ class WorkerEnvFactory:
             if self._worker is not None:
                 self._worker.close()
             self._worker = EnvWorker(self.name, self.kwargs, self.timeout)
-        reply = self._worker.call("__init__", {"op": "new"})
+        reply = self._worker.call("__init__", {"op": "new"}, extra_s=BUILD_S)
         if not isinstance(reply, dict) or not isinstance(reply.get("handle"), int):
             raise EnvFailure(EnvError(self.name, "__init__", "WireError: no handle in the reply"))
         try:
