@@ -20,6 +20,7 @@ import json
 import os
 import signal
 import sys
+import sysconfig
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection
@@ -52,8 +53,13 @@ def _summary(exc: BaseException) -> str:
     return line[:MAX_NAME_CHARS]
 
 
+_NOT_THEIRS = (os.path.dirname(os.path.abspath(__file__)) + os.sep, sysconfig.get_paths()["stdlib"] + os.sep)
+
+
 def _where(exc: BaseException) -> str:
-    frames = traceback.extract_tb(exc.__traceback__)
+    """The innermost frame of the traceback outside this package and the standard library: the environment's
+    own line (none when its code only returned something wrong, or the standard library refused it)."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(_NOT_THEIRS)]
     return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""
 
 

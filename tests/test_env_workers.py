@@ -32,8 +32,8 @@ def misbehaving(monkeypatch: pytest.MonkeyPatch) -> None:
     ("name", "kwargs", "local", "fanout"),
     [
         ("calculator", {"max_operands": 2}, lambda: make_env("calculator", max_operands=2), FanOut(3, 2, 1, 3)),
-        ("env_fixtures:FixedTurnsEnv", {}, FixedTurnsEnv, FanOut(2, 2, 1, 3)),
-        ("env_fixtures:NoisyEnv", {}, NoisyEnv, FanOut(2, 1, 2, 2)),  # forks reseed: environment branches
+        ("scripted_envs:FixedTurnsEnv", {}, FixedTurnsEnv, FanOut(2, 2, 1, 3)),
+        ("scripted_envs:NoisyEnv", {}, NoisyEnv, FanOut(2, 1, 2, 2)),  # forks reseed: environment branches
     ],
 )
 @pytest.mark.parametrize("sampling", [SamplerConfig(temperature=0.0), SamplerConfig(temperature=1.0, seed=5)])
@@ -58,7 +58,7 @@ def test_worker_trees_equal_in_process_trees(
 
 
 def _remote_episode(timeout: float | None) -> tuple[WorkerEnvFactory, TokenEnv]:
-    factory = WorkerEnvFactory("env_fixtures:FlakyToolsEnv", {}, timeout)
+    factory = WorkerEnvFactory("scripted_envs:FlakyToolsEnv", {}, timeout)
     env = TokenEnv(factory(), tokenizer(), WrapperConfig(max_turns=10, step_timeout_s=timeout))
     env.reset(0)
     return factory, env
@@ -82,7 +82,7 @@ def test_a_slow_step_in_a_worker_is_a_timeout_observation_and_keeps_the_state() 
 
 
 def test_fork_gives_an_independent_remote_copy() -> None:
-    factory = WorkerEnvFactory("env_fixtures:FixedTurnsEnv", {"turns": 2}, 30.0)
+    factory = WorkerEnvFactory("scripted_envs:FixedTurnsEnv", {"turns": 2}, 30.0)
     try:
         env = TokenEnv(factory(), tokenizer(), SHORT)
         env.reset(0)
@@ -102,7 +102,7 @@ def test_fork_gives_an_independent_remote_copy() -> None:
         ("exit", "step", "WorkerExited: the worker process exited with status 0"),
         ("reset_none", "reset", "returned None, not a non-empty sequence of Message"),
         ("reset", "reset", "RuntimeError: reset fault"),
-        ("nan", "rubric 'length' (Length.score)", "must be finite"),
+        ("nan", "rubric 'length' (Length.score)", "reward is nan; rewards must be finite"),
     ],
 )
 def test_environment_faults_are_one_failure_and_the_next_environment_works(

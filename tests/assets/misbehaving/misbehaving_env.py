@@ -57,7 +57,7 @@ class Misbehaving(Environment):
                 return {"done": True}  # type: ignore[return-value]
             if self.fault == "exit":
                 os._exit(0)
-            if self.fault == "close_stdout":
+            if self.fault == "close_stdout" and not sys.stdout.closed:  # once per worker process
                 print("closing stdout", flush=True)
                 sys.stdout.close()
                 os.close(1)
