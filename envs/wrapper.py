@@ -11,7 +11,8 @@ turns, the episode continues as a new call of the same trajectory (`TurnResult.n
 Failures in the agent's output never crash an episode. A malformed tool call, an unknown tool, bad
 arguments, a tool that raises and a step that exceeds `step_timeout_s` all become `tool` observations.
 An exception raised by the environment's own `step` (not by a tool) is a bug in the environment and
-propagates as `EnvStepError`.
+propagates as `EnvStepError`. An environment hosted in a worker process (`envs.remote.RemoteEnv`, what the
+trainer uses) keeps the step deadline in the worker, and its failures arrive as `envs.remote.EnvFailure`.
 
 Example (a scripted "policy"; a real one samples from a model):
     >>> from transformers import AutoTokenizer

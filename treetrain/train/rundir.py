@@ -44,6 +44,7 @@ MARKER_SCHEMA = "treetrain.run/1"
 OWN_FILES = ("config.yaml", "metrics.jsonl", "summary.txt", "reward.png")
 OWN_DIRS = ("final", "final-merged", "tensorboard")
 _UPDATE_DIR = re.compile(r"update-\d{5,}")
+_ENV_LOG = re.compile(r"update-\d{5,}(-rank\d+)?\.log")
 _PLOT_TMP = ".reward.png.tmp.png"
 
 
@@ -191,3 +192,10 @@ def remove_run_artifacts(run_dir: Path) -> None:
             shutil.rmtree(path)
         with contextlib.suppress(OSError):  # kept when it holds anything else
             parent.rmdir()
+    logs = run_dir / "env-errors"  # environment tracebacks (treetrain.train.env_failures)
+    if logs.is_dir() and not logs.is_symlink():
+        for path in logs.iterdir():
+            if path.is_file() and _ENV_LOG.fullmatch(path.name):
+                path.unlink()
+        with contextlib.suppress(OSError):
+            logs.rmdir()
