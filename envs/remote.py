@@ -135,6 +135,9 @@ class EnvWorker:
             if not isinstance(exc, EOFError | BrokenPipeError | ConnectionResetError):
                 text = f"WireError: a reply over {MAX_REPLY_BYTES} bytes, or unreadable ({exc})"
             raise EnvFailure(EnvError(self.name, method, text)) from None
+        except BaseException:  # Ctrl-C while waiting: a late reply would answer the next request, so stop it
+            self.kill()
+            raise
         try:
             reply = loads(data)
             if not isinstance(reply, dict) or not ("ok" in reply or "error" in reply):
