@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import weakref
@@ -31,7 +32,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from envs.protocol import Environment, Episode, Message, Rubric, StepResult, ToolSpec
+from envs.protocol import Episode, Message, Rubric, StepResult, ToolSpec
 from envs.step_thread import DeadlineEnvironment
 from envs.wire import (
     MAX_NAME_CHARS,
@@ -126,7 +127,9 @@ class EnvWorker:
             if not self._conn.poll(deadline):
                 self.kill()
                 raise EnvFailure(
-                    EnvError(self.name, method, f"Timeout: no answer within {deadline:g}s; the worker was stopped")
+                    EnvError(
+                        self.name, method, f"Timeout: no answer within {deadline:g}s; the worker was stopped"
+                    )
                 )
             data = self._conn.recv_bytes(MAX_REPLY_BYTES)
         except (EOFError, OSError) as exc:  # the worker died, or sent more than MAX_REPLY_BYTES
@@ -163,10 +166,8 @@ class EnvWorker:
 
 
 def _stop(conn: Connection, proc: BaseProcess) -> None:
-    try:
+    with contextlib.suppress(OSError):
         conn.send_bytes(dumps({"op": "stop"}))
-    except OSError:
-        pass
     proc.join(2.0)
     if proc.is_alive():
         proc.kill()
@@ -203,7 +204,9 @@ class RemoteRubric(Rubric):
 class RemoteEnv(DeadlineEnvironment):
     """An environment living in an `EnvWorker`, by handle. See the module docstring."""
 
-    def __init__(self, worker: EnvWorker, handle: int, rubric_names: Sequence[str], class_name: str = "") -> None:
+    def __init__(
+        self, worker: EnvWorker, handle: int, rubric_names: Sequence[str], class_name: str = ""
+    ) -> None:
         self.worker, self.handle = worker, handle
         self.class_name = class_name or worker.name
         """The environment's own class name (in the worker)."""
@@ -256,15 +259,17 @@ class RemoteEnv(DeadlineEnvironment):
             finish=episode.finish,
         )  # fmt: skip
         reward = reply.get("reward")
-        return float(reward) if isinstance(reward, int | float) and not isinstance(reward, bool) else float("nan")
+        return (
+            float(reward)
+            if isinstance(reward, int | float) and not isinstance(reward, bool)
+            else float("nan")
+        )
 
     def release(self) -> None:
         """Free this environment in the worker (best effort: a dead worker has nothing left to free)."""
         if self.worker.alive:
-            try:
+            with contextlib.suppress(EnvFailure):
                 self.worker.call("release", {"op": "release", "handles": [self.handle]})
-            except EnvFailure:
-                pass
 
 
 class WorkerEnvFactory:
@@ -272,7 +277,9 @@ class WorkerEnvFactory:
     every environment of the factory, one request at a time; a failed worker is replaced on the next call.
     `timeout` (the step deadline) bounds how long any request may take, plus `GRACE_S`."""
 
-    def __init__(self, name: str, kwargs: Mapping[str, Any] | None = None, timeout: float | None = 30.0) -> None:
+    def __init__(
+        self, name: str, kwargs: Mapping[str, Any] | None = None, timeout: float | None = 30.0
+    ) -> None:
         self.name, self.kwargs, self.timeout = name, dict(kwargs or {}), timeout
         self._worker: EnvWorker | None = None
 

@@ -70,7 +70,14 @@ def error_reply(method: str, exc: BaseException) -> dict[str, Any]:
     else:
         text, where = _summary(exc), _where(exc)
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    return {"error": {"method": method, "exception": text, "where": where, "traceback": tb[:MAX_REPLY_BYTES // 4]}}
+    return {
+        "error": {
+            "method": method,
+            "exception": text,
+            "where": where,
+            "traceback": tb[: MAX_REPLY_BYTES // 4],
+        }
+    }
 
 
 class _Host:
@@ -95,7 +102,9 @@ class _Host:
         env = self.envs[int(req["handle"])]
         opening = _guard("reset", lambda: env.reset(int(req["seed"])))
         if not isinstance(opening, Sequence) or isinstance(opening, str) or not opening:
-            raise _Failed("reset", _Refused(f"returned {_short(opening)}, not a non-empty sequence of Message"))
+            raise _Failed(
+                "reset", _Refused(f"returned {_short(opening)}, not a non-empty sequence of Message")
+            )
         if any(not isinstance(m, Message) or m.role not in ("system", "user") for m in opening):
             raise _Failed("reset", _Refused(f"must return system/user messages, got {_short(opening)}"))
         tools = _guard("tool_specs", lambda: tools_to_wire(tuple(env.tool_specs())))
@@ -192,7 +201,11 @@ def serve(conn: Connection, name: str, kwargs_json: str) -> None:
             reply = error_reply(f"worker {req.get('op')}", exc)
         data = dumps(reply)
         if len(data) > MAX_REPLY_BYTES:
-            data = dumps(error_reply(str(req.get("op")), _Refused(f"a reply of {len(data)} bytes, over {MAX_REPLY_BYTES}")))
+            data = dumps(
+                error_reply(
+                    str(req.get("op")), _Refused(f"a reply of {len(data)} bytes, over {MAX_REPLY_BYTES}")
+                )
+            )
         try:
             conn.send_bytes(data)
         except OSError:

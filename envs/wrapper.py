@@ -35,8 +35,8 @@ from enum import Enum
 from typing import Any
 
 from envs.protocol import Environment, Episode, Message, Rubric, StepResult, ToolSpec, default_rubric
-from envs.template import ChatTemplate, RenderError, Rewrite
 from envs.step_thread import DeadlineEnvironment, step_within
+from envs.template import ChatTemplate, RenderError, Rewrite
 from treetrain.trajectory import Call, Role, Segment, Trajectory, TrajectoryMeta
 
 

@@ -12,7 +12,16 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from treetrain.assets import tokenizer_path
 
-__all__ = ["END", "FixedTurnsEnv", "FlakyToolsEnv", "NoisyEnv", "TurnCount", "encode", "tiny_model", "tokenizer"]
+__all__ = [
+    "END",
+    "FixedTurnsEnv",
+    "FlakyToolsEnv",
+    "NoisyEnv",
+    "TurnCount",
+    "encode",
+    "tiny_model",
+    "tokenizer",
+]
 
 END = "<|im_end|>"
 

@@ -40,8 +40,16 @@ def _error_lines(err: str) -> list[str]:
 STOPS = [
     ("step", "step", "RuntimeError: step fault"),
     ("step_dict", "step", "returned {'done': True}, not a StepResult"),
-    ("nan", "rubric 'length' (Length.score)", "ProtocolError: Length's reward is nan; rewards must be finite"),
-    ("inf", "rubric 'length' (Length.score)", "ProtocolError: Length's reward is inf; rewards must be finite"),
+    (
+        "nan",
+        "rubric 'length' (Length.score)",
+        "ProtocolError: Length's reward is nan; rewards must be finite",
+    ),
+    (
+        "inf",
+        "rubric 'length' (Length.score)",
+        "ProtocolError: Length's reward is inf; rewards must be finite",
+    ),
     ("exit", "step", "WorkerExited: the worker process exited with status 0"),
 ]
 BEFORE_ANY_MODEL = [
@@ -71,7 +79,9 @@ def test_a_fault_in_every_task_stops_the_run_in_one_line(
     assert f"{ENV}: {method} raised {exception}" in line and line.endswith(f"traceback in {log}")
     assert log.is_file() and exception in log.read_text()
     if fault == "step":  # the raising line; a NaN was returned, a dead worker reports no traceback
-        assert "Traceback (most recent call last)" in log.read_text() and "misbehaving_env.py" in log.read_text()
+        assert (
+            "Traceback (most recent call last)" in log.read_text() and "misbehaving_env.py" in log.read_text()
+        )
     assert not (run / "final").exists()
 
 
@@ -97,7 +107,9 @@ def test_a_well_behaved_run_counts_no_failures(tmp_path: Path, capsys: pytest.Ca
     assert row.failed_episodes == 0 and row.groups == 2 and not (run / "env-errors").exists()
 
 
-def test_closing_stdout_in_the_environment_leaves_the_trainers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_closing_stdout_in_the_environment_leaves_the_trainers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     run = tmp_path / "run"
     assert main(_args(run, "close_stdout", "all")) == 0
     assert f"run directory: {run}" in capsys.readouterr().out  # the trainer still prints its summary

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from env_fixtures import END, FixedTurnsEnv, FlakyToolsEnv, NoisyEnv, encode, tiny_model, tokenizer
+from env_fixtures import END, FixedTurnsEnv, NoisyEnv, encode, tiny_model, tokenizer
 
 from envs import Message, TokenEnv, WrapperConfig, format_tool_call, make_env
 from envs.remote import EnvFailure, RemoteEnv, WorkerEnvFactory
@@ -31,7 +31,12 @@ def misbehaving(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize(
     ("name", "kwargs", "local", "fanout"),
     [
-        ("calculator", {"max_operands": 2}, lambda: make_env("calculator", max_operands=2), FanOut(3, 2, 1, 3)),
+        (
+            "calculator",
+            {"max_operands": 2},
+            lambda: make_env("calculator", max_operands=2),
+            FanOut(3, 2, 1, 3),
+        ),
         ("scripted_envs:FixedTurnsEnv", {}, FixedTurnsEnv, FanOut(2, 2, 1, 3)),
         ("scripted_envs:NoisyEnv", {}, NoisyEnv, FanOut(2, 1, 2, 2)),  # forks reseed: environment branches
     ],
@@ -166,7 +171,9 @@ def test_a_silent_worker_is_stopped_past_the_deadline(monkeypatch: pytest.Monkey
     try:
         env = factory()
         env.reset(0)
-        with pytest.raises(EnvFailure, match=r"step raised Timeout: no answer within 0.5s; the worker was stopped"):
+        with pytest.raises(
+            EnvFailure, match=r"step raised Timeout: no answer within 0.5s; the worker was stopped"
+        ):
             env.step_within(Message("assistant", "hi"), None)  # no deadline in the worker: only the trainer's
         assert not env.worker.alive
         fresh = factory()  # control: a new worker answers
@@ -183,8 +190,16 @@ def test_a_silent_worker_is_stopped_past_the_deadline(monkeypatch: pytest.Monkey
         (messages_from_wire, [{"role": "user", "content": 3}], "expected a string"),
         (messages_from_wire, {"role": "user"}, "expected a list"),
         (result_from_wire, {"messages": [], "done": "yes"}, "boolean 'done'"),
-        (result_from_wire, {"messages": [{"role": "assistant", "content": "x"}], "done": False}, "only user and tool"),
-        (tools_from_wire, [["t", "d", {"type": "object", "properties": {"a": {"type": "float"}}}]], "tool 't'"),
+        (
+            result_from_wire,
+            {"messages": [{"role": "assistant", "content": "x"}], "done": False},
+            "only user and tool",
+        ),
+        (
+            tools_from_wire,
+            [["t", "d", {"type": "object", "properties": {"a": {"type": "float"}}}]],
+            "tool 't'",
+        ),
     ],
 )
 def test_replies_outside_the_protocol_are_refused(decode: object, value: object, problem: str) -> None:

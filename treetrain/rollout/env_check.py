@@ -40,7 +40,9 @@ def check_environment_config(
         try:
             env = factory()
         except EnvFailure as exc:
-            field = "env.kwargs" if exc.error.exception.startswith(("TypeError", "ValueError")) else "env.name"
+            field = (
+                "env.kwargs" if exc.error.exception.startswith(("TypeError", "ValueError")) else "env.name"
+            )
             raise ConfigError(f"{field}: environment {name!r} rejected {dict(kwargs)}: {exc}") from None
         try:
             env.reset(seed)

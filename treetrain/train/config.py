@@ -155,7 +155,9 @@ class RolloutSection:
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.max_failed_fraction <= 1.0:
-            raise ConfigError(f"rollout.max_failed_fraction: must be in [0, 1], got {self.max_failed_fraction}")
+            raise ConfigError(
+                f"rollout.max_failed_fraction: must be in [0, 1], got {self.max_failed_fraction}"
+            )
         for name in (
             "groups_per_update",
             "fanout_root",

@@ -67,7 +67,9 @@ def share_failures(backend: TrainBackend, local: Sequence[TaskFailure]) -> tuple
     """Every rank's failures (tracebacks stay in each rank's file), so all ranks decide alike."""
     if backend.world_size == 1:
         return tuple(local)
-    payload = json.dumps([[f.seed, f.error.env, f.error.method, f.error.exception, f.error.where, f.log] for f in local])
+    payload = json.dumps(
+        [[f.seed, f.error.env, f.error.method, f.error.exception, f.error.where, f.log] for f in local]
+    )
     out = []
     for part in backend.gather(payload):
         for seed, env, method, exception, where, log in json.loads(part):

@@ -35,7 +35,6 @@ from treetrain.engine import ReplayReport
 from treetrain.engine.resident import ResidentIdentity, ResidentStore
 from treetrain.io import atomic_write_text
 from treetrain.loss.advantages import compute_advantages
-from treetrain.loss.loss_config import ConfigError
 from treetrain.memory.planner import Plan
 from treetrain.memory.tracker import MemoryTracker
 from treetrain.rollout.env_check import check_environment_config
@@ -108,7 +107,9 @@ class Trainer:
         self.lock: RunLock | None = None
         if not cfg.rollout.trees:
             e = cfg.env  # before the run directory is touched
-            check_environment_config(e.name, e.kwargs, e.rubric, task_seeds(cfg, 0)[0], cfg.rollout.step_timeout_s)
+            check_environment_config(
+                e.name, e.kwargs, e.rubric, task_seeds(cfg, 0)[0], cfg.rollout.step_timeout_s
+            )
         if int(os.environ.get("RANK", "0")) == 0:
             self.lock = claim_run_dir(self.run_dir, resume=resume, overwrite=overwrite)
         try:
