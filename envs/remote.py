@@ -37,6 +37,7 @@ from envs.step_thread import DeadlineEnvironment
 from envs.wire import (
     MAX_NAME_CHARS,
     MAX_REPLY_BYTES,
+    MAX_TRACEBACK_CHARS,
     WireError,
     dumps,
     loads,
@@ -97,7 +98,8 @@ def _error_from_wire(env: str, obj: object) -> EnvError:
     if not isinstance(obj, dict):
         return EnvError(env, "worker", "WireError: an error reply that is not an object")
     text = {k: str(obj.get(k, ""))[:MAX_NAME_CHARS] for k in ("method", "exception", "where")}
-    return EnvError(env, text["method"], text["exception"], text["where"], str(obj.get("traceback", "")))
+    trace = str(obj.get("traceback", ""))[-MAX_TRACEBACK_CHARS:]
+    return EnvError(env, text["method"], text["exception"], text["where"], trace)
 
 
 class EnvWorker:

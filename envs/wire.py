@@ -28,6 +28,8 @@ MAX_ITEMS = 4096
 """Most messages, tool calls, tools or rubrics in one reply."""
 MAX_NAME_CHARS = 1024
 """Longest rubric name, method name or exception summary accepted from a worker."""
+MAX_TRACEBACK_CHARS = 1 << 18
+"""Longest traceback kept from a worker (its last 256 Ki characters: the innermost frames)."""
 
 
 class WireError(ValueError):

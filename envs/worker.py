@@ -32,6 +32,7 @@ from envs.step_thread import step_within
 from envs.wire import (
     MAX_NAME_CHARS,
     MAX_REPLY_BYTES,
+    MAX_TRACEBACK_CHARS,
     dumps,
     messages_from_wire,
     messages_to_wire,
@@ -75,7 +76,7 @@ def error_reply(method: str, exc: BaseException) -> dict[str, Any]:
             "method": method,
             "exception": text,
             "where": where,
-            "traceback": tb[: MAX_REPLY_BYTES // 4],
+            "traceback": tb[-MAX_TRACEBACK_CHARS:],
         }
     }
 
