@@ -206,3 +206,36 @@ def test_replies_outside_the_protocol_are_refused(decode: object, value: object,
     with pytest.raises(WireError, match=problem):
         decode(value)  # type: ignore[operator]
     assert messages_from_wire([{"role": "user", "content": "x"}])[0].content == "x"  # control
+
+
+def test_the_demo_writes_the_same_trees_as_before_workers(tmp_path: Path) -> None:
+    """Bit for bit: the tree files of two demo updates match those recorded before environments moved into
+    worker processes (tests/assets/demo_rollouts_56cf0a1.txt)."""
+    import hashlib
+
+    from treetrain.cli.main import main
+
+    fixture = Path(__file__).resolve().parent / "assets" / "demo_rollouts_56cf0a1.txt"
+    expected = [line.split() for line in fixture.read_text().splitlines() if not line.startswith("#")]
+    run = tmp_path / "run"
+    settings = ["updates=2", "rollout.groups_per_update=2", "measure_memory_every=0", "threads=1"]
+    threads = torch.get_num_threads()
+    try:
+        assert (
+            main(
+                [
+                    "train",
+                    "--run-dir",
+                    str(run),
+                    "--no-progress",
+                    *(a for s in settings for a in ("--set", s)),
+                ]
+            )
+            == 0
+        )
+    finally:
+        torch.set_num_threads(threads)
+    rollouts = run / "rollouts"
+    written = sorted(p for p in rollouts.rglob("*.msgpack"))
+    got = [[str(p.relative_to(rollouts)), hashlib.sha256(p.read_bytes()).hexdigest()] for p in written]
+    assert len(expected) == 4 and got == expected
