@@ -11,7 +11,8 @@ turns, the episode continues as a new call of the same trajectory (`TurnResult.n
 Failures in the agent's output never crash an episode. A malformed tool call, an unknown tool, bad
 arguments, a tool that raises and a step that exceeds `step_timeout_s` all become `tool` observations.
 An exception raised by the environment's own `step` (not by a tool) is a bug in the environment and
-propagates as `EnvStepError`.
+propagates as `EnvStepError`. An environment hosted in a worker process (`envs.remote.RemoteEnv`, what the
+trainer uses) keeps the step deadline in the worker, and its failures arrive as `envs.remote.EnvFailure`.
 
 Example (a scripted "policy"; a real one samples from a model):
     >>> from transformers import AutoTokenizer
@@ -27,17 +28,15 @@ Example (a scripted "policy"; a real one samples from a model):
 from __future__ import annotations
 
 import copy
-import ctypes
 import logging
-import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
 from envs.protocol import Environment, Episode, Message, Rubric, StepResult, ToolSpec, default_rubric
+from envs.step_thread import DeadlineEnvironment, step_within
 from envs.template import ChatTemplate, RenderError, Rewrite
-from envs.tools import StepAbandoned
 from treetrain.errors import TreetrainError
 from treetrain.trajectory import Call, Role, Segment, Trajectory, TrajectoryMeta
 
@@ -60,13 +59,6 @@ def _encodable(text: str) -> str:
     except UnicodeEncodeError:
         return "".join("\ufffd" if "\ud800" <= ch <= "\udfff" else ch for ch in text)
     return text
-
-
-def _abandon(worker: threading.Thread) -> None:
-    if worker.ident is not None and worker.is_alive():
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(
-            ctypes.c_ulong(worker.ident), ctypes.py_object(StepAbandoned)
-        )
 
 
 class Finish(str, Enum):
@@ -290,37 +282,27 @@ class TokenEnv:
 
     def _run_step(self, message: Message) -> StepResult:
         timeout = self.config.step_timeout_s
-        if timeout is None:
+        if isinstance(self.env, DeadlineEnvironment):  # hosted elsewhere: it keeps the deadline itself
+            answered = self.env.step_within(message, timeout)
+        elif timeout is None:
             return self._call_env(self.env, message)
-        # Step a copy and adopt it only on success: a step abandoned on timeout keeps running in its
-        # thread, and must not mutate the state the episode continues from.
-        try:
-            candidate = copy.deepcopy(self.env)
-        except Exception as exc:
-            raise EnvStepError(
-                f"{self.env_name}: a step timeout steps a deep copy of the environment, and this one cannot be "
-                f"copied ({exc!r}); make its state deep-copyable (see Environment) or set step_timeout_s=None"
-            ) from exc
-        box: list[StepResult | BaseException] = []
-
-        def run() -> None:
+        else:
             try:
-                box.append(self._call_env(candidate, message))
-            except StepAbandoned:
-                pass
-            except BaseException as exc:
-                box.append(exc)
-
-        worker = threading.Thread(target=run, name=f"{self.env_name}-step", daemon=True)
-        worker.start()
-        worker.join(timeout)
-        if not box:
-            _abandon(worker)
+                stepped = step_within(self.env, message, timeout, self._call_env, self.env_name)
+            except EnvStepError:
+                raise
+            except Exception as exc:
+                raise EnvStepError(
+                    f"{self.env_name}: a step timeout steps a deep copy of the environment, and this one cannot "
+                    f"be copied ({exc!r}); make its state deep-copyable (see Environment) or set step_timeout_s=None"
+                ) from exc
+            answered = None if stepped is None else stepped[1]
+            if stepped is not None:
+                self.env = stepped[0]
+        if answered is None:
+            assert timeout is not None
             return StepResult(self._timeout_messages(message, timeout))
-        if isinstance(box[0], BaseException):
-            raise box[0]
-        self.env = candidate
-        return box[0]
+        return answered
 
     def _call_env(self, env: Environment, message: Message) -> StepResult:
         try:

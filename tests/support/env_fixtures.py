@@ -4,16 +4,24 @@ random-init model, and small scripted environments with known dynamics."""
 from __future__ import annotations
 
 import functools
-import random
-import time
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from envs import Environment, Episode, Message, Rubric, StepResult, Tool, ToolEnv
+from support.scripted_envs import FixedTurnsEnv, FlakyToolsEnv, NoisyEnv, TurnCount
 from treetrain.assets import tokenizer_path
+
+__all__ = [
+    "END",
+    "FixedTurnsEnv",
+    "FlakyToolsEnv",
+    "NoisyEnv",
+    "TurnCount",
+    "encode",
+    "tiny_model",
+    "tokenizer",
+]
 
 END = "<|im_end|>"
 
@@ -45,80 +53,3 @@ def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float64, init: float = 
     )
     model = LlamaForCausalLM(config).to(dtype)  # type: ignore[arg-type]
     return model.eval()
-
-
-class TurnCount(Rubric):
-    """Reward = assistant turns / 10, capped at 1 (a rubric that depends on the episode only)."""
-
-    def score(self, episode: Episode) -> float:
-        return min(1.0, sum(m.role == "assistant" for m in episode.messages) / 10)
-
-
-class FixedTurnsEnv(Environment):
-    """Answers every assistant turn with a user message until `turns` turns, whatever was said."""
-
-    def __init__(self, turns: int = 3) -> None:
-        self.turns = turns
-        self.count = 0
-
-    def reset(self, seed: int) -> Sequence[Message]:
-        self.count = 0
-        return (Message("user", f"Say anything ({seed})."),)
-
-    def step(self, message: Message) -> StepResult:
-        self.count += 1
-        if self.count >= self.turns:
-            return StepResult(done=True)
-        return StepResult((Message("user", f"turn {self.count} ok"),))
-
-    def state(self) -> int:
-        return self.count
-
-    def rubrics(self) -> Mapping[str, Rubric]:
-        return {"turns": TurnCount()}
-
-
-class NoisyEnv(FixedTurnsEnv):
-    """Like FixedTurnsEnv, but each fork draws its own noise, so environment branches differ."""
-
-    def __init__(self, turns: int = 2, noise_seed: int = 0) -> None:
-        super().__init__(turns)
-        self.noise_seed = noise_seed
-        self.rng = random.Random(noise_seed)
-
-    def step(self, message: Message) -> StepResult:
-        result = super().step(message)
-        if result.done:
-            return result
-        return StepResult((Message("user", f"noise {self.rng.randint(0, 10**6)}"),))
-
-    def fork(self, branch: int = 0) -> NoisyEnv:
-        twin = super().fork(branch)
-        twin.rng = random.Random(f"{self.noise_seed}/{self.count}/{branch}")
-        return twin
-
-
-class FlakyToolsEnv(ToolEnv):
-    """Tools that fail in every way: raise, sleep past the timeout, or work."""
-
-    def reset(self, seed: int) -> Sequence[Message]:
-        return (Message("user", "Use the tools."),)
-
-    def ok(self, x: int) -> str:
-        """Return x doubled."""
-        return str(2 * x)
-
-    def boom(self) -> str:
-        """Always raises."""
-        raise RuntimeError("the tool exploded")
-
-    def slow(self, seconds: float) -> str:
-        """Sleep, then answer."""
-        time.sleep(seconds)
-        return "slept"
-
-    def tools(self) -> Sequence[Tool]:
-        return tuple(Tool.from_function(f) for f in (self.ok, self.boom, self.slow))
-
-    def rubrics(self) -> Mapping[str, Rubric]:
-        return {"turns": TurnCount()}

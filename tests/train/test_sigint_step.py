@@ -1,4 +1,4 @@
-"""Ctrl-C while an environment step runs in its worker thread (`rollout.step_timeout_s`): the run ends with
+"""Ctrl-C while an environment step runs in the environment worker (`rollout.step_timeout_s`): the run ends with
 one line and no traceback, leaves no half-written file, and `--resume` then completes the run.
 
 Synchronization is a marker line the blocked step prints to stderr; the signal is sent only after the

@@ -11,6 +11,12 @@ Finished episodes become `Trajectory`s (rewarded by a rubric) and one `Trajector
 tree is written atomically to `<run_dir>/trees/` *before* `rollout_trees` returns, so nothing a trainer
 later consumes exists only in memory.
 
+Environment code that fails (`envs.remote.EnvFailure`, raised by environments hosted in worker processes:
+an exception in `reset`, `step`, `fork` or a rubric, or a dead worker) ends that task's tree at once: the
+tree is not written, its group is lost whole (a group is kept or dropped whole, so no normalization ever
+sees a group missing the episodes that failed), and the failure is returned in `RolloutResult.failures`.
+An in-process environment's errors propagate as before.
+
 Trajectory ids are `<env>-s<seed>/<branch path>`: the branch path lists the child taken at each branch
 point (e.g. `calculator-s7/2.0.1`), which makes divergence points readable from the ids.
 """
@@ -24,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from envs.protocol import Environment, Rubric, default_rubric
+from envs.remote import EnvError, EnvFailure, RemoteEnv
 from envs.wrapper import TokenEnv, WrapperConfig
 from treetrain.rollout.fanout import FanOut
 from treetrain.rollout.sampler import PrefixState, Sample, Sampler, SamplerConfig, SamplerStats, fork_cache
@@ -53,11 +60,13 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class RolloutResult:
-    """The trees of one rollout call, where they were written, and the sampler's work counters."""
+    """The trees of one rollout call, where they were written, the sampler's work counters, and the tasks
+    whose tree was lost to a failure of environment code (one `EnvError` each, with its seed)."""
 
     trees: tuple[TrajectoryTree, ...]
     paths: tuple[Path, ...]
     stats: SamplerStats
+    failures: tuple[tuple[int, EnvError], ...] = ()
 
 
 @dataclass
@@ -75,11 +84,36 @@ class _Branch:
 def _grow(
     root: TokenEnv, sampler: Sampler, config: RolloutConfig, prefix: str, rubric: Rubric | None
 ) -> list[Trajectory]:
-    fan, reuse = config.fanout, config.reuse_prefix_kv
     finished: list[Trajectory] = []
     stack = [_Branch(root, None, root.context, 0, (), at_root=True)]
-    while stack:
-        branch = stack.pop()
+    try:
+        while stack:
+            _grow_one(stack.pop(), stack, finished, sampler, config, prefix, rubric)
+    finally:  # on success the stack is empty; on a failure every live episode is freed
+        for branch in stack:
+            _release(branch.episode)
+    return finished
+
+
+def _release(episode: TokenEnv) -> None:
+    """Free a worker-hosted environment once its episode needs it no more."""
+    if isinstance(episode.env, RemoteEnv):
+        episode.env.release()
+
+
+def _grow_one(
+    branch: _Branch,
+    stack: list[_Branch],
+    finished: list[Trajectory],
+    sampler: Sampler,
+    config: RolloutConfig,
+    prefix: str,
+    rubric: Rubric | None,
+) -> None:
+    """Sample one branch point, step its forks, score the finished ones and push the rest."""
+    fan, reuse = config.fanout, config.reuse_prefix_kv
+    children: list[_Branch] = []
+    try:
         n = fan.policy_factor(branch.depth, branch.at_root)
         depth = branch.depth + (n > 1)
         budget = branch.episode.turn_budget()
@@ -92,16 +126,23 @@ def _grow(
                     f"but the context has {len(branch.episode.context)}"
                 )
             samples = sampler.sample(branch.state, branch.pending, n, budget)
-        children: list[_Branch] = []
         for i, sample in enumerate(samples):
             path = (*branch.path, i) if n > 1 else branch.path
-            children.extend(_step_forks(branch.episode, sample, fan.env_factor(depth), depth, path, reuse))
+            _step_forks(branch.episode, sample, fan.env_factor(depth), depth, path, reuse, children)
         for child in children:
             if child.episode.done:
                 tid = f"{prefix}/{'.'.join(map(str, child.path)) or '0'}"
                 finished.append(child.episode.trajectory(tid, rubric, config.model_version))
-        stack.extend(reversed([c for c in children if not c.episode.done]))
-    return finished
+    except BaseException:
+        for child in children:
+            _release(child.episode)
+        raise
+    finally:
+        _release(branch.episode)
+    for child in children:
+        if child.episode.done:
+            _release(child.episode)
+    stack.extend(reversed([c for c in children if not c.episode.done]))
 
 
 def _step_forks(
@@ -111,19 +152,20 @@ def _step_forks(
     depth: int,
     path: tuple[int, ...],
     reuse: bool,
-) -> list[_Branch]:
-    """Fork the episode `k` ways (1: a single copy), step each copy with `sample`, return the branches."""
-    out: list[_Branch] = []
+    out: list[_Branch],
+) -> None:
+    """Fork the episode `k` ways (1: a single copy), step each copy with `sample`, add the branches to
+    `out` (each as soon as it exists, so that a failure can free it)."""
     for j in range(k):
         episode = parent.fork(branch=j)
+        out.append(_Branch(episode, None, (), depth, path))
         result = episode.step(sample.tokens, sample.logprobs)
         state: PrefixState | None = None  # None: the child encodes its whole context (also a new call)
         if reuse and sample.state is not None and not result.done and not result.new_call:
             cache = sample.state.cache if j == k - 1 else fork_cache(sample.state.cache, [0])
             state = PrefixState(cache, sample.state.length)
         pending = (sample.tokens[-1], *result.observation)
-        out.append(_Branch(episode, state, pending, depth + (k > 1), (*path, j) if k > 1 else path))
-    return out
+        out[-1] = _Branch(episode, state, pending, depth + (k > 1), (*path, j) if k > 1 else path)
 
 
 def portable_name(text: str) -> str:
@@ -156,18 +198,28 @@ def rollout_trees(
     trees: list[TrajectoryTree] = []
     paths: list[Path] = []
     sampler: Sampler | None = None
+    failures: list[tuple[int, EnvError]] = []
     for seed in seeds:
-        env = make_env()
-        name = env_name or type(env).__name__
-        root = TokenEnv(env, tokenizer, config.wrapper, env_name=name)
-        root.reset(seed)
-        if sampler is None:
-            sampler = Sampler(model, config.sampler, root.stop_sequences)
-        rubric = default_rubric(root.env, config.rubric)
-        prefix = f"{name}-s{seed}"
-        tree = build_tree(_grow(root, sampler, config, prefix, rubric))
+        root: TokenEnv | None = None
+        try:
+            env = make_env()
+            name = env_name or type(env).__name__
+            root = TokenEnv(env, tokenizer, config.wrapper, env_name=name)
+            root.reset(seed)
+            if sampler is None:
+                sampler = Sampler(model, config.sampler, root.stop_sequences)
+            rubric = default_rubric(root.env, config.rubric)
+            prefix = f"{name}-s{seed}"
+            grown = _grow(root, sampler, config, prefix, rubric)
+        except EnvFailure as failure:
+            if root is not None:
+                _release(root)
+            failures.append((seed, failure.error))
+            continue
+        tree = build_tree(grown)
         path = trees_dir / f"{portable_name(prefix)}-{tree.id[:12]}.msgpack"
         save_tree(tree, path)
         trees.append(tree)
         paths.append(path)
-    return RolloutResult(tuple(trees), tuple(paths), sampler.stats if sampler else SamplerStats())
+    stats = sampler.stats if sampler else SamplerStats()
+    return RolloutResult(tuple(trees), tuple(paths), stats, tuple(failures))

@@ -152,8 +152,16 @@ class RolloutSection:
     (and skips the per-step copy of the environment that a timeout needs)."""
     trees: str | None = None
     """Train on recorded trees instead: a directory or glob of .msgpack files, consumed in order."""
+    max_failed_fraction: float = 0.5
+    """Largest fraction of an update's tasks that environment code may fail in (an exception in reset,
+    step, fork or a rubric, or a worker that died) before the run stops. A failed task's group is dropped
+    and training goes on; an update where every task fails always stops (docs/environments.md)."""
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.max_failed_fraction <= 1.0:
+            raise ConfigError(
+                f"rollout.max_failed_fraction: must be in [0, 1], got {self.max_failed_fraction}"
+            )
         for name in ("groups_per_update", "max_turns", "max_turn_tokens", "max_episode_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"rollout.{name}: must be >= 1, got {getattr(self, name)}")

@@ -25,18 +25,18 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from envs.protocol import ProtocolError, default_rubric
-from envs.registry import make_env, resolve
+from envs.remote import WorkerEnvFactory
 from treetrain.distributed.backend import TrainBackend, make_backend
 from treetrain.engine import ReplayReport
 from treetrain.engine.resident import ResidentIdentity, ResidentStore
-from treetrain.errors import ConfigError
 from treetrain.io import atomic_write_text
 from treetrain.memory.planner import Plan
 from treetrain.memory.tracker import MemoryTracker
+from treetrain.rollout.env_check import check_environment_config
 from treetrain.runfs import UnsafePathError
 from treetrain.stall import stall
-from treetrain.train.config import EnvSection, TrainConfig, dump_config
+from treetrain.train.advice import no_signal_advice
+from treetrain.train.config import TrainConfig, dump_config
 from treetrain.train.metrics import MetricsWriter, UpdateMetrics, read_metrics
 from treetrain.train.models import export_merged, load_models
 from treetrain.train.progress import Progress
@@ -51,33 +51,13 @@ from treetrain.train.tree_sources import (
     check_first_prompt,
     check_template,
     config_context,
+    task_seeds,
 )
 from treetrain.tree.stats import tree_stats
 from treetrain.update.run import run_update
 from treetrain.update.window import UpdateWindow
 
 log = logging.getLogger(__name__)
-
-
-def check_environment_config(section: EnvSection, seed: int = 0) -> None:
-    """Build the environment and open one task before any model loads or anything is written, so an
-    unknown name, constructor arguments it rejects, an unknown rubric and a tool schema that is not JSON
-    Schema all fail first, each naming its `env.*` field."""
-    name, kwargs = section.name, dict(section.kwargs)
-    factory = resolve(name)  # an unknown name raises, listing what is available
-    try:
-        env = factory(**kwargs)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"env.kwargs: environment {name!r} rejected {kwargs}: {exc}") from None
-    try:
-        env.reset(seed)
-        env.tool_specs()
-    except ProtocolError as exc:
-        raise ConfigError(f"env.name: environment {name!r}: {exc}") from None
-    try:
-        default_rubric(env, section.rubric)
-    except ProtocolError as exc:
-        raise ConfigError(f"env.rubric: {exc}") from None
 
 
 def seed_everything(seed: int) -> None:
@@ -108,7 +88,10 @@ class Trainer:
         # the run directory before anything is loaded or written; a refusal ends every rank (torchrun).
         self.lock: RunLock | None = None
         if not cfg.rollout.trees:
-            check_environment_config(cfg.env, cfg.seed)  # before the run directory is touched
+            e = cfg.env  # before the run directory is touched
+            check_environment_config(
+                e.name, e.kwargs, e.rubric, task_seeds(cfg, 0)[0], cfg.rollout.step_timeout_s
+            )
         if int(os.environ.get("RANK", "0")) == 0:
             self.lock = claim_run_dir(self.run_dir, resume=resume, overwrite=overwrite)
         try:
@@ -122,6 +105,8 @@ class Trainer:
 
     def close(self) -> None:
         """Release the run directory (the end of `run()` does; so does the end of the process)."""
+        if getattr(self, "envs", None) is not None:
+            self.envs.close()  # the environment worker process
         if self.lock is not None:
             self.lock.release()
             self.lock = None
@@ -139,8 +124,7 @@ class Trainer:
     def _setup(self, *, resume: bool, overwrite: bool) -> None:
         cfg = self.cfg
         seed_everything(cfg.seed)
-        env_name, env_kwargs = cfg.env.name, dict(cfg.env.kwargs)
-        make = lambda: make_env(env_name, **env_kwargs)  # noqa: E731
+        make = self.envs = WorkerEnvFactory(cfg.env.name, cfg.env.kwargs, cfg.rollout.step_timeout_s)
         recorded: list[RecordedSource] = []
 
         def read_trees(config: Any) -> None:  # before any model is built or sized from the config
@@ -228,6 +212,7 @@ class Trainer:
             clipped=report.clipped,
             mode=plan.mode if plan else "none",
             contract=cfg.replay.contract,
+            failed_episodes=produced.failed_episodes,
             graph_tokens=report.graph_tokens,
             nograd_tokens=report.nograd_tokens,
             flat_token_cost=flat_cost // self.backend.world_size,
@@ -250,8 +235,8 @@ class Trainer:
             disable=not self.progress or self.backend.rank != 0,
             dynamic_ncols=True,
         )
-        shown = not bar.disable and self.state.update > 0
-        progress = Progress.after(self.read_rows() if shown else [])
+        history = self.read_rows() if self.state.update > 0 and self.backend.rank == 0 else []
+        progress = Progress.after(history if not bar.disable else [])
         last_saved = time.monotonic()
         try:
             try:
@@ -259,6 +244,10 @@ class Trainer:
                     row = self.update(index)
                     if self.metrics is not None:
                         self.metrics.write(row)
+                        history.append(row)
+                        advice = no_signal_advice(history)
+                        if advice is not None:
+                            log.warning("%s", advice)
                     stall("update-end", index)
                     bar.update(1)
                     bar.set_postfix(progress.fields(row), refresh=False)

@@ -81,6 +81,10 @@ class UpdateMetrics:
     """Replay tokens of the busiest rank in this update's placement (all ranks together: the total)."""
     replay_tokens_mean: float = 0.0
     """Mean replay tokens per rank in the same placement."""
+    failed_episodes: int = 0
+    """Tasks lost to a failure of environment code (an exception in reset, step, fork or a rubric, or a dead
+    worker): each ends its tree at the failed episode, and its group is dropped whole, so it is counted in
+    neither `groups` nor `trajectories` (tracebacks: `env-errors/update-XXXXX.log`)."""
 
     @property
     def replay_imbalance(self) -> float:

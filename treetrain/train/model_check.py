@@ -91,7 +91,8 @@ def check_model(cfg: TrainConfig) -> ModelCheck:
         task_seeds,
     )
 
-    check_environment_config(cfg.env, cfg.seed)
+    e = cfg.env
+    check_environment_config(e.name, e.kwargs, e.rubric, task_seeds(cfg, 0)[0], cfg.rollout.step_timeout_s)
     name, kwargs = cfg.env.name, dict(cfg.env.kwargs)
     make = lambda: make_env(name, **kwargs)  # noqa: E731
     models = load_models(cfg.model, lambda tok: check_template(cfg, tok, make))

@@ -51,6 +51,9 @@ OWN_DIRS = ("final", "final-merged", "tensorboard")
 OWN_PARENTS = ("checkpoints", "rollouts")
 """Directories holding one `update-NNNNN` directory per checkpoint or per update's rollouts."""
 _UPDATE_DIR = re.compile(r"update-\d{5,}")
+_ENV_LOG = re.compile(r"update-\d{5,}(-rank\d+)?\.log")
+ENV_ERRORS = "env-errors"
+"""Environment tracebacks, one `update-NNNNN.log` per update with a failure (`treetrain.train.env_failures`)."""
 
 
 class RunDirError(TreetrainError, RuntimeError):
@@ -94,7 +97,7 @@ def check_layout(run_dir: Path) -> None:
     """
     for name in (MARKER, LOCK, *OWN_FILES):
         expect(run_dir / name, "file")
-    for name in (*OWN_DIRS, *OWN_PARENTS):
+    for name in (*OWN_DIRS, *OWN_PARENTS, ENV_ERRORS):
         if expect(run_dir / name, "dir") == "dir":
             _check_below(run_dir / name)
     for name in OWN_PARENTS:
@@ -243,6 +246,13 @@ def remove_run_artifacts(run_dir: Path) -> None:
             remove_tree(run_dir, path)
         with contextlib.suppress(OSError):  # kept when it holds anything else
             parent.rmdir()
+    logs = run_dir / ENV_ERRORS
+    if entry_kind(logs) == "dir":
+        for path in logs.iterdir():
+            if _ENV_LOG.fullmatch(path.name):
+                remove_file(run_dir, path)
+        with contextlib.suppress(OSError):  # kept when it holds anything else
+            logs.rmdir()
 
 
 def abandon_run_dir(run_dir: Path, lock: RunLock) -> str:

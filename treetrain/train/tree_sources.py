@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from envs.protocol import Environment
+from envs.remote import EnvError, EnvFailure
 from envs.wrapper import WrapperConfig
 from treetrain.distributed.backend import TrainBackend
 from treetrain.errors import ConfigError
@@ -27,6 +28,7 @@ from treetrain.rollout.sampler import SamplerConfig
 from treetrain.rollout.tree_rollout import RolloutConfig, rollout_trees
 from treetrain.runfs import make_dirs
 from treetrain.train.config import TrainConfig
+from treetrain.train.env_failures import EnvironmentFailedError, share_failures, too_many, write_failures
 from treetrain.tree import TrajectoryTree
 from treetrain.tree.checks import check_distinct, check_vocabulary
 from treetrain.tree.format import load_trees, tree_from_bytes, tree_to_bytes
@@ -37,10 +39,12 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Produced:
-    """One update's advantage groups (each a tuple of trees normalized together) and how long they took."""
+    """One update's advantage groups (each a tuple of trees normalized together), how long they took, and
+    how many tasks were lost to environment failures (their groups are not among `groups`)."""
 
     groups: tuple[tuple[TrajectoryTree, ...], ...]
     seconds: float
+    failed_episodes: int = 0
 
     @property
     def trees(self) -> tuple[TrajectoryTree, ...]:
@@ -87,6 +91,7 @@ class RolloutSource:
         out_dir = Path(self.cfg.run_dir) / "rollouts" / f"update-{update:05d}"
         make_dirs(self.cfg.run_dir, out_dir / "trees")  # a planted link on the way is refused, not followed
         local: list[TrajectoryTree] = []
+        failures: list[tuple[int, EnvError]] = []
         was_training = model.training
         model.eval()
         try:
@@ -104,10 +109,20 @@ class RolloutSource:
                         env_name=self.cfg.env.name,
                     )  # fmt: skip
                     local.extend(result.trees)
+                    failures.extend(result.failures)
         finally:
             model.train(was_training)
         trees = share_trees(self.backend, tuple(local))
-        return Produced(tuple((t,) for t in trees), time.perf_counter() - start)
+        lost = share_failures(self.backend, write_failures(self.cfg.run_dir, update, rank, failures))
+        line = too_many(lost, len(task_seeds(self.cfg, update)), r.max_failed_fraction)
+        if line is not None:
+            raise EnvironmentFailedError(f"update {update}: {line}")
+        for failure in lost:
+            log.warning(
+                "update %d: task seed %d dropped: %s (traceback in %s)",
+                update, failure.seed, failure.error.line(), failure.log,
+            )  # fmt: skip
+        return Produced(tuple((t,) for t in trees), time.perf_counter() - start, len(lost))
 
 
 def wrapper_config(cfg: TrainConfig, model: Any) -> WrapperConfig:
@@ -139,12 +154,14 @@ def check_template(
         raise ConfigError(f"env.end_of_turn / env.tool_format / model.tokenizer: {exc}") from None
     if make_env is None:
         return
-    env = make_env()
-    env.reset(task_seeds(cfg, 0)[0])
     try:
+        env = make_env()
+        env.reset(task_seeds(cfg, 0)[0])
         template.check_tools(tuple(env.tool_specs()))
     except TemplateError as exc:
         raise ConfigError(f"model.tokenizer: {exc}") from None
+    except EnvFailure as exc:
+        raise ConfigError(f"env.name: {exc}") from None
 
 
 def check_first_prompt(
@@ -160,6 +177,8 @@ def check_first_prompt(
         episode.reset(task_seeds(cfg, 0)[0])
     except TemplateError as exc:
         raise ConfigError(f"env.end_of_turn / model.tokenizer: {exc}") from None
+    except EnvFailure as exc:
+        raise ConfigError(f"env.name: {exc}") from None
     except ValueError as exc:
         raise ConfigError(f"rollout.max_episode_tokens: {exc}") from None
 

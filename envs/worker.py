@@ -1,0 +1,216 @@
+"""The environment worker: a process that hosts environments and runs their code for the trainer.
+
+The trainer starts one with the environment's name and constructor arguments (`envs.remote.EnvWorker`);
+the worker builds every environment itself, from the name, so nothing is pickled from the trainer. It then
+answers JSON requests on a pipe, one at a time: build an environment, reset, step (under the step
+deadline, on a copy, as `envs.step_thread.step_within` does in-process), fork, score with a rubric,
+release. Each environment is a numbered handle; a fork is a new handle in the same worker.
+
+Whatever the environment does stays here: an exception becomes an error reply naming the method, the
+exception and where it was raised, with the full traceback; `os._exit`, a crash, a closed stdout or a
+print that never ends take down or block only this process, which the trainer sees as a dead or silent
+worker. Ctrl-C is the trainer's to handle, so the worker ignores SIGINT; it exits when the trainer closes
+the pipe (or dies).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+import sysconfig
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from multiprocessing.connection import Connection
+from typing import Any
+
+from envs.protocol import Environment, Episode, Message, StepResult
+from envs.registry import resolve
+from envs.step_thread import step_within
+from envs.wire import (
+    MAX_NAME_CHARS,
+    MAX_REPLY_BYTES,
+    MAX_TRACEBACK_CHARS,
+    dumps,
+    messages_from_wire,
+    messages_to_wire,
+    result_to_wire,
+    tools_to_wire,
+)
+
+
+class _Refused(Exception):
+    """A value the environment returned that the protocol does not allow (the message says which)."""
+
+
+def _summary(exc: BaseException) -> str:
+    try:
+        text = str(exc)
+    except Exception:
+        text = "<str() raised>"
+    line = " ".join(f"{type(exc).__name__}: {text}".split()) if text else type(exc).__name__
+    return line[:MAX_NAME_CHARS]
+
+
+_NOT_THEIRS = (os.path.dirname(os.path.abspath(__file__)) + os.sep, sysconfig.get_paths()["stdlib"] + os.sep)
+
+
+def _where(exc: BaseException) -> str:
+    """The innermost frame of the traceback outside this package and the standard library: the environment's
+    own line (none when its code only returned something wrong, or the standard library refused it)."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(_NOT_THEIRS)]
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+
+
+def error_reply(method: str, exc: BaseException) -> dict[str, Any]:
+    """The reply for an exception raised by environment code during `method`."""
+    if isinstance(exc, _Refused):
+        text, tb, where = str(exc)[:MAX_NAME_CHARS], f"{method}: {exc}\n", ""
+    else:
+        text, where = _summary(exc), _where(exc)
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return {
+        "error": {
+            "method": method,
+            "exception": text,
+            "where": where,
+            "traceback": tb[-MAX_TRACEBACK_CHARS:],
+        }
+    }
+
+
+class _Host:
+    """The environments of one worker, by handle."""
+
+    def __init__(self, name: str, kwargs: Mapping[str, Any]) -> None:
+        self.name, self.kwargs = name, dict(kwargs)
+        self.envs: dict[int, Environment] = {}
+        self.next = 0
+
+    def _add(self, env: Environment) -> int:
+        self.next += 1
+        self.envs[self.next] = env
+        return self.next
+
+    def new(self, req: Mapping[str, Any]) -> Any:
+        env = _guard("__init__", lambda: resolve(self.name)(**self.kwargs))
+        names = _guard("rubrics", lambda: [str(n) for n in env.rubrics()])
+        return {"handle": self._add(env), "rubrics": names, "class": type(env).__name__}
+
+    def reset(self, req: Mapping[str, Any]) -> Any:
+        env = self.envs[int(req["handle"])]
+        opening = _guard("reset", lambda: env.reset(int(req["seed"])))
+        if not isinstance(opening, Sequence) or isinstance(opening, str) or not opening:
+            raise _Failed(
+                "reset", _Refused(f"returned {_short(opening)}, not a non-empty sequence of Message")
+            )
+        if any(not isinstance(m, Message) or m.role not in ("system", "user") for m in opening):
+            raise _Failed("reset", _Refused(f"must return system/user messages, got {_short(opening)}"))
+        tools = _guard("tool_specs", lambda: tools_to_wire(tuple(env.tool_specs())))
+        return {"messages": messages_to_wire(opening), "tools": tools}
+
+    def step(self, req: Mapping[str, Any]) -> Any:
+        handle = int(req["handle"])
+        (message,) = messages_from_wire([req["message"]])
+        timeout = req.get("timeout")
+        if timeout is None:
+            return {"result": result_to_wire(_checked_step(self.envs[handle], message))}
+        try:
+            stepped = step_within(self.envs[handle], message, float(timeout), _checked_step, self.name)
+        except _Failed:
+            raise
+        except Exception as exc:
+            raise _Failed("copy.deepcopy (rollout.step_timeout_s steps a copy)", exc) from None
+        if stepped is None:
+            return {"timeout": True}
+        self.envs[handle] = stepped[0]
+        return {"result": result_to_wire(stepped[1])}
+
+    def fork(self, req: Mapping[str, Any]) -> Any:
+        env = self.envs[int(req["handle"])]
+        twin = _guard("fork", lambda: env.fork(int(req["branch"])))
+        if not isinstance(twin, Environment):
+            raise _Failed("fork", _Refused(f"returned {_short(twin)}, not an Environment"))
+        return {"handle": self._add(twin)}
+
+    def score(self, req: Mapping[str, Any]) -> Any:
+        env = self.envs[int(req["handle"])]
+        rubrics = _guard("rubrics", env.rubrics)
+        name = str(req["rubric"])
+        rubric = rubrics[name]
+        state = _guard("state", env.state)
+        episode = Episode(messages_from_wire(req["messages"]), state, str(req["finish"]))
+        method = f"rubric {name!r} ({type(rubric).__name__}.score)"
+        return {"reward": _guard(method, lambda: float(rubric(episode)))}
+
+    def release(self, req: Mapping[str, Any]) -> Any:
+        for handle in req["handles"]:
+            self.envs.pop(int(handle), None)
+        return {}
+
+
+class _Failed(Exception):
+    def __init__(self, method: str, exc: BaseException) -> None:
+        super().__init__(method)
+        self.method, self.exc = method, exc
+
+
+def _short(value: object) -> str:
+    try:
+        text = repr(value)
+    except Exception:
+        text = f"a {type(value).__name__}"
+    return text if len(text) <= 120 else f"{text[:117]}..."
+
+
+def _guard(method: str, fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except Exception as exc:
+        raise _Failed(method, exc) from None
+
+
+def _checked_step(env: Environment, message: Message) -> StepResult:
+    result = _guard("step", lambda: env.step(message))
+    if not isinstance(result, StepResult):
+        raise _Failed("step", _Refused(f"returned {_short(result)}, not a StepResult"))
+    return result
+
+
+def serve(conn: Connection, name: str, kwargs_json: str) -> None:
+    """The worker's main loop (the target of the worker process)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    host = _Host(name, json.loads(kwargs_json))
+    ops: dict[str, Callable[[Mapping[str, Any]], Any]] = {
+        "new": host.new, "reset": host.reset, "step": host.step, "fork": host.fork, "score": host.score,
+        "release": host.release,
+    }  # fmt: skip
+    while True:
+        try:
+            req = json.loads(conn.recv_bytes().decode("utf-8"))
+        except (EOFError, OSError):
+            break
+        if req.get("op") == "stop":
+            break
+        try:
+            reply: Any = {"ok": ops[req["op"]](req)}
+        except _Failed as failed:
+            reply = error_reply(failed.method, failed.exc)
+        except Exception as exc:  # a protocol slip between the two ends: report it, keep serving
+            reply = error_reply(f"worker {req.get('op')}", exc)
+        data = dumps(reply)
+        if len(data) > MAX_REPLY_BYTES:
+            data = dumps(
+                error_reply(
+                    str(req.get("op")), _Refused(f"a reply of {len(data)} bytes, over {MAX_REPLY_BYTES}")
+                )
+            )
+        try:
+            conn.send_bytes(data)
+        except OSError:
+            break
+    with contextlib.suppress(Exception):  # what the environment printed, unless it closed stdout
+        sys.stdout.flush()
+    os._exit(0)  # threads of abandoned steps must not keep the process alive

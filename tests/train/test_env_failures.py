@@ -1,0 +1,154 @@
+"""A misbehaving environment cannot crash the trainer (through the CLI, tests/assets/misbehaving).
+
+Each fault either ends its task's episode (the group is dropped, training goes on, `failed_episodes`
+counts it, the traceback is in `env-errors/`), stops the run with one line naming the environment, the
+method, the exception and the traceback file when every task fails, or, when it happens while the
+environment is built, is one line before any model loads. `os._exit(0)` in environment code never ends the
+trainer with status 0."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from treetrain.cli.main import main
+from treetrain.train.metrics import read_metrics
+
+ASSETS = str(Path(__file__).resolve().parents[1] / "assets" / "misbehaving")
+ENV = "misbehaving_env:Misbehaving"
+SETTINGS = [
+    "model.path=tiny-llama", f"env.name={ENV}", "rollout.groups_per_update=2", "rollout.fanout.root=2",
+    "rollout.max_turns=2", "rollout.max_turn_tokens=4", "advantages.zero_variance=keep",
+    "measure_memory_every=0", "threads=1", "updates=1",
+]  # fmt: skip
+
+
+def _args(run: Path, fault: str, seeds: str) -> list[str]:
+    sets = [*SETTINGS, f"env.kwargs.fault={fault}", f"env.kwargs.seeds={seeds}"]
+    return ["train", "--run-dir", str(run), "--no-progress", *(a for kv in sets for a in ("--set", kv))]
+
+
+def _error_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("treetrain train:")]
+
+
+# (fault, method named in the line, exception named in the line)
+STOPS = [
+    ("step", "step", "RuntimeError: step fault"),
+    ("step_dict", "step", "returned {'done': True}, not a StepResult"),
+    (
+        "nan",
+        "rubric 'length' (Length.score)",
+        "ProtocolError: Length's reward is nan; rewards must be finite",
+    ),
+    (
+        "inf",
+        "rubric 'length' (Length.score)",
+        "ProtocolError: Length's reward is inf; rewards must be finite",
+    ),
+    ("exit", "step", "WorkerExited: the worker process exited with status 0"),
+]
+BEFORE_ANY_MODEL = [
+    ("init", "__init__", "RuntimeError: init fault"),
+    ("reset", "reset", "RuntimeError: reset fault"),
+    ("reset_none", "reset", "returned None, not a non-empty sequence of Message"),
+    ("nocopy", "fork", "TypeError: cannot pickle '_thread.lock' object"),
+]
+
+
+@pytest.fixture(autouse=True)
+def _misbehaving_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(ASSETS)  # the worker process starts with the trainer's sys.path
+
+
+@pytest.mark.parametrize(("fault", "method", "exception"), STOPS)
+def test_a_fault_in_every_task_stops_the_run_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], fault: str, method: str, exception: str
+) -> None:
+    run = tmp_path / "run"
+    assert main(_args(run, fault, "all")) == 2
+    err = capsys.readouterr().err
+    (line,) = _error_lines(err)
+    assert "Traceback" not in err
+    log = run / "env-errors" / "update-00000.log"
+    assert line.startswith("treetrain train: update 0: every task failed (2 of 2")
+    assert f"{ENV}: {method} raised {exception}" in line and line.endswith(f"traceback in {log}")
+    assert log.is_file() and exception in log.read_text()
+    if fault == "step":  # the raising line; a NaN was returned, a dead worker reports no traceback
+        assert (
+            "Traceback (most recent call last)" in log.read_text() and "misbehaving_env.py" in log.read_text()
+        )
+    assert not (run / "final").exists()
+
+
+@pytest.mark.parametrize("fault", ["step", "step_dict", "nan", "inf", "exit", "reset"])
+def test_a_fault_in_one_task_drops_its_group_and_training_goes_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], fault: str
+) -> None:
+    run = tmp_path / "run"
+    assert main(_args(run, fault, "odd")) == 0, capsys.readouterr().err[-3000:]
+    assert _error_lines(capsys.readouterr().err) == []
+    (row,) = read_metrics(run / "metrics.jsonl")
+    assert row.failed_episodes == 1 and row.groups == 1  # task seed 1 failed, task seed 0 trained
+    assert (run / "final" / "model.safetensors").is_file()
+    log = (run / "env-errors" / "update-00000.log").read_text()
+    assert log.startswith(f"== task seed 1: {ENV}: ") and "task seed 0" not in log
+
+
+def test_a_well_behaved_run_counts_no_failures(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Control for the test above: the same environment without a fault fails nothing and logs nothing."""
+    run = tmp_path / "run"
+    assert main(_args(run, "none", "all")) == 0
+    (row,) = read_metrics(run / "metrics.jsonl")
+    assert row.failed_episodes == 0 and row.groups == 2 and not (run / "env-errors").exists()
+
+
+def test_closing_stdout_in_the_environment_leaves_the_trainers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    assert main(_args(run, "close_stdout", "all")) == 0
+    assert f"run directory: {run}" in capsys.readouterr().out  # the trainer still prints its summary
+    (row,) = read_metrics(run / "metrics.jsonl")
+    assert row.failed_episodes == 0 and (run / "final" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize(("fault", "method", "exception"), BEFORE_ANY_MODEL)
+def test_an_environment_that_cannot_start_is_one_line_before_any_model_loads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], fault: str, method: str, exception: str
+) -> None:
+    run = tmp_path / "run"
+    assert main(_args(run, fault, "all")) == 2
+    err = capsys.readouterr().err
+    (line,) = _error_lines(err)
+    assert "Traceback" not in err and f"{ENV}: {method} raised {exception}" in line
+    assert ("misbehaving_env.py:" in line) == (fault in ("init", "reset"))  # the line that raised, if any
+    assert not run.exists()  # nothing written: the run directory is claimed after this check
+
+
+def test_max_failed_fraction_stops_a_run_that_loses_too_many_tasks(tmp_path: Path, capsys) -> None:
+    run = tmp_path / "run"
+    assert main([*_args(run, "step", "odd"), "--set", "rollout.max_failed_fraction=0.25"]) == 2
+    (line,) = _error_lines(capsys.readouterr().err)
+    assert "environment code failed in too many tasks (1 of 2, rollout.max_failed_fraction=0.25)" in line
+    assert main([*_args(tmp_path / "bad", "step", "odd"), "--set", "rollout.max_failed_fraction=1.5"]) == 2
+    assert "rollout.max_failed_fraction: must be in [0, 1], got 1.5" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(600)
+def test_os_exit_0_in_environment_code_never_exits_0(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    path = os.pathsep.join(p for p in (ASSETS, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    proc = subprocess.run(
+        [sys.executable, "-m", "treetrain", *_args(run, "exit", "all")],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=500,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    (line,) = _error_lines(proc.stderr)
+    assert "Traceback" not in proc.stderr and "exited with status 0" in line
+    assert not (run / "final").exists()
