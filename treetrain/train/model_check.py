@@ -81,7 +81,7 @@ def check_model(cfg: TrainConfig) -> ModelCheck:
     from envs.registry import make_env
     from envs.template import ChatTemplate
     from treetrain.models.support import active_window, check_supported
-    from treetrain.train.loop import check_environment_config
+    from treetrain.rollout.env_check import check_environment_config
     from treetrain.train.models import load_models
     from treetrain.train.tree_sources import (
         check_context,
