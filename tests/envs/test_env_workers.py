@@ -172,7 +172,7 @@ def test_a_silent_worker_is_stopped_past_the_deadline(monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(envs.remote, "GRACE_S", 0.3)
     monkeypatch.setenv("BLOCKING_ENV_MARKER", "BLOCKING-ENV: blocked")  # the worker's step blocks for good
-    factory = WorkerEnvFactory("blocking_env:BlockingStepEnv", {}, 0.2)
+    factory = WorkerEnvFactory("support.blocking_env:BlockingStepEnv", {}, 0.2)
     try:
         env = factory()
         env.reset(0)

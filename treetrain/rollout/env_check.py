@@ -11,7 +11,7 @@ Example:
     >>> check_environment_config("calculator", {}, rubric="exakt")
     Traceback (most recent call last):
     ...
-    treetrain.loss.loss_config.ConfigError: env.rubric: CalculatorEnv has no rubric 'exakt'; known: ['efficient', 'exact']
+    treetrain.errors.ConfigError: env.rubric: CalculatorEnv has no rubric 'exakt'; known: ['efficient', 'exact']
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 from envs.registry import resolve
 from envs.remote import EnvFailure, WorkerEnvFactory
-from treetrain.loss.loss_config import ConfigError
+from treetrain.errors import ConfigError
 
 
 def check_environment_config(

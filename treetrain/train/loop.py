@@ -37,6 +37,7 @@ from treetrain.runfs import UnsafePathError
 from treetrain.stall import stall
 from treetrain.train.advice import no_signal_advice
 from treetrain.train.config import TrainConfig, dump_config
+from treetrain.train.env_failures import EnvironmentFailedError
 from treetrain.train.metrics import MetricsWriter, UpdateMetrics, read_metrics
 from treetrain.train.models import export_merged, load_models
 from treetrain.train.progress import Progress
@@ -113,8 +114,9 @@ class Trainer:
 
     def abandon_unstarted(self, exc: BaseException, completed: int = 0) -> None:
         """A fresh run in a new or empty directory that ends with `completed == 0` updates removes what it
-        wrote (`abandon_run_dir`) and notes on `exc` what is left, so the refusal says it in its one line."""
-        if self.lock is None or not self.lock.fresh or completed:
+        wrote (`abandon_run_dir`) and notes on `exc` what is left, so the refusal says it in its one line.
+        A run stopped by its environment keeps its directory: the refusal names the traceback file there."""
+        if self.lock is None or not self.lock.fresh or completed or isinstance(exc, EnvironmentFailedError):
             return
         try:
             exc.add_note(abandon_run_dir(self.run_dir, self.lock))
