@@ -21,9 +21,6 @@ from dataclasses import dataclass
 
 from treetrain.train.config import TrainConfig
 
-DEFAULT_PROBE_LENGTH = 8192
-"""The sequence length the support probes assume when neither the config nor the model gives one."""
-
 
 @dataclass(frozen=True)
 class ModelCheck:
@@ -100,7 +97,7 @@ def check_model(cfg: TrainConfig) -> ModelCheck:
     check_context(cfg, policy)
     check_first_prompt(cfg, tokenizer, policy, make)
     context = model_context(policy)
-    length = cfg.rollout.max_episode_tokens or context or DEFAULT_PROBE_LENGTH
+    length = cfg.rollout.episode.episode_tokens(context)  # the episodes' budget, as the rollouts resolve it
     check_supported(policy, length)
     e = cfg.env
     template = ChatTemplate(tokenizer, e.end_of_turn, e.tool_format, template_kwargs=dict(e.template_kwargs))
