@@ -178,7 +178,7 @@ class WrapperConfig:
     def __post_init__(self) -> None:
         value = self.max_tool_result_chars
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"WrapperConfig.max_tool_result_chars must be a positive int, got {value!r}")
+            raise ConfigError(f"must be a positive integer, got {value!r}", field="max_tool_result_chars")
 
 
 @dataclass(frozen=True)

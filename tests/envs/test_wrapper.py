@@ -189,8 +189,9 @@ def test_a_null_episode_budget_is_the_model_context() -> None:
 
 
 def test_wrapper_config_is_validated() -> None:
-    with pytest.raises(ValueError, match="max_tool_result_chars"):
+    with pytest.raises(ConfigError, match=r"^max_tool_result_chars: must be a positive integer, got 0$"):
         WrapperConfig(max_tool_result_chars=0)
+    assert WrapperConfig(max_tool_result_chars=1).max_tool_result_chars == 1
 
 
 def test_calculator_prompt_lists_the_tool() -> None:

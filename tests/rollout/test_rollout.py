@@ -121,7 +121,7 @@ def test_prefix_reuse_gives_the_same_tokens(tmp_path: Path, sampling: SamplerCon
         assert with_reuse.trajectories() == without.trajectories()
         assert len(with_reuse.trajectories()) == 8
     assert runs[True].stats.encoded_tokens < runs[False].stats.encoded_tokens
-    if not sampling.greedy:  # greedy siblings are identical and merge, so the tree is a single path
+    if not sampling.sampling.greedy:  # greedy siblings are identical and merge, so the tree is a single path
         unique = sum(tree_stats(t).unique_tokens for t in runs[True].trees)
         assert runs[True].stats.encoded_tokens <= unique
 
