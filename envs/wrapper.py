@@ -151,8 +151,11 @@ class EpisodeLimits:
         return self.max_episode_tokens or context or UNKNOWN_CONTEXT_TOKENS
 
     def for_context(self, context: int | None) -> EpisodeLimits:
-        """These limits with `max_episode_tokens` resolved against a model's `context` (see `episode_tokens`)."""
-        return dataclasses.replace(self, max_episode_tokens=self.episode_tokens(context))
+        """These limits with `max_episode_tokens` resolved against a model's `context` (see `episode_tokens`),
+        at most `EPISODE_TOKEN_LIMIT` (a model may declare a context longer than any episode is allowed)."""
+        return dataclasses.replace(
+            self, max_episode_tokens=min(self.episode_tokens(context), EPISODE_TOKEN_LIMIT)
+        )
 
 
 @dataclass(frozen=True)

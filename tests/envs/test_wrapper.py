@@ -183,6 +183,9 @@ def test_a_null_episode_budget_is_the_model_context() -> None:
     assert EpisodeLimits().for_context(2048).max_episode_tokens == 2048
     assert EpisodeLimits(max_episode_tokens=512).for_context(2048).max_episode_tokens == 512
     assert EpisodeLimits().for_context(None).max_episode_tokens == UNKNOWN_CONTEXT_TOKENS
+    assert (
+        EpisodeLimits().for_context(1 << 30).max_episode_tokens == 1 << 24
+    )  # a declared context past the limit
     env = TokenEnv(FixedTurnsEnv(), tokenizer(), WrapperConfig(EpisodeLimits().for_context(64)))
     env.reset(0)
     assert env.episode_tokens == 64 and env.turn_budget() == min(96, 64 - len(env.context))
