@@ -21,7 +21,15 @@ from envs.registry import BUILTINS, UnknownEnvironmentError, available, make_env
 from envs.template import ChatTemplate, TemplateError
 from envs.toolcalls import ParsedTurn, ToolCallError, format_tool_call, parse_tool_calls
 from envs.tools import Tool, ToolEnv, execute_tool_call, render_result, tools_from_openai
-from envs.wrapper import EnvStepError, Finish, PromptTooLongError, TokenEnv, TurnResult, WrapperConfig
+from envs.wrapper import (
+    EnvStepError,
+    EpisodeLimits,
+    Finish,
+    PromptTooLongError,
+    TokenEnv,
+    TurnResult,
+    WrapperConfig,
+)
 
 __all__ = [
     "BUILTINS",
@@ -31,6 +39,7 @@ __all__ = [
     "EnvStepError",
     "Environment",
     "Episode",
+    "EpisodeLimits",
     "Finish",
     "Immutable",
     "Message",

@@ -100,9 +100,10 @@ def _check_one(
 
 
 def _check_tokens(factory: Callable[[], Environment], seed: int, tokenizer: Any) -> list[str]:
-    from envs.wrapper import TokenEnv, WrapperConfig
+    from envs.wrapper import EpisodeLimits, TokenEnv, WrapperConfig
 
-    episode = TokenEnv(factory(), tokenizer, WrapperConfig(max_episode_tokens=1 << 20, max_turns=4))
+    limits = EpisodeLimits(max_turns=4, max_turn_tokens=512, max_episode_tokens=1 << 20)
+    episode = TokenEnv(factory(), tokenizer, WrapperConfig(limits))
     prompt = episode.reset(seed)
     answer = episode.template.encode("final answer" + episode.template.end_of_turn)
     while not episode.done:

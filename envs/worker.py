@@ -122,7 +122,7 @@ class _Host:
         except _Failed:
             raise
         except Exception as exc:
-            raise _Failed("copy.deepcopy (rollout.step_timeout_s steps a copy)", exc) from None
+            raise _Failed("copy.deepcopy (rollout.episode.step_timeout_s steps a copy)", exc) from None
         if stepped is None:
             return {"timeout": True}
         self.envs[handle] = stepped[0]

@@ -14,6 +14,9 @@ An exception raised by the environment's own `step` (not by a tool) is a bug in 
 propagates as `EnvStepError`. An environment hosted in a worker process (`envs.remote.RemoteEnv`, what the
 trainer uses) keeps the step deadline in the worker, and its failures arrive as `envs.remote.EnvFailure`.
 
+`EpisodeLimits` (turns, tokens, step timeout) is also the trainer's `rollout.episode` config section, as it
+is: its defaults are the demo's and its field names are the config's keys (`--set rollout.episode.max_turns=6`).
+
 Example (a scripted "policy"; a real one samples from a model):
     >>> from transformers import AutoTokenizer
     >>> from treetrain.assets import tokenizer_path
@@ -28,6 +31,7 @@ Example (a scripted "policy"; a real one samples from a model):
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -37,7 +41,7 @@ from typing import Any
 from envs.protocol import Environment, Episode, Message, Rubric, StepResult, ToolSpec, default_rubric
 from envs.step_thread import DeadlineEnvironment, step_within
 from envs.template import ChatTemplate, RenderError, Rewrite
-from treetrain.errors import TreetrainError
+from treetrain.errors import ConfigError, TreetrainError
 from treetrain.trajectory import Call, Role, Segment, Trajectory, TrajectoryMeta
 
 
@@ -72,21 +76,86 @@ class Finish(str, Enum):
     call was malformed); the episode ends here instead of crashing the rollout."""
 
 
+TURN_LIMIT = 1 << 12
+"""Most assistant turns per episode: a typo must not make an episode run (and record) without end."""
+TURN_TOKEN_LIMIT = 1 << 20
+"""Most tokens one turn may sample: the sampler's buffers grow with it."""
+EPISODE_TOKEN_LIMIT = 1 << 24
+"""Most tokens in one model call's context: batches and buffers are sized from it."""
+MAX_STEP_TIMEOUT_S = 7 * 86400.0
+"""Longest environment step timeout (a week); beyond the platform's clocks a deadline overflows."""
+UNKNOWN_CONTEXT_TOKENS = 8192
+"""The episode budget when `max_episode_tokens` is null and the model's context is not known."""
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    """How long one episode may run; the trainer's `rollout.episode` section.
+
+    Errors name the field alone (`max_turns: ...`); the config loader puts the section in front.
+
+    Example:
+        >>> EpisodeLimits().max_turns, EpisodeLimits().for_context(2048).max_episode_tokens
+        (4, 2048)
+    """
+
+    max_turns: int = 4
+    """Assistant turns per episode; after this many the episode ends (finish "max_turns")."""
+    max_turn_tokens: int = 96
+    """Most tokens sampled in one assistant turn. A turn cut here gets its end-of-turn marker supplied as an
+    observation token, and the environment sees the truncated text."""
+    max_episode_tokens: int | None = None
+    """Most tokens in one model call's context, prompt, policy and observations included; when an
+    observation would not leave room for one more policy token, the episode ends (finish "max_tokens").
+    Null: the model's context length (`max_position_embeddings`); the trainer refuses a value above it
+    before any work."""
+    step_timeout_s: float | None = 30.0
+    """Seconds one environment step may take; on timeout each tool call gets an `Error: ... timed out`
+    observation and the environment keeps its pre-step state. Null waits forever (and skips the per-step
+    copy of the environment that a timeout needs)."""
+
+    def __post_init__(self) -> None:
+        limits = {
+            "max_turns": TURN_LIMIT, "max_turn_tokens": TURN_TOKEN_LIMIT, "max_episode_tokens": EPISODE_TOKEN_LIMIT,
+        }  # fmt: skip
+        for name, most in limits.items():
+            value = getattr(self, name)
+            if value is None and name == "max_episode_tokens":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"must be an integer, got {value!r}", field=name)
+            if not 1 <= value <= most:
+                raise ConfigError(f"must be in [1, {most}], got {value}", field=name)
+        timeout = self.step_timeout_s
+        if timeout is not None and (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, int | float)
+            or not 0 < timeout <= MAX_STEP_TIMEOUT_S
+        ):
+            raise ConfigError(
+                f"must be in (0, {MAX_STEP_TIMEOUT_S:g}] seconds or null (no timeout), got {timeout!r}",
+                field="step_timeout_s",
+            )
+
+    def episode_tokens(self, context: int | None = None) -> int:
+        """The token budget of one model call: `max_episode_tokens`, or when null the model's `context`, or
+        `UNKNOWN_CONTEXT_TOKENS` when that is not known either."""
+        return self.max_episode_tokens or context or UNKNOWN_CONTEXT_TOKENS
+
+    def for_context(self, context: int | None) -> EpisodeLimits:
+        """These limits with `max_episode_tokens` resolved against a model's `context` (see `episode_tokens`),
+        at most `EPISODE_TOKEN_LIMIT` (a model may declare a context longer than any episode is allowed)."""
+        return dataclasses.replace(
+            self, max_episode_tokens=min(self.episode_tokens(context), EPISODE_TOKEN_LIMIT)
+        )
+
+
 @dataclass(frozen=True)
 class WrapperConfig:
-    """Budgets and limits of one episode."""
+    """Budgets and limits of one episode, and how its turns are rendered and parsed."""
 
-    max_turns: int = 8
-    """Assistant turns per episode; after this many the episode ends (finish "max_turns")."""
-    max_turn_tokens: int = 512
-    """Most tokens sampled in one assistant turn. A turn cut here gets its end-of-turn marker supplied
-    as an observation token, and the environment sees the truncated text."""
-    max_episode_tokens: int = 8192
-    """Most tokens in the whole context (prompt, policy and observations). When an observation would not
-    leave room for one more policy token, the episode ends (finish "max_tokens")."""
-    step_timeout_s: float | None = 30.0
-    """Seconds one `env.step` may take; on timeout each tool call gets an `Error: ... timed out`
-    observation and the environment keeps its pre-step state. None disables the limit."""
+    episode: EpisodeLimits = field(default_factory=EpisodeLimits)
+    """Turn and token budgets and the step timeout."""
     end_of_turn: str | None = None
     """The text that ends an assistant turn, any number of tokens (None: what the chat template writes
     after an assistant message, up to its first special token, e.g. `<|im_end|>` or `<|eot_id|>`)."""
@@ -102,12 +171,9 @@ class WrapperConfig:
     a `[... N more characters truncated]` marker, so a tool that dumps megabytes cannot fill the context."""
 
     def __post_init__(self) -> None:
-        for name in ("max_turns", "max_turn_tokens", "max_episode_tokens", "max_tool_result_chars"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"WrapperConfig.{name} must be a positive int, got {value!r}")
-        if self.step_timeout_s is not None and not self.step_timeout_s > 0:
-            raise ValueError(f"WrapperConfig.step_timeout_s must be > 0 or None, got {self.step_timeout_s!r}")
+        value = self.max_tool_result_chars
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"must be a positive integer, got {value!r}", field="max_tool_result_chars")
 
 
 @dataclass(frozen=True)
@@ -181,9 +247,15 @@ class TokenEnv:
         """Token sequences that end a turn (the end-of-turn marker, EOS, ...); pass them to the sampler."""
         return self.template.stop_sequences
 
+    @property
+    def episode_tokens(self) -> int:
+        """Most tokens in one call's context (`EpisodeLimits.episode_tokens`: the trainer resolves a null
+        `max_episode_tokens` against the model's context before the wrapper sees it)."""
+        return self.config.episode.episode_tokens()
+
     def turn_budget(self) -> int:
         """Most tokens the next turn may sample (turn and episode budgets together)."""
-        return min(self.config.max_turn_tokens, self.config.max_episode_tokens - len(self._context))
+        return min(self.config.episode.max_turn_tokens, self.episode_tokens - len(self._context))
 
     # ----- episode ----------------------------------------------------------------------------------
     def reset(self, seed: int) -> tuple[int, ...]:
@@ -199,10 +271,10 @@ class TokenEnv:
         self._messages = list(opening)
         rendered = self.template.render(opening, self._tools, generation_prompt=True)
         prompt = self.template.encode(rendered)
-        if len(prompt) >= self.config.max_episode_tokens:
+        if len(prompt) >= self.episode_tokens:
             raise PromptTooLongError(
                 f"{self.env_name} seed {seed}: prompt has {len(prompt)} tokens, which leaves no room under "
-                f"max_episode_tokens={self.config.max_episode_tokens} (treetrain train: rollout.max_episode_tokens)"
+                f"max_episode_tokens={self.episode_tokens} (treetrain train: rollout.episode.max_episode_tokens)"
             )
         self._calls, self._segments = [], [Segment(Role.PROMPT, prompt)]
         self._context, self._rendered = list(prompt), rendered
@@ -238,7 +310,7 @@ class TokenEnv:
         self._messages.extend(result.messages)
         if result.done:
             return self._end(Finish.DONE, result.messages)
-        if self._turns >= self.config.max_turns:
+        if self._turns >= self.config.episode.max_turns:
             return self._end(Finish.MAX_TURNS, result.messages)
         history = self._messages[: len(self._messages) - len(result.messages)]
         try:
@@ -249,7 +321,7 @@ class TokenEnv:
             log.warning("%s: episode ended: %s", self.env_name, exc)
             return self._end(Finish.TEMPLATE_ERROR, result.messages)
         if isinstance(nxt, Rewrite):  # the template changed earlier turns: a new call of this trajectory
-            if len(nxt.tokens) >= self.config.max_episode_tokens:
+            if len(nxt.tokens) >= self.episode_tokens:
                 return self._end(Finish.MAX_TOKENS, result.messages)
             self._calls.append(Call(tuple(self._segments)))
             self._segments, self._context, self._rendered = (
@@ -259,7 +331,7 @@ class TokenEnv:
             )
             return TurnResult(nxt.tokens, False, None, result.messages, new_call=True)
         obs = nxt.tokens
-        if len(self._context) + len(obs) >= self.config.max_episode_tokens:
+        if len(self._context) + len(obs) >= self.episode_tokens:
             return self._end(Finish.MAX_TOKENS, result.messages)
         self._segments.append(Segment(Role.OBSERVATION, obs))
         self._context.extend(obs)
@@ -281,7 +353,7 @@ class TokenEnv:
         return Message(message.role, text, tool_call_id=message.tool_call_id, name=message.name)
 
     def _run_step(self, message: Message) -> StepResult:
-        timeout = self.config.step_timeout_s
+        timeout = self.config.episode.step_timeout_s
         if isinstance(self.env, DeadlineEnvironment):  # hosted elsewhere: it keeps the deadline itself
             answered = self.env.step_within(message, timeout)
         elif timeout is None:

@@ -7,13 +7,15 @@ import re
 import pytest
 from support.env_fixtures import END, encode, tokenizer
 
-from envs import TokenEnv, WrapperConfig, format_tool_call
+from envs import EpisodeLimits, TokenEnv, WrapperConfig, format_tool_call
 from envs.calculator import CalculatorEnv, make_task
 from envs.calculator.arith import evaluate
 
 
 def _play(turns: list[str], seed: int = 3) -> TokenEnv:
-    env = TokenEnv(CalculatorEnv(), tokenizer(), WrapperConfig(max_turns=6), env_name="calculator")
+    env = TokenEnv(
+        CalculatorEnv(), tokenizer(), WrapperConfig(EpisodeLimits(max_turns=6)), env_name="calculator"
+    )
     env.reset(seed)
     for text in turns:
         env.step(encode(text + END))
@@ -59,7 +61,7 @@ def test_wrong_or_missing_answer_scores_zero() -> None:
     task = make_task(3)
     assert _play([str(task.answer + 1)]).trajectory("w").reward == 0.0
     assert _play(["I do not know"]).trajectory("n").reward == 0.0
-    env = TokenEnv(CalculatorEnv(), tokenizer(), WrapperConfig(max_turns=1))
+    env = TokenEnv(CalculatorEnv(), tokenizer(), WrapperConfig(EpisodeLimits(max_turns=1)))
     env.reset(3)
     env.step(encode(format_tool_call("calculate", {"expression": task.expression}) + END))
     assert env.finish is not None and env.finish.value == "max_turns"

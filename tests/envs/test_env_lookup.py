@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from support.env_fixtures import END, encode, tokenizer
 
-from envs import TokenEnv, WrapperConfig, format_tool_call
+from envs import EpisodeLimits, TokenEnv, WrapperConfig, format_tool_call
 from envs.lookup import LookupEnv, LookupTask, make_table
 from envs.lookup.table import CITIES
 
 
 def _start(seed: int = 5, rows: int = 30) -> tuple[TokenEnv, LookupTask]:
     env = TokenEnv(
-        LookupEnv(num_rows=rows, num_warehouses=6), tokenizer(), WrapperConfig(max_episode_tokens=1 << 16)
+        LookupEnv(num_rows=rows, num_warehouses=6),
+        tokenizer(),
+        WrapperConfig(EpisodeLimits(max_episode_tokens=1 << 16)),
     )
     env.reset(seed)
     task = env.env.state()

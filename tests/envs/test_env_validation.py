@@ -10,7 +10,7 @@ import pytest
 from support.env_fixtures import END, FixedTurnsEnv, TurnCount, encode, tiny_model, tokenizer
 
 import treetrain.train.loop as loop
-from envs import Episode, TokenEnv, WrapperConfig, parse_tool_calls, resolve
+from envs import Episode, EpisodeLimits, TokenEnv, WrapperConfig, parse_tool_calls, resolve
 from treetrain.cli.main import main
 from treetrain.rollout import RolloutConfig, rollout_trees
 from treetrain.train.config import load_config
@@ -84,13 +84,18 @@ def test_episode_longer_than_the_model_context_is_refused(tmp_path: Path, capsys
         str(tmp_path / "run"),
         "--no-progress",
         "--set",
-        "rollout.max_episode_tokens=4096",
+        "rollout.episode.max_episode_tokens=4096",
     ]
     assert main(args) == 2
     err = capsys.readouterr().err
-    assert "rollout.max_episode_tokens: 4096 tokens is longer than the model's context of 1024 tokens" in err
+    assert (
+        "rollout.episode.max_episode_tokens: 4096 tokens is longer than the model's context of 1024 tokens"
+        in err
+    )
     assert not (tmp_path / "run").exists()  # a run that never started leaves nothing
-    assert load_config(None, []).rollout.max_episode_tokens is None  # default: the model's own context
+    assert (
+        load_config(None, []).rollout.episode.max_episode_tokens is None
+    )  # default: the model's own context
 
 
 def test_module_class_resolves_from_the_current_directory(
@@ -106,7 +111,9 @@ def test_module_class_resolves_from_the_current_directory(
 
 
 def test_tree_file_names_are_portable(tmp_path: Path) -> None:
-    config = RolloutConfig(wrapper=WrapperConfig(max_turns=2, max_turn_tokens=4, max_episode_tokens=512))
+    config = RolloutConfig(
+        wrapper=WrapperConfig(EpisodeLimits(max_turns=2, max_turn_tokens=4, max_episode_tokens=512))
+    )
     result = rollout_trees(
         tiny_model(), tokenizer(), FixedTurnsEnv, [3], tmp_path, config, env_name="my_pkg.envs:Maze"
     )
@@ -126,7 +133,7 @@ def test_tree_file_names_are_portable(tmp_path: Path) -> None:
 def test_a_malformed_turn_keeps_its_raw_text_for_rubrics(text: str) -> None:
     parsed = parse_tool_calls(text, turn=0)
     assert parsed.errors and parsed.message.content == text
-    env = TokenEnv(FixedTurnsEnv(), tokenizer(), WrapperConfig(max_turns=1))
+    env = TokenEnv(FixedTurnsEnv(), tokenizer(), WrapperConfig(EpisodeLimits(max_turns=1)))
     env.reset(0)
     assert env.step(encode(text + END)).done
     episode: Episode = env.episode()

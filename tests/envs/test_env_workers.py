@@ -12,15 +12,15 @@ import pytest
 import torch
 from support.env_fixtures import END, FixedTurnsEnv, NoisyEnv, encode, tiny_model, tokenizer
 
-from envs import Message, TokenEnv, WrapperConfig, format_tool_call, make_env
+from envs import EpisodeLimits, Message, TokenEnv, WrapperConfig, format_tool_call, make_env
 from envs.remote import EnvFailure, RemoteEnv, WorkerEnvFactory
 from envs.wire import MAX_ITEMS, WireError, messages_from_wire, result_from_wire, tools_from_wire
-from treetrain.rollout import FanOut, RolloutConfig, SamplerConfig, rollout_trees
+from treetrain.rollout import FanOut, RolloutConfig, SamplerConfig, Sampling, rollout_trees
 
 torch.set_num_threads(1)
 MODEL = tiny_model(init=0.5)
 ASSETS = str(Path(__file__).resolve().parents[1] / "assets" / "misbehaving")
-SHORT = WrapperConfig(max_turns=4, max_turn_tokens=6, max_episode_tokens=1024)
+SHORT = WrapperConfig(EpisodeLimits(max_turns=4, max_turn_tokens=6, max_episode_tokens=1024))
 
 
 @pytest.fixture
@@ -46,7 +46,9 @@ def misbehaving(monkeypatch: pytest.MonkeyPatch) -> None:
         ),  # forks reseed: environment branches
     ],
 )
-@pytest.mark.parametrize("sampling", [SamplerConfig(temperature=0.0), SamplerConfig(temperature=1.0, seed=5)])
+@pytest.mark.parametrize(
+    "sampling", [SamplerConfig(Sampling(temperature=0.0)), SamplerConfig(Sampling(temperature=1.0), seed=5)]
+)
 def test_worker_trees_equal_in_process_trees(
     tmp_path: Path, name: str, kwargs: dict, local: object, fanout: FanOut, sampling: SamplerConfig
 ) -> None:
@@ -62,14 +64,16 @@ def test_worker_trees_equal_in_process_trees(
     assert [t.trajectories() for t in remote.trees] == [t.trajectories() for t in inproc.trees]
     assert [p.name for p in remote.paths] == [p.name for p in inproc.paths]
     if not sampling.greedy:  # control: the comparison sees a difference when there is one
-        other = RolloutConfig(fanout=fanout, sampler=SamplerConfig(temperature=1.0, seed=6), wrapper=SHORT)
+        other = RolloutConfig(
+            fanout=fanout, sampler=SamplerConfig(Sampling(temperature=1.0), seed=6), wrapper=SHORT
+        )
         moved = rollout_trees(MODEL, tokenizer(), local, [0, 1, 2], tmp_path / "o", other, env_name=name)  # type: ignore[arg-type]
         assert [t.id for t in moved.trees] != [t.id for t in inproc.trees]
 
 
 def _remote_episode(timeout: float | None) -> tuple[WorkerEnvFactory, TokenEnv]:
     factory = WorkerEnvFactory("support.scripted_envs:FlakyToolsEnv", {}, timeout)
-    env = TokenEnv(factory(), tokenizer(), WrapperConfig(max_turns=10, step_timeout_s=timeout))
+    env = TokenEnv(factory(), tokenizer(), WrapperConfig(EpisodeLimits(max_turns=10, step_timeout_s=timeout)))
     env.reset(0)
     return factory, env
 

@@ -15,6 +15,7 @@ from envs import (
     BUILTINS,
     ConformanceError,
     Environment,
+    EpisodeLimits,
     Message,
     Rubric,
     StepResult,
@@ -85,7 +86,9 @@ def test_fixture_environment_conforms() -> None:
 
 # ----- tool failures become observations ----------------------------------------------------------
 def _episode(timeout: float | None = 0.5) -> TokenEnv:
-    env = TokenEnv(FlakyToolsEnv(), tokenizer(), WrapperConfig(max_turns=10, step_timeout_s=timeout))
+    env = TokenEnv(
+        FlakyToolsEnv(), tokenizer(), WrapperConfig(EpisodeLimits(max_turns=10, step_timeout_s=timeout))
+    )
     env.reset(seed=0)
     return env
 

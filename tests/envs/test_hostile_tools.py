@@ -12,7 +12,7 @@ from decimal import Decimal
 import pytest
 from support.env_fixtures import END, TurnCount, encode, tokenizer
 
-from envs import Message, Rubric, TokenEnv, Tool, ToolEnv, WrapperConfig, format_tool_call
+from envs import EpisodeLimits, Message, Rubric, TokenEnv, Tool, ToolEnv, WrapperConfig, format_tool_call
 
 SPINNING: list[threading.Thread] = []
 
@@ -105,7 +105,9 @@ class HostileEnv(ToolEnv):
 )
 def test_hostile_tool_becomes_a_tool_message(call: tuple[str, dict], expected: str) -> None:
     env = TokenEnv(
-        HostileEnv(), tokenizer(), WrapperConfig(max_turns=5, step_timeout_s=0.3, max_tool_result_chars=100)
+        HostileEnv(),
+        tokenizer(),
+        WrapperConfig(EpisodeLimits(max_turns=5, step_timeout_s=0.3), max_tool_result_chars=100),
     )
     env.reset(0)
     result = env.step(encode(format_tool_call(*call) + END))
@@ -120,7 +122,7 @@ def test_hostile_tool_becomes_a_tool_message(call: tuple[str, dict], expected: s
 
 def test_a_hung_tool_thread_is_stopped() -> None:
     SPINNING.clear()
-    env = TokenEnv(HostileEnv(), tokenizer(), WrapperConfig(step_timeout_s=0.2))
+    env = TokenEnv(HostileEnv(), tokenizer(), WrapperConfig(EpisodeLimits(step_timeout_s=0.2)))
     env.reset(0)
     env.step(encode(format_tool_call("hangs", {}) + END))
     (thread,) = SPINNING

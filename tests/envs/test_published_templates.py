@@ -28,8 +28,11 @@ from transformers import LlamaConfig
 from envs import Episode, Message, Rubric, Tool, ToolCall, ToolEnv, tools_from_openai
 from envs import template as template_module
 from envs.template import ChatTemplate, TemplateError
-from envs.wrapper import TokenEnv, WrapperConfig
+from envs.wrapper import EpisodeLimits, TokenEnv, WrapperConfig
 from treetrain.cli.main import main
+
+LIMITS = EpisodeLimits(max_turn_tokens=512, step_timeout_s=None)
+"""A scripted turn here is a whole tool call in a published syntax, up to about 280 tokens."""
 
 TOOLS = [
     {"type": "function", "function": {"name": "book", "description": "Book seats on a route.", "parameters": {
@@ -115,7 +118,7 @@ def _canonical_turn(
 def test_a_published_template_runs_a_tool_episode_token_exact(name: str) -> None:
     template, fmt, per_turn, rewrites = CASES[name]
     tok = published_tokenizer(template)
-    env = TokenEnv(Booking(), tok, WrapperConfig(step_timeout_s=None), env_name=name)
+    env = TokenEnv(Booking(), tok, WrapperConfig(LIMITS), env_name=name)
     tpl = env.template
     assert tpl.format.name == fmt
     prompt = env.reset(0)
@@ -162,7 +165,7 @@ def test_a_published_template_runs_a_tool_episode_token_exact(name: str) -> None
 def test_a_template_without_tool_support_is_refused_when_tools_are_offered(
     template: str, problem: str
 ) -> None:
-    env = TokenEnv(Booking(), published_tokenizer(template), WrapperConfig(step_timeout_s=None))
+    env = TokenEnv(Booking(), published_tokenizer(template), WrapperConfig(LIMITS))
     with pytest.raises(TemplateError, match=problem):
         env.reset(0)
 
@@ -178,7 +181,7 @@ def test_named_templates_use_the_tool_use_one() -> None:
 def test_the_context_check_catches_a_wrong_observation(monkeypatch: pytest.MonkeyPatch) -> None:
     """Negative control: an observation one token short makes the context differ from the rendering."""
     tok = published_tokenizer("Qwen-Qwen2.5-7B-Instruct")
-    env = TokenEnv(Booking(), tok, WrapperConfig(step_timeout_s=None))
+    env = TokenEnv(Booking(), tok, WrapperConfig(LIMITS))
     env.reset(0)
     tpl, tools = env.template, env._tools
     real = ChatTemplate.observation
@@ -224,9 +227,7 @@ def test_an_open_template_takes_the_sampled_opener_or_starts_a_new_call() -> Non
         ("user", True, None),
         (None, False, "<|observation|>"),
     ):
-        env = TokenEnv(
-            Booking(), published_tokenizer("zai-org-GLM-4.5-Air"), WrapperConfig(step_timeout_s=None)
-        )
+        env = TokenEnv(Booking(), published_tokenizer("zai-org-GLM-4.5-Air"), WrapperConfig(LIMITS))
         env.reset(0)
         tpl = env.template
         assert tpl.open_turns and tpl.format.name == "glm45"
@@ -242,7 +243,7 @@ def test_template_kwargs_reach_every_rendering() -> None:
     """`enable_thinking=False` makes Qwen3's generation prompt carry an empty reasoning block; the prompt
     is the template's own rendering with that variable, and the episode stays token-exact."""
     tok = published_tokenizer("Qwen-Qwen3-0.6B")
-    config = WrapperConfig(step_timeout_s=None, template_kwargs={"enable_thinking": False})
+    config = WrapperConfig(LIMITS, template_kwargs={"enable_thinking": False})
     env = TokenEnv(Booking(), tok, config)
     prompt = env.reset(0)
     tools = [t.to_openai() for t in env._tools]
@@ -281,8 +282,8 @@ def test_a_tool_syntax_no_format_reads_is_refused_unless_set_by_name(
     as a final answer. A format the user set by name is trusted, with a warning."""
     tok = published_tokenizer("unsloth-gpt-oss-20b")
     with pytest.raises(TemplateError, match="which the 'hermes' tool-call format does not read back"):
-        TokenEnv(Booking(), tok, WrapperConfig(step_timeout_s=None)).reset(0)
+        TokenEnv(Booking(), tok, WrapperConfig(LIMITS)).reset(0)
     monkeypatch.setattr(template_module, "_WARNED", set())  # as in a fresh process
     for seed in range(3):  # an episode each, as a run makes them: the warning is logged once
-        TokenEnv(Booking(), tok, WrapperConfig(step_timeout_s=None, tool_format="hermes")).reset(seed)
+        TokenEnv(Booking(), tok, WrapperConfig(LIMITS, tool_format="hermes")).reset(seed)
     assert caplog.text.count("is set by name, so it is used as given") == 1

@@ -12,9 +12,19 @@ import pytest
 import torch
 from support.env_fixtures import END, FixedTurnsEnv, TurnCount, encode, tiny_model, tokenizer
 
-from envs import ChatTemplate, Message, Rubric, StepResult, TemplateError, TokenEnv, ToolCall, WrapperConfig
+from envs import (
+    ChatTemplate,
+    EpisodeLimits,
+    Message,
+    Rubric,
+    StepResult,
+    TemplateError,
+    TokenEnv,
+    ToolCall,
+    WrapperConfig,
+)
 from envs.protocol import Environment
-from treetrain.rollout import RolloutConfig, Sampler, SamplerConfig, rollout_trees
+from treetrain.rollout import RolloutConfig, Sampler, SamplerConfig, Sampling, rollout_trees
 from treetrain.trajectory import Role
 from treetrain.tree import build_tree
 
@@ -50,7 +60,7 @@ class ThinkEnv(Environment):
 @pytest.mark.parametrize("keep", [False, True])
 def test_a_template_that_drops_reasoning_starts_a_new_call(keep: bool) -> None:
     tok = _tokenizer_with(("{%- set keep = true %}" if keep else "{%- set keep = false %}") + DROPS_REASONING)
-    env = TokenEnv(ThinkEnv(), tok, WrapperConfig(max_turns=3))
+    env = TokenEnv(ThinkEnv(), tok, WrapperConfig(EpisodeLimits(max_turns=3)))
     env.reset(0)
     turns = [
         encode("<think>hmm</think>first" + END),
@@ -81,7 +91,7 @@ def test_rollout_with_a_rewriting_template_encodes_each_new_call_from_scratch(tm
     summarizes = DROPS_REASONING.replace("m.content.split('</think>')[-1].lstrip()", "'(earlier turn)'")
     tok = _tokenizer_with("{%- set keep = false %}" + summarizes)
     config = RolloutConfig(
-        wrapper=WrapperConfig(max_turns=3, max_turn_tokens=5, max_episode_tokens=512),
+        wrapper=WrapperConfig(EpisodeLimits(max_turns=3, max_turn_tokens=5, max_episode_tokens=512)),
         sampler=SamplerConfig(seed=1),
     )
     (tree,) = rollout_trees(tiny_model(), tok, ThinkEnv, [0], tmp_path, config, env_name="think").trees
@@ -128,11 +138,11 @@ def test_end_of_turn_comes_from_the_template_and_can_be_any_sequence() -> None:
 def test_sampler_stops_on_a_multi_token_sequence() -> None:
     torch.manual_seed(0)
     model = tiny_model()
-    free = Sampler(model, SamplerConfig(temperature=0), stop_token_ids=(10**6,)).sample(
+    free = Sampler(model, SamplerConfig(Sampling(temperature=0)), stop_token_ids=(10**6,)).sample(
         None, (5, 6, 7), 1, 8
     )[0]
     stop = free.tokens[2:4]
-    out = Sampler(model, SamplerConfig(temperature=0), stop_token_ids=(10**6, stop)).sample(
+    out = Sampler(model, SamplerConfig(Sampling(temperature=0)), stop_token_ids=(10**6, stop)).sample(
         None, (5, 6, 7), 1, 8
     )[0]
     assert out.tokens == free.tokens[:4] and out.stopped and not free.stopped
@@ -176,7 +186,7 @@ def test_a_rewriting_template_trains_from_the_cli(tmp_path: Path) -> None:
     args = ["train", "--run-dir", str(tmp_path / "run"), "--updates", "1", "--no-progress"]
     for s in (
         f"model.path={tmp_path / 'model'}", "env.name=support.env_fixtures:FixedTurnsEnv", "rollout.groups_per_update=1",
-        "rollout.fanout.root=2", "rollout.max_turns=3", "rollout.max_turn_tokens=4", "loss.entropy_coef=0.01",
+        "rollout.fanout.root=2", "rollout.episode.max_turns=3", "rollout.episode.max_turn_tokens=4", "loss.entropy_coef=0.01",
         "advantages.zero_variance=keep", "measure_memory_every=0", "threads=1",
     ):  # fmt: skip
         args += ["--set", s]

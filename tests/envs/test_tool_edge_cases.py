@@ -22,7 +22,7 @@ from support.env_fixtures import tokenizer
 from envs import Message, ProtocolError, Tool, ToolCall, ToolEnv, tools_from_openai
 from envs.formats import FORMATS
 from envs.tools import execute_tool_call
-from envs.wrapper import TokenEnv, WrapperConfig
+from envs.wrapper import EpisodeLimits, TokenEnv, WrapperConfig
 
 
 def interrupt() -> str:
@@ -63,7 +63,7 @@ class Hostile(ToolEnv):
     ],
 )
 def test_a_hostile_tool_in_a_step_thread_is_a_tool_message(name: str, expected: str) -> None:
-    env = TokenEnv(Hostile(), tokenizer(), WrapperConfig(step_timeout_s=5.0))
+    env = TokenEnv(Hostile(), tokenizer(), WrapperConfig(EpisodeLimits(step_timeout_s=5.0)))
     env.reset(0)
     turn = env.template.encode(env.template.write_call(name, {}) + env.template.end_of_turn)
     result = env.step(turn)

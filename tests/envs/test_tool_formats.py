@@ -9,7 +9,7 @@ import copy
 import pytest
 from support.chat_formats import family_tokenizer
 
-from envs import Message, TokenEnv, ToolCall, WrapperConfig
+from envs import EpisodeLimits, Message, TokenEnv, ToolCall, WrapperConfig
 from envs.calculator import CalculatorEnv
 from envs.formats import FORMATS, UnknownFormatError, get_format
 from envs.template import ChatTemplate
@@ -65,7 +65,7 @@ def test_a_call_rendered_by_the_template_parses_back_to_the_same_call(name: str,
 @pytest.mark.parametrize("name", NAMES)
 def test_calculator_episode_in_each_format(name: str) -> None:
     tok = family_tokenizer(name)
-    env = TokenEnv(CalculatorEnv(), tok, WrapperConfig(max_turns=4))
+    env = TokenEnv(CalculatorEnv(), tok, WrapperConfig(EpisodeLimits(max_turns=4)))
     prompt = env.reset(seed=5)
     task = env.env.state()
     assert task is not None
@@ -87,7 +87,7 @@ def test_calculator_episode_in_each_format(name: str) -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_a_parse_failure_is_an_error_tool_message(name: str) -> None:
     tok = family_tokenizer(name)
-    env = TokenEnv(CalculatorEnv(), tok, WrapperConfig(max_turns=4))
+    env = TokenEnv(CalculatorEnv(), tok, WrapperConfig(EpisodeLimits(max_turns=4)))
     env.reset(seed=1)
     result = env.step(env.template.encode(BAD[name] + env.template.end_of_turn))
     assert result.messages and result.messages[0].role == "tool"
@@ -118,7 +118,9 @@ def test_llama3_takes_one_call_per_turn() -> None:
 
 
 def _scripted_episode(name: str, fast: bool | None, seed: int = 5) -> tuple:
-    env = TokenEnv(CalculatorEnv(), family_tokenizer(name), WrapperConfig(max_turns=4, max_turn_tokens=64))
+    env = TokenEnv(
+        CalculatorEnv(), family_tokenizer(name), WrapperConfig(EpisodeLimits(max_turns=4, max_turn_tokens=64))
+    )
     if fast is not None:
         env.template.fast = fast
     env.reset(seed=seed)

@@ -9,6 +9,7 @@ from support.env_fixtures import END, FixedTurnsEnv, FlakyToolsEnv, encode, toke
 
 from envs import (
     EnvStepError,
+    EpisodeLimits,
     Finish,
     Message,
     StepResult,
@@ -17,11 +18,13 @@ from envs import (
     format_tool_call,
 )
 from envs.calculator import CalculatorEnv
+from envs.wrapper import UNKNOWN_CONTEXT_TOKENS
+from treetrain.errors import ConfigError
 from treetrain.trajectory import Role
 
 
-def _tool_episode(**config: object) -> TokenEnv:
-    env = TokenEnv(FlakyToolsEnv(), tokenizer(), WrapperConfig(**config))  # type: ignore[arg-type]
+def _tool_episode() -> TokenEnv:
+    env = TokenEnv(FlakyToolsEnv(), tokenizer(), WrapperConfig())
     env.reset(seed=0)
     return env
 
@@ -72,7 +75,7 @@ def test_observation_is_the_template_delta() -> None:
 
 
 def test_max_turns_ends_the_episode() -> None:
-    env = TokenEnv(FixedTurnsEnv(turns=100), tokenizer(), WrapperConfig(max_turns=2))
+    env = TokenEnv(FixedTurnsEnv(turns=100), tokenizer(), WrapperConfig(EpisodeLimits(max_turns=2)))
     env.reset(0)
     assert not env.step(encode("a" + END)).done
     result = env.step(encode("b" + END))
@@ -82,7 +85,7 @@ def test_max_turns_ends_the_episode() -> None:
 
 
 def test_turn_cut_by_its_budget_gets_the_end_marker_as_observation() -> None:
-    env = TokenEnv(FixedTurnsEnv(turns=5), tokenizer(), WrapperConfig(max_turn_tokens=4))
+    env = TokenEnv(FixedTurnsEnv(turns=5), tokenizer(), WrapperConfig(EpisodeLimits(max_turn_tokens=4)))
     env.reset(0)
     assert env.turn_budget() == 4
     with pytest.raises(ValueError, match=r"1\.\.4 tokens"):
@@ -96,7 +99,11 @@ def test_turn_cut_by_its_budget_gets_the_end_marker_as_observation() -> None:
 def test_episode_token_budget() -> None:
     probe = TokenEnv(FixedTurnsEnv(turns=100), tokenizer())
     prompt_len = len(probe.reset(0))
-    env = TokenEnv(FixedTurnsEnv(turns=100), tokenizer(), WrapperConfig(max_episode_tokens=prompt_len + 40))
+    env = TokenEnv(
+        FixedTurnsEnv(turns=100),
+        tokenizer(),
+        WrapperConfig(EpisodeLimits(max_episode_tokens=prompt_len + 40)),
+    )
     env.reset(0)
     assert env.turn_budget() == 40
     result = env.step(encode("x" + END))
@@ -107,7 +114,9 @@ def test_episode_token_budget() -> None:
     assert len(env.context) < prompt_len + 40
     assert env.trajectory("t").meta.extra["finish"] == "max_tokens"
     with pytest.raises(ValueError, match="leaves no room"):
-        TokenEnv(FixedTurnsEnv(), tokenizer(), WrapperConfig(max_episode_tokens=prompt_len)).reset(0)
+        TokenEnv(
+            FixedTurnsEnv(), tokenizer(), WrapperConfig(EpisodeLimits(max_episode_tokens=prompt_len))
+        ).reset(0)
 
 
 def test_fork_is_independent() -> None:
@@ -128,7 +137,7 @@ def test_environment_bug_propagates() -> None:
             raise ZeroDivisionError("bug")
 
     for timeout in (None, 1.0):
-        env = TokenEnv(Buggy(), tokenizer(), WrapperConfig(step_timeout_s=timeout))
+        env = TokenEnv(Buggy(), tokenizer(), WrapperConfig(EpisodeLimits(step_timeout_s=timeout)))
         env.reset(0)
         with pytest.raises(EnvStepError, match="ZeroDivisionError"):
             env.step(encode("x" + END))
@@ -144,11 +153,48 @@ def test_reset_must_open_with_system_or_user() -> None:
 
 
 @pytest.mark.parametrize(
-    "field", [{"max_turns": 0}, {"max_turn_tokens": -1}, {"max_episode_tokens": 1.5}, {"step_timeout_s": 0.0}]
+    ("field", "message"),
+    [
+        ({"max_turns": 0}, r"^max_turns: must be in \[1, 4096\], got 0$"),
+        ({"max_turns": 4097}, r"^max_turns: must be in \[1, 4096\], got 4097$"),
+        ({"max_turn_tokens": -1}, r"^max_turn_tokens: must be in \[1, 1048576\], got -1$"),
+        ({"max_episode_tokens": 1.5}, r"^max_episode_tokens: must be an integer, got 1.5$"),
+        ({"max_episode_tokens": 1 << 25}, r"^max_episode_tokens: must be in \[1, 16777216\]"),
+        ({"max_turns": True}, r"^max_turns: must be an integer, got True$"),
+        ({"step_timeout_s": 0.0}, r"^step_timeout_s: must be in \(0, 604800\] seconds or null"),
+        ({"step_timeout_s": 1e9}, r"^step_timeout_s: must be in \(0, 604800\] seconds or null"),
+    ],
 )
-def test_config_is_validated(field: dict[str, object]) -> None:
-    with pytest.raises(ValueError, match=next(iter(field))):
-        WrapperConfig(**field)  # type: ignore[arg-type]
+def test_limits_are_validated_naming_the_field(field: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        EpisodeLimits(**field)  # type: ignore[arg-type]
+
+
+def test_limits_at_their_bounds_are_accepted() -> None:
+    """The negative control of the refusals above: the largest values and null are valid."""
+    limits = EpisodeLimits(
+        max_turns=4096, max_turn_tokens=1 << 20, max_episode_tokens=1 << 24, step_timeout_s=None
+    )
+    assert limits.episode_tokens() == 1 << 24
+    assert EpisodeLimits(step_timeout_s=604800.0).step_timeout_s == 604800.0
+
+
+def test_a_null_episode_budget_is_the_model_context() -> None:
+    assert EpisodeLimits().for_context(2048).max_episode_tokens == 2048
+    assert EpisodeLimits(max_episode_tokens=512).for_context(2048).max_episode_tokens == 512
+    assert EpisodeLimits().for_context(None).max_episode_tokens == UNKNOWN_CONTEXT_TOKENS
+    assert (
+        EpisodeLimits().for_context(1 << 30).max_episode_tokens == 1 << 24
+    )  # a declared context past the limit
+    env = TokenEnv(FixedTurnsEnv(), tokenizer(), WrapperConfig(EpisodeLimits().for_context(64)))
+    env.reset(0)
+    assert env.episode_tokens == 64 and env.turn_budget() == min(96, 64 - len(env.context))
+
+
+def test_wrapper_config_is_validated() -> None:
+    with pytest.raises(ConfigError, match=r"^max_tool_result_chars: must be a positive integer, got 0$"):
+        WrapperConfig(max_tool_result_chars=0)
+    assert WrapperConfig(max_tool_result_chars=1).max_tool_result_chars == 1
 
 
 def test_calculator_prompt_lists_the_tool() -> None:

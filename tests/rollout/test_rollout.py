@@ -11,8 +11,16 @@ import pytest
 import torch
 from support.env_fixtures import FixedTurnsEnv, NoisyEnv, tiny_model, tokenizer
 
-from envs import Environment, WrapperConfig, make_env
-from treetrain.rollout import FanOut, RolloutConfig, Sampler, SamplerConfig, fork_cache, rollout_trees
+from envs import Environment, EpisodeLimits, WrapperConfig, make_env
+from treetrain.rollout import (
+    FanOut,
+    RolloutConfig,
+    Sampler,
+    SamplerConfig,
+    Sampling,
+    fork_cache,
+    rollout_trees,
+)
 from treetrain.trajectory import Role, Trajectory
 from treetrain.tree import TrajectoryTree
 from treetrain.tree.format import load_tree
@@ -24,7 +32,7 @@ torch.set_num_threads(1)
 MODEL = tiny_model(init=0.02)
 #: Peaked, context-sensitive distributions: a wrong KV cache visibly changes the tokens.
 SHARP = tiny_model(init=0.5)
-SHORT = WrapperConfig(max_turns=8, max_turn_tokens=6, max_episode_tokens=1024)
+SHORT = WrapperConfig(EpisodeLimits(max_turns=8, max_turn_tokens=6, max_episode_tokens=1024))
 
 
 def _rollout(
@@ -70,7 +78,7 @@ def test_fanout_is_validated() -> None:
 
 def test_policy_fanout_gives_expected_leaves_and_divergence_points(tmp_path: Path) -> None:
     fan = FanOut(root=3, after_tool_result=2, max_depth=3)
-    (tree,) = _rollout(tmp_path, fanout=fan, sampler=SamplerConfig(temperature=1.5, seed=0))
+    (tree,) = _rollout(tmp_path, fanout=fan, sampler=SamplerConfig(Sampling(temperature=1.5), seed=0))
     trajs = tree.trajectories()
     assert len(trajs) == 3 * 2 * 2 == len(tree.leaves())
     assert sorted(_path(t) for t in trajs) == sorted(itertools.product(range(3), range(2), range(2)))
@@ -85,7 +93,9 @@ def test_policy_fanout_gives_expected_leaves_and_divergence_points(tmp_path: Pat
 
 def test_environment_fanout_branches_after_the_assistant_turn(tmp_path: Path) -> None:
     fan = FanOut(root=2, after_assistant_turn=2, max_depth=2)
-    (tree,) = _rollout(tmp_path, env=NoisyEnv, fanout=fan, sampler=SamplerConfig(temperature=1.5, seed=1))
+    (tree,) = _rollout(
+        tmp_path, env=NoisyEnv, fanout=fan, sampler=SamplerConfig(Sampling(temperature=1.5), seed=1)
+    )
     trajs = tree.trajectories()
     assert sorted(_path(t) for t in trajs) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for a, b in itertools.combinations(trajs, 2):
@@ -97,7 +107,9 @@ def test_environment_fanout_branches_after_the_assistant_turn(tmp_path: Path) ->
             assert split == _boundaries(a)[0]
 
 
-@pytest.mark.parametrize("sampling", [SamplerConfig(temperature=0.0), SamplerConfig(temperature=1.0, seed=3)])
+@pytest.mark.parametrize(
+    "sampling", [SamplerConfig(Sampling(temperature=0.0)), SamplerConfig(Sampling(temperature=1.0), seed=3)]
+)
 def test_prefix_reuse_gives_the_same_tokens(tmp_path: Path, sampling: SamplerConfig) -> None:
     fan = FanOut(root=2, after_tool_result=2, max_depth=3)
     config = RolloutConfig(fanout=fan, sampler=sampling, wrapper=SHORT)
@@ -109,7 +121,7 @@ def test_prefix_reuse_gives_the_same_tokens(tmp_path: Path, sampling: SamplerCon
         assert with_reuse.trajectories() == without.trajectories()
         assert len(with_reuse.trajectories()) == 8
     assert runs[True].stats.encoded_tokens < runs[False].stats.encoded_tokens
-    if not sampling.greedy:  # greedy siblings are identical and merge, so the tree is a single path
+    if not sampling.sampling.greedy:  # greedy siblings are identical and merge, so the tree is a single path
         unique = sum(tree_stats(t).unique_tokens for t in runs[True].trees)
         assert runs[True].stats.encoded_tokens <= unique
 
@@ -130,14 +142,14 @@ def _continue(sampler: Sampler, reuse: bool, corrupt: bool = False) -> tuple[int
 
 
 def test_kept_state_matches_reencoding_and_a_corrupt_one_does_not() -> None:
-    sampler = Sampler(SHARP, SamplerConfig(temperature=0.0), tokenizer().encode("<|im_end|>"))
+    sampler = Sampler(SHARP, SamplerConfig(Sampling(temperature=0.0)), tokenizer().encode("<|im_end|>"))
     reference = _continue(sampler, reuse=False)
     assert _continue(sampler, reuse=True) == reference
     assert _continue(sampler, reuse=True, corrupt=True) != reference  # negative control
 
 
 def test_fork_cache_shares_nothing() -> None:
-    sampler = Sampler(MODEL, SamplerConfig(temperature=0.0), (2,))
+    sampler = Sampler(MODEL, SamplerConfig(Sampling(temperature=0.0)), (2,))
     (sample,) = sampler.sample(None, (5, 6, 7, 8), n=1, max_new_tokens=3)
     assert sample.state is not None
     parent = sample.state.cache
@@ -152,7 +164,7 @@ def test_logprobs_are_those_of_the_sampling_distribution(tmp_path: Path, top_p: 
     temperature = 0.7
     fan = FanOut(root=2, after_tool_result=1, max_depth=1)
     (tree,) = _rollout(
-        tmp_path, fanout=fan, sampler=SamplerConfig(temperature=temperature, top_p=top_p, seed=2)
+        tmp_path, fanout=fan, sampler=SamplerConfig(Sampling(temperature=temperature, top_p=top_p), seed=2)
     )
     for traj in tree.trajectories():
         tokens = torch.tensor([traj.calls[0].tokens])
@@ -178,13 +190,15 @@ def test_logprobs_are_those_of_the_sampling_distribution(tmp_path: Path, top_p: 
 
 
 def test_greedy_logprobs_are_zero_and_turns_stop_on_the_end_marker(tmp_path: Path) -> None:
-    (tree,) = _rollout(tmp_path, fanout=FanOut(root=1), sampler=SamplerConfig(temperature=0.0))
+    (tree,) = _rollout(tmp_path, fanout=FanOut(root=1), sampler=SamplerConfig(Sampling(temperature=0.0)))
     (traj,) = tree.trajectories()
     end = tokenizer().convert_tokens_to_ids("<|im_end|>")
     for seg in traj.calls[0].segments:
         if seg.role is Role.POLICY:
             assert seg.logprobs == (0.0,) * len(seg)
-            assert end not in seg.tokens[:-1] and (seg.tokens[-1] == end or len(seg) == SHORT.max_turn_tokens)
+            assert end not in seg.tokens[:-1] and (
+                seg.tokens[-1] == end or len(seg) == SHORT.episode.max_turn_tokens
+            )
 
 
 def test_trees_are_on_disk_before_return_and_survive_a_crash(tmp_path: Path) -> None:
@@ -211,7 +225,9 @@ def test_trees_are_on_disk_before_return_and_survive_a_crash(tmp_path: Path) -> 
 
 
 def test_builtin_lookup_rollout_shares_the_long_prompt(tmp_path: Path) -> None:
-    config = RolloutConfig(fanout=FanOut(root=3), wrapper=WrapperConfig(max_turns=2, max_turn_tokens=4))
+    config = RolloutConfig(
+        fanout=FanOut(root=3), wrapper=WrapperConfig(EpisodeLimits(max_turns=2, max_turn_tokens=4))
+    )
     result = rollout_trees(
         MODEL, tokenizer(), lambda: make_env("lookup", num_rows=20), [0], tmp_path, config, env_name="lookup"
     )

@@ -1,7 +1,7 @@
 """An environment whose `step` blocks in its step thread, for the SIGINT test (tests/train/test_sigint_step.py).
 
 With `BLOCKING_ENV_MARKER` set, the first `step` prints that marker line to stderr and then blocks for
-good, as a hung tool would (the wrapper runs steps in a worker thread under `rollout.step_timeout_s`).
+good, as a hung tool would (the wrapper runs steps in a worker thread under `rollout.episode.step_timeout_s`).
 Without it every step ends the episode at once, so the same run can be resumed."""
 
 from __future__ import annotations

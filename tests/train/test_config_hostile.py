@@ -40,13 +40,21 @@ def _alias_bomb() -> str:
 # (file name, content, what the one-line error must contain)
 HOSTILE_FILES: list[tuple[str, bytes, str]] = [
     ("bomb.yaml", _alias_bomb().encode(), "alias"),
-    ("dup.yaml", b"seed: 1\nrollout:\n  top_p: 0.5\n  top_p: 0.6\n", "duplicate key 'top_p'"),
+    (
+        "dup.yaml",
+        b"seed: 1\nrollout:\n  sampling:\n    top_p: 0.5\n    top_p: 0.6\n",
+        "duplicate key 'top_p'",
+    ),
     ("dup.toml", b"seed = 1\nseed = 2\n", "line 2: duplicate key 'seed'"),
     ("dup_dotted.toml", b"[loss]\nkl_coef = 1\n[model]\nx.y = 1\nx.y = 2\n", "duplicate key 'x.y'"),
-    ("dup_section.toml", b"[rollout]\ntemperature = 2\n[rollout]\ntop_p = 0.5\n", "('rollout',) twice"),
+    (
+        "dup_section.toml",
+        b"[rollout.sampling]\ntemperature = 2\n[rollout.sampling]\ntop_p = 0.5\n",
+        "('rollout', 'sampling') twice",
+    ),
     ("stage.toml", b"[distributed]\nzero_stage = true\n", "distributed.zero_stage"),
     ("stage_float.yaml", b"distributed:\n  zero_stage: 1.0\n", "distributed.zero_stage"),
-    ("text_float.toml", b'[rollout]\ntemperature = "0.5"\n', "rollout.temperature"),
+    ("text_float.toml", b'[rollout.sampling]\ntemperature = "0.5"\n', "rollout.sampling.temperature"),
     ("float_int.toml", b"updates = 7.0\n", "updates"),
     ("date.toml", b"run_dir = 1979-05-27\n", "run_dir"),
     ("latin1.yaml", b"run_dir: caf\xe9\n", "not UTF-8"),
@@ -70,7 +78,7 @@ HOSTILE_FILES: list[tuple[str, bytes, str]] = [
     ("scalar.toml", b"= 1\n", "not valid TOML"),
     ("big.yaml", b"# " + b"x" * MAX_CONFIG_BYTES + b"\n", "larger than"),
     ("wide.yaml", b"env:\n  kwargs:\n    x: [" + b"0," * 11_000 + b"]\n", "values"),
-    ("tab.yaml", b"rollout:\n\ttop_p: 0.5\n", "not valid YAML"),
+    ("tab.yaml", b"rollout:\n\tsampling: {top_p: 0.5}\n", "not valid YAML"),
     ("unknown.toml", b"[rollout]\nbranching = 2\n", "rollout.branching: unknown field"),
     ("section.yaml", b"rollout: 3\n", "rollout"),
     ("fanout_section.toml", b"[rollout]\nfanout = 2\n", "rollout.fanout: expected a section"),
@@ -145,8 +153,8 @@ def test_missing_and_wrong_kind_of_config_file(tmp_path: Path, capsys) -> None:
         ("optim.lr=1e999", "optim.lr"),
         (f"optim.lr={10**400}", "optim.lr"),
         ("optim.betas=[0.9, 1e999]", "optim.betas"),
-        ("rollout.max_turn_tokens=1e9", "rollout.max_turn_tokens"),
-        ("rollout.max_episode_tokens=4294967296", "rollout.max_episode_tokens"),
+        ("rollout.episode.max_turn_tokens=1e9", "rollout.episode.max_turn_tokens"),
+        ("rollout.episode.max_episode_tokens=4294967296", "rollout.episode.max_episode_tokens"),
         ("distributed.zero_stage=true", "distributed.zero_stage"),
         ("env.kwargs=" + "[" * 10_000, "env.kwargs"),
         ("env.kwargs={a: &x [*x]}", "env.kwargs"),
@@ -158,8 +166,16 @@ def test_missing_and_wrong_kind_of_config_file(tmp_path: Path, capsys) -> None:
         ("loss.clip_high=1e308", "loss.clip_high"),
         ("loss.entropy_coef=1e31", "loss.entropy_coef"),
         ("loss.seq_sum_normalizer=1e-320", "loss.seq_sum_normalizer"),
-        ("rollout.temperature=1e-320", "rollout.temperature"),
-        ("rollout.step_timeout_s=1e12", "rollout.step_timeout_s"),
+        ("rollout.sampling.temperature=1e-320", "rollout.sampling.temperature"),
+        ("rollout.episode.step_timeout_s=1e12", "rollout.episode.step_timeout_s: must be in (0, 604800]"),
+        ("rollout.episode.max_turns=0", "rollout.episode.max_turns: must be in [1, 4096], got 0"),
+        ("rollout.episode.max_turns=4097", "rollout.episode.max_turns: must be in [1, 4096], got 4097"),
+        ("rollout.episode.max_episode_tokens=1.5", "rollout.episode.max_episode_tokens: expected an integer"),
+        ("rollout.sampling.temperature=0", "rollout.sampling.temperature: must be > 0 for RL sampling"),
+        ("rollout.sampling.temperature=-1", "rollout.sampling.temperature: must be >= 0"),
+        ("rollout.sampling.top_p=1.5", "rollout.sampling.top_p: must be in (0, 1], got 1.5"),
+        ("rollout.sampling.top_p=0", "rollout.sampling.top_p: must be in (0, 1], got 0"),
+        ("rollout.groups_per_update=65537", "rollout.groups_per_update: must be in [1, 65536], got 65537"),
         ("run_dir=", "run_dir: must not be empty"),
         ("rollout.trees=''", "rollout.trees: must not be empty"),
         ("model.reference=", "model.reference: must not be empty"),
@@ -182,9 +198,10 @@ def test_a_renamed_key_fails_naming_its_new_key(tmp_path: Path, capsys, old: str
     for source in (["--config", str(path)], ["--set", f"rollout.{old}=2"]):
         assert main(["train", *source, "--print-config"]) == 2
         _one_line_error(capsys.readouterr().err, f"rollout.{old} was renamed rollout.{new}")
-    assert main(["train", "--set", f"rollout.{new}=2", "--print-config"]) == 0  # the control: it loads
+    value = 0.5 if new == "sampling.top_p" else 2  # a value the new key accepts
+    assert main(["train", "--set", f"rollout.{new}={value}", "--print-config"]) == 0  # the control: it loads
     section, key = new.split(".")
-    assert getattr(getattr(load_config(None, [f"rollout.{new}=2"]).rollout, section), key) == 2
+    assert getattr(getattr(load_config(None, [f"rollout.{new}={value}"]).rollout, section), key) == value
     assert f"| `rollout.{old}` | `rollout.{new}` |" in (ROOT / "docs" / "configuration.md").read_text()
 
 
@@ -232,13 +249,13 @@ def test_truncated_safetensors_names_the_file(tmp_path: Path, capsys) -> None:
 # ----- fuzzing ------------------------------------------------------------------------------------------
 BASE_YAML = (
     "run_dir: runs/x\nseed: 3\nupdates: 2\nmodel:\n  path: tiny-llama\n  reference: initial\n"
-    "rollout:\n  fanout:\n    root: 4\n  temperature: 1.0\n  trees: null\nloss:\n  kl_coef: 0.05\n"
+    "rollout:\n  fanout:\n    root: 4\n  sampling:\n    temperature: 1.0\n  trees: null\nloss:\n  kl_coef: 0.05\n"
     "optim:\n  lr: 5e-4\n  betas: [0.9, 0.99]\nenv:\n  kwargs: {a: 1, b: [x, y]}\n"
     "distributed:\n  zero_stage: 2\n"
 )
 BASE_TOML = (
     'run_dir = "runs/x"\nseed = 3\nupdates = 2\n[model]\npath = "tiny-llama"\nreference = "initial"\n'
-    "[rollout]\ntemperature = 1.0\n[rollout.fanout]\nroot = 4\n[loss]\nkl_coef = 0.05\n"
+    "[rollout.sampling]\ntemperature = 1.0\n[rollout.fanout]\nroot = 4\n[loss]\nkl_coef = 0.05\n"
     "[optim]\nlr = 5e-4\nbetas = [0.9, 0.99]\n[env.kwargs]\na = 1\nb = ['x', 'y']\n"
     "[distributed]\nzero_stage = 2\n"
 )
@@ -250,9 +267,10 @@ HOSTILE_SNIPPETS = [
 ]  # fmt: skip
 FIELDS = [
     "seed", "updates", "threads", "memory_budget", "checkpoint_every", "mode", "run_dir",
-    "model.path", "model.dtype", "model.reference", "rollout.fanout.root", "rollout.temperature",
-    "rollout.top_p", "rollout.step_timeout_s", "rollout.max_turn_tokens", "rollout.trees",
-    "rollout.fanout.max_depth", "rollout.fanout_env", "rollout.fanout",
+    "model.path", "model.dtype", "model.reference", "rollout.fanout.root", "rollout.sampling.temperature",
+    "rollout.sampling.top_p", "rollout.episode.step_timeout_s", "rollout.episode.max_turn_tokens", "rollout.trees",
+    "rollout.fanout.max_depth", "rollout.fanout_env", "rollout.fanout", "rollout.sampling", "rollout.episode",
+    "rollout.episode.max_turns", "rollout.episode.max_episode_tokens", "rollout.temperature", "rollout.max_turns",
     "replay.microbatch", "replay.retention", "replay.max_logit_elements", "replay.keep_graphs",
     "loss.kl_coef", "loss.dual_clip", "optim.lr", "optim.betas", "optim.name", "env.kwargs", "env.name",
     "distributed.zero_stage", "distributed.backend", "advantages.eps", "nonsense", "rollout.nonsense.x",

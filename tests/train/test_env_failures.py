@@ -22,7 +22,7 @@ ASSETS = str(Path(__file__).resolve().parents[1] / "assets" / "misbehaving")
 ENV = "misbehaving_env:Misbehaving"
 SETTINGS = [
     "model.path=tiny-llama", f"env.name={ENV}", "rollout.groups_per_update=2", "rollout.fanout.root=2",
-    "rollout.max_turns=2", "rollout.max_turn_tokens=4", "advantages.zero_variance=keep",
+    "rollout.episode.max_turns=2", "rollout.episode.max_turn_tokens=4", "advantages.zero_variance=keep",
     "measure_memory_every=0", "threads=1", "updates=1",
 ]  # fmt: skip
 

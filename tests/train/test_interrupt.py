@@ -23,8 +23,8 @@ from treetrain.train.loop import Trainer
 from treetrain.train.metrics import UpdateMetrics, read_metrics
 
 SETTINGS = [
-    "model.path=tiny-llama", "rollout.groups_per_update=2", "rollout.fanout.root=4", "rollout.max_turns=2",
-    "rollout.max_turn_tokens=12", "optim.lr=0.01", "advantages.zero_variance=keep", "loss.entropy_coef=0.01",
+    "model.path=tiny-llama", "rollout.groups_per_update=2", "rollout.fanout.root=4", "rollout.episode.max_turns=2",
+    "rollout.episode.max_turn_tokens=12", "optim.lr=0.01", "advantages.zero_variance=keep", "loss.entropy_coef=0.01",
     "measure_memory_every=0", "threads=1", "updates=3",
 ]  # fmt: skip
 TIMING = {"rollout_seconds", "train_seconds", "peak_bytes", "predicted_peak_bytes"}

@@ -76,8 +76,8 @@ def test_a_run_refused_at_its_first_update_leaves_nothing(tmp_path: Path, capsys
     run = tmp_path / "run"
     if existing:
         run.mkdir()
-    small = ["rollout.groups_per_update=1", "rollout.fanout.root=2", "rollout.max_turns=1",
-             "rollout.max_turn_tokens=4", "advantages.zero_variance=keep", "memory_budget=1B"]  # fmt: skip
+    small = ["rollout.groups_per_update=1", "rollout.fanout.root=2", "rollout.episode.max_turns=1",
+             "rollout.episode.max_turn_tokens=4", "advantages.zero_variance=keep", "memory_budget=1B"]  # fmt: skip
     assert main(["train", "--run-dir", str(run), *TINY, *[a for kv in small for a in ("--set", kv)]]) == 2
     err = _one_line(capsys)
     assert "the run never started" in err

@@ -120,8 +120,8 @@ def test_a_good_saved_config_passes_the_same_path(tmp_path: Path, capsys) -> Non
 
 
 TINY = [
-    "model.path=tiny-llama", "rollout.groups_per_update=2", "rollout.fanout.root=4", "rollout.max_turns=2",
-    "rollout.max_turn_tokens=12", "optim.lr=0.01", "advantages.zero_variance=keep", "measure_memory_every=0",
+    "model.path=tiny-llama", "rollout.groups_per_update=2", "rollout.fanout.root=4", "rollout.episode.max_turns=2",
+    "rollout.episode.max_turn_tokens=12", "optim.lr=0.01", "advantages.zero_variance=keep", "measure_memory_every=0",
 ]  # fmt: skip
 
 

@@ -1,4 +1,4 @@
-"""Ctrl-C while an environment step runs in the environment worker (`rollout.step_timeout_s`): the run ends with
+"""Ctrl-C while an environment step runs in the environment worker (`rollout.episode.step_timeout_s`): the run ends with
 one line and no traceback, leaves no half-written file, and `--resume` then completes the run.
 
 Synchronization is a marker line the blocked step prints to stderr; the signal is sent only after the
@@ -22,7 +22,7 @@ TESTS = str(Path(__file__).resolve().parents[1])
 MARKER = "BLOCKING-ENV: step thread is blocked"
 SETTINGS = [
     "model.path=tiny-llama", "env.name=support.blocking_env:BlockingStepEnv", "rollout.groups_per_update=1",
-    "rollout.fanout.root=2", "rollout.max_turns=2", "rollout.max_turn_tokens=4", "rollout.step_timeout_s=600",
+    "rollout.fanout.root=2", "rollout.episode.max_turns=2", "rollout.episode.max_turn_tokens=4", "rollout.episode.step_timeout_s=600",
     "advantages.zero_variance=keep", "measure_memory_every=0", "threads=1", "updates=1",
 ]  # fmt: skip
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,13 +11,16 @@ from safetensors.torch import load_file
 from support.train_cases import TINY
 from transformers import AutoModelForCausalLM
 
+from envs.wrapper import EpisodeLimits, WrapperConfig
 from treetrain.cli.main import main
 from treetrain.errors import ConfigError
 from treetrain.rollout.fanout import FanOut
+from treetrain.rollout.sampler import Sampling
 from treetrain.rollout.tree_rollout import RolloutConfig
 from treetrain.train.config import dump_config, load_config
 from treetrain.train.loop import Trainer
 from treetrain.train.metrics import read_metrics
+from treetrain.train.tree_sources import wrapper_config
 from treetrain.tree.format import load_trees
 from treetrain.update.run import advantage_groups
 
@@ -97,6 +101,27 @@ def test_the_rollout_section_is_the_schedule_the_rollout_takes() -> None:
         after_assistant_turn=2
     )
     assert load_config(None, ["rollout.fanout.root=3"]).rollout.fanout != FanOut()
+
+
+def test_sampling_and_episode_sections_are_the_objects_the_rollout_takes() -> None:
+    """`rollout.sampling` is `Sampling` and `rollout.episode` is `EpisodeLimits`: one default each, and the
+    trainer hands them to the sampler and the token wrapper unchanged (the episode budget resolved against
+    the model's context)."""
+    cfg = load_config(None)
+    assert cfg.rollout.sampling == RolloutConfig().sampler.sampling == Sampling()
+    assert cfg.rollout.episode == WrapperConfig().episode == EpisodeLimits()
+    assert (cfg.rollout.episode.max_turns, cfg.rollout.episode.max_turn_tokens) == (4, 96)
+    changed = load_config(None, ["rollout.sampling.top_p=0.9", "rollout.episode.max_turns=6"])
+    assert changed.rollout.sampling == Sampling(top_p=0.9) != Sampling()
+    assert changed.rollout.episode == EpisodeLimits(max_turns=6) != EpisodeLimits()
+
+    text = SimpleNamespace(max_position_embeddings=2048)
+    model = SimpleNamespace(
+        config=SimpleNamespace(get_text_config=lambda decoder: text), generation_config=None
+    )
+    assert wrapper_config(changed, model).episode == EpisodeLimits(max_turns=6, max_episode_tokens=2048)
+    fixed = load_config(None, ["rollout.episode.max_episode_tokens=512"])
+    assert wrapper_config(fixed, model).episode.max_episode_tokens == 512
 
 
 def test_config_file_and_print_config(tmp_path: Path, capsys) -> None:
@@ -200,7 +225,7 @@ def test_cli_trees_overwrite_and_resume(tmp_path: Path, capsys) -> None:
 
 def test_sampler_ratio_with_tempered_sampling_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"loss\.ratio_source"):
-        load_config(None, ["loss.ratio_source=sampler", "rollout.temperature=0.7"])
+        load_config(None, ["loss.ratio_source=sampler", "rollout.sampling.temperature=0.7"])
     load_config(
         None, ["loss.ratio_source=sampler"]
     )  # temperature 1, top_p 1: the sampler's logprobs are exact

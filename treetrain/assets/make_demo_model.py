@@ -35,7 +35,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTraine
 from envs.calculator.arith import format_number
 from envs.calculator.env import CalculatorEnv
 from envs.toolcalls import format_tool_call
-from envs.wrapper import TokenEnv, WrapperConfig
+from envs.wrapper import EpisodeLimits, TokenEnv, WrapperConfig
 from treetrain.assets import tokenizer_path
 from treetrain.io import atomic_directory
 from treetrain.models.decoder import decoder_forward
@@ -53,7 +53,8 @@ class Example:
 
 def transcript(seed: int, tokenizer: PreTrainedTokenizerBase, use_tool: bool, rng: random.Random) -> Example:
     env = CalculatorEnv(MIN_OPERANDS, MAX_OPERANDS)
-    episode = TokenEnv(env, tokenizer, WrapperConfig())
+    limits = EpisodeLimits(max_turns=8, max_turn_tokens=512, max_episode_tokens=8192)
+    episode = TokenEnv(env, tokenizer, WrapperConfig(limits))
     episode.reset(seed)
     assert env.task is not None
     end = "<|im_end|>"

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
         SamplerStats,
         fork_cache,
     )
+    from treetrain.rollout.sampling import Sampling
     from treetrain.rollout.tree_rollout import RolloutConfig, RolloutResult, rollout_trees
 
 _WHERE = {
@@ -30,6 +31,7 @@ _WHERE = {
     "Sampler": "sampler",
     "SamplerConfig": "sampler",
     "SamplerStats": "sampler",
+    "Sampling": "sampling",
     "fork_cache": "sampler",
     "rollout_trees": "tree_rollout",
 }
@@ -42,6 +44,7 @@ __all__ = [
     "Sampler",
     "SamplerConfig",
     "SamplerStats",
+    "Sampling",
     "fork_cache",
     "rollout_trees",
 ]

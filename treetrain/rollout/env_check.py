@@ -33,7 +33,7 @@ def check_environment_config(
 ) -> None:
     """Build environment `name` with `kwargs` in a worker, open task `seed`, pick `rubric` (None: the
     first) and fork once; raise `ConfigError` with one line on the first problem. `timeout` bounds each
-    call as it bounds a rollout step (`rollout.step_timeout_s`)."""
+    call as it bounds a rollout step (`rollout.episode.step_timeout_s`)."""
     resolve(name)  # an unknown name raises here, listing what is available
     factory = WorkerEnvFactory(name, kwargs, timeout)
     try:

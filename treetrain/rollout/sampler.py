@@ -14,6 +14,10 @@ temperature)` restricted to the top-p nucleus and renormalised. Greedy decoding 
 from a point mass, so its logprobs are 0. A trainer that wants temperature-1 logprobs under the
 current weights gets them from its own scoring pass.
 
+`Sampling` (temperature, top-p) is also the trainer's `rollout.sampling` config section, as it is: its
+defaults are the demo's and its field names are the config's keys (`--set rollout.sampling.top_p=0.9`).
+`SamplerConfig` adds the seed of one sampler, which the trainer derives per task.
+
 Example:
     >>> import torch
     >>> from transformers import LlamaConfig, LlamaForCausalLM
@@ -21,7 +25,7 @@ Example:
     <...>
     >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
     ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2))
-    >>> sampler = Sampler(model, SamplerConfig(temperature=1.0, seed=0), stop_token_ids=(1,))
+    >>> sampler = Sampler(model, SamplerConfig(Sampling(temperature=1.0), seed=0), stop_token_ids=(1,))
     >>> out = sampler.sample(None, (5, 6, 7), n=2, max_new_tokens=4)
     >>> len(out), all(len(s.tokens) == len(s.logprobs) <= 4 for s in out)
     (2, True)
@@ -38,27 +42,17 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from treetrain.rollout.sampling import Sampling
+
 
 @dataclass(frozen=True)
 class SamplerConfig:
-    """How tokens are drawn."""
+    """How one sampler draws tokens: the sampling settings and the seed of its own generator."""
 
-    temperature: float = 1.0
-    """Softmax temperature; 0 means greedy (argmax, logprob 0)."""
-    top_p: float = 1.0
-    """Nucleus mass in (0, 1]; 1 disables the nucleus filter."""
+    sampling: Sampling = field(default_factory=Sampling)
+    """Temperature and top-p."""
     seed: int = 0
     """Seed of the sampler's own torch.Generator (it never touches the global RNG)."""
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"SamplerConfig.temperature must be finite and >= 0, got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"SamplerConfig.top_p must be in (0, 1], got {self.top_p!r}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
 
 
 @dataclass
@@ -132,12 +126,14 @@ class Sampler:
 
     def _draw(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids [R] and their logprobs [R] under the distribution actually sampled from."""
-        if self.config.greedy:
+        if self.config.sampling.greedy:
             return logits.argmax(dim=-1), torch.zeros(logits.shape[0], device=logits.device)
-        scaled = logits / self.config.temperature  # [R, V]
-        if self.config.top_p < 1.0:
+        scaled = logits / self.config.sampling.temperature  # [R, V]
+        if self.config.sampling.top_p < 1.0:
             probs, order = scaled.softmax(dim=-1).sort(dim=-1, descending=True)
-            outside = probs.cumsum(dim=-1) - probs > self.config.top_p  # mass before the token exceeds p
+            outside = (
+                probs.cumsum(dim=-1) - probs > self.config.sampling.top_p
+            )  # mass before the token exceeds p
             scaled = scaled.scatter(-1, order, scaled.gather(-1, order).masked_fill(outside, -math.inf))
         logp = scaled.log_softmax(dim=-1)  # [R, V]
         tok = torch.multinomial(logp.exp(), 1, generator=self.generator).squeeze(-1)  # [R]

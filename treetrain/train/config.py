@@ -21,6 +21,7 @@ from typing import Any, ClassVar, Literal
 
 import yaml
 
+from envs.wrapper import EpisodeLimits
 from treetrain.distributed.optim_config import OptimizerConfig
 from treetrain.errors import ConfigError
 from treetrain.io import path_problem
@@ -28,6 +29,7 @@ from treetrain.loss.advantages import AdvantageConfig
 from treetrain.loss.loss_config import LossConfig
 from treetrain.models.lora_config import LoraSection
 from treetrain.rollout.fanout import FanOut
+from treetrain.rollout.sampling import Sampling
 from treetrain.train.config_file import read_config_file
 from treetrain.train.typed import apply_override, from_dict, to_dict
 from treetrain.update.settings import ReplaySection
@@ -36,16 +38,9 @@ DTYPES = ("float32", "bfloat16", "float16", "float64")
 SEED_LIMIT = 2**32
 """Seeds are in [0, 2^32): numpy's range, and task seeds derived from them stay within 64 bits."""
 MAX_THREADS = 4096
-ROLLOUT_LIMITS = {
-    "groups_per_update": 1 << 16,
-    "max_turns": 1 << 12,
-    "max_turn_tokens": 1 << 20,
-    "max_episode_tokens": 1 << 24,
-}
-"""Upper bounds on sampling sizes: batches and buffers are sized from them, so a typo must not allocate
-(`FanOut` bounds its own factors)."""
-MAX_STEP_TIMEOUT_S = 7 * 86400.0
-"""Longest environment step timeout (a week); beyond the platform's clocks a deadline overflows."""
+MAX_GROUPS_PER_UPDATE = 1 << 16
+"""Most advantage groups per update: trees are sampled and held for each, so a typo must not allocate
+(`FanOut`, `Sampling` and `EpisodeLimits` bound their own fields)."""
 
 
 @dataclass(frozen=True)
@@ -127,6 +122,12 @@ class RolloutSection:
             "fanout_after_tool": "fanout.after_tool_result",
             "fanout_env": "fanout.after_assistant_turn",
             "max_branch_depth": "fanout.max_depth",
+            "temperature": "sampling.temperature",
+            "top_p": "sampling.top_p",
+            "max_turns": "episode.max_turns",
+            "max_turn_tokens": "episode.max_turn_tokens",
+            "max_episode_tokens": "episode.max_episode_tokens",
+            "step_timeout_s": "episode.step_timeout_s",
         }
     )
     """Keys of earlier config files and where they went: loading one names the new key."""
@@ -136,20 +137,12 @@ class RolloutSection:
     recorded files (a file's trees are one group)."""
     fanout: FanOut = field(default_factory=FanOut)
     """Where and how wide episodes branch (treetrain.rollout.fanout.FanOut, which the rollout takes as is)."""
-    temperature: float = 1.0
-    """Sampling temperature."""
-    top_p: float = 1.0
-    """Nucleus sampling mass."""
-    max_turns: int = 4
-    """Assistant turns per episode."""
-    max_turn_tokens: int = 96
-    """Tokens per assistant turn."""
-    max_episode_tokens: int | None = None
-    """Tokens in one model call's context, prompt included (null: the model's context length,
-    `max_position_embeddings`); a value above the model's context is refused before any work."""
-    step_timeout_s: float | None = 30.0
-    """Seconds an environment step may take before it becomes a timeout observation; None waits forever
-    (and skips the per-step copy of the environment that a timeout needs)."""
+    sampling: Sampling = field(default_factory=Sampling)
+    """Temperature and top-p of token sampling (treetrain.rollout.sampler.Sampling, which the sampler takes
+    as is, with a seed per task)."""
+    episode: EpisodeLimits = field(default_factory=EpisodeLimits)
+    """Turn and token budgets and the step timeout of one episode (envs.wrapper.EpisodeLimits, which the
+    token wrapper takes as is, a null `max_episode_tokens` resolved to the model's context)."""
     trees: str | None = None
     """Train on recorded trees instead: a directory or glob of .msgpack files, consumed in order."""
     max_failed_fraction: float = 0.5
@@ -162,21 +155,14 @@ class RolloutSection:
             raise ConfigError(
                 f"rollout.max_failed_fraction: must be in [0, 1], got {self.max_failed_fraction}"
             )
-        for name in ("groups_per_update", "max_turns", "max_turn_tokens", "max_episode_tokens"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ConfigError(f"rollout.{name}: must be >= 1, got {getattr(self, name)}")
-        for name, most in ROLLOUT_LIMITS.items():
-            if getattr(self, name) is not None and getattr(self, name) > most:
-                raise ConfigError(f"rollout.{name}: at most {most}, got {getattr(self, name)}")
-        if self.step_timeout_s is not None and not 0 < self.step_timeout_s <= MAX_STEP_TIMEOUT_S:
+        if not 1 <= self.groups_per_update <= MAX_GROUPS_PER_UPDATE:
             raise ConfigError(
-                f"rollout.step_timeout_s: must be in (0, {MAX_STEP_TIMEOUT_S}] seconds or null (no timeout), "
-                f"got {self.step_timeout_s}"
+                f"rollout.groups_per_update: must be in [1, {MAX_GROUPS_PER_UPDATE}], got {self.groups_per_update}"
             )
-        if not self.temperature > 0:
-            raise ConfigError(f"rollout.temperature: must be > 0 for RL sampling, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"rollout.top_p: must be in (0, 1], got {self.top_p}")
+        if self.sampling.greedy:
+            raise ConfigError(
+                "rollout.sampling.temperature: must be > 0 for RL sampling (0 is greedy decoding), got 0"
+            )
 
 
 @dataclass(frozen=True)
@@ -253,12 +239,12 @@ class TrainConfig:
             raise ConfigError(f"measure_memory_every: must be >= 0, got {self.measure_memory_every}")
         if self.threads is not None and not 1 <= self.threads <= MAX_THREADS:
             raise ConfigError(f"threads: must be in [1, {MAX_THREADS}] or null, got {self.threads}")
-        tempered = self.rollout.temperature != 1.0 or self.rollout.top_p < 1.0
-        if self.loss.ratio_source == "sampler" and tempered and self.rollout.trees is None:
+        sampling = self.rollout.sampling
+        if self.loss.ratio_source == "sampler" and sampling.tempered and self.rollout.trees is None:
             raise ConfigError(
                 "loss.ratio_source: 'sampler' logprobs come from the tempered / nucleus-truncated distribution "
-                f"(rollout.temperature={self.rollout.temperature}, rollout.top_p={self.rollout.top_p}), so the PPO "
-                "ratio would be biased; use ratio_source='scoring' or sample at temperature 1 and top_p 1"
+                f"(rollout.sampling.temperature={sampling.temperature}, rollout.sampling.top_p={sampling.top_p}), "
+                "so the PPO ratio would be biased; use ratio_source='scoring' or sample at temperature 1 and top_p 1"
             )
         if self.loss.needs_reference and self.model.reference is None:
             free = "'base': the policy with adapters off" if self.model.lora is not None else "'initial'"

@@ -91,7 +91,7 @@ class Trainer:
         if not cfg.rollout.trees:
             e = cfg.env  # before the run directory is touched
             check_environment_config(
-                e.name, e.kwargs, e.rubric, task_seeds(cfg, 0)[0], cfg.rollout.step_timeout_s
+                e.name, e.kwargs, e.rubric, task_seeds(cfg, 0)[0], cfg.rollout.episode.step_timeout_s
             )
         if int(os.environ.get("RANK", "0")) == 0:
             self.lock = claim_run_dir(self.run_dir, resume=resume, overwrite=overwrite)
@@ -126,7 +126,7 @@ class Trainer:
     def _setup(self, *, resume: bool, overwrite: bool) -> None:
         cfg = self.cfg
         seed_everything(cfg.seed)
-        make = self.envs = WorkerEnvFactory(cfg.env.name, cfg.env.kwargs, cfg.rollout.step_timeout_s)
+        make = self.envs = WorkerEnvFactory(cfg.env.name, cfg.env.kwargs, cfg.rollout.episode.step_timeout_s)
         recorded: list[RecordedSource] = []
 
         def read_trees(config: Any) -> None:  # before any model is built or sized from the config

@@ -21,9 +21,6 @@ from dataclasses import dataclass
 
 from treetrain.train.config import TrainConfig
 
-DEFAULT_PROBE_LENGTH = 8192
-"""The sequence length the support probes assume when neither the config nor the model gives one."""
-
 
 @dataclass(frozen=True)
 class ModelCheck:
@@ -92,7 +89,9 @@ def check_model(cfg: TrainConfig) -> ModelCheck:
     )
 
     e = cfg.env
-    check_environment_config(e.name, e.kwargs, e.rubric, task_seeds(cfg, 0)[0], cfg.rollout.step_timeout_s)
+    check_environment_config(
+        e.name, e.kwargs, e.rubric, task_seeds(cfg, 0)[0], cfg.rollout.episode.step_timeout_s
+    )
     name, kwargs = cfg.env.name, dict(cfg.env.kwargs)
     make = lambda: make_env(name, **kwargs)  # noqa: E731
     models = load_models(cfg.model, lambda tok: check_template(cfg, tok, make))
@@ -101,7 +100,7 @@ def check_model(cfg: TrainConfig) -> ModelCheck:
     check_context(cfg, policy)
     check_first_prompt(cfg, tokenizer, policy, make)
     context = model_context(policy)
-    length = cfg.rollout.max_episode_tokens or context or DEFAULT_PROBE_LENGTH
+    length = cfg.rollout.episode.episode_tokens(context)  # the episodes' budget, as the rollouts resolve it
     check_supported(policy, length)
     e = cfg.env
     template = ChatTemplate(tokenizer, e.end_of_turn, e.tool_format, template_kwargs=dict(e.template_kwargs))

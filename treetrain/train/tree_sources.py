@@ -99,7 +99,7 @@ class RolloutSource:
                 for seed in task_seeds(self.cfg, update)[rank::world]:
                     config = RolloutConfig(
                         fanout=r.fanout,
-                        sampler=SamplerConfig(temperature=r.temperature, top_p=r.top_p, seed=seed),
+                        sampler=SamplerConfig(r.sampling, seed=seed),
                         wrapper=self.wrapper,
                         rubric=self.cfg.env.rubric,
                         model_version=version,
@@ -131,9 +131,7 @@ def wrapper_config(cfg: TrainConfig, model: Any) -> WrapperConfig:
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     stops = tuple(int(t) for t in ([eos] if isinstance(eos, int) else eos or ()))
     return WrapperConfig(
-        max_turns=r.max_turns, max_turn_tokens=r.max_turn_tokens,
-        max_episode_tokens=r.max_episode_tokens or model_context(model) or 8192,
-        step_timeout_s=r.step_timeout_s, max_tool_result_chars=e.max_tool_result_chars,
+        episode=r.episode.for_context(model_context(model)), max_tool_result_chars=e.max_tool_result_chars,
         end_of_turn=e.end_of_turn, tool_format=e.tool_format, stop_token_ids=stops,
         template_kwargs=dict(e.template_kwargs),
     )  # fmt: skip
@@ -180,7 +178,7 @@ def check_first_prompt(
     except EnvFailure as exc:
         raise ConfigError(f"env.name: {exc}") from None
     except ValueError as exc:
-        raise ConfigError(f"rollout.max_episode_tokens: {exc}") from None
+        raise ConfigError(f"rollout.episode.max_episode_tokens: {exc}") from None
 
 
 def model_context(model: Any) -> int | None:
@@ -196,10 +194,10 @@ def config_context(config: Any) -> int | None:
 
 def check_context(cfg: TrainConfig, model: Any) -> None:
     """Refuse episodes longer than the model's context before anything runs, naming both numbers."""
-    context, wanted = model_context(model), cfg.rollout.max_episode_tokens
+    context, wanted = model_context(model), cfg.rollout.episode.max_episode_tokens
     if context is not None and wanted is not None and wanted > context and cfg.rollout.trees is None:
         raise ConfigError(
-            f"rollout.max_episode_tokens: {wanted} tokens is longer than the model's context of {context} "
+            f"rollout.episode.max_episode_tokens: {wanted} tokens is longer than the model's context of {context} "
             "tokens (max_position_embeddings); lower it or leave it null to use the model's context"
         )
 
