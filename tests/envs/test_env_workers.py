@@ -63,7 +63,7 @@ def test_worker_trees_equal_in_process_trees(
     assert [t.id for t in remote.trees] == [t.id for t in inproc.trees]
     assert [t.trajectories() for t in remote.trees] == [t.trajectories() for t in inproc.trees]
     assert [p.name for p in remote.paths] == [p.name for p in inproc.paths]
-    if not sampling.greedy:  # control: the comparison sees a difference when there is one
+    if not sampling.sampling.greedy:  # control: the comparison sees a difference when there is one
         other = RolloutConfig(
             fanout=fanout, sampler=SamplerConfig(Sampling(temperature=1.0), seed=6), wrapper=SHORT
         )
