@@ -17,10 +17,10 @@ Example:
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from treetrain.errors import ConfigError, TreetrainError
+from treetrain.lazy import lazy_names
 from treetrain.trajectory import Call, Role, Segment, Trajectory, TrajectoryError, TrajectoryMeta
 from treetrain.tree import TrajectoryTree, TreeStats, build_tree, tree_stats
 
@@ -44,13 +44,7 @@ _LAZY = {
     "LossConfig": "treetrain.loss.loss_config",
 }
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'treetrain' has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, _LAZY)
 
 
 __all__ = [

@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 LAYERS = (
     "errors",
+    "lazy",
     "runfs",
     "io",
     "bytesize",

@@ -7,8 +7,9 @@ imported from there, so that using this package does not import DeepSpeed.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from treetrain.lazy import lazy_names
 
 if TYPE_CHECKING:
     from treetrain.distributed.backend import AgreementError, TorchBackend, TrainBackend
@@ -31,13 +32,7 @@ _LAZY = {
     "round_robin": "treetrain.distributed.placement",
 }
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'treetrain.distributed' has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, _LAZY)
 
 
 __all__ = [

@@ -6,8 +6,9 @@ config without importing torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from treetrain.lazy import lazy_names
 
 if TYPE_CHECKING:
     from treetrain.engine.batch import ReplayConfig, ReplayReport, TreeWork, UpdateBatch
@@ -30,13 +31,7 @@ _LAZY = {
     "StaleResidentStateError": "treetrain.engine.resident",
 }
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'treetrain.engine' has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, _LAZY)
 
 
 __all__ = [

@@ -6,8 +6,9 @@ in torch and transformers through this package.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from treetrain.lazy import lazy_names
 
 if TYPE_CHECKING:
     from treetrain.rollout.fanout import FanOut
@@ -49,8 +50,4 @@ __all__ = [
     "rollout_trees",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module 'treetrain.rollout' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"treetrain.rollout.{_WHERE[name]}"), name)
+__getattr__ = lazy_names(__name__, {name: f"treetrain.rollout.{module}" for name, module in _WHERE.items()})
