@@ -200,7 +200,10 @@ def serve(conn: Connection, name: str, kwargs_json: str) -> None:
             reply = error_reply(failed.method, failed.exc)
         except Exception as exc:  # a protocol slip between the two ends: report it, keep serving
             reply = error_reply(f"worker {req.get('op')}", exc)
-        data = dumps(reply)
+        try:
+            data = dumps(reply)
+        except (TypeError, ValueError) as exc:  # e.g. a lone surrogate in a tool result
+            data = dumps(error_reply(str(req.get("op")), exc))
         if len(data) > MAX_REPLY_BYTES:
             data = dumps(
                 error_reply(

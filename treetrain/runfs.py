@@ -84,7 +84,10 @@ def expect(path: str | os.PathLike[str], want: Literal["file", "dir"]) -> Kind:
 
 def _below(root: Path, path: Path) -> list[Path]:
     """The components of `path` below `root`, outermost first (`path` must lie inside `root`)."""
-    rel = Path(os.path.abspath(path)).relative_to(os.path.abspath(root))
+    try:
+        rel = Path(os.path.abspath(path)).relative_to(os.path.abspath(root))
+    except ValueError:
+        raise UnsafePathError(f"{path}: not inside the run directory {root}") from None
     out, cur = [], Path(os.path.abspath(root))
     for part in rel.parts:
         cur = cur / part

@@ -357,3 +357,11 @@ def test_empty_run_dir_and_trees_flags_are_refused_not_ignored(capsys) -> None:
     for flag in ("--run-dir", "--trees"):
         assert main(["train", flag, "", "--print-config"]) == 2
         _one_line_error(capsys.readouterr().err, "must not be empty")
+
+
+def test_env_kwargs_must_be_json_values() -> None:
+    """The environment is built in a worker process from `env.kwargs`, sent as JSON: a YAML date is refused
+    at load time, in one line naming the key (a JSON value loads, the control)."""
+    with pytest.raises(ConfigError, match=r"env\.kwargs: must be JSON values"):
+        load_config(None, ["env.kwargs={when: 2024-01-01}"])
+    assert dict(load_config(None, ["env.kwargs={n: 3}"]).env.kwargs) == {"n": 3}

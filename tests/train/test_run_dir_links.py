@@ -151,3 +151,11 @@ def test_the_run_directory_itself_may_be_a_link(tmp_path: Path) -> None:
     claim_run_dir(run, resume=False, overwrite=False).release()
     make_dirs(run, run / "rollouts" / "update-00000" / "trees")
     assert (tmp_path / "scratch" / "r" / "rollouts" / "update-00000" / "trees").is_dir()
+
+
+def test_a_path_outside_the_run_directory_is_refused(tmp_path: Path) -> None:
+    """The run-directory primitives only ever act below their root: a path elsewhere is one refusal (a
+    path inside is made, the control)."""
+    with pytest.raises(UnsafePathError, match="not inside the run directory"):
+        make_dirs(tmp_path / "run", tmp_path / "elsewhere")
+    assert make_dirs(tmp_path / "run", tmp_path / "run" / "rollouts").is_dir()

@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -110,6 +111,12 @@ class EnvSection:
         problem = template_kwargs_problem(self.template_kwargs)
         if problem:
             raise ConfigError(f"env.template_kwargs: {problem}")
+        try:  # the environment is built in a worker process from these, sent as JSON
+            json.dumps(dict(self.kwargs), allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(
+                f"env.kwargs: must be JSON values (text, numbers, lists, maps): {exc}"
+            ) from None
 
 
 @dataclass(frozen=True)
@@ -138,7 +145,7 @@ class RolloutSection:
     fanout: FanOut = field(default_factory=FanOut)
     """Where and how wide episodes branch (treetrain.rollout.fanout.FanOut, which the rollout takes as is)."""
     sampling: Sampling = field(default_factory=Sampling)
-    """Temperature and top-p of token sampling (treetrain.rollout.sampler.Sampling, which the sampler takes
+    """Temperature and top-p of token sampling (treetrain.rollout.sampling.Sampling, which the sampler takes
     as is, with a seed per task)."""
     episode: EpisodeLimits = field(default_factory=EpisodeLimits)
     """Turn and token budgets and the step timeout of one episode (envs.wrapper.EpisodeLimits, which the

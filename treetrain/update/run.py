@@ -1,8 +1,8 @@
 """One update, top to bottom: the steps of docs/design.md § One update, each done by the module it names.
 
 `run_update` is the whole of an update; the trainer (`treetrain.train.loop`) calls it once per optimizer
-step and keeps only the run around it (rollouts, metrics, checkpoints). Every other way in (the Python API,
-`treetrain plan`) calls the same modules in the same order:
+step and keeps only the run around it (rollouts, metrics, checkpoints). The Python API and `treetrain plan`
+run a prefix of the same steps through the same modules:
 
 1. **Advantages** per group (`treetrain.loss.advantages`). A group whose rewards are all equal carries no
    policy gradient; it is left out before anything is built, so it never dilutes a denominator.

@@ -237,7 +237,7 @@ class OpenWindow:
         if plan.mode == "flat":
             return FlatReference(
                 self.backend.module, o.loss, ref_model=o.ref_model, microbatch=max(1, plan.config.microbatch),
-                backward=self._backward,
+                backward=self._backward, max_logit_elements=plan.config.max_logit_elements,
             )  # fmt: skip
         engine = TreeReplay(
             self.backend.module, o.loss, plan, ref_model=o.ref_model, store=o.store, backward=self._backward,
