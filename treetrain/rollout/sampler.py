@@ -93,6 +93,23 @@ def fork_cache(cache: Any, rows: Sequence[int]) -> Any:
     return twin
 
 
+def draw(
+    logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids [R] drawn from `logits` [R, V] under `sampling`, and their logprobs [R] under the distribution
+    actually sampled from (tempered, restricted to the top-p nucleus and renormalised; 0 when greedy)."""
+    if sampling.greedy:
+        return logits.argmax(dim=-1), torch.zeros(logits.shape[0], device=logits.device)
+    scaled = logits / sampling.temperature  # [R, V]
+    if sampling.top_p < 1.0:
+        probs, order = scaled.softmax(dim=-1).sort(dim=-1, descending=True)
+        outside = probs.cumsum(dim=-1) - probs > sampling.top_p  # mass before the token exceeds p
+        scaled = scaled.scatter(-1, order, scaled.gather(-1, order).masked_fill(outside, -math.inf))
+    logp = scaled.log_softmax(dim=-1)  # [R, V]
+    tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)  # [R]
+    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+
 class Sampler:
     """Samples turns from `model` (any HF causal LM taking `cache=`). A turn stops when it ends with one of
     `stop_token_ids`: token ids, or token-id sequences (a multi-token end-of-turn marker)."""
@@ -125,19 +142,7 @@ class Sampler:
         return out.logits[:, -1, :].float()  # [R, V]
 
     def _draw(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token ids [R] and their logprobs [R] under the distribution actually sampled from."""
-        if self.config.sampling.greedy:
-            return logits.argmax(dim=-1), torch.zeros(logits.shape[0], device=logits.device)
-        scaled = logits / self.config.sampling.temperature  # [R, V]
-        if self.config.sampling.top_p < 1.0:
-            probs, order = scaled.softmax(dim=-1).sort(dim=-1, descending=True)
-            outside = (
-                probs.cumsum(dim=-1) - probs > self.config.sampling.top_p
-            )  # mass before the token exceeds p
-            scaled = scaled.scatter(-1, order, scaled.gather(-1, order).masked_fill(outside, -math.inf))
-        logp = scaled.log_softmax(dim=-1)  # [R, V]
-        tok = torch.multinomial(logp.exp(), 1, generator=self.generator).squeeze(-1)  # [R]
-        return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+        return draw(logits, self.config.sampling, self.generator)
 
     @torch.no_grad()
     def sample(

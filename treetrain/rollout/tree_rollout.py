@@ -1,11 +1,12 @@
 """Tree rollouts: sample a group of episodes from the current policy along a fan-out schedule.
 
-For each task seed, one episode is reset, then grown depth-first. At each policy branch point the
-`Sampler` draws `FanOut.policy_factor` turns from the shared context in one batch. After each turn the
-episode is forked `FanOut.env_factor` ways and every copy is stepped by the `TokenEnv` wrapper, then
-sampled again. Each branch keeps the KV of its context (`reuse_prefix_kv=True`), so a child encodes
-only its own new tokens: the previous turn's last token and the observation. With reuse off, every
-turn re-encodes the whole context; the tokens are the same (tests check it under greedy decoding).
+Each task seed's episode is reset, then its tree grows along the fan-out: at each policy branch point the
+engine draws `FanOut.policy_factor` turns from the shared context, and after each turn the episode is forked
+`FanOut.env_factor` ways and every copy is stepped by the `TokenEnv` wrapper, then sampled again. By
+default every task's tree grows at once on a `GenerationEngine` (`treetrain.rollout.scheduler`: every ready
+branch point of every tree in one batch, tool calls in a thread pool). With `concurrent=False` the trees grow
+one at a time, depth-first, with the `Sampler` (`treetrain.rollout.sequential`, the reference loop); under
+greedy decoding both give the same trees.
 
 Finished episodes become `Trajectory`s (rewarded by a rubric) and one `TrajectoryTree` per seed. Every
 tree is written atomically to `<run_dir>/trees/` *before* `rollout_trees` returns, so nothing a trainer
@@ -23,18 +24,21 @@ point (e.g. `calculator-s7/2.0.1`), which makes divergence points readable from 
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from envs.protocol import Environment, Rubric, default_rubric
-from envs.remote import EnvError, EnvFailure, RemoteEnv
+from envs.protocol import Environment, default_rubric
+from envs.remote import EnvError, EnvFailure
 from envs.wrapper import TokenEnv, WrapperConfig
 from treetrain.rollout.fanout import FanOut
-from treetrain.rollout.sampler import PrefixState, Sample, Sampler, SamplerConfig, SamplerStats, fork_cache
-from treetrain.trajectory import Trajectory
+from treetrain.rollout.generation import EngineStats, GenerationEngine
+from treetrain.rollout.sampler import Sampler, SamplerConfig
+from treetrain.rollout.scheduler import Scheduler, Task, release
+from treetrain.rollout.sequential import SequentialConfig, grow_sequentially
 from treetrain.tree import TrajectoryTree
 from treetrain.tree.build import build_tree
 from treetrain.tree.format import save_tree
@@ -51,7 +55,11 @@ class RolloutConfig:
     wrapper: WrapperConfig = field(default_factory=WrapperConfig)
     """Turn and token budgets and the step timeout."""
     reuse_prefix_kv: bool = True
-    """Keep each branch point's KV for its children instead of re-encoding the context."""
+    """Sequential loop: keep each branch point's KV for its children instead of re-encoding the context."""
+    concurrent: bool = True
+    """Grow every task's tree at once on an engine (False: one tree at a time with the reference loop)."""
+    max_concurrent_steps: int = 8
+    """Most environment steps (tool calls) running at once."""
     rubric: str | None = None
     """Name of the environment rubric that gives rewards; None takes the environment's first."""
     model_version: int | None = None
@@ -65,107 +73,8 @@ class RolloutResult:
 
     trees: tuple[TrajectoryTree, ...]
     paths: tuple[Path, ...]
-    stats: SamplerStats
+    stats: EngineStats
     failures: tuple[tuple[int, EnvError], ...] = ()
-
-
-@dataclass
-class _Branch:
-    """A policy branch point waiting to be sampled."""
-
-    episode: TokenEnv
-    state: PrefixState | None
-    pending: tuple[int, ...]
-    depth: int
-    path: tuple[int, ...]
-    at_root: bool = False
-
-
-def _grow(
-    root: TokenEnv, sampler: Sampler, config: RolloutConfig, prefix: str, rubric: Rubric | None
-) -> list[Trajectory]:
-    finished: list[Trajectory] = []
-    stack = [_Branch(root, None, root.context, 0, (), at_root=True)]
-    try:
-        while stack:
-            _grow_one(stack.pop(), stack, finished, sampler, config, prefix, rubric)
-    finally:  # on success the stack is empty; on a failure every live episode is freed
-        for branch in stack:
-            _release(branch.episode)
-    return finished
-
-
-def _release(episode: TokenEnv) -> None:
-    """Free a worker-hosted environment once its episode needs it no more."""
-    if isinstance(episode.env, RemoteEnv):
-        episode.env.release()
-
-
-def _grow_one(
-    branch: _Branch,
-    stack: list[_Branch],
-    finished: list[Trajectory],
-    sampler: Sampler,
-    config: RolloutConfig,
-    prefix: str,
-    rubric: Rubric | None,
-) -> None:
-    """Sample one branch point, step its forks, score the finished ones and push the rest."""
-    fan, reuse = config.fanout, config.reuse_prefix_kv
-    children: list[_Branch] = []
-    try:
-        n = fan.policy_factor(branch.depth, branch.at_root)
-        depth = branch.depth + (n > 1)
-        budget = branch.episode.turn_budget()
-        if branch.state is None:  # nothing kept (the root, or reuse off): encode the whole context
-            samples = sampler.sample(None, branch.episode.context, n, budget, keep_state=reuse)
-        else:
-            if branch.state.length + len(branch.pending) != len(branch.episode.context):
-                raise RuntimeError(
-                    f"kept KV covers {branch.state.length} tokens + {len(branch.pending)} pending, "
-                    f"but the context has {len(branch.episode.context)}"
-                )
-            samples = sampler.sample(branch.state, branch.pending, n, budget)
-        for i, sample in enumerate(samples):
-            path = (*branch.path, i) if n > 1 else branch.path
-            _step_forks(branch.episode, sample, fan.env_factor(depth), depth, path, reuse, children)
-        for child in children:
-            if child.episode.done:
-                tid = f"{prefix}/{'.'.join(map(str, child.path)) or '0'}"
-                finished.append(child.episode.trajectory(tid, rubric, config.model_version))
-    except BaseException:
-        for child in children:
-            _release(child.episode)
-        raise
-    finally:
-        _release(branch.episode)
-    for child in children:
-        if child.episode.done:
-            _release(child.episode)
-    stack.extend(reversed([c for c in children if not c.episode.done]))
-
-
-def _step_forks(
-    parent: TokenEnv,
-    sample: Sample,
-    k: int,
-    depth: int,
-    path: tuple[int, ...],
-    reuse: bool,
-    out: list[_Branch],
-) -> None:
-    """Fork the episode `k` ways (1: a single copy), step each copy with `sample`, add the branches to
-    `out` (each as soon as it exists, so that a failure can free it)."""
-    for j in range(k):
-        episode = parent.fork(branch=j)
-        out.append(_Branch(episode, None, (), depth, path))
-        result = episode.step(sample.tokens, sample.logprobs)
-        state: PrefixState | None = None  # None: the child encodes its whole context (also a new call)
-        if reuse and sample.state is not None and not result.done and not result.new_call:
-            cache = sample.state.cache if j == k - 1 else fork_cache(sample.state.cache, [0])
-            state = PrefixState(cache, sample.state.length)
-        pending = (sample.tokens[-1], *result.observation)
-        out[-1] = _Branch(episode, state, pending, depth + (k > 1), (*path, j) if k > 1 else path)
 
 
 def portable_name(text: str) -> str:
@@ -186,18 +95,18 @@ def rollout_trees(
     run_dir: str | Path,
     config: RolloutConfig | None = None,
     env_name: str = "",
+    engine: GenerationEngine | None = None,
 ) -> RolloutResult:
     """Roll out one tree per seed and write each to `<run_dir>/trees/` before returning.
 
     `make_env` builds a fresh environment (e.g. `lambda: envs.make_env("calculator")`). The model should
-    be in eval mode; its weights are only read.
+    be in eval mode; its weights are only read. `engine` serves the concurrent rollout (default: an
+    `HFEngine` over `model`); the sequential loop always samples from `model` itself.
     """
     config = config or RolloutConfig()
     trees_dir = Path(run_dir) / "trees"
     trees_dir.mkdir(parents=True, exist_ok=True)
-    trees: list[TrajectoryTree] = []
-    paths: list[Path] = []
-    sampler: Sampler | None = None
+    tasks: list[Task] = []
     failures: list[tuple[int, EnvError]] = []
     for seed in seeds:
         root: TokenEnv | None = None
@@ -206,20 +115,62 @@ def rollout_trees(
             name = env_name or type(env).__name__
             root = TokenEnv(env, tokenizer, config.wrapper, env_name=name)
             root.reset(seed)
-            if sampler is None:
-                sampler = Sampler(model, config.sampler, root.stop_sequences)
-            rubric = default_rubric(root.env, config.rubric)
-            prefix = f"{name}-s{seed}"
-            grown = _grow(root, sampler, config, prefix, rubric)
+            tasks.append(Task(seed, root, f"{name}-s{seed}", default_rubric(root.env, config.rubric)))
         except EnvFailure as failure:
             if root is not None:
-                _release(root)
+                release(root)
             failures.append((seed, failure.error))
+    if config.concurrent:
+        stats = _grow_concurrently(model, tasks, config, engine)
+    else:
+        stats = _grow_sequentially(model, tasks, config)
+    trees: list[TrajectoryTree] = []
+    paths: list[Path] = []
+    for task in tasks:
+        if task.failure is not None:
+            failures.append((task.seed, task.failure))
             continue
-        tree = build_tree(grown)
-        path = trees_dir / f"{portable_name(prefix)}-{tree.id[:12]}.msgpack"
+        tree = build_tree(task.trajectories())
+        path = trees_dir / f"{portable_name(task.prefix)}-{tree.id[:12]}.msgpack"
         save_tree(tree, path)
         trees.append(tree)
         paths.append(path)
-    stats = sampler.stats if sampler else SamplerStats()
+    failures.sort(key=lambda f: list(seeds).index(f[0]))
     return RolloutResult(tuple(trees), tuple(paths), stats, tuple(failures))
+
+
+def _grow_concurrently(
+    model: Any, tasks: list[Task], config: RolloutConfig, engine: GenerationEngine | None
+) -> EngineStats:
+    if engine is None:
+        from treetrain.rollout.hf_engine import HFEngine
+
+        engine = HFEngine(model, version=config.model_version or 0)
+    before = copy.copy(engine.stats)
+    scheduler = Scheduler(
+        engine, config.fanout, config.sampler.sampling, max_concurrent_steps=config.max_concurrent_steps,
+        model_version=config.model_version, base_seed=config.sampler.seed,
+    )  # fmt: skip
+    scheduler.run(tasks)
+    for task in tasks:
+        release_group = getattr(engine, "release_group", None)
+        if release_group is not None:
+            release_group(task.prefix)
+    return engine.stats.since(before)
+
+
+def _grow_sequentially(model: Any, tasks: list[Task], config: RolloutConfig) -> EngineStats:
+    stats = EngineStats()
+    seq = SequentialConfig(config.fanout, config.reuse_prefix_kv, config.model_version)
+    for task in tasks:
+        sampler = Sampler(model, config.sampler, task.root.stop_sequences)
+        try:
+            grown = grow_sequentially(task.root, sampler, seq, task.prefix, task.rubric)
+            task.finished = [(((0, i),), t) for i, t in enumerate(grown)]
+        except EnvFailure as failure:
+            release(task.root)
+            task.failure = failure.error
+        stats.encoded_tokens += sampler.stats.encoded_tokens
+        stats.forward_calls += sampler.stats.forward_calls
+        stats.sampled_tokens += sampler.stats.sampled_tokens
+    return stats

@@ -29,6 +29,7 @@ from treetrain.io import path_problem
 from treetrain.loss.advantages import AdvantageConfig
 from treetrain.loss.loss_config import LossConfig
 from treetrain.models.lora_config import LoraSection
+from treetrain.rollout.engine_settings import ENGINES, VLLMSettings
 from treetrain.rollout.fanout import FanOut
 from treetrain.rollout.sampling import Sampling
 from treetrain.train.config_file import read_config_file
@@ -40,6 +41,7 @@ SEED_LIMIT = 2**32
 """Seeds are in [0, 2^32): numpy's range, and task seeds derived from them stay within 64 bits."""
 MAX_THREADS = 4096
 MAX_GROUPS_PER_UPDATE = 1 << 16
+MAX_CONCURRENT_STEPS = 1024
 """Most advantage groups per update: trees are sampled and held for each, so a typo must not allocate
 (`FanOut`, `Sampling` and `EpisodeLimits` bound their own fields)."""
 
@@ -49,7 +51,8 @@ class ModelSection:
     """The policy (and reference) model."""
 
     path: str = "demo"
-    """'demo' (the shipped checkpoint), a local Hugging Face directory, or a preset 'tiny-<family>'."""
+    """'demo' (the shipped checkpoint), 'demo-wide' (the same policy with heads vLLM serves), a local Hugging
+    Face directory, or a preset 'tiny-<family>'."""
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"
     """Parameter dtype of the policy."""
     attn: Literal["eager", "sdpa"] = "sdpa"
@@ -152,6 +155,14 @@ class RolloutSection:
     token wrapper takes as is, a null `max_episode_tokens` resolved to the model's context)."""
     trees: str | None = None
     """Train on recorded trees instead: a directory or glob of .msgpack files, consumed in order."""
+    engine: str = "hf"
+    """Which inference engine samples the rollouts: 'hf' (the model being trained, continuous batching),
+    'vllm' (vLLM in this process, weights copied in after every optimizer step) or 'vllm-server' (`vllm serve`
+    processes at `vllm.urls`, weights reloaded from the run directory); docs/rollout-engines.md."""
+    vllm: VLLMSettings = field(default_factory=VLLMSettings)
+    """How the vllm engine starts and the vllm-server engine connects (treetrain.rollout.engine_settings)."""
+    max_concurrent_steps: int = 8
+    """Most environment steps (tool calls) running at once, in threads, while generation goes on."""
     max_failed_fraction: float = 0.5
     """Largest fraction of an update's tasks that environment code may fail in (an exception in reset,
     step, fork or a rubric, or a worker that died) before the run stops. A failed task's group is dropped
@@ -169,6 +180,15 @@ class RolloutSection:
         if self.sampling.greedy:
             raise ConfigError(
                 "rollout.sampling.temperature: must be > 0 for RL sampling (0 is greedy decoding), got 0"
+            )
+        if self.engine not in ENGINES:
+            raise ConfigError(f"rollout.engine: must be one of {ENGINES}, got {self.engine!r:.80}")
+        if self.engine == "vllm-server" and not self.vllm.urls:
+            raise ConfigError("rollout.vllm.urls: rollout.engine=vllm-server needs the servers' base URLs")
+        steps = self.max_concurrent_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_CONCURRENT_STEPS:
+            raise ConfigError(
+                f"rollout.max_concurrent_steps: must be an integer in [1, {MAX_CONCURRENT_STEPS}], got {steps!r}"
             )
 
 
@@ -303,7 +323,7 @@ def check_paths(cfg: TrainConfig) -> None:
     if trees is not None and not any(c in trees for c in "*?["):  # a glob is matched where it is read
         named += (("rollout.trees", trees, "directory" if os.path.isdir(trees) else "file"),)
     for name, value, want in named:
-        if value is None or value in ("demo", "initial", "base") or value.startswith("tiny-"):
+        if value is None or value in ("demo", "demo-wide", "initial", "base") or value.startswith("tiny-"):
             continue
         problem = path_problem(value, want)
         if problem is not None:

@@ -106,6 +106,8 @@ class Trainer:
 
     def close(self) -> None:
         """Release the run directory (the end of `run()` does; so does the end of the process)."""
+        if isinstance(getattr(self, "source", None), RolloutSource):
+            self.source.close()  # the inference engine
         if getattr(self, "envs", None) is not None:
             self.envs.close()  # the environment worker process
         if self.lock is not None:

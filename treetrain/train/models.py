@@ -23,6 +23,8 @@ from treetrain.models.presets import load_model, model_config
 from treetrain.train.config import ModelSection
 
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "assets" / "demo_model"
+WIDE_DEMO_MODEL = DEMO_MODEL.with_name("demo_model_wide")
+"""The demo model with 64-dimensional heads, which vLLM's CPU attention serves (`model.path: demo-wide`)."""
 
 
 @dataclass(frozen=True)
@@ -45,14 +47,15 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
 
 def resolve_model_path(path: str, field: str = "model.path") -> str:
     """The checkpoint directory for `path` ('demo', a preset name, or a local directory; no hub)."""
-    if path == "demo":
-        if not (DEMO_MODEL / "config.json").is_file():
-            raise ConfigError(f"{field}: the demo checkpoint is missing at {DEMO_MODEL}")
-        return str(DEMO_MODEL)
+    if path in ("demo", "demo-wide"):
+        where = DEMO_MODEL if path == "demo" else WIDE_DEMO_MODEL
+        if not (where / "config.json").is_file():
+            raise ConfigError(f"{field}: the {path} checkpoint is missing at {where}")
+        return str(where)
     if not path.startswith("tiny-") and not (Path(path) / "config.json").is_file():
         raise ConfigError(
             f"{field}: {path!r} is not a model directory (no config.json there); give a local Hugging Face "
-            "checkpoint directory, 'demo', or a tiny-<family> preset"
+            "checkpoint directory, 'demo', 'demo-wide', or a tiny-<family> preset"
         )
     if not path.startswith("tiny-"):
         try:  # before a tokenizer or anything else reads it

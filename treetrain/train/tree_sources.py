@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from envs.protocol import Environment
-from envs.remote import EnvError, EnvFailure
+from envs.remote import EnvFailure
 from envs.wrapper import WrapperConfig
 from treetrain.distributed.backend import TrainBackend
 from treetrain.errors import ConfigError
+from treetrain.rollout.generation import GenerationEngine
 from treetrain.rollout.sampler import SamplerConfig
 from treetrain.rollout.tree_rollout import RolloutConfig, rollout_trees
 from treetrain.runfs import make_dirs
@@ -72,7 +73,9 @@ def share_trees(backend: TrainBackend, local: tuple[TrajectoryTree, ...]) -> tup
 class RolloutSource:
     """Samples this rank's share of `groups_per_update` trees from the policy, then shares them.
 
-    Trees are written under `<run_dir>/rollouts/update-XXXXX/` before training reads them.
+    Every task of the update grows at once on one engine (`rollout.engine`), which is made on first use and
+    synced to the trainer's weights whenever the model version moved (after every optimizer step). Trees are
+    written under `<run_dir>/rollouts/update-XXXXX/` before training reads them.
     """
 
     def __init__(
@@ -83,6 +86,20 @@ class RolloutSource:
         self.tokenizer = tokenizer
         self.make_env = make_env
         self.wrapper = wrapper_config(cfg, backend.module)
+        self.engine: GenerationEngine | None = None
+        if cfg.rollout.engine == "vllm-server" and backend.world_size > 1:
+            raise ConfigError(
+                "rollout.engine: 'vllm-server' runs with one trainer process (weights are written once and "
+                f"reloaded by every server); this run has {backend.world_size}; use 'vllm' (one engine per rank)"
+            )
+
+    def _engine(self, model: Any, version: int) -> GenerationEngine:
+        if self.engine is None:
+            self.engine = make_engine(self.cfg, model, self.wrapper.episode.episode_tokens())
+        if self.engine.version != version:
+            with self.backend.uneven():
+                self.engine.sync_weights(model, version)
+        return self.engine
 
     def __call__(self, model: Any, update: int, version: int) -> Produced:
         start = time.perf_counter()
@@ -90,30 +107,28 @@ class RolloutSource:
         rank, world = self.backend.rank, self.backend.world_size
         out_dir = Path(self.cfg.run_dir) / "rollouts" / f"update-{update:05d}"
         make_dirs(self.cfg.run_dir, out_dir / "trees")  # a planted link on the way is refused, not followed
-        local: list[TrajectoryTree] = []
-        failures: list[tuple[int, EnvError]] = []
         was_training = model.training
         model.eval()
         try:
+            engine = self._engine(model, version)
+            config = RolloutConfig(
+                fanout=r.fanout,
+                sampler=SamplerConfig(r.sampling, seed=self.cfg.seed),
+                wrapper=self.wrapper,
+                rubric=self.cfg.env.rubric,
+                model_version=version,
+                max_concurrent_steps=r.max_concurrent_steps,
+            )
             with self.backend.uneven():  # ranks generate different lengths (ZeRO-3: fetches rendezvous)
-                for seed in task_seeds(self.cfg, update)[rank::world]:
-                    config = RolloutConfig(
-                        fanout=r.fanout,
-                        sampler=SamplerConfig(r.sampling, seed=seed),
-                        wrapper=self.wrapper,
-                        rubric=self.cfg.env.rubric,
-                        model_version=version,
-                    )
-                    result = rollout_trees(
-                        model, self.tokenizer, self.make_env, [seed], out_dir, config,
-                        env_name=self.cfg.env.name,
-                    )  # fmt: skip
-                    local.extend(result.trees)
-                    failures.extend(result.failures)
+                result = rollout_trees(
+                    model, self.tokenizer, self.make_env, task_seeds(self.cfg, update)[rank::world], out_dir,
+                    config, env_name=self.cfg.env.name, engine=engine,
+                )  # fmt: skip
         finally:
             model.train(was_training)
-        trees = share_trees(self.backend, tuple(local))
-        lost = share_failures(self.backend, write_failures(self.cfg.run_dir, update, rank, failures))
+        self.stats = result.stats
+        trees = share_trees(self.backend, result.trees)
+        lost = share_failures(self.backend, write_failures(self.cfg.run_dir, update, rank, list(result.failures)))
         line = too_many(lost, len(task_seeds(self.cfg, update)), r.max_failed_fraction)
         if line is not None:
             raise EnvironmentFailedError(f"update {update}: {line}")
@@ -123,6 +138,38 @@ class RolloutSource:
                 update, failure.seed, failure.error.line(), failure.log,
             )  # fmt: skip
         return Produced(tuple((t,) for t in trees), time.perf_counter() - start, len(lost))
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+
+def make_engine(cfg: TrainConfig, model: Any, max_tokens: int) -> GenerationEngine:
+    """The engine `rollout.engine` names, serving `model` (its weights are synced before first use)."""
+    kind = cfg.rollout.engine
+    if kind == "hf":
+        from treetrain.rollout.hf_engine import HFEngine
+
+        return HFEngine(model, version=-1)
+    if kind == "vllm-server":
+        from treetrain.rollout.vllm_server import VLLMServerEngine
+
+        return VLLMServerEngine(cfg.rollout.vllm, weights_dir=Path(cfg.run_dir) / "engine-weights", version=-1)
+    from treetrain.rollout.vllm_engine import VLLMEngine
+    from treetrain.train.models import resolve_model_path
+
+    path = resolve_model_path(cfg.model.path)
+    if not Path(path).is_dir():
+        raise ConfigError(
+            f"rollout.engine: 'vllm' loads the model from a checkpoint directory, and model.path={cfg.model.path!r} "
+            "is a built-in preset; save it with save_pretrained and give that directory"
+        )
+    device = next(model.parameters()).device
+    return VLLMEngine(
+        path, cfg.rollout.vllm, dtype=cfg.model.dtype, max_model_len=max_tokens, seed=cfg.seed, version=-1,
+        device=device.type,
+    )  # fmt: skip
 
 
 def wrapper_config(cfg: TrainConfig, model: Any) -> WrapperConfig:

@@ -1,0 +1,80 @@
+"""Which inference engine samples the rollouts, and how vLLM is started or reached (`rollout.vllm`).
+
+Kept apart from the engines so that reading a config imports neither torch nor vLLM: a bad URL is refused
+before anything loads.
+
+Example:
+    >>> VLLMSettings(urls=("http://127.0.0.1:8000",)).urls
+    ('http://127.0.0.1:8000',)
+    >>> VLLMSettings(urls=("localhost:8000",))
+    Traceback (most recent call last):
+    ...
+    treetrain.errors.ConfigError: urls: 'localhost:8000' is not an http(s) URL with a host (e.g. http://127.0.0.1:8000)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from treetrain.errors import ConfigError
+
+ENGINES: tuple[str, ...] = ("hf", "vllm", "vllm-server")
+"""`rollout.engine`: the trainer's own model, vLLM in this process, or `vllm serve` processes."""
+
+
+def url_problem(url: object) -> str | None:
+    """Why `url` is not a server base URL, or None."""
+    if not isinstance(url, str) or len(url) > 2048:
+        return f"{url!r:.80} is not a URL"
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        return f"{url!r:.80} is not a URL ({exc})"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return f"{url!r:.80} is not an http(s) URL with a host (e.g. http://127.0.0.1:8000)"
+    if parts.query or parts.fragment or port == 0:
+        return f"{url!r:.80} has a query, a fragment or port 0; give the server's base URL"
+    return None
+
+
+@dataclass(frozen=True)
+class VLLMSettings:
+    """How the `vllm` engine starts and the `vllm-server` engine connects; the trainer's `rollout.vllm`."""
+
+    urls: tuple[str, ...] = ()
+    """Base URLs of running `vllm serve` processes (rollout.engine=vllm-server), e.g.
+    `http://127.0.0.1:8000`; every request of one tree goes to the same server, so its prefix cache holds the
+    tree. The servers must serve this run's model, started with `VLLM_SERVER_DEV_MODE=1` (weight reloads)."""
+    request_timeout_s: float = 600.0
+    """Longest one request to a server may take before the rollout stops, naming the URL."""
+    gpu_memory_utilization: float = 0.3
+    """Fraction of GPU memory the in-process engine may take; the trainer needs the rest."""
+    cpu_kv_cache_gib: float = 1.0
+    """KV-cache size of the in-process engine on a machine without a GPU, in GiB."""
+    max_num_seqs: int = 256
+    """Most sequences the in-process engine decodes at once."""
+
+    def __post_init__(self) -> None:
+        urls = self.urls
+        if isinstance(urls, str) or not isinstance(urls, tuple | list):
+            raise ConfigError(f"must be a list of URLs, got {urls!r:.80}", field="urls")
+        for url in urls:
+            problem = url_problem(url)
+            if problem:
+                raise ConfigError(problem, field="urls")
+        if len(set(urls)) != len(urls):
+            raise ConfigError("lists a URL twice", field="urls")
+        object.__setattr__(self, "urls", tuple(urls))
+        for name, low, high in (
+            ("request_timeout_s", 0.0, math.inf),
+            ("gpu_memory_utilization", 0.0, 1.0),
+            ("cpu_kv_cache_gib", 0.0, 1024.0),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not low < value <= high:
+                raise ConfigError(f"must be a number in ({low:g}, {high:g}], got {value!r}", field=name)
+        if isinstance(self.max_num_seqs, bool) or not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
+            raise ConfigError(f"must be a positive integer, got {self.max_num_seqs!r}", field="max_num_seqs")

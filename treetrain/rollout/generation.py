@@ -1,0 +1,222 @@
+"""One interface to every inference engine: token ids in, token ids and their logprobs out.
+
+A branch point of a tree is one `GenerationRequest`: the context's token ids (the node's token path), how
+many samples to draw, the sampling settings, and the stop sequences. The engine answers with one
+`GenerationResult`: for each sample, the sampled ids, the logprob of each under the distribution it was
+drawn from, why it ended, and the weight version that produced it. The tree is grown from exactly these ids:
+nothing is re-rendered or re-tokenized, so the trainer sees exactly what was sampled.
+
+Engines are asynchronous in one simple way: `submit` queues a request and returns its id at once, and
+`poll` advances the engine (one batched decode step for the in-process engines, a wait on the network for a
+server) and returns the requests that finished meanwhile. A scheduler keeps every ready branch point of
+every tree submitted, so the engine always sees all the work there is.
+
+Engines: `HFEngine` (`treetrain.rollout.hf_engine`, the model being trained, continuous batching over every
+in-flight row), `VLLMEngine` (`treetrain.rollout.vllm_engine`, vLLM in this process) and `VLLMServerEngine`
+(`treetrain.rollout.vllm_server`, `vllm serve` processes over HTTP). This module imports no torch.
+
+Example:
+    >>> from treetrain.rollout.sampling import Sampling
+    >>> r = GenerationRequest((5, 6, 7), n=2, max_new_tokens=4, sampling=Sampling(), stop=((1,),), seed=3)
+    >>> r.prompt_tokens, r.stop_ids, r.stop_sequences
+    (3, (1,), ())
+    >>> c = Completion((9, 1), (-0.5, -0.1), "stop", version=2)
+    >>> c.stopped
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from treetrain.errors import TreetrainError
+from treetrain.rollout.sampling import Sampling
+
+FinishReason = Literal["stop", "length"]
+
+
+class EngineError(TreetrainError, RuntimeError):
+    """An inference engine that cannot serve: a server that is down, slow or answers out of protocol, or an
+    engine that cannot load the model. The message is one line naming the engine (and URL) and the cause."""
+
+
+class VersionMismatchError(EngineError):
+    """The engine sampled with weights other than the trainer's current ones: training on those samples
+    would be a silent off-policy update, so the rollout stops instead."""
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """`n` continuations of one context: one branch point of a tree."""
+
+    context: tuple[int, ...]
+    """Token ids the samples continue: the node's whole token path (prompt, turns, observations)."""
+    n: int
+    """How many samples to draw from this context (the branch point's policy fan-out)."""
+    max_new_tokens: int
+    """Most tokens one sample may have (the turn budget left to the episode)."""
+    sampling: Sampling
+    """Temperature and top-p."""
+    stop: tuple[tuple[int, ...], ...]
+    """Token sequences that end a sample (single ids are 1-tuples); the stop tokens are kept in the sample."""
+    seed: int = 0
+    """Seed of this request's samples: the same request with the same seed draws the same tokens on one
+    engine, whatever else is in flight."""
+    group: str = ""
+    """Routing key (the tree's task): every request of a group goes to the same server, whose prefix cache
+    then holds the tree."""
+    children: int = 1
+    """How many later requests are expected to extend each sample (the environment fan-out): a hint for an
+    engine that keeps sampled prefixes for reuse; engines with their own prefix cache ignore it."""
+
+    def __post_init__(self) -> None:
+        if not self.context:
+            raise ValueError("a generation request needs at least one context token")
+        if self.n < 1 or self.max_new_tokens < 1:
+            raise ValueError(f"n and max_new_tokens must be >= 1, got {self.n}, {self.max_new_tokens}")
+        if not self.stop or not all(self.stop):
+            raise ValueError("a generation request needs stop sequences, none of them empty")
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.context)
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The single-token stops."""
+        return tuple(s[0] for s in self.stop if len(s) == 1)
+
+    @property
+    def stop_sequences(self) -> tuple[tuple[int, ...], ...]:
+        """The stops of more than one token."""
+        return tuple(s for s in self.stop if len(s) > 1)
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sample of a request."""
+
+    tokens: tuple[int, ...]
+    """The sampled ids, ending with the stop sequence when `finish == "stop"`."""
+    logprobs: tuple[float, ...]
+    """Logprob of each sampled id under the distribution it was drawn from (0 under greedy decoding)."""
+    finish: FinishReason
+    """`stop`: a stop sequence ended it; `length`: `max_new_tokens` cut it."""
+    version: int
+    """The weight version that sampled it (`GenerationEngine.version` when it was drawn)."""
+
+    def __post_init__(self) -> None:
+        if not self.tokens or len(self.tokens) != len(self.logprobs):
+            raise ValueError(f"a completion needs one logprob per token, got {len(self.tokens)} tokens")
+
+    @property
+    def stopped(self) -> bool:
+        return self.finish == "stop"
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """The answer to one request: its `n` completions, in sample order."""
+
+    request_id: int
+    completions: tuple[Completion, ...]
+    cached_tokens: int = 0
+    """Context tokens the engine did not have to encode (served from its prefix cache)."""
+
+
+@dataclass
+class EngineStats:
+    """Work done so far, for logs, tests and benchmarks."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    """Context tokens of every request."""
+    cached_tokens: int = 0
+    """Of those, the ones served from a prefix cache instead of encoded."""
+    encoded_tokens: int = 0
+    """Token positions run through the model, summed over batch rows (in-process engines)."""
+    forward_calls: int = 0
+    sampled_tokens: int = 0
+    weight_syncs: int = 0
+    sync_seconds: float = 0.0
+
+    def since(self, before: EngineStats) -> EngineStats:
+        """The work done after `before` was copied."""
+        return EngineStats(**{k: getattr(self, k) - getattr(before, k) for k in vars(self)})
+
+    @property
+    def cache_hit_rate(self) -> float:
+        """Fraction of context tokens served from the prefix cache (0 when nothing was asked)."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+class GenerationEngine(Protocol):
+    """What the scheduler needs from an engine; see the module docstring."""
+
+    version: int
+    """The weight version the engine samples with."""
+    stats: EngineStats
+
+    def submit(self, request: GenerationRequest) -> int:
+        """Queue `request`; returns its id (unique for the engine's life)."""
+        ...
+
+    def poll(self) -> list[GenerationResult]:
+        """Advance the engine and return the requests that finished (possibly none). Call while `busy`."""
+        ...
+
+    @property
+    def busy(self) -> bool:
+        """True while a submitted request has not been returned by `poll`."""
+        ...
+
+    def sync_weights(self, model: object, version: int) -> None:
+        """Sample from `model`'s current weights from now on, as weight version `version`."""
+        ...
+
+    def close(self) -> None:
+        """Free the engine's resources (processes, memory); it is unusable afterwards."""
+        ...
+
+
+def check_versions(results: Sequence[GenerationResult], expected: int, engine: str) -> None:
+    """Refuse samples drawn with any weights but version `expected` (a `VersionMismatchError`).
+
+    >>> ok = GenerationResult(0, (Completion((3,), (0.0,), "length", version=4),))
+    >>> check_versions([ok], 4, "hf")
+    >>> check_versions([ok], 5, "hf")
+    Traceback (most recent call last):
+    ...
+    treetrain.rollout.generation.VersionMismatchError: hf sampled request 0 with weight version 4, but the trainer is at version 5; refusing an off-policy update
+    """
+    for result in results:
+        for c in result.completions:
+            if c.version != expected:
+                raise VersionMismatchError(
+                    f"{engine} sampled request {result.request_id} with weight version {c.version}, but the "
+                    f"trainer is at version {expected}; refusing an off-policy update"
+                )
+
+
+@dataclass(frozen=True)
+class StopMatcher:
+    """Whether a growing sample has just ended with one of a request's stop sequences.
+
+    >>> m = StopMatcher.of(((2,), (7, 8)))
+    >>> m.stops([5, 2]), m.stops([7, 8]), m.stops([8, 7])
+    (True, True, False)
+    """
+
+    ids: frozenset[int] = field(default_factory=frozenset)
+    sequences: tuple[tuple[int, ...], ...] = ()
+
+    @classmethod
+    def of(cls, stop: Sequence[Sequence[int]]) -> StopMatcher:
+        return cls(frozenset(s[0] for s in stop if len(s) == 1), tuple(tuple(s) for s in stop if len(s) > 1))
+
+    def stops(self, tokens: Sequence[int]) -> bool:
+        if tokens and tokens[-1] in self.ids:
+            return True
+        return any(len(tokens) >= len(s) and tuple(tokens[-len(s) :]) == s for s in self.sequences)

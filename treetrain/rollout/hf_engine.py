@@ -1,0 +1,403 @@
+"""The trainer's own model as an inference engine: continuous batching over every in-flight sample.
+
+`HFEngine` serves `GenerationRequest`s with the Hugging Face model being trained. Every `poll` is one
+decode step of *all* live rows together, whichever request, tree or task they belong to: the requests that
+arrived since the last step are encoded together in one forward and join the batch, and finished rows leave
+it. Rows of different lengths share one cache through padding, with a 2-D attention mask and explicit
+position ids (as `generate` batches prompts), for every model whose cache is plain full-attention KV; other
+caches (sliding windows, recurrent state) are batched per request instead, with no padding at all.
+
+A request's context is encoded once, then repeated for its `n` rows. When a row finishes,
+the KV of its context plus every sampled token but the last is kept, keyed by those token ids: the next
+request whose context extends them (the branch's next turn, after the tool result) encodes only the new
+tokens. That is the engine's prefix cache; `GenerationRequest.children` says how many requests will use a
+kept prefix, and `release_group` drops what a finished tree left behind.
+
+Each request draws from its own `torch.Generator` seeded by `GenerationRequest.seed`, so its samples do
+not depend on what else shares the batch. Logprobs are those of the distribution actually sampled from
+(`treetrain.rollout.sampler.draw`): 0 under greedy decoding.
+
+Example:
+    >>> import torch
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> from treetrain.rollout.generation import GenerationRequest
+    >>> from treetrain.rollout.sampling import Sampling
+    >>> _ = torch.manual_seed(0)
+    >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+    ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2)).eval()
+    >>> engine = HFEngine(model)
+    >>> a = engine.submit(GenerationRequest((5, 6, 7), 2, 4, Sampling(), ((1,),), seed=0))
+    >>> b = engine.submit(GenerationRequest((9, 8), 3, 4, Sampling(), ((1,),), seed=1))
+    >>> done = []
+    >>> while engine.busy:
+    ...     done += engine.poll()
+    >>> sorted((r.request_id, len(r.completions)) for r in done)
+    [(0, 2), (1, 3)]
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from treetrain.rollout.generation import (
+    Completion,
+    EngineStats,
+    GenerationRequest,
+    GenerationResult,
+    StopMatcher,
+)
+from treetrain.rollout.sampler import draw, fork_cache
+
+MAX_ROWS = 64
+"""Most rows decoded together; a request waits while admitting it would exceed this (one always fits)."""
+MAX_KEPT = 512
+"""Most kept prefixes; the least recently used go first."""
+
+
+class GrowingLayer(DynamicLayer):
+    """A `DynamicLayer` that writes new KV into spare capacity instead of concatenating: a decode step of a
+    large batch costs the size of the new token, not a copy of the whole cache."""
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n, q = self.get_seq_length(), key_states.shape[-2]
+        buf: tuple[torch.Tensor, torch.Tensor] | None = getattr(self, "_buf", None)
+        if (
+            buf is None
+            or buf[0].data_ptr() != self.keys.data_ptr()  # batch_select / repeat made new tensors
+            or buf[0].shape[0] != key_states.shape[0]
+            or n + q > buf[0].shape[-2]
+        ):
+            capacity = max(2 * (n + q), 64)
+            bk = key_states.new_empty(*key_states.shape[:-2], capacity, key_states.shape[-1])
+            bv = value_states.new_empty(*value_states.shape[:-2], capacity, value_states.shape[-1])
+            if n:
+                bk[:, :, :n], bv[:, :, :n] = self.keys, self.values
+            buf = self._buf = (bk, bv)
+        bk, bv = buf
+        bk[:, :, n : n + q], bv[:, :, n : n + q] = key_states, value_states
+        self.keys, self.values = bk[:, :, : n + q], bv[:, :, : n + q]
+        return self.keys, self.values
+
+
+@dataclass
+class _Kept:
+    cache: Any  # batch size 1, no padding
+    uses: int
+    group: str
+
+
+@dataclass
+class _Row:
+    request: int
+    sample: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    done: bool = False
+
+
+@dataclass
+class _Job:
+    request: GenerationRequest
+    rid: int
+    stops: StopMatcher
+    generator: torch.Generator
+    results: list[Completion | None]
+    version: int
+    cached: int = 0
+
+
+@dataclass
+class _Batch:
+    """Rows decoded together over one cache of `width` columns; `mask` says which columns hold each row's
+    tokens (the rest is padding), `positions` is each row's next position (its token count)."""
+
+    cache: Any
+    rows: list[_Row]
+    mask: torch.Tensor  # [R, W] long
+    positions: torch.Tensor  # [R] long
+    logits: torch.Tensor  # [R, V]
+
+    @property
+    def dead(self) -> int:
+        return sum(r.done for r in self.rows)
+
+
+def _mergeable(cache: Any) -> bool:
+    return bool(cache.layers) and all(isinstance(layer, GrowingLayer) for layer in cache.layers)
+
+
+def _new_cache(model: Any) -> Any:
+    """An empty cache for `model`; plain full-attention layers become `GrowingLayer`s."""
+    cache = DynamicCache(config=model.config)
+    if cache.layers and all(type(layer) is DynamicLayer for layer in cache.layers):
+        cache.layers = [GrowingLayer() for _ in cache.layers]
+    return cache
+
+
+def _layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def _cache_of(model: Any, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    cache = _new_cache(model)
+    for i, (k, v) in enumerate(layers):
+        cache.update(k, v, i)
+    return cache
+
+
+def _pad_left(x: torch.Tensor, width: int) -> torch.Tensor:  # [R, H, L, D] -> [R, H, width, D]
+    extra = width - x.shape[-2]
+    return x if extra == 0 else torch.cat([x.new_zeros(*x.shape[:-2], extra, x.shape[-1]), x], dim=-2)
+
+
+def _mask_left(mask: torch.Tensor, width: int) -> torch.Tensor:  # [R, L] -> [R, width]
+    extra = width - mask.shape[1]
+    return mask if extra == 0 else torch.cat([mask.new_zeros(mask.shape[0], extra), mask], dim=1)
+
+
+class HFEngine:
+    """Continuous batching over a Hugging Face causal LM; see the module docstring."""
+
+    def __init__(
+        self, model: Any, *, version: int = 0, max_rows: int = MAX_ROWS, max_kept: int = MAX_KEPT
+    ) -> None:
+        self.model = model
+        self.version = version
+        self.stats = EngineStats()
+        self.max_rows, self.max_kept = max_rows, max_kept
+        self.device = next(model.parameters()).device
+        self.merge = _mergeable(_new_cache(model))
+        """Whether rows of different requests share one padded batch (plain full-attention caches)."""
+        self._next_id = 0
+        self._waiting: list[_Job] = []
+        self._jobs: dict[int, _Job] = {}
+        self._batches: list[_Batch] = []
+        self._kept: OrderedDict[tuple[int, ...], _Kept] = OrderedDict()
+
+    # ----- GenerationEngine -------------------------------------------------------------------------
+    def submit(self, request: GenerationRequest) -> int:
+        rid = self._next_id
+        self._next_id += 1
+        generator = torch.Generator(device=self.device).manual_seed(request.seed)
+        job = _Job(request, rid, StopMatcher.of(request.stop), generator, [None] * request.n, self.version)
+        self._waiting.append(job)
+        self._jobs[rid] = job
+        self.stats.requests += 1
+        self.stats.prompt_tokens += request.prompt_tokens
+        return rid
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._jobs)
+
+    @torch.no_grad()
+    def poll(self) -> list[GenerationResult]:
+        """Encode the requests that fit, then draw one token for every live row (one forward per batch)."""
+        self._admit()
+        finished: list[GenerationResult] = []
+        for batch in self._batches:
+            self._step(batch, finished)
+        self._batches = [b for b in self._batches if b.dead < len(b.rows)]
+        return finished
+
+    def sync_weights(self, model: object, version: int) -> None:
+        """The engine samples from the trainer's own model: nothing to copy, but prefixes kept under the old
+        weights are dropped."""
+        if self.busy:
+            raise RuntimeError("sync_weights while requests are in flight")
+        self.model = model
+        self.version = version
+        self._kept.clear()
+        self.stats.weight_syncs += 1
+
+    def release_group(self, group: str) -> None:
+        """Drop the kept prefixes of `group` (its tree is finished)."""
+        for key in [k for k, e in self._kept.items() if e.group == group]:
+            del self._kept[key]
+
+    def close(self) -> None:
+        self._kept.clear()
+        self._batches.clear()
+
+    # ----- admission --------------------------------------------------------------------------------
+    def _admit(self) -> None:
+        rows = sum(len(b.rows) - b.dead for b in self._batches)
+        jobs: list[_Job] = []
+        while self._waiting and (rows == 0 or rows + self._waiting[0].request.n <= self.max_rows):
+            jobs.append(self._waiting.pop(0))
+            rows += jobs[-1].request.n
+        if not jobs:
+            return
+        if not self.merge:
+            self._batches += [self._prefill([job]) for job in jobs]
+            return
+        new = self._prefill(jobs)
+        into = self._batches.pop() if self._batches else None
+        self._batches.append(new if into is None else self._join(into, new))
+
+    def _lookup(self, context: tuple[int, ...]) -> tuple[int, Any]:
+        """The longest kept prefix of `context` (leaving at least one token to encode), as a cache to use."""
+        best, found = 0, None
+        for key in self._kept:
+            if best < len(key) < len(context) and context[: len(key)] == key:
+                best, found = len(key), key
+        if found is None:
+            return 0, None
+        entry = self._kept[found]
+        entry.uses -= 1
+        if entry.uses <= 0:
+            del self._kept[found]
+            return best, entry.cache
+        self._kept.move_to_end(found)
+        return best, fork_cache(entry.cache, [0])
+
+    def _prefill(self, jobs: list[_Job]) -> _Batch:
+        """Encode the uncached part of every job's context in one forward, then repeat each row `n` times.
+
+        Row b is [padding | kept prefix b | padding | pending tokens b]: kept prefixes are left-padded to
+        a common width, pending tokens right-aligned to a common length, so every row's last token is last.
+        """
+        kept = [self._lookup(job.request.context) for job in jobs]
+        pending = [job.request.context[hit:] for job, (hit, _) in zip(jobs, kept)]
+        for job, (hit, _) in zip(jobs, kept):
+            job.cached = hit
+            self.stats.cached_tokens += hit
+        width = max(hit for hit, _ in kept)
+        if len(jobs) == 1:
+            cache = kept[0][1] if kept[0][1] is not None else _new_cache(self.model)
+        elif width == 0:
+            cache = _new_cache(self.model)
+        else:
+            ref = next(_layers(c) for _, c in kept if c is not None)
+            layers = []
+            for i, (k0, v0) in enumerate(ref):
+                ks = [_pad_left(c.layers[i].keys, width) if c is not None else k0.new_zeros(1, k0.shape[1], width, k0.shape[3]) for _, c in kept]  # fmt: skip
+                vs = [_pad_left(c.layers[i].values, width) if c is not None else v0.new_zeros(1, v0.shape[1], width, v0.shape[3]) for _, c in kept]  # fmt: skip
+                layers.append((torch.cat(ks), torch.cat(vs)))
+            cache = _cache_of(self.model, layers)
+        hits = torch.tensor([hit for hit, _ in kept])  # [B]
+        lengths = torch.tensor([len(p) for p in pending])  # [B]
+        span = int(lengths.max())
+        ids = torch.zeros(len(jobs), span, dtype=torch.long)  # [B, P]
+        for b, p in enumerate(pending):
+            ids[b, span - len(p) :] = torch.tensor(p)
+        cols = torch.arange(width)[None, :]
+        mask = torch.cat(
+            [(cols >= width - hits[:, None]).long(), (torch.arange(span)[None, :] >= span - lengths[:, None]).long()], dim=1
+        )  # [B, width + P]
+        kwargs: dict[str, Any] = {}
+        if not bool(mask.all()):
+            positions = (hits[:, None] + torch.arange(span)[None, :] - (span - lengths[:, None])).clamp(min=0)
+            kwargs = {"attention_mask": mask.to(self.device), "position_ids": positions.to(self.device)}
+        out = self.model(
+            input_ids=ids.to(self.device), cache=cache, use_cache=True, logits_to_keep=1, **kwargs
+        )
+        self.stats.forward_calls += 1
+        self.stats.encoded_tokens += int(lengths.sum())
+        logits = out.logits[:, -1, :].float()  # [B, V]
+        counts = torch.tensor([job.request.n for job in jobs])
+        index = torch.repeat_interleave(torch.arange(len(jobs)), counts)  # [R]
+        if len(index) > len(jobs):
+            cache.batch_select_indices(index.to(self.device))
+        rows = [_Row(job.rid, i) for job in jobs for i in range(job.request.n)]
+        return _Batch(cache, rows, mask[index], (hits + lengths)[index], logits[index])
+
+    def _join(self, a: _Batch, b: _Batch) -> _Batch:
+        width = max(a.mask.shape[1], b.mask.shape[1])
+        layers = [
+            (torch.cat([_pad_left(ka, width), _pad_left(kb, width)]), torch.cat([_pad_left(va, width), _pad_left(vb, width)]))
+            for (ka, va), (kb, vb) in zip(_layers(a.cache), _layers(b.cache))
+        ]  # fmt: skip
+        return _Batch(
+            _cache_of(self.model, layers),
+            a.rows + b.rows,
+            torch.cat([_mask_left(a.mask, width), _mask_left(b.mask, width)]),
+            torch.cat([a.positions, b.positions]),
+            torch.cat([a.logits, b.logits]),
+        )
+
+    # ----- decoding ---------------------------------------------------------------------------------
+    def _step(self, batch: _Batch, finished: list[GenerationResult]) -> None:
+        tokens = [0] * len(batch.rows)  # a finished row is fed padding, masked out
+        for j, row in enumerate(batch.rows):
+            if row.done:
+                continue
+            job = self._jobs[row.request]
+            tok, lp = draw(batch.logits[j : j + 1], job.request.sampling, job.generator)
+            tokens[j] = int(tok[0])
+            row.tokens.append(tokens[j])
+            row.logprobs.append(min(float(lp[0]), 0.0))
+            self.stats.sampled_tokens += 1
+            stopped = job.stops.stops(row.tokens)
+            if stopped or len(row.tokens) >= job.request.max_new_tokens:
+                self._finish(batch, j, job, stopped, finished)
+        if batch.dead == len(batch.rows):
+            return
+        if batch.dead and (not self.merge or batch.dead * 4 >= len(batch.rows)):
+            keep = self._compact(batch)
+            tokens = [tokens[j] for j in keep]
+        live = torch.tensor([0 if r.done else 1 for r in batch.rows])  # [R]
+        batch.mask = torch.cat([batch.mask, live[:, None]], dim=1)  # [R, W + 1]
+        kwargs: dict[str, Any] = {}
+        if not bool(batch.mask.all()):
+            kwargs = {
+                "attention_mask": batch.mask.to(self.device),
+                "position_ids": batch.positions[:, None].to(self.device),  # [R, 1]
+            }
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]  # [R, 1]
+        out = self.model(input_ids=ids, cache=batch.cache, use_cache=True, logits_to_keep=1, **kwargs)
+        self.stats.forward_calls += 1
+        self.stats.encoded_tokens += int(live.sum())
+        batch.logits = out.logits[:, -1, :].float()  # [R, V]
+        batch.positions = batch.positions + live
+
+    def _finish(self, batch: _Batch, j: int, job: _Job, stopped: bool, finished: list[GenerationResult]) -> None:
+        row, request = batch.rows[j], job.request
+        row.done = True
+        key = (*request.context, *row.tokens[:-1])
+        if request.children > 0 and key in self._kept:  # an identical sample (greedy) kept it already
+            self._kept[key].uses += request.children
+        elif request.children > 0:  # keep the KV of context + tokens[:-1] for the branch's next request
+            if _mergeable(batch.cache):
+                cols = batch.mask[j].bool().nonzero().squeeze(-1).to(self.device)
+                layers = [(k[j : j + 1, :, cols], v[j : j + 1, :, cols]) for k, v in _layers(batch.cache)]
+                kept = _cache_of(self.model, layers)
+            else:
+                kept = fork_cache(batch.cache, [j])
+            self._kept[key] = _Kept(kept, request.children, request.group)
+            while len(self._kept) > self.max_kept:
+                self._kept.popitem(last=False)
+        job.results[row.sample] = Completion(
+            tuple(row.tokens), tuple(row.logprobs), "stop" if stopped else "length", job.version
+        )
+        if all(c is not None for c in job.results):
+            del self._jobs[job.rid]
+            completions = tuple(c for c in job.results if c is not None)
+            finished.append(GenerationResult(job.rid, completions, job.cached))
+
+    def _compact(self, batch: _Batch) -> list[int]:
+        """Drop finished rows, and the columns only padding holds; returns the rows kept."""
+        keep = [j for j, r in enumerate(batch.rows) if not r.done]
+        index = torch.tensor(keep, dtype=torch.long)
+        batch.rows = [batch.rows[j] for j in keep]
+        batch.mask, batch.positions, batch.logits = batch.mask[index], batch.positions[index], batch.logits[index]
+        if not _mergeable(batch.cache):
+            batch.cache.batch_select_indices(index.to(self.device))
+            return keep
+        used = batch.mask.any(dim=0).nonzero()
+        first = int(used[0]) if len(used) else batch.mask.shape[1]
+        batch.mask = batch.mask[:, first:]
+        dev = index.to(self.device)
+        layers = [(k[dev, :, first:], v[dev, :, first:]) for k, v in _layers(batch.cache)]
+        batch.cache = _cache_of(self.model, layers)
+        return keep

