@@ -148,10 +148,12 @@ class Channel:
                 data = self._conn.recv_bytes(MAX_REPLY_BYTES)
             except (EOFError, OSError) as exc:  # the worker died, or sent more than MAX_REPLY_BYTES
                 if self.alive:
-                    text = self._exit_text()
-                    if not isinstance(exc, EOFError | BrokenPipeError | ConnectionResetError):
-                        text = f"WireError: a reply over {MAX_REPLY_BYTES} bytes, or unreadable ({exc})"
-                    self._break(text)
+                    ended = isinstance(exc, EOFError | BrokenPipeError | ConnectionResetError)
+                    self._break(
+                        self._exit_text()
+                        if ended
+                        else f"WireError: a reply over {MAX_REPLY_BYTES} bytes, or unreadable ({exc})"
+                    )
                 break
             try:
                 ident, reply = _decoded(data)
