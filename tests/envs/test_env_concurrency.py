@@ -8,6 +8,7 @@ however loaded the machine is."""
 
 from __future__ import annotations
 
+import functools
 import signal
 import threading
 from collections.abc import Callable
@@ -47,6 +48,12 @@ class Call(threading.Thread):
         if self.error is not None:
             raise self.error
         return self.value
+
+    def failure(self) -> EnvFailure:
+        """The `EnvFailure` the call raised (it must have raised one)."""
+        with pytest.raises(EnvFailure) as caught:
+            self.result()
+        return caught.value
 
 
 def step(env: RemoteEnv, text: str, timeout: float | None = None) -> str:
@@ -140,9 +147,13 @@ def test_one_callers_deadline_stops_the_worker_while_others_had_gone_on(
         assert done == 3 and stuck.is_alive()  # the others went on while it waited
         held = Call(lambda: step(c, "wait:c", None))
         started(gates, "c")
-        with pytest.raises(EnvFailure, match=r"step raised Timeout: no answer within 2.2s; the worker was stopped"):
+        with pytest.raises(
+            EnvFailure, match=r"step raised Timeout: no answer within 2.2s; the worker was stopped"
+        ):
             stuck.result()
-        with pytest.raises(EnvFailure, match=r"step raised WorkerStopped: another call \(step\) had no answer"):
+        with pytest.raises(
+            EnvFailure, match=r"step raised WorkerStopped: another call \(step\) had no answer"
+        ):
             held.result()
         with pytest.raises(EnvFailure, match="WorkerGone"):
             step(b, "late", 0.2)
@@ -161,7 +172,7 @@ def test_a_worker_that_dies_fails_every_waiting_call(gates: Path) -> None:
         started(gates, "b")
         with pytest.raises(EnvFailure) as caught:
             step(c, "exit")
-        for failure in [caught.value, *(pytest.raises(EnvFailure, w.result).value for w in waiting)]:
+        for failure in [caught.value, *(w.failure() for w in waiting)]:
             assert failure.error.method == "step"
             assert "WorkerExited: the worker process exited with status 0" in failure.error.exception
         assert step(opened(factory, 4), "x") == "seed4|x"
@@ -189,8 +200,8 @@ def test_a_reply_outside_the_protocol_fails_every_waiting_call(
     monkeypatch.setattr(envs.channel, "MAX_REPLY_BYTES", 1024)
     worker = EnvWorker(f"{mode}:2", {}, 30.0, max_concurrent=4)
     try:
-        calls = [Call(lambda: worker.call(m, {"op": "step", "handle": 1})) for m in ("step", "fork")]
-        failures = [pytest.raises(EnvFailure, c.result).value for c in calls]
+        calls = [Call(functools.partial(worker.call, m, {"op": m, "handle": 1})) for m in ("step", "fork")]
+        failures = [c.failure() for c in calls]
         assert sorted(f.error.method for f in failures) == ["fork", "step"]
         assert all(f"WireError: {text}" in f.error.exception for f in failures), failures
         assert not worker.alive and wait_for(lambda: not worker._proc.is_alive(), 10)
@@ -209,7 +220,9 @@ def test_ctrl_c_while_waiting_stops_the_worker_and_fails_the_other_callers(gates
         main = threading.main_thread().ident
         assert main == threading.get_ident()
         interrupt = threading.Thread(
-            target=lambda: wait_for(lambda: a.worker.waiting == 2) and signal.pthread_kill(main, signal.SIGINT)
+            target=lambda: (
+                wait_for(lambda: a.worker.waiting == 2) and signal.pthread_kill(main, signal.SIGINT)
+            )
         )
         interrupt.start()
         with pytest.raises(KeyboardInterrupt):
