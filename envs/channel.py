@@ -41,14 +41,6 @@ from typing import Any
 from envs.wire import MAX_REPLY_BYTES, WireError, dumps, loads
 
 
-class ChannelBroken(Exception):
-    """The call could not be answered; `text` says why (`Kind: detail`), for the caller's `EnvFailure`."""
-
-    def __init__(self, text: str) -> None:
-        super().__init__(text)
-        self.text = text
-
-
 @dataclass
 class _Waiter:
     """One caller waiting for the reply to its request."""
@@ -92,14 +84,14 @@ class Channel:
             return len(self._waiters)
 
     def call(self, method: str, request: dict[str, Any], deadline: float | None) -> tuple[str, Any]:
-        """Send `request` and wait up to `deadline` seconds (None: forever) for its reply: ("ok", value) or
-        ("error", the worker's error object). Raises `ChannelBroken` when it cannot be answered."""
+        """Send `request` and wait up to `deadline` seconds (None: forever) for its reply: ("ok", value),
+        ("error", the worker's error object), or ("broken", why it cannot be answered: `Kind: detail`)."""
         try:
             with self._slots:
                 waiter, ident = _Waiter(method), next(self._ids)
                 with self._lock:
                     if self._broken is not None:
-                        raise ChannelBroken("WorkerGone: the worker had already stopped")
+                        return "broken", "WorkerGone: the worker had already stopped"
                     self._waiters[ident] = waiter
                     with contextlib.suppress(OSError):  # the worker is gone; the reader reports how
                         self._conn.send_bytes(dumps({**request, "id": ident}))
@@ -110,13 +102,12 @@ class Channel:
                         own=(waiter, f"Timeout: no answer within {deadline:g}s; the worker was stopped"),
                     )
         except BaseException as exc:  # Ctrl-C while waiting: stop the worker, so nothing runs on unseen
-            if not isinstance(exc, ChannelBroken):
-                self._break(
-                    f"WorkerStopped: interrupted ({type(exc).__name__}) while waiting; the worker was stopped"
-                )
+            self._break(
+                f"WorkerStopped: interrupted ({type(exc).__name__}) while waiting; the worker was stopped"
+            )
             raise
         if waiter.reply is None:
-            raise ChannelBroken(waiter.broken or "WorkerGone: the worker stopped answering")
+            return "broken", waiter.broken or "WorkerGone: the worker stopped answering"
         return waiter.reply
 
     def close(self, text: str) -> None:

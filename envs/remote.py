@@ -6,11 +6,19 @@ wrapper and tree rollouts use it as any environment; forks are new handles in th
 score there (where the environment's state is), and the step deadline is kept there too, so the trainer
 never copies or threads the environment.
 
+Calls are concurrent: the factory, its workers and their environments may be used from many threads at
+once. Each request carries an id (`envs.channel`), the worker runs each in its own thread, in order per
+handle (`envs.lanes`), and answers as soon as it is done, so a slow tool delays only its own episode. A
+`RemoteEnv` sends one request at a time, and a worker builds one environment at a time, so a request's
+deadline (step deadline plus `GRACE_S`) starts when the worker can start it. With `workers=N` the factory
+gives root environments to N processes in turn (a fork stays in its root's worker), for tools that are
+CPU-bound in Python, which one process's interpreter lock would run one at a time.
+
 Anything the environment does wrong surfaces as one exception, `EnvFailure`, carrying an `EnvError`: the
 environment, the method, the exception, where it was raised and the full traceback. A worker that dies
-(`os._exit`, a crash, a kill), that answers with something the protocol does not allow, or that stays
-silent past the step deadline plus `GRACE_S` is stopped and reported the same way; the next environment
-starts a fresh worker.
+(`os._exit`, a crash, a kill), that answers with something the protocol does not allow, or that leaves a
+call unanswered past the step deadline plus `GRACE_S` is stopped, and every call waiting on it fails the
+same way, each naming its own method; the next environment starts a fresh worker.
 
 Example:
     >>> factory = WorkerEnvFactory("calculator", {"max_operands": 2})
@@ -34,7 +42,7 @@ from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from envs.channel import Channel, ChannelBroken
+from envs.channel import Channel
 from envs.protocol import Episode, Message, Rubric, StepResult, ToolSpec
 from envs.step_thread import DeadlineEnvironment
 from envs.wire import (
@@ -146,10 +154,9 @@ class EnvWorker:
         worker has the step deadline plus `GRACE_S` and `extra_s` to answer (no step deadline: forever),
         counted from when the request is sent. Calls from other threads run meanwhile."""
         deadline = None if self.timeout is None else self.timeout + GRACE_S + extra_s
-        try:
-            kind, value = self._channel.call(method, request, deadline)
-        except ChannelBroken as exc:
-            raise EnvFailure(EnvError(self.name, method, exc.text)) from None
+        kind, value = self._channel.call(method, request, deadline)
+        if kind == "broken":
+            raise EnvFailure(EnvError(self.name, method, value))
         if kind == "error":
             raise EnvFailure(_error_from_wire(self.name, value))
         return value
@@ -217,7 +224,8 @@ class RemoteRubric(Rubric):
 
 
 class RemoteEnv(DeadlineEnvironment):
-    """An environment living in an `EnvWorker`, by handle. See the module docstring."""
+    """An environment living in an `EnvWorker`, by handle; its calls may come from any thread (they are
+    sent one at a time). See the module docstring."""
 
     def __init__(
         self, worker: EnvWorker, handle: int, rubric_names: Sequence[str], class_name: str = ""

@@ -1,16 +1,21 @@
 """The environment worker: a process that hosts environments and runs their code for the trainer.
 
-The trainer starts one with the environment's name and constructor arguments (`envs.remote.EnvWorker`);
-the worker builds every environment itself, from the name, so nothing is pickled from the trainer. It then
-answers JSON requests on a pipe, one at a time: build an environment, reset, step (under the step
-deadline, on a copy, as `envs.step_thread.step_within` does in-process), fork, score with a rubric,
-release. Each environment is a numbered handle; a fork is a new handle in the same worker.
+The trainer starts one with the environment's name, constructor arguments and how many requests it may
+run at once (`envs.remote.EnvWorker`); the worker builds every environment itself, from the name, so
+nothing is pickled from the trainer. It then answers JSON requests on a pipe: build an environment, reset,
+step (under the step deadline, on a copy, as `envs.step_thread.step_within` does in-process), fork, score
+with a rubric, release. Each environment is a numbered handle; a fork is a new handle in the same worker.
 
-Whatever the environment does stays here: an exception becomes an error reply naming the method, the
-exception and where it was raised, with the full traceback; `os._exit`, a crash, a closed stdout or a
-print that never ends take down or block only this process, which the trainer sees as a dead or silent
-worker. Ctrl-C is the trainer's to handle, so the worker ignores SIGINT; it exits when the trainer closes
-the pipe (or dies).
+Requests run concurrently, each in a thread of a bounded pool, and each reply goes back with its request's
+id as soon as it is ready: a tool that sleeps on one handle holds up no other. An environment object is not
+assumed thread-safe, so the requests of one handle run one after another in the order they came (a lane,
+`envs.lanes`), and so do the builds of new environments (constructors may share module state).
+
+Whatever the environment does stays here: an exception (even `SystemExit`) becomes an error reply naming
+the method, the exception and where it was raised, with the full traceback; `os._exit`, a crash, a closed
+stdout or a print that never ends take down or block only this process, which the trainer sees as a dead
+or silent worker. Ctrl-C is the trainer's to handle, so the worker ignores SIGINT; it exits when the
+trainer closes the pipe (or dies).
 """
 
 from __future__ import annotations
