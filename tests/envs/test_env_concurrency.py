@@ -180,6 +180,25 @@ def test_a_worker_that_dies_fails_every_waiting_call(gates: Path) -> None:
         factory.close()
 
 
+@pytest.mark.parametrize("timeout", [None, 30.0])
+def test_sys_exit_in_a_step_fails_that_call_alone(gates: Path, timeout: float | None) -> None:
+    factory = WorkerEnvFactory(GATED, {"gates": str(gates)}, timeout=30.0)
+    try:
+        a, b = opened(factory, 0), opened(factory, 1)
+        held = Call(lambda: step(a, "wait:a", timeout))
+        started(gates, "a")
+        with pytest.raises(EnvFailure) as caught:
+            step(b, "sys.exit", timeout)
+        assert (caught.value.error.method, caught.value.error.exception) == ("step", "SystemExit: 3")
+        assert "gated_env.py" in caught.value.error.where
+        assert b.worker.alive and held.is_alive()  # the worker, and the call waiting on it, go on
+        touch(gates / "a.go")
+        assert held.result() == "seed0|a-start|a-end"
+        assert step(b, "again", timeout) == "seed1|again"  # b kept its state from before the failed step
+    finally:
+        factory.close()
+
+
 @pytest.mark.parametrize(
     ("mode", "text"),
     [

@@ -4,12 +4,13 @@ It runs in an environment worker, so the test steers it through files in `gates`
 `wait:NAME` writes `NAME.started` and blocks until the test writes `NAME.go` (at most `GATE_S` seconds);
 any other step writes `<its text>.started` and answers at once. Each environment keeps a log of what it
 stepped, and every answer is that log, so a step that ran out of order, or on another handle's state, shows
-in what comes back. `exit` calls `os._exit(0)`; `block` never returns; `spin:N` counts to N in Python
+in what comes back. `exit` calls `os._exit(0)`, `sys.exit` calls `sys.exit(3)`; `block` never returns; `spin:N` counts to N in Python
 (CPU-bound, holding the interpreter)."""
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -55,6 +56,8 @@ class GatedEnv(Environment):
         text = message.content
         if text == "exit":
             os._exit(0)
+        if text == "sys.exit":
+            sys.exit(3)
         if text == "block":
             threading.Event().wait()
         if text.startswith("spin:"):
