@@ -242,7 +242,7 @@ def _reply(ops: Mapping[str, Callable[[Mapping[str, Any]], Any]], req: Mapping[s
         reply: Any = {"ok": ops[str(op)](req)}
     except _Failed as failed:
         reply = error_reply(failed.method, failed.exc)
-    except Exception as exc:  # a protocol slip between the two ends: report it, keep serving
+    except BaseException as exc:  # a protocol slip between the two ends: report it, keep serving
         reply = error_reply(f"worker {op}", exc)
     try:
         data = dumps({"id": ident, **reply})
