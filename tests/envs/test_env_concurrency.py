@@ -135,11 +135,11 @@ def test_requests_on_one_handle_run_in_the_order_sent(gates: Path) -> None:
 def test_one_callers_deadline_stops_the_worker_while_others_had_gone_on(
     gates: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(envs.remote, "GRACE_S", 2.0)
+    monkeypatch.setattr(envs.remote, "GRACE_S", 3.0)
     factory = WorkerEnvFactory(GATED, {"gates": str(gates)}, timeout=0.2)
     try:
         a, b, c = opened(factory, 0), opened(factory, 1), opened(factory, 2)
-        stuck = Call(lambda: step(a, "block", None))  # no deadline in the worker: only the trainer's 2.2 s
+        stuck = Call(lambda: step(a, "block", None))  # no deadline in the worker: only the trainer's 3.2 s
         done = 0
         while stuck.is_alive() and done < 3:
             assert step(b, f"b{done}").endswith(f"b{done}")
@@ -148,7 +148,7 @@ def test_one_callers_deadline_stops_the_worker_while_others_had_gone_on(
         held = Call(lambda: step(c, "wait:c", None))
         started(gates, "c")
         with pytest.raises(
-            EnvFailure, match=r"step raised Timeout: no answer within 2.2s; the worker was stopped"
+            EnvFailure, match=r"step raised Timeout: no answer within 3.2s; the worker was stopped"
         ):
             stuck.result()
         with pytest.raises(
