@@ -118,7 +118,11 @@ class EnvWorker:
     `max_concurrent` requests at once; safe to call from many threads. See the module docstring."""
 
     def __init__(
-        self, name: str, kwargs: Mapping[str, Any], timeout: float | None, max_concurrent: int = 1
+        self,
+        name: str,
+        kwargs: Mapping[str, Any],
+        timeout: float | None,
+        max_concurrent: int = MAX_CONCURRENT,
     ) -> None:
         self.name, self.timeout = name, timeout
         self._kwargs = json.dumps(dict(kwargs))
