@@ -6,11 +6,19 @@ wrapper and tree rollouts use it as any environment; forks are new handles in th
 score there (where the environment's state is), and the step deadline is kept there too, so the trainer
 never copies or threads the environment.
 
+Calls are concurrent: the factory, its workers and their environments may be used from many threads at
+once. Each request carries an id (`envs.channel`), the worker runs each in its own thread, in order per
+handle (`envs.lanes`), and answers as soon as it is done, so a slow tool delays only its own episode. A
+`RemoteEnv` sends one request at a time, and a worker builds one environment at a time, so a request's
+deadline (step deadline plus `GRACE_S`) starts when the worker can start it. With `workers=N` the factory
+gives root environments to N processes in turn (a fork stays in its root's worker), for tools that are
+CPU-bound in Python, which one process's interpreter lock would run one at a time.
+
 Anything the environment does wrong surfaces as one exception, `EnvFailure`, carrying an `EnvError`: the
 environment, the method, the exception, where it was raised and the full traceback. A worker that dies
-(`os._exit`, a crash, a kill), that answers with something the protocol does not allow, or that stays
-silent past the step deadline plus `GRACE_S` is stopped and reported the same way; the next environment
-starts a fresh worker.
+(`os._exit`, a crash, a kill), that answers with something the protocol does not allow, or that leaves a
+call unanswered past the step deadline plus `GRACE_S` is stopped, and every call waiting on it fails the
+same way, each naming its own method; the next environment starts a fresh worker.
 
 Example:
     >>> factory = WorkerEnvFactory("calculator", {"max_operands": 2})
@@ -23,24 +31,24 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
+import itertools
 import json
 import multiprocessing
+import threading
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from envs.channel import Channel
 from envs.protocol import Episode, Message, Rubric, StepResult, ToolSpec
 from envs.step_thread import DeadlineEnvironment
 from envs.wire import (
     MAX_NAME_CHARS,
-    MAX_REPLY_BYTES,
     MAX_TRACEBACK_CHARS,
     WireError,
-    dumps,
-    loads,
     message_to_wire,
     messages_from_wire,
     messages_to_wire,
@@ -50,12 +58,15 @@ from envs.wire import (
 )
 from envs.worker import serve
 from envs.wrapper import EnvStepError
+from treetrain.errors import ConfigError
 
 GRACE_S = 10.0
 """How much longer than the step deadline a worker may stay silent before it is stopped (a step stuck in
 C code, holding the interpreter, cannot be abandoned in its thread)."""
 BUILD_S = 300.0
 """How long building an environment may take, the worker's start (its imports) included."""
+MAX_CONCURRENT = 16
+"""Requests one worker runs at once by default (each in its own thread); the trainer passes its own bound."""
 
 
 @dataclass(frozen=True)
@@ -103,78 +114,91 @@ def _error_from_wire(env: str, obj: object) -> EnvError:
 
 
 class EnvWorker:
-    """One worker process hosting environments built from (`name`, `kwargs`); see the module docstring."""
+    """One worker process hosting environments built from (`name`, `kwargs`), answering up to
+    `max_concurrent` requests at once; safe to call from many threads. See the module docstring."""
 
-    def __init__(self, name: str, kwargs: Mapping[str, Any], timeout: float | None) -> None:
+    def __init__(
+        self,
+        name: str,
+        kwargs: Mapping[str, Any],
+        timeout: float | None,
+        max_concurrent: int = MAX_CONCURRENT,
+    ) -> None:
         self.name, self.timeout = name, timeout
         self._kwargs = json.dumps(dict(kwargs))
         ctx = multiprocessing.get_context("spawn")
-        self._conn, child = ctx.Pipe(duplex=True)
+        conn, child = ctx.Pipe(duplex=True)
         self._proc: BaseProcess = ctx.Process(
-            target=serve, args=(child, name, self._kwargs), name=f"treetrain-env-{name}", daemon=True
+            target=serve,
+            args=(child, name, self._kwargs, max_concurrent),
+            name=f"treetrain-env-{name}",
+            daemon=True,
         )
         self._proc.start()
         child.close()
-        self.alive = True
-        self._finalizer = weakref.finalize(self, _stop, self._conn, self._proc)
+        self._channel = Channel(
+            conn, functools.partial(_kill, self._proc), max_concurrent, functools.partial(_ended, self._proc)
+        )
+        self._building = threading.Lock()
+        """Held while an environment is built: builds run one at a time in the worker (constructors are not
+        assumed thread-safe), so each one's deadline starts when it does."""
+        self._finalizer = weakref.finalize(self, _stop, self._channel, self._proc)
+
+    @property
+    def alive(self) -> bool:
+        return self._channel.alive
+
+    @property
+    def waiting(self) -> int:
+        """How many calls are waiting for their reply now."""
+        return self._channel.waiting
 
     def call(self, method: str, request: dict[str, Any], extra_s: float = 0.0) -> Any:
         """Send `request`, return the worker's answer; any failure is an `EnvFailure` naming `method`. The
-        worker has the step deadline plus `GRACE_S` and `extra_s` to answer (no step deadline: forever)."""
-        if not self.alive:
-            raise EnvFailure(EnvError(self.name, method, "WorkerGone: the worker had already stopped"))
+        worker has the step deadline plus `GRACE_S` and `extra_s` to answer (no step deadline: forever),
+        counted from when the request is sent. Calls from other threads run meanwhile."""
         deadline = None if self.timeout is None else self.timeout + GRACE_S + extra_s
-        try:
-            self._conn.send_bytes(dumps(request))
-            if not self._conn.poll(deadline):
-                self.kill()
-                raise EnvFailure(
-                    EnvError(
-                        self.name, method, f"Timeout: no answer within {deadline:g}s; the worker was stopped"
-                    )
-                )
-            data = self._conn.recv_bytes(MAX_REPLY_BYTES)
-        except (EOFError, OSError) as exc:  # the worker died, or sent more than MAX_REPLY_BYTES
-            self.kill()
-            text = _exit_text(self._proc.exitcode)
-            if not isinstance(exc, EOFError | BrokenPipeError | ConnectionResetError):
-                text = f"WireError: a reply over {MAX_REPLY_BYTES} bytes, or unreadable ({exc})"
-            raise EnvFailure(EnvError(self.name, method, text)) from None
-        except BaseException:  # Ctrl-C while waiting: a late reply would answer the next request, so stop it
-            self.kill()
-            raise
-        try:
-            reply = loads(data)
-            if not isinstance(reply, dict) or not ("ok" in reply or "error" in reply):
-                raise WireError("a reply without 'ok' or 'error'")
-        except WireError as exc:
-            self.kill()
-            raise EnvFailure(EnvError(self.name, method, f"WireError: {exc}")) from None
-        if "error" in reply:
-            raise EnvFailure(_error_from_wire(self.name, reply["error"]))
-        return reply["ok"]
+        kind, value = self._channel.call(method, request, deadline)
+        if kind == "broken":
+            raise EnvFailure(EnvError(self.name, method, value))
+        if kind == "error":
+            raise EnvFailure(_error_from_wire(self.name, value))
+        return value
+
+    def build(self) -> Any:
+        """Build one more environment in the worker (`new`); the reply names its handle."""
+        with self._building:
+            return self.call("__init__", {"op": "new"}, extra_s=BUILD_S)
 
     def kill(self) -> None:
-        """Stop the worker at once (it is unusable afterwards)."""
-        self.alive = False
-        if self._proc.is_alive():
-            self._proc.kill()
-        self._proc.join(5.0)
+        """Stop the worker at once (it is unusable afterwards; waiting calls fail)."""
+        self._channel.close("WorkerStopped: the worker was stopped")
+        _kill(self._proc)
 
     def close(self) -> None:
-        """Ask the worker to exit, then make sure it has."""
-        self.alive = False
+        """Ask the worker to exit, then make sure it has (waiting calls fail)."""
         self._finalizer()
 
 
-def _stop(conn: Connection, proc: BaseProcess) -> None:
-    with contextlib.suppress(OSError):
-        conn.send_bytes(dumps({"op": "stop"}))
-    proc.join(2.0)
+def _kill(proc: BaseProcess) -> None:
     if proc.is_alive():
         proc.kill()
-        proc.join(5.0)
-    conn.close()
+    proc.join(5.0)
+
+
+def _ended(proc: BaseProcess) -> str:
+    """How the worker ended, once its end of the pipe closed (it may take a moment to be reaped)."""
+    proc.join(5.0)
+    code = proc.exitcode
+    if code is None:
+        _kill(proc)
+    return _exit_text(code)
+
+
+def _stop(channel: Channel, proc: BaseProcess) -> None:
+    channel.close("WorkerGone: the worker was closed")
+    proc.join(2.0)
+    _kill(proc)
 
 
 @dataclass(frozen=True)
@@ -204,7 +228,8 @@ class RemoteRubric(Rubric):
 
 
 class RemoteEnv(DeadlineEnvironment):
-    """An environment living in an `EnvWorker`, by handle. See the module docstring."""
+    """An environment living in an `EnvWorker`, by handle; its calls may come from any thread (they are
+    sent one at a time). See the module docstring."""
 
     def __init__(
         self, worker: EnvWorker, handle: int, rubric_names: Sequence[str], class_name: str = ""
@@ -214,9 +239,13 @@ class RemoteEnv(DeadlineEnvironment):
         """The environment's own class name (in the worker)."""
         self._rubrics = tuple(rubric_names)
         self._tools: tuple[ToolSpec, ...] = ()
+        self._turn = threading.Lock()
+        """One request of this handle in flight at a time, so each one's deadline starts when the worker
+        can start it (the worker also runs a handle's requests in order, `envs.lanes`)."""
 
     def _call(self, method: str, op: str, **fields: Any) -> Any:
-        reply = self.worker.call(method, {"op": op, "handle": self.handle, **fields})
+        with self._turn:
+            reply = self.worker.call(method, {"op": op, "handle": self.handle, **fields})
         if not isinstance(reply, dict):
             raise EnvFailure(EnvError(self.worker.name, method, "WireError: a reply that is not an object"))
         return reply
@@ -271,26 +300,50 @@ class RemoteEnv(DeadlineEnvironment):
         """Free this environment in the worker (best effort: a dead worker has nothing left to free)."""
         if self.worker.alive:
             with contextlib.suppress(EnvFailure):
-                self.worker.call("release", {"op": "release", "handles": [self.handle]})
+                self._call("release", "release")
 
 
 class WorkerEnvFactory:
-    """`make_env(name, **kwargs)`, but each environment is built in a worker process. One worker serves
-    every environment of the factory, one request at a time; a failed worker is replaced on the next call.
-    `timeout` (the step deadline) bounds how long any request may take, plus `GRACE_S`."""
+    """`make_env(name, **kwargs)`, but each environment is built in a worker process; safe to call, and to
+    use its environments, from many threads.
+
+    `workers` processes serve the factory's environments (root environments are given to them in turn, a
+    fork stays in its root's worker), each running up to `max_concurrent` requests at once: a step that
+    sleeps or waits on I/O holds up only its own episode, and CPU-bound tools spread over the processes.
+    A failed worker is replaced when its turn for a new environment comes. `timeout` (the step deadline)
+    bounds how long any request may take, plus `GRACE_S`."""
 
     def __init__(
-        self, name: str, kwargs: Mapping[str, Any] | None = None, timeout: float | None = 30.0
+        self,
+        name: str,
+        kwargs: Mapping[str, Any] | None = None,
+        timeout: float | None = 30.0,
+        max_concurrent: int = MAX_CONCURRENT,
+        workers: int = 1,
     ) -> None:
+        for field, value, most in (("max_concurrent", max_concurrent, 1024), ("workers", workers, 64)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
+                raise ConfigError(f"must be an integer in [1, {most}], got {value!r}", field=field)
         self.name, self.kwargs, self.timeout = name, dict(kwargs or {}), timeout
-        self._worker: EnvWorker | None = None
+        self.max_concurrent = max_concurrent
+        self._workers: list[EnvWorker | None] = [None] * workers
+        self._turns = itertools.count()
+        self._lock = threading.Lock()
+
+    def _worker(self) -> EnvWorker:
+        with self._lock:
+            slot = next(self._turns) % len(self._workers)
+            worker = self._workers[slot]
+            if worker is None or not worker.alive:
+                if worker is not None:
+                    worker.close()
+                worker = EnvWorker(self.name, self.kwargs, self.timeout, self.max_concurrent)
+                self._workers[slot] = worker
+            return worker
 
     def __call__(self) -> RemoteEnv:
-        if self._worker is None or not self._worker.alive:
-            if self._worker is not None:
-                self._worker.close()
-            self._worker = EnvWorker(self.name, self.kwargs, self.timeout)
-        reply = self._worker.call("__init__", {"op": "new"}, extra_s=BUILD_S)
+        worker = self._worker()
+        reply = worker.build()
         if not isinstance(reply, dict) or not isinstance(reply.get("handle"), int):
             raise EnvFailure(EnvError(self.name, "__init__", "WireError: no handle in the reply"))
         try:
@@ -298,10 +351,12 @@ class WorkerEnvFactory:
         except WireError as exc:
             raise EnvFailure(EnvError(self.name, "rubrics", f"WireError: {exc}")) from None
         class_name = reply.get("class")
-        return RemoteEnv(self._worker, reply["handle"], names, str(class_name)[:MAX_NAME_CHARS])
+        return RemoteEnv(worker, reply["handle"], names, str(class_name)[:MAX_NAME_CHARS])
 
     def close(self) -> None:
-        """Stop the worker (a later call starts a new one)."""
-        if self._worker is not None:
-            self._worker.close()
-            self._worker = None
+        """Stop the workers (a later call starts new ones); calls still waiting fail."""
+        with self._lock:
+            workers, self._workers = self._workers, [None] * len(self._workers)
+        for worker in workers:
+            if worker is not None:
+                worker.close()

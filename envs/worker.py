@@ -1,34 +1,43 @@
 """The environment worker: a process that hosts environments and runs their code for the trainer.
 
-The trainer starts one with the environment's name and constructor arguments (`envs.remote.EnvWorker`);
-the worker builds every environment itself, from the name, so nothing is pickled from the trainer. It then
-answers JSON requests on a pipe, one at a time: build an environment, reset, step (under the step
-deadline, on a copy, as `envs.step_thread.step_within` does in-process), fork, score with a rubric,
-release. Each environment is a numbered handle; a fork is a new handle in the same worker.
+The trainer starts one with the environment's name, constructor arguments and how many requests it may
+run at once (`envs.remote.EnvWorker`); the worker builds every environment itself, from the name, so
+nothing is pickled from the trainer. It then answers JSON requests on a pipe: build an environment, reset,
+step (under the step deadline, on a copy, as `envs.step_thread.step_within` does in-process), fork, score
+with a rubric, release. Each environment is a numbered handle; a fork is a new handle in the same worker.
 
-Whatever the environment does stays here: an exception becomes an error reply naming the method, the
-exception and where it was raised, with the full traceback; `os._exit`, a crash, a closed stdout or a
-print that never ends take down or block only this process, which the trainer sees as a dead or silent
-worker. Ctrl-C is the trainer's to handle, so the worker ignores SIGINT; it exits when the trainer closes
-the pipe (or dies).
+Requests run concurrently, each in a thread of a bounded pool, and each reply goes back with its request's
+id as soon as it is ready: a tool that sleeps on one handle holds up no other. An environment object is not
+assumed thread-safe, so the requests of one handle run one after another in the order they came (a lane,
+`envs.lanes`), and so do the builds of new environments (constructors may share module state).
+
+Whatever the environment does stays here: an exception (even `SystemExit`) becomes an error reply naming
+the method, the exception and where it was raised, with the full traceback; `os._exit`, a crash, a closed
+stdout or a print that never ends take down or block only this process, which the trainer sees as a dead
+or silent worker. Ctrl-C is the trainer's to handle, so the worker ignores SIGINT; it exits when the
+trainer closes the pipe (or dies).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
 import sys
 import sysconfig
+import threading
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
+from envs.lanes import Lanes
 from envs.protocol import Environment, Episode, Message, StepResult
 from envs.registry import resolve
 from envs.step_thread import step_within
+from envs.tools import StepAbandoned
 from envs.wire import (
     MAX_NAME_CHARS,
     MAX_REPLY_BYTES,
@@ -86,13 +95,23 @@ class _Host:
 
     def __init__(self, name: str, kwargs: Mapping[str, Any]) -> None:
         self.name, self.kwargs = name, dict(kwargs)
-        self.envs: dict[int, Environment] = {}
-        self.next = 0
+        self._envs: dict[int, Environment] = {}
+        self._next = 0
+        self._lock = threading.Lock()  # requests of different handles run in different threads
 
     def _add(self, env: Environment) -> int:
-        self.next += 1
-        self.envs[self.next] = env
-        return self.next
+        with self._lock:
+            self._next += 1
+            self._envs[self._next] = env
+            return self._next
+
+    def _env(self, req: Mapping[str, Any]) -> Environment:
+        handle = int(req["handle"])
+        with self._lock:
+            env = self._envs.get(handle)
+        if env is None:
+            raise KeyError(f"no environment with handle {handle} (released?)")
+        return env
 
     def new(self, req: Mapping[str, Any]) -> Any:
         env = _guard("__init__", lambda: resolve(self.name)(**self.kwargs))
@@ -100,7 +119,7 @@ class _Host:
         return {"handle": self._add(env), "rubrics": names, "class": type(env).__name__}
 
     def reset(self, req: Mapping[str, Any]) -> Any:
-        env = self.envs[int(req["handle"])]
+        env = self._env(req)
         opening = _guard("reset", lambda: env.reset(int(req["seed"])))
         if not isinstance(opening, Sequence) or isinstance(opening, str) or not opening:
             raise _Failed(
@@ -112,31 +131,32 @@ class _Host:
         return {"messages": messages_to_wire(opening), "tools": tools}
 
     def step(self, req: Mapping[str, Any]) -> Any:
-        handle = int(req["handle"])
+        env = self._env(req)
         (message,) = messages_from_wire([req["message"]])
         timeout = req.get("timeout")
         if timeout is None:
-            return {"result": result_to_wire(_checked_step(self.envs[handle], message))}
+            return {"result": result_to_wire(_checked_step(env, message))}
         try:
-            stepped = step_within(self.envs[handle], message, float(timeout), _checked_step, self.name)
+            stepped = step_within(env, message, float(timeout), _checked_step, self.name)
         except _Failed:
             raise
         except Exception as exc:
             raise _Failed("copy.deepcopy (rollout.episode.step_timeout_s steps a copy)", exc) from None
         if stepped is None:
             return {"timeout": True}
-        self.envs[handle] = stepped[0]
+        with self._lock:  # its own lane: nothing else touched this handle meanwhile
+            self._envs[int(req["handle"])] = stepped[0]
         return {"result": result_to_wire(stepped[1])}
 
     def fork(self, req: Mapping[str, Any]) -> Any:
-        env = self.envs[int(req["handle"])]
+        env = self._env(req)
         twin = _guard("fork", lambda: env.fork(int(req["branch"])))
         if not isinstance(twin, Environment):
             raise _Failed("fork", _Refused(f"returned {_short(twin)}, not an Environment"))
         return {"handle": self._add(twin)}
 
     def score(self, req: Mapping[str, Any]) -> Any:
-        env = self.envs[int(req["handle"])]
+        env = self._env(req)
         rubrics = _guard("rubrics", env.rubrics)
         name = str(req["rubric"])
         rubric = rubrics[name]
@@ -146,8 +166,8 @@ class _Host:
         return {"reward": _guard(method, lambda: float(rubric(episode)))}
 
     def release(self, req: Mapping[str, Any]) -> Any:
-        for handle in req["handles"]:
-            self.envs.pop(int(handle), None)
+        with self._lock:
+            self._envs.pop(int(req["handle"]), None)
         return {}
 
 
@@ -168,7 +188,9 @@ def _short(value: object) -> str:
 def _guard(method: str, fn: Callable[[], Any]) -> Any:
     try:
         return fn()
-    except Exception as exc:
+    except StepAbandoned:  # the step's deadline passed: its thread is to stop, not to report
+        raise
+    except BaseException as exc:  # `sys.exit` in a request's thread fails that request, not the worker
         raise _Failed(method, exc) from None
 
 
@@ -179,41 +201,60 @@ def _checked_step(env: Environment, message: Message) -> StepResult:
     return result
 
 
-def serve(conn: Connection, name: str, kwargs_json: str) -> None:
-    """The worker's main loop (the target of the worker process)."""
+def serve(conn: Connection, name: str, kwargs_json: str, max_concurrent: int = 1) -> None:
+    """The worker's main loop (the target of the worker process): read requests, run each in its lane
+    (`envs.lanes`: one per handle, one for building environments) on `max_concurrent` threads, and send
+    each reply, with its request's id, as soon as it is ready."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     host = _Host(name, json.loads(kwargs_json))
     ops: dict[str, Callable[[Mapping[str, Any]], Any]] = {
         "new": host.new, "reset": host.reset, "step": host.step, "fork": host.fork, "score": host.score,
         "release": host.release,
     }  # fmt: skip
+    sending = threading.Lock()
+
+    def answer(req: dict[str, Any]) -> None:
+        data = _reply(ops, req)
+        try:
+            with sending:
+                conn.send_bytes(data)
+        except OSError:  # the trainer is gone
+            _exit()
+
+    lanes = Lanes(max_concurrent, name="treetrain-env")
     while True:
         try:
             req = json.loads(conn.recv_bytes().decode("utf-8"))
-        except (EOFError, OSError):
+        except (EOFError, OSError, ValueError):  # the trainer closed the pipe (or broke the protocol)
             break
-        if req.get("op") == "stop":
+        if not isinstance(req, dict) or req.get("op") == "stop":
             break
-        try:
-            reply: Any = {"ok": ops[req["op"]](req)}
-        except _Failed as failed:
-            reply = error_reply(failed.method, failed.exc)
-        except Exception as exc:  # a protocol slip between the two ends: report it, keep serving
-            reply = error_reply(f"worker {req.get('op')}", exc)
-        try:
-            data = dumps(reply)
-        except (TypeError, ValueError) as exc:  # e.g. a lone surrogate in a tool result
-            data = dumps(error_reply(str(req.get("op")), exc))
-        if len(data) > MAX_REPLY_BYTES:
-            data = dumps(
-                error_reply(
-                    str(req.get("op")), _Refused(f"a reply of {len(data)} bytes, over {MAX_REPLY_BYTES}")
-                )
-            )
-        try:
-            conn.send_bytes(data)
-        except OSError:
-            break
+        handle = req.get("handle")
+        lane = handle if isinstance(handle, int) and not isinstance(handle, bool) else req.get("op")
+        lanes.submit(lane, functools.partial(answer, req))
+    _exit()
+
+
+def _reply(ops: Mapping[str, Callable[[Mapping[str, Any]], Any]], req: Mapping[str, Any]) -> bytes:
+    """The reply to `req`, encoded and bounded; whatever went wrong is an error reply."""
+    op, ident = req.get("op"), req.get("id")
+    try:
+        reply: Any = {"ok": ops[str(op)](req)}
+    except _Failed as failed:
+        reply = error_reply(failed.method, failed.exc)
+    except BaseException as exc:  # a protocol slip between the two ends: report it, keep serving
+        reply = error_reply(f"worker {op}", exc)
+    try:
+        data = dumps({"id": ident, **reply})
+    except (TypeError, ValueError) as exc:  # e.g. a lone surrogate in a tool result
+        data = dumps({"id": ident, **error_reply(str(op), exc)})
+    if len(data) > MAX_REPLY_BYTES:
+        refused = _Refused(f"a reply of {len(data)} bytes, over {MAX_REPLY_BYTES}")
+        data = dumps({"id": ident, **error_reply(str(op), refused)})
+    return data
+
+
+def _exit() -> None:
     with contextlib.suppress(Exception):  # what the environment printed, unless it closed stdout
         sys.stdout.flush()
-    os._exit(0)  # threads of abandoned steps must not keep the process alive
+    os._exit(0)  # threads of running and abandoned steps must not keep the process alive

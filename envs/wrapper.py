@@ -14,6 +14,15 @@ An exception raised by the environment's own `step` (not by a tool) is a bug in 
 propagates as `EnvStepError`. An environment hosted in a worker process (`envs.remote.RemoteEnv`, what the
 trainer uses) keeps the step deadline in the worker, and its failures arrive as `envs.remote.EnvFailure`.
 
+Threads: a `TokenEnv` is one episode, used by one thread at a time. Different episodes may be stepped and
+forked from different threads at once, as the rollout scheduler does, and so may the forks of one episode
+while it is not being stepped: episodes share only what they read (the tokenizer and the chat template),
+and each owns its environment (a fork is the environment's own `fork`; an in-process step runs on a copy,
+in its own thread, `envs.step_thread`). State that an in-process environment shares between its objects
+(a module or class attribute) is the environment's to guard; a worker (`envs.remote`) runs the requests of
+one environment in order. `tests/envs/test_wrapper_threads.py` compares threaded episodes with a
+sequential run.
+
 `EpisodeLimits` (turns, tokens, step timeout) is also the trainer's `rollout.episode` config section, as it
 is: its defaults are the demo's and its field names are the config's keys (`--set rollout.episode.max_turns=6`).
 
