@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -201,19 +202,24 @@ def test_greedy_logprobs_are_zero_and_turns_stop_on_the_end_marker(tmp_path: Pat
             )
 
 
-def test_trees_are_on_disk_before_return_and_survive_a_crash(tmp_path: Path) -> None:
-    config = RolloutConfig(fanout=FanOut(root=2), wrapper=SHORT)
+@pytest.mark.parametrize("concurrent", [True, False])
+def test_trees_are_on_disk_before_return_and_survive_a_crash(tmp_path: Path, concurrent: bool) -> None:
+    config = RolloutConfig(fanout=FanOut(root=2), wrapper=SHORT, concurrent=concurrent)
     made = []
+
+    class Crashing(FixedTurnsEnv):
+        def step(self, message: Any) -> Any:  # the second task's environment fails late in its episode
+            if self.count == 1:
+                raise RuntimeError("crash while rolling out the second seed")
+            return super().step(message)
 
     def factory() -> Environment:
         made.append(1)
-        if len(made) == 2:
-            raise RuntimeError("crash while rolling out the second seed")
-        return FixedTurnsEnv()
+        return FixedTurnsEnv(turns=1) if len(made) == 1 else Crashing()
 
     with pytest.raises(RuntimeError, match="crash"):
         rollout_trees(MODEL, tokenizer(), factory, [0, 1], tmp_path, config)
-    (saved,) = (tmp_path / "trees").glob("*.msgpack")
+    (saved,) = (tmp_path / "trees").glob("*.msgpack")  # the first task's tree, complete
     assert tree_stats(load_tree(saved)).num_trajectories == 2
 
     result = rollout_trees(MODEL, tokenizer(), FixedTurnsEnv, [5, 6], tmp_path / "ok", config)

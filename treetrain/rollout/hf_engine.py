@@ -169,12 +169,18 @@ class HFEngine:
     """Continuous batching over a Hugging Face causal LM; see the module docstring."""
 
     def __init__(
-        self, model: Any, *, version: int = 0, max_rows: int = MAX_ROWS, max_kept: int = MAX_KEPT
+        self,
+        model: Any,
+        *,
+        version: int = 0,
+        max_rows: int = MAX_ROWS,
+        max_kept: int = MAX_KEPT,
+        keep_prefixes: bool = True,
     ) -> None:
         self.model = model
         self.version = version
         self.stats = EngineStats()
-        self.max_rows, self.max_kept = max_rows, max_kept
+        self.max_rows, self.max_kept, self.keep_prefixes = max_rows, max_kept, keep_prefixes
         self.device = next(model.parameters()).device
         self.merge = _mergeable(_new_cache(model))
         """Whether rows of different requests share one padded batch (plain full-attention caches)."""
@@ -365,7 +371,9 @@ class HFEngine:
         row, request = batch.rows[j], job.request
         row.done = True
         key = (*request.context, *row.tokens[:-1])
-        if request.children > 0 and key in self._kept:  # an identical sample (greedy) kept it already
+        if not self.keep_prefixes:
+            pass
+        elif request.children > 0 and key in self._kept:  # an identical sample (greedy) kept it already
             self._kept[key].uses += request.children
         elif request.children > 0:  # keep the KV of context + tokens[:-1] for the branch's next request
             if _mergeable(batch.cache):

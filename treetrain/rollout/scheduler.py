@@ -20,7 +20,7 @@ abandoned, its environments released, and the failure returned; the other tasks 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
@@ -54,6 +54,8 @@ class Task:
     live: set[TokenEnv] = field(default_factory=set)
     """Episodes held by a pending request or step: released when the task ends or fails."""
     failure: EnvError | None = None
+    pending: int = 0
+    """Requests and steps of this task in flight; at 0 the tree is finished."""
 
     def trajectories(self) -> list[Trajectory]:
         return [t for _, t in sorted(self.finished, key=lambda kt: kt[0])]
@@ -113,12 +115,15 @@ class Scheduler:
         model_version: int | None,
         base_seed: int = 0,
         engine_name: str = "engine",
+        on_finished: Callable[[Task], None] = lambda task: None,
     ) -> None:
         self.engine, self.fanout, self.sampling = engine, fanout, sampling
         self.max_concurrent_steps = max_concurrent_steps
         self.model_version = model_version
         self.engine_name = engine_name
         self.base_seed = base_seed
+        self.on_finished = on_finished
+        """Called (in the calling thread) once per task whose tree is complete, as soon as it is."""
         self._points: dict[int, _Point] = {}
         self._steps: dict[Future[tuple[TokenEnv, TurnResult, Trajectory | None]], _Fork] = {}
         self._forks_left: dict[int, int] = {}  # id(parent episode) -> forks not yet made
@@ -164,6 +169,7 @@ class Scheduler:
             children=self.fanout.env_factor(point.depth + (n > 1)),
         )
         self._points[self.engine.submit(request)] = point
+        point.task.pending += 1
 
     def _answered(self, results: list[GenerationResult]) -> None:
         if self.model_version is not None:
@@ -171,6 +177,7 @@ class Scheduler:
         for result in results:
             point = self._points.pop(result.request_id)
             task = point.task
+            task.pending -= 1
             if task.failure is not None:  # the task already failed: drop what its requests bring back
                 self._drop(task, point.episode)
                 continue
@@ -185,6 +192,7 @@ class Scheduler:
                     key = (*point.key, (0, i * k + j))
                     fork = _Fork(task, point.episode, sample, j, depth + (k > 1), fork_path, key)
                     self._steps[self._pool.submit(self._fork_and_step, fork)] = fork
+                    task.pending += 1
 
     # ----- environment ------------------------------------------------------------------------------
     def _fork_and_step(self, fork: _Fork) -> tuple[TokenEnv, TurnResult, Trajectory | None]:
@@ -205,7 +213,14 @@ class Scheduler:
 
     def _stepped(self, future: Future[tuple[TokenEnv, TurnResult, Trajectory | None]], fork: _Fork) -> None:
         task = fork.task
+        task.pending -= 1
         self._parent_done(task, fork.parent)
+        self._handle_step(future, fork)
+        if task.pending == 0 and task.failure is None:
+            self.on_finished(task)
+
+    def _handle_step(self, future: Future[tuple[TokenEnv, TurnResult, Trajectory | None]], fork: _Fork) -> None:
+        task = fork.task
         try:
             episode, _, trajectory = future.result()
         except _Abandoned:

@@ -55,7 +55,8 @@ class RolloutConfig:
     wrapper: WrapperConfig = field(default_factory=WrapperConfig)
     """Turn and token budgets and the step timeout."""
     reuse_prefix_kv: bool = True
-    """Sequential loop: keep each branch point's KV for its children instead of re-encoding the context."""
+    """Keep each branch point's KV for its children instead of re-encoding the context (the `HFEngine` made
+    here and the sequential loop; other engines keep their own prefix cache)."""
     concurrent: bool = True
     """Grow every task's tree at once on an engine (False: one tree at a time with the reference loop)."""
     max_concurrent_steps: int = 8
@@ -120,36 +121,40 @@ def rollout_trees(
             if root is not None:
                 release(root)
             failures.append((seed, failure.error))
-    if config.concurrent:
-        stats = _grow_concurrently(model, tasks, config, engine)
-    else:
-        stats = _grow_sequentially(model, tasks, config)
-    trees: list[TrajectoryTree] = []
-    paths: list[Path] = []
-    for task in tasks:
-        if task.failure is not None:
-            failures.append((task.seed, task.failure))
-            continue
+    saved: dict[int, tuple[TrajectoryTree, Path]] = {}  # by task index
+
+    def save(task: Task) -> None:  # as soon as a tree is complete: a later failure cannot lose it
         tree = build_tree(task.trajectories())
         path = trees_dir / f"{portable_name(task.prefix)}-{tree.id[:12]}.msgpack"
         save_tree(tree, path)
-        trees.append(tree)
-        paths.append(path)
+        saved[tasks.index(task)] = (tree, path)
+
+    if config.concurrent:
+        stats = _grow_concurrently(model, tasks, config, engine, save)
+    else:
+        stats = _grow_sequentially(model, tasks, config, save)
+    trees = tuple(saved[i][0] for i in sorted(saved))  # task order, whichever finished first
+    paths = tuple(saved[i][1] for i in sorted(saved))
+    failures += [(task.seed, task.failure) for task in tasks if task.failure is not None]
     failures.sort(key=lambda f: list(seeds).index(f[0]))
-    return RolloutResult(tuple(trees), tuple(paths), stats, tuple(failures))
+    return RolloutResult(trees, paths, stats, tuple(failures))
 
 
 def _grow_concurrently(
-    model: Any, tasks: list[Task], config: RolloutConfig, engine: GenerationEngine | None
+    model: Any,
+    tasks: list[Task],
+    config: RolloutConfig,
+    engine: GenerationEngine | None,
+    save: Callable[[Task], None],
 ) -> EngineStats:
     if engine is None:
         from treetrain.rollout.hf_engine import HFEngine
 
-        engine = HFEngine(model, version=config.model_version or 0)
+        engine = HFEngine(model, version=config.model_version or 0, keep_prefixes=config.reuse_prefix_kv)
     before = copy.copy(engine.stats)
     scheduler = Scheduler(
         engine, config.fanout, config.sampler.sampling, max_concurrent_steps=config.max_concurrent_steps,
-        model_version=config.model_version, base_seed=config.sampler.seed,
+        model_version=config.model_version, base_seed=config.sampler.seed, on_finished=save,
     )  # fmt: skip
     scheduler.run(tasks)
     for task in tasks:
@@ -159,7 +164,9 @@ def _grow_concurrently(
     return engine.stats.since(before)
 
 
-def _grow_sequentially(model: Any, tasks: list[Task], config: RolloutConfig) -> EngineStats:
+def _grow_sequentially(
+    model: Any, tasks: list[Task], config: RolloutConfig, save: Callable[[Task], None]
+) -> EngineStats:
     stats = EngineStats()
     seq = SequentialConfig(config.fanout, config.reuse_prefix_kv, config.model_version)
     for task in tasks:
@@ -170,6 +177,8 @@ def _grow_sequentially(model: Any, tasks: list[Task], config: RolloutConfig) -> 
         except EnvFailure as failure:
             release(task.root)
             task.failure = failure.error
+        else:
+            save(task)
         stats.encoded_tokens += sampler.stats.encoded_tokens
         stats.forward_calls += sampler.stats.forward_calls
         stats.sampled_tokens += sampler.stats.sampled_tokens

@@ -128,7 +128,10 @@ class Trainer:
     def _setup(self, *, resume: bool, overwrite: bool) -> None:
         cfg = self.cfg
         seed_everything(cfg.seed)
-        make = self.envs = WorkerEnvFactory(cfg.env.name, cfg.env.kwargs, cfg.rollout.episode.step_timeout_s)
+        make = self.envs = WorkerEnvFactory(
+            cfg.env.name, cfg.env.kwargs, cfg.rollout.episode.step_timeout_s,
+            max_concurrent=cfg.rollout.max_concurrent_steps,
+        )  # fmt: skip
         recorded: list[RecordedSource] = []
 
         def read_trees(config: Any) -> None:  # before any model is built or sized from the config
