@@ -4,7 +4,10 @@ distributed tests) on two cores, more threads only contend."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from typing import Any
 
+import pytest
 import torch
 from hypothesis import settings
 
@@ -17,3 +20,16 @@ torch.set_num_threads(1)
 settings.register_profile("reproducible", derandomize=True, deadline=None, database=None)
 settings.register_profile("explore", deadline=None)
 settings.load_profile("reproducible")
+
+
+@pytest.fixture(scope="session")
+def vllm_engine() -> Iterator[Any]:
+    """One real vLLM engine (the CPU build in `make test`) on the wide demo model, for the whole session:
+    starting one costs about half a minute. Tests that change its weights put the originals back."""
+    from treetrain.rollout.engine_settings import VLLMSettings
+    from treetrain.rollout.vllm_engine import VLLMEngine
+    from treetrain.train.models import WIDE_DEMO_MODEL
+
+    engine = VLLMEngine(str(WIDE_DEMO_MODEL), VLLMSettings(), dtype="float32", max_model_len=1024, seed=0)
+    yield engine
+    engine.close()

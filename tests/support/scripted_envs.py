@@ -85,3 +85,21 @@ class FlakyToolsEnv(ToolEnv):
 
     def rubrics(self) -> Mapping[str, Rubric]:
         return {"turns": TurnCount()}
+
+
+class FailsOnSeedEnv(FixedTurnsEnv):
+    """Like FixedTurnsEnv, but the episodes of task seed `seed` raise on their second step."""
+
+    def __init__(self, seed: int = 1, turns: int = 3) -> None:
+        super().__init__(turns)
+        self.fail_seed = seed
+        self.seed = -1
+
+    def reset(self, seed: int) -> Sequence[Message]:
+        self.seed = seed
+        return super().reset(seed)
+
+    def step(self, message: Message) -> StepResult:
+        if self.seed == self.fail_seed and self.count == 1:
+            raise ValueError("boom")
+        return super().step(message)

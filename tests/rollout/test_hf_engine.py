@@ -1,0 +1,123 @@
+"""The HF engine's continuous batching against one request at a time and against the sequential Sampler:
+padding, joining, kept prefixes and per-request seeds must not change a single token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.env_fixtures import tiny_model, tokenizer
+
+from treetrain.rollout.generation import GenerationRequest, GenerationResult
+from treetrain.rollout.hf_engine import HFEngine
+from treetrain.rollout.sampler import Sampler, SamplerConfig
+from treetrain.rollout.sampling import Sampling
+
+torch.set_num_threads(1)
+SHARP = tiny_model(init=0.5)  # float64, peaked: a wrong cache or mask visibly changes the tokens
+END = ((tokenizer().convert_tokens_to_ids("<|im_end|>"),),)
+GREEDY, HOT = Sampling(temperature=0.0), Sampling(temperature=1.0)
+
+
+def _contexts() -> list[tuple[int, ...]]:
+    texts = ["hello there", "a much longer question about the weather in spring", "2+2?", "tell me more"]
+    return [tuple(tokenizer().encode(f"<|im_start|>user\n{t}<|im_end|>\n<|im_start|>assistant\n")) for t in texts]
+
+
+def _run(engine: HFEngine, requests: list[GenerationRequest]) -> dict[int, GenerationResult]:
+    ids = [engine.submit(r) for r in requests]
+    done: dict[int, GenerationResult] = {}
+    while engine.busy:
+        done.update((r.request_id, r) for r in engine.poll())
+    return {i: done[rid] for i, rid in enumerate(ids)}
+
+
+def _requests(sampling: Sampling, n: int = 3, children: int = 1) -> list[GenerationRequest]:
+    return [
+        GenerationRequest(c, n, 12, sampling, END, seed=s, group=f"g{s}", children=children)
+        for s, c in enumerate(_contexts())
+    ]
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, HOT])
+def test_one_padded_batch_gives_the_samples_of_one_request_at_a_time(sampling: Sampling) -> None:
+    together = _run(HFEngine(SHARP), _requests(sampling))
+    alone = _run(HFEngine(SHARP, max_rows=1), _requests(sampling))  # one request in the batch at a time
+    assert HFEngine(SHARP).merge  # a plain Llama cache: rows of different requests share one padded batch
+    for i in together:
+        for a, b in zip(together[i].completions, alone[i].completions):
+            assert a.tokens == b.tokens and a.finish == b.finish
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-9  # float64
+
+
+def test_greedy_matches_the_sequential_sampler() -> None:
+    sampler = Sampler(SHARP, SamplerConfig(GREEDY), END)
+    results = _run(HFEngine(SHARP), _requests(GREEDY, n=2))
+    for i, context in enumerate(_contexts()):
+        reference = sampler.sample(None, context, n=2, max_new_tokens=12, keep_state=False)
+        assert [c.tokens for c in results[i].completions] == [s.tokens for s in reference]
+        assert [c.stopped for c in results[i].completions] == [s.stopped for s in reference]
+
+
+def test_a_kept_prefix_serves_the_next_turn_and_a_wrong_one_would_show() -> None:
+    observation = tuple(tokenizer().encode("<|im_end|>\n<|im_start|>user\nmore please<|im_end|>\n<|im_start|>assistant\n"))
+    engine = HFEngine(SHARP)
+    first = _run(engine, _requests(GREEDY, n=1))
+    follow = [
+        GenerationRequest(c + first[i].completions[0].tokens + observation, 1, 10, GREEDY, END)
+        for i, c in enumerate(_contexts())
+    ]
+    before = engine.stats.encoded_tokens
+    reused = _run(engine, follow)
+    for i, c in enumerate(_contexts()):  # everything but the last sampled token came from the kept KV
+        assert reused[i].cached_tokens == len(c) + len(first[i].completions[0].tokens) - 1
+    fresh_engine = HFEngine(SHARP, keep_prefixes=False)
+    fresh = _run(fresh_engine, follow)
+    assert all(reused[i].completions == fresh[i].completions for i in reused)
+    assert all(fresh[i].cached_tokens == 0 for i in fresh)
+    saved = sum(r.cached_tokens for r in reused.values())  # exactly the kept tokens were not encoded again
+    assert fresh_engine.stats.encoded_tokens - (engine.stats.encoded_tokens - before) == saved > 0
+
+    broken = HFEngine(SHARP)  # negative control: a kept prefix missing one token changes the answer
+    _run(broken, _requests(GREEDY, n=1))
+    for entry in broken._kept.values():
+        entry.cache.crop(-1)
+    corrupted = _run(broken, follow)
+    assert any(corrupted[i].completions[0].tokens != fresh[i].completions[0].tokens for i in fresh)
+
+
+def test_a_request_samples_the_same_whatever_shares_its_batch() -> None:
+    lone = _run(HFEngine(SHARP), _requests(HOT)[1:2])[0]
+    crowded = _run(HFEngine(SHARP), _requests(HOT))[1]
+    assert lone.completions == crowded.completions
+    reseeded = GenerationRequest(_contexts()[1], 3, 12, HOT, END, seed=99)
+    assert _run(HFEngine(SHARP), [reseeded])[0].completions != lone.completions
+
+
+def test_stops_versions_and_weight_sync() -> None:
+    engine = HFEngine(SHARP, version=4)
+    context = _contexts()[0]
+    (greedy,) = _run(engine, [GenerationRequest(context, 1, 12, GREEDY, END)]).values()
+    tokens = greedy.completions[0].tokens
+    assert greedy.completions[0].version == 4
+    pair = (tokens[1], tokens[2])  # a two-token stop sequence that the greedy sample contains
+    (cut,) = _run(engine, [GenerationRequest(context, 1, 12, GREEDY, (*END, pair))]).values()
+    assert cut.completions[0].tokens == tokens[:3] and cut.completions[0].finish == "stop"
+    (short,) = _run(engine, [GenerationRequest(context, 1, 2, GREEDY, END)]).values()
+    assert short.completions[0].tokens == tokens[:2] and short.completions[0].finish == "length"
+    assert engine._kept
+    engine.sync_weights(SHARP, 5)
+    assert not engine._kept and engine.version == 5
+    (after,) = _run(engine, [GenerationRequest(context, 1, 3, GREEDY, END)]).values()
+    assert after.completions[0].version == 5
+    engine.submit(GenerationRequest(context, 1, 3, GREEDY, END))
+    with pytest.raises(RuntimeError, match="in flight"):
+        engine.sync_weights(SHARP, 6)
+
+
+def test_the_generation_types_refuse_what_no_engine_could_serve() -> None:
+    with pytest.raises(ValueError, match="at least one context token"):
+        GenerationRequest((), 1, 1, HOT, END)
+    with pytest.raises(ValueError, match="n and max_new_tokens"):
+        GenerationRequest((1,), 0, 1, HOT, END)
+    with pytest.raises(ValueError, match="stop sequences"):
+        GenerationRequest((1,), 1, 1, HOT, ((),))
