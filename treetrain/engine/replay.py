@@ -45,6 +45,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel
 
@@ -76,6 +77,13 @@ from treetrain.engine.units import Unit
 from treetrain.engine.walk import StepGraph, TreeWalk
 from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.objective import Contributions, LossTerms, objective, sampler_logprobs
+from treetrain.loss.sampler_correction import (
+    SamplerGap,
+    correction_weights,
+    require_sampler_logprobs,
+    sequence_kept,
+    sequence_log_ratios,
+)
 from treetrain.models.lora import Reference, reference_module
 from treetrain.models.support import SupportGate
 from treetrain.tree.stats import tree_stats
@@ -189,6 +197,7 @@ class TreeReplay:
         try:
             # 1. Score: every needed unit once, without a graph (old and reference logprobs, resident KV).
             report = report.merged(self._score(walk))
+            report = report.merged(ReplayReport(sampler_gap=self._sampler_terms(walk, work)))
             # 2 and 3. Replay post-order: K siblings under autograd against resident KV (G accumulates on
             # every ancestor); a unit with children closes with <KV, G> in its own step.
             for i, step in enumerate(walk.steps):
@@ -266,6 +275,37 @@ class TreeReplay:
         else:
             walk.ref_lp = [None] * len(walk.units)
         return report
+
+    def _sampler_terms(self, walk: TreeWalk, work: TreeWork) -> SamplerGap:
+        """The sampler gap over every target's contributions, once the scoring pass has run, and under
+        `sequence_mask` each trajectory's verdict (`walk.sequence_kept`), which needs all of its tokens
+        before any of its terms is replayed. Nothing without a scoring pass: no trainer logprobs to compare."""
+        lcfg = self.loss_cfg
+        if lcfg.ratio_source != "scoring":
+            return SamplerGap()
+        trainer, sampler, trajectory = [], [], []
+        for unit in walk.units.units:
+            table = unit.targets
+            if table.num_targets == 0:
+                continue
+            old = walk.old_lp[unit.index]
+            if old is None:
+                raise ValueError(
+                    f"unit {unit.index} of tree {work.tree.id[:12]} has targets but no old logprobs"
+                )
+            trainer.append(old.double()[torch.as_tensor(table.contrib_target, device=old.device)])
+            sampler.append(torch.as_tensor(table.sampler_logprob, dtype=torch.float64, device=old.device))
+            trajectory.append(torch.as_tensor(table.trajectory, device=old.device))
+        if not trainer:
+            return SamplerGap()
+        old_all, sampler_all = torch.cat(trainer), torch.cat(sampler)  # [C_tree]
+        if lcfg.sampler_correction == "sequence_mask":
+            require_sampler_logprobs(sampler_all, lcfg)
+            log_ratio = sequence_log_ratios(
+                torch.cat(trajectory), old_all, sampler_all, len(work.tree.records)
+            )
+            walk.sequence_kept = sequence_kept(lcfg, log_ratio)
+        return SamplerGap.of(old_all, sampler_all)
 
     def _reference_view(self) -> ReferenceView:
         return ReferenceView(
@@ -374,7 +414,12 @@ class TreeReplay:
         old = self._old_logprobs(given, batch_units, walk.old_lp, logp)
         ref = self._cat([walk.ref_lp[u.index] for u in batch_units], logp) if lcfg.needs_reference else None
         contrib = Contributions(given.target, given.coef, given.advantage, old)
-        terms = objective(lcfg, logp, contrib, entropy=graph.entropy, ref_logprob=ref)
+        kept = None
+        if walk.sequence_kept is not None:
+            rows = np.concatenate([u.targets.trajectory for u in batch_units])  # [C]
+            kept = walk.sequence_kept[torch.as_tensor(rows, device=walk.sequence_kept.device)]
+        weight = correction_weights(lcfg, old, given.old_logprob, kept)
+        terms = objective(lcfg, logp, contrib, entropy=graph.entropy, ref_logprob=ref, pg_weight=weight)
         total = terms.loss
         if self.cfg.contract == "exact":
             total = self._close(walk, graph, total)
