@@ -198,3 +198,29 @@ def test_a_correction_over_tokens_without_sampler_logprobs_is_refused() -> None:
         for engine in (TreeReplay(make(), loss, ReplayConfig()), FlatReference(make(), loss)):
             with pytest.raises(ValueError, match="no sampler logprobs"):
                 engine.accumulate(batch)
+
+
+def test_sequence_mask_scores_branches_that_would_be_skipped_as_inert(trees) -> None:
+    """Tree advantages with two sibling leaves of equal reward: those leaves' advantages are 0, so without a
+    correction the engine skips them (no gradient). Their tokens still count in their trajectories' sequence
+    ratios, so `sequence_mask` scores them, and tree replay still equals flat."""
+    import dataclasses
+
+    from treetrain.loss.advantages import AdvantageConfig
+    from treetrain.tree.build import build_tree
+
+    tree = trees[0]
+    trajs = [tree.trajectory(i) for i in range(len(tree.records))]
+    trajs[1] = dataclasses.replace(trajs[1], reward=trajs[0].reward)  # t0, t1 share turn_a and obs_1
+    equal = [build_tree(trajs), *trees[1:]]
+    adv = AdvantageConfig(mode="tree", zero_variance="keep")
+    plain_batch = make_batch(equal, LossConfig(), adv)
+    plain = TreeReplay(make(), LossConfig(), ReplayConfig()).accumulate(plain_batch)
+    assert plain.skipped_units > 0  # the case has inert branches, skipped without a correction
+    assert plain.sampler_gap.tokens < sum(len(p) for _, _, p in _hand(equal))  # and not in the gap then
+    batch = make_batch(equal, MASK, adv)
+    model = make()
+    masked = TreeReplay(model, MASK, ReplayConfig(microbatch=2)).accumulate(batch)
+    assert masked.skipped_units == 0
+    floor = noise_floor(make, batch, MASK)
+    assert deviation(flat_grad(model), flat_gradient(make(), batch, MASK)).abs <= FACTOR * floor

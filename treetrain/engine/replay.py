@@ -277,9 +277,13 @@ class TreeReplay:
         return report
 
     def _sampler_terms(self, walk: TreeWalk, work: TreeWork) -> SamplerGap:
-        """The sampler gap over every target's contributions, once the scoring pass has run, and under
-        `sequence_mask` each trajectory's verdict (`walk.sequence_kept`), which needs all of its tokens
-        before any of its terms is replayed. Nothing without a scoring pass: no trainer logprobs to compare."""
+        """The sampler gap over the contributions of every scored target, once the scoring pass has run, and
+        under `sequence_mask` each trajectory's verdict (`walk.sequence_kept`), which needs all of its tokens
+        before any of its terms is replayed. Nothing without a scoring pass: no trainer logprobs to compare.
+
+        A branch skipped as inert (every advantage zero, no KL or entropy term: `ReplayConfig.skip_inert`)
+        is not scored, so its tokens are not in the gap; `sequence_mask` never skips one
+        (`LossConfig.zero_advantage_is_inert`), so every trajectory's ratio has all of its tokens."""
         lcfg = self.loss_cfg
         if lcfg.ratio_source != "scoring":
             return SamplerGap()
@@ -290,9 +294,9 @@ class TreeReplay:
                 continue
             old = walk.old_lp[unit.index]
             if old is None:
-                raise ValueError(
-                    f"unit {unit.index} of tree {work.tree.id[:12]} has targets but no old logprobs"
-                )
+                if lcfg.sampler_correction == "sequence_mask":
+                    raise ValueError(f"unit {unit.index} of tree {work.tree.id[:12]} was not scored")
+                continue
             trainer.append(old.double()[torch.as_tensor(table.contrib_target, device=old.device)])
             sampler.append(torch.as_tensor(table.sampler_logprob, dtype=torch.float64, device=old.device))
             trajectory.append(torch.as_tensor(table.trajectory, device=old.device))

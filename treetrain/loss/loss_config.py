@@ -112,5 +112,7 @@ class LossConfig:
 
     @property
     def zero_advantage_is_inert(self) -> bool:
-        """With no KL and no entropy term, a token whose advantages are all zero contributes exactly nothing."""
-        return self.kl_coef == 0 and self.entropy_coef == 0
+        """With no KL and no entropy term, a token whose advantages are all zero contributes exactly nothing,
+        and the engine may skip it. Not under `sequence_mask`: such a token's logprob still decides whether
+        the rest of its trajectory is masked, so it must be scored."""
+        return self.kl_coef == 0 and self.entropy_coef == 0 and self.sampler_correction != "sequence_mask"

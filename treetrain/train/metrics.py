@@ -88,8 +88,9 @@ class UpdateMetrics:
     sampler_logprob_gap_mean: float | None = None
     """Mean |logp_trainer - logp_sampler| over the update's policy tokens, all ranks (trainer: the scoring
     pass's old logprob; sampler: the one recorded at rollout). None (`null`) when no token has a sampler
-    logprob, or without a scoring pass (`loss.ratio_source='sampler'`). Meaningful only for sampling at
-    temperature 1 and top_p 1 (otherwise it measures the tempering; docs/training.md)."""
+    logprob, or without a scoring pass (`loss.ratio_source='sampler'`). Tree mode leaves out branches it
+    skips as inert (`replay.skip_inert`). Meaningful only for sampling at temperature 1 and top_p 1
+    (otherwise it measures the tempering; docs/training.md)."""
     sampler_logprob_gap_max: float | None = None
     """The largest such gap of the update (None when the mean is)."""
 
