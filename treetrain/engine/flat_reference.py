@@ -28,13 +28,7 @@ from treetrain.engine.pieces import GatheredTargets, gather_targets, pad_pieces,
 from treetrain.engine.schedule import ORDERS, Order
 from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.objective import Contributions, objective, sampler_logprobs
-from treetrain.loss.sampler_correction import (
-    SamplerGap,
-    correction_weights,
-    require_sampler_logprobs,
-    sequence_kept,
-    sequence_log_ratios,
-)
+from treetrain.loss.sampler_correction import correction_weights, sampler_terms
 from treetrain.loss.targets import TargetTable, call_target_counts, call_targets
 from treetrain.models.decoder import decoder_forward
 from treetrain.models.logprobs import DEFAULT_MAX_LOGIT_ELEMENTS
@@ -128,8 +122,7 @@ class FlatReference:
 
     def accumulate(self, batch: UpdateBatch) -> ReplayReport:
         calls = self.calls(batch)
-        old, report = self._score(calls)
-        kept = self._sequence_verdicts(calls, old)
+        old, report, kept = self._score(calls)
         for i in range(0, len(calls), self.microbatch):
             j = i + self.microbatch
             report = report.merged(
@@ -139,11 +132,13 @@ class FlatReference:
             )
         return report
 
-    def _score(self, calls: Sequence[FlatCall]) -> tuple[list[torch.Tensor] | None, ReplayReport]:
-        """Each call's old logprobs `[M_i]` (no graph), and the tokens run and the sampler gap; None without a
-        scoring pass (`ratio_source='sampler'`)."""
+    def _score(
+        self, calls: Sequence[FlatCall]
+    ) -> tuple[list[torch.Tensor] | None, ReplayReport, torch.Tensor | None]:
+        """Each call's old logprobs `[M_i]` (no graph), the tokens run and the sampler gap, and under
+        `sequence_mask` each call's verdict `[calls]`; nothing without a scoring pass (`ratio_source='sampler'`)."""
         if self.loss_cfg.ratio_source != "scoring":
-            return None, ReplayReport()
+            return None, ReplayReport(), None
         old: list[torch.Tensor] = []
         tokens = 0
         with torch.no_grad():
@@ -153,34 +148,13 @@ class FlatReference:
                 tokens += n
                 offsets = gathered.target_offsets
                 old.extend(logp[offsets[r] : offsets[r + 1]].detach() for r in range(len(part)))
-        gap = SamplerGap()
-        for call, lp in zip(calls, old):
-            trainer, sampler = self._per_contribution(call, lp)
-            gap = gap.merged(SamplerGap.of(trainer, sampler))
-        return old, ReplayReport(nograd_tokens=tokens, sampler_gap=gap)
-
-    def _per_contribution(self, call: FlatCall, old: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A call's trainer and sampler logprob per contribution, `[C_i]` each (float64)."""
-        index = torch.as_tensor(call.targets.contrib_target, device=old.device)
-        sampler = torch.as_tensor(call.targets.sampler_logprob, dtype=torch.float64, device=old.device)
-        return old.double()[index], sampler
-
-    def _sequence_verdicts(
-        self, calls: Sequence[FlatCall], old: Sequence[torch.Tensor] | None
-    ) -> list[bool] | None:
-        """Under `sequence_mask`, whether each call's trajectory is kept (its ratio over all its calls)."""
-        if self.loss_cfg.sampler_correction != "sequence_mask" or old is None or not calls:
-            return None
-        parts = [self._per_contribution(c, lp) for c, lp in zip(calls, old)]
-        trainer = torch.cat([t for t, _ in parts])  # [C]
-        sampler = torch.cat([s for _, s in parts])
-        require_sampler_logprobs(sampler, self.loss_cfg)
-        sequence = torch.cat(
-            [torch.full((len(t),), c.sequence, dtype=torch.long) for c, (t, _) in zip(calls, parts)]
-        )
-        n = max(c.sequence for c in calls) + 1
-        verdict = sequence_kept(self.loss_cfg, sequence_log_ratios(sequence, trainer, sampler, n))
-        return [bool(verdict[c.sequence]) for c in calls]
+        sequence = [torch.full((len(c.targets.contrib_target),), c.sequence, dtype=torch.long) for c in calls]
+        sequences = max((c.sequence for c in calls), default=-1) + 1
+        terms = sampler_terms(self.loss_cfg, [c.targets for c in calls], old, sequence, sequences)
+        kept = None
+        if terms.kept is not None:
+            kept = terms.kept[torch.as_tensor([c.sequence for c in calls], device=terms.kept.device)]
+        return old, ReplayReport(nograd_tokens=tokens, sampler_gap=terms.gap), kept
 
     def _forward(
         self, model: PreTrainedModel, calls: Sequence[FlatCall], with_entropy: bool
@@ -197,7 +171,7 @@ class FlatReference:
         self,
         calls: Sequence[FlatCall],
         scored: Sequence[torch.Tensor] | None,
-        kept: Sequence[bool] | None,
+        kept: torch.Tensor | None,  # [calls] bool
     ) -> ReplayReport:
         lcfg = self.loss_cfg
         nograd = 0
@@ -213,9 +187,8 @@ class FlatReference:
         old = old_per_target.to(logp.dtype)[c.target] if old_per_target is not None else sampler_logprobs(c)
         rows = None
         if kept is not None:  # [C]: each contribution's call's verdict
-            per_call = torch.as_tensor(kept, device=logp.device)
-            counts = torch.as_tensor([len(call.targets.contrib_target) for call in calls], device=logp.device)
-            rows = per_call.repeat_interleave(counts)
+            counts = torch.as_tensor([len(call.targets.contrib_target) for call in calls], device=kept.device)
+            rows = kept.repeat_interleave(counts)
         weight = correction_weights(lcfg, old, c.old_logprob, rows)
         terms = objective(
             lcfg, logp, Contributions(c.target, c.coef, c.advantage, old), entropy=ent, ref_logprob=ref,

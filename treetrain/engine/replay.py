@@ -77,13 +77,7 @@ from treetrain.engine.units import Unit
 from treetrain.engine.walk import StepGraph, TreeWalk
 from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.objective import Contributions, LossTerms, objective, sampler_logprobs
-from treetrain.loss.sampler_correction import (
-    SamplerGap,
-    correction_weights,
-    require_sampler_logprobs,
-    sequence_kept,
-    sequence_log_ratios,
-)
+from treetrain.loss.sampler_correction import SamplerGap, correction_weights, sampler_terms
 from treetrain.models.lora import Reference, reference_module
 from treetrain.models.support import SupportGate
 from treetrain.tree.stats import tree_stats
@@ -287,29 +281,20 @@ class TreeReplay:
         lcfg = self.loss_cfg
         if lcfg.ratio_source != "scoring":
             return SamplerGap()
-        trainer, sampler, trajectory = [], [], []
+        tables, old, missing = [], [], []
         for unit in walk.units.units:
-            table = unit.targets
-            if table.num_targets == 0:
-                continue
-            old = walk.old_lp[unit.index]
-            if old is None:
-                if lcfg.sampler_correction == "sequence_mask":
-                    raise ValueError(f"unit {unit.index} of tree {work.tree.id[:12]} was not scored")
-                continue
-            trainer.append(old.double()[torch.as_tensor(table.contrib_target, device=old.device)])
-            sampler.append(torch.as_tensor(table.sampler_logprob, dtype=torch.float64, device=old.device))
-            trajectory.append(torch.as_tensor(table.trajectory, device=old.device))
-        if not trainer:
-            return SamplerGap()
-        old_all, sampler_all = torch.cat(trainer), torch.cat(sampler)  # [C_tree]
-        if lcfg.sampler_correction == "sequence_mask":
-            require_sampler_logprobs(sampler_all, lcfg)
-            log_ratio = sequence_log_ratios(
-                torch.cat(trajectory), old_all, sampler_all, len(work.tree.records)
-            )
-            walk.sequence_kept = sequence_kept(lcfg, log_ratio)
-        return SamplerGap.of(old_all, sampler_all)
+            lp = walk.old_lp[unit.index]
+            if unit.targets.num_targets and lp is None:
+                missing.append(unit.index)
+            elif unit.targets.num_targets and lp is not None:
+                tables.append(unit.targets)
+                old.append(lp)
+        if missing and lcfg.sampler_correction == "sequence_mask":
+            raise ValueError(f"units {missing} of tree {work.tree.id[:12]} were not scored")
+        trajectory = [torch.as_tensor(t.trajectory) for t in tables]
+        terms = sampler_terms(lcfg, tables, old, trajectory, len(work.tree.records))
+        walk.sequence_kept = terms.kept
+        return terms.gap
 
     def _reference_view(self) -> ReferenceView:
         return ReferenceView(

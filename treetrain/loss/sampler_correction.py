@@ -49,11 +49,13 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from treetrain.loss.loss_config import LossConfig
+from treetrain.loss.targets import TargetTable
 
 
 @dataclass(frozen=True)
@@ -150,3 +152,44 @@ def correction_weights(
     if kept is None:
         raise ValueError("sampler_correction='sequence_mask' needs each trajectory's verdict")
     return kept.to(torch.float64)
+
+
+@dataclass(frozen=True)
+class SamplerTerms:
+    """What the scoring pass yields for the sampler: the gap, and `sequence_mask`'s verdicts."""
+
+    gap: SamplerGap
+    kept: torch.Tensor | None  # [S] bool
+    """Per trajectory (the `sequence` ids of `sampler_terms`), whether it is kept; None unless
+    `sequence_mask`."""
+
+
+def sampler_terms(
+    cfg: LossConfig,
+    tables: Sequence[TargetTable],
+    old: Sequence[torch.Tensor],  # [M_i] the scoring pass's logprob of each of table i's targets
+    sequence: Sequence[torch.Tensor],  # [C_i] long: the trajectory of each of table i's contributions
+    sequences: int,
+) -> SamplerTerms:
+    """The gap over the tables' contributions and, under `sequence_mask`, each trajectory's verdict. The
+    tables must hold every contribution of the trajectories they name (a ratio is over all its tokens).
+
+    The tree engine passes one table per unit of a tree (ids: trajectory indices), the flat reference one per
+    call of the batch (ids: its trajectories, numbered)."""
+    if not tables:
+        return SamplerTerms(SamplerGap(), None)
+    trainer = torch.cat(
+        [lp.double()[torch.as_tensor(t.contrib_target, device=lp.device)] for t, lp in zip(tables, old)]
+    )  # [C]
+    sampler = torch.cat(
+        [
+            torch.as_tensor(t.sampler_logprob, dtype=torch.float64, device=lp.device)
+            for t, lp in zip(tables, old)
+        ]
+    )  # [C]
+    gap = SamplerGap.of(trainer, sampler)
+    if cfg.sampler_correction != "sequence_mask":
+        return SamplerTerms(gap, None)
+    require_sampler_logprobs(sampler, cfg)
+    ids = torch.cat(list(sequence)).to(trainer.device)
+    return SamplerTerms(gap, sequence_kept(cfg, sequence_log_ratios(ids, trainer, sampler, sequences)))
