@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,10 +15,12 @@ from treetrain.loss.objective import Contributions, objective
 from treetrain.loss.sampler_correction import (
     SamplerGap,
     correction_weights,
+    sampler_terms,
     sequence_kept,
     sequence_log_ratios,
     token_weights,
 )
+from treetrain.loss.targets import TargetTable
 
 TRUNCATE = LossConfig(sampler_correction="token_truncate", sampler_correction_cap=2.0)
 MASK = LossConfig(sampler_correction="sequence_mask", sampler_correction_cap=2.0)
@@ -128,3 +131,27 @@ def test_negative_control_sensible_settings_are_accepted() -> None:
     for mode in ("none", "token_truncate", "sequence_mask"):
         assert LossConfig(sampler_correction=mode, sampler_correction_cap=1.01).sampler_correction == mode
     assert LossConfig(ratio_source="sampler").sampler_correction == "none"
+
+
+def _table(sampler: list[float], contrib_target: list[int], trajectory: list[int]) -> TargetTable:
+    m = max(contrib_target) + 1
+    return TargetTable(
+        np.arange(m), np.arange(m), np.asarray(contrib_target), np.full(len(sampler), 0.5), np.ones(len(sampler)),
+        np.asarray(sampler), np.asarray(trajectory),
+    )  # fmt: skip
+
+
+def test_sampler_terms_gather_each_trajectorys_tokens_across_tables() -> None:
+    # table a: targets 0, 1; target 1 shared by trajectories 0 and 1 (one trainer logprob, two sampler ones)
+    a = _table([-1.0, -2.0, -2.5], [0, 1, 1], [0, 0, 1])
+    b = _table([-0.5], [0], [1])  # trajectory 1 again, in another table (a later unit or call)
+    old = [torch.tensor([-1.5, -2.2]), torch.tensor([-2.0])]
+    sequence = [torch.as_tensor(a.trajectory), torch.as_tensor(b.trajectory)]
+    terms = sampler_terms(MASK, [a, b], old, sequence, 2)
+    gaps = [0.5, 0.2, 0.3, 1.5]
+    assert terms.gap.tokens == 4 and terms.gap.mean == pytest.approx(sum(gaps) / 4) and terms.gap.max == 1.5
+    # log rho: trajectory 0: -0.5 - 0.2 = -0.7 (kept, > -log 2); trajectory 1: 0.3 - 1.5 = -1.2 (dropped)
+    assert terms.kept is not None and terms.kept.tolist() == [True, False]
+    assert sampler_terms(TRUNCATE, [a, b], old, sequence, 2).kept is None
+    empty = sampler_terms(MASK, [], [], [], 3)
+    assert empty.gap.mean is None and empty.kept is not None and empty.kept.tolist() == [False] * 3

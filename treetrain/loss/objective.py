@@ -90,7 +90,7 @@ def objective(
     if cfg.dual_clip is not None:
         pg = torch.where(adv < 0, torch.minimum(pg, -adv * cfg.dual_clip), pg)
     if pg_weight is not None:
-        pg = pg * pg_weight.detach().to(dtype)
+        pg = pg * pg_weight.detach().to(device=pg.device, dtype=dtype)
     loss = (coef * pg).sum()
     kl_sum = 0.0
     ent_sum = 0.0

@@ -176,8 +176,9 @@ def sampler_terms(
 
     The tree engine passes one table per unit of a tree (ids: trajectory indices), the flat reference one per
     call of the batch (ids: its trajectories, numbered)."""
-    if not tables:
-        return SamplerTerms(SamplerGap(), None)
+    if not tables:  # nothing scored: no gap, and no trajectory has a token to weigh
+        none = torch.zeros(sequences, dtype=torch.bool)
+        return SamplerTerms(SamplerGap(), none if cfg.sampler_correction == "sequence_mask" else None)
     trainer = torch.cat(
         [lp.double()[torch.as_tensor(t.contrib_target, device=lp.device)] for t, lp in zip(tables, old)]
     )  # [C]
