@@ -145,12 +145,12 @@ def test_sampler_terms_gather_each_trajectorys_tokens_across_tables() -> None:
     # table a: targets 0, 1; target 1 shared by trajectories 0 and 1 (one trainer logprob, two sampler ones)
     a = _table([-1.0, -2.0, -2.5], [0, 1, 1], [0, 0, 1])
     b = _table([-0.5], [0], [1])  # trajectory 1 again, in another table (a later unit or call)
-    old = [torch.tensor([-1.5, -2.2]), torch.tensor([-2.0])]
+    old = [torch.tensor([-1.4, -2.2]), torch.tensor([-2.0])]
     sequence = [torch.as_tensor(a.trajectory), torch.as_tensor(b.trajectory)]
     terms = sampler_terms(MASK, [a, b], old, sequence, 2)
-    gaps = [0.5, 0.2, 0.3, 1.5]
+    gaps = [0.4, 0.2, 0.3, 1.5]
     assert terms.gap.tokens == 4 and terms.gap.mean == pytest.approx(sum(gaps) / 4) and terms.gap.max == 1.5
-    # log rho: trajectory 0: -0.5 - 0.2 = -0.7 (kept, > -log 2); trajectory 1: 0.3 - 1.5 = -1.2 (dropped)
+    # log rho: trajectory 0: -0.4 - 0.2 = -0.6 (kept, > -log 2); trajectory 1: 0.3 - 1.5 = -1.2 (dropped)
     assert terms.kept is not None and terms.kept.tolist() == [True, False]
     assert sampler_terms(TRUNCATE, [a, b], old, sequence, 2).kept is None
     empty = sampler_terms(MASK, [], [], [], 3)
