@@ -97,6 +97,13 @@ def test_the_case_has_weights_over_the_cap_and_trajectories_either_side_of_it(tr
     bound = math.log(MASK.sampler_correction_cap)
     dropped = sum(abs(sum(t - s for t, s in pairs)) > bound for _, _, pairs in per_traj)
     assert 0 < dropped < len(per_traj)
+    # the counts the trainer logs (`sampler_corrected_fraction`), in both engines
+    masked = sum(len(pairs) for _, _, pairs in per_traj if abs(sum(t - s for t, s in pairs)) > bound)
+    for loss, expected in ((TRUNCATE, capped), (MASK, masked), (LossConfig(), 0)):
+        batch = make_batch(trees, loss)
+        tree = TreeReplay(make(), loss, ReplayConfig(microbatch=2)).accumulate(batch).sampler_gap
+        flat = FlatReference(make(), loss, microbatch=2).accumulate(batch).sampler_gap
+        assert tree.corrected == flat.corrected == expected, loss.sampler_correction
 
 
 def test_negative_control_a_perturbed_sampler_logprob_moves_the_gradient_only_under_a_correction(

@@ -152,6 +152,11 @@ def test_sampler_terms_gather_each_trajectorys_tokens_across_tables() -> None:
     assert terms.gap.tokens == 4 and terms.gap.mean == pytest.approx(sum(gaps) / 4) and terms.gap.max == 1.5
     # log rho: trajectory 0: -0.4 - 0.2 = -0.6 (kept, > -log 2); trajectory 1: 0.3 - 1.5 = -1.2 (dropped)
     assert terms.kept is not None and terms.kept.tolist() == [True, False]
+    assert terms.gap.corrected == 2  # trajectory 1's two tokens, masked
     assert sampler_terms(TRUNCATE, [a, b], old, sequence, 2).kept is None
+    assert sampler_terms(TRUNCATE, [a, b], old, sequence, 2).gap.corrected == 0  # no w above 2
+    tight = LossConfig(sampler_correction="token_truncate", sampler_correction_cap=1.2)  # log 1.2 = 0.18
+    assert sampler_terms(tight, [a, b], old, sequence, 2).gap.corrected == 1  # only w = e^0.3 is over it
+    assert sampler_terms(LossConfig(), [a, b], old, sequence, 2).gap.corrected == 0
     empty = sampler_terms(MASK, [], [], [], 3)
     assert empty.gap.mean is None and empty.kept is not None and empty.kept.tolist() == [False] * 3

@@ -78,6 +78,7 @@ def test_sampler_ratio_negative_control_scoring_gets_past_the_check(tmp_path: Pa
     assert (
         row["sampler_logprob_gap_mean"] is None and row["sampler_logprob_gap_max"] is None
     )  # nothing to compare
+    assert row["sampler_corrected_fraction"] is None  # and no correction
 
 
 @pytest.mark.parametrize("existing", [False, True])

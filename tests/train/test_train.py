@@ -261,6 +261,7 @@ def test_metrics_rows_carry_the_sampler_gap_of_live_rollouts(tmp_path: Path) -> 
     print(f"sampler gap: mean {mean}, max {largest}")
     assert mean is not None and largest is not None
     assert 0.0 <= mean <= largest < 1e-2
+    assert row.sampler_corrected_fraction == 0.0  # no weight near the cap of 2 at such a gap
 
 
 def test_metrics_skip_a_partial_last_line(tmp_path: Path) -> None:

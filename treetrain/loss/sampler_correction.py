@@ -47,6 +47,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Sequence
@@ -61,11 +62,15 @@ from treetrain.loss.targets import TargetTable
 @dataclass(frozen=True)
 class SamplerGap:
     """Sum, count and largest |logp_trainer - logp_sampler| over policy tokens (tokens without a sampler
-    logprob left out). Sums, so that parts of an update and ranks combine exactly (`merged`)."""
+    logprob left out), and how many of those tokens the correction changed. Sums, so that parts of an update
+    and ranks combine exactly (`merged`)."""
 
     total: float = 0.0
     tokens: int = 0
     largest: float = 0.0
+    corrected: int = 0
+    """Tokens whose weight the correction set apart from w: truncated to the cap (`token_truncate`), or in a
+    trajectory it dropped (`sequence_mask`)."""
 
     @staticmethod
     def of(trainer: torch.Tensor, sampler: torch.Tensor) -> SamplerGap:
@@ -78,7 +83,10 @@ class SamplerGap:
 
     def merged(self, other: SamplerGap) -> SamplerGap:
         return SamplerGap(
-            self.total + other.total, self.tokens + other.tokens, max(self.largest, other.largest)
+            self.total + other.total,
+            self.tokens + other.tokens,
+            max(self.largest, other.largest),
+            self.corrected + other.corrected,
         )
 
     @property
@@ -91,14 +99,19 @@ class SamplerGap:
         """Largest gap; None when no token had a sampler logprob (or none was scored)."""
         return self.largest if self.tokens else None
 
+    @property
+    def corrected_fraction(self) -> float | None:
+        """Fraction of the tokens whose weight the correction changed; None without tokens."""
+        return self.corrected / self.tokens if self.tokens else None
+
     def encode(self) -> str:
         """Text for a cross-rank gather (`decode` reads it back)."""
-        return json.dumps([self.total, self.tokens, self.largest])
+        return json.dumps([self.total, self.tokens, self.largest, self.corrected])
 
     @staticmethod
     def decode(text: str) -> SamplerGap:
-        total, tokens, largest = json.loads(text)
-        return SamplerGap(float(total), int(tokens), float(largest))
+        total, tokens, largest, corrected = json.loads(text)
+        return SamplerGap(float(total), int(tokens), float(largest), int(corrected))
 
 
 def require_sampler_logprobs(sampler: torch.Tensor, cfg: LossConfig) -> None:
@@ -189,8 +202,12 @@ def sampler_terms(
         ]
     )  # [C]
     gap = SamplerGap.of(trainer, sampler)
-    if cfg.sampler_correction != "sequence_mask":
+    if cfg.sampler_correction == "none":
         return SamplerTerms(gap, None)
     require_sampler_logprobs(sampler, cfg)
-    ids = torch.cat(list(sequence)).to(trainer.device)
-    return SamplerTerms(gap, sequence_kept(cfg, sequence_log_ratios(ids, trainer, sampler, sequences)))
+    if cfg.sampler_correction == "token_truncate":
+        over = trainer - sampler > math.log(cfg.sampler_correction_cap)  # [C]: w > cap
+        return SamplerTerms(dataclasses.replace(gap, corrected=int(over.sum())), None)
+    ids = torch.cat(list(sequence)).to(trainer.device)  # [C]
+    kept = sequence_kept(cfg, sequence_log_ratios(ids, trainer, sampler, sequences))  # [S]
+    return SamplerTerms(dataclasses.replace(gap, corrected=int((~kept[ids]).sum())), kept)

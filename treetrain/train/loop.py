@@ -228,6 +228,9 @@ class Trainer:
             replay_tokens_mean=sum(balance) / len(balance) if balance else 0.0,
             sampler_logprob_gap_mean=gap.mean if gap is not None else None,
             sampler_logprob_gap_max=gap.max if gap is not None else None,
+            sampler_corrected_fraction=gap.corrected_fraction
+            if gap is not None and cfg.loss.corrects_sampler
+            else None,
         )
 
     # ----- the run ----------------------------------------------------------------------------------

@@ -93,6 +93,9 @@ class UpdateMetrics:
     (otherwise it measures the tempering; docs/training.md)."""
     sampler_logprob_gap_max: float | None = None
     """The largest such gap of the update (None when the mean is)."""
+    sampler_corrected_fraction: float | None = None
+    """Fraction of those tokens whose weight `loss.sampler_correction` changed: truncated to the cap
+    (`token_truncate`), or in a dropped trajectory (`sequence_mask`); None without a correction."""
 
     @property
     def replay_imbalance(self) -> float:
