@@ -132,6 +132,17 @@ print(json.dumps({{"code": code, "err": err.getvalue(), "heavy": [m for m in {he
         (["train", "--set", "model.lora.r=0"], "model.lora.r: must be in"),
         (["train", "--set", "optim.lr=0"], "optim.lr must be > 0"),
         (["train", "--set", "replay.contract=nope"], "replay.contract"),
+        (["train", "--set", "loss.sampler_correction_cap=1"], "loss.sampler_correction_cap: must be"),
+        (
+            [
+                "train",
+                "--set",
+                "loss.sampler_correction=token_truncate",
+                "--set",
+                "rollout.sampling.temperature=0.7",
+            ],
+            "loss.sampler_correction: 'token_truncate'",
+        ),
         (["train", "--config", "nope.yaml"], "'nope.yaml' does not exist"),
         (["train", "--set", "model.path=/no/such/model"], "model.path: '/no/such/model' does not exist"),
         (["plan", "trees/tool_use.msgpack", "--budget", "1GiB"], "give --model"),

@@ -47,17 +47,25 @@ def _one_line(capsys) -> str:
     return err
 
 
-def test_sampler_ratio_on_trees_without_logprobs_is_one_line_before_any_model_loads(
-    tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("setting", "field"),
+    [
+        ("loss.ratio_source=sampler", "loss.ratio_source"),
+        ("loss.sampler_correction=token_truncate", "loss.sampler_correction"),
+        ("loss.sampler_correction=sequence_mask", "loss.sampler_correction"),
+    ],
+)
+def test_sampler_logprobs_needed_on_trees_without_them_is_one_line_before_any_model_loads(
+    tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch, setting: str, field: str
 ) -> None:
     trees = _trees_without_logprobs(tmp_path / "trees")
     built: list[object] = []
     monkeypatch.setattr(models, "_load", lambda *a, **k: built.append(a))  # a model load would be recorded
     run = tmp_path / "run"
     argv = ["train", "--run-dir", str(run), "--trees", str(trees), *TINY]
-    assert main([*argv, "--set", "loss.ratio_source=sampler"]) == 2
+    assert main([*argv, "--set", setting]) == 2
     err = _one_line(capsys)
-    assert "loss.ratio_source" in err and "without them" in err and "g.msgpack" in err
+    assert f"{field}:" in err and "without them" in err and "g.msgpack" in err
     assert built == []
     assert not run.exists(), "a run that never started must leave nothing"
 
@@ -66,7 +74,11 @@ def test_sampler_ratio_negative_control_scoring_gets_past_the_check(tmp_path: Pa
     trees = _trees_without_logprobs(tmp_path / "trees")
     run = tmp_path / "run"
     assert main(["train", "--run-dir", str(run), "--trees", str(trees), *TINY]) == 0, capsys.readouterr().err
-    assert (run / "metrics.jsonl").is_file()
+    (row,) = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert (
+        row["sampler_logprob_gap_mean"] is None and row["sampler_logprob_gap_max"] is None
+    )  # nothing to compare
+    assert row["sampler_corrected_fraction"] is None  # and no correction
 
 
 @pytest.mark.parametrize("existing", [False, True])

@@ -231,6 +231,39 @@ def test_sampler_ratio_with_tempered_sampling_is_refused() -> None:
     )  # temperature 1, top_p 1: the sampler's logprobs are exact
 
 
+def test_sampler_correction_with_tempered_sampling_is_refused() -> None:
+    for tempered in ("rollout.sampling.temperature=0.7", "rollout.sampling.top_p=0.9"):
+        with pytest.raises(ConfigError, match=r"^loss\.sampler_correction: 'token_truncate' .*tempered"):
+            load_config(None, ["loss.sampler_correction=token_truncate", tempered])
+    load_config(None, ["loss.sampler_correction=sequence_mask"])  # temperature 1, top_p 1: accepted
+
+
+def test_sampler_correction_settings_are_named_from_the_top_of_the_config() -> None:
+    for sets, field in (
+        (["loss.sampler_correction_cap=1"], "loss.sampler_correction_cap"),
+        (["loss.sampler_correction=tis"], "loss.sampler_correction"),
+        (["loss.sampler_correction=token_truncate", "loss.ratio_source=sampler"], "loss.sampler_correction"),
+    ):
+        with pytest.raises(ConfigError) as info:
+            load_config(None, sets)
+        assert str(info.value).startswith(f"{field}: ") and "\n" not in str(info.value)
+
+
+def test_metrics_rows_carry_the_sampler_gap_of_live_rollouts(tmp_path: Path) -> None:
+    """The built-in sampler draws at temperature 1 from the same weights: its logprobs and the scoring pass's
+    differ only by the arithmetic (a KV-cached decode against a batched forward), and the row says by how much."""
+    cfg = _cfg(
+        tmp_path / "run", "updates=1", "measure_memory_every=0", "loss.sampler_correction=token_truncate"
+    )
+    Trainer(cfg, progress=False).run()
+    (row,) = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    mean, largest = row.sampler_logprob_gap_mean, row.sampler_logprob_gap_max
+    print(f"sampler gap: mean {mean}, max {largest}")
+    assert mean is not None and largest is not None
+    assert 0.0 <= mean <= largest < 1e-2
+    assert row.sampler_corrected_fraction == 0.0  # no weight near the cap of 2 at such a gap
+
+
 def test_metrics_skip_a_partial_last_line(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path / "run", "updates=2", "measure_memory_every=0")
     Trainer(cfg, progress=False).run()

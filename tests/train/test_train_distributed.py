@@ -110,6 +110,9 @@ def test_two_nodes_share_metrics_and_checkpoints(runs: dict[str, Path]) -> None:
         assert x.replay_imbalance == 1.0  # one process
     assert b[0].replay_tokens_max >= b[0].replay_tokens_mean > 0 and b[0].replay_imbalance >= 1.0
     assert a[0].groups - a[0].groups_dropped > 0, "no group trained: the comparison would be vacuous"
+    for row in (a[0], b[0]):  # the sampler gap over both ranks' tokens (the demo samples at temperature 1)
+        assert row.sampler_logprob_gap_mean is not None and row.sampler_logprob_gap_max is not None
+        assert 0.0 <= row.sampler_logprob_gap_mean <= row.sampler_logprob_gap_max < 1e-2
     assert sorted(p.name for p in (nodes / "checkpoints").iterdir()) == ["update-00001", "update-00002"]
     assert (nodes / "final" / "config.json").is_file() and (nodes / "summary.txt").is_file()
     assert not [p for p in nodes.rglob(".*") if ".tmp-" in p.name or ".old-" in p.name], "temporaries left"

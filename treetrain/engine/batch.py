@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from treetrain.engine.schedule import CONTRACTS, ORDERS, Contract, Order
@@ -12,6 +12,7 @@ from treetrain.lifetime import ClassBytes, larger
 from treetrain.loss.advantages import TreeAdvantages
 from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.manifest import ContributionKey, Manifest
+from treetrain.loss.sampler_correction import SamplerGap
 from treetrain.loss.targets import EMPTY, TargetTable, tree_targets
 from treetrain.models.logprobs import DEFAULT_MAX_LOGIT_ELEMENTS
 from treetrain.tree.model import TrajectoryTree
@@ -178,14 +179,20 @@ class ReplayReport:
     """Trees whose reference logprobs took a walk of their own (0 with KL: scored in the scoring walk)."""
     measured_peak: ClassBytes | None = None
     """Peak live bytes by lifetime class, when a memory tracker was attached (the larger of two on merge)."""
+    sampler_gap: SamplerGap = field(default_factory=SamplerGap)
+    """|scoring - sampler| logprob over the policy tokens scored (empty without a scoring pass)."""
 
     def merged(self, other: ReplayReport) -> ReplayReport:
         summed = {
             f.name: getattr(self, f.name) + getattr(other, f.name)
             for f in fields(self)
-            if f.name != "measured_peak"
+            if f.name not in ("measured_peak", "sampler_gap")
         }
-        return ReplayReport(**summed, measured_peak=larger(self.measured_peak, other.measured_peak))
+        return ReplayReport(
+            **summed,
+            measured_peak=larger(self.measured_peak, other.measured_peak),
+            sampler_gap=self.sampler_gap.merged(other.sampler_gap),
+        )
 
     @property
     def token_cost(self) -> int:

@@ -4,6 +4,10 @@ This is the oracle of every differential test and a selectable mode: what a conv
 with the same loss, the same normalization and the same loss inputs. It shares the model code
 (`decoder_forward`), the logprob code and the objective with the tree engine, and nothing else.
 
+Like the tree engine, it scores every call (no graph) before the first backward, microbatch by microbatch:
+the sampler correction's `sequence_mask` needs a trajectory's every token before any of its terms, and a
+trajectory of several calls spans microbatches. Only the `[M]` old logprobs of each call are kept.
+
 Example:
     >>> flat = FlatReference(model, LossConfig(), microbatch=2)      # doctest: +SKIP
     >>> flat.accumulate(batch).loss                                    # doctest: +SKIP
@@ -24,6 +28,7 @@ from treetrain.engine.pieces import GatheredTargets, gather_targets, pad_pieces,
 from treetrain.engine.schedule import ORDERS, Order
 from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.objective import Contributions, objective, sampler_logprobs
+from treetrain.loss.sampler_correction import correction_weights, sampler_terms
 from treetrain.loss.targets import TargetTable, call_target_counts, call_targets
 from treetrain.models.decoder import decoder_forward
 from treetrain.models.logprobs import DEFAULT_MAX_LOGIT_ELEMENTS
@@ -35,6 +40,8 @@ from treetrain.tree.model import CallRef
 class FlatCall:
     tokens: tuple[int, ...]
     targets: TargetTable
+    sequence: int = 0
+    """Which trajectory of the batch the call belongs to (numbered in `calls`): `sequence_mask`'s unit."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +88,7 @@ class FlatReference:
 
     def calls(self, batch: UpdateBatch) -> list[FlatCall]:
         out = []
+        sequence = 0
         for work in batch.work:
             for t in sorted(work.trajectories):
                 traj = work.tree.trajectory(t)  # once per trajectory, not once per call
@@ -88,7 +96,8 @@ class FlatReference:
                     ref = CallRef(t, c)
                     table = call_targets(work.tree, ref, work.advantages, batch.manifest, self.loss_cfg, traj)
                     if table.num_targets:
-                        out.append(FlatCall(traj.calls[c].tokens, table))
+                        out.append(FlatCall(traj.calls[c].tokens, table, sequence))
+                sequence += 1
         return self._ordered(out)
 
     def call_sizes(self, batch: UpdateBatch) -> list[FlatCallSize]:
@@ -113,10 +122,39 @@ class FlatReference:
 
     def accumulate(self, batch: UpdateBatch) -> ReplayReport:
         calls = self.calls(batch)
-        report = ReplayReport()
+        old, report, kept = self._score(calls)
         for i in range(0, len(calls), self.microbatch):
-            report = report.merged(self._microbatch(calls[i : i + self.microbatch]))
+            j = i + self.microbatch
+            report = report.merged(
+                self._microbatch(
+                    calls[i:j], old[i:j] if old is not None else None, kept[i:j] if kept is not None else None
+                )
+            )
         return report
+
+    def _score(
+        self, calls: Sequence[FlatCall]
+    ) -> tuple[list[torch.Tensor] | None, ReplayReport, torch.Tensor | None]:
+        """Each call's old logprobs `[M_i]` (no graph), the tokens run and the sampler gap, and under
+        `sequence_mask` each call's verdict `[calls]`; nothing without a scoring pass (`ratio_source='sampler'`)."""
+        if self.loss_cfg.ratio_source != "scoring":
+            return None, ReplayReport(), None
+        old: list[torch.Tensor] = []
+        tokens = 0
+        with torch.no_grad():
+            for i in range(0, len(calls), self.microbatch):
+                part = calls[i : i + self.microbatch]
+                logp, _, gathered, n = self._forward(self.model, part, False)
+                tokens += n
+                offsets = gathered.target_offsets
+                old.extend(logp[offsets[r] : offsets[r + 1]].detach() for r in range(len(part)))
+        sequence = [torch.full((len(c.targets.contrib_target),), c.sequence, dtype=torch.long) for c in calls]
+        sequences = max((c.sequence for c in calls), default=-1) + 1
+        terms = sampler_terms(self.loss_cfg, [c.targets for c in calls], old, sequence, sequences)
+        kept = None
+        if terms.kept is not None:
+            kept = terms.kept[torch.as_tensor([c.sequence for c in calls], device=terms.kept.device)]
+        return old, ReplayReport(nograd_tokens=tokens, sampler_gap=terms.gap), kept
 
     def _forward(
         self, model: PreTrainedModel, calls: Sequence[FlatCall], with_entropy: bool
@@ -129,14 +167,15 @@ class FlatReference:
         )
         return logp, ent, gathered, sum(padded.lengths)
 
-    def _microbatch(self, calls: Sequence[FlatCall]) -> ReplayReport:
+    def _microbatch(
+        self,
+        calls: Sequence[FlatCall],
+        scored: Sequence[torch.Tensor] | None,
+        kept: torch.Tensor | None,  # [calls] bool
+    ) -> ReplayReport:
         lcfg = self.loss_cfg
         nograd = 0
-        old_per_target = None
-        if lcfg.ratio_source == "scoring":
-            with torch.no_grad():
-                old_per_target, _, _, n = self._forward(self.model, calls, False)
-            nograd += n
+        old_per_target = torch.cat(list(scored)) if scored is not None else None  # [M]
         ref = None
         if lcfg.needs_reference:
             assert self.ref_model is not None
@@ -146,9 +185,15 @@ class FlatReference:
         logp, ent, gathered, n_graph = self._forward(self.model, calls, lcfg.needs_entropy)
         c = gathered.contributions
         old = old_per_target.to(logp.dtype)[c.target] if old_per_target is not None else sampler_logprobs(c)
+        rows = None
+        if kept is not None:  # [C]: each contribution's call's verdict
+            counts = torch.as_tensor([len(call.targets.contrib_target) for call in calls], device=kept.device)
+            rows = kept.repeat_interleave(counts)
+        weight = correction_weights(lcfg, old, c.old_logprob, rows)
         terms = objective(
-            lcfg, logp, Contributions(c.target, c.coef, c.advantage, old), entropy=ent, ref_logprob=ref
-        )
+            lcfg, logp, Contributions(c.target, c.coef, c.advantage, old), entropy=ent, ref_logprob=ref,
+            pg_weight=weight,
+        )  # fmt: skip
         self.backward(terms.loss)
         return ReplayReport(
             loss=float(terms.loss.detach()),

@@ -59,6 +59,9 @@ class TreeWalk:
     """Reference logprobs of each unit's targets, when KL is on."""
     graphs: dict[int, StepGraph] = field(default_factory=dict)
     """Kept units' first-forward graphs, until their own step consumes them."""
+    sequence_kept: torch.Tensor | None = None  # [trajectories] bool
+    """Under `loss.sampler_correction='sequence_mask'`: whether each trajectory's sequence ratio is within
+    the cap (`treetrain.loss.sampler_correction`), set once the scoring pass is done."""
 
     @staticmethod
     def build(

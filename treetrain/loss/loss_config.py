@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -10,10 +11,12 @@ from treetrain.errors import ConfigError
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 RatioSource = Literal["scoring", "sampler"]
 KLEstimator = Literal["k1", "k3"]
+SamplerCorrection = Literal["none", "token_truncate", "sequence_mask"]
 
 AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 RATIO_SOURCES: tuple[str, ...] = ("scoring", "sampler")
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k3")
+SAMPLER_CORRECTIONS: tuple[str, ...] = ("none", "token_truncate", "sequence_mask")
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,14 @@ class LossConfig:
     """Constant divisor for seq-mean-token-sum (Dr. GRPO uses the maximum response length)."""
     ratio_source: RatioSource = "scoring"
     """Old logprobs for the ratio: the no-grad scoring pass of the current policy, or the sampler's own."""
+    sampler_correction: SamplerCorrection = "none"
+    """Sampler/trainer mismatch correction (treetrain.loss.sampler_correction), with w = exp(scoring - sampler)
+    per token: none; token_truncate multiplies each token's policy-gradient term by min(w, cap);
+    sequence_mask drops the policy-gradient terms of a trajectory whose product of w is outside
+    [1/cap, cap]. Needs ratio_source='scoring' and sampler logprobs at temperature 1, top_p 1."""
+    sampler_correction_cap: float = 2.0
+    """The cap C of sampler_correction (> 1; TRL's vllm_importance_sampling_cap and verl's
+    rollout_is_threshold default to 2)."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.clip_low < 1.0:
@@ -60,8 +71,36 @@ class LossConfig:
             raise ConfigError(f"loss.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
         if self.ratio_source not in RATIO_SOURCES:
             raise ConfigError(f"loss.ratio_source must be one of {RATIO_SOURCES}, got {self.ratio_source!r}")
+        if self.sampler_correction not in SAMPLER_CORRECTIONS:
+            raise ConfigError(
+                f"must be one of {SAMPLER_CORRECTIONS}, got {self.sampler_correction!r}",
+                field="sampler_correction",
+            )
+        cap = self.sampler_correction_cap
+        if (
+            isinstance(cap, bool)
+            or not isinstance(cap, int | float)
+            or not (math.isfinite(cap) and cap > 1.0)
+        ):
+            raise ConfigError(
+                f"must be a finite number > 1 (a weight cap of 1 or less would scale or mask every token), "
+                f"got {cap!r}",
+                field="sampler_correction_cap",
+            )
+        if self.sampler_correction != "none" and self.ratio_source != "scoring":
+            raise ConfigError(
+                f"{self.sampler_correction!r} weighs tokens by exp(scoring - sampler) logprobs, and "
+                "ratio_source='sampler' has no scoring pass (its PPO ratio is already against the sampler); "
+                "use ratio_source='scoring' or sampler_correction='none'",
+                field="sampler_correction",
+            )
         if not self.seq_sum_normalizer > 0:
             raise ConfigError(f"loss.seq_sum_normalizer must be > 0, got {self.seq_sum_normalizer!r}")
+
+    @property
+    def corrects_sampler(self) -> bool:
+        """Whether the policy-gradient terms are weighted by the sampler/trainer mismatch."""
+        return self.sampler_correction != "none"
 
     @property
     def needs_reference(self) -> bool:
@@ -73,5 +112,7 @@ class LossConfig:
 
     @property
     def zero_advantage_is_inert(self) -> bool:
-        """With no KL and no entropy term, a token whose advantages are all zero contributes exactly nothing."""
-        return self.kl_coef == 0 and self.entropy_coef == 0
+        """With no KL and no entropy term, a token whose advantages are all zero contributes exactly nothing,
+        and the engine may skip it. Not under `sequence_mask`: such a token's logprob still decides whether
+        the rest of its trajectory is masked, so it must be scored."""
+        return self.kl_coef == 0 and self.entropy_coef == 0 and self.sampler_correction != "sequence_mask"

@@ -73,7 +73,13 @@ def objective(
     *,
     entropy: torch.Tensor | None = None,  # [M]
     ref_logprob: torch.Tensor | None = None,  # [M]
+    pg_weight: torch.Tensor | None = None,  # [C] detached
 ) -> LossTerms:
+    """The loss of `contrib`'s terms over targets `logp`.
+
+    `pg_weight`, if given, multiplies each contribution's policy-gradient term, and only that term (the
+    sampler correction, `treetrain.loss.sampler_correction`); the KL and entropy terms are never weighted.
+    """
     dtype = logp.dtype
     coef = contrib.coef.to(dtype)
     adv = contrib.advantage.to(dtype)
@@ -83,6 +89,8 @@ def objective(
     pg = torch.maximum(-ratio * adv, -clipped_ratio * adv)
     if cfg.dual_clip is not None:
         pg = torch.where(adv < 0, torch.minimum(pg, -adv * cfg.dual_clip), pg)
+    if pg_weight is not None:
+        pg = pg * pg_weight.detach().to(device=pg.device, dtype=dtype)
     loss = (coef * pg).sum()
     kl_sum = 0.0
     ent_sum = 0.0

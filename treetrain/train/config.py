@@ -273,6 +273,13 @@ class TrainConfig:
                 f"(rollout.sampling.temperature={sampling.temperature}, rollout.sampling.top_p={sampling.top_p}), "
                 "so the PPO ratio would be biased; use ratio_source='scoring' or sample at temperature 1 and top_p 1"
             )
+        if self.loss.corrects_sampler and sampling.tempered and self.rollout.trees is None:
+            raise ConfigError(
+                f"loss.sampler_correction: {self.loss.sampler_correction!r} weighs tokens by the sampler's logprobs, "
+                f"which come from the tempered / nucleus-truncated distribution (rollout.sampling.temperature="
+                f"{sampling.temperature}, rollout.sampling.top_p={sampling.top_p}), not the policy's; use "
+                "sampler_correction='none' or sample at temperature 1 and top_p 1"
+            )
         if self.loss.needs_reference and self.model.reference is None:
             free = "'base': the policy with adapters off" if self.model.lora is not None else "'initial'"
             raise ConfigError(f"model.reference: loss.kl_coef > 0 needs a reference model (e.g. {free})")

@@ -204,6 +204,7 @@ class Trainer:
         train_seconds = time.perf_counter() - start
         self.state = TrainerState(update=index + 1, version=self.window.version)
         flat_cost = sum(tree_stats(t).cost_flat(scoring=cfg.loss.ratio_source == "scoring") for t in kept)
+        gap = result.sampler_gap if result is not None else None
         return UpdateMetrics(
             update=index,
             version=self.state.version,
@@ -230,6 +231,11 @@ class Trainer:
             predicted_peak_bytes=int(plan.ledger.peak.dynamic) if plan and report.measured_peak else 0,
             replay_tokens_max=max(balance, default=0),
             replay_tokens_mean=sum(balance) / len(balance) if balance else 0.0,
+            sampler_logprob_gap_mean=gap.mean if gap is not None else None,
+            sampler_logprob_gap_max=gap.max if gap is not None else None,
+            sampler_corrected_fraction=gap.corrected_fraction
+            if gap is not None and cfg.loss.corrects_sampler
+            else None,
         )
 
     # ----- the run ----------------------------------------------------------------------------------

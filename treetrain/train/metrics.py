@@ -85,6 +85,17 @@ class UpdateMetrics:
     """Tasks lost to a failure of environment code (an exception in reset, step, fork or a rubric, or a dead
     worker): each ends its tree at the failed episode, and its group is dropped whole, so it is counted in
     neither `groups` nor `trajectories` (tracebacks: `env-errors/update-XXXXX.log`)."""
+    sampler_logprob_gap_mean: float | None = None
+    """Mean |logp_trainer - logp_sampler| over the update's policy tokens, all ranks (trainer: the scoring
+    pass's old logprob; sampler: the one recorded at rollout). None (`null`) when no token has a sampler
+    logprob, or without a scoring pass (`loss.ratio_source='sampler'`). Tree mode leaves out branches it
+    skips as inert (`replay.skip_inert`). Meaningful only for sampling at temperature 1 and top_p 1
+    (otherwise it measures the tempering; docs/training.md)."""
+    sampler_logprob_gap_max: float | None = None
+    """The largest such gap of the update (None when the mean is)."""
+    sampler_corrected_fraction: float | None = None
+    """Fraction of those tokens whose weight `loss.sampler_correction` changed: truncated to the cap
+    (`token_truncate`), or in a dropped trajectory (`sequence_mask`); None without a correction."""
 
     @property
     def replay_imbalance(self) -> float:

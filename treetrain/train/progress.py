@@ -52,6 +52,8 @@ class Progress:
         else:
             out["tok_s"] = f"{row.tokens_per_second:.0f}"
             out["saved"] = f"{100 * row.tokens_saved:.0f}%"
+        if row.sampler_logprob_gap_mean is not None:  # mean / max |trainer - sampler| logprob
+            out["gap"] = f"{row.sampler_logprob_gap_mean:.2g}/{row.sampler_logprob_gap_max:.2g}"
         if row.peak_bytes is not None:
             self.last_peak = (row.update, row.peak_bytes)
             out["peak"] = format_bytes(row.peak_bytes)

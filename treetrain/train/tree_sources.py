@@ -24,6 +24,7 @@ from envs.remote import EnvFailure
 from envs.wrapper import WrapperConfig
 from treetrain.distributed.backend import TrainBackend
 from treetrain.errors import ConfigError
+from treetrain.loss.loss_config import LossConfig
 from treetrain.rollout.generation import GenerationEngine
 from treetrain.rollout.sampler import SamplerConfig
 from treetrain.rollout.tree_rollout import RolloutConfig, rollout_trees
@@ -264,16 +265,27 @@ def check_lengths(trees: Sequence[TrajectoryTree], context: int | None, where: s
                     )
 
 
-def check_sampler_logprobs(trees: Sequence[TrajectoryTree], where: str) -> None:
-    """`loss.ratio_source='sampler'` takes the PPO ratio's old logprobs from the file: refuse, before any model
-    loads, a tree with a policy segment that was recorded without them (trees imported without logprobs)."""
+def check_sampler_logprobs(trees: Sequence[TrajectoryTree], where: str, loss: LossConfig) -> None:
+    """`loss.ratio_source='sampler'` takes the PPO ratio's old logprobs from the file, and a
+    `loss.sampler_correction` its weights: refuse, before any model loads, a tree with a policy segment that
+    was recorded without them (trees imported without logprobs). Nothing to check when neither is on."""
+    if loss.ratio_source == "sampler":
+        field, value, fix = "loss.ratio_source", "'sampler'", "ratio_source='scoring'"
+    elif loss.corrects_sampler:
+        field, value, fix = (
+            "loss.sampler_correction",
+            repr(loss.sampler_correction),
+            "sampler_correction='none'",
+        )
+    else:
+        return
     for tree in trees:
         for record in tree.records:
             if any(lp is None for call in record.calls for lp in call.logprobs):
                 raise ConfigError(
-                    f"loss.ratio_source: 'sampler' needs the sampler's logprobs of every policy token, but in "
+                    f"{field}: {value} needs the sampler's logprobs of every policy token, but in "
                     f"{where} trajectory {short_repr(record.id, 40)} has a policy segment without them; "
-                    "record them at rollout or use ratio_source='scoring'"
+                    f"record them at rollout or use {fix}"
                 )
 
 
@@ -326,8 +338,7 @@ class RecordedSource:
                 raise ConfigError(f"rollout.trees: cannot read {f}: {exc.strerror or exc}") from None
             check_vocabulary([(f"rollout.trees: {f}", trees)], vocab_size)
             check_lengths(trees, context, f"rollout.trees: {f}")
-            if cfg.loss.ratio_source == "sampler":
-                check_sampler_logprobs(trees, f"rollout.trees: {f}")
+            check_sampler_logprobs(trees, f"rollout.trees: {f}", cfg.loss)
             self.groups.append(trees)  # a file's trees are one group (trees/README.md)
         check_distinct([(f"rollout.trees: {f}", g) for f, g in zip(files, self.groups)])
         self.per_update = min(cfg.rollout.groups_per_update, len(self.groups))

@@ -66,6 +66,7 @@ from treetrain.engine.resident import ResidentIdentity, ResidentStore
 from treetrain.engine.schedule import ReplayStep
 from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.manifest import ContributionKey, Manifest, ManifestError
+from treetrain.loss.sampler_correction import SamplerGap
 from treetrain.models.lora import Reference
 from treetrain.models.support import SupportGate
 from treetrain.update.faults import is_transient
@@ -388,6 +389,9 @@ class OpenWindow:
         becomes unreadable."""
         if self.closed:
             raise RuntimeError("this update window is already committed")
+        gap = SamplerGap()  # collective, like the step: every rank's gap, summed
+        for text in self.backend.gather(self.local.sampler_gap.encode()):
+            gap = gap.merged(SamplerGap.decode(text))
         applied = self.backend.step()
         self.closed = True
         self.current_tree = None
@@ -396,7 +400,7 @@ class OpenWindow:
         return WindowReport(
             self.owner.version, self.manifest.digest, len(self.manifest.keys()), self.local,
             self.counters.tree_retries, self.counters.window_resets, tuple(self.dropped), applied,
-            self.placement.rank_tokens,
+            self.placement.rank_tokens, gap,
         )  # fmt: skip
 
     def check(self) -> None:

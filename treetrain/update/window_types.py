@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from treetrain.engine import ReplayReport
 from treetrain.errors import ConfigError
 from treetrain.loss.advantages import AdvantageConfig, TreeAdvantages, compute_advantages
+from treetrain.loss.sampler_correction import SamplerGap
 from treetrain.tree.model import TrajectoryTree
 
 
@@ -66,6 +67,8 @@ class WindowReport:
     the version was still bumped and resident state invalidated (safe, merely wasteful)."""
     rank_tokens: tuple[int, ...] = ()
     """Replay tokens the final placement gave each rank (the same on every rank)."""
+    sampler_gap: SamplerGap = field(default_factory=SamplerGap)
+    """|scoring - sampler| logprob over the policy tokens of every rank (the same on every rank)."""
 
     @property
     def imbalance(self) -> float:
