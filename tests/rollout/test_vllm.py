@@ -16,7 +16,9 @@ from treetrain.train.models import WIDE_DEMO_MODEL
 from treetrain.trajectory import Role
 
 torch.set_num_threads(1)
-WRAPPER = WrapperConfig(EpisodeLimits(max_turns=3, max_turn_tokens=48, max_episode_tokens=1024), stop_token_ids=(2,))
+WRAPPER = WrapperConfig(
+    EpisodeLimits(max_turns=3, max_turn_tokens=48, max_episode_tokens=1024), stop_token_ids=(2,)
+)
 LOGPROB_TOLERANCE = 1e-4
 """|vLLM - HF| logprob in float32 on the same weights; measured at 3.4e-7 here."""
 
@@ -62,7 +64,9 @@ def _policy(model: Any, tree: Any) -> list[tuple[tuple[int, ...], tuple[float, .
     return out
 
 
-def test_trees_hold_exactly_what_vllm_sampled_with_the_trainers_logprobs(vllm_engine: Any, tmp_path: Path) -> None:
+def test_trees_hold_exactly_what_vllm_sampled_with_the_trainers_logprobs(
+    vllm_engine: Any, tmp_path: Path
+) -> None:
     model = LlamaForCausalLM.from_pretrained(WIDE_DEMO_MODEL).eval()
     tok = AutoTokenizer.from_pretrained(WIDE_DEMO_MODEL)
     engine = _Recording(vllm_engine)
@@ -86,7 +90,11 @@ def test_trees_hold_exactly_what_vllm_sampled_with_the_trainers_logprobs(vllm_en
 def test_weight_sync_after_an_optimizer_step(vllm_engine: Any) -> None:
     model = LlamaForCausalLM.from_pretrained(WIDE_DEMO_MODEL)
     original = {k: v.clone() for k, v in model.state_dict().items()}
-    context = tuple(AutoTokenizer.from_pretrained(WIDE_DEMO_MODEL).encode("<|im_start|>user\nWhat is 17 * 23?<|im_end|>\n<|im_start|>assistant\n"))
+    context = tuple(
+        AutoTokenizer.from_pretrained(WIDE_DEMO_MODEL).encode(
+            "<|im_start|>user\nWhat is 17 * 23?<|im_end|>\n<|im_start|>assistant\n"
+        )
+    )
 
     def greedy(version: int) -> tuple[int, ...]:
         vllm_engine.submit(GenerationRequest(context, 1, 16, Sampling(temperature=0.0), ((2,),)))

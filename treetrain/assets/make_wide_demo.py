@@ -25,6 +25,7 @@ import argparse
 import math
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -49,27 +50,28 @@ def _spread(weight: torch.Tensor, heads: int, old: int, new: int) -> torch.Tenso
     return out.reshape(heads * new, -1)
 
 
-def widen(model: LlamaForCausalLM, new_head_dim: int = WIDE_HEAD_DIM) -> LlamaForCausalLM:
+def widen(model: Any, new_head_dim: int = WIDE_HEAD_DIM) -> Any:
     """An equivalent Llama whose attention heads have `new_head_dim` dimensions (see the module docstring)."""
-    cfg = model.config
-    old = cfg.head_dim
-    if new_head_dim % old or (new_head_dim // old) % 1 or old % 2:
+    cfg: Any = model.config
+    old, heads, kv_heads = int(cfg.head_dim), int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
+    if new_head_dim % old or old % 2:
         raise ValueError(f"cannot widen heads of {old} dimensions to {new_head_dim}")
     wide_cfg = LlamaConfig(**{**cfg.to_dict(), "head_dim": new_head_dim})
-    wide = LlamaForCausalLM(wide_cfg).to(model.dtype)
+    wide: Any = LlamaForCausalLM(wide_cfg)
+    wide.to(dtype=model.dtype)
     state = dict(model.state_dict())
     q_scale = math.sqrt(new_head_dim / old)
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}.self_attn."
         q, k = state[p + "q_proj.weight"], state[p + "k_proj.weight"]
         v, o = state[p + "v_proj.weight"], state[p + "o_proj.weight"]
-        state[p + "q_proj.weight"] = _spread(q, cfg.num_attention_heads, old, new_head_dim) * q_scale
-        state[p + "k_proj.weight"] = _spread(k, cfg.num_key_value_heads, old, new_head_dim)
-        wide_v = v.new_zeros(cfg.num_key_value_heads, new_head_dim, v.shape[1])
-        wide_v[:, :old] = v.view(cfg.num_key_value_heads, old, -1)
+        state[p + "q_proj.weight"] = _spread(q, heads, old, new_head_dim) * q_scale
+        state[p + "k_proj.weight"] = _spread(k, kv_heads, old, new_head_dim)
+        wide_v = v.new_zeros(kv_heads, new_head_dim, v.shape[1])
+        wide_v[:, :old] = v.view(kv_heads, old, -1)
         state[p + "v_proj.weight"] = wide_v.reshape(-1, v.shape[1])
-        wide_o = o.new_zeros(o.shape[0], cfg.num_attention_heads, new_head_dim)
-        wide_o[:, :, :old] = o.view(o.shape[0], cfg.num_attention_heads, old)
+        wide_o = o.new_zeros(o.shape[0], heads, new_head_dim)
+        wide_o[:, :, :old] = o.view(o.shape[0], heads, old)
         state[p + "o_proj.weight"] = wide_o.reshape(o.shape[0], -1)
     wide.load_state_dict(state, strict=True)
     return wide
@@ -85,7 +87,9 @@ def main(argv: list[str] | None = None) -> None:
         wide.save_pretrained(tmp)
         for name in COPIED:
             shutil.copy(DEMO_DIR / name, Path(tmp) / name)
-    print(f"wrote {args.out} (head_dim {WIDE_HEAD_DIM}, {sum(p.numel() for p in wide.parameters()):,} parameters)")
+    print(
+        f"wrote {args.out} (head_dim {WIDE_HEAD_DIM}, {sum(p.numel() for p in wide.parameters()):,} parameters)"
+    )
 
 
 if __name__ == "__main__":

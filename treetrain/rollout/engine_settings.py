@@ -76,5 +76,9 @@ class VLLMSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not low < value <= high:
                 raise ConfigError(f"must be a number in ({low:g}, {high:g}], got {value!r}", field=name)
-        if isinstance(self.max_num_seqs, bool) or not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
+        if (
+            isinstance(self.max_num_seqs, bool)
+            or not isinstance(self.max_num_seqs, int)
+            or self.max_num_seqs < 1
+        ):
             raise ConfigError(f"must be a positive integer, got {self.max_num_seqs!r}", field="max_num_seqs")

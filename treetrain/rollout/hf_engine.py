@@ -71,9 +71,11 @@ class GrowingLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         n, q = self.get_seq_length(), key_states.shape[-2]
         buf: tuple[torch.Tensor, torch.Tensor] | None = getattr(self, "_buf", None)
+        keys, values = self.keys, self.values
+        assert keys is not None and values is not None
         if (
             buf is None
-            or buf[0].data_ptr() != self.keys.data_ptr()  # batch_select / repeat made new tensors
+            or buf[0].data_ptr() != keys.data_ptr()  # batch_select / repeat made new tensors
             or buf[0].shape[0] != key_states.shape[0]
             or n + q > buf[0].shape[-2]
         ):
@@ -81,7 +83,7 @@ class GrowingLayer(DynamicLayer):
             bk = key_states.new_empty(*key_states.shape[:-2], capacity, key_states.shape[-1])
             bv = value_states.new_empty(*value_states.shape[:-2], capacity, value_states.shape[-1])
             if n:
-                bk[:, :, :n], bv[:, :, :n] = self.keys, self.values
+                bk[:, :, :n], bv[:, :, :n] = keys, values
             buf = self._buf = (bk, bv)
         bk, bv = buf
         bk[:, :, n : n + q], bv[:, :, n : n + q] = key_states, value_states
@@ -299,7 +301,11 @@ class HFEngine:
             ids[b, span - len(p) :] = torch.tensor(p)
         cols = torch.arange(width)[None, :]
         mask = torch.cat(
-            [(cols >= width - hits[:, None]).long(), (torch.arange(span)[None, :] >= span - lengths[:, None]).long()], dim=1
+            [
+                (cols >= width - hits[:, None]).long(),
+                (torch.arange(span)[None, :] >= span - lengths[:, None]).long(),
+            ],
+            dim=1,
         )  # [B, width + P]
         kwargs: dict[str, Any] = {}
         if not bool(mask.all()):
@@ -367,7 +373,9 @@ class HFEngine:
         batch.logits = out.logits[:, -1, :].float()  # [R, V]
         batch.positions = batch.positions + live
 
-    def _finish(self, batch: _Batch, j: int, job: _Job, stopped: bool, finished: list[GenerationResult]) -> None:
+    def _finish(
+        self, batch: _Batch, j: int, job: _Job, stopped: bool, finished: list[GenerationResult]
+    ) -> None:
         row, request = batch.rows[j], job.request
         row.done = True
         key = (*request.context, *row.tokens[:-1])
@@ -398,7 +406,11 @@ class HFEngine:
         keep = [j for j, r in enumerate(batch.rows) if not r.done]
         index = torch.tensor(keep, dtype=torch.long)
         batch.rows = [batch.rows[j] for j in keep]
-        batch.mask, batch.positions, batch.logits = batch.mask[index], batch.positions[index], batch.logits[index]
+        batch.mask, batch.positions, batch.logits = (
+            batch.mask[index],
+            batch.positions[index],
+            batch.logits[index],
+        )
         if not _mergeable(batch.cache):
             batch.cache.batch_select_indices(index.to(self.device))
             return keep

@@ -129,29 +129,34 @@ class Scheduler:
         self._forks_left: dict[int, int] = {}  # id(parent episode) -> forks not yet made
 
     def run(self, tasks: Sequence[Task]) -> None:
-        """Grow every task's tree to the end (or to its first environment failure)."""
-        with ThreadPoolExecutor(self.max_concurrent_steps, thread_name_prefix="treetrain-step") as pool:
-            self._pool = pool
-            try:
-                for task in tasks:
-                    task.live.add(task.root)
-                    self._submit(_Point(task, task.root, 0, (), (), at_root=True))
-                while self.engine.busy or self._steps:
-                    if self.engine.busy:
-                        self._answered(self.engine.poll())
-                        done = [f for f in self._steps if f.done()]
-                    else:
-                        done = list(wait(list(self._steps), return_when=FIRST_COMPLETED).done)
-                    for future in done:
-                        self._stepped(future, self._steps.pop(future))
-            finally:
-                for future in self._steps:
-                    future.cancel()
-                wait(list(self._steps))
-                for task in tasks:
+        """Grow every task's tree to the end (or to its first environment failure).
+
+        When growing stops early (Ctrl-C, an engine or in-process environment error), steps not yet started
+        are cancelled and running ones are not waited for: a tool call blocked forever must not hold the
+        interrupt. Their worker-hosted environments are freed when the worker stops (the trainer closes it).
+        """
+        pool = self._pool = ThreadPoolExecutor(self.max_concurrent_steps, thread_name_prefix="treetrain-step")
+        finished = False
+        try:
+            for task in tasks:
+                task.live.add(task.root)
+                self._submit(_Point(task, task.root, 0, (), (), at_root=True))
+            while self.engine.busy or self._steps:
+                if self.engine.busy:
+                    self._answered(self.engine.poll())
+                    done = [f for f in self._steps if f.done()]
+                else:
+                    done = list(wait(list(self._steps), return_when=FIRST_COMPLETED).done)
+                for future in done:
+                    self._stepped(future, self._steps.pop(future))
+            finished = True
+        finally:
+            pool.shutdown(wait=finished, cancel_futures=True)
+            for task in tasks:
+                if finished:  # nothing is live after a complete run; a failed task freed its own
                     for episode in task.live:
                         release(episode)
-                    task.live.clear()
+                task.live.clear()
 
     # ----- generation -------------------------------------------------------------------------------
     def _submit(self, point: _Point) -> None:
@@ -219,7 +224,9 @@ class Scheduler:
         if task.pending == 0 and task.failure is None:
             self.on_finished(task)
 
-    def _handle_step(self, future: Future[tuple[TokenEnv, TurnResult, Trajectory | None]], fork: _Fork) -> None:
+    def _handle_step(
+        self, future: Future[tuple[TokenEnv, TurnResult, Trajectory | None]], fork: _Fork
+    ) -> None:
         task = fork.task
         try:
             episode, _, trajectory = future.result()

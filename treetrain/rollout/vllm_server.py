@@ -84,7 +84,10 @@ class VLLMServerEngine:
         """POST `body` (GET when None) to `url + path`; the parsed JSON answer (None for an empty one)."""
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(
-            url + path, data=data, headers={"Content-Type": "application/json"}, method="GET" if body is None else "POST"
+            url + path,
+            data=data,
+            headers={"Content-Type": "application/json"},
+            method="GET" if body is None else "POST",
         )
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
@@ -105,7 +108,9 @@ class VLLMServerEngine:
         try:
             return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise EngineError(f"vllm-server {url}{path}: the answer is not JSON ({exc}): {_short(raw[:200])}") from None
+            raise EngineError(
+                f"vllm-server {url}{path}: the answer is not JSON ({exc}): {_short(raw[:200])}"
+            ) from None
 
     def _served_model(self, url: str) -> str:
         answer = self._call(url, "/v1/models", None, min(self.timeout, 30.0))
@@ -167,7 +172,9 @@ class VLLMServerEngine:
             return
         self._done.put((rid, result))
 
-    def _parse(self, url: str, rid: int, answer: Any, request: GenerationRequest, version: int) -> GenerationResult:
+    def _parse(
+        self, url: str, rid: int, answer: Any, request: GenerationRequest, version: int
+    ) -> GenerationResult:
         where = f"vllm-server {url}/v1/completions"
         stops = StopMatcher.of(request.stop)
         try:
@@ -184,12 +191,16 @@ class VLLMServerEngine:
                     or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
                     or not all(isinstance(x, int | float) and not isinstance(x, bool) for x in lps)
                 ):
-                    raise ValueError("token_ids and logprobs.token_logprobs must be equal-length lists of numbers")
+                    raise ValueError(
+                        "token_ids and logprobs.token_logprobs must be equal-length lists of numbers"
+                    )
                 completions.append(completion_of(ids, lps, choice.get("finish_reason"), stops, version))
             usage = answer.get("usage") or {}
             cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise EngineError(f"{where}: an answer outside the protocol ({_short(exc)}): {_short(answer)}") from None
+            raise EngineError(
+                f"{where}: an answer outside the protocol ({_short(exc)}): {_short(answer)}"
+            ) from None
         if len(completions) != request.n:
             raise EngineError(f"{where}: {len(completions)} samples for a request of n={request.n}")
         return GenerationResult(rid, tuple(completions), cached)
@@ -203,7 +214,12 @@ class VLLMServerEngine:
         start = time.perf_counter()
         path = write_weights(model, self.weights_dir)
         for url in self.urls:
-            self._call(url, "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}, self.timeout)
+            self._call(
+                url,
+                "/collective_rpc",
+                {"method": "reload_weights", "kwargs": {"weights_path": str(path)}},
+                self.timeout,
+            )
             self._call(url, "/reset_prefix_cache", {}, self.timeout)
         self.version = version
         self.stats.weight_syncs += 1

@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -59,10 +60,19 @@ def _merged(model: Any) -> Iterator[Any]:
 
 
 def _checkpoint_name(name: str) -> str | None:
-    """A PEFT-wrapped parameter's base name, or None for an adapter's own parameter."""
-    if "lora_" in name or "modules_to_save" in name and "original_module" not in name:
+    """A PEFT-wrapped parameter's base name, or None for an adapter's own parameter (and for the frozen
+    original of a module PEFT trains a copy of).
+
+    >>> _checkpoint_name("model.layers.0.self_attn.q_proj.base_layer.weight")
+    'model.layers.0.self_attn.q_proj.weight'
+    >>> _checkpoint_name("model.layers.0.self_attn.q_proj.lora_A.default.weight") is None
+    True
+    >>> _checkpoint_name("lm_head.modules_to_save.default.weight")
+    'lm_head.weight'
+    """
+    if "lora_" in name or ".original_module." in name:
         return None
-    return name.replace(".base_layer.", ".").replace(".original_module.", ".")
+    return re.sub(r"\.modules_to_save\.[^.]+\.", ".", name.replace(".base_layer.", "."))
 
 
 def weight_buckets(model: Any, bucket_bytes: int = BUCKET_BYTES) -> Iterator[list[tuple[str, torch.Tensor]]]:

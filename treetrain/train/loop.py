@@ -106,8 +106,9 @@ class Trainer:
 
     def close(self) -> None:
         """Release the run directory (the end of `run()` does; so does the end of the process)."""
-        if isinstance(getattr(self, "source", None), RolloutSource):
-            self.source.close()  # the inference engine
+        source = getattr(self, "source", None)
+        if isinstance(source, RolloutSource):
+            source.close()  # the inference engine
         if getattr(self, "envs", None) is not None:
             self.envs.close()  # the environment worker process
         if self.lock is not None:

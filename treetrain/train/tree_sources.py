@@ -129,7 +129,9 @@ class RolloutSource:
             model.train(was_training)
         self.stats = result.stats
         trees = share_trees(self.backend, result.trees)
-        lost = share_failures(self.backend, write_failures(self.cfg.run_dir, update, rank, list(result.failures)))
+        lost = share_failures(
+            self.backend, write_failures(self.cfg.run_dir, update, rank, list(result.failures))
+        )
         line = too_many(lost, len(task_seeds(self.cfg, update)), r.max_failed_fraction)
         if line is not None:
             raise EnvironmentFailedError(f"update {update}: {line}")
@@ -156,7 +158,9 @@ def make_engine(cfg: TrainConfig, model: Any, max_tokens: int) -> GenerationEngi
     if kind == "vllm-server":
         from treetrain.rollout.vllm_server import VLLMServerEngine
 
-        return VLLMServerEngine(cfg.rollout.vllm, weights_dir=Path(cfg.run_dir) / "engine-weights", version=-1)
+        return VLLMServerEngine(
+            cfg.rollout.vllm, weights_dir=Path(cfg.run_dir) / "engine-weights", version=-1
+        )
     from treetrain.rollout.vllm_engine import VLLMEngine
     from treetrain.train.models import resolve_model_path
 
