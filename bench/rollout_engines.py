@@ -9,8 +9,9 @@ stdout and `--out`:
 
 1. rollout wall time and sampled tokens per second of each engine, and the ratio to the sequential loop;
 2. greedy decoding: whether concurrent `hf` grows exactly the sequential loop's trees (it must);
-3. prefix-cache hit rate of each engine against the trees' shared-token fraction: the share of context
-   tokens a request repeats from an earlier request or sample of its tree (what a perfect cache would serve);
+3. prefix-cache hit rate of each engine against the shared-token fraction: the share of context tokens a
+   request repeats from an earlier request or sample (what a perfect cache would serve; the calculator's
+   system prompt is shared across trees too);
 4. the demo's own wall time (`treetrain train`, `--demo-updates` updates) with each engine.
 
 `vllm` samples from `demo-wide`, the demo model with 64-dimensional heads (vLLM's CPU attention has no
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from envs.remote import WorkerEnvFactory
 from envs.wrapper import EpisodeLimits, WrapperConfig
@@ -75,16 +76,19 @@ class Recording:
 
 
 def shared_fraction(asked: dict[int, GenerationRequest], answers: list[GenerationResult]) -> float:
-    """Of all context tokens, the share that an earlier request's context or sample already covered."""
-    seen: dict[str, list[tuple[int, ...]]] = {}
+    """Of all context tokens, the share that an earlier request's context or sample already covered (the
+    most any prefix cache could serve; each request keeps at least one token to encode)."""
+    known: list[tuple[int, ...]] = []  # one cache serves every tree: the system prompt is shared too
     answered = {r.request_id: r for r in answers}
     total = shared = 0
     for rid in sorted(asked):
         req = asked[rid]
-        known = seen.setdefault(req.group, [])
         best = 0
         for prefix in known:
-            n = next((i for i, (a, b) in enumerate(zip(prefix, req.context)) if a != b), min(len(prefix), len(req.context)))
+            n = next(
+                (i for i, (a, b) in enumerate(zip(prefix, req.context)) if a != b),
+                min(len(prefix), len(req.context)),
+            )
             best = max(best, n)
         total += len(req.context)
         shared += min(best, len(req.context) - 1)
@@ -107,30 +111,42 @@ class Row:
         return self.tokens / self.seconds
 
 
-def run_engine(name: str, model: Any, tok: Any, engine: Any, rounds: int, sampling: Sampling) -> tuple[Row, list[str]]:
+def run_engines(
+    engines: dict[str, tuple[Any, Any]], tok: Any, rounds: int, sampling: Sampling
+) -> tuple[list[Row], dict[str, list[str]]]:
+    """Grow each update's tasks with every engine in turn (round by round, so that load on the machine
+    falls on all of them alike); `engines` maps a name to (model, engine), engine None for the sequential
+    loop."""
     cfg = TrainConfig()
     factory = WorkerEnvFactory("calculator", {})
-    ids: list[str] = []
-    seconds = 0.0
-    tokens = 0
-    recorder = Recording(engine) if engine is not None else None
+    ids: dict[str, list[str]] = {name: [] for name in engines}
+    seconds = dict.fromkeys(engines, 0.0)
+    tokens = dict.fromkeys(engines, 0)
+    recorders = {name: Recording(e) if e is not None else None for name, (_, e) in engines.items()}
     try:
         for update in range(rounds):
-            config = RolloutConfig(sampler=SamplerConfig(sampling, seed=0), wrapper=WRAPPER, concurrent=engine is not None)
-            with tempfile.TemporaryDirectory() as out:
-                start = time.perf_counter()
-                result = rollout_trees(model, tok, factory, task_seeds(cfg, update), out, config,
-                                       env_name="calculator", engine=recorder)  # fmt: skip
-                seconds += time.perf_counter() - start
-            tokens += result.stats.sampled_tokens
-            ids += [t.id for t in result.trees]
+            for name, (model, engine) in engines.items():
+                config = RolloutConfig(
+                    sampler=SamplerConfig(sampling, seed=0), wrapper=WRAPPER, concurrent=engine is not None
+                )
+                with tempfile.TemporaryDirectory() as out:
+                    start = time.perf_counter()
+                    result = rollout_trees(model, tok, factory, task_seeds(cfg, update), out, config,
+                                           env_name="calculator", engine=recorders[name])  # fmt: skip
+                    seconds[name] += time.perf_counter() - start
+                tokens[name] += result.stats.sampled_tokens
+                ids[name] += [t.id for t in result.trees]
     finally:
         factory.close()
-    row = Row(name, seconds, tokens)
-    if recorder is not None and recorder.engine.stats.prompt_tokens:
-        row.cached = recorder.engine.stats.cache_hit_rate
-        row.shared = shared_fraction(recorder.asked, recorder.answers)
-    return row, ids
+    rows = []
+    for name in engines:
+        row = Row(name, seconds[name], tokens[name])
+        recorder = recorders[name]
+        if recorder is not None and recorder.engine.stats.prompt_tokens:
+            row.cached = recorder.engine.stats.cache_hit_rate
+            row.shared = shared_fraction(recorder.asked, recorder.answers)
+        rows.append(row)
+    return rows, ids
 
 
 def demo_wall_time(engine: str, updates: int) -> str:
@@ -154,33 +170,44 @@ def demo_wall_time(engine: str, updates: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5, help="updates' worth of tasks per engine")
-    parser.add_argument("--demo-updates", type=int, default=10, help="updates of the demo per engine (0: skip)")
+    parser.add_argument(
+        "--demo-updates", type=int, default=10, help="updates of the demo per engine (0: skip)"
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     tok = AutoTokenizer.from_pretrained(DEMO_MODEL)
     model = AutoModelForCausalLM.from_pretrained(DEMO_MODEL).eval()
     hot, greedy = Sampling(temperature=1.0), Sampling(temperature=0.0)
-    rows = [run_engine("sequential hf", model, tok, None, args.rounds, hot)[0],
-            run_engine("concurrent hf", model, tok, HFEngine(model), args.rounds, hot)[0]]  # fmt: skip
+    engines: dict[str, tuple[Any, Any]] = {
+        "sequential hf": (model, None),
+        "concurrent hf": (model, HFEngine(model)),
+    }
     vllm_note = ""
     try:
         from treetrain.rollout.engine_settings import VLLMSettings
         from treetrain.rollout.vllm_engine import VLLMEngine
 
         wide = AutoModelForCausalLM.from_pretrained(WIDE_DEMO_MODEL).eval()
-        engine = VLLMEngine(str(WIDE_DEMO_MODEL), VLLMSettings(), dtype="float32", max_model_len=1024)
-        rows.append(run_engine("vllm", wide, tok, engine, args.rounds, hot)[0])
+        engines["vllm"] = (
+            wide,
+            VLLMEngine(str(WIDE_DEMO_MODEL), VLLMSettings(), dtype="float32", max_model_len=1024),
+        )
     except Exception as exc:  # not installed, or no kernel for this machine: say so in the table
         vllm_note = f"vllm: not measured ({type(exc).__name__}: {str(exc)[:160]})"
-    _, seq_ids = run_engine("sequential hf", model, tok, None, 2, greedy)
-    _, conc_ids = run_engine("concurrent hf", model, tok, HFEngine(model), 2, greedy)
+    run_engines(engines, tok, 1, hot)  # warm-up: first calls pay one-time costs (allocations, vLLM's graphs)
+    rows, _ = run_engines(engines, tok, args.rounds, hot)
+    _, same = run_engines({k: engines[k] for k in ("sequential hf", "concurrent hf")}, tok, 2, greedy)
+    seq_ids, conc_ids = same["sequential hf"], same["concurrent hf"]
 
     base = rows[0]
     lines = [f"# Rollout engines on the demo's tasks ({args.rounds} updates' worth, {os.cpu_count()} cores)", "",
              "| engine | rollout wall time | sampled tokens | tokens/s | vs sequential (tokens/s) |",
              "|---|---|---|---|---|"]  # fmt: skip
-    lines += [f"| {r.name} | {r.seconds:.1f} s | {r.tokens} | {r.rate:.0f} | {r.rate / base.rate:.2f}x |" for r in rows]
+    lines += [
+        f"| {r.name} | {r.seconds:.1f} s | {r.tokens} | {r.rate:.0f} | {r.rate / base.rate:.2f}x |"
+        for r in rows
+    ]
     if vllm_note:
         lines += ["", vllm_note]
     lines += ["", "## Greedy decoding: the same trees", "",

@@ -28,7 +28,12 @@ Answer = Callable[[dict], tuple[int, bytes]]
 def _good(body: dict) -> tuple[int, bytes]:
     end = body["stop_token_ids"][0]
     choices = [
-        {"index": i, "token_ids": [7, end], "logprobs": {"token_logprobs": [-0.5, -0.25]}, "finish_reason": "stop"}
+        {
+            "index": i,
+            "token_ids": [7, end],
+            "logprobs": {"token_logprobs": [-0.5, -0.25]},
+            "finish_reason": "stop",
+        }
         for i in range(body["n"])
     ]
     usage = {"prompt_tokens": len(body["prompt"]), "prompt_tokens_details": {"cached_tokens": 3}}
@@ -71,14 +76,20 @@ def server() -> Iterator[Callable[[Answer], str]]:
 
 
 def _engine(urls: list[str], tmp_path: Path, timeout: float = 5.0) -> VLLMServerEngine:
-    return VLLMServerEngine(VLLMSettings(urls=tuple(urls), request_timeout_s=timeout), weights_dir=tmp_path / "w")
+    return VLLMServerEngine(
+        VLLMSettings(urls=tuple(urls), request_timeout_s=timeout), weights_dir=tmp_path / "w"
+    )
 
 
 def _rollout(engine: VLLMServerEngine, tmp_path: Path) -> object:
     config = RolloutConfig(
-        FanOut(root=2), SamplerConfig(Sampling()), WrapperConfig(EpisodeLimits(max_turns=2, max_turn_tokens=4))
+        FanOut(root=2),
+        SamplerConfig(Sampling()),
+        WrapperConfig(EpisodeLimits(max_turns=2, max_turn_tokens=4)),
     )
-    return rollout_trees(tiny_model(), tokenizer(), FixedTurnsEnv, [0, 1], tmp_path / "run", config, engine=engine)
+    return rollout_trees(
+        tiny_model(), tokenizer(), FixedTurnsEnv, [0, 1], tmp_path / "run", config, engine=engine
+    )
 
 
 def test_a_well_behaved_server_grows_the_trees(server: Callable[[Answer], str], tmp_path: Path) -> None:
@@ -120,7 +131,9 @@ def test_a_misbehaving_server_stops_the_rollout_in_one_line(
     line = str(caught.value)
     assert "\n" not in line and isinstance(caught.value, TreetrainError)
     assert line.startswith(f"vllm-server {url}/v1/completions: ") and __import__("re").search(fault, line)
-    assert not list((tmp_path / "run" / "trees").glob("*.msgpack"))  # nothing half: no tree without its answers
+    assert not list(
+        (tmp_path / "run" / "trees").glob("*.msgpack")
+    )  # nothing half: no tree without its answers
 
 
 def test_every_request_of_a_tree_goes_to_one_server(server: Callable[[Answer], str], tmp_path: Path) -> None:

@@ -52,7 +52,8 @@ from treetrain.rollout.generation import (
     GenerationResult,
     StopMatcher,
 )
-from treetrain.rollout.sampler import draw, fork_cache
+from treetrain.rollout.sampler import fork_cache, sampling_logprobs
+from treetrain.rollout.sampling import Sampling
 
 MAX_ROWS = 64
 """Most rows decoded together; a request waits while admitting it would exceed this (one always fits)."""
@@ -341,14 +342,14 @@ class HFEngine:
     # ----- decoding ---------------------------------------------------------------------------------
     def _step(self, batch: _Batch, finished: list[GenerationResult]) -> None:
         tokens = [0] * len(batch.rows)  # a finished row is fed padding, masked out
-        for j, row in enumerate(batch.rows):
-            if row.done:
-                continue
+        live = [j for j, row in enumerate(batch.rows) if not row.done]
+        drawn = self._draw(batch, live)
+        for j, (tok, lp) in zip(live, drawn):
+            row = batch.rows[j]
             job = self._jobs[row.request]
-            tok, lp = draw(batch.logits[j : j + 1], job.request.sampling, job.generator)
-            tokens[j] = int(tok[0])
-            row.tokens.append(tokens[j])
-            row.logprobs.append(min(float(lp[0]), 0.0))
+            tokens[j] = tok
+            row.tokens.append(tok)
+            row.logprobs.append(min(lp, 0.0))
             self.stats.sampled_tokens += 1
             stopped = job.stops.stops(row.tokens)
             if stopped or len(row.tokens) >= job.request.max_new_tokens:
@@ -372,6 +373,29 @@ class HFEngine:
         self.stats.encoded_tokens += int(live.sum())
         batch.logits = out.logits[:, -1, :].float()  # [R, V]
         batch.positions = batch.positions + live
+
+    def _draw(self, batch: _Batch, live: list[int]) -> list[tuple[int, float]]:
+        """One token per live row: rows that share sampling settings are drawn together, each from its own
+        request's generator (an inverse-CDF draw of one uniform per row), so a row's draw depends only on
+        its request, never on what shares the batch."""
+        out: dict[int, tuple[int, float]] = {}
+        by_sampling: dict[Sampling, list[int]] = {}
+        for j in live:
+            by_sampling.setdefault(self._jobs[batch.rows[j].request].request.sampling, []).append(j)
+        for sampling, rows in by_sampling.items():
+            logits = batch.logits[rows]  # [R, V]
+            if sampling.greedy:
+                out.update((j, (int(t), 0.0)) for j, t in zip(rows, logits.argmax(dim=-1).tolist()))
+                continue
+            logp = sampling_logprobs(logits, sampling)  # [R, V]
+            gens = [self._jobs[batch.rows[j].request].generator for j in rows]
+            u = 1 - torch.cat([torch.rand(1, generator=g, device=logits.device) for g in gens])  # [R] in (0, 1]
+            cdf = logp.exp().cumsum(dim=-1)  # [R, V]
+            tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).squeeze(-1)  # [R] never a 0-mass token
+            tok = tok.clamp(max=logits.shape[-1] - 1)
+            lp = logp.gather(-1, tok[:, None]).squeeze(-1)  # [R]
+            out.update((j, (int(t), float(x))) for j, t, x in zip(rows, tok.tolist(), lp.tolist()))
+        return [out[j] for j in live]
 
     def _finish(
         self, batch: _Batch, j: int, job: _Job, stopped: bool, finished: list[GenerationResult]

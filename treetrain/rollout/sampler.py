@@ -100,14 +100,20 @@ def draw(
     actually sampled from (tempered, restricted to the top-p nucleus and renormalised; 0 when greedy)."""
     if sampling.greedy:
         return logits.argmax(dim=-1), torch.zeros(logits.shape[0], device=logits.device)
+    logp = sampling_logprobs(logits, sampling)  # [R, V]
+    tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)  # [R]
+    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+
+def sampling_logprobs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """Logprobs [R, V] of the distribution tokens are drawn from: `logits` [R, V] tempered, restricted to
+    the top-p nucleus and renormalised (not for greedy decoding, which draws from a point mass)."""
     scaled = logits / sampling.temperature  # [R, V]
     if sampling.top_p < 1.0:
         probs, order = scaled.softmax(dim=-1).sort(dim=-1, descending=True)
         outside = probs.cumsum(dim=-1) - probs > sampling.top_p  # mass before the token exceeds p
         scaled = scaled.scatter(-1, order, scaled.gather(-1, order).masked_fill(outside, -math.inf))
-    logp = scaled.log_softmax(dim=-1)  # [R, V]
-    tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)  # [R]
-    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+    return scaled.log_softmax(dim=-1)
 
 
 class Sampler:
