@@ -11,10 +11,14 @@ Three steps, one table each, written as markdown to stdout and `--out`:
 2. speed: flat, `exact` and `response_only` side by side in bfloat16 (the geometry benchmark's model and
    engine settings, `treetrain.benchmark`), seconds per update and the speedups against flat;
 3. memory: each tree mode's peak from the CUDA allocator (`max_memory_allocated`, everything on the device)
-   against the ledger's prediction (`predict_ledger`).
+   against the ledger's prediction (`predict_ledger`);
+4. rollout engines: sampled tokens per second of the `hf` engine and of vLLM in process on the same requests
+   (a random-init Llama of about 0.5B parameters in bfloat16: 64 branch points of 8 samples of 128 tokens
+   after a shared 512-token prompt), and vLLM's weight-sync seconds per GB.
 
 The dry run shrinks every step (one family, one point, float32 speed, the tracker instead of the
-allocator) so that it checks the script in seconds.
+allocator, a tiny model and the `hf` engine alone for the rollout step) so that it checks the script in
+seconds.
 
 On CPU without `--dry-run` it refuses to run: its numbers are only meaningful on the device.
 """
@@ -144,6 +148,68 @@ def speed_and_memory(device: torch.device, dry: bool) -> tuple[list[str], list[s
     return speed, memory
 
 
+def _generate(engine: object, requests: list[object]) -> tuple[int, float]:
+    """Sampled tokens and seconds for `requests` on `engine`, all submitted at once."""
+    start = time.perf_counter()
+    for request in requests:
+        engine.submit(request)  # type: ignore[attr-defined]
+    tokens = 0
+    while engine.busy:  # type: ignore[attr-defined]
+        tokens += sum(len(c.tokens) for r in engine.poll() for c in r.completions)  # type: ignore[attr-defined]
+    return tokens, time.perf_counter() - start
+
+
+def rollout_engines(device: torch.device, dry: bool) -> list[str]:
+    import tempfile
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from treetrain.rollout.generation import GenerationRequest
+    from treetrain.rollout.hf_engine import HFEngine
+    from treetrain.rollout.sampling import Sampling
+
+    size = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=1)
+    if not dry:
+        size = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16)
+    torch.manual_seed(0)
+    dtype = torch.float32 if dry else torch.bfloat16
+    config = LlamaConfig(vocab_size=32000, num_key_value_heads=size["num_attention_heads"], **size)
+    model = LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
+    prompt, points, n, new = (64, 4, 2, 8) if dry else (512, 64, 8, 128)
+    gen = torch.Generator().manual_seed(0)
+    shared = torch.randint(3, 32000, (prompt,), generator=gen).tolist()
+
+    def requests() -> list[object]:
+        return [
+            GenerationRequest((*shared, 3 + i), n, new, Sampling(), ((2,),), seed=i, group="g")
+            for i in range(points)
+        ]
+
+    params_gb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
+    rows = ["| engine | sampled tokens | seconds | tokens/s | weight sync s/GB |", "|---|---|---|---|---|"]
+    _generate(HFEngine(model), requests()[:1])  # warm-up
+    tokens, seconds = _generate(HFEngine(model), requests())
+    rows.append(f"| hf | {tokens} | {seconds:.2f} | {tokens / seconds:.0f} | - |")
+    if dry:
+        rows.append("| vllm | not run in the dry run | | | |")
+        return rows
+    from treetrain.rollout.engine_settings import VLLMSettings
+    from treetrain.rollout.vllm_engine import VLLMEngine
+
+    with tempfile.TemporaryDirectory() as where:
+        model.save_pretrained(where)
+        engine = VLLMEngine(where, VLLMSettings(gpu_memory_utilization=0.3), dtype="bfloat16",
+                            max_model_len=prompt + new + 8, device="cuda")  # fmt: skip
+        _generate(engine, requests()[:1])
+        tokens, seconds = _generate(engine, requests())
+        sync = time.perf_counter()
+        engine.sync_weights(model, 1)
+        per_gb = (time.perf_counter() - sync) / params_gb
+        engine.close()
+    rows.append(f"| vllm | {tokens} | {seconds:.2f} | {tokens / seconds:.0f} | {per_gb:.2f} |")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -171,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
     ]
     lines += [f"## peak memory against the ledger ({dtype})", "", *memory, ""]
+    lines += [f"## rollout engines ({dtype})", "", *rollout_engines(device, args.dry_run), ""]
     lines.append(f"wall time {time.perf_counter() - start:.0f} s")
     text = "\n".join(lines) + "\n"
     print(text)

@@ -328,6 +328,18 @@ def test_a_rank_without_work_still_makes_the_update(
     assert idle["rank_tokens"][1] == 0 and idle["imbalance"] == 2.0
 
 
+def test_engine_weight_sync_streams_full_weights_without_gathering_the_model(run: Path) -> None:
+    """`weight_buckets` (what vLLM receives after each step) gives every parameter in full under ZeRO-2 and
+    ZeRO-3; under ZeRO-3 a rank holds its partition plus one module while the weights stream."""
+    for stage in ("z2", "z3"):
+        for r in _result(run, f"{stage}-weight_sync")[1]:
+            assert r["equal"] and r["names"], (stage, r)
+    for r in _result(run, "z3-weight_sync")[1]:
+        assert r["full"] / 2 < r["peak"] <= r["full"] / 2 + r["largest"] + 1024, r  # partition + one module
+    for r in _result(run, "z2-weight_sync")[1]:
+        assert r["peak"] == r["full"]  # negative control: ZeRO-2 holds it all
+
+
 def test_zero3_keeps_parameters_partitioned_during_the_window(run: Path) -> None:
     """Measured parameter storage per rank during the window: ZeRO-2 holds the whole model; ZeRO-3 holds
     its partition (half) plus what is in flight, within what the ledger books (partition + in flight)."""

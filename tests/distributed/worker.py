@@ -56,6 +56,7 @@ from treetrain.distributed.deepspeed_backend import DeepSpeedBackend
 from treetrain.engine import ReplayConfig, UpdateBatch
 from treetrain.engine.resident import ResidentIdentity, ResidentKey, ResidentStore, StaleResidentStateError
 from treetrain.loss.manifest import ManifestError
+from treetrain.memory.persistent import largest_module
 from treetrain.models.lora import AdaptersOff, is_adapter_param
 from treetrain.update.window import UpdateWindow
 from treetrain.update.window_types import WindowConfig
@@ -505,6 +506,31 @@ def lora_resume(stage_name: str) -> tuple[torch.Tensor, Info]:
     return current(fresh) - after_two, info
 
 
+def weight_sync(stage_name: str) -> tuple[torch.Tensor, Info]:
+    """The weights an inference engine receives (`weight_buckets`, one small bucket at a time) against the
+    gathered parameters, and the parameter storage on this rank while they stream."""
+    from treetrain.rollout.weight_sync import weight_buckets
+
+    backend = backend_for(stage_name)
+    params = dict(backend.module.named_parameters())
+    gathered = (
+        deepspeed.zero.GatheredParameters(list(params.values())) if backend.zero_stage == 3 else nullcontext()
+    )
+    with gathered:
+        reference = {name: p.detach().clone() for name, p in params.items()}
+    peak, seen, equal = 0, set(), True
+    for bucket in weight_buckets(backend.engine, bucket_bytes=1):  # a bucket per module
+        copies = sum(t.numel() * t.element_size() for _, t in bucket) if backend.zero_stage == 3 else 0
+        peak = max(peak, param_storage(backend) + copies)  # under ZeRO-3 a bucket holds gathered copies
+        for name, tensor in bucket:
+            seen.add(name)
+            equal = equal and torch.equal(tensor, reference[name])
+    full = sum(t.numel() * t.element_size() for t in reference.values())
+    info = {"equal": equal, "names": sorted(seen) == sorted(reference), "peak": peak, "full": full,
+            "largest": 4 * largest_module(make_model())}  # fmt: skip
+    return current(backend) * 0, info
+
+
 def scenarios() -> dict[str, Callable[[], tuple[torch.Tensor, Info]]]:
     out: dict[str, Callable[[], tuple[torch.Tensor, Info]]] = {}
     for s in STAGES:
@@ -542,6 +568,8 @@ def scenarios() -> dict[str, Callable[[], tuple[torch.Tensor, Info]]]:
         out[f"{s}-lora"] = partial(lora_update, s)
     for s in ("z2", "z3"):
         out[f"{s}-lora_resume"] = partial(lora_resume, s)
+    for s in ("z2", "z3"):
+        out[f"{s}-weight_sync"] = partial(weight_sync, s)
     for s in ("z1", "z2", "z3"):  # rank 0: one small tree, rank 1: five large; then rank 1 idle
         out[f"{s}-uneven"] = partial(one_update, s, placement="uneven", update=uneven_groups(), measure=True)
         out[f"{s}-idle"] = partial(one_update, s, placement="idle", measure=True)

@@ -389,7 +389,9 @@ class HFEngine:
                 continue
             logp = sampling_logprobs(logits, sampling)  # [R, V]
             gens = [self._jobs[batch.rows[j].request].generator for j in rows]
-            u = 1 - torch.cat([torch.rand(1, generator=g, device=logits.device) for g in gens])  # [R] in (0, 1]
+            u = 1 - torch.cat(
+                [torch.rand(1, generator=g, device=logits.device) for g in gens]
+            )  # [R] in (0, 1]
             cdf = logp.exp().cumsum(dim=-1)  # [R, V]
             tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).squeeze(-1)  # [R] never a 0-mass token
             tok = tok.clamp(max=logits.shape[-1] - 1)
