@@ -359,8 +359,8 @@ class HFEngine:
         if batch.dead and (not self.merge or batch.dead * 4 >= len(batch.rows)):
             keep = self._compact(batch)
             tokens = [tokens[j] for j in keep]
-        live = torch.tensor([0 if r.done else 1 for r in batch.rows])  # [R]
-        batch.mask = torch.cat([batch.mask, live[:, None]], dim=1)  # [R, W + 1]
+        fed = torch.tensor([0 if r.done else 1 for r in batch.rows])  # [R]
+        batch.mask = torch.cat([batch.mask, fed[:, None]], dim=1)  # [R, W + 1]
         kwargs: dict[str, Any] = {}
         if not bool(batch.mask.all()):
             kwargs = {
@@ -370,9 +370,9 @@ class HFEngine:
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]  # [R, 1]
         out = self.model(input_ids=ids, cache=batch.cache, use_cache=True, logits_to_keep=1, **kwargs)
         self.stats.forward_calls += 1
-        self.stats.encoded_tokens += int(live.sum())
+        self.stats.encoded_tokens += int(fed.sum())
         batch.logits = out.logits[:, -1, :].float()  # [R, V]
-        batch.positions = batch.positions + live
+        batch.positions = batch.positions + fed
 
     def _draw(self, batch: _Batch, live: list[int]) -> list[tuple[int, float]]:
         """One token per live row: rows that share sampling settings are drawn together, each from its own
