@@ -123,3 +123,16 @@ def test_weight_sync_after_an_optimizer_step(vllm_engine: Any) -> None:
     model.load_state_dict(original)
     vllm_engine.sync_weights(model, version + 2)  # the session's engine serves the shipped weights again
     assert greedy(version + 2) == before
+
+
+def test_without_vllm_the_engine_says_how_to_install_it(monkeypatch: Any) -> None:
+    import sys
+
+    import pytest
+
+    from treetrain.rollout.generation import EngineError
+    from treetrain.rollout.vllm_engine import import_vllm
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # as if it were not installed
+    with pytest.raises(EngineError, match=r"^rollout.engine=vllm: vLLM is not installed .*pip install"):
+        import_vllm("rollout.engine=vllm")

@@ -45,6 +45,7 @@ def import_vllm(where: str) -> Any:
     """The `vllm` module, or an `EngineError` that says how to install it."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its start-up INFO lines would bury the run's output
     try:
         import vllm
     except ImportError as exc:
@@ -76,6 +77,13 @@ def completion_of(
     if end is not None:
         return Completion(tokens[:end], lps[:end], "stop", version)
     return Completion(tokens, lps, "stop" if finish == "stop" else "length", version)
+
+
+def _line(exc: BaseException) -> str:
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())[:400]
+    if "head_dim" in text:
+        text += " (the shipped demo model's heads are 16-wide: use model.path=demo-wide)"
+    return text
 
 
 class VLLMEngine:
@@ -113,8 +121,12 @@ class VLLMEngine:
             kwargs.update(gpu_memory_utilization=settings.gpu_memory_utilization)
         try:
             self.llm = vllm.LLM(**kwargs)
+            warm = self._params(max_tokens=1, detokenize=False)  # the first forward picks the kernels
+            self.llm.generate([TokensPrompt(prompt_token_ids=[0])], warm, use_tqdm=False)
         except Exception as exc:  # vLLM raises many kinds; the run stops in one line
-            raise EngineError(f"rollout.engine=vllm: vLLM could not load {model_dir}: {exc}") from None
+            raise EngineError(
+                f"rollout.engine=vllm: vLLM could not serve {model_dir}: {_line(exc)}"
+            ) from None
         self._engine = self.llm.llm_engine
         self._next_id = 0
         self._pending: dict[str, tuple[int, StopMatcher, int, int]] = {}  # id -> (rid, stops, version, n)
@@ -139,7 +151,11 @@ class VLLMEngine:
 
     def poll(self) -> list[GenerationResult]:
         results = []
-        for out in self._engine.step():
+        try:
+            outputs = self._engine.step()
+        except Exception as exc:
+            raise EngineError(f"rollout.engine=vllm: vLLM failed while sampling: {_line(exc)}") from None
+        for out in outputs:
             if not out.finished or out.request_id not in self._pending:
                 continue
             rid, stops, version, n = self._pending.pop(out.request_id)

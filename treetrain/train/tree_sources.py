@@ -87,12 +87,16 @@ class RolloutSource:
         self.tokenizer = tokenizer
         self.make_env = make_env
         self.wrapper = wrapper_config(cfg, backend.module)
-        self.engine: GenerationEngine | None = None
         if cfg.rollout.engine == "vllm-server" and backend.world_size > 1:
             raise ConfigError(
                 "rollout.engine: 'vllm-server' runs with one trainer process (weights are written once and "
                 f"reloaded by every server); this run has {backend.world_size}; use 'vllm' (one engine per rank)"
             )
+        self.engine: GenerationEngine | None = make_engine(
+            cfg, backend.module, self.wrapper.episode.episode_tokens()
+        )
+        """Made before the first update, so that a server that is down or a model vLLM cannot load stops the
+        run before anything is sampled."""
 
     def _engine(self, model: Any, version: int) -> GenerationEngine:
         if self.engine is None:
