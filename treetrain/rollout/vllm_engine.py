@@ -45,7 +45,9 @@ def import_vllm(where: str) -> Any:
     """The `vllm` module, or an `EngineError` that says how to install it."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its start-up INFO lines would bury the run's output
+    os.environ.setdefault(
+        "VLLM_LOGGING_LEVEL", "WARNING"
+    )  # its start-up INFO lines would bury the run's output
     try:
         import vllm
     except ImportError as exc:

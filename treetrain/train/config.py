@@ -163,6 +163,9 @@ class RolloutSection:
     """How the vllm engine starts and the vllm-server engine connects (treetrain.rollout.engine_settings)."""
     max_concurrent_steps: int = 8
     """Most environment steps (tool calls) running at once, in threads, while generation goes on."""
+    env_workers: int | None = None
+    """Environment worker processes per trainer process. A worker that dies ends the groups of every task
+    it hosts, so the default (null) gives each task of an update its own worker, up to 16."""
     max_failed_fraction: float = 0.5
     """Largest fraction of an update's tasks that environment code may fail in (an exception in reset,
     step, fork or a rubric, or a worker that died) before the run stops. A failed task's group is dropped
@@ -185,6 +188,11 @@ class RolloutSection:
             raise ConfigError(f"rollout.engine: must be one of {ENGINES}, got {self.engine!r:.80}")
         if self.engine == "vllm-server" and not self.vllm.urls:
             raise ConfigError("rollout.vllm.urls: rollout.engine=vllm-server needs the servers' base URLs")
+        workers = self.env_workers
+        if workers is not None and (
+            isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= 64
+        ):
+            raise ConfigError(f"rollout.env_workers: must be null or an integer in [1, 64], got {workers!r}")
         steps = self.max_concurrent_steps
         if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_CONCURRENT_STEPS:
             raise ConfigError(

@@ -129,9 +129,11 @@ class Trainer:
     def _setup(self, *, resume: bool, overwrite: bool) -> None:
         cfg = self.cfg
         seed_everything(cfg.seed)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        tasks = -(-cfg.rollout.groups_per_update // world)  # this rank's tasks per update
         make = self.envs = WorkerEnvFactory(
             cfg.env.name, cfg.env.kwargs, cfg.rollout.episode.step_timeout_s,
-            max_concurrent=cfg.rollout.max_concurrent_steps,
+            max_concurrent=cfg.rollout.max_concurrent_steps, workers=cfg.rollout.env_workers or min(tasks, 16),
         )  # fmt: skip
         recorded: list[RecordedSource] = []
 
