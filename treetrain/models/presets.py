@@ -27,6 +27,9 @@ FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe")
 #: divided (Granite) and multiplied (Cohere) after the head, attention and final-logit soft-capping
 #: (Gemma 2), blocks in `.h` with learned absolute positions (GPT-2), and cross-layer KV sharing (Gemma 4).
 MORE_FAMILIES: tuple[str, ...] = ("deepseek_v3", "granite", "cohere", "gemma2", "gpt2", "gemma4_text")
+#: Hybrid linear-attention presets: Gated DeltaNet layers around a full-attention layer, whose resident
+#: state per layer is (conv state, recurrent state) or KV (`treetrain.models.recurrent_state`).
+RECURRENT_FAMILIES: tuple[str, ...] = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 #: Families whose transformers classes have no `sdpa` attention.
 EAGER_ONLY = frozenset({"gemma2"})
 #: The tiny Mistral's sliding window: shorter than test sequences, so windowed attention is exercised.
@@ -55,8 +58,9 @@ def tiny_config(
     family: str, vocab_size: int, size: TinySize = TinySize(), attn: str = "sdpa"
 ) -> PretrainedConfig:
     """A small config of `family`; raises ValueError naming the known families otherwise."""
-    if family not in FAMILIES + MORE_FAMILIES:
-        raise ValueError(f"unknown model family {family!r}; known: {', '.join(FAMILIES + MORE_FAMILIES)}")
+    known = FAMILIES + MORE_FAMILIES + RECURRENT_FAMILIES
+    if family not in known:
+        raise ValueError(f"unknown model family {family!r}; known: {', '.join(known)}")
     if attn not in ATTENTION:
         raise ValueError(f"unknown attention implementation {attn!r}; known: {', '.join(ATTENTION)}")
     if family in EAGER_ONLY and attn != "eager":
@@ -85,7 +89,7 @@ def tiny_config(
     common.update(_more(family, size, vocab_size))
     config = AutoConfig.for_model(family, **common)
     config._attn_implementation = attn
-    if family in ("qwen3_moe", "deepseek_v3"):
+    if family in ("qwen3_moe", "deepseek_v3", "qwen3_5_moe_text", "qwen3_next"):
         # The grouped-matmul experts kernel has no float64 path; the per-expert loop does.
         config._experts_implementation = "eager"
     return config
@@ -125,6 +129,18 @@ def _more(family: str, size: TinySize, vocab_size: int) -> dict[str, Any]:
             hidden_size_per_layer_input=8, vocab_size_per_layer_input=vocab_size, sliding_window=MISTRAL_WINDOW,
             layer_types=["sliding_attention", "full_attention"] * (layers // 2),
         )  # fmt: skip
+    if family in RECURRENT_FAMILIES:  # linear attention before and after the full-attention layer
+        more = dict(
+            num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
+            head_dim=head, linear_num_key_heads=size.num_kv_heads, linear_num_value_heads=size.num_heads,
+            linear_key_head_dim=head, linear_value_head_dim=head, linear_conv_kernel_dim=4,
+        )  # fmt: skip
+        if family != "qwen3_5_text":
+            more.update(
+                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=size.intermediate_size // 2,
+                shared_expert_intermediate_size=size.intermediate_size // 2,
+            )  # fmt: skip
+        return more
     return {}
 
 
@@ -162,7 +178,7 @@ def model_config(
             raise ValueError(f"preset {name!r} needs a vocab_size (take it from the tokenizer)")
         return tiny_config(name.removeprefix("tiny-"), vocab_size, attn=attn)
     if not Path(name).is_dir():
-        presets = ", ".join(f"tiny-{f}" for f in FAMILIES + MORE_FAMILIES)
+        presets = ", ".join(f"tiny-{f}" for f in FAMILIES + MORE_FAMILIES + RECURRENT_FAMILIES)
         raise FileNotFoundError(f"model {name!r} is neither a local directory nor a preset ({presets})")
     config = checkpoint_config(name)  # within limits, every failure one ValueError line
     return config.get_text_config(decoder=True)
@@ -196,7 +212,7 @@ def load_model(
             ) from None
     path = Path(name)
     if not path.is_dir():
-        presets = ", ".join(f"tiny-{f}" for f in FAMILIES + MORE_FAMILIES)
+        presets = ", ".join(f"tiny-{f}" for f in FAMILIES + MORE_FAMILIES + RECURRENT_FAMILIES)
         raise FileNotFoundError(f"model {name!r} is neither a local directory nor a preset ({presets})")
     check_checkpoint(path)  # config.json's sizes against the weight files, before anything is allocated
     return AutoModelForCausalLM.from_pretrained(

@@ -34,8 +34,9 @@ from transformers import PreTrainedModel
 
 from treetrain.errors import TreetrainError
 from treetrain.models.attention import shared_past_reason
-from treetrain.models.decoder import decoder_forward, decoder_layers, output_head
+from treetrain.models.decoder import SharedPast, decoder_forward, decoder_layers, output_head
 from treetrain.models.lora import unwrap
+from treetrain.models.recurrent_state import RECURRENT_LAYER_TYPES, recurrent_layers, unsupported_mixer
 
 #: Layer types whose state is plain KV over every earlier position.
 FULL_ATTENTION_TYPES = frozenset({"full_attention"})
@@ -114,12 +115,17 @@ def check_supported(
         decoder_layers(model)
     except TypeError as exc:
         raise UnsupportedModelError(f"model type {mtype!r}: {exc}") from None
-    if mtype in RECURRENT_MODEL_TYPES:
+    if mtype in RECURRENT_MODEL_TYPES and not recurrent_layers(unwrap(model)):
         raise UnsupportedModelError(
-            f"model type {mtype!r} keeps recurrent state; resident KV cannot represent it, so tree replay is refused"
+            f"model type {mtype!r} keeps recurrent state in layers that are not Gated DeltaNet linear attention "
+            "(no `layer_types` entry 'linear_attention'); resident state covers KV and Gated DeltaNet "
+            "(conv state, recurrent state) only, so tree replay is refused"
         )
+    mixer = unsupported_mixer(unwrap(model))
+    if mixer is not None:
+        raise UnsupportedModelError(f"model type {mtype!r}: {mixer}")
     layer_types = getattr(config, "layer_types", None) or []
-    odd = sorted(set(layer_types) - FULL_ATTENTION_TYPES - SLIDING_TYPES)
+    odd = sorted(set(layer_types) - FULL_ATTENTION_TYPES - SLIDING_TYPES - RECURRENT_LAYER_TYPES)
     if odd:
         raise UnsupportedModelError(
             f"model type {mtype!r} has layer types {odd}; only full (and covered sliding) attention is supported"
@@ -233,15 +239,15 @@ def _probe(
     try:
         whole = decoder_forward(model, ids, pos, None).hidden
         first = decoder_forward(model, ids[:, :split], pos[:, :split], None)
-        _check_cache_count(model, mtype, len(first.keys))
+        _check_cache_count(model, mtype, len(first.keys) - len(first.recurrent))
         past = list(zip(first.keys, first.values))
-        second = decoder_forward(model, ids[:, split:], pos[:, split:], past).hidden
+        second = _continue(model, ids, pos, split, past, first.recurrent)
         tol = {torch.bfloat16: 3e-2, torch.float16: 4e-3}.get(whole.dtype, 1e-5)
         shared_err = _split_error(whole, first.hidden, second)
         if shared_past_reason(unwrap(model)) is None and not shared_err <= tol:
             # Tell a layer that attends over other tensors than it caches (DiffLlama splits its cached values)
             # from a past the model cannot continue at all: the layer's own attention over the concatenated past.
-            again = decoder_forward(model, ids[:, split:], pos[:, split:], past, concatenate=True).hidden
+            again = _continue(model, ids, pos, split, past, first.recurrent, concatenate=True)
             if _split_error(whole, first.hidden, again) <= tol:
                 raise UnsupportedModelError(
                     f"model type {mtype!r}: shared-past attention over resident KV changes the hidden states "
@@ -285,6 +291,26 @@ def _probe(
         )
 
 
+def _continue(
+    model: PreTrainedModel,
+    ids: torch.Tensor,  # [1, L]
+    pos: torch.Tensor,  # [1, L]
+    split: int,
+    past: list[tuple[torch.Tensor, torch.Tensor]],
+    recurrent: frozenset[int],
+    *,
+    concatenate: bool = False,
+) -> torch.Tensor:
+    """Hidden states of positions `split..` continuing `past`, as the engine continues a unit: with recurrent
+    layers (state taken before the prefix's last token) the prefix's last token is fed again and its KV left
+    out of the past, as every child unit runs; otherwise straight on."""
+    if not recurrent:
+        return decoder_forward(model, ids[:, split:], pos[:, split:], past, concatenate=concatenate).hidden
+    cut = SharedPast.of([past], recurrent=recurrent).without_last_position()
+    hidden = decoder_forward(model, ids[:, split - 1 :], pos[:, split - 1 :], cut, concatenate=concatenate).hidden
+    return hidden[:, 1:]
+
+
 def _split_error(whole: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> float:
     """Relative max error of the split forward's hidden states `[1, T, H]` against the whole one's."""
     joined = torch.cat([first, second], dim=1)
@@ -296,14 +322,15 @@ def _check_cache_count(model: PreTrainedModel, mtype: str, caches: int) -> None:
     reuses an earlier layer's KV, Gemma 3n/4's `num_kv_shared_layers`, keeps none), else a refusal that says
     what the model does instead."""
     n_blocks = len(decoder_layers(model))
-    if caches == 0:
+    recurrent = len(recurrent_layers(unwrap(model)))  # they keep (conv, recurrent) state, not a KV cache
+    if caches == 0 and not recurrent:
         raise UnsupportedModelError(
             f"model type {mtype!r} returns no KV cache from its forward, so a prefix cannot be continued from "
             "resident KV"
         )
     indices = {m.layer_idx for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int)}
     reusing = sum(1 for m in model.modules() if getattr(m, "is_kv_shared_layer", False) is True)
-    own = (len(indices) or n_blocks) - reusing
+    own = (len(indices) or n_blocks) - reusing - recurrent
     if caches > own:
         raise UnsupportedModelError(
             f"model type {mtype!r} keeps {caches} KV caches for {own} attention layers ({n_blocks} blocks): it runs "
