@@ -33,7 +33,13 @@ DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
 
 def _check(
-    family: str, dtype: torch.dtype, shape: str, loss: LossConfig, replay: ReplayConfig, *, trusting: bool = False
+    family: str,
+    dtype: torch.dtype,
+    shape: str,
+    loss: LossConfig,
+    replay: ReplayConfig,
+    *,
+    trusting: bool = False,
 ):
     make = factory(family, dtype)
     make_ref = factory(family, dtype, seed=7) if loss.needs_reference else None
@@ -64,7 +70,9 @@ def test_presets_mix_recurrent_and_attention_layers() -> None:
 def test_exact_matches_flat_recurrent_families(family: str, dtype: str) -> None:
     replay = ReplayConfig(microbatch=2, chunk_size=5)
     dev, floor = _check(family, DTYPES[dtype], "multi_level", LossConfig(), replay)
-    assert dev.abs <= FACTOR * floor, f"{family}/{dtype}: |exact - flat| = {dev.abs:.3e} > {FACTOR} x {floor:.3e}"
+    assert dev.abs <= FACTOR * floor, (
+        f"{family}/{dtype}: |exact - flat| = {dev.abs:.3e} > {FACTOR} x {floor:.3e}"
+    )
 
 
 @pytest.mark.parametrize(
@@ -104,7 +112,9 @@ def test_negative_control_recurrent_state_left_out_of_g_is_rejected(monkeypatch:
             return x.detach()
 
     monkeypatch.setattr(recurrent_state, "_Into", Detached)
-    dev, floor = _check("qwen3_5_text", torch.float64, "multi_level", LossConfig(), ReplayConfig(microbatch=2))
+    dev, floor = _check(
+        "qwen3_5_text", torch.float64, "multi_level", LossConfig(), ReplayConfig(microbatch=2)
+    )
     assert dev.abs > 100 * FACTOR * floor, f"{dev.abs:.3e} not far above {FACTOR} x {floor:.3e}"
 
 

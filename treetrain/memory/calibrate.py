@@ -329,7 +329,11 @@ def measure(
             tracker.detach()
             segs = _segments(tracker)
             plan = plan_tree(
-                batch.work[0], cfg, loss, kv_bytes_per_token=per_token, state_bytes_per_unit=state_bytes_per_unit(model)
+                batch.work[0],
+                cfg,
+                loss,
+                kv_bytes_per_token=per_token,
+                state_bytes_per_unit=state_bytes_per_unit(model),
             )
             for ev in plan.events:
                 seg = segs.get(ev.label)

@@ -29,7 +29,7 @@ FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe")
 MORE_FAMILIES: tuple[str, ...] = ("deepseek_v3", "granite", "cohere", "gemma2", "gpt2", "gemma4_text")
 #: Hybrid linear-attention presets: Gated DeltaNet layers around a full-attention layer, whose resident
 #: state per layer is (conv state, recurrent state) or KV (`treetrain.models.recurrent_state`).
-RECURRENT_FAMILIES: tuple[str, ...] = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+RECURRENT_FAMILIES: tuple[str, ...] = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lara_mini")
 #: Families whose transformers classes have no `sdpa` attention.
 EAGER_ONLY = frozenset({"gemma2"})
 #: The tiny Mistral's sliding window: shorter than test sequences, so windowed attention is exercised.
@@ -89,7 +89,7 @@ def tiny_config(
     common.update(_more(family, size, vocab_size))
     config = AutoConfig.for_model(family, **common)
     config._attn_implementation = attn
-    if family in ("qwen3_moe", "deepseek_v3", "qwen3_5_moe_text", "qwen3_next"):
+    if family in ("qwen3_moe", "deepseek_v3", "qwen3_5_moe_text", "qwen3_next", "lara_mini"):
         # The grouped-matmul experts kernel has no float64 path; the per-expert loop does.
         config._experts_implementation = "eager"
     return config
@@ -135,7 +135,10 @@ def _more(family: str, size: TinySize, vocab_size: int) -> dict[str, Any]:
             head_dim=head, linear_num_key_heads=size.num_kv_heads, linear_num_value_heads=size.num_heads,
             linear_key_head_dim=head, linear_value_head_dim=head, linear_conv_kernel_dim=4,
         )  # fmt: skip
-        if family != "qwen3_5_text":
+        if family == "lara_mini":  # its attention layers are windowed, shorter than the test sequences
+            more.update(layer_types=["linear_attention", "sliding_attention", "linear_attention"])
+            more.update(sliding_window=MISTRAL_WINDOW)
+        if family in ("qwen3_5_moe_text", "qwen3_next", "lara_mini"):
             more.update(
                 num_experts=4, num_experts_per_tok=2, moe_intermediate_size=size.intermediate_size // 2,
                 shared_expert_intermediate_size=size.intermediate_size // 2,

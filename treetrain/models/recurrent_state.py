@@ -48,6 +48,8 @@ from treetrain.models.shared_past import LayerKV, SharedPast, _Into
 RECURRENT_LAYER_TYPES = frozenset({"linear_attention"})
 #: The delta-rule functions a Gated DeltaNet layer's module must define (the layer calls them by name).
 RULES = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+#: Attributes of a Gated DeltaNet layer that size its state (`state_bytes_per_unit`).
+SIZE_FIELDS = ("conv_kernel_size", "key_dim", "value_dim", "num_v_heads", "head_k_dim", "head_v_dim")
 
 
 def recurrent_layers(model: nn.Module) -> frozenset[int]:
@@ -57,13 +59,15 @@ def recurrent_layers(model: nn.Module) -> frozenset[int]:
     return frozenset(i for i, t in enumerate(types) if t in RECURRENT_LAYER_TYPES)
 
 
-def mixers(model: nn.Module) -> dict[int, nn.Module]:
-    """The linear-attention module of each recurrent layer, by layer index."""
+def mixers(model: nn.Module) -> dict[int, Any]:
+    """The Gated DeltaNet module of each recurrent layer, by layer index (layers whose module is of another
+    kind are missing: `unsupported_mixer` names them)."""
     wanted = recurrent_layers(model)
-    found: dict[int, nn.Module] = {}
+    found: dict[int, Any] = {}
     for module in model.modules():
         idx = getattr(module, "layer_idx", None)
-        if idx in wanted and hasattr(module, "conv_kernel_size") and _rules_module(module) is not None:
+        sized = all(isinstance(getattr(module, f, None), int) for f in SIZE_FIELDS)
+        if idx in wanted and sized and _rules_module(module) is not None:
             found[int(idx)] = module
     return found
 
@@ -76,9 +80,18 @@ def unsupported_mixer(model: nn.Module) -> str | None:
     found = mixers(model)
     missing = sorted(wanted - set(found))
     if missing:
+        kinds = sorted(
+            {
+                type(m).__name__
+                for m in model.modules()
+                if getattr(m, "layer_idx", None) in missing and not type(m).__name__.endswith(("Layer", "Block"))
+            }
+        )
+        found_kinds = ", ".join(kinds) or "modules without a layer index"
         return (
-            f"its linear-attention layers {missing} are not Gated DeltaNet layers calling "
-            f"{' / '.join(RULES)} and a cache's conv/recurrent-state methods, the seams resident state uses"
+            f"its recurrent layers {missing} (layer type 'linear_attention': {found_kinds}) are not Gated DeltaNet "
+            f"layers calling {' / '.join(RULES)}; resident recurrent state (conv state, recurrent state) is "
+            "implemented for Gated DeltaNet only"
         )
     return None
 

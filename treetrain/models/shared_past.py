@@ -82,7 +82,11 @@ class SharedPast:
     @property
     def length(self) -> int:
         """Past positions: the sequence length of the first KV layer (0 when every layer is recurrent)."""
-        first = next((i for i in range(len(self.pieces[0])) if i not in self.recurrent), None) if self.pieces else None
+        first = (
+            next((i for i in range(len(self.pieces[0])) if i not in self.recurrent), None)
+            if self.pieces
+            else None
+        )
         return 0 if first is None else sum(int(p[first][0].shape[-2]) for p in self.pieces)
 
     def layer(self, index: int) -> tuple[tuple[LayerKV, ...], tuple[LayerKV | None, ...]]:

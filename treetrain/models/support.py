@@ -307,7 +307,9 @@ def _continue(
     if not recurrent:
         return decoder_forward(model, ids[:, split:], pos[:, split:], past, concatenate=concatenate).hidden
     cut = SharedPast.of([past], recurrent=recurrent).without_last_position()
-    hidden = decoder_forward(model, ids[:, split - 1 :], pos[:, split - 1 :], cut, concatenate=concatenate).hidden
+    hidden = decoder_forward(
+        model, ids[:, split - 1 :], pos[:, split - 1 :], cut, concatenate=concatenate
+    ).hidden
     return hidden[:, 1:]
 
 

@@ -39,6 +39,7 @@ from treetrain.io import atomic_write_bytes
 from treetrain.models.attention import shared_past_kernel_note, shared_past_reason
 from treetrain.models.decoder import decoder_layers
 from treetrain.models.logit_head import LogitHead, logit_transform, output_head
+from treetrain.models.recurrent_state import recurrent_layers
 from treetrain.models.support import UnsupportedModelError, check_supported, short_message
 
 COMMAND = "python -m treetrain.models.support_table docs/model-support.md"
@@ -156,6 +157,12 @@ def _notes(model: PreTrainedModel) -> list[str]:
     transform = logit_transform(config)
     if not transform.identity:
         notes.append(f"head applies {transform.describe()}")
+    recurrent = sorted(recurrent_layers(model))
+    if recurrent:
+        notes.append(
+            f"Gated DeltaNet layers {recurrent}: resident state is their (conv state, recurrent state) before a "
+            "unit's last token"
+        )
     reason = shared_past_reason(model)
     if reason is not None:
         notes.append(f"concatenated past, because {reason}")
@@ -207,8 +214,9 @@ are checked again then).
 
 Measured against the flat reference in the tests (`tests/engine/test_replay_exact.py`, `tests/models/test_attention.py`):
 the five presets (`llama`, `qwen2`, `qwen3`, `mistral`, `qwen3_moe`), `MORE_FAMILIES` in
-`treetrain/models/presets.py` (`deepseek_v3`, `granite`, `cohere`, `gemma2`, `gpt2`, `gemma4_text`) and
-`gpt_oss`.
+`treetrain/models/presets.py` (`deepseek_v3`, `granite`, `cohere`, `gemma2`, `gpt2`, `gemma4_text`),
+`gpt_oss`, and the hybrid linear-attention presets `RECURRENT_FAMILIES` (`qwen3_5_text`, `qwen3_5_moe_text`,
+`qwen3_next`, `olmo_hybrid`, `lara_mini`; `tests/engine/test_replay_recurrent.py`).
 
 Generated with transformers {{version}} and torch {{torch}}.
 """
