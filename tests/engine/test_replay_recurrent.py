@@ -208,3 +208,28 @@ def test_lora_exact_matches_flat_recurrent(family: str) -> None:
     dev = deviation(flat_grad(model), flat)
     assert float(flat.norm()) > 0
     assert dev.abs <= FACTOR * floor, f"{family}: {dev.abs:.3e} > {FACTOR} x {floor:.3e}"
+
+
+@pytest.mark.parametrize("contract", ["exact", "response_only"])
+def test_ledger_books_recurrent_state_exactly(contract: str) -> None:
+    """`treetrain plan`'s ledger books the hybrid's resident bytes (KV, conv and recurrent state, and G in
+    `exact`) exactly as the tracker measures them. Its activation (replay-temporary) prediction is not held
+    to the usual 10% here: for this model it was measured 40% high in `exact` (docs/known-limits.md)."""
+    from treetrain.memory.ledger import predict_ledger
+
+    loss = LossConfig()
+    batch = make_batch(SHAPES["one_level"](0), loss)
+    model = tiny_model("qwen3_5_text", VOCAB)
+    replay = ReplayConfig(contract=contract, microbatch=1)
+    ledger = predict_ledger(batch, model, replay, loss)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    tracker = MemoryTracker()
+    report = TreeReplay(model, loss, ReplayPlan(config=replay, tracker=tracker)).accumulate(batch)
+    tracker.detach()
+    assert report.measured_peak is not None
+    resident = max(r.bytes.prompt_group for r in ledger.rows)
+    assert resident > 0
+    assert resident == tracker.class_maxima.prompt_group, (
+        f"booked {resident}, measured {tracker.class_maxima}"
+    )

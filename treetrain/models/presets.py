@@ -29,7 +29,13 @@ FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe")
 MORE_FAMILIES: tuple[str, ...] = ("deepseek_v3", "granite", "cohere", "gemma2", "gpt2", "gemma4_text")
 #: Hybrid linear-attention presets: Gated DeltaNet layers around a full-attention layer, whose resident
 #: state per layer is (conv state, recurrent state) or KV (`treetrain.models.recurrent_state`).
-RECURRENT_FAMILIES: tuple[str, ...] = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lara_mini")
+RECURRENT_FAMILIES: tuple[str, ...] = (
+    "qwen3_5_text",
+    "qwen3_5_moe_text",
+    "qwen3_next",
+    "olmo_hybrid",
+    "lara_mini",
+)
 #: Families whose transformers classes have no `sdpa` attention.
 EAGER_ONLY = frozenset({"gemma2"})
 #: The tiny Mistral's sliding window: shorter than test sequences, so windowed attention is exercised.

@@ -84,7 +84,8 @@ def unsupported_mixer(model: nn.Module) -> str | None:
             {
                 type(m).__name__
                 for m in model.modules()
-                if getattr(m, "layer_idx", None) in missing and not type(m).__name__.endswith(("Layer", "Block"))
+                if getattr(m, "layer_idx", None) in missing
+                and not type(m).__name__.endswith(("Layer", "Block"))
             }
         )
         found_kinds = ", ".join(kinds) or "modules without a layer index"
