@@ -25,7 +25,7 @@ Two things differ from KV, and this module does both:
 Example:
     >>> from treetrain.models.presets import tiny_model
     >>> sorted(recurrent_layers(tiny_model("qwen3_5_text", 64)))
-    [0, 1, 2]
+    [0, 2]
 """
 
 from __future__ import annotations
