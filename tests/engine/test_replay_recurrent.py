@@ -233,3 +233,29 @@ def test_ledger_books_recurrent_state_exactly(contract: str) -> None:
     assert resident == tracker.class_maxima.prompt_group, (
         f"booked {resident}, measured {tracker.class_maxima}"
     )
+
+
+def test_hybrid_attention_layers_read_resident_pieces_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hybrids' attention layers take shared-past attention (no concatenated, broadcast past), found
+    from their source since their classes leave `_supports_attention_backend` unset; a class whose
+    attention does not look its function up keeps the concatenated path, with the reason."""
+    import treetrain.models.attention as attention
+
+    model = tiny_model("qwen3_5_text", VOCAB, dtype=torch.float64)
+    assert not getattr(model, "_supports_attention_backend", False)
+    assert attention.shared_past_reason(model) is None
+    calls: list[int] = []
+    attend = attention.shared_attention
+
+    def spy(*args, **kw):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return attend(*args, **kw)
+
+    monkeypatch.setattr(attention, "shared_attention", spy)
+    loss = LossConfig()
+    batch = make_batch(SHAPES["one_level"](0), loss)
+    TreeReplay(model, loss, ReplayConfig(microbatch=2)).accumulate(batch)
+    assert calls, "no attention layer read the resident pieces in place"
+    monkeypatch.setattr(attention, "_reads_interface", lambda cls: False)
+    reason = attention.shared_past_reason(model)
+    assert reason is not None and "attention interface" in reason
