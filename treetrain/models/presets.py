@@ -27,17 +27,16 @@ FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe")
 #: divided (Granite) and multiplied (Cohere) after the head, attention and final-logit soft-capping
 #: (Gemma 2), blocks in `.h` with learned absolute positions (GPT-2), and cross-layer KV sharing (Gemma 4).
 MORE_FAMILIES: tuple[str, ...] = ("deepseek_v3", "granite", "cohere", "gemma2", "gpt2", "gemma4_text")
-#: Hybrid linear-attention presets: Gated DeltaNet layers around a full-attention layer, whose resident
-#: state per layer is (conv state, recurrent state) or KV (`treetrain.models.recurrent_state`).
+#: Presets with recurrent layers, whose resident state per layer is (conv state, recurrent state) or KV
+#: (`treetrain.models.recurrent_state`): Gated DeltaNet around a full-attention layer, Mamba layers alone
+#: (Mamba, Falcon-Mamba) or around an attention layer (Jamba).
 RECURRENT_FAMILIES: tuple[str, ...] = (
-    "qwen3_5_text",
-    "qwen3_5_moe_text",
-    "qwen3_next",
-    "olmo_hybrid",
-    "lara_mini",
-)
+    "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lara_mini", "mamba", "falcon_mamba", "jamba",
+)  # fmt: skip
+#: Of those, the ones whose recurrent layers are Mamba (selective scan) layers.
+MAMBA_FAMILIES = frozenset({"mamba", "falcon_mamba", "jamba"})
 #: Families whose transformers classes have no `sdpa` attention.
-EAGER_ONLY = frozenset({"gemma2"})
+EAGER_ONLY = frozenset({"gemma2", "mamba", "falcon_mamba"})
 #: The tiny Mistral's sliding window: shorter than test sequences, so windowed attention is exercised.
 MISTRAL_WINDOW = 12
 
@@ -95,7 +94,7 @@ def tiny_config(
     common.update(_more(family, size, vocab_size))
     config = AutoConfig.for_model(family, **common)
     config._attn_implementation = attn
-    if family in ("qwen3_moe", "deepseek_v3", "qwen3_5_moe_text", "qwen3_next", "lara_mini"):
+    if family in ("qwen3_moe", "deepseek_v3", "qwen3_5_moe_text", "qwen3_next", "lara_mini", "jamba"):
         # The grouped-matmul experts kernel has no float64 path; the per-expert loop does.
         config._experts_implementation = "eager"
     return config
@@ -135,6 +134,15 @@ def _more(family: str, size: TinySize, vocab_size: int) -> dict[str, Any]:
             hidden_size_per_layer_input=8, vocab_size_per_layer_input=vocab_size, sliding_window=MISTRAL_WINDOW,
             layer_types=["sliding_attention", "full_attention"] * (layers // 2),
         )  # fmt: skip
+    if family in MAMBA_FAMILIES:  # Mamba layers only, or (Jamba) around one attention layer with experts
+        more = dict(state_size=8, conv_kernel=4, expand=2, num_hidden_layers=3)
+        if family == "jamba":
+            more = dict(
+                num_hidden_layers=3, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4,
+                mamba_expand=2, use_mamba_kernels=False,
+            )  # fmt: skip
+        return more
     if family in RECURRENT_FAMILIES:  # linear attention before and after the full-attention layer
         more = dict(
             num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],

@@ -33,8 +33,6 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,14 +40,11 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DummyLayer, DynamicLayer
 
+from treetrain.models.recurrent_kinds import CAPTURE, KINDS, Capture, Kind, kind_of
 from treetrain.models.shared_past import LayerKV, SharedPast, _Into
 
 #: Layer types of transformers' configs whose layer carries recurrent state instead of KV.
 RECURRENT_LAYER_TYPES = frozenset({"linear_attention"})
-#: The delta-rule functions a Gated DeltaNet layer's module must define (the layer calls them by name).
-RULES = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
-#: Attributes of a Gated DeltaNet layer that size its state (`state_bytes_per_unit`).
-SIZE_FIELDS = ("conv_kernel_size", "key_dim", "value_dim", "num_v_heads", "head_k_dim", "head_v_dim")
 
 
 def recurrent_layers(model: nn.Module) -> frozenset[int]:
@@ -59,16 +54,16 @@ def recurrent_layers(model: nn.Module) -> frozenset[int]:
     return frozenset(i for i, t in enumerate(types) if t in RECURRENT_LAYER_TYPES)
 
 
-def mixers(model: nn.Module) -> dict[int, Any]:
-    """The Gated DeltaNet module of each recurrent layer, by layer index (layers whose module is of another
-    kind are missing: `unsupported_mixer` names them)."""
+def mixers(model: nn.Module) -> dict[int, tuple[Any, Kind]]:
+    """The mixer module of each recurrent layer and its kind, by layer index (layers whose module is of no
+    known kind are missing: `unsupported_mixer` names them)."""
     wanted = recurrent_layers(model)
-    found: dict[int, Any] = {}
+    found: dict[int, tuple[Any, Kind]] = {}
     for module in model.modules():
         idx = getattr(module, "layer_idx", None)
-        sized = all(isinstance(getattr(module, f, None), int) for f in SIZE_FIELDS)
-        if idx in wanted and sized and _rules_module(module) is not None:
-            found[int(idx)] = module
+        kind = kind_of(module) if idx in wanted else None
+        if kind is not None:
+            found[int(idx)] = (module, kind)  # type: ignore[arg-type]
     return found
 
 
@@ -77,114 +72,58 @@ def unsupported_mixer(model: nn.Module) -> str | None:
     wanted = recurrent_layers(model)
     if not wanted:
         return None
-    found = mixers(model)
-    missing = sorted(wanted - set(found))
-    if missing:
-        kinds = sorted(
-            {
-                type(m).__name__
-                for m in model.modules()
-                if getattr(m, "layer_idx", None) in missing
-                and not type(m).__name__.endswith(("Layer", "Block"))
-            }
-        )
-        found_kinds = ", ".join(kinds) or "modules without a layer index"
-        return (
-            f"its recurrent layers {missing} (layer type 'linear_attention': {found_kinds}) are not Gated DeltaNet "
-            f"layers calling {' / '.join(RULES)}; resident recurrent state (conv state, recurrent state) is "
-            "implemented for Gated DeltaNet only"
-        )
-    return None
-
-
-def _rules_module(module: nn.Module) -> Any:
-    mod = sys.modules.get(type(module).__module__)
-    return mod if mod is not None and all(callable(getattr(mod, r, None)) for r in RULES) else None
+    missing = sorted(wanted - set(mixers(model)))
+    if not missing:
+        return None
+    kinds = sorted(
+        {
+            type(m).__name__
+            for m in model.modules()
+            if getattr(m, "layer_idx", None) in missing and not type(m).__name__.endswith(("Layer", "Block"))
+        }
+    )
+    found_kinds = ", ".join(kinds) or "modules without a layer index"
+    known = "; ".join(f"{k.name} ({' / '.join(k.functions)})" for k in KINDS)
+    return (
+        f"its recurrent layers {missing} (layer type 'linear_attention': {found_kinds}) are of no kind whose "
+        f"state the engine keeps resident; it keeps (conv state, recurrent state) for layers calling {known}"
+    )
 
 
 def state_bytes_per_unit(model: nn.Module) -> int:
-    """Bytes of one unit's recurrent state over all recurrent layers: the conv window in the model's dtype
-    and the delta rule's state in float32 (the model's kernel computes it in float32)."""
+    """Bytes of one unit's recurrent state over all recurrent layers (each kind's conv window and state, in
+    the dtypes the layer's own code keeps them)."""
     size = next(model.parameters()).element_size()
-    total = 0
-    for module in mixers(model).values():
-        conv = int(module.key_dim) * 2 + int(module.value_dim)
-        kernel = int(module.conv_kernel_size)
-        heads, dk, dv = int(module.num_v_heads), int(module.head_k_dim), int(module.head_v_dim)
-        total += conv * (kernel - 1) * size + heads * dk * dv * 4
-    return total
+    return sum(kind.state_bytes(module, size) for module, kind in mixers(model).values())
 
 
-@dataclass
-class _Capture:
-    cut: torch.Tensor  # [B] index of each row's last real token: the state is taken before it
-
-
-_CAPTURE: ContextVar[_Capture | None] = ContextVar("treetrain_recurrent_capture", default=None)
 _ORIGINAL: dict[tuple[str, str], Callable[..., Any]] = {}
 
 
-def _captured_rule(module_name: str) -> Callable[..., Any]:
-    chunk = _ORIGINAL[(module_name, RULES[0])]
-    step = _ORIGINAL[(module_name, RULES[1])]
-
-    def rule(
-        query: torch.Tensor,  # [B, T, H_k, D_k]
-        key: torch.Tensor,  # [B, T, H_k, D_k]
-        value: torch.Tensor,  # [B, T, H_v, D_v]
-        g: torch.Tensor,  # [B, T, H_v]
-        beta: torch.Tensor,  # [B, T, H_v]
-        *args: Any,
-        initial_state: torch.Tensor | None = None,
-        output_final_state: bool = False,
-        use_qk_l2norm_in_kernel: bool = False,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        active = _CAPTURE.get()
-        if active is None or args:
-            raise RuntimeError("the captured delta rule ran outside a recurrent-state capture")
-        kwargs.pop("chunk_size", None)
-        cut = active.cut
-        t = torch.arange(query.shape[1], device=query.device)
-        before = (t[None, :] < cut[:, None]).to(g.dtype)[..., None]  # [B, T, 1]
-        out, state = chunk(
-            query, key, value, g=g * before, beta=beta * before.to(beta.dtype), initial_state=initial_state,
-            output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs,
-        )  # fmt: skip
-        rows = torch.arange(query.shape[0], device=query.device)
-        last, _ = step(
-            query[rows, cut][:, None], key[rows, cut][:, None], value[rows, cut][:, None],
-            g=g[rows, cut][:, None], beta=beta[rows, cut][:, None], initial_state=state,
-            output_final_state=False, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs,
-        )  # fmt: skip  # [B, 1, H_v, D_v]
-        out = out.index_put((rows, cut), last[:, 0].to(out.dtype))
-        return out, state
-
-    return rule
-
-
-def _dispatch(module_name: str, name: str) -> Callable[..., Any]:
-    """The layer module's function `name`: the captured rule while a capture is active, else the original."""
-    original = _ORIGINAL[(module_name, name)]
-    captured = _captured_rule(module_name)
+def _dispatch(original: Callable[..., Any], captured: Callable[..., Any]) -> Callable[..., Any]:
+    """The layer module's function: `captured` while a capture is active, else `original`."""
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        return (original if _CAPTURE.get() is None else captured)(*args, **kwargs)
+        return (original if CAPTURE.get() is None else captured)(*args, **kwargs)
 
     call._treetrain_dispatch = True  # type: ignore[attr-defined]
     return call
 
 
-def _install(module: nn.Module) -> None:
-    """Route the layer module's delta-rule names through `_dispatch` (once per module; a no-op outside a capture)."""
-    mod = _rules_module(module)
-    assert mod is not None
-    for name in RULES:
+def _install(module: nn.Module, kind: Kind) -> None:
+    """Route the layer module's functions of `kind` through `_dispatch` (once per module; a no-op outside a
+    capture)."""
+    mod = sys.modules[type(module).__module__]
+    seq, single = kind.functions
+    for name in kind.functions:
         if (mod.__name__, name) not in _ORIGINAL:
             _ORIGINAL[(mod.__name__, name)] = getattr(mod, name)
-    for name in RULES:
-        if not getattr(getattr(mod, name), "_treetrain_dispatch", False):
-            setattr(mod, name, _dispatch(mod.__name__, name))
+    original_seq, original_step = _ORIGINAL[(mod.__name__, seq)], _ORIGINAL[(mod.__name__, single)]
+    if not getattr(getattr(mod, seq), "_treetrain_dispatch", False):
+        setattr(mod, seq, _dispatch(original_seq, kind.captured(original_seq, original_step)))
+    if not getattr(getattr(mod, single), "_treetrain_dispatch", False):
+        step = kind.captured_step(original_step) if kind.captured_step is not None else original_step
+        setattr(mod, single, _dispatch(original_step, step))
 
 
 class EngineCache(DynamicCache):
@@ -216,6 +155,7 @@ class EngineCache(DynamicCache):
                 self._initial[i] = (conv, state)
         self.captured: dict[int, list[torch.Tensor | None]] = {i: [None, None] for i in recurrent}
         self.cut: torch.Tensor | None = None
+        self._current: int | None = None
 
     def is_recording_past(self, layer_idx: int) -> bool:
         return True  # the layer then always concatenates through `update_conv_state`, never updates in place
@@ -225,8 +165,13 @@ class EngineCache(DynamicCache):
         return None if got is None else got[0].expand(self.rows, *got[0].shape[1:])
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        self._current = layer_idx  # a layer reads its state first: the captured functions read it back
         got = self._initial.get(layer_idx)
         return None if got is None else got[1].expand(self.rows, *got[1].shape[1:])
+
+    def current_state(self) -> torch.Tensor | None:
+        """The initial recurrent state of the layer now running (`[B, ...]`), None at the root."""
+        return None if self._current is None else self.get_recurrent_state(self._current)
 
     def update_conv_state(
         self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: Any
@@ -251,6 +196,10 @@ class EngineCache(DynamicCache):
 
     def states(self, layer_idx: int) -> LayerKV:
         conv, state = self.captured[layer_idx]
+        if state is None and self.cut is not None and not bool(self.cut.any()):
+            state = self.get_recurrent_state(
+                layer_idx
+            )  # one-token rows: the state before it is the initial one
         if conv is None or state is None:
             raise RuntimeError(f"recurrent layer {layer_idx} recorded no state in this forward")
         return conv, state
@@ -272,11 +221,11 @@ class EngineCache(DynamicCache):
 def capturing(model: nn.Module, cache: EngineCache, lengths: torch.Tensor) -> Iterator[None]:
     """While the block lasts, `model`'s recurrent layers take their state from `cache` and record it before
     each row's last real token (`lengths - 1`, `[B]`)."""
-    for module in mixers(model).values():
-        _install(module)
+    for module, kind in mixers(model).values():
+        _install(module, kind)
     cache.cut = (lengths - 1).clamp_min(0)
-    token = _CAPTURE.set(_Capture(cache.cut))
+    token = CAPTURE.set(Capture(cache.cut, cache))
     try:
         yield
     finally:
-        _CAPTURE.reset(token)
+        CAPTURE.reset(token)

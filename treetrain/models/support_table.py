@@ -39,7 +39,7 @@ from treetrain.io import atomic_write_bytes
 from treetrain.models.attention import shared_past_kernel_note, shared_past_reason
 from treetrain.models.decoder import decoder_layers
 from treetrain.models.logit_head import LogitHead, logit_transform, output_head
-from treetrain.models.recurrent_state import recurrent_layers
+from treetrain.models.recurrent_state import mixers
 from treetrain.models.support import UnsupportedModelError, check_supported, short_message
 
 COMMAND = "python -m treetrain.models.support_table docs/model-support.md"
@@ -157,11 +157,12 @@ def _notes(model: PreTrainedModel) -> list[str]:
     transform = logit_transform(config)
     if not transform.identity:
         notes.append(f"head applies {transform.describe()}")
-    recurrent = sorted(recurrent_layers(model))
+    recurrent = mixers(model)
     if recurrent:
+        kinds = ", ".join(sorted({kind.name for _, kind in recurrent.values()}))
         notes.append(
-            f"Gated DeltaNet layers {recurrent}: resident state is their (conv state, recurrent state) before a "
-            "unit's last token"
+            f"recurrent layers {sorted(recurrent)} ({kinds}): resident state is their (conv state, recurrent "
+            "state) before a unit's last token"
         )
     reason = shared_past_reason(model)
     if reason is not None:
