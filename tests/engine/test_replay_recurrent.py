@@ -24,8 +24,8 @@ from treetrain.memory.persistent import kv_bytes_per_token, state_bytes_per_unit
 from treetrain.memory.retention import RetentionPolicy
 from treetrain.memory.tracker import MemoryTracker
 from treetrain.models.decoder import decoder_forward
-from treetrain.models.presets import RECURRENT_FAMILIES, tiny_model
-from treetrain.models.recurrent_state import recurrent_layers
+from treetrain.models.presets import EAGER_ONLY, MAMBA_FAMILIES, RECURRENT_FAMILIES, tiny_model
+from treetrain.models.recurrent_state import mixers, recurrent_layers
 from treetrain.models.support import SupportGate, UnsupportedModelError, check_supported
 
 FACTOR = 5.0
@@ -41,8 +41,9 @@ def _check(
     *,
     trusting: bool = False,
 ):
-    make = factory(family, dtype)
-    make_ref = factory(family, dtype, seed=7) if loss.needs_reference else None
+    attn = "eager" if family in EAGER_ONLY else "sdpa"
+    make = factory(family, dtype, attn)
+    make_ref = factory(family, dtype, attn, seed=7) if loss.needs_reference else None
     batch = make_batch(SHAPES[shape](0), loss)
     floor = noise_floor(make, batch, loss, make_ref)
     flat = flat_gradient(make(), batch, loss, make_ref() if make_ref else None)
@@ -60,9 +61,13 @@ def _check(
 def test_presets_mix_recurrent_and_attention_layers() -> None:
     """The cases below exercise both kinds of resident state, chained through the layers."""
     for family in RECURRENT_FAMILIES:
-        model = tiny_model(family, VOCAB)
+        model = tiny_model(family, VOCAB, attn="eager" if family in EAGER_ONLY else "sdpa")
         layers = recurrent_layers(model)
-        assert layers and len(layers) < model.config.num_hidden_layers, family
+        assert layers, family
+        if family not in ("mamba", "falcon_mamba"):  # those are Mamba layers only
+            assert len(layers) < model.config.num_hidden_layers, family
+        kinds = {kind.name for _, kind in mixers(model).values()}
+        assert kinds == {"mamba" if family in MAMBA_FAMILIES else "gated_deltanet"}, family
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -93,17 +98,23 @@ def test_exact_recurrent_invariant_to_order_k_and_chunking(replay: ReplayConfig)
     assert dev.abs <= FACTOR * floor, f"{replay}: {dev.abs:.3e} > {FACTOR} x {floor:.3e}"
 
 
+@pytest.mark.parametrize("family", ["qwen3_next", "mamba"])
 @pytest.mark.parametrize("shape", ["unequal", "identical", "single"])
-def test_exact_recurrent_other_shapes(shape: str) -> None:
-    """Rows of unequal length in one step (state taken per row), identical calls, a single chain."""
+def test_exact_recurrent_other_shapes(shape: str, family: str) -> None:
+    """Rows of unequal length in one step (state taken per row), identical calls, a single chain; one-token
+    chunks run the layers' single-step forms from a resident state."""
     loss = LossConfig(entropy_coef=0.01)
-    dev, floor = _check("qwen3_next", torch.float64, shape, loss, ReplayConfig(microbatch=0, chunk_size=4))
+    replay = ReplayConfig(microbatch=0, chunk_size=1 if shape == "single" else 4)
+    dev, floor = _check(family, torch.float64, shape, loss, replay)
     assert dev.abs <= FACTOR * floor, f"{shape}: {dev.abs:.3e} > {FACTOR} x {floor:.3e}"
 
 
-def test_negative_control_recurrent_state_left_out_of_g_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("family", ["qwen3_5_text", "jamba"])
+def test_negative_control_recurrent_state_left_out_of_g_is_rejected(
+    family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Reading the resident recurrent state detached (its gradient never reaches G; attention KV keeps
-    its G) is caught far above the bound."""
+    its G) is caught far above the bound, for a Gated DeltaNet and a Mamba hybrid."""
     import treetrain.models.recurrent_state as recurrent_state
 
     class Detached:
@@ -180,7 +191,7 @@ def test_resident_bytes_of_a_unit_are_what_the_ledger_books(family: str) -> None
     """A unit's stored state (KV of the attention layers, conv and recurrent state of the others) has the
     bytes the ledger and the retention plan price it at, in both dtypes."""
     for dtype in DTYPES.values():
-        model = tiny_model(family, VOCAB, dtype=dtype)
+        model = tiny_model(family, VOCAB, dtype=dtype, attn="eager" if family in EAGER_ONLY else "sdpa")
         tree = SHAPES["multi_level"](0)[0]
         batch = make_batch([tree], LossConfig())
         units = UnitTree.build(tree, batch.work[0].targets, None)
@@ -189,7 +200,7 @@ def test_resident_bytes_of_a_unit_are_what_the_ledger_books(family: str) -> None
         out = decoder_forward(model, padded.input_ids, padded.positions, None, lengths=padded.lengths)
         stored = sum(t.numel() * t.element_size() for kv in own_kv(unit, out, 0) for t in kv)
         per_token, per_unit = kv_bytes_per_token(model), state_bytes_per_unit(model)
-        assert per_unit > 0 and per_token > 0
+        assert per_unit > 0 and (per_token > 0) == (family not in ("mamba", "falcon_mamba")), family
         assert stored == unit_resident_bytes(len(unit), per_token, per_unit), f"{family}/{dtype}"
 
 
