@@ -135,7 +135,7 @@ def _more(family: str, size: TinySize, vocab_size: int) -> dict[str, Any]:
             layer_types=["sliding_attention", "full_attention"] * (layers // 2),
         )  # fmt: skip
     if family in MAMBA_FAMILIES:  # Mamba layers only, or (Jamba) around one attention layer with experts
-        more = dict(state_size=8, conv_kernel=4, expand=2, num_hidden_layers=3)
+        more: dict[str, Any] = dict(state_size=8, conv_kernel=4, expand=2, num_hidden_layers=3)
         if family == "jamba":
             more = dict(
                 num_hidden_layers=3, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,

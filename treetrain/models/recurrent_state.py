@@ -1,11 +1,12 @@
-"""Resident state of linear-attention layers: (conv state, recurrent state) at a unit's last token.
+"""Resident state of recurrent layers: (conv state, recurrent state) before a unit's last token.
 
-Why: a Gated DeltaNet layer (Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo hybrid) carries no per-token KV. What
-its later tokens read of the earlier ones is two constant-size tensors: the last `kernel - 1` inputs of its
-causal depthwise convolution (`[1, C, kernel - 1]`) and the delta rule's matrix state (`[1, H_v, D_k, D_v]`,
-float32, as the model's own kernel computes it). Those two are that layer's resident object; they sit in a
-unit's per-layer entry where an attention layer keeps `(keys, values)`, and everything that stores,
-evicts, offloads or accumulates G on resident KV handles them the same way.
+Why: a Gated DeltaNet layer (Qwen3.5, Qwen3-Next, OLMo hybrid) or a Mamba layer (Mamba, Falcon-Mamba,
+Jamba) carries no per-token KV. What its later tokens read of the earlier ones is two constant-size
+tensors: the last `kernel - 1` inputs of its causal depthwise convolution (`[1, C, kernel - 1]`) and its
+recurrent state (the delta rule's `[1, H_v, D_k, D_v]` in float32, as the model's own kernel computes it,
+or Mamba's `[1, I, N]`). Those two are that layer's resident object; they sit in a unit's per-layer entry
+where an attention layer keeps `(keys, values)`, and everything that stores, evicts, offloads or
+accumulates G on resident KV handles them the same way.
 
 Two things differ from KV, and this module does both:
 
@@ -13,11 +14,9 @@ Two things differ from KV, and this module does both:
   so the state a child continues is the one *before* the parent's last token, and it is taken per row of
   a right-padded batch. The model's own forward runs unchanged, with two seams: an `EngineCache` answers
   the layer's `get_conv_state` / `update_conv_state` / `get_recurrent_state` / `update_recurrent_state`
-  (the resident state in, the captured state out, never written in place), and the layer's own delta-rule
-  functions (`torch_chunk_gated_delta_rule`, `torch_recurrent_gated_delta_rule`, looked up in the layer's
-  module) are wrapped while a capture is active: positions from each row's capture point on neither decay
-  nor update the state (`g = 0`, `beta = 0`), so the chunked rule ends at the captured state, and the last
-  real token's output is one recurrent step from it. Both are the model's code, differentiable end to end.
+  (the resident state in, the captured state out, never written in place), and the layer's own sequence
+  and step functions, looked up in the layer's module by name, are wrapped while a capture is active
+  (`treetrain.models.recurrent_kinds`: what each kind does to stop its state at a row's cut).
 - **How a path reads it.** Attention concatenates the KV of every unit on the path; a recurrent layer
   reads only the last unit's state. Its gradient goes into that unit's G accumulator (`_Into`), and the
   unit's closing backward adds <state, G> like <KV, G>.

@@ -1,8 +1,9 @@
 """Which models the tree engine can run, and a clear refusal for the rest.
 
 The engine splits every sequence at node boundaries and continues from stored KV. That is exact only when a
-layer's whole state is its per-token keys and values over *all* earlier positions. Recurrent or linear
-attention layers carry a running state instead, and dynamic RoPE variants choose their frequencies from
+layer's whole state is its per-token keys and values over *all* earlier positions, or a recurrent state the
+engine keeps resident too (Gated DeltaNet and Mamba layers, `treetrain.models.recurrent_state`); other
+recurrent or linear attention layers carry a running state it cannot take, and dynamic RoPE variants choose their frequencies from
 the longest position *in each forward call*, so a prefix evaluated alone rotates differently than inside
 the whole sequence. The engine also computes logprobs from the LM head directly, so the head applies what
 the family does to its logits (`treetrain.models.logit_head`: scaling, final soft-capping); a model that
@@ -117,9 +118,9 @@ def check_supported(
         raise UnsupportedModelError(f"model type {mtype!r}: {exc}") from None
     if mtype in RECURRENT_MODEL_TYPES and not recurrent_layers(unwrap(model)):
         raise UnsupportedModelError(
-            f"model type {mtype!r} keeps recurrent state in layers that are not Gated DeltaNet linear attention "
-            "(no `layer_types` entry 'linear_attention'); resident state covers KV and Gated DeltaNet "
-            "(conv state, recurrent state) only, so tree replay is refused"
+            f"model type {mtype!r} keeps recurrent state in layers its config does not declare (no `layer_types` "
+            "entry 'linear_attention'); resident state covers KV and the recurrent layers of the kinds in "
+            "`treetrain.models.recurrent_kinds` (Gated DeltaNet, Mamba) only, so tree replay is refused"
         )
     mixer = unsupported_mixer(unwrap(model))
     if mixer is not None:

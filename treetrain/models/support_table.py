@@ -216,8 +216,9 @@ are checked again then).
 Measured against the flat reference in the tests (`tests/engine/test_replay_exact.py`, `tests/models/test_attention.py`):
 the five presets (`llama`, `qwen2`, `qwen3`, `mistral`, `qwen3_moe`), `MORE_FAMILIES` in
 `treetrain/models/presets.py` (`deepseek_v3`, `granite`, `cohere`, `gemma2`, `gpt2`, `gemma4_text`),
-`gpt_oss`, and the hybrid linear-attention presets `RECURRENT_FAMILIES` (`qwen3_5_text`, `qwen3_5_moe_text`,
-`qwen3_next`, `olmo_hybrid`, `lara_mini`; `tests/engine/test_replay_recurrent.py`).
+`gpt_oss`, and the presets with recurrent layers, `RECURRENT_FAMILIES` (`qwen3_5_text`, `qwen3_5_moe_text`,
+`qwen3_next`, `olmo_hybrid`, `lara_mini`, `mamba`, `falcon_mamba`, `jamba`;
+`tests/engine/test_replay_recurrent.py`).
 
 Generated with transformers {{version}} and torch {{torch}}.
 """
