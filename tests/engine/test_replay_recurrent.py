@@ -204,17 +204,18 @@ def test_resident_bytes_of_a_unit_are_what_the_ledger_books(family: str) -> None
         assert stored == unit_resident_bytes(len(unit), per_token, per_unit), f"{family}/{dtype}"
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_next"])
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_next", "jamba"])
 def test_lora_exact_matches_flat_recurrent(family: str) -> None:
-    """PEFT adapters on every linear layer, the Gated DeltaNet projections included."""
+    """PEFT adapters on every linear layer, the Gated DeltaNet and Mamba projections included."""
     make = lora_factory(family, torch.float64, target_modules=("all-linear",))
     loss = LossConfig()
     batch = make_batch(SHAPES["multi_level"](0), loss)
     floor = noise_floor(make, batch, loss)
     flat = flat_gradient(make(), batch, loss)
     model = make()
-    wrapped = [n for n, _ in model.named_parameters() if "linear_attn" in n and "lora_B" in n]
-    assert wrapped, "no adapter on the linear-attention layers"
+    recurrent = [f".{i}." for i in recurrent_layers(model.get_base_model())]
+    wrapped = [n for n, _ in model.named_parameters() if "lora_B" in n and any(f"layers{r}" in n for r in recurrent)]
+    assert wrapped, "no adapter on the recurrent layers"
     TreeReplay(model, loss, ReplayConfig(microbatch=2, chunk_size=5)).accumulate(batch)
     dev = deviation(flat_grad(model), flat)
     assert float(flat.norm()) > 0
