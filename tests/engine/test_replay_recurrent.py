@@ -1,6 +1,6 @@
-"""Hybrid linear attention (Qwen3.5, Qwen3.5-MoE, Qwen3-Next): `exact` equals the flat reference.
+"""Recurrent layers (Gated DeltaNet, Mamba, Mamba-2) and their hybrids: `exact` equals the flat reference.
 
-A Gated DeltaNet layer's resident object is its (conv state, recurrent state) before a unit's last token,
+A recurrent layer's resident object is its (conv state, recurrent state) before a unit's last token,
 not KV (`treetrain.models.recurrent_state`). The checks are the ones every KV family passes
 (test_replay_exact.py): `exact` against the flat reference at FACTOR times the noise floor measured in the
 same case, through trees of several levels, K, order, chunking and a retention budget, with LoRA; and
@@ -24,7 +24,13 @@ from treetrain.memory.persistent import kv_bytes_per_token, state_bytes_per_unit
 from treetrain.memory.retention import RetentionPolicy
 from treetrain.memory.tracker import MemoryTracker
 from treetrain.models.decoder import decoder_forward
-from treetrain.models.presets import EAGER_ONLY, MAMBA_FAMILIES, RECURRENT_FAMILIES, tiny_model
+from treetrain.models.presets import (
+    EAGER_ONLY,
+    MAMBA2_FAMILIES,
+    MAMBA_FAMILIES,
+    RECURRENT_FAMILIES,
+    tiny_model,
+)
 from treetrain.models.recurrent_state import mixers, recurrent_layers
 from treetrain.models.support import SupportGate, UnsupportedModelError, check_supported
 
@@ -67,7 +73,14 @@ def test_presets_mix_recurrent_and_attention_layers() -> None:
         if family not in ("mamba", "falcon_mamba"):  # those are Mamba layers only
             assert len(layers) < model.config.num_hidden_layers, family
         kinds = {kind.name for _, kind in mixers(model).values()}
-        assert kinds == {"mamba" if family in MAMBA_FAMILIES else "gated_deltanet"}, family
+        expected = (
+            "mamba2"
+            if family in MAMBA2_FAMILIES
+            else "mamba"
+            if family in MAMBA_FAMILIES
+            else "gated_deltanet"
+        )
+        assert kinds == {expected}, family
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -98,7 +111,7 @@ def test_exact_recurrent_invariant_to_order_k_and_chunking(replay: ReplayConfig)
     assert dev.abs <= FACTOR * floor, f"{replay}: {dev.abs:.3e} > {FACTOR} x {floor:.3e}"
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "mamba"])
+@pytest.mark.parametrize("family", ["qwen3_next", "mamba", "bamba"])
 @pytest.mark.parametrize("shape", ["unequal", "identical", "single"])
 def test_exact_recurrent_other_shapes(shape: str, family: str) -> None:
     """Rows of unequal length in one step (state taken per row), identical calls, a single chain; one-token
@@ -109,12 +122,12 @@ def test_exact_recurrent_other_shapes(shape: str, family: str) -> None:
     assert dev.abs <= FACTOR * floor, f"{shape}: {dev.abs:.3e} > {FACTOR} x {floor:.3e}"
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "jamba"])
+@pytest.mark.parametrize("family", ["qwen3_5_text", "jamba", "bamba"])
 def test_negative_control_recurrent_state_left_out_of_g_is_rejected(
     family: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Reading the resident recurrent state detached (its gradient never reaches G; attention KV keeps
-    its G) is caught far above the bound, for a Gated DeltaNet and a Mamba hybrid."""
+    its G) is caught far above the bound, for a Gated DeltaNet, a Mamba and a Mamba-2 hybrid."""
     import treetrain.models.recurrent_state as recurrent_state
 
     class Detached:
@@ -204,7 +217,7 @@ def test_resident_bytes_of_a_unit_are_what_the_ledger_books(family: str) -> None
         assert stored == unit_resident_bytes(len(unit), per_token, per_unit), f"{family}/{dtype}"
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_next", "jamba"])
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_next", "jamba", "bamba"])
 def test_lora_exact_matches_flat_recurrent(family: str) -> None:
     """PEFT adapters on every linear layer, the Gated DeltaNet and Mamba projections included."""
     make = lora_factory(family, torch.float64, target_modules=("all-linear",))
@@ -214,7 +227,9 @@ def test_lora_exact_matches_flat_recurrent(family: str) -> None:
     flat = flat_gradient(make(), batch, loss)
     model = make()
     recurrent = [f".{i}." for i in recurrent_layers(model.get_base_model())]
-    wrapped = [n for n, _ in model.named_parameters() if "lora_B" in n and any(f"layers{r}" in n for r in recurrent)]
+    wrapped = [
+        n for n, _ in model.named_parameters() if "lora_B" in n and any(f"layers{r}" in n for r in recurrent)
+    ]
     assert wrapped, "no adapter on the recurrent layers"
     TreeReplay(model, loss, ReplayConfig(microbatch=2, chunk_size=5)).accumulate(batch)
     dev = deviation(flat_grad(model), flat)

@@ -32,7 +32,10 @@ MORE_FAMILIES: tuple[str, ...] = ("deepseek_v3", "granite", "cohere", "gemma2", 
 #: (Mamba, Falcon-Mamba) or around an attention layer (Jamba).
 RECURRENT_FAMILIES: tuple[str, ...] = (
     "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lara_mini", "mamba", "falcon_mamba", "jamba",
+    "bamba", "granitemoehybrid",
 )  # fmt: skip
+#: Of those, the ones whose recurrent layers are Mamba-2 (chunked SSD scan) layers.
+MAMBA2_FAMILIES = frozenset({"bamba", "granitemoehybrid"})
 #: Of those, the ones whose recurrent layers are Mamba (selective scan) layers.
 MAMBA_FAMILIES = frozenset({"mamba", "falcon_mamba", "jamba"})
 #: Families whose transformers classes have no `sdpa` attention.
@@ -94,7 +97,15 @@ def tiny_config(
     common.update(_more(family, size, vocab_size))
     config = AutoConfig.for_model(family, **common)
     config._attn_implementation = attn
-    if family in ("qwen3_moe", "deepseek_v3", "qwen3_5_moe_text", "qwen3_next", "lara_mini", "jamba"):
+    if family in (
+        "qwen3_moe",
+        "deepseek_v3",
+        "qwen3_5_moe_text",
+        "qwen3_next",
+        "lara_mini",
+        "jamba",
+        "granitemoehybrid",
+    ):
         # The grouped-matmul experts kernel has no float64 path; the per-expert loop does.
         config._experts_implementation = "eager"
     return config
@@ -134,6 +145,16 @@ def _more(family: str, size: TinySize, vocab_size: int) -> dict[str, Any]:
             hidden_size_per_layer_input=8, vocab_size_per_layer_input=vocab_size, sliding_window=MISTRAL_WINDOW,
             layer_types=["sliding_attention", "full_attention"] * (layers // 2),
         )  # fmt: skip
+    if family in MAMBA2_FAMILIES:  # Mamba-2 layers around one attention layer
+        mamba2: dict[str, Any] = dict(
+            num_hidden_layers=3, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4,
+            mamba_expand=2,
+        )  # fmt: skip
+        if family == "bamba":
+            mamba2.update(attn_layer_indices=[1])
+        else:
+            mamba2.update(layer_types=["mamba", "attention", "mamba"])
+        return mamba2
     if family in MAMBA_FAMILIES:  # Mamba layers only, or (Jamba) around one attention layer with experts
         more: dict[str, Any] = dict(state_size=8, conv_kernel=4, expand=2, num_hidden_layers=3)
         if family == "jamba":

@@ -14,7 +14,7 @@ token, and computes that token's output with one step from it (`treetrain.models
 
 Example:
     >>> sorted(k.name for k in KINDS)
-    ['gated_deltanet', 'mamba']
+    ['gated_deltanet', 'mamba', 'mamba2']
 """
 
 from __future__ import annotations
@@ -208,6 +208,87 @@ def _mamba_bytes(layer: Any, size: int) -> int:
     return inner * (int(layer.conv_kernel_size) - 1) * size + inner * int(layer.ssm_state_size) * size
 
 
+def _chunk_scan(scan: Callable[..., Any], step: Callable[..., Any]) -> Callable[..., Any]:
+    def captured(
+        hidden_states: torch.Tensor,  # [B, T, H, P]
+        dt: torch.Tensor,  # [B, T, H]
+        A: torch.Tensor,  # [H]
+        B: torch.Tensor,  # [B, T, G, N]
+        C: torch.Tensor,  # [B, T, G, N]
+        chunk_size: int,
+        D: torch.Tensor | None = None,
+        dt_bias: torch.Tensor | None = None,
+        initial_states: torch.Tensor | None = None,  # [B, H, P, N]
+        dt_softplus: bool = False,
+        dt_limit: tuple[float, float] = (0.0, float("inf")),
+        return_final_states: bool = False,
+        **kwargs: Any,
+    ) -> Any:
+        cut = _active().cut
+        if dt_bias is not None:
+            dt = dt + dt_bias.to(dt.dtype)
+        if dt_softplus:
+            dt = F.softplus(dt)
+        dt = torch.clamp(dt, min=dt_limit[0], max=dt_limit[1])
+        t = torch.arange(dt.shape[1], device=dt.device)
+        dt_in = dt * (t[None, :] < cut[:, None]).to(dt.dtype)[..., None]  # [B, T, H]
+        out, state = scan(
+            hidden_states, dt_in, A, B, C, chunk_size, D=D, initial_states=initial_states,
+            return_final_states=True, **kwargs,
+        )  # fmt: skip  # [B, T, H, P], [B, H, P, N]
+        rows = torch.arange(dt.shape[0], device=dt.device)
+        last = _mamba2_step(
+            state, hidden_states[rows, cut], dt[rows, cut][..., None].expand(-1, -1, hidden_states.shape[-1]),
+            A[:, None, None].expand(-1, hidden_states.shape[-1], B.shape[-1]), B[rows, cut], C[rows, cut],
+            None if D is None else D[:, None].expand(-1, hidden_states.shape[-1]),
+        )  # fmt: skip  # [B, H, P]
+        out = out.index_put((rows, cut), last.to(out.dtype))
+        return (out, state) if return_final_states else out
+
+    return captured
+
+
+def _mamba2_step(
+    state: torch.Tensor,  # [B, H, P, N]
+    hidden_states: torch.Tensor,  # [B, H, P]
+    dt: torch.Tensor,  # [B, H, P]
+    A: torch.Tensor,  # [H, P, N]
+    B: torch.Tensor,  # [B, G, N]
+    C: torch.Tensor,  # [B, G, N]
+    D: torch.Tensor | None = None,  # [H, P]
+    dt_bias: torch.Tensor | None = None,  # [H, P]
+    dt_softplus: bool = False,
+    z: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """One Mamba-2 step, as transformers' `mamba2_selective_state_update` computes it, without its
+    in-place write into `state` (which overwrites a tensor its own backward needs)."""
+    heads, groups = hidden_states.shape[1], B.shape[1]
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dt.dtype)
+    if dt_softplus:
+        dt = F.softplus(dt)
+    d_a = torch.exp(dt[..., None].float() * A.float())  # [B, H, P, N]
+    b_h = B.repeat_interleave(heads // groups, dim=1)[:, :, None, :]  # [B, H, 1, N]
+    c_h = C.repeat_interleave(heads // groups, dim=1)  # [B, H, N]
+    h = state * d_a + dt[..., None] * b_h * hidden_states[..., None]
+    out = torch.matmul(h.to(c_h.dtype), c_h[..., None]).squeeze(-1)  # [B, H, P]
+    if D is not None:
+        out = (out + hidden_states * D).to(out.dtype)
+    if z is not None:
+        out = out * F.silu(z)
+    return out.to(hidden_states.dtype)
+
+
+def _chunk_step(step: Callable[..., Any]) -> Callable[..., Any]:
+    return _mamba2_step  # a one-token forward from a resident state: the state stays the initial one
+
+
+def _mamba2_bytes(layer: Any, size: int) -> int:
+    conv = int(layer.conv_dim) * (int(layer.conv_kernel_size) - 1) * size
+    return conv + int(layer.num_heads) * int(layer.head_dim) * int(layer.ssm_state_size) * 4  # float32 state
+
+
 GATED_DELTANET = Kind(
     "gated_deltanet",
     ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"),
@@ -224,7 +305,15 @@ MAMBA = Kind(
     _selective_scan,
     _selective_step,
 )
-KINDS = (GATED_DELTANET, MAMBA)
+MAMBA2 = Kind(
+    "mamba2",
+    ("mamba2_chunk_scan", "mamba2_selective_state_update"),
+    ("conv_kernel_size", "conv_dim", "num_heads", "head_dim", "ssm_state_size"),
+    _mamba2_bytes,
+    _chunk_scan,
+    _chunk_step,
+)
+KINDS = (GATED_DELTANET, MAMBA, MAMBA2)
 
 
 def kind_of(module: nn.Module) -> Kind | None:

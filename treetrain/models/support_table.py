@@ -83,6 +83,10 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "ctrl": dict(dff=64), "opt": dict(ffn_dim=64, word_embed_proj_dim=32),
     "mpt": dict(d_model=32, n_layers=2, n_heads=4), "xlstm": dict(num_heads=4),
     "dory": dict(num_hidden_layers=3, n_input_layers=1, n_output_layers=1, n_recurrent_loops=2),
+    "bamba": dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, attn_layer_indices=[1], num_hidden_layers=3),
+    "granitemoehybrid": dict(
+        mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
+    ),
 }  # fmt: skip
 
 
@@ -217,7 +221,7 @@ Measured against the flat reference in the tests (`tests/engine/test_replay_exac
 the five presets (`llama`, `qwen2`, `qwen3`, `mistral`, `qwen3_moe`), `MORE_FAMILIES` in
 `treetrain/models/presets.py` (`deepseek_v3`, `granite`, `cohere`, `gemma2`, `gpt2`, `gemma4_text`),
 `gpt_oss`, and the presets with recurrent layers, `RECURRENT_FAMILIES` (`qwen3_5_text`, `qwen3_5_moe_text`,
-`qwen3_next`, `olmo_hybrid`, `lara_mini`, `mamba`, `falcon_mamba`, `jamba`;
+`qwen3_next`, `olmo_hybrid`, `lara_mini`, `mamba`, `falcon_mamba`, `jamba`, `bamba`, `granitemoehybrid`;
 `tests/engine/test_replay_recurrent.py`).
 
 Generated with transformers {{version}} and torch {{torch}}.
