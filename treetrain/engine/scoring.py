@@ -34,7 +34,7 @@ from treetrain.engine.resident import (
 from treetrain.engine.units import Unit, UnitTree
 from treetrain.models.decoder import LayerKV, SharedPast
 from treetrain.models.lora import adapter_state, unwrap
-from treetrain.models.recurrent_state import recurrent_layers
+from treetrain.models.recurrent_state import unkeyed_layers
 from treetrain.tree.model import ROOT
 
 
@@ -61,8 +61,8 @@ class PathKV:
         self.recomputed_units = 0
         self.recomputed_tokens = 0
         self.restored_units = 0
-        self.recurrent = recurrent_layers(unwrap(model))
-        """Layers whose resident state is recurrent (taken before a unit's last token), not KV."""
+        self.recurrent = unkeyed_layers(unwrap(model))
+        """Layers whose resident state is not KV: recurrent (taken before a unit's last token) or none."""
 
     def key(self, unit: int) -> ResidentKey:
         u = self.units[unit]

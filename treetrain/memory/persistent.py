@@ -24,8 +24,8 @@ import torch
 from transformers import PreTrainedModel
 
 from treetrain.models.lora import Reference, is_adapter_param, reference_module, unwrap
-from treetrain.models.recurrent_state import recurrent_layers
 from treetrain.models.recurrent_state import state_bytes_per_unit as recurrent_state_bytes
+from treetrain.models.recurrent_state import unkeyed_layers
 
 DTYPE_BYTES: dict[str, int] = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -213,7 +213,7 @@ def kv_bytes_per_token(model: PreTrainedModel) -> int:
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
     layers = int(config.num_hidden_layers) - int(getattr(config, "num_kv_shared_layers", None) or 0)
-    layers -= len(recurrent_layers(unwrap(model)))
+    layers -= len(unkeyed_layers(unwrap(model)))
     rank = getattr(config, "kv_lora_rank", None)
     per_layer = int(rank) + int(config.qk_rope_head_dim) if rank else 2 * kv_heads * head_dim
     return layers * per_layer * next(model.parameters()).element_size()

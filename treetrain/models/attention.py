@@ -43,7 +43,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.utils.import_utils import is_torch_greater_or_equal
 
-from treetrain.models.recurrent_state import recurrent_layers
+from treetrain.models.recurrent_state import recurrent_layers, unkeyed_layers
 from treetrain.models.shared_past import SharedPast, expanded_past, shared_attention
 
 NAME = "treetrain_sdpa"
@@ -115,7 +115,9 @@ def hybrid_attention_uses_interface(model: PreTrainedModel) -> bool:
     recurrent = recurrent_layers(model)
     if not recurrent:
         return False
-    wanted = set(range(int(model.config.get_text_config(decoder=True).num_hidden_layers))) - recurrent
+    wanted = set(range(int(model.config.get_text_config(decoder=True).num_hidden_layers))) - unkeyed_layers(
+        model
+    )
     found = {
         idx
         for m in model.modules()

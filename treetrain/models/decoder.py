@@ -31,7 +31,7 @@ from treetrain.models.attention import (
 )
 from treetrain.models.logit_head import output_head
 from treetrain.models.lora import unwrap
-from treetrain.models.recurrent_state import EngineCache, capturing, recurrent_layers
+from treetrain.models.recurrent_state import EngineCache, capturing, recurrent_layers, stateless_layers
 from treetrain.models.shared_past import LayerKV, SharedPast, concatenated
 
 __all__ = [
@@ -58,7 +58,7 @@ class DecoderOutput:
     keys: tuple[torch.Tensor, ...]  # per layer [B, H_kv, T, D]; recurrent layers [B, C, kernel - 1]
     values: tuple[torch.Tensor, ...]  # per layer [B, H_kv, T, D]; recurrent layers [B, H_v, D_k, D_v]
     recurrent: frozenset[int] = frozenset()
-    """Layers whose entries are recurrent state, not per-token KV."""
+    """Layers whose entries are not per-token KV: recurrent state, or empty for a stateless layer."""
 
 
 #: Attribute names under which a decoder stack keeps its blocks: `layers` (Llama and most), `h` (GPT-2,
@@ -137,8 +137,10 @@ def decoder_forward(
     base = base_model(model)
     bsz = input_ids.shape[0]
     recurrent = recurrent_layers(unwrap(model))
+    stateless = stateless_layers(unwrap(model))
+    unkeyed = recurrent | stateless  # no sequence axis in their entries
     if past is not None and not isinstance(past, SharedPast):
-        past = SharedPast.of([list(past)], recurrent=recurrent) if len(past) else None
+        past = SharedPast.of([list(past)], recurrent=unkeyed) if len(past) else None
     if past is not None and not past.pieces:
         past = None
     shared = (
@@ -148,8 +150,8 @@ def decoder_forward(
         and past.pieces[0][0][0].shape[0] == 1
     )
     cache: DynamicCache = DynamicCache()
-    if recurrent:
-        cache = EngineCache(len(_blocks_of(base)), recurrent, past, bsz, _anchor(model))
+    if unkeyed:
+        cache = EngineCache(len(_blocks_of(base)), recurrent, past, bsz, _anchor(model), stateless)
     past_len = 0
     if past is not None and not shared:
         past_len = past.length
@@ -177,10 +179,13 @@ def decoder_forward(
             conv, state = cache.states(i)  # type: ignore[attr-defined]
             keys.append(conv)
             values.append(state)
+        elif i in stateless:  # an MLP or experts block: an empty entry keeps the layer indices aligned
+            keys.append(input_ids.new_zeros((bsz, 0), dtype=out.last_hidden_state.dtype))
+            values.append(keys[-1])
         else:
             keys.append(layer.keys[:, :, past_len:, :])
             values.append(layer.values[:, :, past_len:, :])
-    return DecoderOutput(out.last_hidden_state, tuple(keys), tuple(values), recurrent)
+    return DecoderOutput(out.last_hidden_state, tuple(keys), tuple(values), unkeyed)
 
 
 def _blocks_of(base: nn.Module) -> nn.ModuleList:

@@ -32,10 +32,10 @@ MORE_FAMILIES: tuple[str, ...] = ("deepseek_v3", "granite", "cohere", "gemma2", 
 #: (Mamba, Falcon-Mamba) or around an attention layer (Jamba).
 RECURRENT_FAMILIES: tuple[str, ...] = (
     "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lara_mini", "mamba", "falcon_mamba", "jamba",
-    "bamba", "granitemoehybrid",
+    "bamba", "granitemoehybrid", "nemotron_h",
 )  # fmt: skip
 #: Of those, the ones whose recurrent layers are Mamba-2 (chunked SSD scan) layers.
-MAMBA2_FAMILIES = frozenset({"bamba", "granitemoehybrid"})
+MAMBA2_FAMILIES = frozenset({"bamba", "granitemoehybrid", "nemotron_h"})
 #: Of those, the ones whose recurrent layers are Mamba (selective scan) layers.
 MAMBA_FAMILIES = frozenset({"mamba", "falcon_mamba", "jamba"})
 #: Families whose transformers classes have no `sdpa` attention.
@@ -105,6 +105,7 @@ def tiny_config(
         "lara_mini",
         "jamba",
         "granitemoehybrid",
+        "nemotron_h",
     ):
         # The grouped-matmul experts kernel has no float64 path; the per-expert loop does.
         config._experts_implementation = "eager"
@@ -150,6 +151,15 @@ def _more(family: str, size: TinySize, vocab_size: int) -> dict[str, Any]:
             num_hidden_layers=3, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4,
             mamba_expand=2,
         )  # fmt: skip
+        if (
+            family == "nemotron_h"
+        ):  # Mamba-2, experts, attention, Mamba-2, MLP: stateless blocks in the layer list
+            return dict(
+                layers_block_type=["linear_attention", "moe", "full_attention", "linear_attention", "mlp"],
+                mamba_num_heads=4, mamba_head_dim=16, n_groups=1, ssm_state_size=8, conv_kernel=4, expand=2,
+                chunk_size=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                moe_shared_expert_intermediate_size=16, n_group=1, topk_group=1, use_mamba_kernels=False,
+            )  # fmt: skip
         if family == "bamba":
             mamba2.update(attn_layer_indices=[1])
         else:

@@ -44,6 +44,8 @@ from treetrain.models.shared_past import LayerKV, SharedPast, _Into
 
 #: Layer types of transformers' configs whose layer carries recurrent state instead of KV.
 RECURRENT_LAYER_TYPES = frozenset({"linear_attention"})
+#: Layer types that keep no state at all (an MLP or experts block in the layer list, as in Nemotron-H).
+STATELESS_LAYER_TYPES = frozenset({"mlp", "moe"})
 
 
 def recurrent_layers(model: nn.Module) -> frozenset[int]:
@@ -51,6 +53,19 @@ def recurrent_layers(model: nn.Module) -> frozenset[int]:
     config = model.config.get_text_config(decoder=True)  # type: ignore[union-attr,operator]
     types = list(getattr(config, "layer_types", None) or [])
     return frozenset(i for i, t in enumerate(types) if t in RECURRENT_LAYER_TYPES)
+
+
+def stateless_layers(model: nn.Module) -> frozenset[int]:
+    """Indices of the decoder layers that keep no state (config `layer_types` 'mlp' or 'moe')."""
+    config = model.config.get_text_config(decoder=True)  # type: ignore[union-attr,operator]
+    types = list(getattr(config, "layer_types", None) or [])
+    return frozenset(i for i, t in enumerate(types) if t in STATELESS_LAYER_TYPES)
+
+
+def unkeyed_layers(model: nn.Module) -> frozenset[int]:
+    """Layers without per-token KV: recurrent ones (their state has no sequence axis) and stateless ones
+    (an empty entry)."""
+    return recurrent_layers(model) | stateless_layers(model)
 
 
 def mixers(model: nn.Module) -> dict[int, tuple[Any, Kind]]:
@@ -136,8 +151,11 @@ class EngineCache(DynamicCache):
         past: SharedPast | None,
         rows: int,
         anchor: torch.Tensor | None,
+        stateless: frozenset[int] = frozenset(),
     ) -> None:
-        layers: list[Any] = [DummyLayer() if i in recurrent else DynamicLayer() for i in range(n_layers)]
+        layers: list[Any] = [
+            DummyLayer() if i in recurrent or i in stateless else DynamicLayer() for i in range(n_layers)
+        ]
         super().__init__()
         self.layers = layers
         self.layer_class_to_replicate = None

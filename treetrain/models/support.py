@@ -37,7 +37,13 @@ from treetrain.errors import TreetrainError
 from treetrain.models.attention import shared_past_reason
 from treetrain.models.decoder import SharedPast, decoder_forward, decoder_layers, output_head
 from treetrain.models.lora import unwrap
-from treetrain.models.recurrent_state import RECURRENT_LAYER_TYPES, recurrent_layers, unsupported_mixer
+from treetrain.models.recurrent_state import (
+    RECURRENT_LAYER_TYPES,
+    STATELESS_LAYER_TYPES,
+    recurrent_layers,
+    unkeyed_layers,
+    unsupported_mixer,
+)
 
 #: Layer types whose state is plain KV over every earlier position.
 FULL_ATTENTION_TYPES = frozenset({"full_attention"})
@@ -126,7 +132,13 @@ def check_supported(
     if mixer is not None:
         raise UnsupportedModelError(f"model type {mtype!r}: {mixer}")
     layer_types = getattr(config, "layer_types", None) or []
-    odd = sorted(set(layer_types) - FULL_ATTENTION_TYPES - SLIDING_TYPES - RECURRENT_LAYER_TYPES)
+    odd = sorted(
+        set(layer_types)
+        - FULL_ATTENTION_TYPES
+        - SLIDING_TYPES
+        - RECURRENT_LAYER_TYPES
+        - STATELESS_LAYER_TYPES
+    )
     if odd:
         raise UnsupportedModelError(
             f"model type {mtype!r} has layer types {odd}; only full (and covered sliding) attention is supported"
@@ -325,15 +337,15 @@ def _check_cache_count(model: PreTrainedModel, mtype: str, caches: int) -> None:
     reuses an earlier layer's KV, Gemma 3n/4's `num_kv_shared_layers`, keeps none), else a refusal that says
     what the model does instead."""
     n_blocks = len(decoder_layers(model))
-    recurrent = len(recurrent_layers(unwrap(model)))  # they keep (conv, recurrent) state, not a KV cache
-    if caches == 0 and not recurrent:
+    unkeyed = unkeyed_layers(unwrap(model))  # recurrent state or none, not a KV cache
+    if caches == 0 and not unkeyed:
         raise UnsupportedModelError(
             f"model type {mtype!r} returns no KV cache from its forward, so a prefix cannot be continued from "
             "resident KV"
         )
     indices = {m.layer_idx for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int)}
     reusing = sum(1 for m in model.modules() if getattr(m, "is_kv_shared_layer", False) is True)
-    own = (len(indices) or n_blocks) - reusing - recurrent
+    own = (len(indices - unkeyed) if indices else n_blocks - len(unkeyed)) - reusing
     if caches > own:
         raise UnsupportedModelError(
             f"model type {mtype!r} keeps {caches} KV caches for {own} attention layers ({n_blocks} blocks): it runs "
