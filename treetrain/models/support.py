@@ -48,6 +48,8 @@ from treetrain.models.recurrent_state import (
 #: Layer types whose state is plain KV over every earlier position.
 FULL_ATTENTION_TYPES = frozenset({"full_attention"})
 SLIDING_TYPES = frozenset({"sliding_attention"})
+#: Layer types with a recurrent mixer and attention in the same layer (Zamba, Falcon-H1).
+HYBRID_LAYER_TYPES = frozenset({"hybrid", "hybrid_sliding"})
 #: Model types known to keep recurrent or compressed state.
 RECURRENT_MODEL_TYPES = frozenset(
     {
@@ -126,7 +128,7 @@ def check_supported(
         raise UnsupportedModelError(
             f"model type {mtype!r} keeps recurrent state in layers its config does not declare (no `layer_types` "
             "entry 'linear_attention'); resident state covers KV and the recurrent layers of the kinds in "
-            "`treetrain.models.recurrent_kinds` (Gated DeltaNet, Mamba) only, so tree replay is refused"
+            "`treetrain.models.recurrent_kinds` (Gated DeltaNet, Mamba, Mamba-2) only, so tree replay is refused"
         )
     mixer = unsupported_mixer(unwrap(model))
     if mixer is not None:
@@ -139,6 +141,13 @@ def check_supported(
         - RECURRENT_LAYER_TYPES
         - STATELESS_LAYER_TYPES
     )
+    both = sorted(set(odd) & HYBRID_LAYER_TYPES)
+    if both:
+        raise UnsupportedModelError(
+            f"model type {mtype!r} has layers of type {both}: a recurrent mixer and attention in one layer, whose "
+            "cache holds KV and recurrent state together; resident state keeps one kind per layer, so tree "
+            "replay is refused"
+        )
     if odd:
         raise UnsupportedModelError(
             f"model type {mtype!r} has layer types {odd}; only full (and covered sliding) attention is supported"

@@ -83,6 +83,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "ctrl": dict(dff=64), "opt": dict(ffn_dim=64, word_embed_proj_dim=32),
     "mpt": dict(d_model=32, n_layers=2, n_heads=4), "xlstm": dict(num_heads=4),
     "dory": dict(num_hidden_layers=3, n_input_layers=1, n_output_layers=1, n_recurrent_loops=2),
+    "zamba": dict(num_hidden_layers=3, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8),
+    "zamba2": dict(num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "mamba"], mamba_d_state=8),
     "bamba": dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, attn_layer_indices=[1], num_hidden_layers=3),
     "granitemoehybrid": dict(
         mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
