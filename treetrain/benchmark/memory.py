@@ -79,7 +79,10 @@ def response_graph_bytes(model: PreTrainedModel, batch: UpdateBatch, mode: Mode,
     if mode == "flat":
         raise ValueError("flat has no response graphs apart from whole sequences")
     mm = calibrate(model, mode)
-    plan = plan_tree(batch.work[0], replay_config(mode, cfg), LOSS, kv_bytes_per_token=mm.kv_bytes_per_token)
+    plan = plan_tree(
+        batch.work[0], replay_config(mode, cfg), LOSS, kv_bytes_per_token=mm.kv_bytes_per_token,
+        state_bytes_per_unit=mm.state_bytes_per_unit,
+    )  # fmt: skip
     units = plan.units
     leaves = [u for u in units.units[1:] if u.is_leaf and u.targets.num_targets]
     return max(

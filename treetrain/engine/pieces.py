@@ -54,15 +54,19 @@ def forward_units(
         batch = pad_pieces([u.input_tokens for u in units], [u.input_offset for u in units], device)
     else:
         batch = pad_pieces([u.tokens for u in units], [u.offset for u in units], device)
-    return batch, decoder_forward(model, batch.input_ids, batch.positions, past)
+    return batch, decoder_forward(model, batch.input_ids, batch.positions, past, lengths=batch.lengths)
 
 
 def own_kv(unit: Unit, out: DecoderOutput, row: int, overlap: bool = True) -> list[LayerKV]:
-    """The unit's own KV from a batched forward (overlap and padding cut away), graph kept."""
+    """The unit's own resident state from a batched forward, graph kept: per attention layer its KV (overlap
+    and padding cut away), per recurrent layer its row's state before its last token."""
     a = 1 if overlap and unit.overlap is not None else 0
     n = len(unit)
     return [
-        (k[row : row + 1, :, a : a + n], v[row : row + 1, :, a : a + n]) for k, v in zip(out.keys, out.values)
+        (k[row : row + 1], v[row : row + 1])
+        if i in out.recurrent
+        else (k[row : row + 1, :, a : a + n], v[row : row + 1, :, a : a + n])
+        for i, (k, v) in enumerate(zip(out.keys, out.values))
     ]
 
 

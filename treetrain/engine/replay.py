@@ -353,7 +353,8 @@ class TreeReplay:
         grads = None
         if self.cfg.contract == "exact":
             grads = [self.store.grad_buffers(paths.key(u), p, self.identity) for u, p in zip(path, pieces)]
-        padded, out = forward_units(self.model, batch_units, past_before_overlap(pieces, grads), self.device)
+        past = past_before_overlap(pieces, grads, recurrent=paths.recurrent)
+        padded, out = forward_units(self.model, batch_units, past, self.device)
         gathered = gather_targets([u.targets for u in batch_units], padded.input_ids.shape[1], self.device)
         logp, entropy = target_stats(
             self.model, out.hidden, gathered, with_entropy=self.loss_cfg.needs_entropy,

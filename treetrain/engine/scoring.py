@@ -33,7 +33,8 @@ from treetrain.engine.resident import (
 )
 from treetrain.engine.units import Unit, UnitTree
 from treetrain.models.decoder import LayerKV, SharedPast
-from treetrain.models.lora import adapter_state
+from treetrain.models.lora import adapter_state, unwrap
+from treetrain.models.recurrent_state import unkeyed_layers
 from treetrain.tree.model import ROOT
 
 
@@ -60,6 +61,8 @@ class PathKV:
         self.recomputed_units = 0
         self.recomputed_tokens = 0
         self.restored_units = 0
+        self.recurrent = unkeyed_layers(unwrap(model))
+        """Layers whose resident state is not KV: recurrent (taken before a unit's last token) or none."""
 
     def key(self, unit: int) -> ResidentKey:
         u = self.units[unit]
@@ -82,15 +85,20 @@ class PathKV:
 
     @torch.no_grad()
     def _recompute(self, unit: int) -> None:
+        """The unit's state from its parent's path. Recurrent state is taken before the parent's last token,
+        so a model with recurrent layers recomputes with the overlap, as its children run."""
         parent = self.units[unit].parent
-        past = None
+        pieces = []
         if parent is not None and parent != ROOT:
-            past = SharedPast.of(
-                [self.store.get(self.key(u), self.identity) for u in self.units.path(parent)]
-            )
-        _, out = forward_units(self.model, [self.units[unit]], past, self.device, overlap=False)
+            pieces = [self.store.get(self.key(u), self.identity) for u in self.units.path(parent)]
+        overlap = bool(self.recurrent)
+        if overlap:
+            past = past_before_overlap(pieces, recurrent=self.recurrent)
+        else:
+            past = SharedPast.of(pieces) if pieces else None
+        _, out = forward_units(self.model, [self.units[unit]], past, self.device, overlap=overlap)
         # Clone: the new KV is a view into a cache that also holds the whole past.
-        kv = [(k.clone(), v.clone()) for k, v in zip(out.keys, out.values)]
+        kv = [(k.clone(), v.clone()) for k, v in own_kv(self.units[unit], out, 0, overlap=overlap)]
         del out
         self.store.put(self.key(unit), kv, self.identity)
         self.recomputed_units += 1
@@ -100,17 +108,21 @@ class PathKV:
         """The past that `unit`'s children run against (None under the empty root)."""
         if unit == ROOT:
             return None
-        return past_before_overlap(self.pieces(unit))
+        return past_before_overlap(self.pieces(unit), recurrent=self.recurrent)
 
 
 def past_before_overlap(
-    pieces: Sequence[Sequence[LayerKV]], grads: Sequence[Sequence[LayerKV] | None] | None = None
+    pieces: Sequence[Sequence[LayerKV]],
+    grads: Sequence[Sequence[LayerKV] | None] | None = None,
+    *,
+    recurrent: frozenset[int] = frozenset(),
 ) -> SharedPast | None:
     """The path pieces as one shared past (never concatenated), leaving out the last position: the children
-    recompute it as their overlap. `grads` are the pieces' G accumulators (`exact` replay)."""
+    recompute it as their overlap. `grads` are the pieces' G accumulators (`exact` replay); layers in
+    `recurrent` hold state taken before that position already."""
     if not pieces:
         return None
-    return SharedPast.of(pieces, grads).without_last_position()
+    return SharedPast.of(pieces, grads, recurrent=recurrent).without_last_position()
 
 
 def reference_need(units: UnitTree) -> list[bool]:

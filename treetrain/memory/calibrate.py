@@ -56,7 +56,7 @@ from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.manifest import Manifest
 from treetrain.memory.events import Shape, plan_tree
 from treetrain.memory.fit import Affine, MaxAffine, fit_affine, fit_max_affine
-from treetrain.memory.persistent import kv_bytes_per_token
+from treetrain.memory.persistent import kv_bytes_per_token, state_bytes_per_unit
 from treetrain.memory.tracker import MeasuredSegment, MemoryTracker
 from treetrain.models.logprobs import DEFAULT_MAX_LOGIT_ELEMENTS
 from treetrain.models.support import SupportGate
@@ -163,6 +163,9 @@ class MemoryModel:
     head_grad_bytes: int = 0
     """Bytes of the output head's weight gradient. With more targets than one logits chunk holds, the
     chunks' weight gradients are summed in backward, so one more of them is alive (`multi_chunk_bytes`)."""
+
+    state_bytes_per_unit: int = 0
+    """Resident recurrent-state bytes of one unit, whatever its length (linear-attention layers)."""
 
     def multi_chunk_bytes(self, shape: Shape) -> int:
         """Exact bytes a backward adds when `shape`'s targets span several logits chunks."""
@@ -325,7 +328,13 @@ def measure(
             engine.accumulate(batch)
             tracker.detach()
             segs = _segments(tracker)
-            plan = plan_tree(batch.work[0], cfg, loss, kv_bytes_per_token=per_token)
+            plan = plan_tree(
+                batch.work[0],
+                cfg,
+                loss,
+                kv_bytes_per_token=per_token,
+                state_bytes_per_unit=state_bytes_per_unit(model),
+            )
             for ev in plan.events:
                 seg = segs.get(ev.label)
                 if seg is None:
@@ -446,6 +455,7 @@ def calibrate(
         len(steps) + len(nograd),
         max(e1, e2),
         head_grad_bytes(model),
+        state_bytes_per_unit(model),
     )
     if cache:
         _CACHE[key] = out

@@ -24,6 +24,7 @@ from treetrain.engine.schedule import Contract, ReplayStep, active_units, build_
 from treetrain.engine.scoring import ScoreBatch, ScoreEvent, reference_need, scoring_schedule
 from treetrain.engine.units import Unit, UnitTree
 from treetrain.loss.loss_config import LossConfig
+from treetrain.memory.persistent import unit_resident_bytes
 from treetrain.memory.retention import ResidentUse, RetentionPlan, plan_retention, tree_uses
 from treetrain.tree.model import ROOT
 
@@ -193,7 +194,7 @@ class TreePlan:
     reference_schedule: tuple[ScoreEvent, ...]
     """The separate reference walk's events, releases included."""
     kv_bytes: tuple[int, ...]
-    """Resident KV bytes of each unit."""
+    """Resident bytes of each unit: KV and recurrent state."""
     fused_reference: bool = False
     """The reference is scored in the scoring walk ('reference' events among `events`)."""
 
@@ -204,6 +205,7 @@ def plan_tree(
     loss: LossConfig,
     *,
     kv_bytes_per_token: int,
+    state_bytes_per_unit: int = 0,
     budget: int | None = None,
     keep_graph: KeepGraph | None = None,
     host_tier: bool = False,
@@ -238,7 +240,7 @@ def plan_tree(
         units, score_events, steps, contract=replay.contract, keep=needs_kv, kept_graphs=kept,
         fused_reference=fused,
     )  # fmt: skip
-    kv = tuple(len(u) * kv_bytes_per_token for u in units.units)
+    kv = tuple(unit_resident_bytes(len(u), kv_bytes_per_token, state_bytes_per_unit) for u in units.units)
     plan = plan_retention(uses, kv, budget)
     events = tree_events(
         units, uses, plan, contract=replay.contract, kept_graphs=kept, host_tier=host_tier,

@@ -172,7 +172,8 @@ def predict_ledger(
     fused = fused_reference(loss, replay, ref_model)
     for t, work in enumerate(batch.work):
         tp = plan_tree(
-            work, replay, loss, kv_bytes_per_token=mm.kv_bytes_per_token, budget=budget, keep_graph=keep_graph,
+            work, replay, loss, kv_bytes_per_token=mm.kv_bytes_per_token,
+            state_bytes_per_unit=mm.state_bytes_per_unit, budget=budget, keep_graph=keep_graph,
             host_tier=host_tier, fused_reference=fused,
         )  # fmt: skip
         minimum = max(minimum, tp.plan.minimum)

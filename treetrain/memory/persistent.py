@@ -23,7 +23,9 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import PreTrainedModel
 
-from treetrain.models.lora import Reference, is_adapter_param, reference_module
+from treetrain.models.lora import Reference, is_adapter_param, reference_module, unwrap
+from treetrain.models.recurrent_state import state_bytes_per_unit as recurrent_state_bytes
+from treetrain.models.recurrent_state import unkeyed_layers
 
 DTYPE_BYTES: dict[str, int] = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -187,18 +189,31 @@ def largest_module(model: torch.nn.Module) -> int:
     return max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
 
 
+def state_bytes_per_unit(model: PreTrainedModel) -> int:
+    """Resident bytes every unit holds whatever its length: the (conv, recurrent) state of each linear-attention
+    layer, taken before the unit's last token (0 for a model of attention layers only)."""
+    return recurrent_state_bytes(unwrap(model))
+
+
+def unit_resident_bytes(length: int, per_token: int, per_unit: int) -> int:
+    """Resident bytes of a unit of `length` tokens: its KV plus its constant recurrent state."""
+    return length * per_token + per_unit
+
+
 def kv_bytes_per_token(model: PreTrainedModel) -> int:
     """Resident KV bytes of one token: what every layer's cache holds, in the model's dtype.
 
     That is keys and values per KV head, except that multi-head latent attention (`kv_lora_rank`) caches one
     latent and one rotary key per layer, and layers that reuse an earlier layer's KV
-    (`num_kv_shared_layers`, Gemma 3n/4) cache nothing.
+    (`num_kv_shared_layers`, Gemma 3n/4) or keep recurrent state instead (`state_bytes_per_unit`) cache
+    nothing per token.
     """
     config = model.config.get_text_config(decoder=True)
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
     layers = int(config.num_hidden_layers) - int(getattr(config, "num_kv_shared_layers", None) or 0)
+    layers -= len(unkeyed_layers(unwrap(model)))
     rank = getattr(config, "kv_lora_rank", None)
     per_layer = int(rank) + int(config.qk_rope_head_dim) if rank else 2 * kv_heads * head_dim
     return layers * per_layer * next(model.parameters()).element_size()

@@ -23,7 +23,7 @@ from treetrain.loss.loss_config import LossConfig
 from treetrain.memory.events import plan_tree
 from treetrain.memory.flat_cost import predict_flat
 from treetrain.memory.ledger import Ledger, predict_ledger
-from treetrain.memory.persistent import PersistentBytes, kv_bytes_per_token
+from treetrain.memory.persistent import PersistentBytes, kv_bytes_per_token, state_bytes_per_unit
 from treetrain.memory.retention import BudgetTooSmallError
 from treetrain.models.lora import Reference
 
@@ -62,6 +62,7 @@ class TreeSearch:
         self.batch, self.model, self.loss, self.base, self.budget = batch, model, loss, base, budget
         self.persistent, self.ref_model = persistent, ref_model
         self.per_token = kv_bytes_per_token(model)
+        self.per_unit = state_bytes_per_unit(model)
         self.smallest: Candidate | None = None
         """The candidate with the lowest peak seen, fitting or not (for refusals)."""
 
@@ -117,7 +118,9 @@ class TreeSearch:
         cfg = replace(self.base, chunk_size=chunk)
         found: list[tuple[int, str, int]] = []
         for work in self.batch.work:
-            units = plan_tree(work, cfg, self.loss, kv_bytes_per_token=self.per_token).units
+            units = plan_tree(
+                work, cfg, self.loss, kv_bytes_per_token=self.per_token, state_bytes_per_unit=self.per_unit
+            ).units
             found += [(len(u.input_tokens), work.tree.id, u.index) for u in units.units[1:] if u.children]
         return [(t, u) for _, t, u in sorted(found, key=lambda x: (-x[0], x[1], x[2]))]
 

@@ -38,7 +38,7 @@ from treetrain.engine.schedule import Contract, ReplayStep
 from treetrain.engine.scoring import ScoreBatch, ScoreDone, ScoreEvent
 from treetrain.engine.units import UnitTree
 from treetrain.errors import TreetrainError
-from treetrain.memory.persistent import kv_bytes_per_token
+from treetrain.memory.persistent import kv_bytes_per_token, state_bytes_per_unit, unit_resident_bytes
 from treetrain.tree.model import ROOT
 
 NEVER = 1 << 62
@@ -283,8 +283,8 @@ class RetentionPolicy:
         model: PreTrainedModel,
         fused_reference: bool = False,
     ) -> None:
-        per_token = kv_bytes_per_token(model)
-        kv = [len(u) * per_token for u in units.units]
+        per_token, per_unit = kv_bytes_per_token(model), state_bytes_per_unit(model)
+        kv = [unit_resident_bytes(len(u), per_token, per_unit) for u in units.units]
         self._uses = tree_uses(
             units, score_events, steps, contract=cast(Contract, contract), keep=keep, kept_graphs=kept_graphs,
             fused_reference=fused_reference,

@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -42,6 +43,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.utils.import_utils import is_torch_greater_or_equal
 
+from treetrain.models.recurrent_state import recurrent_layers, unkeyed_layers
 from treetrain.models.shared_past import SharedPast, expanded_past, shared_attention
 
 NAME = "treetrain_sdpa"
@@ -84,11 +86,44 @@ def shared_past_reason(model: PreTrainedModel) -> str | None:
     impl = str(getattr(model.config, "_attn_implementation", None))
     if impl not in DECOMPOSABLE:
         return f"attention implementation {impl!r} is not decomposed"
-    if not getattr(model, "_supports_attention_backend", False):
+    if not (getattr(model, "_supports_attention_backend", False) or hybrid_attention_uses_interface(model)):
         return f"{type(model).__name__}'s attention does not go through transformers' attention interface"
     if type(model) in _LAYOUT_MISMATCH:
         return "its cache holds other tensors than the keys and values its attention reads"
     return None
+
+
+_INTERFACE = "ALL_ATTENTION_FUNCTIONS.get_interface"
+_READS_INTERFACE: dict[type, bool] = {}
+
+
+def _reads_interface(cls: type) -> bool:
+    if cls not in _READS_INTERFACE:
+        try:
+            _READS_INTERFACE[cls] = _INTERFACE in inspect.getsource(getattr(cls, "forward"))  # noqa: B009
+        except (OSError, TypeError):
+            _READS_INTERFACE[cls] = False
+    return _READS_INTERFACE[cls]
+
+
+def hybrid_attention_uses_interface(model: PreTrainedModel) -> bool:
+    """Whether a Gated DeltaNet hybrid's attention layers all look their attention function up in
+    transformers' interface. Such classes (Qwen3.5, Qwen3-Next, ...) do not set `_supports_attention_backend`
+    because their linear-attention layers have no attention function, yet their attention layers can read
+    the resident pieces in place; the split probe then checks it by behaviour. True for a stack of
+    linear-attention layers only: there is nothing to concatenate."""
+    recurrent = recurrent_layers(model)
+    if not recurrent:
+        return False
+    wanted = set(range(int(model.config.get_text_config(decoder=True).num_hidden_layers))) - unkeyed_layers(
+        model
+    )
+    found = {
+        idx
+        for m in model.modules()
+        if isinstance(idx := getattr(m, "layer_idx", None), int) and _reads_interface(type(m))
+    }
+    return wanted <= found  # with no attention layer at all, nothing is concatenated either
 
 
 def shared_past_kernel_note(model: PreTrainedModel) -> str | None:

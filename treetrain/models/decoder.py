@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,7 @@ from treetrain.models.attention import (
 )
 from treetrain.models.logit_head import output_head
 from treetrain.models.lora import unwrap
+from treetrain.models.recurrent_state import EngineCache, capturing, recurrent_layers, stateless_layers
 from treetrain.models.shared_past import LayerKV, SharedPast, concatenated
 
 __all__ = [
@@ -46,11 +48,17 @@ __all__ = [
 
 @dataclass(frozen=True)
 class DecoderOutput:
-    """Hidden states of the new tokens and the KV they produced (a view into the cache, graph kept)."""
+    """Hidden states of the new tokens and the state they produced (a view into the cache, graph kept).
+
+    An attention layer's entry is its keys and values; a recurrent layer's (index in `recurrent`) is its
+    conv window and recurrent state before each row's last real token (`treetrain.models.recurrent_state`).
+    """
 
     hidden: torch.Tensor  # [B, T, H]
-    keys: tuple[torch.Tensor, ...]  # per layer [B, H_kv, T, D]
-    values: tuple[torch.Tensor, ...]  # per layer [B, H_kv, T, D]
+    keys: tuple[torch.Tensor, ...]  # per layer [B, H_kv, T, D]; recurrent layers [B, C, kernel - 1]
+    values: tuple[torch.Tensor, ...]  # per layer [B, H_kv, T, D]; recurrent layers [B, H_v, D_k, D_v]
+    recurrent: frozenset[int] = frozenset()
+    """Layers whose entries are not per-token KV: recurrent state, or empty for a stateless layer."""
 
 
 #: Attribute names under which a decoder stack keeps its blocks: `layers` (Llama and most), `h` (GPT-2,
@@ -114,6 +122,7 @@ def decoder_forward(
     past: Sequence[LayerKV] | SharedPast | None,
     *,
     concatenate: bool = False,
+    lengths: Sequence[int] | None = None,
 ) -> DecoderOutput:
     """Run the decoder on `input_ids` continuing `past`.
 
@@ -122,12 +131,16 @@ def decoder_forward(
     attention decomposes (`shared_past_reason`), the pieces are read in place by shared-past attention;
     otherwise they are concatenated and broadcast to the B rows, with gradients routed into the pieces' G
     accumulators (always, with `concatenate`). Rows are right-padded by the caller; a real token never
-    attends to padding after it.
+    attends to padding after it. `lengths` are the rows' real lengths (all `T` if omitted): a recurrent
+    layer's state is taken before each row's last real token, and read from the past's last piece.
     """
     base = base_model(model)
     bsz = input_ids.shape[0]
+    recurrent = recurrent_layers(unwrap(model))
+    stateless = stateless_layers(unwrap(model))
+    unkeyed = recurrent | stateless  # no sequence axis in their entries
     if past is not None and not isinstance(past, SharedPast):
-        past = SharedPast.of([list(past)]) if len(past) else None
+        past = SharedPast.of([list(past)], recurrent=unkeyed) if len(past) else None
     if past is not None and not past.pieces:
         past = None
     shared = (
@@ -136,29 +149,53 @@ def decoder_forward(
         and shared_past_reason(unwrap(model)) is None
         and past.pieces[0][0][0].shape[0] == 1
     )
-    cache = DynamicCache()
+    cache: DynamicCache = DynamicCache()
+    if unkeyed:
+        cache = EngineCache(len(_blocks_of(base)), recurrent, past, bsz, _anchor(model), stateless)
     past_len = 0
     if past is not None and not shared:
         past_len = past.length
-        for layer, (k, v) in enumerate(concatenated(past, bsz, _anchor(model))):
-            cache.update(k, v, layer)
+        for layer, kv in enumerate(concatenated(past, bsz, _anchor(model))):
+            if kv is not None:
+                cache.update(kv[0], kv[1], layer)
     kwargs = {_cache_kwarg(base): cache}
+    rows = torch.as_tensor(
+        list(lengths) if lengths is not None else [input_ids.shape[1]] * bsz, device=input_ids.device
+    )  # [B]
+    capture = capturing(unwrap(model), cache, rows) if isinstance(cache, EngineCache) else nullcontext()
     try:
-        with engine_attention(model, past if shared else None, positions):
+        with engine_attention(model, past if shared else None, positions), capture:
             out = base(input_ids=input_ids, position_ids=positions, use_cache=True, **kwargs)
     except PastLayoutError:
         if not shared:
             raise
         mark_layout_mismatch(unwrap(model))  # from now on this class takes the concatenated path
-        return decoder_forward(model, input_ids, positions, past)
+        return decoder_forward(model, input_ids, positions, past, lengths=lengths)
     returned: Any = getattr(out, "cache", None) or getattr(out, "past_key_values", None) or cache
-    keys = tuple(layer.keys[:, :, past_len:, :] for layer in returned.layers)
-    values = tuple(layer.values[:, :, past_len:, :] for layer in returned.layers)
-    return DecoderOutput(out.last_hidden_state, keys, values)
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    for i, layer in enumerate(returned.layers):
+        if i in recurrent:
+            conv, state = cache.states(i)  # type: ignore[attr-defined]
+            keys.append(conv)
+            values.append(state)
+        elif i in stateless:  # an MLP or experts block: an empty entry keeps the layer indices aligned
+            keys.append(input_ids.new_zeros((bsz, 0), dtype=out.last_hidden_state.dtype))
+            values.append(keys[-1])
+        else:
+            keys.append(layer.keys[:, :, past_len:, :])
+            values.append(layer.values[:, :, past_len:, :])
+    return DecoderOutput(out.last_hidden_state, tuple(keys), tuple(values), unkeyed)
+
+
+def _blocks_of(base: nn.Module) -> nn.ModuleList:
+    blocks = _blocks(base)
+    assert blocks is not None  # base_model refuses a stack without them
+    return blocks
 
 
 def concat_past(pieces: Sequence[Sequence[LayerKV]]) -> list[LayerKV] | None:
-    """Concatenate per-unit KV along the sequence axis (root side first)."""
+    """Concatenate per-unit KV along the sequence axis (root side first; KV models only)."""
     if not pieces:
         return None
     if len(pieces) == 1:

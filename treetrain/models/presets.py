@@ -27,8 +27,19 @@ FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe")
 #: divided (Granite) and multiplied (Cohere) after the head, attention and final-logit soft-capping
 #: (Gemma 2), blocks in `.h` with learned absolute positions (GPT-2), and cross-layer KV sharing (Gemma 4).
 MORE_FAMILIES: tuple[str, ...] = ("deepseek_v3", "granite", "cohere", "gemma2", "gpt2", "gemma4_text")
+#: Presets with recurrent layers, whose resident state per layer is (conv state, recurrent state) or KV
+#: (`treetrain.models.recurrent_state`): Gated DeltaNet around a full-attention layer, Mamba layers alone
+#: (Mamba, Falcon-Mamba) or around an attention layer (Jamba).
+RECURRENT_FAMILIES: tuple[str, ...] = (
+    "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lara_mini", "mamba", "falcon_mamba", "jamba",
+    "bamba", "granitemoehybrid", "nemotron_h",
+)  # fmt: skip
+#: Of those, the ones whose recurrent layers are Mamba-2 (chunked SSD scan) layers.
+MAMBA2_FAMILIES = frozenset({"bamba", "granitemoehybrid", "nemotron_h"})
+#: Of those, the ones whose recurrent layers are Mamba (selective scan) layers.
+MAMBA_FAMILIES = frozenset({"mamba", "falcon_mamba", "jamba"})
 #: Families whose transformers classes have no `sdpa` attention.
-EAGER_ONLY = frozenset({"gemma2"})
+EAGER_ONLY = frozenset({"gemma2", "mamba", "falcon_mamba"})
 #: The tiny Mistral's sliding window: shorter than test sequences, so windowed attention is exercised.
 MISTRAL_WINDOW = 12
 
@@ -55,8 +66,9 @@ def tiny_config(
     family: str, vocab_size: int, size: TinySize = TinySize(), attn: str = "sdpa"
 ) -> PretrainedConfig:
     """A small config of `family`; raises ValueError naming the known families otherwise."""
-    if family not in FAMILIES + MORE_FAMILIES:
-        raise ValueError(f"unknown model family {family!r}; known: {', '.join(FAMILIES + MORE_FAMILIES)}")
+    known = FAMILIES + MORE_FAMILIES + RECURRENT_FAMILIES
+    if family not in known:
+        raise ValueError(f"unknown model family {family!r}; known: {', '.join(known)}")
     if attn not in ATTENTION:
         raise ValueError(f"unknown attention implementation {attn!r}; known: {', '.join(ATTENTION)}")
     if family in EAGER_ONLY and attn != "eager":
@@ -85,7 +97,16 @@ def tiny_config(
     common.update(_more(family, size, vocab_size))
     config = AutoConfig.for_model(family, **common)
     config._attn_implementation = attn
-    if family in ("qwen3_moe", "deepseek_v3"):
+    if family in (
+        "qwen3_moe",
+        "deepseek_v3",
+        "qwen3_5_moe_text",
+        "qwen3_next",
+        "lara_mini",
+        "jamba",
+        "granitemoehybrid",
+        "nemotron_h",
+    ):
         # The grouped-matmul experts kernel has no float64 path; the per-expert loop does.
         config._experts_implementation = "eager"
     return config
@@ -125,6 +146,49 @@ def _more(family: str, size: TinySize, vocab_size: int) -> dict[str, Any]:
             hidden_size_per_layer_input=8, vocab_size_per_layer_input=vocab_size, sliding_window=MISTRAL_WINDOW,
             layer_types=["sliding_attention", "full_attention"] * (layers // 2),
         )  # fmt: skip
+    if family in MAMBA2_FAMILIES:  # Mamba-2 layers around one attention layer
+        mamba2: dict[str, Any] = dict(
+            num_hidden_layers=3, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4,
+            mamba_expand=2,
+        )  # fmt: skip
+        if (
+            family == "nemotron_h"
+        ):  # Mamba-2, experts, attention, Mamba-2, MLP: stateless blocks in the layer list
+            return dict(
+                layers_block_type=["linear_attention", "moe", "full_attention", "linear_attention", "mlp"],
+                mamba_num_heads=4, mamba_head_dim=16, n_groups=1, ssm_state_size=8, conv_kernel=4, expand=2,
+                chunk_size=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                moe_shared_expert_intermediate_size=16, n_group=1, topk_group=1, use_mamba_kernels=False,
+            )  # fmt: skip
+        if family == "bamba":
+            mamba2.update(attn_layer_indices=[1])
+        else:
+            mamba2.update(layer_types=["mamba", "attention", "mamba"])
+        return mamba2
+    if family in MAMBA_FAMILIES:  # Mamba layers only, or (Jamba) around one attention layer with experts
+        more: dict[str, Any] = dict(state_size=8, conv_kernel=4, expand=2, num_hidden_layers=3)
+        if family == "jamba":
+            more = dict(
+                num_hidden_layers=3, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4,
+                mamba_expand=2, use_mamba_kernels=False,
+            )  # fmt: skip
+        return more
+    if family in RECURRENT_FAMILIES:  # linear attention before and after the full-attention layer
+        more = dict(
+            num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
+            head_dim=head, linear_num_key_heads=size.num_kv_heads, linear_num_value_heads=size.num_heads,
+            linear_key_head_dim=head, linear_value_head_dim=head, linear_conv_kernel_dim=4,
+        )  # fmt: skip
+        if family == "lara_mini":  # its attention layers are windowed, shorter than the test sequences
+            more.update(layer_types=["linear_attention", "sliding_attention", "linear_attention"])
+            more.update(sliding_window=MISTRAL_WINDOW)
+        if family in ("qwen3_5_moe_text", "qwen3_next", "lara_mini"):
+            more.update(
+                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=size.intermediate_size // 2,
+                shared_expert_intermediate_size=size.intermediate_size // 2,
+            )  # fmt: skip
+        return more
     return {}
 
 
@@ -162,7 +226,7 @@ def model_config(
             raise ValueError(f"preset {name!r} needs a vocab_size (take it from the tokenizer)")
         return tiny_config(name.removeprefix("tiny-"), vocab_size, attn=attn)
     if not Path(name).is_dir():
-        presets = ", ".join(f"tiny-{f}" for f in FAMILIES + MORE_FAMILIES)
+        presets = ", ".join(f"tiny-{f}" for f in FAMILIES + MORE_FAMILIES + RECURRENT_FAMILIES)
         raise FileNotFoundError(f"model {name!r} is neither a local directory nor a preset ({presets})")
     config = checkpoint_config(name)  # within limits, every failure one ValueError line
     return config.get_text_config(decoder=True)
@@ -196,7 +260,7 @@ def load_model(
             ) from None
     path = Path(name)
     if not path.is_dir():
-        presets = ", ".join(f"tiny-{f}" for f in FAMILIES + MORE_FAMILIES)
+        presets = ", ".join(f"tiny-{f}" for f in FAMILIES + MORE_FAMILIES + RECURRENT_FAMILIES)
         raise FileNotFoundError(f"model {name!r} is neither a local directory nor a preset ({presets})")
     check_checkpoint(path)  # config.json's sizes against the weight files, before anything is allocated
     return AutoModelForCausalLM.from_pretrained(

@@ -57,24 +57,37 @@ class SharedPast:
     """The resident past of a step's rows: per piece (root side first) per layer `(k, v)`, `[1, H_kv, P_i, D]`.
 
     `grads`, when given, holds per piece either None or G accumulators of the same shapes; backward adds each
-    piece's dL/dK and dL/dV into them (summed over the rows) instead of returning them.
+    piece's dL/dK and dL/dV into them (summed over the rows) instead of returning them. Layers in
+    `recurrent` hold `(conv state, recurrent state)` instead (`treetrain.models.recurrent_state`): no
+    sequence axis, and only the last piece's is read.
     """
 
     pieces: tuple[tuple[LayerKV, ...], ...]
     grads: tuple[tuple[LayerKV, ...] | None, ...] = ()
+    recurrent: frozenset[int] = frozenset()
 
     @staticmethod
     def of(
-        pieces: Sequence[Sequence[LayerKV]], grads: Sequence[Sequence[LayerKV] | None] | None = None
+        pieces: Sequence[Sequence[LayerKV]],
+        grads: Sequence[Sequence[LayerKV] | None] | None = None,
+        *,
+        recurrent: frozenset[int] = frozenset(),
     ) -> SharedPast:
         return SharedPast(
             tuple(tuple(p) for p in pieces),
             tuple(None if g is None else tuple(g) for g in grads) if grads is not None else (),
+            recurrent,
         )
 
     @property
     def length(self) -> int:
-        return sum(int(p[0][0].shape[-2]) for p in self.pieces)
+        """Past positions: the sequence length of the first KV layer (0 when every layer is recurrent)."""
+        first = (
+            next((i for i in range(len(self.pieces[0])) if i not in self.recurrent), None)
+            if self.pieces
+            else None
+        )
+        return 0 if first is None else sum(int(p[first][0].shape[-2]) for p in self.pieces)
 
     def layer(self, index: int) -> tuple[tuple[LayerKV, ...], tuple[LayerKV | None, ...]]:
         kv = tuple(p[index] for p in self.pieces)
@@ -82,17 +95,20 @@ class SharedPast:
         return kv, tuple(None if g is None else g[index] for g in grads)
 
     def without_last_position(self) -> SharedPast:
-        """The same past minus its final position (the children recompute it as their overlap)."""
+        """The same past minus its final position (the children recompute it as their overlap). Recurrent
+        state is already taken before that position, so it stays as it is."""
         if not self.pieces:
             return self
 
         def cut(p: Sequence[LayerKV]) -> tuple[LayerKV, ...]:
-            return tuple((k[:, :, :-1], v[:, :, :-1]) for k, v in p)
+            return tuple(
+                kv if i in self.recurrent else (kv[0][:, :, :-1], kv[1][:, :, :-1]) for i, kv in enumerate(p)
+            )
 
         grads = list(self.grads)
         if grads and grads[-1] is not None:
             grads[-1] = cut(grads[-1])
-        return SharedPast((*self.pieces[:-1], cut(self.pieces[-1])), tuple(grads))
+        return SharedPast((*self.pieces[:-1], cut(self.pieces[-1])), tuple(grads), self.recurrent)
 
 
 @dataclass(frozen=True)
@@ -369,16 +385,20 @@ def expanded_past(
     return tuple(out), (None,) * len(out)
 
 
-def concatenated(past: SharedPast, rows: int, anchor: torch.Tensor | None) -> list[LayerKV]:
-    """The past as one `[rows, H_kv, P, D]` tensor per layer (the path for attention that cannot be split).
+def concatenated(past: SharedPast, rows: int, anchor: torch.Tensor | None) -> list[LayerKV | None]:
+    """The past as one `[rows, H_kv, P, D]` tensor per layer (the path for attention that cannot be split);
+    None for a recurrent layer, which reads its state from the last piece itself.
 
     Gradients reaching a piece with an accumulator are added into it; `anchor` (any tensor under autograd)
     keeps that routing in the graph.
     """
     n_layers = len(past.pieces[0])
     grads = past.grads or (None,) * len(past.pieces)
-    out = []
+    out: list[LayerKV | None] = []
     for layer in range(n_layers):
+        if layer in past.recurrent:
+            out.append(None)
+            continue
         ks, vs = [], []
         for piece, acc in zip(past.pieces, grads):
             k, v = piece[layer]

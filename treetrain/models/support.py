@@ -1,8 +1,9 @@
 """Which models the tree engine can run, and a clear refusal for the rest.
 
 The engine splits every sequence at node boundaries and continues from stored KV. That is exact only when a
-layer's whole state is its per-token keys and values over *all* earlier positions. Recurrent or linear
-attention layers carry a running state instead, and dynamic RoPE variants choose their frequencies from
+layer's whole state is its per-token keys and values over *all* earlier positions, or a recurrent state the
+engine keeps resident too (Gated DeltaNet and Mamba layers, `treetrain.models.recurrent_state`); other
+recurrent or linear attention layers carry a running state it cannot take, and dynamic RoPE variants choose their frequencies from
 the longest position *in each forward call*, so a prefix evaluated alone rotates differently than inside
 the whole sequence. The engine also computes logprobs from the LM head directly, so the head applies what
 the family does to its logits (`treetrain.models.logit_head`: scaling, final soft-capping); a model that
@@ -34,12 +35,21 @@ from transformers import PreTrainedModel
 
 from treetrain.errors import TreetrainError
 from treetrain.models.attention import shared_past_reason
-from treetrain.models.decoder import decoder_forward, decoder_layers, output_head
+from treetrain.models.decoder import SharedPast, decoder_forward, decoder_layers, output_head
 from treetrain.models.lora import unwrap
+from treetrain.models.recurrent_state import (
+    RECURRENT_LAYER_TYPES,
+    STATELESS_LAYER_TYPES,
+    recurrent_layers,
+    unkeyed_layers,
+    unsupported_mixer,
+)
 
 #: Layer types whose state is plain KV over every earlier position.
 FULL_ATTENTION_TYPES = frozenset({"full_attention"})
 SLIDING_TYPES = frozenset({"sliding_attention"})
+#: Layer types with a recurrent mixer and attention in the same layer (Zamba, Falcon-H1).
+HYBRID_LAYER_TYPES = frozenset({"hybrid", "hybrid_sliding"})
 #: Model types known to keep recurrent or compressed state.
 RECURRENT_MODEL_TYPES = frozenset(
     {
@@ -114,12 +124,30 @@ def check_supported(
         decoder_layers(model)
     except TypeError as exc:
         raise UnsupportedModelError(f"model type {mtype!r}: {exc}") from None
-    if mtype in RECURRENT_MODEL_TYPES:
+    if mtype in RECURRENT_MODEL_TYPES and not recurrent_layers(unwrap(model)):
         raise UnsupportedModelError(
-            f"model type {mtype!r} keeps recurrent state; resident KV cannot represent it, so tree replay is refused"
+            f"model type {mtype!r} keeps recurrent state in layers its config does not declare (no `layer_types` "
+            "entry 'linear_attention'); resident state covers KV and the recurrent layers of the kinds in "
+            "`treetrain.models.recurrent_kinds` (Gated DeltaNet, Mamba, Mamba-2) only, so tree replay is refused"
         )
+    mixer = unsupported_mixer(unwrap(model))
+    if mixer is not None:
+        raise UnsupportedModelError(f"model type {mtype!r}: {mixer}")
     layer_types = getattr(config, "layer_types", None) or []
-    odd = sorted(set(layer_types) - FULL_ATTENTION_TYPES - SLIDING_TYPES)
+    odd = sorted(
+        set(layer_types)
+        - FULL_ATTENTION_TYPES
+        - SLIDING_TYPES
+        - RECURRENT_LAYER_TYPES
+        - STATELESS_LAYER_TYPES
+    )
+    both = sorted(set(odd) & HYBRID_LAYER_TYPES)
+    if both:
+        raise UnsupportedModelError(
+            f"model type {mtype!r} has layers of type {both}: a recurrent mixer and attention in one layer, whose "
+            "cache holds KV and recurrent state together; resident state keeps one kind per layer, so tree "
+            "replay is refused"
+        )
     if odd:
         raise UnsupportedModelError(
             f"model type {mtype!r} has layer types {odd}; only full (and covered sliding) attention is supported"
@@ -233,15 +261,15 @@ def _probe(
     try:
         whole = decoder_forward(model, ids, pos, None).hidden
         first = decoder_forward(model, ids[:, :split], pos[:, :split], None)
-        _check_cache_count(model, mtype, len(first.keys))
+        _check_cache_count(model, mtype, len(first.keys) - len(first.recurrent))
         past = list(zip(first.keys, first.values))
-        second = decoder_forward(model, ids[:, split:], pos[:, split:], past).hidden
+        second = _continue(model, ids, pos, split, past, first.recurrent)
         tol = {torch.bfloat16: 3e-2, torch.float16: 4e-3}.get(whole.dtype, 1e-5)
         shared_err = _split_error(whole, first.hidden, second)
         if shared_past_reason(unwrap(model)) is None and not shared_err <= tol:
             # Tell a layer that attends over other tensors than it caches (DiffLlama splits its cached values)
             # from a past the model cannot continue at all: the layer's own attention over the concatenated past.
-            again = decoder_forward(model, ids[:, split:], pos[:, split:], past, concatenate=True).hidden
+            again = _continue(model, ids, pos, split, past, first.recurrent, concatenate=True)
             if _split_error(whole, first.hidden, again) <= tol:
                 raise UnsupportedModelError(
                     f"model type {mtype!r}: shared-past attention over resident KV changes the hidden states "
@@ -285,6 +313,28 @@ def _probe(
         )
 
 
+def _continue(
+    model: PreTrainedModel,
+    ids: torch.Tensor,  # [1, L]
+    pos: torch.Tensor,  # [1, L]
+    split: int,
+    past: list[tuple[torch.Tensor, torch.Tensor]],
+    recurrent: frozenset[int],
+    *,
+    concatenate: bool = False,
+) -> torch.Tensor:
+    """Hidden states of positions `split..` continuing `past`, as the engine continues a unit: with recurrent
+    layers (state taken before the prefix's last token) the prefix's last token is fed again and its KV left
+    out of the past, as every child unit runs; otherwise straight on."""
+    if not recurrent:
+        return decoder_forward(model, ids[:, split:], pos[:, split:], past, concatenate=concatenate).hidden
+    cut = SharedPast.of([past], recurrent=recurrent).without_last_position()
+    hidden = decoder_forward(
+        model, ids[:, split - 1 :], pos[:, split - 1 :], cut, concatenate=concatenate
+    ).hidden
+    return hidden[:, 1:]
+
+
 def _split_error(whole: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> float:
     """Relative max error of the split forward's hidden states `[1, T, H]` against the whole one's."""
     joined = torch.cat([first, second], dim=1)
@@ -296,14 +346,15 @@ def _check_cache_count(model: PreTrainedModel, mtype: str, caches: int) -> None:
     reuses an earlier layer's KV, Gemma 3n/4's `num_kv_shared_layers`, keeps none), else a refusal that says
     what the model does instead."""
     n_blocks = len(decoder_layers(model))
-    if caches == 0:
+    unkeyed = unkeyed_layers(unwrap(model))  # recurrent state or none, not a KV cache
+    if caches == 0 and not unkeyed:
         raise UnsupportedModelError(
             f"model type {mtype!r} returns no KV cache from its forward, so a prefix cannot be continued from "
             "resident KV"
         )
     indices = {m.layer_idx for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int)}
     reusing = sum(1 for m in model.modules() if getattr(m, "is_kv_shared_layer", False) is True)
-    own = (len(indices) or n_blocks) - reusing
+    own = (len(indices - unkeyed) if indices else n_blocks - len(unkeyed)) - reusing
     if caches > own:
         raise UnsupportedModelError(
             f"model type {mtype!r} keeps {caches} KV caches for {own} attention layers ({n_blocks} blocks): it runs "

@@ -39,6 +39,7 @@ from treetrain.io import atomic_write_bytes
 from treetrain.models.attention import shared_past_kernel_note, shared_past_reason
 from treetrain.models.decoder import decoder_layers
 from treetrain.models.logit_head import LogitHead, logit_transform, output_head
+from treetrain.models.recurrent_state import mixers
 from treetrain.models.support import UnsupportedModelError, check_supported, short_message
 
 COMMAND = "python -m treetrain.models.support_table docs/model-support.md"
@@ -82,6 +83,12 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "ctrl": dict(dff=64), "opt": dict(ffn_dim=64, word_embed_proj_dim=32),
     "mpt": dict(d_model=32, n_layers=2, n_heads=4), "xlstm": dict(num_heads=4),
     "dory": dict(num_hidden_layers=3, n_input_layers=1, n_output_layers=1, n_recurrent_loops=2),
+    "zamba": dict(num_hidden_layers=3, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8),
+    "zamba2": dict(num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "mamba"], mamba_d_state=8),
+    "bamba": dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, attn_layer_indices=[1], num_hidden_layers=3),
+    "granitemoehybrid": dict(
+        mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
+    ),
 }  # fmt: skip
 
 
@@ -156,6 +163,13 @@ def _notes(model: PreTrainedModel) -> list[str]:
     transform = logit_transform(config)
     if not transform.identity:
         notes.append(f"head applies {transform.describe()}")
+    recurrent = mixers(model)
+    if recurrent:
+        kinds = ", ".join(sorted({kind.name for _, kind in recurrent.values()}))
+        notes.append(
+            f"recurrent layers {sorted(recurrent)} ({kinds}): resident state is their (conv state, recurrent "
+            "state) before a unit's last token"
+        )
     reason = shared_past_reason(model)
     if reason is not None:
         notes.append(f"concatenated past, because {reason}")
@@ -207,8 +221,10 @@ are checked again then).
 
 Measured against the flat reference in the tests (`tests/engine/test_replay_exact.py`, `tests/models/test_attention.py`):
 the five presets (`llama`, `qwen2`, `qwen3`, `mistral`, `qwen3_moe`), `MORE_FAMILIES` in
-`treetrain/models/presets.py` (`deepseek_v3`, `granite`, `cohere`, `gemma2`, `gpt2`, `gemma4_text`) and
-`gpt_oss`.
+`treetrain/models/presets.py` (`deepseek_v3`, `granite`, `cohere`, `gemma2`, `gpt2`, `gemma4_text`),
+`gpt_oss`, and the presets with recurrent layers, `RECURRENT_FAMILIES` (`qwen3_5_text`, `qwen3_5_moe_text`,
+`qwen3_next`, `olmo_hybrid`, `lara_mini`, `mamba`, `falcon_mamba`, `jamba`, `bamba`, `granitemoehybrid`;
+`tests/engine/test_replay_recurrent.py`).
 
 Generated with transformers {{version}} and torch {{torch}}.
 """
