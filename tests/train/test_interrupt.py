@@ -28,6 +28,9 @@ SETTINGS = [
     "measure_memory_every=0", "threads=1", "updates=3",
 ]  # fmt: skip
 TIMING = {"rollout_seconds", "train_seconds", "peak_bytes", "predicted_peak_bytes"}
+ROUNDING = {"sampler_logprob_gap_mean", "sampler_logprob_gap_max"}
+"""Float32 rounding between the sampler and the scoring pass (about 1e-7): the engine batches whatever is
+ready, so the sampler's arithmetic, not its tokens, moves with timing. Compared at 1e-6, not 1e-9."""
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +91,9 @@ def _resume_and_compare(run: Path, extra: list[str], straight: Path, capsys) -> 
     assert [r["update"] for r in got] == [0, 1, 2], "an update was lost or doubled"
     for a, b in zip(got, want):
         for key in a:
-            if isinstance(a[key], float):
+            if key in ROUNDING and a[key] is not None:
+                assert abs(a[key] - b[key]) < 1e-6 and a[key] < 1e-5, key  # type: ignore[operator]
+            elif isinstance(a[key], float):
                 assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), key
             else:
                 assert a[key] == b[key], key
