@@ -103,3 +103,29 @@ class FailsOnSeedEnv(FixedTurnsEnv):
         if self.seed == self.fail_seed and self.count == 1:
             raise ValueError("boom")
         return super().step(message)
+
+
+class DigitFraction(Rubric):
+    """Reward = the fraction of the assistant's characters that are digits: a random-init policy's turns
+    differ in it, so every group has reward variance and every update steps."""
+
+    def score(self, episode: Episode) -> float:
+        text = "".join(m.content for m in episode.messages if m.role == "assistant")
+        return sum(c.isdigit() for c in text) / max(1, len(text))
+
+
+class DigitsToolEnv(ToolEnv):
+    """One turn with a tool on offer (`double`), rewarded by `DigitFraction`."""
+
+    def reset(self, seed: int) -> Sequence[Message]:
+        return (Message("user", f"Write some digits ({seed}), or double a number with the tool."),)
+
+    def double(self, x: int) -> str:
+        """Return x doubled."""
+        return str(2 * x)
+
+    def tools(self) -> Sequence[Tool]:
+        return (Tool.from_function(self.double),)
+
+    def rubrics(self) -> Mapping[str, Rubric]:
+        return {"digits": DigitFraction()}

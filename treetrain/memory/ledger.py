@@ -74,6 +74,18 @@ class Ledger:
     """KV recomputations the retention plan forces (copies back from host memory with a host tier)."""
     manifest_bytes: int
     """Host bytes of the manifest (update-boundary, not on the device)."""
+    kv_bytes_per_token: int = 0
+    """Resident KV of one token (attention layers that keep their own KV)."""
+    state_bytes_per_unit: int = 0
+    """Resident recurrent state of one unit, whatever its length: conv and recurrent state of every
+    linear-attention, Mamba or Gated DeltaNet layer (0 for a model without any)."""
+
+    def resident_line(self) -> str:
+        """What one resident unit holds, as `treetrain plan` prints it."""
+        text = f"resident per unit: KV {format_bytes(self.kv_bytes_per_token)} per token"
+        if self.state_bytes_per_unit:
+            text += f" + recurrent state {format_bytes(self.state_bytes_per_unit)} (conv and recurrent, any length)"
+        return text
 
     @property
     def token_cost(self) -> int:
@@ -98,6 +110,8 @@ class Ledger:
         if len(self.rows) > len(shown):
             lines.append(f"     ... {len(self.rows) - len(shown)} more rows")
         lines.append(f"peak {format_bytes(self.peak.total)} at row {self.peak_step}: {self.peak_cause}")
+        if self.kv_bytes_per_token or self.state_bytes_per_unit:
+            lines.append(self.resident_line())
         return "\n".join(lines)
 
     def as_dict(self) -> dict[str, object]:
@@ -109,6 +123,10 @@ class Ledger:
             "minimum_budget": self.minimum_budget,
             "recomputes": self.recomputes,
             "manifest_host_bytes": self.manifest_bytes,
+            "resident": {
+                "kv_bytes_per_token": self.kv_bytes_per_token,
+                "state_bytes_per_unit": self.state_bytes_per_unit,
+            },
             "persistent": {
                 "params": self.persistent.params,
                 "in_flight": self.persistent.in_flight,
@@ -185,7 +203,7 @@ def predict_ledger(
     peak_row = max(rows, key=lambda r: r.bytes.total)
     return Ledger(
         tuple(rows), peak_row.bytes, peak_row.index, _cause(peak_row), pers, budget, minimum, recomputes,
-        manifest_host_bytes(batch.manifest),
+        manifest_host_bytes(batch.manifest), mm.kv_bytes_per_token, mm.state_bytes_per_unit,
     )  # fmt: skip
 
 

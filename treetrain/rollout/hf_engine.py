@@ -52,7 +52,7 @@ from treetrain.rollout.generation import (
     GenerationResult,
     StopMatcher,
 )
-from treetrain.rollout.sampler import fork_cache, sampling_logprobs
+from treetrain.rollout.sampler import fork_cache, sampling_logprobs, select_rows
 from treetrain.rollout.sampling import Sampling
 
 MAX_ROWS = 64
@@ -321,7 +321,7 @@ class HFEngine:
         counts = torch.tensor([job.request.n for job in jobs])
         index = torch.repeat_interleave(torch.arange(len(jobs)), counts)  # [R]
         if len(index) > len(jobs):
-            cache.batch_select_indices(index.to(self.device))
+            select_rows(cache, index.to(self.device))
         rows = [_Row(job.rid, i) for job in jobs for i in range(job.request.n)]
         return _Batch(cache, rows, mask[index], (hits + lengths)[index], logits[index])
 
@@ -438,7 +438,7 @@ class HFEngine:
             batch.logits[index],
         )
         if not _mergeable(batch.cache):
-            batch.cache.batch_select_indices(index.to(self.device))
+            select_rows(batch.cache, index.to(self.device))
             return keep
         used = batch.mask.any(dim=0).nonzero()
         first = int(used[0]) if len(used) else batch.mask.shape[1]

@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from treetrain.rollout.sampling import Sampling
 
@@ -84,12 +85,27 @@ class SamplerStats:
     sampled_tokens: int = 0
 
 
+def select_rows(cache: Any, rows: torch.Tensor) -> None:
+    """Keep batch `rows` [R] of `cache`, in that order (a row may repeat), in place: KV layers select, and
+    linear-attention / Mamba layers (conv and recurrent state, which have no `batch_select_indices`) reorder."""
+    for layer in cache.layers:
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            layer.reorder_cache(rows)
+        if hasattr(layer, "batch_select_indices"):
+            layer.batch_select_indices(rows)
+
+
 def fork_cache(cache: Any, rows: Sequence[int]) -> Any:
     """A new cache holding only batch `rows` of `cache`, sharing no tensor with it."""
     twin = copy.copy(cache)
     twin.layers = [copy.copy(layer) for layer in cache.layers]
-    device = cache.layers[0].keys.device if cache.layers and cache.layers[0].keys is not None else "cpu"
-    twin.batch_select_indices(torch.tensor(list(rows), dtype=torch.long, device=device))
+    for layer in twin.layers:  # state dictionaries would be shared by the shallow copy
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            layer.conv_states, layer.recurrent_states = dict(layer.conv_states), dict(layer.recurrent_states)
+    keys = next((layer.keys for layer in cache.layers if getattr(layer, "keys", None) is not None), None)
+    select_rows(
+        twin, torch.tensor(list(rows), dtype=torch.long, device=keys.device if keys is not None else "cpu")
+    )
     return twin
 
 
