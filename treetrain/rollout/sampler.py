@@ -90,7 +90,7 @@ def select_rows(cache: Any, rows: torch.Tensor) -> None:
     linear-attention / Mamba layers (conv and recurrent state, which have no `batch_select_indices`) reorder."""
     for layer in cache.layers:
         if isinstance(layer, LinearAttentionCacheLayerMixin):
-            layer.reorder_cache(rows)
+            layer.reorder_cache(rows)  # type: ignore[arg-type]  # a long tensor
         if hasattr(layer, "batch_select_indices"):
             layer.batch_select_indices(rows)
 
