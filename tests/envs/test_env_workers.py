@@ -226,28 +226,13 @@ def test_the_demo_writes_the_recorded_trees(tmp_path: Path) -> None:
     tree ids (content hashes of every token and role) on every machine and run. The sampler's logprobs in
     the files are left out: the engine batches whatever is ready, so their float32 rounding moves with
     timing (tests/rollout/test_scheduler.py checks that tokens do not)."""
-    from treetrain.cli.main import main
+    from support.train_cases import train_in_process
 
     fixture = Path(__file__).resolve().parents[1] / "assets" / "demo_rollouts.txt"
     expected = [line.split() for line in fixture.read_text().splitlines() if not line.startswith("#")]
     run = tmp_path / "run"
     settings = ["updates=2", "rollout.groups_per_update=2", "measure_memory_every=0", "threads=1"]
-    threads = torch.get_num_threads()
-    try:
-        assert (
-            main(
-                [
-                    "train",
-                    "--run-dir",
-                    str(run),
-                    "--no-progress",
-                    *(a for s in settings for a in ("--set", s)),
-                ]
-            )
-            == 0
-        )
-    finally:
-        torch.set_num_threads(threads)
+    assert train_in_process(run, settings) == 0
     rollouts = run / "rollouts"
     written = sorted(p for p in rollouts.rglob("*.msgpack"))
     got = [[str(p.relative_to(rollouts))] for p in written]

