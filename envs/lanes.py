@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import deque
 from collections.abc import Callable, Hashable
@@ -48,7 +49,10 @@ class Lanes:
 
     def _drain(self, key: Hashable, job: Callable[[], object]) -> None:
         while True:
-            job()
+            with contextlib.suppress(
+                Exception
+            ):  # a job reports its own errors; a slip must not stop the lane
+                job()
             with self._lock:
                 queued = self._queued[key]
                 if not queued:

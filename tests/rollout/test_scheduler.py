@@ -118,6 +118,9 @@ class _ScriptedEngine:
     def sync_weights(self, model: object, version: int) -> None:
         self.version = version
 
+    def release_group(self, group: str) -> None:
+        pass
+
     def close(self) -> None:
         pass
 

@@ -149,13 +149,15 @@ def test_every_request_of_a_tree_goes_to_one_server(server: Callable[[Answer], s
     urls = [server(recorder("a")), server(recorder("b"))]
     engine = _engine(urls, tmp_path)
     groups = [f"task-{i}" for i in range(8)]
-    for g in groups:
-        for _ in range(3):
-            engine.submit(GenerationRequest((1, 2, 3, len(g)), 1, 4, Sampling(), ((2,),), group=g))
+    for i, g in enumerate(groups):
+        for turn in range(3):  # the last prompt token says which tree a request belongs to
+            engine.submit(GenerationRequest((1, 2, 3 + turn, 10 + i), 1, 4, Sampling(), ((2,),), group=g))
     while engine.busy:
         engine.poll()
-    assert {route(g, 2) for g in groups} == {0, 1}  # both servers get trees
     assert sum(len(v) for v in seen.values()) == 24
+    trees = {name: {t - 10 for t in tokens} for name, tokens in seen.items()}
+    assert set(trees) == {"a", "b"} and not trees["a"] & trees["b"]  # each tree on one server, both used
+    assert all(route(g, 2) == (0 if i in trees["a"] else 1) for i, g in enumerate(groups))
 
 
 def test_bad_urls_are_refused_at_load() -> None:

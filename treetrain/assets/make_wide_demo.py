@@ -1,7 +1,7 @@
 """Write `treetrain/assets/demo_model_wide/`: the demo checkpoint with attention heads of 64 dimensions.
 
 vLLM's CPU attention has no kernel for the demo model's 16-dimensional heads (`Unsupported CPU attention
-configuration: head_dim=16`), and 64 is the smallest size it serves. Retraining a model only to change its
+configuration: head_dim=16`); it serves 32, 64 and larger, and 64 is the common size. Retraining a model only to change its
 head size would give a different policy, so this module widens the heads of the *same* model instead, with an
 exactly equivalent function (up to float rounding):
 

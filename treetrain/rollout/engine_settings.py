@@ -14,7 +14,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -69,7 +68,7 @@ class VLLMSettings:
             raise ConfigError("lists a URL twice", field="urls")
         object.__setattr__(self, "urls", tuple(urls))
         for name, low, high in (
-            ("request_timeout_s", 0.0, math.inf),
+            ("request_timeout_s", 0.0, 86400.0),
             ("gpu_memory_utilization", 0.0, 1.0),
             ("cpu_kv_cache_gib", 0.0, 1024.0),
         ):

@@ -136,7 +136,7 @@ class EngineStats:
     cached_tokens: int = 0
     """Of those, the ones served from a prefix cache instead of encoded."""
     encoded_tokens: int = 0
-    """Token positions run through the model, summed over batch rows (in-process engines)."""
+    """Token positions run through the model for live rows, padding left out (the `hf` engine)."""
     forward_calls: int = 0
     sampled_tokens: int = 0
     weight_syncs: int = 0
@@ -174,6 +174,11 @@ class GenerationEngine(Protocol):
 
     def sync_weights(self, model: object, version: int) -> None:
         """Sample from `model`'s current weights from now on, as weight version `version`."""
+        ...
+
+    def release_group(self, group: str) -> None:
+        """The tree of `group` is finished: drop what the engine kept for it (engines with their own prefix
+        cache keep nothing per group)."""
         ...
 
     def close(self) -> None:

@@ -11,11 +11,13 @@ A request's context is encoded once, then repeated for its `n` rows. When a row 
 the KV of its context plus every sampled token but the last is kept, keyed by those token ids: the next
 request whose context extends them (the branch's next turn, after the tool result) encodes only the new
 tokens. That is the engine's prefix cache; `GenerationRequest.children` says how many requests will use a
-kept prefix, and `release_group` drops what a finished tree left behind.
+kept prefix, `release_group` drops what a finished tree left behind, and `MAX_KEPT_BYTES` bounds it.
 
-Each request draws from its own `torch.Generator` seeded by `GenerationRequest.seed`, so its samples do
-not depend on what else shares the batch. Logprobs are those of the distribution actually sampled from
-(`treetrain.rollout.sampler.draw`): 0 under greedy decoding.
+Each request draws from its own `torch.Generator` seeded by `GenerationRequest.seed` (one uniform per row
+and step, inverted through the row's CDF), so its samples do not depend on what else shares the batch, up
+to float rounding: the logits of a row in a padded batch can differ from its logits alone in the last bits,
+which moves its logprobs there and, very rarely, a draw that falls on a boundary. Logprobs are those of the
+distribution actually sampled from (`treetrain.rollout.sampler.sampling_logprobs`): 0 under greedy decoding.
 
 Example:
     >>> import torch
@@ -42,9 +44,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
+from treetrain.rollout.batch_cache import (
+    cache_bytes,
+    cache_of,
+    layers_of,
+    mask_left,
+    mergeable,
+    new_cache,
+    pad_left,
+)
 from treetrain.rollout.generation import (
     Completion,
     EngineStats,
@@ -56,40 +65,12 @@ from treetrain.rollout.sampler import fork_cache, sampling_logprobs, select_rows
 from treetrain.rollout.sampling import Sampling
 
 MAX_ROWS = 64
-"""Most rows decoded together; a request waits while admitting it would exceed this (one always fits)."""
+"""Most live rows decoded together; a request waits while admitting it would exceed this (one always
+fits). Finished rows awaiting compaction are not counted."""
 MAX_KEPT = 512
 """Most kept prefixes; the least recently used go first."""
-
-
-class GrowingLayer(DynamicLayer):
-    """A `DynamicLayer` that writes new KV into spare capacity instead of concatenating: a decode step of a
-    large batch costs the size of the new token, not a copy of the whole cache."""
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        n, q = self.get_seq_length(), key_states.shape[-2]
-        buf: tuple[torch.Tensor, torch.Tensor] | None = getattr(self, "_buf", None)
-        keys, values = self.keys, self.values
-        assert keys is not None and values is not None
-        if (
-            buf is None
-            or buf[0].data_ptr() != keys.data_ptr()  # batch_select / repeat made new tensors
-            or buf[0].shape[0] != key_states.shape[0]
-            or n + q > buf[0].shape[-2]
-        ):
-            capacity = max(2 * (n + q), 64)
-            bk = key_states.new_empty(*key_states.shape[:-2], capacity, key_states.shape[-1])
-            bv = value_states.new_empty(*value_states.shape[:-2], capacity, value_states.shape[-1])
-            if n:
-                bk[:, :, :n], bv[:, :, :n] = keys, values
-            buf = self._buf = (bk, bv)
-        bk, bv = buf
-        bk[:, :, n : n + q], bv[:, :, n : n + q] = key_states, value_states
-        self.keys, self.values = bk[:, :, : n + q], bv[:, :, : n + q]
-        return self.keys, self.values
+MAX_KEPT_BYTES = 1 << 30
+"""Most bytes of kept prefixes (the memory planner does not see them; they live only during a rollout)."""
 
 
 @dataclass
@@ -97,6 +78,7 @@ class _Kept:
     cache: Any  # batch size 1, no padding
     uses: int
     group: str
+    nbytes: int = 0
 
 
 @dataclass
@@ -135,39 +117,6 @@ class _Batch:
         return sum(r.done for r in self.rows)
 
 
-def _mergeable(cache: Any) -> bool:
-    return bool(cache.layers) and all(isinstance(layer, GrowingLayer) for layer in cache.layers)
-
-
-def _new_cache(model: Any) -> Any:
-    """An empty cache for `model`; plain full-attention layers become `GrowingLayer`s."""
-    cache = DynamicCache(config=model.config)
-    if cache.layers and all(type(layer) is DynamicLayer for layer in cache.layers):
-        cache.layers = [GrowingLayer() for _ in cache.layers]
-    return cache
-
-
-def _layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(layer.keys, layer.values) for layer in cache.layers]
-
-
-def _cache_of(model: Any, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
-    cache = _new_cache(model)
-    for i, (k, v) in enumerate(layers):
-        cache.update(k, v, i)
-    return cache
-
-
-def _pad_left(x: torch.Tensor, width: int) -> torch.Tensor:  # [R, H, L, D] -> [R, H, width, D]
-    extra = width - x.shape[-2]
-    return x if extra == 0 else torch.cat([x.new_zeros(*x.shape[:-2], extra, x.shape[-1]), x], dim=-2)
-
-
-def _mask_left(mask: torch.Tensor, width: int) -> torch.Tensor:  # [R, L] -> [R, width]
-    extra = width - mask.shape[1]
-    return mask if extra == 0 else torch.cat([mask.new_zeros(mask.shape[0], extra), mask], dim=1)
-
-
 class HFEngine:
     """Continuous batching over a Hugging Face causal LM; see the module docstring."""
 
@@ -178,14 +127,16 @@ class HFEngine:
         version: int = 0,
         max_rows: int = MAX_ROWS,
         max_kept: int = MAX_KEPT,
+        max_kept_bytes: int = MAX_KEPT_BYTES,
         keep_prefixes: bool = True,
     ) -> None:
         self.model = model
         self.version = version
         self.stats = EngineStats()
         self.max_rows, self.max_kept, self.keep_prefixes = max_rows, max_kept, keep_prefixes
+        self.max_kept_bytes = max_kept_bytes
         self.device = next(model.parameters()).device
-        self.merge = _mergeable(_new_cache(model))
+        self.merge = mergeable(new_cache(model))
         """Whether rows of different requests share one padded batch (plain full-attention caches)."""
         self._next_id = 0
         self._waiting: list[_Job] = []
@@ -283,17 +234,17 @@ class HFEngine:
             self.stats.cached_tokens += hit
         width = max(hit for hit, _ in kept)
         if len(jobs) == 1:
-            cache = kept[0][1] if kept[0][1] is not None else _new_cache(self.model)
+            cache = kept[0][1] if kept[0][1] is not None else new_cache(self.model)
         elif width == 0:
-            cache = _new_cache(self.model)
+            cache = new_cache(self.model)
         else:
-            ref = next(_layers(c) for _, c in kept if c is not None)
+            ref = next(layers_of(c) for _, c in kept if c is not None)
             layers = []
             for i, (k0, v0) in enumerate(ref):
-                ks = [_pad_left(c.layers[i].keys, width) if c is not None else k0.new_zeros(1, k0.shape[1], width, k0.shape[3]) for _, c in kept]  # fmt: skip
-                vs = [_pad_left(c.layers[i].values, width) if c is not None else v0.new_zeros(1, v0.shape[1], width, v0.shape[3]) for _, c in kept]  # fmt: skip
+                ks = [pad_left(c.layers[i].keys, width) if c is not None else k0.new_zeros(1, k0.shape[1], width, k0.shape[3]) for _, c in kept]  # fmt: skip
+                vs = [pad_left(c.layers[i].values, width) if c is not None else v0.new_zeros(1, v0.shape[1], width, v0.shape[3]) for _, c in kept]  # fmt: skip
                 layers.append((torch.cat(ks), torch.cat(vs)))
-            cache = _cache_of(self.model, layers)
+            cache = cache_of(self.model, layers)
         hits = torch.tensor([hit for hit, _ in kept])  # [B]
         lengths = torch.tensor([len(p) for p in pending])  # [B]
         span = int(lengths.max())
@@ -328,13 +279,13 @@ class HFEngine:
     def _join(self, a: _Batch, b: _Batch) -> _Batch:
         width = max(a.mask.shape[1], b.mask.shape[1])
         layers = [
-            (torch.cat([_pad_left(ka, width), _pad_left(kb, width)]), torch.cat([_pad_left(va, width), _pad_left(vb, width)]))
-            for (ka, va), (kb, vb) in zip(_layers(a.cache), _layers(b.cache))
+            (torch.cat([pad_left(ka, width), pad_left(kb, width)]), torch.cat([pad_left(va, width), pad_left(vb, width)]))
+            for (ka, va), (kb, vb) in zip(layers_of(a.cache), layers_of(b.cache))
         ]  # fmt: skip
         return _Batch(
-            _cache_of(self.model, layers),
+            cache_of(self.model, layers),
             a.rows + b.rows,
-            torch.cat([_mask_left(a.mask, width), _mask_left(b.mask, width)]),
+            torch.cat([mask_left(a.mask, width), mask_left(b.mask, width)]),
             torch.cat([a.positions, b.positions]),
             torch.cat([a.logits, b.logits]),
         )
@@ -405,19 +356,20 @@ class HFEngine:
         row, request = batch.rows[j], job.request
         row.done = True
         key = (*request.context, *row.tokens[:-1])
-        if not self.keep_prefixes:
-            pass
-        elif request.children > 0 and key in self._kept:  # an identical sample (greedy) kept it already
+        keep = self.keep_prefixes and request.children > 0
+        if keep and key in self._kept:  # an identical sample (greedy) kept it already
             self._kept[key].uses += request.children
-        elif request.children > 0:  # keep the KV of context + tokens[:-1] for the branch's next request
-            if _mergeable(batch.cache):
+        elif keep:  # keep the KV of context + tokens[:-1] for the branch's next request
+            if mergeable(batch.cache):
                 cols = batch.mask[j].bool().nonzero().squeeze(-1).to(self.device)
-                layers = [(k[j : j + 1, :, cols], v[j : j + 1, :, cols]) for k, v in _layers(batch.cache)]
-                kept = _cache_of(self.model, layers)
+                layers = [(k[j : j + 1, :, cols], v[j : j + 1, :, cols]) for k, v in layers_of(batch.cache)]
+                kept = cache_of(self.model, layers)
             else:
                 kept = fork_cache(batch.cache, [j])
-            self._kept[key] = _Kept(kept, request.children, request.group)
-            while len(self._kept) > self.max_kept:
+            self._kept[key] = _Kept(kept, request.children, request.group, cache_bytes(kept))
+            while len(self._kept) > self.max_kept or (
+                len(self._kept) > 1 and sum(e.nbytes for e in self._kept.values()) > self.max_kept_bytes
+            ):
                 self._kept.popitem(last=False)
         job.results[row.sample] = Completion(
             tuple(row.tokens), tuple(row.logprobs), "stop" if stopped else "length", job.version
@@ -437,13 +389,13 @@ class HFEngine:
             batch.positions[index],
             batch.logits[index],
         )
-        if not _mergeable(batch.cache):
+        if not mergeable(batch.cache):
             select_rows(batch.cache, index.to(self.device))
             return keep
         used = batch.mask.any(dim=0).nonzero()
         first = int(used[0]) if len(used) else batch.mask.shape[1]
         batch.mask = batch.mask[:, first:]
         dev = index.to(self.device)
-        layers = [(k[dev, :, first:], v[dev, :, first:]) for k, v in _layers(batch.cache)]
-        batch.cache = _cache_of(self.model, layers)
+        layers = [(k[dev, :, first:], v[dev, :, first:]) for k, v in layers_of(batch.cache)]
+        batch.cache = cache_of(self.model, layers)
         return keep

@@ -236,11 +236,11 @@ class Scheduler:
             self._fail(task, failure.error)
             return
         if task.failure is not None:
-            release(episode)
+            self._release(episode)
             return
         if trajectory is not None:
             task.finished.append((fork.key, trajectory))
-            release(episode)
+            self._release(episode)
             return
         task.live.add(episode)
         _, child = fork.key[-1]
@@ -257,7 +257,12 @@ class Scheduler:
     def _drop(self, task: Task, episode: TokenEnv) -> None:
         if episode in task.live:
             task.live.discard(episode)
-            release(episode)
+            self._release(episode)
+
+    def _release(self, episode: TokenEnv) -> None:
+        """Free an environment from a pool thread: a release waits for its worker, which may be busy with
+        slow tools, and the engine must keep being polled meanwhile."""
+        self._pool.submit(release, episode)
 
     def _fail(self, task: Task, error: EnvError) -> None:
         if task.failure is None:

@@ -1,7 +1,6 @@
 """The sequential reference loop: one tree at a time, depth-first, one branch point at a time.
 
-This is how trees were grown before the concurrent scheduler (`treetrain.rollout.scheduler`), kept as the
-reference the scheduler is checked against (under greedy decoding both give identical trees) and as the
+The reference the concurrent scheduler (`treetrain.rollout.scheduler`) is checked against (under greedy decoding both give identical trees) and as the
 baseline of `bench/rollout_engines.py`. At each policy branch point the `Sampler` draws
 `FanOut.policy_factor` turns from the shared context in one batch; after each turn the episode is forked
 `FanOut.env_factor` ways and every copy is stepped, one after another. Each branch keeps the KV of its

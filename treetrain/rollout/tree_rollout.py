@@ -16,7 +16,7 @@ Environment code that fails (`envs.remote.EnvFailure`, raised by environments ho
 an exception in `reset`, `step`, `fork` or a rubric, or a dead worker) ends that task's tree at once: the
 tree is not written, its group is lost whole (a group is kept or dropped whole, so no normalization ever
 sees a group missing the episodes that failed), and the failure is returned in `RolloutResult.failures`.
-An in-process environment's errors propagate as before.
+An in-process environment's errors propagate to the caller.
 
 Trajectory ids are `<env>-s<seed>/<branch path>`: the branch path lists the child taken at each branch
 point (e.g. `calculator-s7/2.0.1`), which makes divergence points readable from the ids.
@@ -121,16 +121,23 @@ def rollout_trees(
             if root is not None:
                 release(root)
             failures.append((seed, failure.error))
+    if config.concurrent and engine is None:
+        from treetrain.rollout.hf_engine import HFEngine
+
+        engine = HFEngine(model, version=config.model_version or 0, keep_prefixes=config.reuse_prefix_kv)
     saved: dict[int, tuple[TrajectoryTree, Path]] = {}  # by task index
 
     def save(task: Task) -> None:  # as soon as a tree is complete: a later failure cannot lose it
+        if engine is not None:
+            engine.release_group(task.prefix)
         tree = build_tree(task.trajectories())
         path = trees_dir / f"{portable_name(task.prefix)}-{tree.id[:12]}.msgpack"
         save_tree(tree, path)
         saved[tasks.index(task)] = (tree, path)
 
     if config.concurrent:
-        stats = _grow_concurrently(model, tasks, config, engine, save)
+        assert engine is not None
+        stats = _grow_concurrently(tasks, config, engine, save)
     else:
         stats = _grow_sequentially(model, tasks, config, save)
     trees = tuple(saved[i][0] for i in sorted(saved))  # task order, whichever finished first
@@ -141,26 +148,16 @@ def rollout_trees(
 
 
 def _grow_concurrently(
-    model: Any,
-    tasks: list[Task],
-    config: RolloutConfig,
-    engine: GenerationEngine | None,
-    save: Callable[[Task], None],
+    tasks: list[Task], config: RolloutConfig, engine: GenerationEngine, save: Callable[[Task], None]
 ) -> EngineStats:
-    if engine is None:
-        from treetrain.rollout.hf_engine import HFEngine
-
-        engine = HFEngine(model, version=config.model_version or 0, keep_prefixes=config.reuse_prefix_kv)
     before = copy.copy(engine.stats)
     scheduler = Scheduler(
         engine, config.fanout, config.sampler.sampling, max_concurrent_steps=config.max_concurrent_steps,
         model_version=config.model_version, base_seed=config.sampler.seed, on_finished=save,
     )  # fmt: skip
     scheduler.run(tasks)
-    for task in tasks:
-        release_group = getattr(engine, "release_group", None)
-        if release_group is not None:
-            release_group(task.prefix)
+    for task in tasks:  # failed tasks too
+        engine.release_group(task.prefix)
     return engine.stats.since(before)
 
 

@@ -58,14 +58,15 @@ def import_vllm(where: str) -> Any:
     return vllm
 
 
-def cut_at_stop(tokens: tuple[int, ...], logprobs: tuple[float, ...], stops: StopMatcher) -> int | None:
+def cut_at_stop(tokens: tuple[int, ...], stops: StopMatcher) -> int | None:
     """The length of `tokens` up to and including the first stop, or None when no stop occurs.
 
-    >>> cut_at_stop((4, 7, 8, 9), (0.0,) * 4, StopMatcher.of(((7, 8),)))
+    >>> cut_at_stop((4, 7, 8, 9), StopMatcher.of(((7, 8),)))
     3
     """
+    longest = max((len(s) for s in stops.sequences), default=1)
     for end in range(1, len(tokens) + 1):
-        if stops.stops(tokens[:end]):
+        if stops.stops(tokens[max(0, end - longest) : end]):
             return end
     return None
 
@@ -75,7 +76,7 @@ def completion_of(
 ) -> Completion:
     """A `Completion` from what an engine returned, cut at the first stop sequence."""
     tokens, lps = tuple(int(t) for t in token_ids), tuple(min(float(x), 0.0) for x in logprobs)
-    end = cut_at_stop(tokens, lps, stops)
+    end = cut_at_stop(tokens, stops)
     if end is not None:
         return Completion(tokens[:end], lps[:end], "stop", version)
     return Completion(tokens, lps, "stop" if finish == "stop" else "length", version)
@@ -141,7 +142,10 @@ class VLLMEngine:
             top_p=request.sampling.top_p, seed=request.seed, logprobs=0, stop_token_ids=list(request.stop_ids),
             ignore_eos=True, detokenize=False, skip_special_tokens=False, output_kind=self._final,
         )  # fmt: skip
-        self._engine.add_request(str(rid), self._prompt(prompt_token_ids=list(request.context)), params)
+        try:
+            self._engine.add_request(str(rid), self._prompt(prompt_token_ids=list(request.context)), params)
+        except Exception as exc:  # e.g. a context longer than the engine's max_model_len
+            raise EngineError(f"rollout.engine=vllm: vLLM refused a request: {_line(exc)}") from None
         self._pending[str(rid)] = (rid, StopMatcher.of(request.stop), self.version, request.n)
         self.stats.requests += 1
         self.stats.prompt_tokens += request.prompt_tokens
@@ -181,11 +185,19 @@ class VLLMEngine:
             raise RuntimeError("sync_weights while requests are in flight")
         start = time.perf_counter()
         weights = (pair for bucket in weight_buckets(model) for pair in bucket)  # streamed, bucket by bucket
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-        self.llm.reset_prefix_cache()
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            self.llm.reset_prefix_cache()
+        except Exception as exc:
+            raise EngineError(
+                f"rollout.engine=vllm: loading the trainer's weights failed: {_line(exc)}"
+            ) from None
         self.version = version
         self.stats.weight_syncs += 1
         self.stats.sync_seconds += time.perf_counter() - start
+
+    def release_group(self, group: str) -> None:
+        """vLLM's prefix cache evicts by itself."""
 
     def close(self) -> None:
         for rid in list(self._pending):

@@ -10,7 +10,8 @@ server, chosen by a stable hash of the group, so that server's prefix cache hold
 
 **Weight sync.** After each optimizer step the trainer's weights are written as safetensors under
 `<run_dir>/engine-weights/` (atomically; ZeRO-3 gathered module by module, LoRA merged), then each server is
-asked to reload them (`POST /collective_rpc` with `reload_weights`, available when the server runs with
+asked to reload them from that path (so a server on another machine needs the run directory on a shared
+filesystem at the same path) (`POST /collective_rpc` with `reload_weights`, available when the server runs with
 `VLLM_SERVER_DEV_MODE=1`) and to reset its prefix cache. A server that fails to reload stops the run: its
 samples would come from other weights than the trainer's.
 
@@ -21,6 +22,7 @@ rollout with one `EngineError` line naming the URL and what was wrong; the updat
 
 from __future__ import annotations
 
+import http.client
 import json
 import queue
 import time
@@ -99,8 +101,12 @@ class VLLMServerEngine:
             raise EngineError(f"vllm-server {url}{path}: cannot connect: {_short(exc.reason)}") from None
         except TimeoutError:
             raise EngineError(f"vllm-server {url}{path}: no answer within {timeout:g}s") from None
-        except OSError as exc:
-            raise EngineError(f"vllm-server {url}{path}: {_short(exc)}") from None
+        except (
+            OSError,
+            http.client.HTTPException,
+            ValueError,
+        ) as exc:  # a reset, a bad status line, a short read
+            raise EngineError(f"vllm-server {url}{path}: {type(exc).__name__}: {_short(exc)}") from None
         if len(raw) > MAX_RESPONSE_BYTES:
             raise EngineError(f"vllm-server {url}{path}: an answer over {MAX_RESPONSE_BYTES} bytes")
         if not raw.strip():
@@ -224,6 +230,9 @@ class VLLMServerEngine:
         self.version = version
         self.stats.weight_syncs += 1
         self.stats.sync_seconds += time.perf_counter() - start
+
+    def release_group(self, group: str) -> None:
+        """vLLM's prefix cache evicts by itself."""
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

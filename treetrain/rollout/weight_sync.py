@@ -46,17 +46,28 @@ def _partitioned(model: Any) -> bool:
     return any(hasattr(p, "ds_id") for p in model.parameters())
 
 
-@contextlib.contextmanager
-def _merged(model: Any) -> Iterator[Any]:
-    """The module whose parameters are the policy's weights under checkpoint names."""
+def _lora_deltas(model: Any) -> dict[int, torch.Tensor]:
+    """For a PEFT model, each adapted base weight's merged delta (by the weight's id), computed out of place:
+    merging into the weight and unmerging after would move the frozen base weights by rounding each time."""
     if not _is_peft(model):
-        yield model
-        return
-    model.merge_adapter()
-    try:
-        yield model.get_base_model()
-    finally:
-        model.unmerge_adapter()
+        return {}
+    from peft.tuners.lora import LoraLayer
+
+    deltas: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        if isinstance(module, LoraLayer) and not module.disable_adapters:
+            weight = module.get_base_layer().weight
+            for adapter in module.active_adapters:
+                if adapter in module.lora_A:
+                    delta = module.get_delta_weight(adapter).to(weight.dtype)  # type: ignore[attr-defined]
+                    deltas[id(weight)] = deltas[id(weight)] + delta if id(weight) in deltas else delta
+    return deltas
+
+
+def fused_experts(model: Any) -> str | None:
+    """The first parameter held in a fused in-memory layout (3-D expert stacks), whose name an inference
+    engine's checkpoint loader does not know, or None."""
+    return next((n for n, p in _unwrap(model).named_parameters() if p.dim() > 2), None)
 
 
 def _checkpoint_name(name: str) -> str | None:
@@ -78,11 +89,11 @@ def _checkpoint_name(name: str) -> str | None:
 def weight_buckets(model: Any, bucket_bytes: int = BUCKET_BYTES) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """See the module docstring."""
     model = _unwrap(model)
-    if _is_peft(model) and _partitioned(model):
-        raise NotImplementedError(
-            "syncing LoRA weights into an inference engine under ZeRO-3 is not supported; use ZeRO 0-2 with LoRA"
-        )
-    with _merged(model) as base, torch.no_grad():
+    if _is_peft(model) and _partitioned(model):  # the trainer refuses this combination at start
+        raise ValueError("LoRA weights are not synced into an inference engine under ZeRO-3")
+    deltas = _lora_deltas(model)
+    base = model.get_base_model() if _is_peft(model) else model
+    with torch.no_grad():
         gather = _partitioned(base)
         bucket: list[tuple[str, torch.Tensor]] = []
         size = 0
@@ -101,6 +112,8 @@ def weight_buckets(model: Any, bucket_bytes: int = BUCKET_BYTES) -> Iterator[lis
                     if name is None:
                         continue
                     tensor = p.detach().clone() if gather else p.detach()
+                    if id(p) in deltas:
+                        tensor = tensor + deltas[id(p)]  # a new tensor: the trained base weight is untouched
                     bucket.append((name, tensor))
                     size += tensor.numel() * tensor.element_size()
             if size >= bucket_bytes:

@@ -41,9 +41,10 @@ SEED_LIMIT = 2**32
 """Seeds are in [0, 2^32): numpy's range, and task seeds derived from them stay within 64 bits."""
 MAX_THREADS = 4096
 MAX_GROUPS_PER_UPDATE = 1 << 16
-MAX_CONCURRENT_STEPS = 1024
 """Most advantage groups per update: trees are sampled and held for each, so a typo must not allocate
 (`FanOut`, `Sampling` and `EpisodeLimits` bound their own fields)."""
+MAX_CONCURRENT_STEPS = 1024
+"""Most environment steps at once (a thread each)."""
 
 
 @dataclass(frozen=True)

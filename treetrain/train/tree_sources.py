@@ -155,6 +155,24 @@ class RolloutSource:
 def make_engine(cfg: TrainConfig, model: Any, max_tokens: int) -> GenerationEngine:
     """The engine `rollout.engine` names, serving `model` (its weights are synced before first use)."""
     kind = cfg.rollout.engine
+    if kind != "hf":
+        from treetrain.rollout.weight_sync import fused_experts
+
+        fused = fused_experts(model)
+        if fused is not None:
+            raise ConfigError(
+                f"rollout.engine: {kind!r} loads checkpoint-named weights, and this model keeps {fused} fused in "
+                "memory (transformers' expert layout), which treetrain does not convert back yet; use 'hf'"
+            )
+        if (
+            cfg.model.lora is not None
+            and cfg.distributed.backend == "deepspeed"
+            and cfg.distributed.zero_stage == 3
+        ):
+            raise ConfigError(
+                f"rollout.engine: {kind!r} with LoRA under ZeRO-3 is not supported (the adapters would have to be "
+                "merged into partitioned weights); use ZeRO 0-2 with LoRA, or rollout.engine='hf'"
+            )
     if kind == "hf":
         from treetrain.rollout.hf_engine import HFEngine
 
