@@ -39,6 +39,7 @@ from envs.wrapper import EpisodeLimits, WrapperConfig
 from treetrain.io import atomic_write_text
 from treetrain.rollout.generation import GenerationRequest, GenerationResult
 from treetrain.rollout.hf_engine import HFEngine
+from treetrain.rollout.recording import RecordingEngine
 from treetrain.rollout.sampler import SamplerConfig
 from treetrain.rollout.sampling import Sampling
 from treetrain.rollout.tree_rollout import RolloutConfig, rollout_trees
@@ -47,32 +48,6 @@ from treetrain.train.models import DEMO_MODEL, WIDE_DEMO_MODEL
 from treetrain.train.tree_sources import task_seeds
 
 WRAPPER = WrapperConfig(EpisodeLimits(max_episode_tokens=1024), stop_token_ids=(2,))
-
-
-class Recording:
-    """An engine that passes everything through and keeps each request and its answer."""
-
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-        self.asked: dict[int, GenerationRequest] = {}
-        self.answers: list[GenerationResult] = []
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.engine, name)
-
-    @property
-    def busy(self) -> bool:
-        return bool(self.engine.busy)
-
-    def submit(self, request: GenerationRequest) -> int:
-        rid = int(self.engine.submit(request))
-        self.asked[rid] = request
-        return rid
-
-    def poll(self) -> list[GenerationResult]:
-        out = list(self.engine.poll())
-        self.answers += out
-        return out
 
 
 def shared_fraction(asked: dict[int, GenerationRequest], answers: list[GenerationResult]) -> float:
@@ -122,7 +97,7 @@ def run_engines(
     ids: dict[str, list[str]] = {name: [] for name in engines}
     seconds = dict.fromkeys(engines, 0.0)
     tokens = dict.fromkeys(engines, 0)
-    recorders = {name: Recording(e) if e is not None else None for name, (_, e) in engines.items()}
+    recorders = {name: RecordingEngine(e) if e is not None else None for name, (_, e) in engines.items()}
     try:
         for update in range(rounds):
             for name, (model, engine) in engines.items():

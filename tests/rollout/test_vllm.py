@@ -12,6 +12,7 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 from envs import EpisodeLimits, WrapperConfig, make_env
 from treetrain.rollout import FanOut, RolloutConfig, SamplerConfig, Sampling, rollout_trees
 from treetrain.rollout.generation import GenerationRequest, GenerationResult
+from treetrain.rollout.recording import RecordingEngine
 from treetrain.train.models import WIDE_DEMO_MODEL
 from treetrain.trajectory import Role
 
@@ -21,29 +22,6 @@ WRAPPER = WrapperConfig(
 )
 LOGPROB_TOLERANCE = 1e-4
 """|vLLM - HF| logprob in float32 on the same weights; measured at 3.4e-7 here."""
-
-
-class _Recording:
-    """Passes requests to an engine and keeps every request and answer."""
-
-    def __init__(self, engine: Any) -> None:
-        self.engine, self.asked, self.answers = engine, [], []
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.engine, name)
-
-    def submit(self, request: GenerationRequest) -> int:
-        self.asked.append(request)
-        return self.engine.submit(request)
-
-    @property
-    def busy(self) -> bool:
-        return self.engine.busy
-
-    def poll(self) -> list[GenerationResult]:
-        out = self.engine.poll()
-        self.answers += out
-        return out
 
 
 def _policy(model: Any, tree: Any) -> list[tuple[tuple[int, ...], tuple[float, ...], float]]:
@@ -69,7 +47,7 @@ def test_trees_hold_exactly_what_vllm_sampled_with_the_trainers_logprobs(
 ) -> None:
     model = LlamaForCausalLM.from_pretrained(WIDE_DEMO_MODEL).eval()
     tok = AutoTokenizer.from_pretrained(WIDE_DEMO_MODEL)
-    engine = _Recording(vllm_engine)
+    engine = RecordingEngine(vllm_engine)
     config = RolloutConfig(FanOut(root=4), SamplerConfig(Sampling(temperature=1.0), seed=1), WRAPPER,
                            model_version=vllm_engine.version)  # fmt: skip
     result = rollout_trees(model, tok, lambda: make_env("calculator"), [0, 1], tmp_path, config,

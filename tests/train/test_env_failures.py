@@ -68,19 +68,26 @@ def _misbehaving_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(ASSETS)  # the worker process starts with the trainer's sys.path
 
 
+def _refusal(run: Path, fault: str, capsys: pytest.CaptureFixture[str], method: str, exception: str) -> str:
+    """Train with `fault` in every task: exit status 2, no traceback, and one line naming the environment,
+    the method (`a|b`: either) and the exception. Returns the line."""
+    assert main(_args(run, fault, "all")) == 2
+    err = capsys.readouterr().err
+    (line,) = _error_lines(err)
+    assert "Traceback" not in err
+    methods = "|".join(re.escape(m) for m in method.split("|"))
+    assert re.search(f"{re.escape(ENV)}: ({methods}) raised {re.escape(exception)}", line), line
+    return line
+
+
 @pytest.mark.parametrize(("fault", "method", "exception"), STOPS)
 def test_a_fault_in_every_task_stops_the_run_in_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], fault: str, method: str, exception: str
 ) -> None:
     run = tmp_path / "run"
-    assert main(_args(run, fault, "all")) == 2
-    err = capsys.readouterr().err
-    (line,) = _error_lines(err)
-    assert "Traceback" not in err
+    line = _refusal(run, fault, capsys, method, exception)
     log = run / "env-errors" / "update-00000.log"
     assert line.startswith("treetrain train: update 0: every task failed (2 of 2")
-    methods = "|".join(re.escape(m) for m in method.split("|"))
-    assert re.search(f"{re.escape(ENV)}: ({methods}) raised {re.escape(exception)}", line), line
     assert line.endswith(f"traceback in {log}")
     assert log.is_file() and exception in log.read_text()
     if fault == "step":  # the raising line; a NaN was returned, a dead worker reports no traceback
@@ -127,10 +134,7 @@ def test_an_environment_that_cannot_start_is_one_line_before_any_model_loads(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], fault: str, method: str, exception: str
 ) -> None:
     run = tmp_path / "run"
-    assert main(_args(run, fault, "all")) == 2
-    err = capsys.readouterr().err
-    (line,) = _error_lines(err)
-    assert "Traceback" not in err and f"{ENV}: {method} raised {exception}" in line
+    line = _refusal(run, fault, capsys, method, exception)
     assert ("misbehaving_env.py:" in line) == (fault in ("init", "reset"))  # the line that raised, if any
     assert not run.exists()  # nothing written: the run directory is claimed after this check
 

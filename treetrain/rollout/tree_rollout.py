@@ -156,8 +156,9 @@ def _grow_concurrently(
         model_version=config.model_version, base_seed=config.sampler.seed, on_finished=save,
     )  # fmt: skip
     scheduler.run(tasks)
-    for task in tasks:  # failed tasks too
-        engine.release_group(task.prefix)
+    for task in tasks:  # a finished task's group was released when its tree was saved
+        if task.failure is not None:
+            engine.release_group(task.prefix)
     return engine.stats.since(before)
 
 
