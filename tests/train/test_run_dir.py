@@ -95,7 +95,7 @@ def test_the_lock_refuses_a_second_process_and_dies_with_its_holder(tmp_path: Pa
     holder = subprocess.Popen(
         [sys.executable, "-c", "import fcntl, os, sys, time\n"
          f"fd = os.open({str(run / LOCK)!r}, os.O_RDWR)\nfcntl.flock(fd, fcntl.LOCK_EX)\n"
-         "os.pwrite(fd, str(os.getpid()).encode(), 0)\nprint('locked', flush=True)\ntime.sleep(600)\n"],
+         "os.ftruncate(fd, 0)\nos.pwrite(fd, str(os.getpid()).encode(), 0)\nprint('locked', flush=True)\ntime.sleep(600)\n"],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
