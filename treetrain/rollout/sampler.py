@@ -187,8 +187,8 @@ class Sampler:
         length = (state.length if state is not None else 0) + len(pending)
         ids = torch.tensor([list(pending)], dtype=torch.long, device=self.device)  # [1, P]
         logits = self._forward(ids, cache).expand(n, -1)  # [n, V]
-        if n > 1:
-            cache.batch_repeat_interleave(n)
+        if n > 1:  # every sample continues the one context row (KV layers and recurrent state alike)
+            select_rows(cache, torch.zeros(n, dtype=torch.long, device=self.device))
         rows = list(range(n))  # sample index of each batch row
         tokens: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[list[float]] = [[] for _ in range(n)]
