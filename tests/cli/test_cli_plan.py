@@ -183,3 +183,37 @@ def test_plan_lora_on_a_named_model(trees_file: Path, capsys: pytest.CaptureFixt
     assert (
         "LoRA adapters (base frozen)" in out and "full fine-tuning, same model" in out and "LoRA saves" in out
     )
+
+
+def test_each_file_is_one_advantage_group_as_in_train(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A file's trees are normalized together, as the trainer normalizes one task's trees: a file whose trees
+    are each constant but differ from one another is trained (and planned); a file constant throughout is
+    dropped (`advantages.zero_variance=drop`), and a plan with nothing left to train says so."""
+
+    def group(name: str, rewards: list[list[float]]) -> Path:
+        path = tmp_path / f"{name}.msgpack"
+        trees = [
+            synthetic_group(prefix=40, branches=3, suffix=8, vocab=500, seed=len(name) + i, rewards=r)
+            for i, r in enumerate(rewards)
+        ]
+        save_trees(trees, path)
+        return path
+
+    varied = group("varied", [[0.0, 1.0, 0.0]])
+    between = group("between", [[0.0] * 3, [1.0] * 3])  # constant within each tree, not within the file
+    constant = group("constant", [[1.0] * 3, [1.0] * 3])
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model:\n  path: tiny-llama\n")
+
+    def flat_tokens(*files: Path) -> int:
+        assert main(["plan", *map(str, files), "--config", str(cfg), "--budget", "1GiB", "--json"]) == 0
+        return int(json.loads(capsys.readouterr().out)["costs"]["flat"]["token_cost"])
+
+    alone = flat_tokens(varied)
+    assert flat_tokens(varied, between) > alone  # per-tree grouping would drop `between`
+    assert flat_tokens(varied, constant) == alone  # negative control: a constant group is dropped
+    assert main(["plan", str(constant), "--config", str(cfg), "--budget", "1GiB"]) == 2
+    err = capsys.readouterr().err
+    assert "equal rewards" in err and "zero_variance=keep" in err and len(err.strip().splitlines()) == 1

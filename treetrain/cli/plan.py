@@ -153,13 +153,24 @@ def _fail(message: str) -> int:
     return EXIT_BAD_INPUT
 
 
-def _batch(trees: list[TrajectoryTree], loss: LossConfig, adv: AdvantageConfig) -> UpdateBatch:
+def _batch(named: NamedTrees, loss: LossConfig, adv: AdvantageConfig) -> UpdateBatch:
+    """The update `treetrain train` would build from these trees: each file's trees one advantage group
+    (as the trainer normalizes one task's trees together), zero-variance groups dropped when `adv` says so.
+    Raises TreeFormatError when every group would be dropped (an update with nothing to train)."""
     from treetrain.engine.batch import UpdateBatch
-    from treetrain.loss.advantages import compute_advantages
     from treetrain.loss.manifest import Manifest
+    from treetrain.update.run import advantage_groups
 
-    group = compute_advantages(trees, adv)
-    return UpdateBatch.build(trees, group.trees, Manifest.build(trees, 0), loss)
+    groups, dropped = advantage_groups([group for _, group in named], adv)
+    if not groups:
+        raise TreeFormatError(
+            f"every one of the {dropped} tree groups has equal rewards, so `treetrain train` would drop them "
+            "all (advantages.zero_variance=drop) and train on nothing; set advantages.zero_variance=keep "
+            "to plan them"
+        )
+    trees = [t for g in groups for t in g.trees]
+    advantages = [a for g in groups for a in g.advantages]
+    return UpdateBatch.build(trees, advantages, Manifest.build(trees, 0), loss)
 
 
 def _from_config(args: argparse.Namespace, named: NamedTrees) -> int:
@@ -169,7 +180,6 @@ def _from_config(args: argparse.Namespace, named: NamedTrees) -> int:
     from treetrain.errors import ConfigError
     from treetrain.train.config import check_paths, load_config
 
-    trees = [t for _, group in named for t in group]
     try:  # the config is checked before torch and transformers load (seconds)
         cfg = load_config(args.config, args.overrides)
         cfg = replace(cfg, memory_budget=str(args.budget), mode=args.mode or cfg.mode)
@@ -181,9 +191,6 @@ def _from_config(args: argparse.Namespace, named: NamedTrees) -> int:
         check_paths(cfg)
     except ConfigError as e:
         return _fail(str(e))
-    from treetrain.engine import UpdateBatch
-    from treetrain.loss.advantages import compute_advantages
-    from treetrain.loss.manifest import Manifest
     from treetrain.train.models import load_models
     from treetrain.update.planning import plan_for
 
@@ -203,9 +210,8 @@ def _from_config(args: argparse.Namespace, named: NamedTrees) -> int:
     }  # fmt: skip
     replay = replace(cfg.replay, **{k: v for k, v in forced.items() if v is not None})
     cfg = replace(cfg, replay=replace(replay, contract=args.contract or cfg.replay.contract))
-    advantages = [compute_advantages([t], cfg.advantages).trees[0] for t in trees]
     try:
-        batch = UpdateBatch.build(trees, advantages, Manifest.build(trees, 0), cfg.loss)
+        batch = _batch(named, cfg.loss, cfg.advantages)
         planned = plan_for(
             cfg, batch, models.policy, models.reference, world_size=args.world_size,
             zero_stage=cfg.distributed.zero_stage if args.zero_stage is None else args.zero_stage,
@@ -269,7 +275,6 @@ def run(args: argparse.Namespace) -> int:
         check_distinct(named)
     except TreeFormatError as e:
         return _fail(str(e))
-    trees = [t for _, group in named for t in group]
     if args.world_size < 1:
         return _fail(f"--world-size must be >= 1, got {args.world_size}")
     if args.config or args.overrides:
@@ -306,7 +311,7 @@ def run(args: argparse.Namespace) -> int:
     persistent = model_persistent_bytes(model, zero_stage=args.zero_stage or 0, world_size=args.world_size)
     try:
         plan = plan_update(
-            _batch(trees, LossConfig(), AdvantageConfig()), model, budget=args.budget,
+            _batch(named, LossConfig(), AdvantageConfig(zero_variance="keep")), model, budget=args.budget,
             contract=args.contract or "exact", overrides=overrides,
             min_speedup=args.min_speedup, persistent=persistent,
         )  # fmt: skip
