@@ -167,7 +167,9 @@ def test_negative_control_state_taken_one_token_early_is_rejected(monkeypatch: p
     assert dev.abs > 100 * FACTOR * floor, f"{dev.abs:.3e} not far above {FACTOR} x {floor:.3e}"
 
 
-def test_negative_control_kda_state_not_stopped_at_the_cut_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_negative_control_kda_state_not_stopped_at_the_cut_is_rejected(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """KDA's captured sequence form zeroes its per-channel gate and `beta` from each row's cut on, so the
     state stops before the row's last token. The layer's own function in its place (the state after the
     whole row: its last token, which the children see again, and its padding) is caught by the split

@@ -188,7 +188,9 @@ def _more(family: str, size: TinySize, vocab_size: int) -> dict[str, Any]:
         )  # fmt: skip
         if family == "kimi_linear":
             return dict(kda, linear_num_heads=size.num_heads, linear_head_dim=head, linear_conv_kernel_dim=4)
-        return dict(kda, head_dim=head, short_conv_kernel_size=4, first_k_dense_replace=1)  # Bailing: linear heads
+        return dict(
+            kda, head_dim=head, short_conv_kernel_size=4, first_k_dense_replace=1
+        )  # Bailing: linear heads
     if family in RECURRENT_FAMILIES:  # linear attention before and after the full-attention layer
         more = dict(
             num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],

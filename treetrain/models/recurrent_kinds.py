@@ -333,5 +333,14 @@ MAMBA2 = Kind(
 KINDS = (GATED_DELTANET, KIMI_DELTA, MAMBA, MAMBA2)
 
 
+#: Recurrent mixers of no kind, by class name, and what each lacks that a kind needs (the refusal says it).
+NO_KIND: dict[str, str] = {
+    "MiniMaxLightningAttention": (
+        "it runs its recurrence inline in its forward, with no sequence or step function to stop at a row's "
+        "cut, and keeps its state in MiniMaxCache's linear cache (MiniMaxModel takes no other cache)"
+    ),
+}
+
+
 def kind_of(module: nn.Module) -> Kind | None:
     return next((k for k in KINDS if k.matches(module)), None)
