@@ -114,6 +114,23 @@ def test_exact_recurrent_invariant_to_order_k_and_chunking(replay: ReplayConfig)
     assert dev.abs <= FACTOR * floor, f"{replay}: {dev.abs:.3e} > {FACTOR} x {floor:.3e}"
 
 
+@pytest.mark.parametrize("family", ["kimi_linear", "bailing_hybrid"])
+@pytest.mark.parametrize(
+    "replay",
+    [
+        ReplayConfig(microbatch=1, chunk_size=1),
+        ReplayConfig(microbatch=2, chunk_size=3, order="shuffle", seed=3),
+    ],
+    ids=lambda r: f"K{r.microbatch}-{r.order}-chunk{r.chunk_size}",
+)
+def test_exact_kda_two_trees_with_a_reference(family: str, replay: ReplayConfig) -> None:
+    """KDA under KL to a separate reference and entropy, in one-token chunks (every token carries the
+    per-channel gated state on) and shuffled with K = 2."""
+    loss = LossConfig(kl_coef=0.05, entropy_coef=0.01)
+    dev, floor = _check(family, torch.float64, "two_trees", loss, replay)
+    assert dev.abs <= FACTOR * floor, f"{family} {replay}: {dev.abs:.3e} > {FACTOR} x {floor:.3e}"
+
+
 @pytest.mark.parametrize("family", ["qwen3_next", "kimi_linear", "mamba", "bamba"])
 @pytest.mark.parametrize("shape", ["unequal", "identical", "single"])
 def test_exact_recurrent_other_shapes(shape: str, family: str) -> None:
@@ -143,9 +160,10 @@ def test_negative_control_recurrent_state_left_out_of_g_is_rejected(
     assert dev.abs > 100 * FACTOR * floor, f"{dev.abs:.3e} not far above {FACTOR} x {floor:.3e}"
 
 
-def test_negative_control_response_only_detaches_the_state() -> None:
+@pytest.mark.parametrize("family", ["qwen3_5_text", "kimi_linear"])
+def test_negative_control_response_only_detaches_the_state(family: str) -> None:
     replay = ReplayConfig(contract="response_only", microbatch=2)
-    dev, floor = _check("qwen3_5_text", torch.float64, "multi_level", LossConfig(), replay)
+    dev, floor = _check(family, torch.float64, "multi_level", LossConfig(), replay)
     assert dev.abs > 1000 * FACTOR * floor
 
 
