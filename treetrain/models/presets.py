@@ -29,7 +29,7 @@ FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe")
 MORE_FAMILIES: tuple[str, ...] = ("deepseek_v3", "granite", "cohere", "gemma2", "gpt2", "gemma4_text")
 #: Presets with recurrent layers, whose resident state per layer is (conv state, recurrent state) or KV
 #: (`treetrain.models.recurrent_state`): Gated DeltaNet around a full-attention layer, Mamba layers alone
-#: (Mamba, Falcon-Mamba) or around an attention layer (Jamba).
+#: (Mamba, Falcon-Mamba) or around an attention layer (Jamba), Kimi delta attention around an MLA layer.
 RECURRENT_FAMILIES: tuple[str, ...] = (
     "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lara_mini", "mamba", "falcon_mamba", "jamba",
     "bamba", "granitemoehybrid", "nemotron_h", "kimi_linear", "bailing_hybrid",
@@ -188,9 +188,8 @@ def _more(family: str, size: TinySize, vocab_size: int) -> dict[str, Any]:
         )  # fmt: skip
         if family == "kimi_linear":
             return dict(kda, linear_num_heads=size.num_heads, linear_head_dim=head, linear_conv_kernel_dim=4)
-        return dict(
-            kda, head_dim=head, short_conv_kernel_size=4, first_k_dense_replace=1
-        )  # Bailing: linear heads
+        # Bailing sizes its linear heads by `num_attention_heads` and `head_dim`
+        return dict(kda, head_dim=head, short_conv_kernel_size=4, first_k_dense_replace=1)
     if family in RECURRENT_FAMILIES:  # linear attention before and after the full-attention layer
         more = dict(
             num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
