@@ -163,6 +163,7 @@ def test_blocks_under_other_names_are_found_and_checked_by_behaviour(family: str
         ("xlstm", "keeps recurrent state"),
         ("bert", r"has no decoder stack with its blocks in `.layers`, `.h`, `.blocks`"),
         ("diffllama", "attend over other tensors than they cache"),
+        ("minimax", r"runs its recurrence inline in its forward.*MiniMaxCache's linear cache"),
     ],
 )
 def test_refusals_give_the_true_reason(family: str, reason: str) -> None:

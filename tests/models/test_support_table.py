@@ -14,7 +14,7 @@ from treetrain.models.support_table import COMMAND, families, render, support_ro
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "model-support.md"
 SAMPLE = (
     "llama", "deepseek_v3", "granite", "cohere", "gemma2", "gemma4_text", "gpt2", "bloom", "modernbert-decoder",
-    "jetmoe", "openai-gpt", "xlstm", "diffllama", "dory", "llama4", "qwen3_5_text", "mamba",
+    "jetmoe", "openai-gpt", "xlstm", "diffllama", "dory", "llama4", "qwen3_5_text", "mamba", "kimi_linear",
 )  # fmt: skip
 
 

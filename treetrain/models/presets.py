@@ -29,15 +29,18 @@ FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe")
 MORE_FAMILIES: tuple[str, ...] = ("deepseek_v3", "granite", "cohere", "gemma2", "gpt2", "gemma4_text")
 #: Presets with recurrent layers, whose resident state per layer is (conv state, recurrent state) or KV
 #: (`treetrain.models.recurrent_state`): Gated DeltaNet around a full-attention layer, Mamba layers alone
-#: (Mamba, Falcon-Mamba) or around an attention layer (Jamba).
+#: (Mamba, Falcon-Mamba) or around an attention layer (Jamba), Kimi delta attention around an MLA layer.
 RECURRENT_FAMILIES: tuple[str, ...] = (
     "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lara_mini", "mamba", "falcon_mamba", "jamba",
-    "bamba", "granitemoehybrid", "nemotron_h",
+    "bamba", "granitemoehybrid", "nemotron_h", "kimi_linear", "bailing_hybrid",
 )  # fmt: skip
 #: Of those, the ones whose recurrent layers are Mamba-2 (chunked SSD scan) layers.
 MAMBA2_FAMILIES = frozenset({"bamba", "granitemoehybrid", "nemotron_h"})
 #: Of those, the ones whose recurrent layers are Mamba (selective scan) layers.
 MAMBA_FAMILIES = frozenset({"mamba", "falcon_mamba", "jamba"})
+#: Of those, the ones whose recurrent layers are Kimi delta attention (a per-channel gated delta rule)
+#: around a multi-head latent attention layer.
+KIMI_DELTA_FAMILIES = frozenset({"kimi_linear", "bailing_hybrid"})
 #: Families whose transformers classes have no `sdpa` attention.
 EAGER_ONLY = frozenset({"gemma2", "mamba", "falcon_mamba"})
 #: The tiny Mistral's sliding window: shorter than test sequences, so windowed attention is exercised.
@@ -106,6 +109,8 @@ def tiny_config(
         "jamba",
         "granitemoehybrid",
         "nemotron_h",
+        "kimi_linear",
+        "bailing_hybrid",
     ):
         # The grouped-matmul experts kernel has no float64 path; the per-expert loop does.
         config._experts_implementation = "eager"
@@ -174,6 +179,17 @@ def _more(family: str, size: TinySize, vocab_size: int) -> dict[str, Any]:
                 mamba_expand=2, use_mamba_kernels=False,
             )  # fmt: skip
         return more
+    if family in KIMI_DELTA_FAMILIES:  # KDA before and after an MLA layer; experts after the first layer
+        kda: dict[str, Any] = dict(
+            num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
+            num_key_value_heads=size.num_heads, q_lora_rank=size.hidden_size // 2, kv_lora_rank=size.hidden_size // 2,
+            qk_nope_head_dim=head, qk_rope_head_dim=head // 2, v_head_dim=head, num_local_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=size.intermediate_size // 4, n_group=1, topk_group=1,
+        )  # fmt: skip
+        if family == "kimi_linear":
+            return dict(kda, linear_num_heads=size.num_heads, linear_head_dim=head, linear_conv_kernel_dim=4)
+        # Bailing sizes its linear heads by `num_attention_heads` and `head_dim`
+        return dict(kda, head_dim=head, short_conv_kernel_size=4, first_k_dense_replace=1)
     if family in RECURRENT_FAMILIES:  # linear attention before and after the full-attention layer
         more = dict(
             num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],

@@ -8,13 +8,16 @@ token, and computes that token's output with one step from it (`treetrain.models
 
 - **Gated DeltaNet** (Qwen3.5, Qwen3-Next, OLMo hybrid, Lara mini): `g = 0` and `beta = 0` neither decay
   nor update the delta rule's state; its kernel takes an initial state.
+- **Kimi delta attention** (Kimi Linear, Bailing hybrid): the same delta rule with a log gate per key
+  channel (`g` is `[B, T, H, D_k]`), so the same `g = 0` and `beta = 0`; q, k and v share one short
+  convolution, whose window is one conv state.
 - **Mamba** (Mamba, Falcon-Mamba, Jamba): `dt = 0` gives `exp(dt A) = 1` and `dt B x = 0`. The selective
   scan takes no initial state, so the initial state's part is added in closed form: the state is linear in
   it, `h_t = exp(A * sum(dt_1..t)) h_0 + (the scan from zero)`, and so is the output `C_t h_t`.
 
 Example:
     >>> sorted(k.name for k in KINDS)
-    ['gated_deltanet', 'mamba', 'mamba2']
+    ['gated_deltanet', 'kimi_delta', 'mamba', 'mamba2']
 """
 
 from __future__ import annotations
@@ -83,7 +86,7 @@ def _delta_rule(chunk: Callable[..., Any], step: Callable[..., Any]) -> Callable
         query: torch.Tensor,  # [B, T, H_k, D_k]
         key: torch.Tensor,  # [B, T, H_k, D_k]
         value: torch.Tensor,  # [B, T, H_v, D_v]
-        g: torch.Tensor,  # [B, T, H_v]
+        g: torch.Tensor,  # [B, T, H_v] (Gated DeltaNet) or [B, T, H, D_k] (KDA: a log gate per key channel)
         beta: torch.Tensor,  # [B, T, H_v]
         initial_state: torch.Tensor | None = None,
         output_final_state: bool = False,
@@ -93,9 +96,10 @@ def _delta_rule(chunk: Callable[..., Any], step: Callable[..., Any]) -> Callable
         cut = _active().cut
         kwargs.pop("chunk_size", None)
         t = torch.arange(query.shape[1], device=query.device)
-        before = (t[None, :] < cut[:, None]).to(g.dtype)[..., None]  # [B, T, 1]
+        before = (t[None, :] < cut[:, None]).to(g.dtype)  # [B, T]
+        gate = g * before.view(*before.shape, *[1] * (g.dim() - 2))  # g's shape, 0 from the cut on
         out, state = chunk(
-            query, key, value, g=g * before, beta=beta * before.to(beta.dtype), initial_state=initial_state,
+            query, key, value, g=gate, beta=beta * before.to(beta.dtype)[..., None], initial_state=initial_state,
             output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs,
         )  # fmt: skip
         rows = torch.arange(query.shape[0], device=query.device)
@@ -122,6 +126,11 @@ def _delta_rule_step(step: Callable[..., Any]) -> Callable[..., Any]:
 def _delta_rule_bytes(layer: Any, size: int) -> int:
     conv = (int(layer.key_dim) * 2 + int(layer.value_dim)) * (int(layer.conv_kernel_size) - 1) * size
     return conv + int(layer.num_v_heads) * int(layer.head_k_dim) * int(layer.head_v_dim) * 4  # float32 state
+
+
+def _kimi_delta_bytes(layer: Any, size: int) -> int:
+    conv = int(layer.conv_dim) * (int(layer.conv_kernel_size) - 1) * size  # q, k and v in one window
+    return conv + int(layer.num_heads) * int(layer.head_dim) ** 2 * 4  # float32 state [H, D_k, D_v]
 
 
 def _selective_scan(scan: Callable[..., Any], step: Callable[..., Any]) -> Callable[..., Any]:
@@ -297,6 +306,14 @@ GATED_DELTANET = Kind(
     _delta_rule,
     _delta_rule_step,
 )
+KIMI_DELTA = Kind(
+    "kimi_delta",
+    ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention"),
+    ("conv_kernel_size", "conv_dim", "num_heads", "head_dim"),
+    _kimi_delta_bytes,
+    _delta_rule,
+    _delta_rule_step,
+)
 MAMBA = Kind(
     "mamba",
     ("mamba_selective_scan", "mamba_selective_state_update"),
@@ -313,7 +330,16 @@ MAMBA2 = Kind(
     _chunk_scan,
     _chunk_step,
 )
-KINDS = (GATED_DELTANET, MAMBA, MAMBA2)
+KINDS = (GATED_DELTANET, KIMI_DELTA, MAMBA, MAMBA2)
+
+
+#: Recurrent mixers of no kind, by class name, and what each lacks that a kind needs (the refusal says it).
+NO_KIND: dict[str, str] = {
+    "MiniMaxLightningAttention": (
+        "it runs its recurrence inline in its forward, with no sequence or step function to stop at a row's "
+        "cut, and keeps its state in MiniMaxCache's linear cache (MiniMaxModel takes no other cache)"
+    ),
+}
 
 
 def kind_of(module: nn.Module) -> Kind | None:

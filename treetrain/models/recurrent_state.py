@@ -39,7 +39,7 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DummyLayer, DynamicLayer
 
-from treetrain.models.recurrent_kinds import CAPTURE, KINDS, Capture, Kind, kind_of
+from treetrain.models.recurrent_kinds import CAPTURE, KINDS, NO_KIND, Capture, Kind, kind_of
 from treetrain.models.shared_past import LayerKV, SharedPast, _Into
 
 #: Layer types of transformers' configs whose layer carries recurrent state instead of KV.
@@ -97,6 +97,12 @@ def unsupported_mixer(model: nn.Module) -> str | None:
         }
     )
     found_kinds = ", ".join(kinds) or "modules without a layer index"
+    if kinds and all(k in NO_KIND for k in kinds):  # what exactly each lacks, first: the message is cut short
+        lacks = "; ".join(NO_KIND[k] if len(kinds) == 1 else f"{k}: {NO_KIND[k]}" for k in kinds)
+        return (
+            f"its recurrent layers {missing} ({found_kinds}) are of no kind whose state the engine keeps "
+            f"resident: {lacks}"
+        )
     known = "; ".join(f"{k.name} ({' / '.join(k.functions)})" for k in KINDS)
     return (
         f"its recurrent layers {missing} (layer type 'linear_attention': {found_kinds}) are of no kind whose "

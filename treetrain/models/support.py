@@ -2,8 +2,9 @@
 
 The engine splits every sequence at node boundaries and continues from stored KV. That is exact only when a
 layer's whole state is its per-token keys and values over *all* earlier positions, or a recurrent state the
-engine keeps resident too (Gated DeltaNet and Mamba layers, `treetrain.models.recurrent_state`); other
-recurrent or linear attention layers carry a running state it cannot take, and dynamic RoPE variants choose their frequencies from
+engine keeps resident too (Gated DeltaNet, Kimi delta attention and Mamba layers,
+`treetrain.models.recurrent_state`); other recurrent or linear attention layers carry a running state it
+cannot take, and dynamic RoPE variants choose their frequencies from
 the longest position *in each forward call*, so a prefix evaluated alone rotates differently than inside
 the whole sequence. The engine also computes logprobs from the LM head directly, so the head applies what
 the family does to its logits (`treetrain.models.logit_head`: scaling, final soft-capping); a model that
@@ -128,7 +129,8 @@ def check_supported(
         raise UnsupportedModelError(
             f"model type {mtype!r} keeps recurrent state in layers its config does not declare (no `layer_types` "
             "entry 'linear_attention'); resident state covers KV and the recurrent layers of the kinds in "
-            "`treetrain.models.recurrent_kinds` (Gated DeltaNet, Mamba, Mamba-2) only, so tree replay is refused"
+            "`treetrain.models.recurrent_kinds` (Gated DeltaNet, Kimi delta attention, Mamba, Mamba-2) only, "
+            "so tree replay is refused"
         )
     mixer = unsupported_mixer(unwrap(model))
     if mixer is not None:

@@ -86,6 +86,10 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "zamba": dict(num_hidden_layers=3, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8),
     "zamba2": dict(num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "mamba"], mamba_d_state=8),
     "bamba": dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, attn_layer_indices=[1], num_hidden_layers=3),
+    "kimi_linear": dict(
+        _MLA, linear_num_heads=4, linear_head_dim=8, layer_types=["linear_attention", "full_attention"],
+    ),
+    "bailing_hybrid": dict(_MLA, head_dim=8, layer_types=["linear_attention", "full_attention"]),
     "granitemoehybrid": dict(
         mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
     ),
@@ -223,8 +227,8 @@ Measured against the flat reference in the tests (`tests/engine/test_replay_exac
 the five presets (`llama`, `qwen2`, `qwen3`, `mistral`, `qwen3_moe`), `MORE_FAMILIES` in
 `treetrain/models/presets.py` (`deepseek_v3`, `granite`, `cohere`, `gemma2`, `gpt2`, `gemma4_text`),
 `gpt_oss`, and the presets with recurrent layers, `RECURRENT_FAMILIES` (`qwen3_5_text`, `qwen3_5_moe_text`,
-`qwen3_next`, `olmo_hybrid`, `lara_mini`, `mamba`, `falcon_mamba`, `jamba`, `bamba`, `granitemoehybrid`;
-`tests/engine/test_replay_recurrent.py`).
+`qwen3_next`, `olmo_hybrid`, `lara_mini`, `mamba`, `falcon_mamba`, `jamba`, `bamba`, `granitemoehybrid`,
+`nemotron_h`, `kimi_linear`, `bailing_hybrid`; `tests/engine/test_replay_recurrent.py`).
 
 Generated with transformers {{version}} and torch {{torch}}.
 """
