@@ -137,7 +137,9 @@ def test_user_config_takes_the_optimizer_arguments_clipping() -> None:
     """DeepSpeed clips at 1.0 when a config names no `gradient_clipping`: the argument's value is written in,
     and a config that sets another one is refused rather than silently winning or losing."""
     sgd = OptimizerConfig(name="sgd", lr=0.5, weight_decay=0.0, grad_clip=0.0)
-    cfg = with_optimizer({"zero_optimization": {"stage": 1}}, sgd, torch_adam=True, offload=False, source="ds")
+    cfg = with_optimizer(
+        {"zero_optimization": {"stage": 1}}, sgd, torch_adam=True, offload=False, source="ds"
+    )
     assert cfg["gradient_clipping"] == 0.0 and cfg["optimizer"]["type"] == "SGD"
     same = with_optimizer({"gradient_clipping": 0.0}, sgd, torch_adam=True, offload=False, source="ds")
     assert same["gradient_clipping"] == 0.0
