@@ -15,6 +15,7 @@ from treetrain.distributed.deepspeed_backend import (
     default_config,
     own_boundary,
     read_config,
+    with_optimizer,
 )
 from treetrain.errors import ConfigError
 
@@ -130,3 +131,19 @@ def test_unreadable_user_config_names_the_problem(tmp_path: Path) -> None:
     (tmp_path / "list.json").write_text("[]")
     with pytest.raises(ConfigError, match="top level must be an object"):
         read_config(tmp_path / "list.json")
+
+
+def test_user_config_takes_the_optimizer_arguments_clipping() -> None:
+    """DeepSpeed clips at 1.0 when a config names no `gradient_clipping`: the argument's value is written in,
+    and a config that sets another one is refused rather than silently winning or losing."""
+    sgd = OptimizerConfig(name="sgd", lr=0.5, weight_decay=0.0, grad_clip=0.0)
+    cfg = with_optimizer(
+        {"zero_optimization": {"stage": 1}}, sgd, torch_adam=True, offload=False, source="ds"
+    )
+    assert cfg["gradient_clipping"] == 0.0 and cfg["optimizer"]["type"] == "SGD"
+    same = with_optimizer({"gradient_clipping": 0.0}, sgd, torch_adam=True, offload=False, source="ds")
+    assert same["gradient_clipping"] == 0.0
+    with pytest.raises(ConfigError, match=r"optim.grad_clip=0.0 contradicts gradient_clipping=1.0 in ds"):
+        with_optimizer({"gradient_clipping": 1.0}, sgd, torch_adam=True, offload=False, source="ds")
+    with pytest.raises(ConfigError, match="either as an argument or in ds, not both"):
+        with_optimizer({"optimizer": {"type": "SGD"}}, sgd, torch_adam=True, offload=False, source="ds")

@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import save_file
 from support.dist_cases import (
     ADAMW,
+    HYBRID,
     LORA_LOSS,
     LOSS,
     OPTIMIZER,
@@ -36,6 +37,7 @@ from support.dist_cases import (
     lm_loss,
     make_lora_model,
     make_model,
+    model_factory,
     params_vector,
     pitfall_batches,
     uneven_groups,
@@ -72,15 +74,16 @@ USER_CONFIG_STAGES = {"z1"}
 
 
 def backend_for(
-    stage_name: str, optimizer: OptimizerConfig = OPTIMIZER, *, measure: bool = False
+    stage_name: str, optimizer: OptimizerConfig = OPTIMIZER, *, measure: bool = False, family: str = "llama"
 ) -> DeepSpeedBackend:
     stage, offload = STAGES[stage_name]
+    model = model_factory(family)()
     if stage_name in USER_CONFIG_STAGES:
         offload_block = {"device": "cpu" if offload else "none"}
         user = {"zero_optimization": {"stage": stage, "offload_optimizer": offload_block}}
-        return DeepSpeedBackend(make_model(), ds_config=user, optimizer=optimizer, measure_params=measure)
+        return DeepSpeedBackend(model, ds_config=user, optimizer=optimizer, measure_params=measure)
     return DeepSpeedBackend(
-        make_model(), zero_stage=stage, offload_optimizer=offload, optimizer=optimizer, measure_params=measure
+        model, zero_stage=stage, offload_optimizer=offload, optimizer=optimizer, measure_params=measure
     )
 
 
@@ -112,9 +115,10 @@ def one_update(
     optimizer: OptimizerConfig = OPTIMIZER,
     update: list[Any] | None = None,
     measure: bool = False,
+    family: str = "llama",
     **window_kw: Any,
 ) -> tuple[torch.Tensor, Info]:
-    backend = backend_for(stage_name, optimizer, measure=measure)
+    backend = backend_for(stage_name, optimizer, measure=measure, family=family)
     start = current(backend)
     update = groups() if update is None else update
     trees = [t for g in update for t in g.trees]
@@ -541,6 +545,14 @@ def scenarios() -> dict[str, Callable[[], tuple[torch.Tensor, Info]]]:
         )
         out[f"{s}-adamw"] = partial(one_update, s, placement=placement, optimizer=ADAMW)
         out[f"{s}-no_rescale"] = partial(no_rescale, s)
+    for family in HYBRID:  # recurrent resident state; round-robin splits every tree over both ranks
+        for s in ("z0", "z1", "z2", "z3"):
+            out[f"{s}-exact-{family}"] = partial(
+                one_update, s, placement="round_robin", measure=s == "z3", family=family
+            )
+        out[f"z3-response_only-{family}"] = partial(
+            one_update, "z3", ReplayConfig(contract="response_only"), placement="round_robin", family=family
+        )
     for s in ("z2", "z3"):
         out[f"{s}-fault_before_backward"] = partial(
             one_update, s, step_hook=Once(0, "forward", RuntimeError("injected before backward")),

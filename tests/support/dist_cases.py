@@ -12,7 +12,8 @@ the AdamW path (and its optimizer state across a resume) works too.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 from transformers import PreTrainedModel
@@ -33,12 +34,20 @@ OPTIMIZER = OptimizerConfig(name="sgd", lr=1.0, weight_decay=0.0, grad_clip=0.0)
 """Scale-sensitive: delta = -lr * g (|g| is about 0.7 here, so |delta| is far above float32 rounding)."""
 ADAMW = OptimizerConfig(lr=1e-3, weight_decay=0.01, grad_clip=1.0)
 make_model = factory("llama", torch.float32)
+HYBRID = ("qwen3_5_text", "nemotron_h")
+"""Hybrid families in the same checks: Gated DeltaNet (Qwen3.5) and Mamba-2 (Nemotron-H) layers around
+attention, whose resident objects are (conv state, recurrent state) as well as KV."""
 make_lora_model = lora_factory("llama", torch.float32)
 """The same llama with LoRA adapters (B set as if trained, so adapters off differs from on)."""
 LORA_LOSS = LossConfig(kl_coef=0.2)
 """With KL: the reference is the policy with its adapters off."""
 STAGES = {"z0": (0, False), "z1": (1, False), "z2": (2, False), "z3": (3, False), "z2off": (2, True)}
 """Name -> (ZeRO stage, optimizer CPU offload)."""
+
+
+def model_factory(family: str = "llama") -> Callable[[], PreTrainedModel]:
+    """The float32 tiny model of `family` that a scenario and its reference both build (llama by default)."""
+    return make_model if family == "llama" else factory(family, torch.float32)
 
 
 def groups(seed: int = 0) -> list[Group]:
@@ -60,11 +69,12 @@ def reference_delta(
     perturb: bool = False,
     optimizer: OptimizerConfig = OPTIMIZER,
     lora: bool = False,
+    family: str = "llama",
 ) -> torch.Tensor:
     """One optimizer step in one process with plain torch and the engine directly (no update window):
     contract 'flat' (the conventional run) or a tree contract. `lora`: the LoRA model with KL against
-    its adapters-off self."""
-    make = make_lora_model if lora else make_model
+    its adapters-off self; `family`: another tiny model than the llama (`HYBRID`)."""
+    make = make_lora_model if lora else model_factory(family)
     loss = LORA_LOSS if lora else LOSS
     model: PreTrainedModel = make()
     ref = AdaptersOff(model) if lora else None
@@ -91,22 +101,24 @@ def reference_delta(
 
 
 def delta_floor(
-    contract: str, update: Sequence[Group], optimizer: OptimizerConfig = OPTIMIZER, lora: bool = False
+    contract: str,
+    update: Sequence[Group],
+    optimizer: OptimizerConfig = OPTIMIZER,
+    lora: bool = False,
+    family: str = "llama",
 ) -> tuple[torch.Tensor, float]:
     """The reference delta and its fp32 noise floor: the largest gap to two equally valid runs of it.
 
     The variants are another summation order (reversed, other microbatching) and every parameter moved by
     one float32 rounding step (as in treetrain.engine.verify.noise_floor, applied to the deltas).
     """
-    ref = reference_delta(contract, update, optimizer=optimizer, lora=lora)
+    run = partial(reference_delta, optimizer=optimizer, lora=lora, family=family)
+    ref = run(contract, update)
     if contract == "flat":
-        other = reference_delta("flat", update, flat_microbatch=2, optimizer=optimizer, lora=lora)
+        other = run("flat", update, flat_microbatch=2)
     else:
-        other = reference_delta(
-            contract, update, replay=ReplayConfig(contract=contract, microbatch=1, order="reverse"),  # type: ignore[arg-type]
-            optimizer=optimizer, lora=lora,
-        )  # fmt: skip
-    moved = reference_delta(contract, update, perturb=True, optimizer=optimizer, lora=lora)
+        other = run(contract, update, replay=ReplayConfig(contract=contract, microbatch=1, order="reverse"))  # type: ignore[arg-type]
+    moved = run(contract, update, perturb=True)
     return ref, max(float((ref - other).norm()), float((ref - moved).norm()))
 
 

@@ -182,6 +182,32 @@ class WeightsOnlyReads:
         return getattr(self.inner, name)
 
 
+def with_optimizer(
+    cfg: dict[str, Any], optimizer: OptimizerConfig, *, torch_adam: bool, offload: bool, source: str
+) -> dict[str, Any]:
+    """A user config without an optimizer, completed from the `optimizer` argument: its section, the flags
+    DeepSpeed needs for it, and its clipping. The clipping is set explicitly because DeepSpeed's own default
+    clips at 1.0, which would silently replace `grad_clip`; a config that sets another value is refused.
+
+    >>> cfg = with_optimizer({}, OptimizerConfig(name="sgd", grad_clip=0.0), torch_adam=True, offload=False,
+    ...                      source="ds.json")
+    >>> cfg["optimizer"]["type"], cfg["gradient_clipping"]
+    ('SGD', 0.0)
+    """
+    if "optimizer" in cfg:
+        raise ConfigError(f"give the optimizer either as an argument or in {source}, not both")
+    clip = cfg.get("gradient_clipping", optimizer.grad_clip)
+    if clip != optimizer.grad_clip:
+        raise ConfigError(
+            f"optim.grad_clip={optimizer.grad_clip} contradicts gradient_clipping={clip!r} in {source}"
+        )
+    cfg["optimizer"] = optimizer_section(optimizer, torch_adam=torch_adam)
+    cfg["gradient_clipping"] = optimizer.grad_clip
+    for key, value in optimizer_flags(optimizer, torch_adam=torch_adam, offload=offload).items():
+        cfg.setdefault(key, value)
+    return cfg
+
+
 def own_boundary(cfg: dict[str, Any], source: str) -> dict[str, Any]:
     """Check and set the keys through which treetrain owns the accumulation boundary."""
     gas = cfg.get("gradient_accumulation_steps", 1)
@@ -259,14 +285,8 @@ class DeepSpeedBackend(TrainBackend):
             offloaded = config_offload(cfg)
             if offload_optimizer is not None and offload_optimizer != offloaded:
                 raise ConfigError(f"offload_optimizer={offload_optimizer} contradicts {source}")
-            if optimizer is not None and "optimizer" in cfg:
-                raise ConfigError(f"give the optimizer either as an argument or in {source}, not both")
             if optimizer is not None:
-                cfg["optimizer"] = optimizer_section(optimizer, torch_adam=torch_adam)
-                for key, value in optimizer_flags(
-                    optimizer, torch_adam=torch_adam, offload=offloaded
-                ).items():
-                    cfg.setdefault(key, value)
+                cfg = with_optimizer(cfg, optimizer, torch_adam=torch_adam, offload=offloaded, source=source)
         self.config = own_boundary(cfg, source)
         if not dist.is_initialized():
             deepspeed.init_distributed(

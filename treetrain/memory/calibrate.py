@@ -13,6 +13,9 @@ sequence is then predicted from 1024-token ones, not from 160-token ones. The fe
 - per token and context token (`rows x width x (past + width)`): attention masks, and with eager
   attention the attention weights (the root batch, without a past, has its own causal form);
 - per logits row (`min(targets, chunk rows)`): the head's logits, recomputed chunk by chunk in backward;
+- per row and sequence chunk of a recurrent layer (`rows x ceil(width / C)`): the chunked kernels'
+  per-chunk intermediates, a step function of the width (`treetrain.memory.recurrent_cost`; zero for a
+  model without recurrent layers);
 - per past token gathered from several units, per path token receiving a KV gradient, per new G token,
   per stored KV token.
 
@@ -57,6 +60,7 @@ from treetrain.loss.manifest import Manifest
 from treetrain.memory.events import Shape, plan_tree
 from treetrain.memory.fit import Affine, MaxAffine, fit_affine, fit_max_affine
 from treetrain.memory.persistent import kv_bytes_per_token, state_bytes_per_unit
+from treetrain.memory.recurrent_cost import recurrent_chunk, row_chunks
 from treetrain.memory.tracker import MeasuredSegment, MemoryTracker
 from treetrain.models.logprobs import DEFAULT_MAX_LOGIT_ELEMENTS
 from treetrain.models.support import SupportGate
@@ -64,7 +68,7 @@ from treetrain.trajectory import Call, Role, Segment, Trajectory
 from treetrain.tree.build import build_tree
 from treetrain.tree.model import TrajectoryTree
 
-CALIBRATION_VERSION = 2
+CALIBRATION_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -166,6 +170,8 @@ class MemoryModel:
 
     state_bytes_per_unit: int = 0
     """Resident recurrent-state bytes of one unit, whatever its length (linear-attention layers)."""
+    recurrent_chunk: int | None = None
+    """Sequence chunk of the recurrent layers' kernels (0: a scan without chunks; None: no such layers)."""
 
     def multi_chunk_bytes(self, shape: Shape) -> int:
         """Exact bytes a backward adds when `shape`'s targets span several logits chunks."""
@@ -174,26 +180,30 @@ class MemoryModel:
     def _regime(self, shape: Shape) -> RegimeModel:
         return self.past if shape.past > 0 else self.root
 
+    def _body(self, shape: Shape) -> np.ndarray:
+        return body_features(shape, self.logit_rows, self.recurrent_chunk)
+
+    def _back(self, shape: Shape) -> np.ndarray:
+        return backward_features(shape, self.logit_rows, self.recurrent_chunk)
+
     def graph_bytes(self, shape: Shape) -> int:
         """Bytes a forward's graph holds until its backward (a kept graph holds this long)."""
         if shape.rows == 0:
             return 0
-        return max(0, round(self._regime(shape).graph(body_features(shape, self.logit_rows))))
+        return max(0, round(self._regime(shape).graph(self._body(shape))))
 
     def forward_peak(self, shape: Shape) -> int:
         if shape.rows == 0:
             return 0
-        return max(0, round(self._regime(shape).forward(body_features(shape, self.logit_rows))))
+        return max(0, round(self._regime(shape).forward(self._body(shape))))
 
     def step_peak(self, shape: Shape) -> int:
         """Peak bytes of a replay step above what was live before it (forward, then backward)."""
         if shape.rows == 0:
             return 0
         r = self._regime(shape)
-        body = body_features(shape, self.logit_rows)
-        extra = r.backward.predict(
-            step_head_features(shape, self.logit_rows), backward_features(shape, self.logit_rows)
-        )
+        body = self._body(shape)
+        extra = r.backward.predict(step_head_features(shape, self.logit_rows), self._back(shape))
         extra += self.multi_chunk_bytes(shape)
         return max(0, round(max(r.forward(body), r.graph(body) + extra)))
 
@@ -203,29 +213,33 @@ class MemoryModel:
             return 0
         r = self._regime(shape)
         head = step_head_features(shape, self.logit_rows)
-        extra = r.backward.predict(head, backward_features(shape, self.logit_rows))
+        extra = r.backward.predict(head, self._back(shape))
         return max(0, round(extra + self.multi_chunk_bytes(shape)))
 
     def nograd_peak(self, shape: Shape) -> int:
         r = self._regime(shape)
-        body = body_features(shape, self.logit_rows)
+        body = self._body(shape)
         return max(0, round(r.nograd.predict(nograd_head_features(shape, self.logit_rows), body)))
 
 
-def body_features(s: Shape, logit_rows: int) -> np.ndarray:
-    """Features of a forward's graph and peaks (the terms a backward adds are in `backward_features`)."""
+def body_features(s: Shape, logit_rows: int, chunk: int | None = None) -> np.ndarray:
+    """Features of a forward's graph and peaks (the terms a backward adds are in `backward_features`);
+    `chunk` is the recurrent layers' (`MemoryModel.recurrent_chunk`)."""
     k, w, p = s.rows, s.width, s.past
     rows = min(s.targets, logit_rows)
+    chunks = row_chunks(k, w, chunk)
     if p > 0:
-        return np.array([k * w, k * (p + w), k * w * (p + w), p * (s.pieces >= 2), s.stored, rows, 1.0])
-    return np.array([k * w, k * w * w, s.stored, rows, 1.0])
+        return np.array(
+            [k * w, k * (p + w), k * w * (p + w), p * (s.pieces >= 2), s.stored, rows, chunks, 1.0]
+        )
+    return np.array([k * w, k * w * w, s.stored, rows, chunks, 1.0])
 
 
-def backward_features(s: Shape, logit_rows: int) -> np.ndarray:
+def backward_features(s: Shape, logit_rows: int, chunk: int | None = None) -> np.ndarray:
     """`body_features` plus the backward's own terms: <KV, G> buffers, path gradients, new G."""
     g = 1.0 if s.kv_grad else 0.0
     extra = [g * s.rows * (s.past + s.width), s.path_tokens, s.new_grad_tokens]
-    body = body_features(s, logit_rows)  # the constant stays last: the one coefficient of either sign
+    body = body_features(s, logit_rows, chunk)  # the constant stays last: the one coefficient of either sign
     return np.concatenate([body[:-1], np.array(extra, dtype=float), body[-1:]])
 
 
@@ -363,10 +377,10 @@ def measure(
 
 
 def _fit_regime(
-    steps: list[StepSample], nograd: list[tuple[Shape, int]], logit_rows: int, pieces: int
+    steps: list[StepSample], nograd: list[tuple[Shape, int]], logit_rows: int, pieces: int, chunk: int | None
 ) -> tuple[RegimeModel, float]:
     """Fit one regime; `pieces=1` makes the backward peak a single affine function."""
-    body = np.array([body_features(s.shape, logit_rows) for s in steps]).reshape(len(steps), -1)
+    body = np.array([body_features(s.shape, logit_rows, chunk) for s in steps]).reshape(len(steps), -1)
     head = np.array([step_head_features(s.shape, logit_rows) for s in steps]).reshape(len(steps), -1)
     fwd = np.array([s.forward for s in steps], dtype=float)
     graph_y = np.array([s.graph for s in steps], dtype=float)
@@ -374,21 +388,21 @@ def _fit_regime(
     graph = fit_affine(body, graph_y, nonneg=True)
     forward = fit_affine(body, fwd, nonneg=True)
     graph_pred = body @ np.array(graph.coef) if len(steps) else np.zeros(0)
-    back = np.array([backward_features(s.shape, logit_rows) for s in steps]).reshape(len(steps), -1)
+    back = np.array([backward_features(s.shape, logit_rows, chunk) for s in steps]).reshape(len(steps), -1)
     backward = fit_max_affine(head, back, bwd - graph_pred, nonneg=True, restarts=16 if pieces == 2 else 0)
-    nb = np.array([body_features(s, logit_rows) for s, _ in nograd]).reshape(len(nograd), -1)
+    nb = np.array([body_features(s, logit_rows, chunk) for s, _ in nograd]).reshape(len(nograd), -1)
     nh = np.array([nograd_head_features(s, logit_rows) for s, _ in nograd]).reshape(len(nograd), -1)
     ny = np.array([y for _, y in nograd], dtype=float)
     no = fit_max_affine(nh, nb, ny, nonneg=True, restarts=0)
     model = RegimeModel(graph, forward, backward, no)
     errs = [0.0]
     for s in steps:
-        b = body_features(s.shape, logit_rows)
-        bb = backward_features(s.shape, logit_rows)
+        b = body_features(s.shape, logit_rows, chunk)
+        bb = backward_features(s.shape, logit_rows, chunk)
         pred = max(forward(b), graph(b) + backward.predict(step_head_features(s.shape, logit_rows), bb))
         errs.append(abs(pred - max(s.forward, s.backward)) / max(s.forward, s.backward, 1))
     for shape, y in nograd:
-        pred = no.predict(nograd_head_features(shape, logit_rows), body_features(shape, logit_rows))
+        pred = no.predict(nograd_head_features(shape, logit_rows), body_features(shape, logit_rows, chunk))
         errs.append(abs(pred - y) / max(y, 1))
     return model, max(errs)
 
@@ -439,11 +453,12 @@ def calibrate(
     )
     vocab = int(model.config.get_text_config(decoder=True).vocab_size)
     logit_rows = max(1, max_logit_elements // vocab)
+    chunk = recurrent_chunk(model)
     past, e1 = _fit_regime(
-        [s for s in steps if s.shape.past > 0], [n for n in nograd if n[0].past > 0], logit_rows, pieces=2
+        [s for s in steps if s.shape.past > 0], [n for n in nograd if n[0].past > 0], logit_rows, 2, chunk
     )
     root, e2 = _fit_regime(
-        [s for s in steps if s.shape.past == 0], [n for n in nograd if n[0].past == 0], logit_rows, pieces=2
+        [s for s in steps if s.shape.past == 0], [n for n in nograd if n[0].past == 0], logit_rows, 2, chunk
     )
     out = MemoryModel(
         key,
@@ -456,6 +471,7 @@ def calibrate(
         max(e1, e2),
         head_grad_bytes(model),
         state_bytes_per_unit(model),
+        chunk,
     )
     if cache:
         _CACHE[key] = out

@@ -111,8 +111,14 @@ def _cache_kwarg(module: nn.Module) -> str:
     return _CACHE_KWARG[cls]
 
 
-def _anchor(model: PreTrainedModel) -> torch.Tensor | None:
-    return next((p for p in model.parameters() if p.requires_grad), None)
+def _anchor(model: PreTrainedModel, device: torch.device) -> torch.Tensor | None:
+    """A leaf under autograd that keeps the G routing of resident pieces (`_Into`) in the graph while the
+    model trains; None for a frozen model. Not one of the model's parameters: under ZeRO-3 a parameter
+    outside its module's forward is an empty partition, and the gradient node autograd makes for it there
+    would expect that empty shape for the parameter's real gradient."""
+    if not any(p.requires_grad for p in model.parameters()):
+        return None
+    return torch.zeros((), device=device, requires_grad=True)
 
 
 def decoder_forward(
@@ -149,13 +155,14 @@ def decoder_forward(
         and shared_past_reason(unwrap(model)) is None
         and past.pieces[0][0][0].shape[0] == 1
     )
+    anchor = _anchor(model, input_ids.device)
     cache: DynamicCache = DynamicCache()
     if unkeyed:
-        cache = EngineCache(len(_blocks_of(base)), recurrent, past, bsz, _anchor(model), stateless)
+        cache = EngineCache(len(_blocks_of(base)), recurrent, past, bsz, anchor, stateless)
     past_len = 0
     if past is not None and not shared:
         past_len = past.length
-        for layer, kv in enumerate(concatenated(past, bsz, _anchor(model))):
+        for layer, kv in enumerate(concatenated(past, bsz, anchor)):
             if kv is not None:
                 cache.update(kv[0], kv[1], layer)
     kwargs = {_cache_kwarg(base): cache}

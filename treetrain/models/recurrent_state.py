@@ -127,6 +127,7 @@ def _dispatch(original: Callable[..., Any], captured: Callable[..., Any]) -> Cal
         return (original if CAPTURE.get() is None else captured)(*args, **kwargs)
 
     call._treetrain_dispatch = True  # type: ignore[attr-defined]
+    call.__wrapped__ = original  # type: ignore[attr-defined]  # inspect.signature gives the original's
     return call
 
 
