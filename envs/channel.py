@@ -91,7 +91,7 @@ class Channel:
                 waiter, ident = _Waiter(method), next(self._ids)
                 with self._lock:
                     if self._broken is not None:
-                        return "broken", "WorkerGone: the worker had already stopped"
+                        return "broken", f"WorkerGone: the worker had already stopped ({self._broken})"
                     self._waiters[ident] = waiter
                     with contextlib.suppress(OSError):  # the worker is gone; the reader reports how
                         self._conn.send_bytes(dumps({**request, "id": ident}))

@@ -9,6 +9,7 @@ however loaded the machine is."""
 from __future__ import annotations
 
 import functools
+import re
 import signal
 import threading
 from collections.abc import Callable
@@ -147,15 +148,12 @@ def test_one_callers_deadline_stops_the_worker_while_others_had_gone_on(
         assert done == 3 and stuck.is_alive()  # the others went on while it waited
         held = Call(lambda: step(c, "wait:c", None))
         started(gates, "c")
-        with pytest.raises(
-            EnvFailure, match=r"step raised Timeout: no answer within 3.2s; the worker was stopped"
-        ):
-            stuck.result()
-        with pytest.raises(
-            EnvFailure, match=r"step raised WorkerStopped: another call \(step\) had no answer"
-        ):
-            held.result()
-        with pytest.raises(EnvFailure, match="WorkerGone"):
+        # whichever deadline the channel sees pass first (a's, unless threads wake late on a loaded machine)
+        # stops the worker: that call times out, the other is told why it was stopped
+        said = sorted(str(call.failure()) for call in (stuck, held))
+        assert re.search(r"step raised Timeout: no answer within 3.2s; the worker was stopped", said[0]), said
+        assert re.search(r"step raised WorkerStopped: another call \(step\) had no answer", said[1]), said
+        with pytest.raises(EnvFailure, match=r"WorkerGone: the worker had already stopped \(WorkerStopped"):
             step(b, "late", 0.2)
         assert not a.worker.alive
         assert step(opened(factory, 3), "x", 0.2) == "seed3|x"  # a fresh worker serves the next environment
