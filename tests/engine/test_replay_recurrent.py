@@ -24,6 +24,7 @@ from treetrain.memory.persistent import kv_bytes_per_token, state_bytes_per_unit
 from treetrain.memory.retention import RetentionPolicy
 from treetrain.memory.tracker import MemoryTracker
 from treetrain.models.decoder import decoder_forward
+from treetrain.models.layer_entry import entry_bytes
 from treetrain.models.presets import (
     EAGER_ONLY,
     MAMBA2_FAMILIES,
@@ -211,7 +212,7 @@ def test_resident_bytes_of_a_unit_are_what_the_ledger_books(family: str) -> None
         unit = units[units[0].children[0]]
         padded = pad_pieces([unit.input_tokens], [unit.input_offset], torch.device("cpu"))
         out = decoder_forward(model, padded.input_ids, padded.positions, None, lengths=padded.lengths)
-        stored = sum(t.numel() * t.element_size() for kv in own_kv(unit, out, 0) for t in kv)
+        stored = entry_bytes(own_kv(unit, out, 0))
         per_token, per_unit = kv_bytes_per_token(model), state_bytes_per_unit(model)
         assert per_unit > 0 and (per_token > 0) == (family not in ("mamba", "falcon_mamba")), family
         assert stored == unit_resident_bytes(len(unit), per_token, per_unit), f"{family}/{dtype}"

@@ -29,13 +29,16 @@ FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe")
 MORE_FAMILIES: tuple[str, ...] = ("deepseek_v3", "granite", "cohere", "gemma2", "gpt2", "gemma4_text")
 #: Presets with recurrent layers, whose resident state per layer is (conv state, recurrent state) or KV
 #: (`treetrain.models.recurrent_state`): Gated DeltaNet around a full-attention layer, Mamba layers alone
-#: (Mamba, Falcon-Mamba) or around an attention layer (Jamba).
+#: (Mamba, Falcon-Mamba) or around an attention layer (Jamba), and layers that hold both (Zamba 2's hybrid
+#: layers: a shared transformer block, then a Mamba-2 mixer).
 RECURRENT_FAMILIES: tuple[str, ...] = (
     "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lara_mini", "mamba", "falcon_mamba", "jamba",
-    "bamba", "granitemoehybrid", "nemotron_h",
+    "bamba", "granitemoehybrid", "nemotron_h", "zamba2",
 )  # fmt: skip
 #: Of those, the ones whose recurrent layers are Mamba-2 (chunked SSD scan) layers.
-MAMBA2_FAMILIES = frozenset({"bamba", "granitemoehybrid", "nemotron_h"})
+MAMBA2_FAMILIES = frozenset({"bamba", "granitemoehybrid", "nemotron_h", "zamba2"})
+#: Of those, the ones with hybrid layers: KV and recurrent state in one layer.
+HYBRID_FAMILIES = frozenset({"zamba2"})
 #: Of those, the ones whose recurrent layers are Mamba (selective scan) layers.
 MAMBA_FAMILIES = frozenset({"mamba", "falcon_mamba", "jamba"})
 #: Families whose transformers classes have no `sdpa` attention.
@@ -151,6 +154,12 @@ def _more(family: str, size: TinySize, vocab_size: int) -> dict[str, Any]:
             num_hidden_layers=3, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4,
             mamba_expand=2,
         )  # fmt: skip
+        if family == "zamba2":  # Mamba-2, hybrid, Mamba-2, hybrid: two invocations of one shared block
+            return dict(
+                layers_block_type=["linear_attention", "hybrid", "linear_attention", "hybrid"], num_hidden_layers=4,
+                n_mamba_heads=4, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_ngroups=1, chunk_size=16,
+                num_mem_blocks=1, use_mem_rope=True,
+            )  # fmt: skip
         if (
             family == "nemotron_h"
         ):  # Mamba-2, experts, attention, Mamba-2, MLP: stateless blocks in the layer list

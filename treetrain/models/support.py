@@ -35,9 +35,10 @@ from transformers import PreTrainedModel
 
 from treetrain.errors import TreetrainError
 from treetrain.models.attention import shared_past_reason
-from treetrain.models.decoder import SharedPast, decoder_forward, decoder_layers, output_head
+from treetrain.models.decoder import LayerEntry, SharedPast, decoder_forward, decoder_layers, output_head
 from treetrain.models.lora import unwrap
 from treetrain.models.recurrent_state import (
+    HYBRID_LAYER_TYPES,
     RECURRENT_LAYER_TYPES,
     STATELESS_LAYER_TYPES,
     recurrent_layers,
@@ -48,8 +49,9 @@ from treetrain.models.recurrent_state import (
 #: Layer types whose state is plain KV over every earlier position.
 FULL_ATTENTION_TYPES = frozenset({"full_attention"})
 SLIDING_TYPES = frozenset({"sliding_attention"})
-#: Layer types with a recurrent mixer and attention in the same layer (Zamba, Falcon-H1).
-HYBRID_LAYER_TYPES = frozenset({"hybrid", "hybrid_sliding"})
+#: Layer types with a recurrent mixer and a sliding-window attention in the same layer, which resident
+#: state does not cover (the window's KV and the state together are not probed).
+HYBRID_SLIDING_TYPES = frozenset({"hybrid_sliding"})
 #: Model types known to keep recurrent or compressed state.
 RECURRENT_MODEL_TYPES = frozenset(
     {
@@ -139,14 +141,15 @@ def check_supported(
         - FULL_ATTENTION_TYPES
         - SLIDING_TYPES
         - RECURRENT_LAYER_TYPES
+        - HYBRID_LAYER_TYPES
         - STATELESS_LAYER_TYPES
     )
-    both = sorted(set(odd) & HYBRID_LAYER_TYPES)
+    both = sorted(set(odd) & HYBRID_SLIDING_TYPES)
     if both:
         raise UnsupportedModelError(
-            f"model type {mtype!r} has layers of type {both}: a recurrent mixer and attention in one layer, whose "
-            "cache holds KV and recurrent state together; resident state keeps one kind per layer, so tree "
-            "replay is refused"
+            f"model type {mtype!r} has layers of type {both}: a recurrent mixer and sliding-window attention in "
+            "one layer; resident state holds KV and recurrent state together only for full attention (layer "
+            "type 'hybrid'), so tree replay is refused"
         )
     if odd:
         raise UnsupportedModelError(
@@ -262,7 +265,7 @@ def _probe(
         whole = decoder_forward(model, ids, pos, None).hidden
         first = decoder_forward(model, ids[:, :split], pos[:, :split], None)
         _check_cache_count(model, mtype, len(first.keys) - len(first.recurrent))
-        past = list(zip(first.keys, first.values))
+        past = [first.entry(i) for i in range(len(first.keys))]
         second = _continue(model, ids, pos, split, past, first.recurrent)
         tol = {torch.bfloat16: 3e-2, torch.float16: 4e-3}.get(whole.dtype, 1e-5)
         shared_err = _split_error(whole, first.hidden, second)
@@ -318,7 +321,7 @@ def _continue(
     ids: torch.Tensor,  # [1, L]
     pos: torch.Tensor,  # [1, L]
     split: int,
-    past: list[tuple[torch.Tensor, torch.Tensor]],
+    past: list[LayerEntry],
     recurrent: frozenset[int],
     *,
     concatenate: bool = False,
@@ -326,7 +329,7 @@ def _continue(
     """Hidden states of positions `split..` continuing `past`, as the engine continues a unit: with recurrent
     layers (state taken before the prefix's last token) the prefix's last token is fed again and its KV left
     out of the past, as every child unit runs; otherwise straight on."""
-    if not recurrent:
+    if not (recurrent or recurrent_layers(unwrap(model))):  # a hybrid layer has KV, so it is not in `recurrent`
         return decoder_forward(model, ids[:, split:], pos[:, split:], past, concatenate=concatenate).hidden
     cut = SharedPast.of([past], recurrent=recurrent).without_last_position()
     hidden = decoder_forward(
@@ -352,7 +355,11 @@ def _check_cache_count(model: PreTrainedModel, mtype: str, caches: int) -> None:
             f"model type {mtype!r} returns no KV cache from its forward, so a prefix cannot be continued from "
             "resident KV"
         )
-    indices = {m.layer_idx for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int)}
+    indices = {
+        m.layer_idx
+        for m in model.modules()
+        if isinstance(getattr(m, "layer_idx", None), int) and m.layer_idx >= 0  # -1: Zamba 2's shared block
+    }
     reusing = sum(1 for m in model.modules() if getattr(m, "is_kv_shared_layer", False) is True)
     own = (len(indices - unkeyed) if indices else n_blocks - len(unkeyed)) - reusing
     if caches > own:
