@@ -1,11 +1,13 @@
 """Recurrent layers (Gated DeltaNet, Mamba, Mamba-2) and their hybrids: `exact` equals the flat reference.
 
 A recurrent layer's resident object is its (conv state, recurrent state) before a unit's last token,
-not KV (`treetrain.models.recurrent_state`). The checks are the ones every KV family passes
+not KV (`treetrain.models.recurrent_state`); a hybrid layer's (Zamba 2, Falcon-H1: attention and a Mamba-2
+mixer in one layer) is both, one `HybridEntry` (`treetrain.models.layer_entry`). The checks are the ones every KV family passes
 (test_replay_exact.py): `exact` against the flat reference at FACTOR times the noise floor measured in the
 same case, through trees of several levels, K, order, chunking and a retention budget, with LoRA; and
 negative controls that show the check sees the recurrent state's gradient: leaving it out of G, or the
-`response_only` contract that detaches it, is caught far above the bound.
+`response_only` contract that detaches it, is caught far above the bound; for a hybrid layer, leaving
+either part of its entry out of G is.
 """
 
 from __future__ import annotations
@@ -27,12 +29,13 @@ from treetrain.models.decoder import decoder_forward
 from treetrain.models.layer_entry import entry_bytes
 from treetrain.models.presets import (
     EAGER_ONLY,
+    HYBRID_FAMILIES,
     MAMBA2_FAMILIES,
     MAMBA_FAMILIES,
     RECURRENT_FAMILIES,
     tiny_model,
 )
-from treetrain.models.recurrent_state import mixers, recurrent_layers
+from treetrain.models.recurrent_state import hybrid_layers, mixers, recurrent_layers
 from treetrain.models.support import SupportGate, UnsupportedModelError, check_supported
 
 FACTOR = 5.0
@@ -71,8 +74,10 @@ def test_presets_mix_recurrent_and_attention_layers() -> None:
         model = tiny_model(family, VOCAB, attn="eager" if family in EAGER_ONLY else "sdpa")
         layers = recurrent_layers(model)
         assert layers, family
+        hybrid = hybrid_layers(model)
+        assert bool(hybrid) == (family in HYBRID_FAMILIES) and hybrid <= layers, family
         if family not in ("mamba", "falcon_mamba"):  # those are Mamba layers only
-            assert len(layers) < model.config.num_hidden_layers, family
+            assert len(layers - hybrid) < model.config.num_hidden_layers, family  # some layers attend
         kinds = {kind.name for _, kind in mixers(model).values()}
         expected = (
             "mamba2"
@@ -94,6 +99,7 @@ def test_exact_matches_flat_recurrent_families(family: str, dtype: str) -> None:
     )
 
 
+@pytest.mark.parametrize("family", ["qwen3_5_text", "zamba2"])
 @pytest.mark.parametrize(
     "replay",
     [
@@ -105,14 +111,15 @@ def test_exact_matches_flat_recurrent_families(family: str, dtype: str) -> None:
     ],
     ids=lambda r: f"K{r.microbatch}-{r.order}-chunk{r.chunk_size}",
 )
-def test_exact_recurrent_invariant_to_order_k_and_chunking(replay: ReplayConfig) -> None:
-    """Two trees, KL to a separate reference and entropy; one-token chunks carry state through every token."""
+def test_exact_recurrent_invariant_to_order_k_and_chunking(replay: ReplayConfig, family: str) -> None:
+    """Two trees, KL to a separate reference and entropy; one-token chunks carry state through every token
+    (for Zamba 2 both parts of every hybrid layer's entry)."""
     loss = LossConfig(kl_coef=0.05, entropy_coef=0.01)
-    dev, floor = _check("qwen3_5_text", torch.float64, "two_trees", loss, replay)
+    dev, floor = _check(family, torch.float64, "two_trees", loss, replay)
     assert dev.abs <= FACTOR * floor, f"{replay}: {dev.abs:.3e} > {FACTOR} x {floor:.3e}"
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "mamba", "bamba"])
+@pytest.mark.parametrize("family", ["qwen3_next", "mamba", "bamba", "zamba2"])
 @pytest.mark.parametrize("shape", ["unequal", "identical", "single"])
 def test_exact_recurrent_other_shapes(shape: str, family: str) -> None:
     """Rows of unequal length in one step (state taken per row), identical calls, a single chain; one-token
@@ -123,12 +130,13 @@ def test_exact_recurrent_other_shapes(shape: str, family: str) -> None:
     assert dev.abs <= FACTOR * floor, f"{shape}: {dev.abs:.3e} > {FACTOR} x {floor:.3e}"
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "jamba", "bamba"])
+@pytest.mark.parametrize("family", ["qwen3_5_text", "jamba", "bamba", "zamba2", "falcon_h1"])
 def test_negative_control_recurrent_state_left_out_of_g_is_rejected(
     family: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Reading the resident recurrent state detached (its gradient never reaches G; attention KV keeps
-    its G) is caught far above the bound, for a Gated DeltaNet, a Mamba and a Mamba-2 hybrid."""
+    its G) is caught far above the bound, for a Gated DeltaNet, a Mamba and a Mamba-2 hybrid, and for the
+    state part of hybrid layers' entries."""
     import treetrain.models.recurrent_state as recurrent_state
 
     class Detached:
@@ -137,9 +145,25 @@ def test_negative_control_recurrent_state_left_out_of_g_is_rejected(
             return x.detach()
 
     monkeypatch.setattr(recurrent_state, "_Into", Detached)
-    dev, floor = _check(
-        "qwen3_5_text", torch.float64, "multi_level", LossConfig(), ReplayConfig(microbatch=2)
-    )
+    dev, floor = _check(family, torch.float64, "multi_level", LossConfig(), ReplayConfig(microbatch=2))
+    assert dev.abs > 100 * FACTOR * floor, f"{dev.abs:.3e} not far above {FACTOR} x {floor:.3e}"
+
+
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+def test_negative_control_hybrid_kv_left_out_of_g_is_rejected(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The KV part of a hybrid layer's entry carries gradient too: shared-past attention that reads the
+    hybrid layers' resident KV without their G accumulators (their state keeps its G) is caught."""
+    from treetrain.models.shared_past import SharedPast
+
+    layer = SharedPast.layer
+    hybrid = hybrid_layers(tiny_model(family, VOCAB))
+
+    def without_g(self: SharedPast, index: int):  # type: ignore[no-untyped-def]
+        kv, grads = layer(self, index)
+        return kv, (None,) * len(kv) if index in hybrid else grads
+
+    monkeypatch.setattr(SharedPast, "layer", without_g)
+    dev, floor = _check(family, torch.float64, "multi_level", LossConfig(), ReplayConfig(microbatch=2))
     assert dev.abs > 100 * FACTOR * floor, f"{dev.abs:.3e} not far above {FACTOR} x {floor:.3e}"
 
 
@@ -167,12 +191,13 @@ def test_negative_control_state_taken_one_token_early_is_rejected(monkeypatch: p
     assert dev.abs > 100 * FACTOR * floor, f"{dev.abs:.3e} not far above {FACTOR} x {floor:.3e}"
 
 
+@pytest.mark.parametrize("family", ["qwen3_5_text", "zamba2"])
 @pytest.mark.parametrize("contract", ["exact", "response_only"])
-def test_recurrent_gradient_unchanged_under_a_retention_budget(contract: str) -> None:
+def test_recurrent_gradient_unchanged_under_a_retention_budget(contract: str, family: str) -> None:
     """Evicted state is recomputed from the nearest resident ancestor (with the overlap), and the budget
     counts the state's bytes: the tracker never sees more resident bytes than the budget."""
     loss = LossConfig()
-    make = factory("qwen3_5_text", torch.float64)
+    make = factory(family, torch.float64)
     batch = make_batch(SHAPES["multi_level"](0), loss)
     replay = ReplayConfig(contract=contract, microbatch=1, chunk_size=3)
 
@@ -218,10 +243,17 @@ def test_resident_bytes_of_a_unit_are_what_the_ledger_books(family: str) -> None
         assert stored == unit_resident_bytes(len(unit), per_token, per_unit), f"{family}/{dtype}"
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_next", "jamba", "bamba"])
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_next", "jamba", "bamba", "zamba2", "falcon_h1"])
 def test_lora_exact_matches_flat_recurrent(family: str) -> None:
-    """PEFT adapters on every linear layer, the Gated DeltaNet and Mamba projections included."""
-    make = lora_factory(family, torch.float64, target_modules=("all-linear",))
+    """PEFT adapters on every linear layer, the Gated DeltaNet and Mamba projections included (and Zamba 2's
+    shared block, whose adapters then get the gradient of each layer that runs it)."""
+    # PEFT refuses adapters on Falcon-H1's Mamba `out_proj`: every other projection gets one.
+    targets = (
+        ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "gate_proj", "up_proj", "down_proj")
+        if family == "falcon_h1"
+        else ("all-linear",)
+    )
+    make = lora_factory(family, torch.float64, target_modules=targets)
     loss = LossConfig()
     batch = make_batch(SHAPES["multi_level"](0), loss)
     floor = noise_floor(make, batch, loss)
@@ -238,8 +270,9 @@ def test_lora_exact_matches_flat_recurrent(family: str) -> None:
     assert dev.abs <= FACTOR * floor, f"{family}: {dev.abs:.3e} > {FACTOR} x {floor:.3e}"
 
 
+@pytest.mark.parametrize("family", ["qwen3_5_text", "zamba2"])
 @pytest.mark.parametrize("contract", ["exact", "response_only"])
-def test_ledger_books_recurrent_state_exactly(contract: str) -> None:
+def test_ledger_books_recurrent_state_exactly(contract: str, family: str) -> None:
     """`treetrain plan`'s ledger books the hybrid's resident bytes (KV, conv and recurrent state, and G in
     `exact`) exactly as the tracker measures them. Its activation (replay-temporary) prediction is not held
     to the usual 10% here: for this model it was measured 40% high in `exact` (docs/known-limits.md)."""
@@ -247,7 +280,7 @@ def test_ledger_books_recurrent_state_exactly(contract: str) -> None:
 
     loss = LossConfig()
     batch = make_batch(SHAPES["one_level"](0), loss)
-    model = tiny_model("qwen3_5_text", VOCAB)
+    model = tiny_model(family, VOCAB)
     replay = ReplayConfig(contract=contract, microbatch=1)
     ledger = predict_ledger(batch, model, replay, loss)
     for p in model.parameters():
@@ -287,3 +320,30 @@ def test_hybrid_attention_layers_read_resident_pieces_in_place(monkeypatch: pyte
     monkeypatch.setattr(attention, "_reads_interface", lambda cls: False)
     reason = attention.shared_past_reason(model)
     assert reason is not None and "attention interface" in reason
+
+
+def test_zamba2_shared_block_attends_over_each_layers_own_kv(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Zamba 2's shared transformer block is one module (`layer_idx = -1`) run by every hybrid layer, each
+    with its own KV: shared-past attention reads the pieces of the layer running it (the cache index its KV
+    was just written at), in place. Reading one layer's KV for every invocation is refused by the split
+    probe."""
+    import treetrain.models.attention as attention
+
+    model = tiny_model("zamba2", VOCAB, dtype=torch.float64)
+    hybrid = hybrid_layers(model)
+    assert len(hybrid) >= 2 and attention.shared_past_reason(model) is None
+    read: list[int] = []
+    source = attention.kv_source_layer
+
+    def spy(module):  # type: ignore[no-untyped-def]
+        read.append(source(module))
+        return read[-1]
+
+    monkeypatch.setattr(attention, "kv_source_layer", spy)
+    loss = LossConfig()
+    TreeReplay(model, loss, ReplayConfig(microbatch=2)).accumulate(make_batch(SHAPES["one_level"](0), loss))
+    assert set(read) == hybrid, f"shared-past attention read layers {sorted(set(read))}, not {sorted(hybrid)}"
+    first = min(hybrid)
+    monkeypatch.setattr(attention, "attending_layer", lambda: first)
+    with pytest.raises(UnsupportedModelError, match="continuing from stored KV"):
+        check_supported(tiny_model("zamba2", VOCAB, dtype=torch.float64), 64)

@@ -31,7 +31,7 @@ from treetrain.models.attention import (
 )
 from treetrain.models.logit_head import output_head
 from treetrain.models.lora import unwrap
-from treetrain.models.layer_entry import HybridEntry, LayerEntry
+from treetrain.models.layer_entry import HybridEntry, LayerEntry, entry_tensors
 from treetrain.models.recurrent_state import (
     EngineCache,
     capturing,
@@ -166,7 +166,7 @@ def decoder_forward(
         not concatenate
         and past is not None
         and shared_past_reason(unwrap(model)) is None
-        and past.pieces[0][0][0].shape[0] == 1
+        and entry_tensors(past.pieces[0][0])[0].shape[0] == 1
     )
     cache: DynamicCache = DynamicCache()
     if recurrent or stateless:

@@ -33,12 +33,13 @@ MORE_FAMILIES: tuple[str, ...] = ("deepseek_v3", "granite", "cohere", "gemma2", 
 #: layers: a shared transformer block, then a Mamba-2 mixer).
 RECURRENT_FAMILIES: tuple[str, ...] = (
     "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lara_mini", "mamba", "falcon_mamba", "jamba",
-    "bamba", "granitemoehybrid", "nemotron_h", "zamba2",
+    "bamba", "granitemoehybrid", "nemotron_h", "zamba2", "falcon_h1",
 )  # fmt: skip
 #: Of those, the ones whose recurrent layers are Mamba-2 (chunked SSD scan) layers.
-MAMBA2_FAMILIES = frozenset({"bamba", "granitemoehybrid", "nemotron_h", "zamba2"})
-#: Of those, the ones with hybrid layers: KV and recurrent state in one layer.
-HYBRID_FAMILIES = frozenset({"zamba2"})
+MAMBA2_FAMILIES = frozenset({"bamba", "granitemoehybrid", "nemotron_h", "zamba2", "falcon_h1"})
+#: Of those, the ones with hybrid layers: KV and recurrent state in one layer (Zamba 2: a shared transformer
+#: block, then a Mamba-2 mixer; Falcon-H1: attention and a Mamba-2 mixer side by side in every layer).
+HYBRID_FAMILIES = frozenset({"zamba2", "falcon_h1"})
 #: Of those, the ones whose recurrent layers are Mamba (selective scan) layers.
 MAMBA_FAMILIES = frozenset({"mamba", "falcon_mamba", "jamba"})
 #: Families whose transformers classes have no `sdpa` attention.
@@ -154,6 +155,14 @@ def _more(family: str, size: TinySize, vocab_size: int) -> dict[str, Any]:
             num_hidden_layers=3, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4,
             mamba_expand=2,
         )  # fmt: skip
+        if family == "falcon_h1":  # every layer hybrid; the muP multipliers all away from 1
+            return dict(
+                num_hidden_layers=2, mamba_d_ssm=64, mamba_n_heads=4, mamba_n_groups=1, mamba_d_state=8,
+                mamba_d_conv=4, mamba_chunk_size=16, head_dim=head, lm_head_multiplier=0.5, embedding_multiplier=2.0,
+                key_multiplier=0.7, attention_in_multiplier=1.3, attention_out_multiplier=0.8,
+                ssm_in_multiplier=1.2, ssm_out_multiplier=0.9, mlp_multipliers=[1.1, 0.9],
+                ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.05],
+            )  # fmt: skip
         if family == "zamba2":  # Mamba-2, hybrid, Mamba-2, hybrid: two invocations of one shared block
             return dict(
                 layers_block_type=["linear_attention", "hybrid", "linear_attention", "hybrid"], num_hidden_layers=4,

@@ -39,7 +39,7 @@ from treetrain.io import atomic_write_bytes
 from treetrain.models.attention import shared_past_kernel_note, shared_past_reason
 from treetrain.models.decoder import decoder_layers
 from treetrain.models.logit_head import LogitHead, logit_transform, output_head
-from treetrain.models.recurrent_state import mixers
+from treetrain.models.recurrent_state import hybrid_layers, mixers
 from treetrain.models.support import UnsupportedModelError, check_supported, short_message
 
 COMMAND = "python -m treetrain.models.support_table docs/model-support.md"
@@ -151,7 +151,11 @@ def _notes(model: PreTrainedModel) -> list[str]:
         )
     blocks = len(decoder_layers(model))
     attention_layers = len(
-        {m.layer_idx for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int)}
+        {
+            m.layer_idx
+            for m in model.modules()
+            if isinstance(getattr(m, "layer_idx", None), int) and m.layer_idx >= 0  # -1: a shared block
+        }
     )
     if attention_layers > blocks:
         notes.append(f"{attention_layers // blocks} attention sublayers per block, each with its own KV")
@@ -164,12 +168,20 @@ def _notes(model: PreTrainedModel) -> list[str]:
     if not transform.identity:
         notes.append(f"head applies {transform.describe()}")
     recurrent = mixers(model)
+    hybrid = hybrid_layers(model)
     if recurrent:
         kinds = ", ".join(sorted({kind.name for _, kind in recurrent.values()}))
-        notes.append(
-            f"recurrent layers {sorted(recurrent)} ({kinds}): resident state is their (conv state, recurrent "
-            "state) before a unit's last token"
-        )
+        alone = sorted(set(recurrent) - hybrid)
+        if alone:
+            notes.append(
+                f"recurrent layers {alone} ({kinds}): resident state is their (conv state, recurrent "
+                "state) before a unit's last token"
+            )
+        if hybrid:
+            notes.append(
+                f"hybrid layers {sorted(hybrid)} (attention and a {kinds} mixer): resident state is their KV and "
+                "their (conv state, recurrent state) together"
+            )
     reason = shared_past_reason(model)
     if reason is not None:
         notes.append(f"concatenated past, because {reason}")
