@@ -345,5 +345,5 @@ def test_zamba2_shared_block_attends_over_each_layers_own_kv(monkeypatch: pytest
     assert set(read) == hybrid, f"shared-past attention read layers {sorted(set(read))}, not {sorted(hybrid)}"
     first = min(hybrid)
     monkeypatch.setattr(attention, "attending_layer", lambda: first)
-    with pytest.raises(UnsupportedModelError, match="continuing from stored KV"):
+    with pytest.raises(UnsupportedModelError, match="shared-past attention over resident KV changes"):
         check_supported(tiny_model("zamba2", VOCAB, dtype=torch.float64), 64)
