@@ -150,7 +150,9 @@ def test_negative_control_recurrent_state_left_out_of_g_is_rejected(
 
 
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)
-def test_negative_control_hybrid_kv_left_out_of_g_is_rejected(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_negative_control_hybrid_kv_left_out_of_g_is_rejected(
+    family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The KV part of a hybrid layer's entry carries gradient too: shared-past attention that reads the
     hybrid layers' resident KV without their G accumulators (their state keeps its G) is caught."""
     from treetrain.models.shared_past import SharedPast

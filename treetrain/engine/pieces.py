@@ -77,7 +77,9 @@ def own_kv(unit: Unit, out: DecoderOutput, row: int, overlap: bool = True) -> li
             continue
         kv = (k[row : row + 1, :, a : a + n], v[row : row + 1, :, a : a + n])
         state = out.states.get(i)
-        entries.append(kv if state is None else HybridEntry(kv, (state[0][row : row + 1], state[1][row : row + 1])))
+        entries.append(
+            kv if state is None else HybridEntry(kv, (state[0][row : row + 1], state[1][row : row + 1]))
+        )
     return entries
 
 

@@ -29,9 +29,9 @@ from treetrain.models.attention import (
     mark_layout_mismatch,
     shared_past_reason,
 )
+from treetrain.models.layer_entry import HybridEntry, LayerEntry, entry_tensors
 from treetrain.models.logit_head import output_head
 from treetrain.models.lora import unwrap
-from treetrain.models.layer_entry import HybridEntry, LayerEntry, entry_tensors
 from treetrain.models.recurrent_state import (
     EngineCache,
     capturing,
@@ -137,7 +137,7 @@ def decoder_forward(
     model: PreTrainedModel,
     input_ids: torch.Tensor,  # [B, T]
     positions: torch.Tensor,  # [B, T]
-    past: Sequence[LayerKV] | SharedPast | None,
+    past: Sequence[LayerEntry] | SharedPast | None,
     *,
     concatenate: bool = False,
     lengths: Sequence[int] | None = None,

@@ -50,7 +50,6 @@ from treetrain.models.attention_states import (
 from treetrain.models.layer_entry import LayerEntry, LayerKV, kv_part, map_kv
 
 
-
 @dataclass(frozen=True)
 class SharedPast:
     """The resident past of a step's rows: per piece (root side first) per layer `(k, v)`, `[1, H_kv, P_i, D]`.

@@ -329,7 +329,7 @@ def _continue(
     """Hidden states of positions `split..` continuing `past`, as the engine continues a unit: with recurrent
     layers (state taken before the prefix's last token) the prefix's last token is fed again and its KV left
     out of the past, as every child unit runs; otherwise straight on."""
-    if not (recurrent or recurrent_layers(unwrap(model))):  # a hybrid layer has KV, so it is not in `recurrent`
+    if not (recurrent or recurrent_layers(unwrap(model))):  # a hybrid layer's index is not in `recurrent`
         return decoder_forward(model, ids[:, split:], pos[:, split:], past, concatenate=concatenate).hidden
     cut = SharedPast.of([past], recurrent=recurrent).without_last_position()
     hidden = decoder_forward(
@@ -356,9 +356,9 @@ def _check_cache_count(model: PreTrainedModel, mtype: str, caches: int) -> None:
             "resident KV"
         )
     indices = {
-        m.layer_idx
+        idx
         for m in model.modules()
-        if isinstance(getattr(m, "layer_idx", None), int) and m.layer_idx >= 0  # -1: Zamba 2's shared block
+        if isinstance(idx := getattr(m, "layer_idx", None), int) and idx >= 0  # -1: Zamba 2's shared block
     }
     reusing = sum(1 for m in model.modules() if getattr(m, "is_kv_shared_layer", False) is True)
     own = (len(indices - unkeyed) if indices else n_blocks - len(unkeyed)) - reusing

@@ -152,9 +152,9 @@ def _notes(model: PreTrainedModel) -> list[str]:
     blocks = len(decoder_layers(model))
     attention_layers = len(
         {
-            m.layer_idx
+            idx
             for m in model.modules()
-            if isinstance(getattr(m, "layer_idx", None), int) and m.layer_idx >= 0  # -1: a shared block
+            if isinstance(idx := getattr(m, "layer_idx", None), int) and idx >= 0  # -1: a shared block
         }
     )
     if attention_layers > blocks:
