@@ -33,15 +33,16 @@ MORE_FAMILIES: tuple[str, ...] = ("deepseek_v3", "granite", "cohere", "gemma2", 
 #: layers: a shared transformer block, then a Mamba-2 mixer).
 RECURRENT_FAMILIES: tuple[str, ...] = (
     "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lara_mini", "mamba", "falcon_mamba", "jamba",
-    "bamba", "granitemoehybrid", "nemotron_h", "zamba2", "falcon_h1",
+    "bamba", "granitemoehybrid", "nemotron_h", "zamba2", "falcon_h1", "zamba",
 )  # fmt: skip
 #: Of those, the ones whose recurrent layers are Mamba-2 (chunked SSD scan) layers.
 MAMBA2_FAMILIES = frozenset({"bamba", "granitemoehybrid", "nemotron_h", "zamba2", "falcon_h1"})
 #: Of those, the ones with hybrid layers: KV and recurrent state in one layer (Zamba 2: a shared transformer
-#: block, then a Mamba-2 mixer; Falcon-H1: attention and a Mamba-2 mixer side by side in every layer).
-HYBRID_FAMILIES = frozenset({"zamba2", "falcon_h1"})
+#: block, then a Mamba-2 mixer; Falcon-H1: attention and a Mamba-2 mixer side by side in every layer; Zamba:
+#: a shared transformer block, then a Mamba mixer scanning each of its heads on its own).
+HYBRID_FAMILIES = frozenset({"zamba2", "falcon_h1", "zamba"})
 #: Of those, the ones whose recurrent layers are Mamba (selective scan) layers.
-MAMBA_FAMILIES = frozenset({"mamba", "falcon_mamba", "jamba"})
+MAMBA_FAMILIES = frozenset({"mamba", "falcon_mamba", "jamba", "zamba"})
 #: Families whose transformers classes have no `sdpa` attention.
 EAGER_ONLY = frozenset({"gemma2", "mamba", "falcon_mamba"})
 #: The tiny Mistral's sliding window: shorter than test sequences, so windowed attention is exercised.
@@ -185,6 +186,11 @@ def _more(family: str, size: TinySize, vocab_size: int) -> dict[str, Any]:
         return mamba2
     if family in MAMBA_FAMILIES:  # Mamba layers only, or (Jamba) around one attention layer with experts
         more: dict[str, Any] = dict(state_size=8, conv_kernel=4, expand=2, num_hidden_layers=3)
+        if family == "zamba":  # Mamba, hybrid, Mamba, hybrid: two invocations of one shared block
+            return dict(
+                layers_block_type=["linear_attention", "hybrid", "linear_attention", "hybrid"], num_hidden_layers=4,
+                n_mamba_heads=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+            )  # fmt: skip
         if family == "jamba":
             more = dict(
                 num_hidden_layers=3, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,

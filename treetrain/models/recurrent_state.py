@@ -188,6 +188,7 @@ class EngineCache(DynamicCache):
         self.captured: dict[int, list[torch.Tensor | None]] = {i: [None, None] for i in recurrent}
         self.cut: torch.Tensor | None = None
         self._current: int | None = None
+        self._head = 0
         self.attending: int | None = None
         """The cache index of the KV last written: the layer whose attention runs now (Zamba 2's shared
         block is one module for several layers, so its own `layer_idx` does not say which)."""
@@ -207,12 +208,20 @@ class EngineCache(DynamicCache):
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         self._current = layer_idx  # a layer reads its state first: the captured functions read it back
+        self._head = 0
+        return self._initial_state(layer_idx)
+
+    def _initial_state(self, layer_idx: int) -> torch.Tensor | None:
         got = self._initial.get(layer_idx)
         return None if got is None else got[1].expand(self.rows, *got[1].shape[1:])
 
     def current_state(self) -> torch.Tensor | None:
         """The initial recurrent state of the layer now running (`[B, ...]`), None at the root."""
-        return None if self._current is None else self.get_recurrent_state(self._current)
+        return None if self._current is None else self._initial_state(self._current)
+
+    def next_head(self) -> int:
+        head, self._head = self._head, self._head + 1
+        return head
 
     def update_conv_state(
         self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: Any
@@ -238,9 +247,7 @@ class EngineCache(DynamicCache):
     def states(self, layer_idx: int) -> LayerKV:
         conv, state = self.captured[layer_idx]
         if state is None and self.cut is not None and not bool(self.cut.any()):
-            state = self.get_recurrent_state(
-                layer_idx
-            )  # one-token rows: the state before it is the initial one
+            state = self._initial_state(layer_idx)  # one-token rows: the state before it is the initial one
         if conv is None or state is None:
             raise RuntimeError(f"recurrent layer {layer_idx} recorded no state in this forward")
         return conv, state
