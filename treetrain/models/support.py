@@ -2,7 +2,8 @@
 
 The engine splits every sequence at node boundaries and continues from stored KV. That is exact only when a
 layer's whole state is its per-token keys and values over *all* earlier positions, or a recurrent state the
-engine keeps resident too (Gated DeltaNet and Mamba layers, `treetrain.models.recurrent_state`); other
+engine keeps resident too (Gated DeltaNet and Mamba layers, `treetrain.models.recurrent_state`), or both in
+one layer (Zamba, Zamba 2 and Falcon-H1's hybrid layers, `treetrain.models.layer_entry.HybridEntry`); other
 recurrent or linear attention layers carry a running state it cannot take, and dynamic RoPE variants choose their frequencies from
 the longest position *in each forward call*, so a prefix evaluated alone rotates differently than inside
 the whole sequence. The engine also computes logprobs from the LM head directly, so the head applies what
@@ -129,7 +130,7 @@ def check_supported(
     if mtype in RECURRENT_MODEL_TYPES and not recurrent_layers(unwrap(model)):
         raise UnsupportedModelError(
             f"model type {mtype!r} keeps recurrent state in layers its config does not declare (no `layer_types` "
-            "entry 'linear_attention'); resident state covers KV and the recurrent layers of the kinds in "
+            "entry 'linear_attention' or 'hybrid'); resident state covers KV and the recurrent layers of the kinds in "
             "`treetrain.models.recurrent_kinds` (Gated DeltaNet, Mamba, Mamba-2) only, so tree replay is refused"
         )
     mixer = unsupported_mixer(unwrap(model))
