@@ -6,7 +6,10 @@ tensors: the last `kernel - 1` inputs of its causal depthwise convolution (`[1, 
 recurrent state (the delta rule's `[1, H_v, D_k, D_v]` in float32, as the model's own kernel computes it,
 or Mamba's `[1, I, N]`). Those two are that layer's resident object; they sit in a unit's per-layer entry
 where an attention layer keeps `(keys, values)`, and everything that stores, evicts, offloads or
-accumulates G on resident KV handles them the same way.
+accumulates G on resident KV handles them the same way. A hybrid layer (Zamba, Zamba 2, Falcon-H1:
+attention and a Mamba or Mamba-2 mixer in one layer) keeps both, as one
+`treetrain.models.layer_entry.HybridEntry`: its KV, read from every piece of the path like any attention
+layer's, and its state, read from the last piece; G accumulates into both parts.
 
 Two things differ from KV, and this module does both:
 
@@ -25,6 +28,9 @@ Example:
     >>> from treetrain.models.presets import tiny_model
     >>> sorted(recurrent_layers(tiny_model("qwen3_5_text", 64)))
     [0, 2]
+    >>> zamba2 = tiny_model("zamba2", 64)
+    >>> sorted(recurrent_layers(zamba2)), sorted(hybrid_layers(zamba2)), sorted(unkeyed_layers(zamba2))
+    ([0, 1, 2, 3], [1, 3], [0, 2])
 """
 
 from __future__ import annotations
