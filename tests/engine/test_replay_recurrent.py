@@ -352,3 +352,33 @@ def test_zamba2_shared_block_attends_over_each_layers_own_kv(monkeypatch: pytest
     monkeypatch.setattr(attention, "attending_layer", lambda: first)
     with pytest.raises(UnsupportedModelError, match="shared-past attention over resident KV changes"):
         check_supported(tiny_model("zamba2", VOCAB, dtype=torch.float64), 64)
+
+
+def test_resident_store_keeps_both_parts_of_a_hybrid_entry() -> None:
+    """A hybrid layer's entry is stored, sized, offloaded, restored and given G part by part: its KV and
+    its state. A store that dropped the state part would book fewer bytes and restore a pair."""
+    from treetrain.engine.resident import ResidentIdentity, ResidentKey, ResidentStore
+    from treetrain.models.layer_entry import HybridEntry, entry_tensors
+
+    model = tiny_model("zamba2", VOCAB)
+    identity = ResidentIdentity.of(model)
+    store = ResidentStore(identity)
+    key = ResidentKey("tree", 1, "node")
+    gen = torch.Generator().manual_seed(0)
+    kv = (torch.randn(1, 2, 5, 16, generator=gen), torch.randn(1, 2, 5, 16, generator=gen))  # [1, H_kv, P, D]
+    state = (torch.randn(1, 80, 3, generator=gen), torch.randn(1, 4, 16, 8, generator=gen))  # conv, SSM state
+    mamba = (torch.randn(1, 80, 3, generator=gen), torch.randn(1, 4, 16, 8, generator=gen))
+    entries = [mamba, HybridEntry(kv, state)]
+    store.put(key, entries, identity)
+    assert store.kv_bytes == entry_bytes(entries) > entry_bytes([mamba, kv])
+    store.offload(key)
+    assert store.kv_bytes == 0 and store.has_host(key)
+    store.restore(key, identity, torch.device("cpu"))
+    back = store.get(key, identity)
+    assert isinstance(back[1], HybridEntry) and not isinstance(back[0], HybridEntry)
+    assert all(torch.equal(a, b) for a, b in zip(entry_tensors(back[1]), entry_tensors(entries[1])))
+    grads = store.grad_buffers(key, back, identity)
+    assert isinstance(grads[1], HybridEntry) and store.grad_bytes == entry_bytes(entries)
+    store.add_grad(key, entries, identity)
+    assert all(torch.equal(g, t) for g, t in zip(entry_tensors(grads[1]), entry_tensors(entries[1])))
+    assert len(store.tensors_of(key)) == 2 * (2 + 4)
