@@ -53,8 +53,9 @@ from treetrain.models.shared_past import SharedPast, _Into
 RECURRENT_LAYER_TYPES = frozenset({"linear_attention"})
 #: Layer types whose layer attends and runs a recurrent mixer, so it carries KV *and* recurrent state (a
 #: `treetrain.models.layer_entry.HybridEntry`): Zamba's and Zamba 2's shared transformer block before a
-#: Mamba / Mamba-2 mixer, Falcon-H1's attention beside a Mamba-2 mixer.
-HYBRID_LAYER_TYPES = frozenset({"hybrid"})
+#: Mamba / Mamba-2 mixer, Falcon-H1's attention beside a Mamba-2 mixer; `hybrid_sliding` with a windowed
+#: attention (whose window the support check probes like any sliding layer's).
+HYBRID_LAYER_TYPES = frozenset({"hybrid", "hybrid_sliding"})
 #: Layer types that keep no state at all (an MLP or experts block in the layer list, as in Nemotron-H).
 STATELESS_LAYER_TYPES = frozenset({"mlp", "moe"})
 

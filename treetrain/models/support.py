@@ -49,10 +49,8 @@ from treetrain.models.recurrent_state import (
 
 #: Layer types whose state is plain KV over every earlier position.
 FULL_ATTENTION_TYPES = frozenset({"full_attention"})
-SLIDING_TYPES = frozenset({"sliding_attention"})
-#: Layer types with a recurrent mixer and a sliding-window attention in the same layer, which resident
-#: state does not cover (the window's KV and the state together are not probed).
-HYBRID_SLIDING_TYPES = frozenset({"hybrid_sliding"})
+#: Layer types with a sliding window (a hybrid layer's attention may have one: `hybrid_sliding`).
+SLIDING_TYPES = frozenset({"sliding_attention", "hybrid_sliding"})
 #: Model types known to keep recurrent or compressed state.
 RECURRENT_MODEL_TYPES = frozenset(
     {
@@ -145,13 +143,6 @@ def check_supported(
         - HYBRID_LAYER_TYPES
         - STATELESS_LAYER_TYPES
     )
-    both = sorted(set(odd) & HYBRID_SLIDING_TYPES)
-    if both:
-        raise UnsupportedModelError(
-            f"model type {mtype!r} has layers of type {both}: a recurrent mixer and sliding-window attention in "
-            "one layer; resident state holds KV and recurrent state together only for full attention (layer "
-            "type 'hybrid'), so tree replay is refused"
-        )
     if odd:
         raise UnsupportedModelError(
             f"model type {mtype!r} has layer types {odd}; only full (and covered sliding) attention is supported"
