@@ -172,9 +172,11 @@ def test_negative_control_hybrid_kv_left_out_of_g_is_rejected(
     assert dev.abs > 10 * FACTOR * floor, f"{dev.abs:.3e} not far above {FACTOR} x {floor:.3e}"
 
 
-def test_negative_control_response_only_detaches_the_state() -> None:
+@pytest.mark.parametrize("family", ["qwen3_5_text", "zamba2"])
+def test_negative_control_response_only_detaches_the_state(family: str) -> None:
+    """`response_only` detaches every resident entry, a hybrid layer's KV and state alike."""
     replay = ReplayConfig(contract="response_only", microbatch=2)
-    dev, floor = _check("qwen3_5_text", torch.float64, "multi_level", LossConfig(), replay)
+    dev, floor = _check(family, torch.float64, "multi_level", LossConfig(), replay)
     assert dev.abs > 1000 * FACTOR * floor
 
 
