@@ -1,11 +1,13 @@
 """Recurrent layers (Gated DeltaNet, Kimi delta attention, Mamba, Mamba-2) and their hybrids: `exact` equals the flat reference.
 
 A recurrent layer's resident object is its (conv state, recurrent state) before a unit's last token,
-not KV (`treetrain.models.recurrent_state`). The checks are the ones every KV family passes
+not KV (`treetrain.models.recurrent_state`); a hybrid layer's (Zamba 2, Falcon-H1: attention and a Mamba-2
+mixer in one layer) is both, one `HybridEntry` (`treetrain.models.layer_entry`). The checks are the ones every KV family passes
 (test_replay_exact.py): `exact` against the flat reference at FACTOR times the noise floor measured in the
 same case, through trees of several levels, K, order, chunking and a retention budget, with LoRA; and
 negative controls that show the check sees the recurrent state's gradient: leaving it out of G, or the
-`response_only` contract that detaches it, is caught far above the bound.
+`response_only` contract that detaches it, is caught far above the bound; for a hybrid layer, leaving
+either part of its entry out of G is.
 """
 
 from __future__ import annotations
@@ -24,15 +26,17 @@ from treetrain.memory.persistent import kv_bytes_per_token, state_bytes_per_unit
 from treetrain.memory.retention import RetentionPolicy
 from treetrain.memory.tracker import MemoryTracker
 from treetrain.models.decoder import decoder_forward
+from treetrain.models.layer_entry import entry_bytes
 from treetrain.models.presets import (
     EAGER_ONLY,
+    HYBRID_FAMILIES,
     KIMI_DELTA_FAMILIES,
     MAMBA2_FAMILIES,
     MAMBA_FAMILIES,
     RECURRENT_FAMILIES,
     tiny_model,
 )
-from treetrain.models.recurrent_state import mixers, recurrent_layers
+from treetrain.models.recurrent_state import hybrid_layers, mixers, recurrent_layers
 from treetrain.models.support import SupportGate, UnsupportedModelError, check_supported
 
 FACTOR = 5.0
@@ -71,8 +75,10 @@ def test_presets_mix_recurrent_and_attention_layers() -> None:
         model = tiny_model(family, VOCAB, attn="eager" if family in EAGER_ONLY else "sdpa")
         layers = recurrent_layers(model)
         assert layers, family
+        hybrid = hybrid_layers(model)
+        assert bool(hybrid) == (family in HYBRID_FAMILIES) and hybrid <= layers, family
         if family not in ("mamba", "falcon_mamba"):  # those are Mamba layers only
-            assert len(layers) < model.config.num_hidden_layers, family
+            assert len(layers - hybrid) < model.config.num_hidden_layers, family  # some layers attend
         kinds = {kind.name for _, kind in mixers(model).values()}
         expected = (
             "mamba2"
@@ -96,6 +102,7 @@ def test_exact_matches_flat_recurrent_families(family: str, dtype: str) -> None:
     )
 
 
+@pytest.mark.parametrize("family", ["qwen3_5_text", "zamba2"])
 @pytest.mark.parametrize(
     "replay",
     [
@@ -107,10 +114,11 @@ def test_exact_matches_flat_recurrent_families(family: str, dtype: str) -> None:
     ],
     ids=lambda r: f"K{r.microbatch}-{r.order}-chunk{r.chunk_size}",
 )
-def test_exact_recurrent_invariant_to_order_k_and_chunking(replay: ReplayConfig) -> None:
-    """Two trees, KL to a separate reference and entropy; one-token chunks carry state through every token."""
+def test_exact_recurrent_invariant_to_order_k_and_chunking(replay: ReplayConfig, family: str) -> None:
+    """Two trees, KL to a separate reference and entropy; one-token chunks carry state through every token
+    (for Zamba 2 both parts of every hybrid layer's entry)."""
     loss = LossConfig(kl_coef=0.05, entropy_coef=0.01)
-    dev, floor = _check("qwen3_5_text", torch.float64, "two_trees", loss, replay)
+    dev, floor = _check(family, torch.float64, "two_trees", loss, replay)
     assert dev.abs <= FACTOR * floor, f"{replay}: {dev.abs:.3e} > {FACTOR} x {floor:.3e}"
 
 
@@ -131,7 +139,9 @@ def test_exact_kda_two_trees_with_a_reference(family: str, replay: ReplayConfig)
     assert dev.abs <= FACTOR * floor, f"{family} {replay}: {dev.abs:.3e} > {FACTOR} x {floor:.3e}"
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "kimi_linear", "mamba", "bamba"])
+@pytest.mark.parametrize(
+    "family", ["qwen3_next", "kimi_linear", "mamba", "bamba", "zamba2", "falcon_h1", "zamba"]
+)
 @pytest.mark.parametrize("shape", ["unequal", "identical", "single"])
 def test_exact_recurrent_other_shapes(shape: str, family: str) -> None:
     """Rows of unequal length in one step (state taken per row), identical calls, a single chain; one-token
@@ -142,12 +152,15 @@ def test_exact_recurrent_other_shapes(shape: str, family: str) -> None:
     assert dev.abs <= FACTOR * floor, f"{shape}: {dev.abs:.3e} > {FACTOR} x {floor:.3e}"
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "kimi_linear", "jamba", "bamba"])
+@pytest.mark.parametrize(
+    "family", ["qwen3_5_text", "kimi_linear", "jamba", "bamba", *sorted(HYBRID_FAMILIES)]
+)
 def test_negative_control_recurrent_state_left_out_of_g_is_rejected(
     family: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Reading the resident recurrent state detached (its gradient never reaches G; attention KV keeps
-    its G) is caught far above the bound, for a Gated DeltaNet, a KDA, a Mamba and a Mamba-2 hybrid."""
+    its G) is caught far above the bound, for a Gated DeltaNet, a KDA, a Mamba and a Mamba-2 hybrid, and for
+    the state part of hybrid layers' entries."""
     import treetrain.models.recurrent_state as recurrent_state
 
     class Detached:
@@ -160,8 +173,32 @@ def test_negative_control_recurrent_state_left_out_of_g_is_rejected(
     assert dev.abs > 100 * FACTOR * floor, f"{dev.abs:.3e} not far above {FACTOR} x {floor:.3e}"
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "kimi_linear"])
+@pytest.mark.parametrize("family", sorted(HYBRID_FAMILIES))
+def test_negative_control_hybrid_kv_left_out_of_g_is_rejected(
+    family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The KV part of a hybrid layer's entry carries gradient too: shared-past attention that reads the
+    hybrid layers' resident KV without their G accumulators (their state keeps its G) is caught. The margin
+    asked is ten times the bound, not a hundred: in tiny Zamba (no positional encoding, two shared-block
+    invocations) the gradient through the past's KV is a small part of the whole, measured 13 times the
+    bound."""
+    from treetrain.models.shared_past import SharedPast
+
+    layer = SharedPast.layer
+    hybrid = hybrid_layers(tiny_model(family, VOCAB))
+
+    def without_g(self: SharedPast, index: int):  # type: ignore[no-untyped-def]
+        kv, grads = layer(self, index)
+        return kv, (None,) * len(kv) if index in hybrid else grads
+
+    monkeypatch.setattr(SharedPast, "layer", without_g)
+    dev, floor = _check(family, torch.float64, "multi_level", LossConfig(), ReplayConfig(microbatch=2))
+    assert dev.abs > 10 * FACTOR * floor, f"{dev.abs:.3e} not far above {FACTOR} x {floor:.3e}"
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "kimi_linear", "zamba2"])
 def test_negative_control_response_only_detaches_the_state(family: str) -> None:
+    """`response_only` detaches every resident entry, a hybrid layer's KV and state alike."""
     replay = ReplayConfig(contract="response_only", microbatch=2)
     dev, floor = _check(family, torch.float64, "multi_level", LossConfig(), replay)
     assert dev.abs > 1000 * FACTOR * floor
@@ -217,12 +254,13 @@ def test_negative_control_kda_state_not_stopped_at_the_cut_is_rejected(
     assert dev.abs > 100 * FACTOR * floor, f"{dev.abs:.3e} not far above {FACTOR} x {floor:.3e}"
 
 
+@pytest.mark.parametrize("family", ["qwen3_5_text", "zamba2"])
 @pytest.mark.parametrize("contract", ["exact", "response_only"])
-def test_recurrent_gradient_unchanged_under_a_retention_budget(contract: str) -> None:
+def test_recurrent_gradient_unchanged_under_a_retention_budget(contract: str, family: str) -> None:
     """Evicted state is recomputed from the nearest resident ancestor (with the overlap), and the budget
     counts the state's bytes: the tracker never sees more resident bytes than the budget."""
     loss = LossConfig()
-    make = factory("qwen3_5_text", torch.float64)
+    make = factory(family, torch.float64)
     batch = make_batch(SHAPES["multi_level"](0), loss)
     replay = ReplayConfig(contract=contract, microbatch=1, chunk_size=3)
 
@@ -262,16 +300,25 @@ def test_resident_bytes_of_a_unit_are_what_the_ledger_books(family: str) -> None
         unit = units[units[0].children[0]]
         padded = pad_pieces([unit.input_tokens], [unit.input_offset], torch.device("cpu"))
         out = decoder_forward(model, padded.input_ids, padded.positions, None, lengths=padded.lengths)
-        stored = sum(t.numel() * t.element_size() for kv in own_kv(unit, out, 0) for t in kv)
+        stored = entry_bytes(own_kv(unit, out, 0))
         per_token, per_unit = kv_bytes_per_token(model), state_bytes_per_unit(model)
         assert per_unit > 0 and (per_token > 0) == (family not in ("mamba", "falcon_mamba")), family
         assert stored == unit_resident_bytes(len(unit), per_token, per_unit), f"{family}/{dtype}"
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_next", "kimi_linear", "jamba", "bamba"])
+@pytest.mark.parametrize(
+    "family", ["qwen3_5_text", "qwen3_next", "kimi_linear", "jamba", "bamba", *sorted(HYBRID_FAMILIES)]
+)
 def test_lora_exact_matches_flat_recurrent(family: str) -> None:
-    """PEFT adapters on every linear layer, the Gated DeltaNet, KDA and Mamba projections included."""
-    make = lora_factory(family, torch.float64, target_modules=("all-linear",))
+    """PEFT adapters on every linear layer, the Gated DeltaNet, KDA and Mamba projections included (and Zamba 2's
+    shared block, whose adapters then get the gradient of each layer that runs it)."""
+    # PEFT refuses adapters on Falcon-H1's Mamba `out_proj`: every other projection gets one.
+    targets = (
+        ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "gate_proj", "up_proj", "down_proj")
+        if family == "falcon_h1"
+        else ("all-linear",)
+    )
+    make = lora_factory(family, torch.float64, target_modules=targets)
     loss = LossConfig()
     batch = make_batch(SHAPES["multi_level"](0), loss)
     floor = noise_floor(make, batch, loss)
@@ -288,7 +335,7 @@ def test_lora_exact_matches_flat_recurrent(family: str) -> None:
     assert dev.abs <= FACTOR * floor, f"{family}: {dev.abs:.3e} > {FACTOR} x {floor:.3e}"
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "kimi_linear"])
+@pytest.mark.parametrize("family", ["qwen3_5_text", "kimi_linear", "zamba2"])
 @pytest.mark.parametrize("contract", ["exact", "response_only"])
 def test_ledger_books_recurrent_state_exactly(contract: str, family: str) -> None:
     """`treetrain plan`'s ledger books the hybrid's resident bytes (KV, conv and recurrent state, and G in
@@ -341,3 +388,60 @@ def test_hybrid_attention_layers_read_resident_pieces_in_place(monkeypatch: pyte
     monkeypatch.setattr(attention, "_reads_interface", lambda cls: False)
     reason = attention.shared_past_reason(model)
     assert reason is not None and "attention interface" in reason
+
+
+def test_zamba2_shared_block_attends_over_each_layers_own_kv(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Zamba 2's shared transformer block is one module (`layer_idx = -1`) run by every hybrid layer, each
+    with its own KV: shared-past attention reads the pieces of the layer running it (the cache index its KV
+    was just written at), in place. Reading one layer's KV for every invocation is refused by the split
+    probe."""
+    import treetrain.models.attention as attention
+
+    model = tiny_model("zamba2", VOCAB, dtype=torch.float64)
+    hybrid = hybrid_layers(model)
+    assert len(hybrid) >= 2 and attention.shared_past_reason(model) is None
+    read: list[int] = []
+    source = attention.kv_source_layer
+
+    def spy(module):  # type: ignore[no-untyped-def]
+        read.append(source(module))
+        return read[-1]
+
+    monkeypatch.setattr(attention, "kv_source_layer", spy)
+    loss = LossConfig()
+    TreeReplay(model, loss, ReplayConfig(microbatch=2)).accumulate(make_batch(SHAPES["one_level"](0), loss))
+    assert set(read) == hybrid, f"shared-past attention read layers {sorted(set(read))}, not {sorted(hybrid)}"
+    first = min(hybrid)
+    monkeypatch.setattr(attention, "attending_layer", lambda: first)
+    with pytest.raises(UnsupportedModelError, match="shared-past attention over resident KV changes"):
+        check_supported(tiny_model("zamba2", VOCAB, dtype=torch.float64), 64)
+
+
+def test_resident_store_keeps_both_parts_of_a_hybrid_entry() -> None:
+    """A hybrid layer's entry is stored, sized, offloaded, restored and given G part by part: its KV and
+    its state. A store that dropped the state part would book fewer bytes and restore a pair."""
+    from treetrain.engine.resident import ResidentIdentity, ResidentKey, ResidentStore
+    from treetrain.models.layer_entry import HybridEntry, entry_tensors
+
+    model = tiny_model("zamba2", VOCAB)
+    identity = ResidentIdentity.of(model)
+    store = ResidentStore(identity)
+    key = ResidentKey("tree", 1, "node")
+    gen = torch.Generator().manual_seed(0)
+    kv = (torch.randn(1, 2, 5, 16, generator=gen), torch.randn(1, 2, 5, 16, generator=gen))  # [1, H_kv, P, D]
+    state = (torch.randn(1, 80, 3, generator=gen), torch.randn(1, 4, 16, 8, generator=gen))  # conv, SSM state
+    mamba = (torch.randn(1, 80, 3, generator=gen), torch.randn(1, 4, 16, 8, generator=gen))
+    entries = [mamba, HybridEntry(kv, state)]
+    store.put(key, entries, identity)
+    assert store.kv_bytes == entry_bytes(entries) > entry_bytes([mamba, kv])
+    store.offload(key)
+    assert store.kv_bytes == 0 and store.has_host(key)
+    store.restore(key, identity, torch.device("cpu"))
+    back = store.get(key, identity)
+    assert isinstance(back[1], HybridEntry) and not isinstance(back[0], HybridEntry)
+    assert all(torch.equal(a, b) for a, b in zip(entry_tensors(back[1]), entry_tensors(entries[1])))
+    grads = store.grad_buffers(key, back, identity)
+    assert isinstance(grads[1], HybridEntry) and store.grad_bytes == entry_bytes(entries)
+    store.add_grad(key, entries, identity)
+    assert all(torch.equal(g, t) for g, t in zip(entry_tensors(grads[1]), entry_tensors(entries[1])))
+    assert len(store.tensors_of(key)) == 2 * (2 + 4)

@@ -115,12 +115,13 @@ def _preset(family: str) -> PreTrainedModel:
     return tiny_model(family, VOCAB, attn="eager" if family in EAGER_ONLY else "sdpa").eval()
 
 
-@pytest.mark.parametrize("family", ["granite", "cohere", "gemma2"])
+@pytest.mark.parametrize("family", ["granite", "cohere", "gemma2", "falcon_h1"])
 def test_logit_scaling_and_final_soft_capping_are_applied_by_the_head(
     family: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Granite divides its logits, Cohere multiplies them, Gemma 2 soft-caps them; the engine's head does the
-    same, and the head check is what shows it: a head without the transform is refused."""
+    """Granite divides its logits, Cohere and Falcon-H1 (`lm_head_multiplier`) multiply them, Gemma 2
+    soft-caps them; the engine's head does the same, and the head check is what shows it: a head without the
+    transform is refused."""
     model = _preset(family)
     assert not logit_head.logit_transform(model.config).identity
     check_supported(model, 32)

@@ -16,7 +16,14 @@ from transformers import PreTrainedModel
 from treetrain.engine.units import Unit
 from treetrain.loss.objective import Contributions
 from treetrain.loss.targets import TargetTable
-from treetrain.models.decoder import DecoderOutput, LayerKV, SharedPast, decoder_forward, output_head
+from treetrain.models.decoder import (
+    DecoderOutput,
+    HybridEntry,
+    LayerEntry,
+    SharedPast,
+    decoder_forward,
+    output_head,
+)
 from treetrain.models.logprobs import target_logprobs
 
 
@@ -57,17 +64,23 @@ def forward_units(
     return batch, decoder_forward(model, batch.input_ids, batch.positions, past, lengths=batch.lengths)
 
 
-def own_kv(unit: Unit, out: DecoderOutput, row: int, overlap: bool = True) -> list[LayerKV]:
+def own_kv(unit: Unit, out: DecoderOutput, row: int, overlap: bool = True) -> list[LayerEntry]:
     """The unit's own resident state from a batched forward, graph kept: per attention layer its KV (overlap
-    and padding cut away), per recurrent layer its row's state before its last token."""
+    and padding cut away), per recurrent layer its row's state before its last token, per hybrid layer
+    both."""
     a = 1 if overlap and unit.overlap is not None else 0
     n = len(unit)
-    return [
-        (k[row : row + 1], v[row : row + 1])
-        if i in out.recurrent
-        else (k[row : row + 1, :, a : a + n], v[row : row + 1, :, a : a + n])
-        for i, (k, v) in enumerate(zip(out.keys, out.values))
-    ]
+    entries: list[LayerEntry] = []
+    for i, (k, v) in enumerate(zip(out.keys, out.values)):
+        if i in out.recurrent:
+            entries.append((k[row : row + 1], v[row : row + 1]))
+            continue
+        kv = (k[row : row + 1, :, a : a + n], v[row : row + 1, :, a : a + n])
+        state = out.states.get(i)
+        entries.append(
+            kv if state is None else HybridEntry(kv, (state[0][row : row + 1], state[1][row : row + 1]))
+        )
+    return entries
 
 
 @dataclass(frozen=True)

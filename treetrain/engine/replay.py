@@ -78,6 +78,7 @@ from treetrain.engine.walk import StepGraph, TreeWalk
 from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.objective import Contributions, LossTerms, objective, sampler_logprobs
 from treetrain.loss.sampler_correction import SamplerGap, correction_weights, sampler_terms
+from treetrain.models.layer_entry import entry_tensors, map_entry
 from treetrain.models.lora import Reference, reference_module
 from treetrain.models.support import SupportGate
 from treetrain.tree.stats import tree_stats
@@ -318,7 +319,7 @@ class TreeReplay:
         units = walk.units
         with torch.enable_grad():
             graph = self._forward(walk, units[u].parent or 0, [units[u]])
-        kv = [(k.detach().clone(), v.detach().clone()) for k, v in own_kv(units[u], graph.out, 0)]
+        kv = [map_entry(lambda t: t.detach().clone(), e) for e in own_kv(units[u], graph.out, 0)]
         self.store.put(walk.paths.key(u), kv, self.identity)
         walk.old_lp[u] = graph.logp.detach()
         walk.graphs[u] = graph
@@ -423,8 +424,9 @@ class TreeReplay:
             grad = self.store.grad(walk.paths.key(unit.index), self.identity) if unit.children else None
             if grad is None:
                 continue
-            for (k_new, v_new), (gk, gv) in zip(own_kv(unit, graph.out, row), grad):
-                total = total + (k_new * gk).sum() + (v_new * gv).sum()
+            for new, g in zip(own_kv(unit, graph.out, row), grad):
+                for t, gt in zip(entry_tensors(new), entry_tensors(g)):
+                    total = total + (t * gt).sum()
         return total
 
     def _old_logprobs(

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import PreTrainedModel
 
-from treetrain.models.decoder import LayerKV
+from treetrain.models.layer_entry import LayerEntry, entry_bytes, entry_tensors, map_entry
 from treetrain.models.lora import adapter_state
 
 
@@ -88,16 +88,17 @@ def _to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
     return out
 
 
-def kv_bytes(kv: Sequence[LayerKV]) -> int:
-    return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
+def kv_bytes(kv: Sequence[LayerEntry]) -> int:
+    """Bytes of a unit's per-layer entries (KV, recurrent state, or both: `layer_entry.entry_bytes`)."""
+    return entry_bytes(kv)
 
 
 @dataclass
 class _Entry:
     identity: ResidentIdentity
-    kv: list[LayerKV] | None
-    grad: list[LayerKV] | None = None
-    host: list[LayerKV] | None = None
+    kv: list[LayerEntry] | None
+    grad: list[LayerEntry] | None = None
+    host: list[LayerEntry] | None = None
     """KV moved to (pinned) host memory by `offload`, waiting for `restore`."""
 
 
@@ -155,15 +156,15 @@ class ResidentStore:
         entry = self._check(key, identity)
         return entry is not None and entry.kv is not None
 
-    def get(self, key: ResidentKey, identity: ResidentIdentity) -> list[LayerKV]:
+    def get(self, key: ResidentKey, identity: ResidentIdentity) -> list[LayerEntry]:
         entry = self._check(key, identity)
         if entry is None or entry.kv is None:
             raise KeyError(f"node {key.node_id[:12]} (unit {key.unit}) is not resident")
         return entry.kv
 
-    def put(self, key: ResidentKey, kv: Sequence[LayerKV], identity: ResidentIdentity) -> None:
+    def put(self, key: ResidentKey, kv: Sequence[LayerEntry], identity: ResidentIdentity) -> None:
         entry = self._check(key, identity)
-        stored = [(k.detach(), v.detach()) for k, v in kv]
+        stored = [map_entry(torch.Tensor.detach, e) for e in kv]
         if entry is None:
             entry = _Entry(identity, None)
             self._entries[key] = entry
@@ -190,8 +191,8 @@ class ResidentStore:
         entry = self._entries.get(key)
         if entry is None or entry.kv is None:
             return 0
-        pin = torch.cuda.is_available() and entry.kv[0][0].is_cuda
-        entry.host = [(_to_host(k, pin), _to_host(v, pin)) for k, v in entry.kv]
+        pin = torch.cuda.is_available() and entry_tensors(entry.kv[0])[0].is_cuda
+        entry.host = [map_entry(lambda t: _to_host(t, pin), e) for e in entry.kv]
         return self.evict(key)
 
     def has_host(self, key: ResidentKey) -> bool:
@@ -204,39 +205,36 @@ class ResidentStore:
         if entry is None or entry.host is None:
             raise KeyError(f"node {key.node_id[:12]} (unit {key.unit}) has no offloaded KV")
         host, entry.host = entry.host, None
-        self.put(
-            key,
-            [(k.to(device, non_blocking=True), v.to(device, non_blocking=True)) for k, v in host],
-            identity,
-        )
+        self.put(key, [map_entry(lambda t: t.to(device, non_blocking=True), e) for e in host], identity)
 
-    def add_grad(self, key: ResidentKey, grads: Sequence[LayerKV], identity: ResidentIdentity) -> None:
+    def add_grad(self, key: ResidentKey, grads: Sequence[LayerEntry], identity: ResidentIdentity) -> None:
         entry = self._check(key, identity)
         if entry is None:
             entry = _Entry(identity, None)
             self._entries[key] = entry
         if entry.grad is None:
-            entry.grad = [(gk.detach().clone(), gv.detach().clone()) for gk, gv in grads]
+            entry.grad = [map_entry(lambda t: t.detach().clone(), g) for g in grads]
             self._notify("grad", key, kv_bytes(entry.grad))
         else:
-            for (ak, av), (gk, gv) in zip(entry.grad, grads):
-                ak.add_(gk)
-                av.add_(gv)
+            for acc, g in zip(entry.grad, grads):
+                for a, t in zip(entry_tensors(acc), entry_tensors(g)):
+                    a.add_(t)
 
     def grad_buffers(
-        self, key: ResidentKey, like: Sequence[LayerKV], identity: ResidentIdentity
-    ) -> list[LayerKV]:
-        """The G accumulators of `key`, zero-filled shaped like `like` when absent; backward adds into them."""
+        self, key: ResidentKey, like: Sequence[LayerEntry], identity: ResidentIdentity
+    ) -> list[LayerEntry]:
+        """The G accumulators of `key`, zero-filled shaped like `like` when absent; backward adds into them.
+        Each has its entry's structure: a hybrid layer's G has a KV part and a state part."""
         entry = self._check(key, identity)
         if entry is None:
             entry = _Entry(identity, None)
             self._entries[key] = entry
         if entry.grad is None:
-            entry.grad = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in like]
+            entry.grad = [map_entry(torch.zeros_like, e) for e in like]
             self._notify("grad", key, kv_bytes(entry.grad))
         return entry.grad
 
-    def grad(self, key: ResidentKey, identity: ResidentIdentity) -> list[LayerKV] | None:
+    def grad(self, key: ResidentKey, identity: ResidentIdentity) -> list[LayerEntry] | None:
         entry = self._check(key, identity)
         return None if entry is None else entry.grad
 
@@ -276,8 +274,8 @@ class ResidentStore:
         if entry is not None:
             for part in (entry.kv, entry.grad):
                 if part is not None:
-                    for k, v in part:
-                        out.extend((k, v))
+                    for e in part:
+                        out.extend(entry_tensors(e))
         return out
 
     def tensors(self) -> list[torch.Tensor]:

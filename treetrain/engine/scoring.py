@@ -32,7 +32,8 @@ from treetrain.engine.resident import (
     StaleResidentStateError,
 )
 from treetrain.engine.units import Unit, UnitTree
-from treetrain.models.decoder import LayerKV, SharedPast
+from treetrain.models.decoder import LayerEntry, SharedPast
+from treetrain.models.layer_entry import map_entry
 from treetrain.models.lora import adapter_state, unwrap
 from treetrain.models.recurrent_state import unkeyed_layers
 from treetrain.tree.model import ROOT
@@ -71,7 +72,7 @@ class PathKV:
     def resident(self, unit: int) -> bool:
         return self.store.has_kv(self.key(unit), self.identity)
 
-    def pieces(self, unit: int) -> list[list[LayerKV]]:
+    def pieces(self, unit: int) -> list[list[LayerEntry]]:
         """KV of every unit on the path to `unit` (inclusive), root side first; recomputes missing ones."""
         path = self.units.path(unit)
         missing = [u for u in path if not self.resident(u)]
@@ -98,7 +99,7 @@ class PathKV:
             past = SharedPast.of(pieces) if pieces else None
         _, out = forward_units(self.model, [self.units[unit]], past, self.device, overlap=overlap)
         # Clone: the new KV is a view into a cache that also holds the whole past.
-        kv = [(k.clone(), v.clone()) for k, v in own_kv(self.units[unit], out, 0, overlap=overlap)]
+        kv = [map_entry(torch.Tensor.clone, e) for e in own_kv(self.units[unit], out, 0, overlap=overlap)]
         del out
         self.store.put(self.key(unit), kv, self.identity)
         self.recomputed_units += 1
@@ -112,8 +113,8 @@ class PathKV:
 
 
 def past_before_overlap(
-    pieces: Sequence[Sequence[LayerKV]],
-    grads: Sequence[Sequence[LayerKV] | None] | None = None,
+    pieces: Sequence[Sequence[LayerEntry]],
+    grads: Sequence[Sequence[LayerEntry] | None] | None = None,
     *,
     recurrent: frozenset[int] = frozenset(),
 ) -> SharedPast | None:
@@ -299,6 +300,6 @@ def _score_batch(
         a, b = gathered.target_offsets[row], gathered.target_offsets[row + 1]
         logps[unit.index] = lp[a:b].detach()
         if unit.children:
-            kv = [(k.clone(), v.clone()) for k, v in own_kv(unit, out, row)]
+            kv = [map_entry(torch.Tensor.clone, e) for e in own_kv(unit, out, row)]
             paths.store.put(paths.key(unit.index), kv, paths.identity)
     return sum(batch_ids.lengths)

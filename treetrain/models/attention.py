@@ -30,6 +30,7 @@ Example:
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -43,7 +44,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.utils.import_utils import is_torch_greater_or_equal
 
-from treetrain.models.recurrent_state import recurrent_layers, unkeyed_layers
+from treetrain.models.recurrent_state import attending_layer, recurrent_layers, unkeyed_layers
 from treetrain.models.shared_past import SharedPast, expanded_past, shared_attention
 
 NAME = "treetrain_sdpa"
@@ -95,6 +96,8 @@ def shared_past_reason(model: PreTrainedModel) -> str | None:
 
 _INTERFACE = "ALL_ATTENTION_FUNCTIONS.get_interface"
 _READS_INTERFACE: dict[type, bool] = {}
+#: A module's decoder block from its name (`model.layers.3.shared_transformer.self_attn` -> 3).
+_BLOCK_INDEX = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
 
 
 def _reads_interface(cls: type) -> bool:
@@ -111,18 +114,24 @@ def hybrid_attention_uses_interface(model: PreTrainedModel) -> bool:
     transformers' interface. Such classes (Qwen3.5, Qwen3-Next, ...) do not set `_supports_attention_backend`
     because their linear-attention layers have no attention function, yet their attention layers can read
     the resident pieces in place; the split probe then checks it by behaviour. True for a stack of
-    linear-attention layers only: there is nothing to concatenate."""
+    linear-attention layers only: there is nothing to concatenate. A module without a layer index of its own
+    (Zamba 2's shared block, `layer_idx = -1`, run by several layers) counts for the block it sits in."""
     recurrent = recurrent_layers(model)
     if not recurrent:
         return False
     wanted = set(range(int(model.config.get_text_config(decoder=True).num_hidden_layers))) - unkeyed_layers(
         model
     )
-    found = {
-        idx
-        for m in model.modules()
-        if isinstance(idx := getattr(m, "layer_idx", None), int) and _reads_interface(type(m))
-    }
+    found: set[int] = set()
+    for name, m in model.named_modules(remove_duplicate=False):
+        if not _reads_interface(type(m)):
+            continue
+        idx = getattr(m, "layer_idx", None)
+        block = _BLOCK_INDEX.search(name)
+        if isinstance(idx, int) and idx >= 0:
+            found.add(idx)
+        elif block is not None:
+            found.add(int(block.group(1)))
     return wanted <= found  # with no attention layer at all, nothing is concatenated either
 
 
@@ -176,8 +185,16 @@ def shared_past_forward(
 def kv_source_layer(module: torch.nn.Module) -> int:
     """The cache index whose KV `module` attends over: its own `layer_idx`, or for a layer that reuses an
     earlier layer's KV (Gemma 3n and Gemma 4: `is_kv_shared_layer`) the last layer before it of the same
-    layer type that stores its KV for sharing (`kv_sharing_modes[j] == "store"`)."""
-    layer = int(getattr(module, "layer_idx", 0))
+    layer type that stores its KV for sharing (`kv_sharing_modes[j] == "store"`). A module without an index
+    of its own (Zamba 2's shared block, one module run by several layers) attends over the KV its layer has
+    just written into the engine's cache (`attending_layer`)."""
+    own = getattr(module, "layer_idx", 0)
+    if not isinstance(own, int) or own < 0:  # one module for several layers (Zamba 2's shared block)
+        current = attending_layer()
+        if current is None:
+            raise RuntimeError(f"{type(module).__name__} has no layer index and wrote no KV before attending")
+        return current
+    layer = own
     if not getattr(module, "is_kv_shared_layer", False):
         return layer
     config = getattr(module, "config", None)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,13 +29,22 @@ from treetrain.models.attention import (
     mark_layout_mismatch,
     shared_past_reason,
 )
+from treetrain.models.layer_entry import HybridEntry, LayerEntry, entry_tensors
 from treetrain.models.logit_head import output_head
 from treetrain.models.lora import unwrap
-from treetrain.models.recurrent_state import EngineCache, capturing, recurrent_layers, stateless_layers
+from treetrain.models.recurrent_state import (
+    EngineCache,
+    capturing,
+    hybrid_layers,
+    recurrent_layers,
+    stateless_layers,
+)
 from treetrain.models.shared_past import LayerKV, SharedPast, concatenated
 
 __all__ = [
     "DecoderOutput",
+    "HybridEntry",
+    "LayerEntry",
     "LayerKV",
     "SharedPast",
     "base_model",
@@ -51,7 +60,8 @@ class DecoderOutput:
     """Hidden states of the new tokens and the state they produced (a view into the cache, graph kept).
 
     An attention layer's entry is its keys and values; a recurrent layer's (index in `recurrent`) is its
-    conv window and recurrent state before each row's last real token (`treetrain.models.recurrent_state`).
+    conv window and recurrent state before each row's last real token (`treetrain.models.recurrent_state`);
+    a hybrid layer's (index in `states`) is its keys and values and that state.
     """
 
     hidden: torch.Tensor  # [B, T, H]
@@ -59,6 +69,14 @@ class DecoderOutput:
     values: tuple[torch.Tensor, ...]  # per layer [B, H_kv, T, D]; recurrent layers [B, H_v, D_k, D_v]
     recurrent: frozenset[int] = frozenset()
     """Layers whose entries are not per-token KV: recurrent state, or empty for a stateless layer."""
+    states: dict[int, LayerKV] = field(default_factory=dict)
+    """The (conv state, recurrent state) of each hybrid layer (KV and a recurrent mixer), by index."""
+
+    def entry(self, layer: int) -> LayerEntry:
+        """Layer `layer`'s entry over every row and position: a `HybridEntry` for a hybrid layer."""
+        kv = (self.keys[layer], self.values[layer])
+        state = self.states.get(layer)
+        return kv if state is None else HybridEntry(kv, state)
 
 
 #: Attribute names under which a decoder stack keeps its blocks: `layers` (Llama and most), `h` (GPT-2,
@@ -125,7 +143,7 @@ def decoder_forward(
     model: PreTrainedModel,
     input_ids: torch.Tensor,  # [B, T]
     positions: torch.Tensor,  # [B, T]
-    past: Sequence[LayerKV] | SharedPast | None,
+    past: Sequence[LayerEntry] | SharedPast | None,
     *,
     concatenate: bool = False,
     lengths: Sequence[int] | None = None,
@@ -144,7 +162,8 @@ def decoder_forward(
     bsz = input_ids.shape[0]
     recurrent = recurrent_layers(unwrap(model))
     stateless = stateless_layers(unwrap(model))
-    unkeyed = recurrent | stateless  # no sequence axis in their entries
+    hybrid = hybrid_layers(unwrap(model))
+    unkeyed = (recurrent - hybrid) | stateless  # no sequence axis in their entries
     if past is not None and not isinstance(past, SharedPast):
         past = SharedPast.of([list(past)], recurrent=unkeyed) if len(past) else None
     if past is not None and not past.pieces:
@@ -153,12 +172,12 @@ def decoder_forward(
         not concatenate
         and past is not None
         and shared_past_reason(unwrap(model)) is None
-        and past.pieces[0][0][0].shape[0] == 1
+        and entry_tensors(past.pieces[0][0])[0].shape[0] == 1
     )
     anchor = _anchor(model, input_ids.device)
     cache: DynamicCache = DynamicCache()
-    if unkeyed:
-        cache = EngineCache(len(_blocks_of(base)), recurrent, past, bsz, anchor, stateless)
+    if recurrent or stateless:
+        cache = EngineCache(len(_blocks_of(base)), recurrent, past, bsz, anchor, stateless, hybrid)
     past_len = 0
     if past is not None and not shared:
         past_len = past.length
@@ -181,8 +200,9 @@ def decoder_forward(
     returned: Any = getattr(out, "cache", None) or getattr(out, "past_key_values", None) or cache
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
+    states = {i: cache.states(i) for i in hybrid}  # type: ignore[attr-defined]
     for i, layer in enumerate(returned.layers):
-        if i in recurrent:
+        if i in recurrent and i not in hybrid:
             conv, state = cache.states(i)  # type: ignore[attr-defined]
             keys.append(conv)
             values.append(state)
@@ -192,7 +212,7 @@ def decoder_forward(
         else:
             keys.append(layer.keys[:, :, past_len:, :])
             values.append(layer.values[:, :, past_len:, :])
-    return DecoderOutput(out.last_hidden_state, tuple(keys), tuple(values), unkeyed)
+    return DecoderOutput(out.last_hidden_state, tuple(keys), tuple(values), unkeyed, states)
 
 
 def _blocks_of(base: nn.Module) -> nn.ModuleList:

@@ -5,7 +5,8 @@ never through the model's forward, so whatever a family does to its logits after
 done here too, or training would follow another distribution than the model samples from. The families
 that do something do one of three things, all read from the config:
 
-- multiply by a scalar: Cohere and Cohere 2 (`logit_scale`), HyperCLOVA X (`logits_scaling`);
+- multiply by a scalar: Cohere and Cohere 2 (`logit_scale`), HyperCLOVA X (`logits_scaling`), Falcon-H1
+  (`lm_head_multiplier`);
 - divide by a scalar: Granite and its MoE variants, MiniCPM3 (`logits_scaling`, on the hidden states,
   which is the same for a linear head without bias);
 - soft-cap: Gemma 2, VaultGemma, Gemma 3n/4, nanochat (`final_logit_softcapping`: `cap * tanh(logits / cap)`).
@@ -66,6 +67,9 @@ def logit_transform(config: object) -> LogitTransform:
     scaling = getattr(config, "logits_scaling", None)
     if isinstance(scaling, (int, float)) and not isinstance(scaling, bool) and scaling:
         multiplier *= float(scaling) if mtype in MULTIPLIED_LOGITS_SCALING else 1.0 / float(scaling)
+    head = getattr(config, "lm_head_multiplier", None)
+    if isinstance(head, (int, float)) and not isinstance(head, bool):
+        multiplier *= float(head)
     cap = getattr(config, "final_logit_softcapping", None)
     return LogitTransform(multiplier, float(cap) if cap else None)
 

@@ -29,15 +29,20 @@ FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe")
 MORE_FAMILIES: tuple[str, ...] = ("deepseek_v3", "granite", "cohere", "gemma2", "gpt2", "gemma4_text")
 #: Presets with recurrent layers, whose resident state per layer is (conv state, recurrent state) or KV
 #: (`treetrain.models.recurrent_state`): Gated DeltaNet around a full-attention layer, Mamba layers alone
-#: (Mamba, Falcon-Mamba) or around an attention layer (Jamba), Kimi delta attention around an MLA layer.
+#: (Mamba, Falcon-Mamba) or around an attention layer (Jamba), Kimi delta attention around an MLA layer, and
+#: layers that hold both (Zamba 2's hybrid layers: a shared transformer block, then a Mamba-2 mixer).
 RECURRENT_FAMILIES: tuple[str, ...] = (
     "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lara_mini", "mamba", "falcon_mamba", "jamba",
-    "bamba", "granitemoehybrid", "nemotron_h", "kimi_linear", "bailing_hybrid",
+    "bamba", "granitemoehybrid", "nemotron_h", "kimi_linear", "bailing_hybrid", "zamba2", "falcon_h1", "zamba",
 )  # fmt: skip
 #: Of those, the ones whose recurrent layers are Mamba-2 (chunked SSD scan) layers.
-MAMBA2_FAMILIES = frozenset({"bamba", "granitemoehybrid", "nemotron_h"})
+MAMBA2_FAMILIES = frozenset({"bamba", "granitemoehybrid", "nemotron_h", "zamba2", "falcon_h1"})
+#: Of those, the ones with hybrid layers: KV and recurrent state in one layer (Zamba 2: a shared transformer
+#: block, then a Mamba-2 mixer; Falcon-H1: attention and a Mamba-2 mixer side by side in every layer; Zamba:
+#: a shared transformer block, then a Mamba mixer scanning each of its heads on its own).
+HYBRID_FAMILIES = frozenset({"zamba2", "falcon_h1", "zamba"})
 #: Of those, the ones whose recurrent layers are Mamba (selective scan) layers.
-MAMBA_FAMILIES = frozenset({"mamba", "falcon_mamba", "jamba"})
+MAMBA_FAMILIES = frozenset({"mamba", "falcon_mamba", "jamba", "zamba"})
 #: Of those, the ones whose recurrent layers are Kimi delta attention (a per-channel gated delta rule)
 #: around a multi-head latent attention layer.
 KIMI_DELTA_FAMILIES = frozenset({"kimi_linear", "bailing_hybrid"})
@@ -156,6 +161,20 @@ def _more(family: str, size: TinySize, vocab_size: int) -> dict[str, Any]:
             num_hidden_layers=3, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4,
             mamba_expand=2,
         )  # fmt: skip
+        if family == "falcon_h1":  # every layer hybrid; the muP multipliers all away from 1
+            return dict(
+                num_hidden_layers=2, mamba_d_ssm=64, mamba_n_heads=4, mamba_n_groups=1, mamba_d_state=8,
+                mamba_d_conv=4, mamba_chunk_size=16, head_dim=head, lm_head_multiplier=0.5, embedding_multiplier=2.0,
+                key_multiplier=0.7, attention_in_multiplier=1.3, attention_out_multiplier=0.8,
+                ssm_in_multiplier=1.2, ssm_out_multiplier=0.9, mlp_multipliers=[1.1, 0.9],
+                ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.05],
+            )  # fmt: skip
+        if family == "zamba2":  # Mamba-2, hybrid, Mamba-2, hybrid: two invocations of one shared block
+            return dict(
+                layers_block_type=["linear_attention", "hybrid", "linear_attention", "hybrid"], num_hidden_layers=4,
+                n_mamba_heads=4, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_ngroups=1, chunk_size=16,
+                num_mem_blocks=1, use_mem_rope=True,
+            )  # fmt: skip
         if (
             family == "nemotron_h"
         ):  # Mamba-2, experts, attention, Mamba-2, MLP: stateless blocks in the layer list
@@ -172,6 +191,11 @@ def _more(family: str, size: TinySize, vocab_size: int) -> dict[str, Any]:
         return mamba2
     if family in MAMBA_FAMILIES:  # Mamba layers only, or (Jamba) around one attention layer with experts
         more: dict[str, Any] = dict(state_size=8, conv_kernel=4, expand=2, num_hidden_layers=3)
+        if family == "zamba":  # Mamba, hybrid, Mamba, hybrid: two invocations of one shared block
+            return dict(
+                layers_block_type=["linear_attention", "hybrid", "linear_attention", "hybrid"], num_hidden_layers=4,
+                n_mamba_heads=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+            )  # fmt: skip
         if family == "jamba":
             more = dict(
                 num_hidden_layers=3, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,

@@ -11,9 +11,11 @@ token, and computes that token's output with one step from it (`treetrain.models
 - **Kimi delta attention** (Kimi Linear, Bailing hybrid): the same delta rule with a log gate per key
   channel (`g` is `[B, T, H, D_k]`), so the same `g = 0` and `beta = 0`; q, k and v share one short
   convolution, whose window is one conv state.
-- **Mamba** (Mamba, Falcon-Mamba, Jamba): `dt = 0` gives `exp(dt A) = 1` and `dt B x = 0`. The selective
-  scan takes no initial state, so the initial state's part is added in closed form: the state is linear in
-  it, `h_t = exp(A * sum(dt_1..t)) h_0 + (the scan from zero)`, and so is the output `C_t h_t`.
+- **Mamba** (Mamba, Falcon-Mamba, Jamba, Zamba): `dt = 0` gives `exp(dt A) = 1` and `dt B x = 0`. The
+  selective scan takes no initial state, so the initial state's part is added in closed form: the state is
+  linear in it, `h_t = exp(A * sum(dt_1..t)) h_0 + (the scan from zero)`, and so is the output `C_t h_t`.
+  Zamba's mixer splits its channels into heads and scans each head on its own, in head order, keeping a
+  `[B, H, I / H, N]` state: each scan continues its own head's slice of it (`StateSource.next_head`).
 
 Example:
     >>> sorted(k.name for k in KINDS)
@@ -37,6 +39,10 @@ class StateSource(Protocol):
     """Where a captured function finds the initial state of the layer now running (the engine's cache)."""
 
     def current_state(self) -> torch.Tensor | None: ...
+
+    def next_head(self) -> int:
+        """The head the layer now running scans next (its scans over heads come in head order)."""
+        ...
 
 
 @dataclass
@@ -156,7 +162,9 @@ def _selective_scan(scan: Callable[..., Any], step: Callable[..., Any]) -> Calla
         t = torch.arange(dt.shape[-1], device=dt.device)
         dt_in = dt * (t[None, :] < cut[:, None]).to(dt.dtype)[:, None, :]  # [B, I, T]
         out, state = scan(hidden_states, dt_in, A, B, C, D=D, z=z, return_last_state=True, **kwargs)
-        h0 = active.source.current_state()  # [B, I, N] or None at the root
+        h0 = active.source.current_state()  # [B, I, N], or per head [B, H, I, N] (Zamba), or None at the root
+        if h0 is not None and h0.dim() == 4:
+            h0 = h0[:, active.source.next_head()]  # [B, I, N]
         if h0 is not None:
             cum = dt_in.cumsum(-1)  # [B, I, T]
             decay = torch.exp(A[None, :, None, :] * cum[..., None])  # [B, I, T, N]

@@ -6,7 +6,10 @@ tensors: the last `kernel - 1` inputs of its causal depthwise convolution (`[1, 
 recurrent state (the delta rule's `[1, H_v, D_k, D_v]` in float32, as the model's own kernel computes it,
 or Mamba's `[1, I, N]`). Those two are that layer's resident object; they sit in a unit's per-layer entry
 where an attention layer keeps `(keys, values)`, and everything that stores, evicts, offloads or
-accumulates G on resident KV handles them the same way.
+accumulates G on resident KV handles them the same way. A hybrid layer (Zamba, Zamba 2, Falcon-H1:
+attention and a Mamba or Mamba-2 mixer in one layer) keeps both, as one
+`treetrain.models.layer_entry.HybridEntry`: its KV, read from every piece of the path like any attention
+layer's, and its state, read from the last piece; G accumulates into both parts.
 
 Two things differ from KV, and this module does both:
 
@@ -25,6 +28,9 @@ Example:
     >>> from treetrain.models.presets import tiny_model
     >>> sorted(recurrent_layers(tiny_model("qwen3_5_text", 64)))
     [0, 2]
+    >>> zamba2 = tiny_model("zamba2", 64)
+    >>> sorted(recurrent_layers(zamba2)), sorted(hybrid_layers(zamba2)), sorted(unkeyed_layers(zamba2))
+    ([0, 1, 2, 3], [1, 3], [0, 2])
 """
 
 from __future__ import annotations
@@ -39,33 +45,47 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DummyLayer, DynamicLayer
 
+from treetrain.models.layer_entry import LayerKV, state_part
 from treetrain.models.recurrent_kinds import CAPTURE, KINDS, NO_KIND, Capture, Kind, kind_of
-from treetrain.models.shared_past import LayerKV, SharedPast, _Into
+from treetrain.models.shared_past import SharedPast, _Into
 
 #: Layer types of transformers' configs whose layer carries recurrent state instead of KV.
 RECURRENT_LAYER_TYPES = frozenset({"linear_attention"})
+#: Layer types whose layer attends and runs a recurrent mixer, so it carries KV *and* recurrent state (a
+#: `treetrain.models.layer_entry.HybridEntry`): Zamba's and Zamba 2's shared transformer block before a
+#: Mamba / Mamba-2 mixer, Falcon-H1's attention beside a Mamba-2 mixer; `hybrid_sliding` with a windowed
+#: attention (whose window the support check probes like any sliding layer's).
+HYBRID_LAYER_TYPES = frozenset({"hybrid", "hybrid_sliding"})
 #: Layer types that keep no state at all (an MLP or experts block in the layer list, as in Nemotron-H).
 STATELESS_LAYER_TYPES = frozenset({"mlp", "moe"})
 
 
-def recurrent_layers(model: nn.Module) -> frozenset[int]:
-    """Indices of the decoder layers whose state is recurrent (config `layer_types`), empty for KV models."""
+def _layer_types(model: nn.Module) -> list[str]:
     config = model.config.get_text_config(decoder=True)  # type: ignore[union-attr,operator]
-    types = list(getattr(config, "layer_types", None) or [])
-    return frozenset(i for i, t in enumerate(types) if t in RECURRENT_LAYER_TYPES)
+    return list(getattr(config, "layer_types", None) or [])
+
+
+def recurrent_layers(model: nn.Module) -> frozenset[int]:
+    """Indices of the decoder layers that carry recurrent state (config `layer_types`: recurrent and hybrid
+    layers), empty for KV models."""
+    wanted = RECURRENT_LAYER_TYPES | HYBRID_LAYER_TYPES
+    return frozenset(i for i, t in enumerate(_layer_types(model)) if t in wanted)
+
+
+def hybrid_layers(model: nn.Module) -> frozenset[int]:
+    """Indices of the decoder layers that carry KV and recurrent state together (layer type 'hybrid')."""
+    return frozenset(i for i, t in enumerate(_layer_types(model)) if t in HYBRID_LAYER_TYPES)
 
 
 def stateless_layers(model: nn.Module) -> frozenset[int]:
     """Indices of the decoder layers that keep no state (config `layer_types` 'mlp' or 'moe')."""
-    config = model.config.get_text_config(decoder=True)  # type: ignore[union-attr,operator]
-    types = list(getattr(config, "layer_types", None) or [])
-    return frozenset(i for i, t in enumerate(types) if t in STATELESS_LAYER_TYPES)
+    return frozenset(i for i, t in enumerate(_layer_types(model)) if t in STATELESS_LAYER_TYPES)
 
 
 def unkeyed_layers(model: nn.Module) -> frozenset[int]:
     """Layers without per-token KV: recurrent ones (their state has no sequence axis) and stateless ones
-    (an empty entry)."""
-    return recurrent_layers(model) | stateless_layers(model)
+    (an empty entry). A hybrid layer has KV, so it is not one of them."""
+    return (recurrent_layers(model) - hybrid_layers(model)) | stateless_layers(model)
 
 
 def mixers(model: nn.Module) -> dict[int, tuple[Any, Kind]]:
@@ -104,8 +124,9 @@ def unsupported_mixer(model: nn.Module) -> str | None:
             f"resident: {lacks}"
         )
     known = "; ".join(f"{k.name} ({' / '.join(k.functions)})" for k in KINDS)
+    types = sorted({_layer_types(model)[i] for i in missing})
     return (
-        f"its recurrent layers {missing} (layer type 'linear_attention': {found_kinds}) are of no kind whose "
+        f"its recurrent layers {missing} (layer type {' / '.join(map(repr, types))}: {found_kinds}) are of no kind whose "
         f"state the engine keeps resident; it keeps (conv state, recurrent state) for layers calling {known}"
     )
 
@@ -149,7 +170,8 @@ def _install(module: nn.Module, kind: Kind) -> None:
 
 class EngineCache(DynamicCache):
     """A `DynamicCache` whose recurrent layers read their state from a resident past and record, per row,
-    the state before each row's last real token (`captured`), instead of holding state of their own."""
+    the state before each row's last real token (`captured`), instead of holding state of their own.
+    A hybrid layer (in `recurrent` and in `hybrid`) also keeps KV, in a `DynamicLayer` at its index."""
 
     def __init__(
         self,
@@ -159,10 +181,10 @@ class EngineCache(DynamicCache):
         rows: int,
         anchor: torch.Tensor | None,
         stateless: frozenset[int] = frozenset(),
+        hybrid: frozenset[int] = frozenset(),
     ) -> None:
-        layers: list[Any] = [
-            DummyLayer() if i in recurrent or i in stateless else DynamicLayer() for i in range(n_layers)
-        ]
+        unkeyed = (recurrent - hybrid) | stateless
+        layers: list[Any] = [DummyLayer() if i in unkeyed else DynamicLayer() for i in range(n_layers)]
         super().__init__()
         self.layers = layers
         self.layer_class_to_replicate = None
@@ -173,13 +195,24 @@ class EngineCache(DynamicCache):
             last = past.pieces[-1]
             acc = past.grads[-1] if past.grads else None
             for i in recurrent:
-                conv, state = last[i]
+                conv, state = state_part(last[i])
                 if acc is not None and anchor is not None and anchor.requires_grad:
-                    conv, state = _Into.apply(conv, acc[i][0], anchor), _Into.apply(state, acc[i][1], anchor)
+                    g_conv, g_state = state_part(acc[i])
+                    conv, state = _Into.apply(conv, g_conv, anchor), _Into.apply(state, g_state, anchor)
                 self._initial[i] = (conv, state)
         self.captured: dict[int, list[torch.Tensor | None]] = {i: [None, None] for i in recurrent}
         self.cut: torch.Tensor | None = None
         self._current: int | None = None
+        self._head = 0
+        self.attending: int | None = None
+        """The cache index of the KV last written: the layer whose attention runs now (Zamba 2's shared
+        block is one module for several layers, so its own `layer_idx` does not say which)."""
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.attending = layer_idx
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)  # type: ignore[no-any-return]
 
     def is_recording_past(self, layer_idx: int) -> bool:
         return True  # the layer then always concatenates through `update_conv_state`, never updates in place
@@ -190,12 +223,20 @@ class EngineCache(DynamicCache):
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         self._current = layer_idx  # a layer reads its state first: the captured functions read it back
+        self._head = 0
+        return self._initial_state(layer_idx)
+
+    def _initial_state(self, layer_idx: int) -> torch.Tensor | None:
         got = self._initial.get(layer_idx)
         return None if got is None else got[1].expand(self.rows, *got[1].shape[1:])
 
     def current_state(self) -> torch.Tensor | None:
         """The initial recurrent state of the layer now running (`[B, ...]`), None at the root."""
-        return None if self._current is None else self.get_recurrent_state(self._current)
+        return None if self._current is None else self._initial_state(self._current)
+
+    def next_head(self) -> int:
+        head, self._head = self._head, self._head + 1
+        return head
 
     def update_conv_state(
         self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: Any
@@ -221,9 +262,7 @@ class EngineCache(DynamicCache):
     def states(self, layer_idx: int) -> LayerKV:
         conv, state = self.captured[layer_idx]
         if state is None and self.cut is not None and not bool(self.cut.any()):
-            state = self.get_recurrent_state(
-                layer_idx
-            )  # one-token rows: the state before it is the initial one
+            state = self._initial_state(layer_idx)  # one-token rows: the state before it is the initial one
         if conv is None or state is None:
             raise RuntimeError(f"recurrent layer {layer_idx} recorded no state in this forward")
         return conv, state
@@ -239,6 +278,13 @@ class EngineCache(DynamicCache):
         if not self._kv_layers():  # only recurrent layers: nothing attends, the mask goes unused
             return query_length, 0
         return super().get_mask_sizes(query_length, layer_idx)  # type: ignore[no-any-return]
+
+
+def attending_layer() -> int | None:
+    """The cache index of the attention layer running now, inside a capture (None outside one)."""
+    active = CAPTURE.get()
+    source = None if active is None else active.source
+    return source.attending if isinstance(source, EngineCache) else None
 
 
 @contextmanager

@@ -47,9 +47,7 @@ from treetrain.models.attention_states import (
     partial_backward,
     partial_state,
 )
-
-#: Per-layer (keys, values), each `[B, H_kv, T, D]`.
-LayerKV = tuple[torch.Tensor, torch.Tensor]
+from treetrain.models.layer_entry import LayerEntry, LayerKV, kv_part, map_kv
 
 
 @dataclass(frozen=True)
@@ -59,17 +57,18 @@ class SharedPast:
     `grads`, when given, holds per piece either None or G accumulators of the same shapes; backward adds each
     piece's dL/dK and dL/dV into them (summed over the rows) instead of returning them. Layers in
     `recurrent` hold `(conv state, recurrent state)` instead (`treetrain.models.recurrent_state`): no
-    sequence axis, and only the last piece's is read.
+    sequence axis, and only the last piece's is read. A layer with attention and a recurrent mixer holds a
+    `HybridEntry`: attention reads its KV from every piece, the mixer its state from the last one.
     """
 
-    pieces: tuple[tuple[LayerKV, ...], ...]
-    grads: tuple[tuple[LayerKV, ...] | None, ...] = ()
+    pieces: tuple[tuple[LayerEntry, ...], ...]
+    grads: tuple[tuple[LayerEntry, ...] | None, ...] = ()
     recurrent: frozenset[int] = frozenset()
 
     @staticmethod
     def of(
-        pieces: Sequence[Sequence[LayerKV]],
-        grads: Sequence[Sequence[LayerKV] | None] | None = None,
+        pieces: Sequence[Sequence[LayerEntry]],
+        grads: Sequence[Sequence[LayerEntry] | None] | None = None,
         *,
         recurrent: frozenset[int] = frozenset(),
     ) -> SharedPast:
@@ -87,22 +86,23 @@ class SharedPast:
             if self.pieces
             else None
         )
-        return 0 if first is None else sum(int(p[first][0].shape[-2]) for p in self.pieces)
+        return 0 if first is None else sum(int(kv_part(p[first])[0].shape[-2]) for p in self.pieces)
 
     def layer(self, index: int) -> tuple[tuple[LayerKV, ...], tuple[LayerKV | None, ...]]:
-        kv = tuple(p[index] for p in self.pieces)
+        """Layer `index`'s KV per piece and their G accumulators (a hybrid layer's KV part)."""
+        kv = tuple(kv_part(p[index]) for p in self.pieces)
         grads = self.grads or (None,) * len(self.pieces)
-        return kv, tuple(None if g is None else g[index] for g in grads)
+        return kv, tuple(None if g is None else kv_part(g[index]) for g in grads)
 
     def without_last_position(self) -> SharedPast:
         """The same past minus its final position (the children recompute it as their overlap). Recurrent
-        state is already taken before that position, so it stays as it is."""
+        state (a hybrid's state part too) is already taken before that position, so it stays as it is."""
         if not self.pieces:
             return self
 
-        def cut(p: Sequence[LayerKV]) -> tuple[LayerKV, ...]:
+        def cut(p: Sequence[LayerEntry]) -> tuple[LayerEntry, ...]:
             return tuple(
-                kv if i in self.recurrent else (kv[0][:, :, :-1], kv[1][:, :, :-1]) for i, kv in enumerate(p)
+                e if i in self.recurrent else map_kv(lambda t: t[:, :, :-1], e) for i, e in enumerate(p)
             )
 
         grads = list(self.grads)
@@ -401,9 +401,10 @@ def concatenated(past: SharedPast, rows: int, anchor: torch.Tensor | None) -> li
             continue
         ks, vs = [], []
         for piece, acc in zip(past.pieces, grads):
-            k, v = piece[layer]
+            k, v = kv_part(piece[layer])
             if acc is not None and anchor is not None and anchor.requires_grad:
-                k, v = _Into.apply(k, acc[layer][0], anchor), _Into.apply(v, acc[layer][1], anchor)
+                gk, gv = kv_part(acc[layer])
+                k, v = _Into.apply(k, gk, anchor), _Into.apply(v, gv, anchor)
             ks.append(k)
             vs.append(v)
         k, v = (ks[0], vs[0]) if len(ks) == 1 else (torch.cat(ks, dim=-2), torch.cat(vs, dim=-2))

@@ -3,8 +3,9 @@
 The engine splits every sequence at node boundaries and continues from stored KV. That is exact only when a
 layer's whole state is its per-token keys and values over *all* earlier positions, or a recurrent state the
 engine keeps resident too (Gated DeltaNet, Kimi delta attention and Mamba layers,
-`treetrain.models.recurrent_state`); other recurrent or linear attention layers carry a running state it
-cannot take, and dynamic RoPE variants choose their frequencies from
+`treetrain.models.recurrent_state`), or both in one layer (Zamba, Zamba 2 and Falcon-H1's hybrid layers,
+`treetrain.models.layer_entry.HybridEntry`); other recurrent or linear attention layers carry a running
+state it cannot take, and dynamic RoPE variants choose their frequencies from
 the longest position *in each forward call*, so a prefix evaluated alone rotates differently than inside
 the whole sequence. The engine also computes logprobs from the LM head directly, so the head applies what
 the family does to its logits (`treetrain.models.logit_head`: scaling, final soft-capping); a model that
@@ -36,9 +37,10 @@ from transformers import PreTrainedModel
 
 from treetrain.errors import TreetrainError
 from treetrain.models.attention import shared_past_reason
-from treetrain.models.decoder import SharedPast, decoder_forward, decoder_layers, output_head
+from treetrain.models.decoder import LayerEntry, SharedPast, decoder_forward, decoder_layers, output_head
 from treetrain.models.lora import unwrap
 from treetrain.models.recurrent_state import (
+    HYBRID_LAYER_TYPES,
     RECURRENT_LAYER_TYPES,
     STATELESS_LAYER_TYPES,
     recurrent_layers,
@@ -48,9 +50,8 @@ from treetrain.models.recurrent_state import (
 
 #: Layer types whose state is plain KV over every earlier position.
 FULL_ATTENTION_TYPES = frozenset({"full_attention"})
-SLIDING_TYPES = frozenset({"sliding_attention"})
-#: Layer types with a recurrent mixer and attention in the same layer (Zamba, Falcon-H1).
-HYBRID_LAYER_TYPES = frozenset({"hybrid", "hybrid_sliding"})
+#: Layer types with a sliding window (a hybrid layer's attention may have one: `hybrid_sliding`).
+SLIDING_TYPES = frozenset({"sliding_attention", "hybrid_sliding"})
 #: Model types known to keep recurrent or compressed state.
 RECURRENT_MODEL_TYPES = frozenset(
     {
@@ -128,9 +129,9 @@ def check_supported(
     if mtype in RECURRENT_MODEL_TYPES and not recurrent_layers(unwrap(model)):
         raise UnsupportedModelError(
             f"model type {mtype!r} keeps recurrent state in layers its config does not declare (no `layer_types` "
-            "entry 'linear_attention'); resident state covers KV and the recurrent layers of the kinds in "
-            "`treetrain.models.recurrent_kinds` (Gated DeltaNet, Kimi delta attention, Mamba, Mamba-2) only, "
-            "so tree replay is refused"
+            "entry 'linear_attention' or 'hybrid'); resident state covers KV and the recurrent layers of the "
+            "kinds in `treetrain.models.recurrent_kinds` (Gated DeltaNet, Kimi delta attention, Mamba, Mamba-2) "
+            "only, so tree replay is refused"
         )
     mixer = unsupported_mixer(unwrap(model))
     if mixer is not None:
@@ -141,15 +142,9 @@ def check_supported(
         - FULL_ATTENTION_TYPES
         - SLIDING_TYPES
         - RECURRENT_LAYER_TYPES
+        - HYBRID_LAYER_TYPES
         - STATELESS_LAYER_TYPES
     )
-    both = sorted(set(odd) & HYBRID_LAYER_TYPES)
-    if both:
-        raise UnsupportedModelError(
-            f"model type {mtype!r} has layers of type {both}: a recurrent mixer and attention in one layer, whose "
-            "cache holds KV and recurrent state together; resident state keeps one kind per layer, so tree "
-            "replay is refused"
-        )
     if odd:
         raise UnsupportedModelError(
             f"model type {mtype!r} has layer types {odd}; only full (and covered sliding) attention is supported"
@@ -264,7 +259,7 @@ def _probe(
         whole = decoder_forward(model, ids, pos, None).hidden
         first = decoder_forward(model, ids[:, :split], pos[:, :split], None)
         _check_cache_count(model, mtype, len(first.keys) - len(first.recurrent))
-        past = list(zip(first.keys, first.values))
+        past = [first.entry(i) for i in range(len(first.keys))]
         second = _continue(model, ids, pos, split, past, first.recurrent)
         tol = {torch.bfloat16: 3e-2, torch.float16: 4e-3}.get(whole.dtype, 1e-5)
         shared_err = _split_error(whole, first.hidden, second)
@@ -320,7 +315,7 @@ def _continue(
     ids: torch.Tensor,  # [1, L]
     pos: torch.Tensor,  # [1, L]
     split: int,
-    past: list[tuple[torch.Tensor, torch.Tensor]],
+    past: list[LayerEntry],
     recurrent: frozenset[int],
     *,
     concatenate: bool = False,
@@ -328,7 +323,7 @@ def _continue(
     """Hidden states of positions `split..` continuing `past`, as the engine continues a unit: with recurrent
     layers (state taken before the prefix's last token) the prefix's last token is fed again and its KV left
     out of the past, as every child unit runs; otherwise straight on."""
-    if not recurrent:
+    if not (recurrent or recurrent_layers(unwrap(model))):  # a hybrid layer's index is not in `recurrent`
         return decoder_forward(model, ids[:, split:], pos[:, split:], past, concatenate=concatenate).hidden
     cut = SharedPast.of([past], recurrent=recurrent).without_last_position()
     hidden = decoder_forward(
@@ -354,7 +349,11 @@ def _check_cache_count(model: PreTrainedModel, mtype: str, caches: int) -> None:
             f"model type {mtype!r} returns no KV cache from its forward, so a prefix cannot be continued from "
             "resident KV"
         )
-    indices = {m.layer_idx for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int)}
+    indices = {
+        idx
+        for m in model.modules()
+        if isinstance(idx := getattr(m, "layer_idx", None), int) and idx >= 0  # -1: Zamba 2's shared block
+    }
     reusing = sum(1 for m in model.modules() if getattr(m, "is_kv_shared_layer", False) is True)
     own = (len(indices - unkeyed) if indices else n_blocks - len(unkeyed)) - reusing
     if caches > own:

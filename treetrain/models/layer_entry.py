@@ -1,0 +1,83 @@
+"""One layer's resident entry: its KV, its recurrent state, or both (`HybridEntry`).
+
+Why: a unit keeps, per decoder layer, what that layer's later tokens read of its earlier ones. An attention
+layer keeps `(keys, values)` (`[1, H_kv, P, D]` each); a recurrent layer keeps `(conv state, recurrent
+state)` before the unit's last token (`treetrain.models.recurrent_state`); a layer that attends *and* runs a
+recurrent mixer (Zamba 2's hybrid layers: a shared transformer block, then a Mamba-2 mixer; Falcon-H1's
+parallel attention and Mamba-2) keeps both, as one `HybridEntry`. Everything that stores, evicts, offloads,
+sizes or accumulates G on an entry does it through the functions here, so none of it guesses a layout from
+a tuple's length. A G accumulator has the structure of its entry: a `HybridEntry` accumulates into the KV
+part and into the state part.
+
+Example:
+    >>> import torch
+    >>> kv = (torch.zeros(1, 2, 5, 4), torch.zeros(1, 2, 5, 4))
+    >>> state = (torch.zeros(1, 6, 3), torch.zeros(1, 2, 4, 8))
+    >>> entry = HybridEntry(kv, state)
+    >>> entry_bytes([kv, entry]) == 2 * 160 + 2 * 160 + 72 + 256
+    True
+    >>> [tuple(t.shape) for t in entry_tensors(map_entry(lambda t: t[:, :, :2] if t.dim() == 4 else t, kv))]
+    [(1, 2, 2, 4), (1, 2, 2, 4)]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+#: Per-layer (keys, values), each `[B, H_kv, T, D]`; for a recurrent layer (conv state `[B, C, kernel - 1]`,
+#: recurrent state).
+LayerKV = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class HybridEntry:
+    """The entry of a layer with attention and a recurrent mixer: KV over the unit's positions, and the
+    mixer's (conv state, recurrent state) before the unit's last token."""
+
+    kv: LayerKV
+    """Keys and values `[B, H_kv, T, D]`, with a sequence axis like any attention layer's."""
+    state: LayerKV
+    """Conv window `[B, C, kernel - 1]` and recurrent state (no sequence axis), read only by children."""
+
+
+#: What one layer of a unit keeps resident.
+LayerEntry = LayerKV | HybridEntry
+
+
+def entry_tensors(entry: LayerEntry) -> tuple[torch.Tensor, ...]:
+    """The entry's tensors in a fixed order (KV first): what is stored, sized and paired with G."""
+    if isinstance(entry, HybridEntry):
+        return (*entry.kv, *entry.state)
+    return entry
+
+
+def map_entry(fn: Callable[[torch.Tensor], torch.Tensor], entry: LayerEntry) -> LayerEntry:
+    """The same structure with `fn` applied to every tensor (detach, clone, a move to another device)."""
+    if isinstance(entry, HybridEntry):
+        return HybridEntry((fn(entry.kv[0]), fn(entry.kv[1])), (fn(entry.state[0]), fn(entry.state[1])))
+    return fn(entry[0]), fn(entry[1])
+
+
+def map_kv(fn: Callable[[torch.Tensor], torch.Tensor], entry: LayerEntry) -> LayerEntry:
+    """`fn` applied to the KV part only (a hybrid's state, which has no sequence axis, stays)."""
+    if isinstance(entry, HybridEntry):
+        return HybridEntry((fn(entry.kv[0]), fn(entry.kv[1])), entry.state)
+    return fn(entry[0]), fn(entry[1])
+
+
+def kv_part(entry: LayerEntry) -> LayerKV:
+    """What attention reads: a hybrid's KV, or the pair itself."""
+    return entry.kv if isinstance(entry, HybridEntry) else entry
+
+
+def state_part(entry: LayerEntry) -> LayerKV:
+    """What a recurrent mixer reads: a hybrid's (conv, recurrent) state, or the pair itself."""
+    return entry.state if isinstance(entry, HybridEntry) else entry
+
+
+def entry_bytes(entries: Iterable[LayerEntry]) -> int:
+    """Bytes of the tensors of `entries`, every part counted."""
+    return sum(t.numel() * t.element_size() for e in entries for t in entry_tensors(e))
