@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from treetrain.distributed import OptimizerConfig
-from treetrain.distributed.deepspeed_backend import (
+from treetrain.distributed.deepspeed_config import (
     config_offload,
     config_zero_stage,
     default_config,

@@ -15,7 +15,7 @@ from treetrain.distributed.checkpoint_io import (
     CheckpointError,
     read_client_state,
 )
-from treetrain.distributed.deepspeed_backend import MAX_CONFIG_BYTES, read_config
+from treetrain.distributed.deepspeed_config import MAX_CONFIG_BYTES, read_config
 from treetrain.errors import ConfigError
 from treetrain.jsonfile import read_json_object
 from treetrain.models.lora_config import (

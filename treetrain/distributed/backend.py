@@ -240,7 +240,8 @@ def make_backend(
         return TorchBackend(model, opt)
     if distributed.backend != "deepspeed":
         raise ConfigError(f"distributed.backend must be 'torch' or 'deepspeed', got {distributed.backend!r}")
-    from treetrain.distributed.deepspeed_backend import DeepSpeedBackend, read_config
+    from treetrain.distributed.deepspeed_backend import DeepSpeedBackend
+    from treetrain.distributed.deepspeed_config import read_config
 
     if distributed.deepspeed_config is None:
         return DeepSpeedBackend(
