@@ -24,8 +24,8 @@ import torch
 from safetensors.torch import load_file
 from support.dist_cases import (
     ADAMW,
-    HYBRID,
     OPTIMIZER,
+    RECURRENT_DIST,
     STAGES,
     delta_floor,
     groups,
@@ -362,23 +362,23 @@ def test_zero3_keeps_parameters_partitioned_during_the_window(run: Path) -> None
 
 
 @functools.cache
-def _hybrid_ref(family: str, contract: str) -> tuple[torch.Tensor, float]:
+def _recurrent_ref(family: str, contract: str) -> tuple[torch.Tensor, float]:
     return delta_floor(contract, groups(), family=family)
 
 
 @pytest.mark.parametrize("stage", ["z0", "z1", "z2", "z3"])
-@pytest.mark.parametrize("family", HYBRID)
-def test_hybrid_exact_matches_single_process_flat(run: Path, family: str, stage: str) -> None:
+@pytest.mark.parametrize("family", RECURRENT_DIST)
+def test_recurrent_exact_matches_single_process_flat(run: Path, family: str, stage: str) -> None:
     """Gated DeltaNet and Mamba-2 layers beside attention: their resident (conv state, recurrent state)
     carries G like KV, with every tree split over both ranks (ancestors recomputed on each)."""
     delta, info = _result(run, f"{stage}-exact-{family}")
-    _close(delta, _hybrid_ref(family, "flat"), f"{stage} exact {family}")
+    _close(delta, _recurrent_ref(family, "flat"), f"{stage} exact {family}")
     assert all(r["version"] == 1 and r["zero_stage"] == int(stage[1]) and not r["dropped"] for r in info)
     assert all(r["tree_retries"] == 0 and r["window_resets"] == 0 for r in info), info
 
 
-@pytest.mark.parametrize("family", HYBRID)
-def test_hybrid_zero3_stays_partitioned(run: Path, family: str) -> None:
+@pytest.mark.parametrize("family", RECURRENT_DIST)
+def test_recurrent_zero3_stays_partitioned(run: Path, family: str) -> None:
     """Under ZeRO-3 a rank holds its partition plus what is in flight, as the ledger books it."""
     model = model_factory(family)()
     booked = model_persistent_bytes(model, zero_stage=3, world_size=2)
@@ -391,11 +391,11 @@ def test_hybrid_zero3_stays_partitioned(run: Path, family: str) -> None:
         assert r["param_peak_bytes"] < full, "the whole model was gathered"
 
 
-@pytest.mark.parametrize("family", HYBRID)
-def test_hybrid_response_only_under_zero3_detaches_the_resident_state(run: Path, family: str) -> None:
+@pytest.mark.parametrize("family", RECURRENT_DIST)
+def test_recurrent_response_only_under_zero3_detaches_the_resident_state(run: Path, family: str) -> None:
     """It matches its own single-process reference and, as a negative control, is far from flat's: the
     check above sees the gradient that crosses the resident state (recurrent and KV)."""
     delta, _ = _result(run, f"z3-response_only-{family}")
-    _close(delta, _hybrid_ref(family, "response_only"), f"z3 response_only {family}")
-    ratio = _far(delta, _hybrid_ref(family, "flat"), f"z3 response_only {family} vs flat")
+    _close(delta, _recurrent_ref(family, "response_only"), f"z3 response_only {family}")
+    ratio = _far(delta, _recurrent_ref(family, "flat"), f"z3 response_only {family} vs flat")
     print(f"{family} z3 response_only: |delta - flat| = {ratio:.0f} x floor")

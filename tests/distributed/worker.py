@@ -28,10 +28,10 @@ import torch
 from safetensors.torch import save_file
 from support.dist_cases import (
     ADAMW,
-    HYBRID,
     LORA_LOSS,
     LOSS,
     OPTIMIZER,
+    RECURRENT_DIST,
     STAGES,
     groups,
     lm_loss,
@@ -545,7 +545,7 @@ def scenarios() -> dict[str, Callable[[], tuple[torch.Tensor, Info]]]:
         )
         out[f"{s}-adamw"] = partial(one_update, s, placement=placement, optimizer=ADAMW)
         out[f"{s}-no_rescale"] = partial(no_rescale, s)
-    for family in HYBRID:  # recurrent resident state; round-robin splits every tree over both ranks
+    for family in RECURRENT_DIST:  # recurrent resident state; round-robin splits every tree over both ranks
         for s in ("z0", "z1", "z2", "z3"):
             out[f"{s}-exact-{family}"] = partial(
                 one_update, s, placement="round_robin", measure=s == "z3", family=family

@@ -34,7 +34,7 @@ OPTIMIZER = OptimizerConfig(name="sgd", lr=1.0, weight_decay=0.0, grad_clip=0.0)
 """Scale-sensitive: delta = -lr * g (|g| is about 0.7 here, so |delta| is far above float32 rounding)."""
 ADAMW = OptimizerConfig(lr=1e-3, weight_decay=0.01, grad_clip=1.0)
 make_model = factory("llama", torch.float32)
-HYBRID = ("qwen3_5_text", "nemotron_h")
+RECURRENT_DIST = ("qwen3_5_text", "nemotron_h")
 """Hybrid families in the same checks: Gated DeltaNet (Qwen3.5) and Mamba-2 (Nemotron-H) layers around
 attention, whose resident objects are (conv state, recurrent state) as well as KV."""
 make_lora_model = lora_factory("llama", torch.float32)
@@ -73,7 +73,7 @@ def reference_delta(
 ) -> torch.Tensor:
     """One optimizer step in one process with plain torch and the engine directly (no update window):
     contract 'flat' (the conventional run) or a tree contract. `lora`: the LoRA model with KL against
-    its adapters-off self; `family`: another tiny model than the llama (`HYBRID`)."""
+    its adapters-off self; `family`: another tiny model than the llama (`RECURRENT_DIST`)."""
     make = make_lora_model if lora else model_factory(family)
     loss = LORA_LOSS if lora else LOSS
     model: PreTrainedModel = make()

@@ -88,11 +88,6 @@ def _to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
     return out
 
 
-def kv_bytes(kv: Sequence[LayerEntry]) -> int:
-    """Bytes of a unit's per-layer entries (KV, recurrent state, or both: `layer_entry.entry_bytes`)."""
-    return entry_bytes(kv)
-
-
 @dataclass
 class _Entry:
     identity: ResidentIdentity
@@ -169,16 +164,16 @@ class ResidentStore:
             entry = _Entry(identity, None)
             self._entries[key] = entry
         if entry.kv is not None:
-            self._notify("kv", key, -kv_bytes(entry.kv))
+            self._notify("kv", key, -entry_bytes(entry.kv))
         entry.kv = stored
-        self._notify("kv", key, kv_bytes(stored))
+        self._notify("kv", key, entry_bytes(stored))
 
     def evict(self, key: ResidentKey) -> int:
         """Drop the KV (not the gradient accumulator); returns the bytes freed."""
         entry = self._entries.get(key)
         if entry is None or entry.kv is None:
             return 0
-        freed = kv_bytes(entry.kv)
+        freed = entry_bytes(entry.kv)
         entry.kv = None
         self._notify("kv", key, -freed)
         return freed
@@ -214,7 +209,7 @@ class ResidentStore:
             self._entries[key] = entry
         if entry.grad is None:
             entry.grad = [map_entry(lambda t: t.detach().clone(), g) for g in grads]
-            self._notify("grad", key, kv_bytes(entry.grad))
+            self._notify("grad", key, entry_bytes(entry.grad))
         else:
             for acc, g in zip(entry.grad, grads):
                 for a, t in zip(entry_tensors(acc), entry_tensors(g)):
@@ -231,7 +226,7 @@ class ResidentStore:
             self._entries[key] = entry
         if entry.grad is None:
             entry.grad = [map_entry(torch.zeros_like, e) for e in like]
-            self._notify("grad", key, kv_bytes(entry.grad))
+            self._notify("grad", key, entry_bytes(entry.grad))
         return entry.grad
 
     def grad(self, key: ResidentKey, identity: ResidentIdentity) -> list[LayerEntry] | None:
@@ -244,9 +239,9 @@ class ResidentStore:
         if entry is None:
             return
         if entry.kv is not None:
-            self._notify("kv", key, -kv_bytes(entry.kv))
+            self._notify("kv", key, -entry_bytes(entry.kv))
         if entry.grad is not None:
-            self._notify("grad", key, -kv_bytes(entry.grad))
+            self._notify("grad", key, -entry_bytes(entry.grad))
 
     def keys(self) -> tuple[ResidentKey, ...]:
         return tuple(self._entries)

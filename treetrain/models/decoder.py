@@ -14,7 +14,7 @@ Example:
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,7 +69,7 @@ class DecoderOutput:
     values: tuple[torch.Tensor, ...]  # per layer [B, H_kv, T, D]; recurrent layers [B, H_v, D_k, D_v]
     recurrent: frozenset[int] = frozenset()
     """Layers whose entries are not per-token KV: recurrent state, or empty for a stateless layer."""
-    states: dict[int, LayerKV] = field(default_factory=dict)
+    states: Mapping[int, LayerKV] = field(default_factory=dict)
     """The (conv state, recurrent state) of each hybrid layer (KV and a recurrent mixer), by index."""
 
     def entry(self, layer: int) -> LayerEntry:

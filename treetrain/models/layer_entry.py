@@ -3,8 +3,8 @@
 Why: a unit keeps, per decoder layer, what that layer's later tokens read of its earlier ones. An attention
 layer keeps `(keys, values)` (`[1, H_kv, P, D]` each); a recurrent layer keeps `(conv state, recurrent
 state)` before the unit's last token (`treetrain.models.recurrent_state`); a layer that attends *and* runs a
-recurrent mixer (Zamba 2's hybrid layers: a shared transformer block, then a Mamba-2 mixer; Falcon-H1's
-parallel attention and Mamba-2) keeps both, as one `HybridEntry`. Everything that stores, evicts, offloads,
+recurrent mixer (Zamba 2's and Zamba's hybrid layers: a shared transformer block, then a Mamba-2 or Mamba
+mixer; Falcon-H1's parallel attention and Mamba-2) keeps both, as one `HybridEntry`. Everything that stores, evicts, offloads,
 sizes or accumulates G on an entry does it through the functions here, so none of it guesses a layout from
 a tuple's length. A G accumulator has the structure of its entry: a `HybridEntry` accumulates into the KV
 part and into the state part.

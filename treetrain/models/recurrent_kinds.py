@@ -221,8 +221,10 @@ def _selective_step(step: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _mamba_bytes(layer: Any, size: int) -> int:
+    """The conv window in the model's dtype; the selective-scan state in float32 or wider (the scan runs in
+    float32 below it)."""
     inner = int(layer.intermediate_size)
-    return inner * (int(layer.conv_kernel_size) - 1) * size + inner * int(layer.ssm_state_size) * size
+    return inner * (int(layer.conv_kernel_size) - 1) * size + inner * int(layer.ssm_state_size) * max(size, 4)
 
 
 def _chunk_scan(scan: Callable[..., Any], step: Callable[..., Any]) -> Callable[..., Any]:

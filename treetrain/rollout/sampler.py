@@ -89,9 +89,9 @@ def select_rows(cache: Any, rows: torch.Tensor) -> None:
     """Keep batch `rows` [R] of `cache`, in that order (a row may repeat), in place: KV layers select, and
     linear-attention / Mamba layers (conv and recurrent state, which have no `batch_select_indices`) reorder."""
     for layer in cache.layers:
-        if isinstance(layer, LinearAttentionCacheLayerMixin):
+        if isinstance(layer, LinearAttentionCacheLayerMixin):  # a hybrid layer reorders its KV here too
             layer.reorder_cache(rows)  # type: ignore[arg-type]  # a long tensor
-        if hasattr(layer, "batch_select_indices"):
+        elif hasattr(layer, "batch_select_indices"):
             layer.batch_select_indices(rows)
 
 

@@ -1,12 +1,12 @@
-"""The ledger's predicted peak against the measured one for a hybrid (recurrent + attention) model.
+"""The ledger's predicted peak against the measured one for models with recurrent layers beside attention.
 
 Each geometry is one synthetic tree (prefix P, G branches of S tokens, depth d), run in `exact`,
 `response_only` and flat, one process, with a `MemoryTracker` (live tensor bytes, exact on CPU). The
 comparison is on the dynamic bytes (everything but parameters), as in tests/memory/test_ledger.py, whose
 tolerance is 10 %. Byte counts only, never timing: the run takes about a minute per model on 2 cores.
 
-    python bench/hybrid_ledger.py                                  # tiny Qwen3.5 (Gated DeltaNet + attention)
-    python bench/hybrid_ledger.py --model nemotron_h --model llama   # a Mamba-2 hybrid; a KV-only control
+    python bench/recurrent_ledger.py                                  # tiny Qwen3.5 (Gated DeltaNet + attention)
+    python bench/recurrent_ledger.py --model nemotron_h --model llama   # a Mamba-2 hybrid; a KV-only control
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The ledger of a hybrid model (Gated DeltaNet + attention, Qwen3.5) within the usual +-10% of the peak.
+"""The ledger of a model with recurrent layers (Qwen3.5: Gated DeltaNet beside attention) within the usual +-10% of the peak.
 
 As tests/memory/test_ledger.py, on the dynamic bytes (everything but parameters), with its tolerance. The
 chunked delta rule pads every row to whole 64-token chunks and keeps per-chunk intermediates, a step
