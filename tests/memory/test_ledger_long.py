@@ -16,20 +16,16 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-import torch
+from support.ledger_cases import error, ledger_batch, measured_flat
+from support.ledger_cases import measured_tree as measured_tree_peak
 
-from treetrain.engine import ReplayConfig, ReplayPlan, TreeReplay, UpdateBatch
-from treetrain.engine.flat_reference import FlatReference
-from treetrain.loss.advantages import AdvantageConfig, compute_advantages
+from treetrain.engine import ReplayConfig, UpdateBatch
 from treetrain.loss.loss_config import LossConfig
-from treetrain.loss.manifest import Manifest
 from treetrain.memory.calibrate import LONG_PROBE, PROBES, calibrate, probes_for
 from treetrain.memory.flat_cost import predict_flat
 from treetrain.memory.ledger import predict_ledger
 from treetrain.memory.planner import Overrides, PlanError, plan_update
-from treetrain.memory.tracker import MemoryTracker
 from treetrain.models.presets import TinySize, tiny_model
-from treetrain.tree.synthetic import synthetic_group
 
 TOLERANCE = 0.10
 LOSS = LossConfig()
@@ -38,30 +34,11 @@ FLAT_LONG = 8 * LONG_PROBE  # the issue's P = 8192: flat's whole sequence, the f
 
 
 def make_batch(prefix: int, branches: int, suffix: int, vocab: int) -> UpdateBatch:
-    rewards = [float(i % 3 == 0) for i in range(branches)]
-    tree = synthetic_group(
-        prefix=prefix, branches=branches, suffix=suffix, depth=1, vocab=vocab, seed=1, rewards=rewards
-    )
-    adv = compute_advantages([tree], AdvantageConfig())
-    return UpdateBatch.build([tree], adv.trees, Manifest.build([tree], 0), LOSS)
-
-
-def zero_grads(model: torch.nn.Module) -> None:
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
+    return ledger_batch(prefix, branches, suffix, depth=1, vocab=vocab, loss=LOSS)
 
 
 def measured_tree(model, batch: UpdateBatch, replay: ReplayConfig):
-    zero_grads(model)
-    tracker = MemoryTracker()
-    report = TreeReplay(model, LOSS, ReplayPlan(config=replay, tracker=tracker)).accumulate(batch)
-    tracker.detach()
-    assert report.measured_peak is not None
-    return report.measured_peak
-
-
-def error(predicted: int, measured: int) -> float:
-    return (predicted - measured) / measured
+    return measured_tree_peak(model, batch, replay, LOSS)
 
 
 @pytest.fixture(scope="module")
@@ -78,17 +55,11 @@ def test_long_probes_fit_the_position_limit() -> None:
 
 def test_flat_at_eight_times_the_longest_probe(model) -> None:
     batch = make_batch(FLAT_LONG, 1, 64, 96)
-    zero_grads(model)
-    tracker = MemoryTracker()
-    tracker.attach_model(model)
-    with tracker:
-        FlatReference(model, LOSS).accumulate(batch)
-    tracker.detach()
-    measured = tracker.peak.dynamic
+    measured = measured_flat(model, batch, LOSS)
     ledger, _ = predict_flat(batch, model, LOSS)
     err = error(ledger.peak.dynamic, measured)
     assert abs(err) <= TOLERANCE, (
-        f"flat at {FLAT_LONG} tokens: predicted {ledger.peak} vs {tracker.peak}: {err:+.1%}"
+        f"flat at {FLAT_LONG} tokens: predicted {ledger.peak} vs {measured} B: {err:+.1%}"
     )
     # negative control: calibrated on the short probes alone, the same prediction is outside the tolerance
     short = calibrate(model, "response_only", probes=PROBES)

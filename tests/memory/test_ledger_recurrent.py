@@ -10,22 +10,17 @@ feature misses the measured peak by more than the tolerance.
 from __future__ import annotations
 
 import pytest
-import torch
 from support.engine_cases import VOCAB
+from support.ledger_cases import error, ledger_batch, measured_flat, measured_tree
 
 import treetrain.memory.calibrate as calibrate_module
-from treetrain.engine import ReplayConfig, ReplayPlan, TreeReplay, UpdateBatch
-from treetrain.engine.flat_reference import FlatReference
-from treetrain.loss.advantages import AdvantageConfig, compute_advantages
+from treetrain.engine import ReplayConfig, UpdateBatch
 from treetrain.loss.loss_config import LossConfig
-from treetrain.loss.manifest import Manifest
 from treetrain.memory.calibrate import calibrate
 from treetrain.memory.flat_cost import predict_flat
 from treetrain.memory.ledger import predict_ledger
 from treetrain.memory.recurrent_cost import recurrent_chunk
-from treetrain.memory.tracker import MemoryTracker
 from treetrain.models.presets import tiny_model
-from treetrain.tree.synthetic import synthetic_group
 
 TOLERANCE = 0.10
 LOSS = LossConfig()
@@ -33,31 +28,7 @@ FAMILY = "qwen3_5_text"
 
 
 def make_batch(prefix: int, branches: int, suffix: int, depth: int) -> UpdateBatch:
-    rewards = [float(i % 3 == 0) for i in range(branches)]
-    tree = synthetic_group(
-        prefix=prefix, branches=branches, suffix=suffix, depth=depth, vocab=VOCAB, seed=1, rewards=rewards
-    )
-    adv = compute_advantages([tree], AdvantageConfig())
-    return UpdateBatch.build([tree], adv.trees, Manifest.build([tree], 0), LOSS)
-
-
-def zero_grads(model: torch.nn.Module) -> None:
-    for p in model.parameters():  # the ledger books gradients for the whole window
-        p.grad = torch.zeros_like(p)
-
-
-def measured_flat(model: torch.nn.Module, batch: UpdateBatch) -> int:
-    zero_grads(model)
-    tracker = MemoryTracker()
-    tracker.attach_model(model)
-    with tracker:
-        FlatReference(model, LOSS).accumulate(batch)
-    tracker.detach()
-    return tracker.peak.dynamic
-
-
-def error(predicted: int, measured: int) -> float:
-    return (predicted - measured) / measured
+    return ledger_batch(prefix, branches, suffix, depth=depth, vocab=VOCAB, loss=LOSS)
 
 
 @pytest.fixture(scope="module")
@@ -85,12 +56,7 @@ def test_tree_contracts_within_the_tolerance(model, prefix, branches, suffix, de
     batch = make_batch(prefix, branches, suffix, depth)
     replay = ReplayConfig(contract=contract, microbatch=k)
     ledger = predict_ledger(batch, model, replay, LOSS)
-    zero_grads(model)
-    tracker = MemoryTracker()
-    report = TreeReplay(model, LOSS, ReplayPlan(config=replay, tracker=tracker)).accumulate(batch)
-    tracker.detach()
-    measured = report.measured_peak
-    assert measured is not None
+    measured = measured_tree(model, batch, replay, LOSS)
     err = error(ledger.peak.dynamic, measured.dynamic)
     assert abs(err) <= TOLERANCE, f"predicted {ledger.peak} vs measured {measured}: {err:+.1%}"
     assert ledger.peak.persistent == measured.persistent
@@ -98,7 +64,7 @@ def test_tree_contracts_within_the_tolerance(model, prefix, branches, suffix, de
 
 def test_flat_within_the_tolerance_and_not_without_the_chunk_feature(model, monkeypatch) -> None:
     batch = make_batch(24, 6, 40, 2)
-    measured = measured_flat(model, batch)
+    measured = measured_flat(model, batch, LOSS)
     ledger, _ = predict_flat(batch, model, LOSS)
     err = error(ledger.peak.dynamic, measured)
     assert abs(err) <= TOLERANCE, f"flat: predicted {ledger.peak} vs {measured}: {err:+.1%}"
