@@ -24,10 +24,13 @@ dimensions: the shipped demo model has 16, so the vLLM tests and examples use `m
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from collections.abc import Iterable
 from typing import Any
+
+import torch
 
 from treetrain.rollout.engine_settings import VLLMSettings
 from treetrain.rollout.generation import (
@@ -200,6 +203,15 @@ class VLLMEngine:
         """vLLM's prefix cache evicts by itself."""
 
     def close(self) -> None:
+        """Abort what is in flight and shut the engine core down, so its KV cache and weights are freed
+        (a run that ends, or a test that builds several engines in one process). Idempotent."""
+        if self._engine is None:
+            return
         for rid in list(self._pending):
             self._engine.abort_request([rid])
         self._pending.clear()
+        self._engine.engine_core.shutdown()
+        self._engine = self.llm = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
