@@ -117,6 +117,15 @@ def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
     return blocks
 
 
+def cache_layer_indices(model: nn.Module) -> frozenset[int]:
+    """The cache indices the model's modules own (`layer_idx` >= 0). A block shared by several layers
+    (Zamba's and Zamba 2's transformer block) has -1 or None: it writes at the index of the layer running it.
+    """
+    return frozenset(
+        idx for m in model.modules() if isinstance(idx := getattr(m, "layer_idx", None), int) and idx >= 0
+    )
+
+
 _CACHE_KWARG: dict[type, str] = {}
 
 

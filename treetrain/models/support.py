@@ -37,7 +37,14 @@ from transformers import PreTrainedModel
 
 from treetrain.errors import TreetrainError
 from treetrain.models.attention import shared_past_reason
-from treetrain.models.decoder import LayerEntry, SharedPast, decoder_forward, decoder_layers, output_head
+from treetrain.models.decoder import (
+    LayerEntry,
+    SharedPast,
+    cache_layer_indices,
+    decoder_forward,
+    decoder_layers,
+    output_head,
+)
 from treetrain.models.lora import unwrap
 from treetrain.models.recurrent_state import (
     HYBRID_LAYER_TYPES,
@@ -349,11 +356,7 @@ def _check_cache_count(model: PreTrainedModel, mtype: str, caches: int) -> None:
             f"model type {mtype!r} returns no KV cache from its forward, so a prefix cannot be continued from "
             "resident KV"
         )
-    indices = {
-        idx
-        for m in model.modules()
-        if isinstance(idx := getattr(m, "layer_idx", None), int) and idx >= 0  # -1: Zamba 2's shared block
-    }
+    indices = cache_layer_indices(model)
     reusing = sum(1 for m in model.modules() if getattr(m, "is_kv_shared_layer", False) is True)
     own = (len(indices - unkeyed) if indices else n_blocks - len(unkeyed)) - reusing
     if caches > own:

@@ -37,7 +37,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from treetrain.io import atomic_write_bytes
 from treetrain.models.attention import shared_past_kernel_note, shared_past_reason
-from treetrain.models.decoder import decoder_layers
+from treetrain.models.decoder import cache_layer_indices, decoder_layers
 from treetrain.models.logit_head import LogitHead, logit_transform, output_head
 from treetrain.models.presets import RECURRENT_FAMILIES
 from treetrain.models.recurrent_state import hybrid_layers, mixers
@@ -155,13 +155,7 @@ def _notes(model: PreTrainedModel) -> list[str]:
             "multi-head latent attention: resident KV is the compressed latents, expanded once per piece"
         )
     blocks = len(decoder_layers(model))
-    attention_layers = len(
-        {
-            idx
-            for m in model.modules()
-            if isinstance(idx := getattr(m, "layer_idx", None), int) and idx >= 0  # -1: a shared block
-        }
-    )
+    attention_layers = len(cache_layer_indices(model))
     if attention_layers > blocks:
         notes.append(f"{attention_layers // blocks} attention sublayers per block, each with its own KV")
     if any(getattr(m, "is_kv_shared_layer", False) is True for m in model.modules()):
