@@ -5,7 +5,8 @@ layer's whole state is its per-token keys and values over *all* earlier position
 engine keeps resident too (Gated DeltaNet, Kimi delta attention and Mamba layers,
 `treetrain.models.recurrent_state`), or both in one layer (Zamba, Zamba 2 and Falcon-H1's hybrid layers,
 `treetrain.models.layer_entry.HybridEntry`); other recurrent or linear attention layers carry a running
-state it cannot take, and dynamic RoPE variants choose their frequencies from
+state it cannot take (a model that keeps it outside the Cache the engine passes, in a forward argument, a
+cache class of its own or on its modules, is refused saying where: `treetrain.models.foreign_state`), and dynamic RoPE variants choose their frequencies from
 the longest position *in each forward call*, so a prefix evaluated alone rotates differently than inside
 the whole sequence. The engine also computes logprobs from the LM head directly, so the head applies what
 the family does to its logits (`treetrain.models.logit_head`: scaling, final soft-capping); a model that
@@ -38,6 +39,7 @@ from transformers import PreTrainedModel
 from treetrain.errors import TreetrainError
 from treetrain.models.attention import shared_past_reason
 from treetrain.models.decoder import LayerEntry, SharedPast, decoder_forward, decoder_layers, output_head
+from treetrain.models.foreign_state import forward_state_reason, module_state_reason
 from treetrain.models.lora import unwrap
 from treetrain.models.recurrent_state import (
     HYBRID_LAYER_TYPES,
@@ -126,6 +128,14 @@ def check_supported(
         decoder_layers(model)
     except TypeError as exc:
         raise UnsupportedModelError(f"model type {mtype!r}: {exc}") from None
+    mixer = unsupported_mixer(unwrap(model))
+    # Where the model keeps its state, when that is outside the engine's Cache: the true reason, ahead of
+    # the generic ones below (the forward only when probing or when the mixers are refused anyway).
+    foreign = forward_state_reason(unwrap(model))
+    if foreign is None and (probe or mixer is not None):
+        foreign = module_state_reason(unwrap(model))
+    if foreign is not None:
+        raise UnsupportedModelError(f"model type {mtype!r} {foreign}")
     if mtype in RECURRENT_MODEL_TYPES and not recurrent_layers(unwrap(model)):
         raise UnsupportedModelError(
             f"model type {mtype!r} keeps recurrent state in layers its config does not declare (no `layer_types` "
@@ -133,7 +143,6 @@ def check_supported(
             "kinds in `treetrain.models.recurrent_kinds` (Gated DeltaNet, Kimi delta attention, Mamba, Mamba-2) "
             "only, so tree replay is refused"
         )
-    mixer = unsupported_mixer(unwrap(model))
     if mixer is not None:
         raise UnsupportedModelError(f"model type {mtype!r}: {mixer}")
     layer_types = getattr(config, "layer_types", None) or []
