@@ -194,7 +194,6 @@ def test_kv_sharing_and_mla_families_are_accepted(family: str, note: str) -> Non
 @pytest.mark.parametrize(
     ("family", "reason"),
     [
-        ("rwkv", r"keeps its recurrent state in the `state` argument of its forward .*not in a Cache"),
         ("xlstm", r"keeps its recurrent state in its own `xLSTMCache` .*not a transformers Cache"),
         (
             "recurrent_gemma",
@@ -206,6 +205,20 @@ def test_state_kept_outside_the_cache_is_refused_with_where_it_is_kept(family: s
     row = support_row(family)
     assert row.status == "refused" and re.search(reason, row.note), row
     assert "the Cache it gives the forward (`EngineCache`" in row.note, row  # what the engine would need
+
+
+def test_state_in_a_forward_argument_is_refused_unless_the_engine_fills_it() -> None:
+    """RWKV passes its state through its forward's `state` list; the engine fills that argument itself
+    (`treetrain.models.rwkv_state`), so RWKV is accepted, and the reason stands for any other model whose
+    forward argument it does not fill."""
+    model = tiny_model("rwkv", VOCAB, attn="eager").eval()
+    reason = forward_state_reason(model)
+    assert reason is not None and re.search(
+        r"in the `state` argument of its forward .*not in a Cache", reason
+    )
+    assert forward_state_reason(model, supplied="state") is None
+    row = support_row("rwkv")
+    assert row.status == "accepted" and "(wkv)" in row.note, row
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_text", "mamba", "zamba2", "llama"])

@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import inspect
 import types
 import typing
@@ -86,21 +87,42 @@ def _output_fields(hints: dict[str, Any]) -> set[str]:
     return names
 
 
-def forward_state_reason(model: nn.Module) -> str | None:
-    """Why the forward carries recurrent state past the engine's Cache (an argument it returns again that
-    is a list of tensors, or a class of its own that is not a Cache), or None."""
-    forward = type(model).forward
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
     try:
-        hints = typing.get_type_hints(forward)
+        return typing.get_type_hints(cls.forward)  # type: ignore[attr-defined]
     except Exception:  # hints that do not resolve say nothing either way
-        return None
+        return {}
+
+
+def _round_trip(cls: type) -> list[tuple[str, list[Any]]]:
+    """The forward's arguments that its output returns again under the same name, with their types, where
+    none of those types is a transformers Cache."""
+    hints = _hints(cls)
     returned = _output_fields(hints)
-    module_name = type(model).__module__
-    for name in inspect.signature(forward).parameters:
+    found = []
+    for name in inspect.signature(cls.forward).parameters:  # type: ignore[attr-defined]
         if name not in hints or name not in returned:
             continue
         members = [m for m in _members(hints[name]) if m is not type(None)]
-        if any(isinstance(m, type) and issubclass(m, Cache) for m in members):
+        if not any(isinstance(m, type) and issubclass(m, Cache) for m in members):
+            found.append((name, members))
+    return found
+
+
+def state_argument(model: nn.Module) -> str | None:
+    """The forward argument through which the model passes its recurrent state as a list of tensors (RWKV's
+    `state`), or None."""
+    return next((n for n, members in _round_trip(type(model)) if any(map(_tensor_sequence, members))), None)
+
+
+def forward_state_reason(model: nn.Module, *, supplied: str | None = None) -> str | None:
+    """Why the forward carries recurrent state past the engine's Cache (an argument it returns again that
+    is a list of tensors, or a class of its own that is not a Cache), or None. `supplied`: a list-of-tensors
+    state argument the engine fills itself (`treetrain.models.rwkv_state`)."""
+    module_name = type(model).__module__
+    for name, members in _round_trip(type(model)):
+        if name == supplied:
             continue
         if any(_tensor_sequence(m) for m in members):
             return (

@@ -2,7 +2,7 @@
 
 The engine splits every sequence at node boundaries and continues from stored KV. That is exact only when a
 layer's whole state is its per-token keys and values over *all* earlier positions, or a recurrent state the
-engine keeps resident too (Gated DeltaNet, Kimi delta attention and Mamba layers,
+engine keeps resident too (Gated DeltaNet, Kimi delta attention, Mamba and RWKV layers,
 `treetrain.models.recurrent_state`), or both in one layer (Zamba, Zamba 2 and Falcon-H1's hybrid layers,
 `treetrain.models.layer_entry.HybridEntry`); other recurrent or linear attention layers carry a running
 state it cannot take (a model that keeps it outside the Cache the engine passes, in a forward argument, a
@@ -39,12 +39,13 @@ from transformers import PreTrainedModel
 from treetrain.errors import TreetrainError
 from treetrain.models.attention import shared_past_reason
 from treetrain.models.decoder import LayerEntry, SharedPast, decoder_forward, decoder_layers, output_head
-from treetrain.models.foreign_state import forward_state_reason, module_state_reason
+from treetrain.models.foreign_state import forward_state_reason, module_state_reason, state_argument
 from treetrain.models.lora import unwrap
 from treetrain.models.recurrent_state import (
     HYBRID_LAYER_TYPES,
     RECURRENT_LAYER_TYPES,
     STATELESS_LAYER_TYPES,
+    argument_state_mixers,
     recurrent_layers,
     unkeyed_layers,
     unsupported_mixer,
@@ -131,7 +132,8 @@ def check_supported(
     mixer = unsupported_mixer(unwrap(model))
     # Where the model keeps its state, when that is outside the engine's Cache: the true reason, ahead of
     # the generic ones below (the forward only when probing or when the mixers are refused anyway).
-    foreign = forward_state_reason(unwrap(model))
+    supplied = state_argument(unwrap(model)) if argument_state_mixers(unwrap(model)) else None  # RWKV's
+    foreign = forward_state_reason(unwrap(model), supplied=supplied)
     if foreign is None and (probe or mixer is not None):
         foreign = module_state_reason(unwrap(model))
     if foreign is not None:
@@ -140,7 +142,7 @@ def check_supported(
         raise UnsupportedModelError(
             f"model type {mtype!r} keeps recurrent state in layers its config does not declare (no `layer_types` "
             "entry 'linear_attention' or 'hybrid'); resident state covers KV and the recurrent layers of the "
-            "kinds in `treetrain.models.recurrent_kinds` (Gated DeltaNet, Kimi delta attention, Mamba, Mamba-2) "
+            "kinds in `treetrain.models.recurrent_kinds` (Gated DeltaNet, Kimi delta attention, Mamba, Mamba-2, WKV) "
             "only, so tree replay is refused"
         )
     if mixer is not None:
