@@ -231,20 +231,29 @@ def test_state_kept_in_the_cache_is_not_flagged(family: str) -> None:
 
 
 def test_module_held_state_is_found_by_behaviour_not_by_family() -> None:
-    """A Llama whose first MLP stashes its input on itself is refused the way RecurrentGemma is; the probe
-    leaves the model as it found it."""
+    """A Llama whose first MLP keeps its last input on itself and adds it to the next call's output is
+    refused the way RecurrentGemma is, naming the attribute; the probe leaves the model as it found it.
+    Negative control: the same stash that changes no output is found, yet the model is accepted (the
+    support check asks where state lives only for a model it refuses anyway)."""
     model = tiny_model("llama", VOCAB).eval()
     mlp = model.model.layers[0].mlp
     plain = type(mlp).forward
+    carry = {"on": False}
 
-    def stashing(x: torch.Tensor) -> torch.Tensor:
+    def stashing(x: torch.Tensor) -> torch.Tensor:  # [B, T, H]
+        before = vars(mlp).get("memory")
         mlp.memory = x[:, -1]  # [B, H]: per-row state outside any cache
-        return plain(mlp, x)
+        out = plain(mlp, x)
+        if carry["on"] and before is not None and before.shape == mlp.memory.shape:
+            out = out + before[:, None]
+        return out
 
     mlp.forward = stashing
     reason = module_state_reason(model)
     assert reason is not None and "on its own modules (LlamaMLP.memory" in reason, reason
     assert "memory" not in vars(mlp), "probing left the state on the module"
+    check_supported(model, 32)  # control: state that changes nothing is no reason to refuse
+    carry["on"] = True
     with pytest.raises(UnsupportedModelError, match=r"'llama' keeps its recurrent state on its own modules"):
         check_supported(model, 32)
 

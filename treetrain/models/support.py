@@ -131,10 +131,11 @@ def check_supported(
         raise UnsupportedModelError(f"model type {mtype!r}: {exc}") from None
     mixer = unsupported_mixer(unwrap(model))
     # Where the model keeps its state, when that is outside the engine's Cache: the true reason, ahead of
-    # the generic ones below (the forward only when probing or when the mixers are refused anyway).
+    # the generic ones below. The forward that finds state on modules runs only for a model refused anyway
+    # (here, or by the split probe): under ZeRO-3 a forward that fails midway is not free.
     supplied = state_argument(unwrap(model)) if argument_state_mixers(unwrap(model)) else None  # RWKV's
     foreign = forward_state_reason(unwrap(model), supplied=supplied)
-    if foreign is None and (probe or mixer is not None):
+    if foreign is None and mixer is not None:
         foreign = module_state_reason(unwrap(model))
     if foreign is not None:
         raise UnsupportedModelError(f"model type {mtype!r} {foreign}")
@@ -181,8 +182,14 @@ def check_supported(
                 "different masks than its scoring pass. Set dropout to 0 for RL training, or call model.eval()"
             )
     if probe:
-        _guarded(mtype, "the determinism probe", lambda: _probe_determinism(model, mtype))
-        _guarded(mtype, "the split probe", lambda: _probe(model, mtype))
+        try:
+            _guarded(mtype, "the determinism probe", lambda: _probe_determinism(model, mtype))
+            _guarded(mtype, "the split probe", lambda: _probe(model, mtype))
+        except UnsupportedModelError:
+            held = module_state_reason(unwrap(model))
+            if held is None:
+                raise
+            raise UnsupportedModelError(f"model type {mtype!r} {held}") from None
     window = active_window(model, max_sequence_length)
     if window is not None and (probe if probe_window is None else probe_window):
         # The split lands inside the window and the sequence runs past it, so a mask that mishandled the
