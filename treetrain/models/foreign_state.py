@@ -16,7 +16,8 @@ needs a different seam before the model could be accepted, so the refusal names 
 - **Its own modules** (RecurrentGemma's recurrent blocks set their conv and RG-LRU state as plain module
   attributes, ignoring the cache the caller passes), found by behaviour: a forward with a fresh cache
   leaves per-row tensors (first axis the batch) on modules, outside their parameters and buffers. Those
-  attributes are put back afterwards, so probing changes nothing.
+  attributes are put back afterwards, so probing changes nothing. The support check runs this forward only
+  for a model it refuses anyway, to give the true reason.
 
 The checks look at structure and behaviour, never at the model type, so another model built the same way
 gets the same reason.
@@ -31,7 +32,6 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import inspect
 import types
 import typing
@@ -87,7 +87,6 @@ def _output_fields(hints: dict[str, Any]) -> set[str]:
     return names
 
 
-@functools.cache
 def _hints(cls: type) -> dict[str, Any]:
     try:
         return typing.get_type_hints(cls.forward)  # type: ignore[attr-defined]
@@ -95,19 +94,26 @@ def _hints(cls: type) -> dict[str, Any]:
         return {}
 
 
-def _round_trip(cls: type) -> list[tuple[str, list[Any]]]:
+RoundTrip = tuple[tuple[str, tuple[Any, ...]], ...]
+_ROUND_TRIPS: dict[type, RoundTrip] = {}
+
+
+def _round_trip(cls: type) -> RoundTrip:
     """The forward's arguments that its output returns again under the same name, with their types, where
     none of those types is a transformers Cache."""
+    if cls in _ROUND_TRIPS:
+        return _ROUND_TRIPS[cls]
     hints = _hints(cls)
     returned = _output_fields(hints)
     found = []
     for name in inspect.signature(cls.forward).parameters:  # type: ignore[attr-defined]
         if name not in hints or name not in returned:
             continue
-        members = [m for m in _members(hints[name]) if m is not type(None)]
+        members = tuple(m for m in _members(hints[name]) if m is not type(None))
         if not any(isinstance(m, type) and issubclass(m, Cache) for m in members):
             found.append((name, members))
-    return found
+    _ROUND_TRIPS[cls] = tuple(found)
+    return _ROUND_TRIPS[cls]
 
 
 def state_argument(model: nn.Module) -> str | None:
