@@ -1,4 +1,4 @@
-"""Recurrent layers (Gated DeltaNet, Kimi delta attention, Mamba, Mamba-2) and their hybrids: `exact` equals the flat reference.
+"""Recurrent layers (Gated DeltaNet, Kimi delta attention, Mamba, Mamba-2, RWKV) and hybrids: `exact` equals the flat reference.
 
 A recurrent layer's resident object is its (conv state, recurrent state) before a unit's last token,
 not KV (`treetrain.models.recurrent_state`); a hybrid layer's (Zamba 2, Falcon-H1: attention and a Mamba-2
@@ -40,6 +40,8 @@ from treetrain.models.recurrent_state import hybrid_layers, mixers, recurrent_la
 from treetrain.models.support import SupportGate, UnsupportedModelError, check_supported
 
 FACTOR = 5.0
+#: Presets whose layers are all recurrent: Mamba layers only, RWKV's WKV time mixing in every block.
+NO_ATTENTION = ("mamba", "falcon_mamba", "rwkv")
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
 
@@ -77,11 +79,13 @@ def test_presets_mix_recurrent_and_attention_layers() -> None:
         assert layers, family
         hybrid = hybrid_layers(model)
         assert bool(hybrid) == (family in HYBRID_FAMILIES) and hybrid <= layers, family
-        if family not in ("mamba", "falcon_mamba"):  # those are Mamba layers only
+        if family not in NO_ATTENTION:
             assert len(layers - hybrid) < model.config.num_hidden_layers, family  # some layers attend
         kinds = {kind.name for _, kind in mixers(model).values()}
         expected = (
-            "mamba2"
+            "wkv"
+            if family == "rwkv"
+            else "mamba2"
             if family in MAMBA2_FAMILIES
             else "mamba"
             if family in MAMBA_FAMILIES
@@ -102,7 +106,7 @@ def test_exact_matches_flat_recurrent_families(family: str, dtype: str) -> None:
     )
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "zamba2"])
+@pytest.mark.parametrize("family", ["qwen3_5_text", "zamba2", "rwkv"])
 @pytest.mark.parametrize(
     "replay",
     [
@@ -140,7 +144,7 @@ def test_exact_kda_two_trees_with_a_reference(family: str, replay: ReplayConfig)
 
 
 @pytest.mark.parametrize(
-    "family", ["qwen3_next", "kimi_linear", "mamba", "bamba", "zamba2", "falcon_h1", "zamba"]
+    "family", ["qwen3_next", "kimi_linear", "mamba", "bamba", "zamba2", "falcon_h1", "zamba", "rwkv"]
 )
 @pytest.mark.parametrize("shape", ["unequal", "identical", "single"])
 def test_exact_recurrent_other_shapes(shape: str, family: str) -> None:
@@ -153,14 +157,14 @@ def test_exact_recurrent_other_shapes(shape: str, family: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "family", ["qwen3_5_text", "kimi_linear", "jamba", "bamba", *sorted(HYBRID_FAMILIES)]
+    "family", ["qwen3_5_text", "kimi_linear", "jamba", "bamba", "rwkv", *sorted(HYBRID_FAMILIES)]
 )
 def test_negative_control_recurrent_state_left_out_of_g_is_rejected(
     family: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Reading the resident recurrent state detached (its gradient never reaches G; attention KV keeps
-    its G) is caught far above the bound, for a Gated DeltaNet, a KDA, a Mamba and a Mamba-2 hybrid, and for
-    the state part of hybrid layers' entries."""
+    its G) is caught far above the bound, for a Gated DeltaNet, a KDA, a Mamba, a Mamba-2 hybrid and RWKV,
+    and for the state part of hybrid layers' entries."""
     import treetrain.models.recurrent_state as recurrent_state
 
     class Detached:
@@ -195,7 +199,7 @@ def test_negative_control_hybrid_kv_left_out_of_g_is_rejected(
     assert dev.abs > 10 * FACTOR * floor, f"{dev.abs:.3e} not far above {FACTOR} x {floor:.3e}"
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "kimi_linear", "zamba2"])
+@pytest.mark.parametrize("family", ["qwen3_5_text", "kimi_linear", "zamba2", "rwkv"])
 def test_negative_control_response_only_detaches_the_state(family: str) -> None:
     """`response_only` detaches every resident entry, a hybrid layer's KV and state alike."""
     replay = ReplayConfig(contract="response_only", microbatch=2)
@@ -218,6 +222,58 @@ def test_negative_control_state_taken_one_token_early_is_rejected(monkeypatch: p
         check_supported(tiny_model("qwen3_5_text", VOCAB, dtype=torch.float64), 64)
     replay = ReplayConfig(microbatch=1)
     dev, floor = _check("qwen3_5_text", torch.float64, "multi_level", LossConfig(), replay, trusting=True)
+    assert dev.abs > 100 * FACTOR * floor, f"{dev.abs:.3e} not far above {FACTOR} x {floor:.3e}"
+
+
+def test_negative_control_rwkv_shift_taken_after_the_cut_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
+    """RWKV's token shift is part of its state: each mixing module's input before the row's last token.
+    Taking the input at the batch's last position instead (what RWKV itself writes into `state`: the row's
+    last token, which the children see again, or its padding) is caught by the split probe and, run past
+    the probe, by the gradient."""
+    import treetrain.models.rwkv_state as rwkv_state
+
+    def last(cache, layer, which, hidden):  # type: ignore[no-untyped-def]
+        return hidden[:, -1]
+
+    monkeypatch.setattr(rwkv_state, "_shift_at_cut", last)
+    with pytest.raises(UnsupportedModelError, match="continuing from stored KV changes the hidden states"):
+        check_supported(tiny_model("rwkv", VOCAB, dtype=torch.float64, attn="eager"), 64)
+    replay = ReplayConfig(microbatch=2)
+    dev, floor = _check("rwkv", torch.float64, "multi_level", LossConfig(), replay, trusting=True)
+    assert dev.abs > 100 * FACTOR * floor, f"{dev.abs:.3e} not far above {FACTOR} x {floor:.3e}"
+
+
+def test_negative_control_wkv_state_not_stopped_at_the_cut_is_rejected(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """RWKV's own recurrence in place of the captured one (the WKV state after the whole row, not before its
+    last token) is caught by the split probe and, run past the probe, by the gradient."""
+    import sys
+    from dataclasses import replace
+
+    import treetrain.models.recurrent_kinds as recurrent_kinds
+    import treetrain.models.recurrent_state as recurrent_state
+
+    def uncut(sequence, step):  # type: ignore[no-untyped-def]
+        def run(*args, state=None, **kwargs):  # type: ignore[no-untyped-def]
+            # its own recurrence, on a copy of the initial state (the model overwrites the tensors it sliced)
+            return sequence(*args, state=None if state is None else tuple(s.clone() for s in state), **kwargs)
+
+        return run
+
+    variant = replace(recurrent_kinds.WKV, captured=uncut)
+    known = recurrent_kinds.kind_of
+    monkeypatch.setattr(recurrent_state, "kind_of", lambda m: variant if variant.matches(m) else known(m))
+    model = tiny_model("rwkv", VOCAB, dtype=torch.float64, attn="eager")
+    layer, _ = next(iter(mixers(model).values()))
+    module = sys.modules[type(layer).__module__]
+    for name in variant.functions:  # the layer module's own functions, so the variant is installed instead
+        original = recurrent_state._ORIGINAL.get((module.__name__, name), getattr(module, name))
+        monkeypatch.setattr(module, name, original)
+    with pytest.raises(UnsupportedModelError, match="continuing from stored KV changes the hidden states"):
+        check_supported(model, 64)
+    replay = ReplayConfig(microbatch=2)
+    dev, floor = _check("rwkv", torch.float64, "multi_level", LossConfig(), replay, trusting=True)
     assert dev.abs > 100 * FACTOR * floor, f"{dev.abs:.3e} not far above {FACTOR} x {floor:.3e}"
 
 
@@ -302,7 +358,7 @@ def test_resident_bytes_of_a_unit_are_what_the_ledger_books(family: str) -> None
         out = decoder_forward(model, padded.input_ids, padded.positions, None, lengths=padded.lengths)
         stored = entry_bytes(own_kv(unit, out, 0))
         per_token, per_unit = kv_bytes_per_token(model), state_bytes_per_unit(model)
-        assert per_unit > 0 and (per_token > 0) == (family not in ("mamba", "falcon_mamba")), family
+        assert per_unit > 0 and (per_token > 0) == (family not in NO_ATTENTION), family
         assert stored == unit_resident_bytes(len(unit), per_token, per_unit), f"{family}/{dtype}"
 
 

@@ -14,9 +14,10 @@ import treetrain.models.attention as attention
 import treetrain.models.logit_head as logit_head
 import treetrain.models.support as support
 from treetrain.models.attention import shared_past_reason
+from treetrain.models.foreign_state import forward_state_reason, module_state_reason
 from treetrain.models.presets import EAGER_ONLY, tiny_model
 from treetrain.models.support import UnsupportedModelError, check_supported
-from treetrain.models.support_table import support_row
+from treetrain.models.support_table import support_row, tiny_family_config
 
 VOCAB = 64
 SMALL: dict[str, Any] = dict(
@@ -161,7 +162,6 @@ def test_blocks_under_other_names_are_found_and_checked_by_behaviour(family: str
     ("family", "reason"),
     [
         ("openai-gpt", "returns no KV cache from its forward"),
-        ("xlstm", "keeps recurrent state"),
         ("bert", r"has no decoder stack with its blocks in `.layers`, `.h`, `.blocks`"),
         ("diffllama", "attend over other tensors than they cache"),
         ("minimax", r"runs its recurrence inline in its forward.*MiniMaxCache's linear cache"),
@@ -189,3 +189,78 @@ def test_refusals_give_the_true_reason(family: str, reason: str) -> None:
 def test_kv_sharing_and_mla_families_are_accepted(family: str, note: str) -> None:
     row = support_row(family)
     assert row.status == "accepted" and note in row.note, row
+
+
+@pytest.mark.parametrize(
+    ("family", "reason"),
+    [
+        ("xlstm", r"keeps its recurrent state in its own `xLSTMCache` .*not a transformers Cache"),
+        (
+            "recurrent_gemma",
+            r"on its own modules \(RecurrentGemmaRecurrentBlock.conv1d_state, RecurrentGemmaRglru.recurrent_states",
+        ),
+    ],
+)
+def test_state_kept_outside_the_cache_is_refused_with_where_it_is_kept(family: str, reason: str) -> None:
+    row = support_row(family)
+    assert row.status == "refused" and re.search(reason, row.note), row
+    assert "the Cache it gives the forward (`EngineCache`" in row.note, row  # what the engine would need
+
+
+def test_state_in_a_forward_argument_is_refused_unless_the_engine_fills_it() -> None:
+    """RWKV passes its state through its forward's `state` list; the engine fills that argument itself
+    (`treetrain.models.rwkv_state`), so RWKV is accepted, and the reason stands for any other model whose
+    forward argument it does not fill."""
+    model = tiny_model("rwkv", VOCAB, attn="eager").eval()
+    reason = forward_state_reason(model)
+    assert reason is not None and re.search(
+        r"in the `state` argument of its forward .*not in a Cache", reason
+    )
+    assert forward_state_reason(model, supplied="state") is None
+    row = support_row("rwkv")
+    assert row.status == "accepted" and "(wkv)" in row.note, row
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "mamba", "zamba2", "llama"])
+def test_state_kept_in_the_cache_is_not_flagged(family: str) -> None:
+    """Negative control: recurrent families whose state lives in the Cache pass both checks."""
+    model = tiny_model(family, VOCAB, attn="eager" if family in EAGER_ONLY else "sdpa").eval()
+    assert forward_state_reason(model) is None
+    assert module_state_reason(model) is None
+    check_supported(model, 32)
+
+
+def test_module_held_state_is_found_by_behaviour_not_by_family() -> None:
+    """A Llama whose first MLP keeps its last input on itself and adds it to the next call's output is
+    refused the way RecurrentGemma is, naming the attribute; the probe leaves the model as it found it.
+    Negative control: the same stash that changes no output is found, yet the model is accepted (the
+    support check asks where state lives only for a model it refuses anyway)."""
+    model = tiny_model("llama", VOCAB).eval()
+    mlp = model.model.layers[0].mlp
+    plain = type(mlp).forward
+    carry = {"on": False}
+
+    def stashing(x: torch.Tensor) -> torch.Tensor:  # [B, T, H]
+        before = vars(mlp).get("memory")
+        mlp.memory = x[:, -1]  # [B, H]: per-row state outside any cache
+        out = plain(mlp, x)
+        if carry["on"] and before is not None and before.shape == mlp.memory.shape:
+            out = out + before[:, None]
+        return out
+
+    mlp.forward = stashing
+    reason = module_state_reason(model)
+    assert reason is not None and "on its own modules (LlamaMLP.memory" in reason, reason
+    assert "memory" not in vars(mlp), "probing left the state on the module"
+    check_supported(model, 32)  # control: state that changes nothing is no reason to refuse
+    carry["on"] = True
+    with pytest.raises(UnsupportedModelError, match=r"'llama' keeps its recurrent state on its own modules"):
+        check_supported(model, 32)
+
+
+def test_recurrent_gemma_state_probe_leaves_its_modules_as_they_were() -> None:
+    model = AutoModelForCausalLM.from_config(tiny_family_config("recurrent_gemma")).eval()
+    blocks = [m for m in model.modules() if hasattr(m, "conv1d_state")]
+    assert blocks and all(b.conv1d_state is None for b in blocks)
+    assert module_state_reason(model) is not None
+    assert all(b.conv1d_state is None for b in blocks), "probing left state on the modules"

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping, Sequence
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
+from treetrain.models import rwkv_state
 from treetrain.models.attention import (
     PastLayoutError,
     engine_attention,
@@ -193,14 +194,25 @@ def decoder_forward(
         for layer, kv in enumerate(concatenated(past, bsz, anchor)):
             if kv is not None:
                 cache.update(kv[0], kv[1], layer)
-    kwargs = {_cache_kwarg(base): cache}
+    kwargs: dict[str, Any] = {_cache_kwarg(base): cache}
     rows = torch.as_tensor(
         list(lengths) if lengths is not None else [input_ids.shape[1]] * bsz, device=input_ids.device
     )  # [B]
     capture = capturing(unwrap(model), cache, rows) if isinstance(cache, EngineCache) else nullcontext()
+    argument = isinstance(cache, EngineCache) and bool(rwkv_state.argument_state_mixers(unwrap(model)))
+    width = input_ids.shape[1]
     try:
-        with engine_attention(model, past if shared else None, positions), capture:
-            out = base(input_ids=input_ids, position_ids=positions, use_cache=True, **kwargs)
+        with engine_attention(model, past if shared else None, positions), capture, ExitStack() as stack:
+            ids = input_ids
+            if argument:  # RWKV: the state goes in as its forward's list argument (`rwkv_state`)
+                assert isinstance(cache, EngineCache)
+                dtype = next(base.parameters()).dtype  # the embeddings', which the shifts take
+                kwargs = {"state": rwkv_state.state_list(unwrap(model), cache, bsz, dtype, input_ids.device)}
+                shifts = stack.enter_context(rwkv_state.recording(unwrap(model), cache))
+                ids = rwkv_state.pad_one_token(input_ids) if width == 1 else input_ids
+            out = base(input_ids=ids, position_ids=positions, use_cache=True, **kwargs)
+            if argument:
+                rwkv_state.finish(cache, shifts, out.state)  # type: ignore[arg-type]
     except PastLayoutError:
         if not shared:
             raise
@@ -221,7 +233,7 @@ def decoder_forward(
         else:
             keys.append(layer.keys[:, :, past_len:, :])
             values.append(layer.values[:, :, past_len:, :])
-    return DecoderOutput(out.last_hidden_state, tuple(keys), tuple(values), unkeyed, states)
+    return DecoderOutput(out.last_hidden_state[:, :width], tuple(keys), tuple(values), unkeyed, states)
 
 
 def _blocks_of(base: nn.Module) -> nn.ModuleList:

@@ -30,10 +30,12 @@ MORE_FAMILIES: tuple[str, ...] = ("deepseek_v3", "granite", "cohere", "gemma2", 
 #: Presets with recurrent layers, whose resident state per layer is (conv state, recurrent state) or KV
 #: (`treetrain.models.recurrent_state`): Gated DeltaNet around a full-attention layer, Mamba layers alone
 #: (Mamba, Falcon-Mamba) or around an attention layer (Jamba), Kimi delta attention around an MLA layer, and
-#: layers that hold both (Zamba 2's hybrid layers: a shared transformer block, then a Mamba-2 mixer).
+#: layers that hold both (Zamba 2's hybrid layers: a shared transformer block, then a Mamba-2 mixer), and
+#: RWKV (no attention; its state passes through its forward's `state` list, `treetrain.models.rwkv_state`).
 RECURRENT_FAMILIES: tuple[str, ...] = (
     "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lara_mini", "mamba", "falcon_mamba", "jamba",
     "bamba", "granitemoehybrid", "nemotron_h", "kimi_linear", "bailing_hybrid", "zamba2", "falcon_h1", "zamba",
+    "rwkv",
 )  # fmt: skip
 #: Of those, the ones whose recurrent layers are Mamba-2 (chunked SSD scan) layers.
 MAMBA2_FAMILIES = frozenset({"bamba", "granitemoehybrid", "nemotron_h", "zamba2", "falcon_h1"})
@@ -47,7 +49,7 @@ MAMBA_FAMILIES = frozenset({"mamba", "falcon_mamba", "jamba", "zamba"})
 #: around a multi-head latent attention layer.
 KIMI_DELTA_FAMILIES = frozenset({"kimi_linear", "bailing_hybrid"})
 #: Families whose transformers classes have no `sdpa` attention.
-EAGER_ONLY = frozenset({"gemma2", "mamba", "falcon_mamba"})
+EAGER_ONLY = frozenset({"gemma2", "mamba", "falcon_mamba", "rwkv"})
 #: The tiny Mistral's sliding window: shorter than test sequences, so windowed attention is exercised.
 MISTRAL_WINDOW = 12
 
@@ -203,6 +205,8 @@ def _more(family: str, size: TinySize, vocab_size: int) -> dict[str, Any]:
                 mamba_expand=2, use_mamba_kernels=False,
             )  # fmt: skip
         return more
+    if family == "rwkv":  # WKV time mixing and channel mixing in every block, no attention
+        return dict(attention_hidden_size=size.hidden_size, context_length=size.max_positions)
     if family in KIMI_DELTA_FAMILIES:  # KDA before and after an MLA layer; experts after the first layer
         kda: dict[str, Any] = dict(
             num_hidden_layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],

@@ -16,10 +16,14 @@ token, and computes that token's output with one step from it (`treetrain.models
   linear in it, `h_t = exp(A * sum(dt_1..t)) h_0 + (the scan from zero)`, and so is the output `C_t h_t`.
   Zamba's mixer splits its channels into heads and scans each head on its own, in head order, keeping a
   `[B, H, I / H, N]` state: each scan continues its own head's slice of it (`StateSource.next_head`).
+- **WKV** (RWKV): the recurrence is a loop over positions in plain torch, so the captured form runs the
+  same loop op for op and keeps, per row, the state after the token before its cut (the one the row's
+  last token starts from); outputs are the model's own. Its state reaches the layer through the model's
+  `state` argument, not a cache (`treetrain.models.rwkv_state`).
 
 Example:
     >>> sorted(k.name for k in KINDS)
-    ['gated_deltanet', 'kimi_delta', 'mamba', 'mamba2']
+    ['gated_deltanet', 'kimi_delta', 'mamba', 'mamba2', 'wkv']
 """
 
 from __future__ import annotations
@@ -308,6 +312,51 @@ def _mamba2_bytes(layer: Any, size: int) -> int:
     return conv + int(layer.num_heads) * int(layer.head_dim) * int(layer.ssm_state_size) * 4  # float32 state
 
 
+def _wkv(sequence: Callable[..., Any], step: Callable[..., Any]) -> Callable[..., Any]:
+    def captured(
+        time_decay: torch.Tensor,  # [A]
+        time_first: torch.Tensor,  # [A]
+        key: torch.Tensor,  # [B, T, A]
+        value: torch.Tensor,  # [B, T, A]
+        state: tuple[torch.Tensor, ...] | None = None,  # (numerator, denominator, max), each [B, A]
+        return_state: bool = False,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """`rwkv_linear_attention_cpu`'s recurrence, op for op, returning the state before each row's cut
+        instead of after the last position. The initial state is cloned: the model writes each layer's
+        result into the tensors it sliced that state from, which would change a tensor this graph saved."""
+        cut = _active().cut
+        output = torch.zeros_like(key)
+        if state is None:
+            num = torch.zeros_like(key[:, 0], dtype=torch.float32)
+            den = torch.zeros_like(key[:, 0], dtype=torch.float32)
+            mx = torch.zeros_like(key[:, 0], dtype=torch.float32) - 1e38
+        else:
+            num, den, mx = (s.clone() for s in state)
+        decay = -torch.exp(time_decay)
+        saved = [num, den, mx]  # a row cut at 0 keeps its initial state
+        for t in range(key.shape[1]):
+            k = key[:, t].float()
+            v = value[:, t]
+            out_max = torch.maximum(mx, k + time_first)
+            e1 = torch.exp(mx - out_max)
+            e2 = torch.exp(k + time_first - out_max)
+            output[:, t] = ((e1 * num + e2 * v) / (e1 * den + e2)).to(output.dtype)
+            state_max = torch.maximum(mx + decay, k)
+            e1 = torch.exp(mx + decay - state_max)
+            e2 = torch.exp(k - state_max)
+            num, den, mx = e1 * num + e2 * v, e1 * den + e2, state_max
+            at = (cut == t + 1)[:, None]  # [B, 1]: the state after token t is the one before token t + 1
+            saved = [torch.where(at, new, old) for new, old in zip((num, den, mx), saved, strict=True)]
+        return output, saved
+
+    return captured
+
+
+def _wkv_bytes(layer: Any, size: int) -> int:
+    shifts = 2 * int(layer.config.hidden_size) * size  # the attention's and the feed-forward's last input
+    return shifts + 3 * int(layer.attention_hidden_size) * 4  # float32 (numerator, denominator, max)
+
+
 GATED_DELTANET = Kind(
     "gated_deltanet",
     ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"),
@@ -340,7 +389,14 @@ MAMBA2 = Kind(
     _chunk_scan,
     _chunk_step,
 )
-KINDS = (GATED_DELTANET, KIMI_DELTA, MAMBA, MAMBA2)
+WKV = Kind(
+    "wkv",
+    ("rwkv_linear_attention", "rwkv_linear_attention_cpu"),
+    ("attention_hidden_size", "layer_id"),
+    _wkv_bytes,
+    _wkv,
+)
+KINDS = (GATED_DELTANET, KIMI_DELTA, MAMBA, MAMBA2, WKV)
 
 
 #: Recurrent mixers of no kind, by class name, and what each lacks that a kind needs (the refusal says it).

@@ -45,8 +45,9 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DummyLayer, DynamicLayer
 
+from treetrain.models.foreign_state import state_argument
 from treetrain.models.layer_entry import LayerKV, state_part
-from treetrain.models.recurrent_kinds import CAPTURE, KINDS, NO_KIND, Capture, Kind, kind_of
+from treetrain.models.recurrent_kinds import CAPTURE, KINDS, NO_KIND, WKV, Capture, Kind, kind_of
 from treetrain.models.shared_past import SharedPast, _Into
 
 #: Layer types of transformers' configs whose layer carries recurrent state instead of KV.
@@ -61,8 +62,27 @@ STATELESS_LAYER_TYPES = frozenset({"mlp", "moe"})
 
 
 def _layer_types(model: nn.Module) -> list[str]:
+    """The config's `layer_types`; for a model that passes its state as a forward argument the engine fills
+    (RWKV: `treetrain.models.rwkv_state`), every layer with a WKV mixer is a recurrent one."""
     config = model.config.get_text_config(decoder=True)  # type: ignore[union-attr,operator]
-    return list(getattr(config, "layer_types", None) or [])
+    declared = list(getattr(config, "layer_types", None) or [])
+    if declared:
+        return declared
+    found = argument_state_mixers(model)
+    return (
+        ["linear_attention" if i in found else "full_attention" for i in range(max(found) + 1)]
+        if found
+        else []
+    )
+
+
+def argument_state_mixers(model: nn.Module) -> dict[int, Any]:
+    """RWKV's time-mixing modules by layer, when the model passes their state through its forward's list
+    argument (`state_argument`), else empty."""
+    if state_argument(model) is None:
+        return {}
+    found: Iterator[Any] = (m for m in model.modules() if getattr(kind_of(m), "name", None) == WKV.name)
+    return {int(m.layer_id): m for m in found}
 
 
 def recurrent_layers(model: nn.Module) -> frozenset[int]:
@@ -94,7 +114,7 @@ def mixers(model: nn.Module) -> dict[int, tuple[Any, Kind]]:
     wanted = recurrent_layers(model)
     found: dict[int, tuple[Any, Kind]] = {}
     for module in model.modules():
-        idx = getattr(module, "layer_idx", None)
+        idx = getattr(module, "layer_idx", getattr(module, "layer_id", None))  # RWKV names it `layer_id`
         kind = kind_of(module) if idx in wanted else None
         if kind is not None:
             found[int(idx)] = (module, kind)  # type: ignore[arg-type]

@@ -2,10 +2,11 @@
 
 The engine splits every sequence at node boundaries and continues from stored KV. That is exact only when a
 layer's whole state is its per-token keys and values over *all* earlier positions, or a recurrent state the
-engine keeps resident too (Gated DeltaNet, Kimi delta attention and Mamba layers,
+engine keeps resident too (Gated DeltaNet, Kimi delta attention, Mamba and RWKV layers,
 `treetrain.models.recurrent_state`), or both in one layer (Zamba, Zamba 2 and Falcon-H1's hybrid layers,
 `treetrain.models.layer_entry.HybridEntry`); other recurrent or linear attention layers carry a running
-state it cannot take, and dynamic RoPE variants choose their frequencies from
+state it cannot take (a model that keeps it outside the Cache the engine passes, in a forward argument, a
+cache class of its own or on its modules, is refused saying where: `treetrain.models.foreign_state`), and dynamic RoPE variants choose their frequencies from
 the longest position *in each forward call*, so a prefix evaluated alone rotates differently than inside
 the whole sequence. The engine also computes logprobs from the LM head directly, so the head applies what
 the family does to its logits (`treetrain.models.logit_head`: scaling, final soft-capping); a model that
@@ -45,11 +46,13 @@ from treetrain.models.decoder import (
     decoder_layers,
     output_head,
 )
+from treetrain.models.foreign_state import forward_state_reason, module_state_reason, state_argument
 from treetrain.models.lora import unwrap
 from treetrain.models.recurrent_state import (
     HYBRID_LAYER_TYPES,
     RECURRENT_LAYER_TYPES,
     STATELESS_LAYER_TYPES,
+    argument_state_mixers,
     recurrent_layers,
     unkeyed_layers,
     unsupported_mixer,
@@ -133,14 +136,23 @@ def check_supported(
         decoder_layers(model)
     except TypeError as exc:
         raise UnsupportedModelError(f"model type {mtype!r}: {exc}") from None
+    mixer = unsupported_mixer(unwrap(model))
+    # Where the model keeps its state, when that is outside the engine's Cache: the true reason, ahead of
+    # the generic ones below. The forward that finds state on modules runs only for a model refused anyway
+    # (here, or by the split probe): under ZeRO-3 a forward that fails midway is not free.
+    supplied = state_argument(unwrap(model)) if argument_state_mixers(unwrap(model)) else None  # RWKV's
+    foreign = forward_state_reason(unwrap(model), supplied=supplied)
+    if foreign is None and mixer is not None:
+        foreign = module_state_reason(unwrap(model))
+    if foreign is not None:
+        raise UnsupportedModelError(f"model type {mtype!r} {foreign}")
     if mtype in RECURRENT_MODEL_TYPES and not recurrent_layers(unwrap(model)):
         raise UnsupportedModelError(
             f"model type {mtype!r} keeps recurrent state in layers its config does not declare (no `layer_types` "
             "entry 'linear_attention' or 'hybrid'); resident state covers KV and the recurrent layers of the "
-            "kinds in `treetrain.models.recurrent_kinds` (Gated DeltaNet, Kimi delta attention, Mamba, Mamba-2) "
+            "kinds in `treetrain.models.recurrent_kinds` (Gated DeltaNet, Kimi delta attention, Mamba, Mamba-2, WKV) "
             "only, so tree replay is refused"
         )
-    mixer = unsupported_mixer(unwrap(model))
     if mixer is not None:
         raise UnsupportedModelError(f"model type {mtype!r}: {mixer}")
     layer_types = getattr(config, "layer_types", None) or []
@@ -177,8 +189,14 @@ def check_supported(
                 "different masks than its scoring pass. Set dropout to 0 for RL training, or call model.eval()"
             )
     if probe:
-        _guarded(mtype, "the determinism probe", lambda: _probe_determinism(model, mtype))
-        _guarded(mtype, "the split probe", lambda: _probe(model, mtype))
+        try:
+            _guarded(mtype, "the determinism probe", lambda: _probe_determinism(model, mtype))
+            _guarded(mtype, "the split probe", lambda: _probe(model, mtype))
+        except UnsupportedModelError:
+            held = module_state_reason(unwrap(model))
+            if held is None:
+                raise
+            raise UnsupportedModelError(f"model type {mtype!r} {held}") from None
     window = active_window(model, max_sequence_length)
     if window is not None and (probe if probe_window is None else probe_window):
         # The split lands inside the window and the sequence runs past it, so a mask that mishandled the
