@@ -15,9 +15,10 @@ needs a different seam before the model could be accepted, so the refusal names 
   a transformers `Cache`.
 - **Its own modules** (RecurrentGemma's recurrent blocks set their conv and RG-LRU state as plain module
   attributes, ignoring the cache the caller passes), found by behaviour: a forward with a fresh cache
-  leaves per-row tensors (first axis the batch) on modules, outside their parameters and buffers. Those
-  attributes are put back afterwards, so probing changes nothing. The support check runs this forward only
-  for a model it refuses anyway, to give the true reason.
+  leaves per-row tensors (first axis the batch) on modules, outside their parameters and buffers. The
+  attributes the forward added or replaced are put back afterwards; writes into existing tensors, or a
+  forward that edits its own weights in eval mode, would not be undone, which is why the support check
+  runs this forward only for a model it refuses anyway, to give the true reason.
 
 The checks look at structure and behaviour, never at the model type, so another model built the same way
 gets the same reason.
@@ -163,8 +164,11 @@ def module_state_reason(model: nn.Module) -> str | None:
     cache_arg = next((c for c in ("cache", "past_key_values") if c in params), None)
     if cache_arg is None:
         return None
-    device = next(model.parameters()).device
-    vocab = int(model.config.get_text_config(decoder=True).vocab_size)  # type: ignore[union-attr,operator]
+    try:
+        device = next(model.parameters()).device
+        vocab = int(model.config.get_text_config(decoder=True).vocab_size)  # type: ignore[union-attr,operator]
+    except (StopIteration, AttributeError, TypeError, ValueError):  # nothing to run it with: nothing found
+        return None
     ids = torch.arange(4 * _PROBE_ROWS, device=device).view(_PROBE_ROWS, 4) % vocab  # [3, 4]
     kwargs: dict[str, Any] = {cache_arg: DynamicCache(), "use_cache": True}
     if "position_ids" in params:
