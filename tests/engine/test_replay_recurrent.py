@@ -12,6 +12,9 @@ either part of its entry out of G is.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 from support.engine_cases import SHAPES, VOCAB, factory, make_batch
@@ -36,6 +39,7 @@ from treetrain.models.presets import (
     RECURRENT_FAMILIES,
     tiny_model,
 )
+from treetrain.models.recurrent_kinds import Kind
 from treetrain.models.recurrent_state import hybrid_layers, mixers, recurrent_layers
 from treetrain.models.support import SupportGate, UnsupportedModelError, check_supported
 
@@ -243,28 +247,22 @@ def test_negative_control_rwkv_shift_taken_after_the_cut_is_rejected(monkeypatch
     assert dev.abs > 100 * FACTOR * floor, f"{dev.abs:.3e} not far above {FACTOR} x {floor:.3e}"
 
 
-def test_negative_control_wkv_state_not_stopped_at_the_cut_is_rejected(
-    monkeypatch: pytest.MonkeyPatch,
+def _uncut_kind_is_caught(
+    monkeypatch: pytest.MonkeyPatch, kind: Kind, uncut: Callable[..., Any], family: str, attn: str
 ) -> None:
-    """RWKV's own recurrence in place of the captured one (the WKV state after the whole row, not before its
-    last token) is caught by the split probe and, run past the probe, by the gradient."""
+    """Install `kind` with `uncut` as its captured sequence form (the layer's own function, not stopped at
+    each row's cut) and check that the split probe refuses the model and that the gradient, run past the
+    probe, is far off the flat reference."""
     import sys
     from dataclasses import replace
 
     import treetrain.models.recurrent_kinds as recurrent_kinds
     import treetrain.models.recurrent_state as recurrent_state
 
-    def uncut(sequence, step):  # type: ignore[no-untyped-def]
-        def run(*args, state=None, **kwargs):  # type: ignore[no-untyped-def]
-            # its own recurrence, on a copy of the initial state (the model overwrites the tensors it sliced)
-            return sequence(*args, state=None if state is None else tuple(s.clone() for s in state), **kwargs)
-
-        return run
-
-    variant = replace(recurrent_kinds.WKV, captured=uncut)
+    variant = replace(kind, captured=uncut)
     known = recurrent_kinds.kind_of
     monkeypatch.setattr(recurrent_state, "kind_of", lambda m: variant if variant.matches(m) else known(m))
-    model = tiny_model("rwkv", VOCAB, dtype=torch.float64, attn="eager")
+    model = tiny_model(family, VOCAB, dtype=torch.float64, attn=attn)
     layer, _ = next(iter(mixers(model).values()))
     module = sys.modules[type(layer).__module__]
     for name in variant.functions:  # the layer module's own functions, so the variant is installed instead
@@ -273,8 +271,25 @@ def test_negative_control_wkv_state_not_stopped_at_the_cut_is_rejected(
     with pytest.raises(UnsupportedModelError, match="continuing from stored KV changes the hidden states"):
         check_supported(model, 64)
     replay = ReplayConfig(microbatch=2)
-    dev, floor = _check("rwkv", torch.float64, "multi_level", LossConfig(), replay, trusting=True)
+    dev, floor = _check(family, torch.float64, "multi_level", LossConfig(), replay, trusting=True)
     assert dev.abs > 100 * FACTOR * floor, f"{dev.abs:.3e} not far above {FACTOR} x {floor:.3e}"
+
+
+def test_negative_control_wkv_state_not_stopped_at_the_cut_is_rejected(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """RWKV's own recurrence in place of the captured one (the WKV state after the whole row, not before its
+    last token) is caught by the split probe and, run past the probe, by the gradient."""
+    from treetrain.models.recurrent_kinds import WKV
+
+    def uncut(sequence, step):  # type: ignore[no-untyped-def]
+        def run(*args, state=None, **kwargs):  # type: ignore[no-untyped-def]
+            # its own recurrence, on a copy of the initial state (the model overwrites the tensors it sliced)
+            return sequence(*args, state=None if state is None else tuple(s.clone() for s in state), **kwargs)
+
+        return run
+
+    _uncut_kind_is_caught(monkeypatch, WKV, uncut, "rwkv", "eager")
 
 
 def test_negative_control_kda_state_not_stopped_at_the_cut_is_rejected(
@@ -284,29 +299,12 @@ def test_negative_control_kda_state_not_stopped_at_the_cut_is_rejected(
     state stops before the row's last token. The layer's own function in its place (the state after the
     whole row: its last token, which the children see again, and its padding) is caught by the split
     probe and, run past the probe, by the gradient."""
-    import sys
-    from dataclasses import replace
-
-    import treetrain.models.recurrent_kinds as recurrent_kinds
-    import treetrain.models.recurrent_state as recurrent_state
+    from treetrain.models.recurrent_kinds import KIMI_DELTA
 
     def uncut(chunk, step):  # type: ignore[no-untyped-def]
         return lambda *args, **kwargs: chunk(*args, **{**kwargs, "output_final_state": True})
 
-    variant = replace(recurrent_kinds.KIMI_DELTA, captured=uncut)
-    known = recurrent_kinds.kind_of
-    monkeypatch.setattr(recurrent_state, "kind_of", lambda m: variant if variant.matches(m) else known(m))
-    model = tiny_model("kimi_linear", VOCAB, dtype=torch.float64)
-    layer, _ = next(iter(mixers(model).values()))
-    module = sys.modules[type(layer).__module__]
-    for name in variant.functions:  # the layer module's own functions, so the variant is installed instead
-        original = recurrent_state._ORIGINAL.get((module.__name__, name), getattr(module, name))
-        monkeypatch.setattr(module, name, original)
-    with pytest.raises(UnsupportedModelError, match="continuing from stored KV changes the hidden states"):
-        check_supported(model, 64)
-    replay = ReplayConfig(microbatch=2)
-    dev, floor = _check("kimi_linear", torch.float64, "multi_level", LossConfig(), replay, trusting=True)
-    assert dev.abs > 100 * FACTOR * floor, f"{dev.abs:.3e} not far above {FACTOR} x {floor:.3e}"
+    _uncut_kind_is_caught(monkeypatch, KIMI_DELTA, uncut, "kimi_linear", "sdpa")
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_text", "zamba2"])

@@ -35,6 +35,7 @@ from treetrain.models.logit_head import output_head
 from treetrain.models.lora import unwrap
 from treetrain.models.recurrent_state import (
     EngineCache,
+    argument_state_mixers,
     capturing,
     hybrid_layers,
     recurrent_layers,
@@ -199,7 +200,7 @@ def decoder_forward(
         list(lengths) if lengths is not None else [input_ids.shape[1]] * bsz, device=input_ids.device
     )  # [B]
     capture = capturing(unwrap(model), cache, rows) if isinstance(cache, EngineCache) else nullcontext()
-    argument = isinstance(cache, EngineCache) and bool(rwkv_state.argument_state_mixers(unwrap(model)))
+    argument = isinstance(cache, EngineCache) and bool(argument_state_mixers(unwrap(model)))
     width = input_ids.shape[1]
     try:
         with engine_attention(model, past if shared else None, positions), capture, ExitStack() as stack:

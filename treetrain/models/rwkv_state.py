@@ -36,7 +36,7 @@ from torch import nn
 
 from treetrain.models.recurrent_state import EngineCache, argument_state_mixers
 
-__all__ = ["argument_state_mixers", "finish", "pad_one_token", "recording", "state_list"]
+__all__ = ["finish", "pad_one_token", "recording", "state_list"]
 
 #: Per layer, the (time-mixing, feed-forward) inputs before each row's cut, `[B, H]` each, once recorded.
 Shifts = dict[int, list[torch.Tensor | None]]
