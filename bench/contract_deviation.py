@@ -18,13 +18,13 @@ from pathlib import Path
 
 import torch
 
-from treetrain.engine import ReplayConfig, UpdateBatch
-from treetrain.engine.verify import deviation, flat_gradient, noise_floor, tree_gradient
 from treetrain.io import atomic_write_text
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
 from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.manifest import Manifest
 from treetrain.models.presets import FAMILIES, load_model, tiny_model
+from treetrain.replay import ReplayConfig, UpdateBatch
+from treetrain.replay.verify import deviation, flat_gradient, noise_floor, tree_gradient
 from treetrain.tree.format import load_trees
 from treetrain.tree.synthetic import synthetic_group
 

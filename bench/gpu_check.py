@@ -7,7 +7,7 @@
 Three steps, one table each, written as markdown to stdout and `--out`:
 
 1. exactness: `exact` against flat, in float32 and bfloat16, beside the noise floor measured the same way
-   (`treetrain.engine.verify`), for a grouped-query Llama and the sliding-window Mistral;
+   (`treetrain.replay.verify`), for a grouped-query Llama and the sliding-window Mistral;
 2. speed: flat, `exact` and `response_only` side by side in bfloat16 (the geometry benchmark's model and
    engine settings, `treetrain.benchmark`), seconds per update and the speedups against flat;
 3. memory: each tree mode's peak from the CUDA allocator (`max_memory_allocated`, everything on the device)
@@ -42,14 +42,14 @@ from treetrain.benchmark.workload import (
     replay_config,
     zero_grads,
 )
-from treetrain.engine.batch import ReplayConfig, UpdateBatch
-from treetrain.engine.verify import deviation, flat_gradient, noise_floor, tree_gradient
 from treetrain.io import atomic_write_text
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
 from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.manifest import Manifest
 from treetrain.memory.ledger import predict_ledger
 from treetrain.models.presets import TinySize, tiny_model
+from treetrain.replay.batch import ReplayConfig, UpdateBatch
+from treetrain.replay.verify import deviation, flat_gradient, noise_floor, tree_gradient
 from treetrain.tree.synthetic import synthetic_group
 
 SPEED_POINTS = (GridPoint(2048, 8, 64, 1), GridPoint(8192, 8, 64, 1), GridPoint(8192, 8, 512, 1))
@@ -164,8 +164,8 @@ def rollout_engines(device: torch.device, dry: bool) -> list[str]:
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from treetrain.rollout.generation import GenerationRequest
-    from treetrain.rollout.hf_engine import HFEngine
+    from treetrain.rollout.engines.generation import GenerationRequest
+    from treetrain.rollout.engines.hf_engine import HFEngine
     from treetrain.rollout.sampling import Sampling
 
     size = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=1)
@@ -193,8 +193,8 @@ def rollout_engines(device: torch.device, dry: bool) -> list[str]:
     if dry:
         rows.append("| vllm | not run in the dry run | | | |")
         return rows
-    from treetrain.rollout.engine_settings import VLLMSettings
-    from treetrain.rollout.vllm_engine import VLLMEngine
+    from treetrain.rollout.engines.engine_settings import VLLMSettings
+    from treetrain.rollout.engines.vllm_engine import VLLMEngine
 
     with tempfile.TemporaryDirectory() as where:
         model.save_pretrained(where)

@@ -22,8 +22,6 @@ import torch
 from treetrain.bytesize import format_bytes
 from treetrain.distributed import TorchBackend
 from treetrain.distributed.backend import OptimizerConfig
-from treetrain.engine import ReplayPlan, TreeReplay
-from treetrain.engine.batch import UpdateBatch
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
 from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.manifest import Manifest
@@ -31,6 +29,8 @@ from treetrain.memory.persistent import PersistentBytes, model_persistent_bytes
 from treetrain.memory.tracker import MemoryTracker
 from treetrain.models.lora import AdaptersOff, LoraSection, apply_lora
 from treetrain.models.presets import load_model
+from treetrain.replay import ReplayPlan, TreeReplay
+from treetrain.replay.batch import UpdateBatch
 from treetrain.train.models import resolve_model_path
 from treetrain.tree.synthetic import synthetic_group
 

@@ -20,7 +20,7 @@ import time
 import torch
 
 from treetrain.benchmark.bench_config import MODES, QUICK, TARGETS, GridPoint
-from treetrain.benchmark.workload import bench_batch, bench_model, run_update
+from treetrain.benchmark.workload import bench_batch, bench_model, time_one_update
 from treetrain.memory.planner import attention_note
 
 
@@ -50,18 +50,18 @@ def main(argv: list[str] | None = None) -> int:
     batch = bench_batch(point, cfg)
     print(f"{args.mode} at {point.label}, {cfg.threads} thread(s)")
     print(f"attention against resident KV: {attention_note(model)}")
-    run_update(model, batch, args.mode, cfg)
-    times = [run_update(model, batch, args.mode, cfg)[0] for _ in range(args.reps)]
+    time_one_update(model, batch, args.mode, cfg)
+    times = [time_one_update(model, batch, args.mode, cfg)[0] for _ in range(args.reps)]
     print("timed updates (s):", " ".join(f"{t:.3f}" for t in times))
     prof = cProfile.Profile()
     start = time.process_time()
-    prof.runcall(run_update, model, batch, args.mode, cfg)
+    prof.runcall(time_one_update, model, batch, args.mode, cfg)
     print(f"cProfile run: {time.process_time() - start:.3f} s CPU")
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(args.top)
     print(text.getvalue())
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as tprof:
-        run_update(model, batch, args.mode, cfg)
+        time_one_update(model, batch, args.mode, cfg)
     print(tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
     return 0
 

@@ -18,8 +18,6 @@ import torch
 from transformers import PreTrainedModel
 
 from treetrain.bytesize import format_bytes
-from treetrain.engine import ReplayConfig, ReplayPlan, TreeReplay, UpdateBatch
-from treetrain.engine.flat_reference import FlatReference
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
 from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.manifest import Manifest
@@ -27,6 +25,8 @@ from treetrain.memory.flat_cost import predict_flat
 from treetrain.memory.ledger import predict_ledger
 from treetrain.memory.tracker import MemoryTracker
 from treetrain.models.presets import EAGER_ONLY, tiny_model
+from treetrain.replay import ReplayConfig, ReplayPlan, TreeReplay, UpdateBatch
+from treetrain.replay.flat_reference import FlatReference
 from treetrain.tree.synthetic import synthetic_group
 
 LOSS = LossConfig()

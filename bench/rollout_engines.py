@@ -37,10 +37,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from envs.remote import WorkerEnvFactory
 from envs.wrapper import EpisodeLimits, WrapperConfig
 from treetrain.io import atomic_write_text
-from treetrain.rollout.generation import GenerationRequest, GenerationResult
-from treetrain.rollout.hf_engine import HFEngine
-from treetrain.rollout.recording import RecordingEngine
-from treetrain.rollout.sampler import SamplerConfig
+from treetrain.rollout.engines.generation import GenerationRequest, GenerationResult
+from treetrain.rollout.engines.hf_engine import HFEngine
+from treetrain.rollout.engines.recording_engine import RecordingEngine
+from treetrain.rollout.prefix_sampler import SamplerConfig
 from treetrain.rollout.sampling import Sampling
 from treetrain.rollout.tree_rollout import RolloutConfig, rollout_trees
 from treetrain.train.config import TrainConfig
@@ -160,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     vllm_note = ""
     try:
-        from treetrain.rollout.engine_settings import VLLMSettings
-        from treetrain.rollout.vllm_engine import VLLMEngine
+        from treetrain.rollout.engines.engine_settings import VLLMSettings
+        from treetrain.rollout.engines.vllm_engine import VLLMEngine
 
         wide = AutoModelForCausalLM.from_pretrained(WIDE_DEMO_MODEL).eval()
         engines["vllm"] = (

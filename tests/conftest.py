@@ -26,8 +26,8 @@ settings.load_profile("reproducible")
 def vllm_engine() -> Iterator[Any]:
     """One real vLLM engine (the CPU build in `make test`) on the wide demo model, for the whole session:
     starting one costs about half a minute. Tests that change its weights put the originals back."""
-    from treetrain.rollout.engine_settings import VLLMSettings
-    from treetrain.rollout.vllm_engine import VLLMEngine
+    from treetrain.rollout.engines.engine_settings import VLLMSettings
+    from treetrain.rollout.engines.vllm_engine import VLLMEngine
     from treetrain.train.models import WIDE_DEMO_MODEL
 
     engine = VLLMEngine(str(WIDE_DEMO_MODEL), VLLMSettings(), dtype="float32", max_model_len=1024, seed=0)

@@ -26,9 +26,9 @@ from treetrain.tree import TrajectoryTree, TreeStats, build_tree, tree_stats
 
 if TYPE_CHECKING:
     from treetrain.api import BatchBuild, TreeUpdateReport, build_batch, tree_update
-    from treetrain.engine.batch import ReplayConfig, ReplayReport, UpdateBatch
     from treetrain.loss.advantages import AdvantageConfig
     from treetrain.loss.loss_config import LossConfig
+    from treetrain.replay.batch import ReplayConfig, ReplayReport, UpdateBatch
 
 __version__ = "0.1.0"
 
@@ -37,9 +37,9 @@ _LAZY = {
     "TreeUpdateReport": "treetrain.api",
     "build_batch": "treetrain.api",
     "tree_update": "treetrain.api",
-    "ReplayConfig": "treetrain.engine.batch",
-    "ReplayReport": "treetrain.engine.batch",
-    "UpdateBatch": "treetrain.engine.batch",
+    "ReplayConfig": "treetrain.replay.batch",
+    "ReplayReport": "treetrain.replay.batch",
+    "UpdateBatch": "treetrain.replay.batch",
     "AdvantageConfig": "treetrain.loss.advantages",
     "LossConfig": "treetrain.loss.loss_config",
 }

@@ -2,8 +2,8 @@
 
 `tree_update` is the whole sequence in one call: build the tree, compute advantages, build the update
 batch (targets and the manifest that normalizes them), replay it. `build_batch` is the middle step, for
-callers that drive `TreeReplay` or the flat reference (`treetrain.engine.FlatReference`) themselves, for
-example to compare the two (`treetrain.engine.verify`). The optimizer step stays the caller's, as does
+callers that drive `TreeReplay` or the flat reference (`treetrain.replay.FlatReference`) themselves, for
+example to compare the two (`treetrain.replay.verify`). The optimizer step stays the caller's, as does
 zeroing gradients: like `loss.backward()`, both functions *accumulate* into the parameters' `.grad`.
 
 Example:
@@ -27,14 +27,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from treetrain.engine.batch import ReplayConfig, ReplayReport, UpdateBatch
 from treetrain.loss.advantages import AdvantageConfig, TreeAdvantages, compute_advantages
 from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.manifest import Manifest
+from treetrain.replay.batch import ReplayConfig, ReplayReport, UpdateBatch
 from treetrain.trajectory import Trajectory
 from treetrain.tree.build import build_tree
-from treetrain.tree.model import TrajectoryTree
 from treetrain.tree.stats import tree_stats
+from treetrain.tree.trajectory_tree import TrajectoryTree
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -136,7 +136,7 @@ def tree_update(
     A group whose rewards are all equal is dropped (reported, no gradient) unless
     `advantages=AdvantageConfig(zero_variance="keep")`.
     """
-    from treetrain.engine.replay import TreeReplay
+    from treetrain.replay.tree_replay import TreeReplay
 
     if rewards is not None:
         if len(rewards) != len(trajectories):

@@ -1,8 +1,8 @@
 """Names of a package that load on first use (PEP 562), so importing the package imports nothing heavy.
 
 The command line reads and validates a config before torch and transformers load; packages whose modules
-need torch (`engine`, `distributed`, `rollout`) and the top-level `treetrain` therefore re-export their
-names lazily: `from treetrain.engine import TreeReplay` still works, and imports torch only then.
+need torch (`replay`, `distributed`, `rollout`) and the top-level `treetrain` therefore re-export their
+names lazily: `from treetrain.replay import TreeReplay` still works, and imports torch only then.
 
 Example:
     >>> __getattr__ = lazy_names("json_demo", {"dumps": "json"})

@@ -30,8 +30,8 @@ from treetrain.benchmark.results import (
 )
 from treetrain.benchmark.timing import rotation
 from treetrain.benchmark.workload import bench_batch
-from treetrain.engine.units import UnitTree
 from treetrain.lifetime import ClassBytes
+from treetrain.replay.units import UnitTree
 from treetrain.tree.stats import tree_stats
 
 REPO = Path(__file__).resolve().parents[2]

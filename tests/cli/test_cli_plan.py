@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from support.engine_cases import VOCAB
+from support.replay_cases import VOCAB
 
 import treetrain.memory.planner as planner
 from treetrain.cli.main import main

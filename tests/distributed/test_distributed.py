@@ -41,8 +41,8 @@ from support.ports import free_port
 from support.ports import run as launch
 
 from treetrain.distributed import TorchBackend
-from treetrain.engine.verify import _perturb
 from treetrain.memory.persistent import largest_module, model_persistent_bytes
+from treetrain.replay.verify import _perturb
 
 pytestmark = pytest.mark.distributed
 FACTOR = 5.0

@@ -6,12 +6,12 @@ import random
 
 import pytest
 import torch
-from support.engine_cases import SHAPES, factory, make_batch
+from support.replay_cases import SHAPES, factory, make_batch
 
 from treetrain.distributed.placement import build_placement, place, round_robin
-from treetrain.engine import FlatReference, ReplayConfig, TreeReplay, UpdateBatch
-from treetrain.engine.verify import deviation, flat_grad, noise_floor
 from treetrain.loss.loss_config import LossConfig
+from treetrain.replay import FlatReference, ReplayConfig, TreeReplay, UpdateBatch
+from treetrain.replay.verify import deviation, flat_grad, noise_floor
 from treetrain.tree.synthetic import synthetic_group
 
 

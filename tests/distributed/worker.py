@@ -55,11 +55,11 @@ from treetrain.distributed import (
 from treetrain.distributed.backend import make_backend
 from treetrain.distributed.checkpoint_io import CheckpointError
 from treetrain.distributed.deepspeed_backend import DeepSpeedBackend
-from treetrain.engine import ReplayConfig, UpdateBatch
-from treetrain.engine.resident import ResidentIdentity, ResidentKey, ResidentStore, StaleResidentStateError
 from treetrain.loss.manifest import ManifestError
 from treetrain.memory.persistent import largest_module
 from treetrain.models.lora import AdaptersOff, is_adapter_param
+from treetrain.replay import ReplayConfig, UpdateBatch
+from treetrain.replay.resident import ResidentIdentity, ResidentKey, ResidentStore, StaleResidentStateError
 from treetrain.update.window import UpdateWindow
 from treetrain.update.window_types import WindowConfig
 
@@ -513,7 +513,7 @@ def lora_resume(stage_name: str) -> tuple[torch.Tensor, Info]:
 def weight_sync(stage_name: str) -> tuple[torch.Tensor, Info]:
     """The weights an inference engine receives (`weight_buckets`, one small bucket at a time) against the
     gathered parameters, and the parameter storage on this rank while they stream."""
-    from treetrain.rollout.weight_sync import weight_buckets
+    from treetrain.rollout.engines.weight_buckets import weight_buckets
 
     backend = backend_for(stage_name)
     params = dict(backend.module.named_parameters())

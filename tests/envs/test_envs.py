@@ -153,7 +153,7 @@ MODULES = [
     "envs.lookup.table",
     "treetrain.assets",
     "treetrain.rollout.fanout",
-    "treetrain.rollout.sampler",
+    "treetrain.rollout.prefix_sampler",
     "treetrain.rollout.importer",
 ]
 

@@ -10,17 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.engine_cases import VOCAB
+from support.replay_cases import VOCAB
 
-from treetrain.engine import (
-    ReplayConfig,
-    ReplayPlan,
-    ResidentIdentity,
-    ResidentStore,
-    TreeReplay,
-    UpdateBatch,
-)
-from treetrain.engine.resident import ResidentKey
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
 from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.manifest import Manifest
@@ -29,6 +20,15 @@ from treetrain.memory.persistent import kv_bytes_per_token, model_persistent_byt
 from treetrain.memory.retention import RetentionPolicy
 from treetrain.memory.tracker import MemoryTracker
 from treetrain.models.presets import tiny_model
+from treetrain.replay import (
+    ReplayConfig,
+    ReplayPlan,
+    ResidentIdentity,
+    ResidentStore,
+    TreeReplay,
+    UpdateBatch,
+)
+from treetrain.replay.resident import ResidentKey
 from treetrain.tree.synthetic import synthetic_group
 
 TOLERANCE = 0.10

@@ -19,13 +19,13 @@ import pytest
 from support.ledger_cases import error, ledger_batch, measured_flat
 from support.ledger_cases import measured_tree as measured_tree_peak
 
-from treetrain.engine import ReplayConfig, UpdateBatch
 from treetrain.loss.loss_config import LossConfig
 from treetrain.memory.calibrate import LONG_PROBE, PROBES, calibrate, probes_for
 from treetrain.memory.flat_cost import predict_flat
 from treetrain.memory.ledger import predict_ledger
 from treetrain.memory.planner import Overrides, PlanError, plan_update
 from treetrain.models.presets import TinySize, tiny_model
+from treetrain.replay import ReplayConfig, UpdateBatch
 
 TOLERANCE = 0.10
 LOSS = LossConfig()

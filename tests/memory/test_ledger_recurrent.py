@@ -10,17 +10,17 @@ feature misses the measured peak by more than the tolerance.
 from __future__ import annotations
 
 import pytest
-from support.engine_cases import VOCAB
 from support.ledger_cases import error, ledger_batch, measured_flat, measured_tree
+from support.replay_cases import VOCAB
 
 import treetrain.memory.calibrate as calibrate_module
-from treetrain.engine import ReplayConfig, UpdateBatch
 from treetrain.loss.loss_config import LossConfig
 from treetrain.memory.calibrate import calibrate
 from treetrain.memory.flat_cost import predict_flat
 from treetrain.memory.ledger import predict_ledger
 from treetrain.memory.recurrent_cost import recurrent_chunk
 from treetrain.models.presets import tiny_model
+from treetrain.replay import ReplayConfig, UpdateBatch
 
 TOLERANCE = 0.10
 LOSS = LossConfig()

@@ -16,22 +16,22 @@ from typing import Any
 
 import pytest
 from hypothesis import given, settings
-from support.engine_cases import VOCAB
+from support.replay_cases import VOCAB
 from support.tree_strategies import trajectory_sets
 from support.tree_worst import _doc, _traj, comb_chain, shared_calls, wide
 
 import treetrain
-from treetrain.engine import UpdateBatch
-from treetrain.engine.flat_reference import FlatReference
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
 from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.manifest import Manifest
 from treetrain.memory.planner import plan_update
 from treetrain.models.presets import tiny_model
+from treetrain.replay import UpdateBatch
+from treetrain.replay.flat_reference import FlatReference
 from treetrain.trajectory import Trajectory
 from treetrain.tree.build import build_tree
 from treetrain.tree.format import trees_from_bytes
-from treetrain.tree.model import ROOT, CallRef, TrajectoryTree
+from treetrain.tree.trajectory_tree import ROOT, CallRef, TrajectoryTree
 
 PACKAGE = str(Path(treetrain.__file__).parent)
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.engine_cases import VOCAB
+from support.replay_cases import VOCAB
 
-from treetrain.engine import TreeReplay, UpdateBatch
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
 from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.manifest import Manifest
@@ -15,6 +14,7 @@ from treetrain.memory.planner import Overrides, PlanError, plan_update
 from treetrain.memory.retention import BudgetTooSmallError
 from treetrain.memory.tracker import MemoryTracker
 from treetrain.models.presets import tiny_model
+from treetrain.replay import TreeReplay, UpdateBatch
 from treetrain.tree.synthetic import synthetic_group
 
 LARGE = 1 << 30
@@ -81,7 +81,7 @@ def test_kept_graphs_are_chosen_when_memory_allows_and_lower_the_cost(model) -> 
     assert auto.tree.token_cost < none.tree.token_cost
     keep = auto.replay().keep_graph
     assert keep is not None
-    from treetrain.engine.units import UnitTree
+    from treetrain.replay.units import UnitTree
 
     work = batch.work[0]
     assert keep(UnitTree.build(work.tree, work.targets, auto.chunk_size))

@@ -13,14 +13,14 @@ from functools import cache
 
 import pytest
 import torch
-from support.engine_cases import SHAPES, factory, make_batch
+from support.replay_cases import SHAPES, factory, make_batch
 
 from treetrain.bytesize import format_bytes
-from treetrain.engine import ReplayConfig, ReplayPlan, TreeReplay
-from treetrain.engine.verify import deviation, flat_grad, flat_gradient, noise_floor
 from treetrain.loss.loss_config import LossConfig
 from treetrain.memory.retention import BudgetTooSmallError, ResidentUse, RetentionPolicy, plan_retention
 from treetrain.memory.tracker import MemoryTracker
+from treetrain.replay import ReplayConfig, ReplayPlan, TreeReplay
+from treetrain.replay.verify import deviation, flat_grad, flat_gradient, noise_floor
 
 FACTOR = 5.0
 
@@ -206,7 +206,7 @@ def test_kept_graphs_save_exactly_their_no_grad_forward() -> None:
     replay = ReplayConfig(microbatch=1)
     _, none, _, _ = run(make, batch, loss, replay)
     _, kept, _, _ = run(make, batch, loss, replay, keep=keep_all)
-    from treetrain.engine.units import UnitTree
+    from treetrain.replay.units import UnitTree
 
     work = batch.work[0]
     units = UnitTree.build(work.tree, work.targets)

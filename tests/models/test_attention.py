@@ -1,7 +1,7 @@
 """The engine's attention against resident KV: shared-past attention equals plain attention over the
 concatenated past, never materialises that past per row or per head, and routes dL/dKV into G.
 
-The engine-level differential tests (tests/engine/test_replay_exact.py, every family, `sdpa` and `eager`, K, order,
+The engine-level differential tests (tests/replay/test_replay_exact.py, every family, `sdpa` and `eager`, K, order,
 chunking, budget and dtype against the flat oracle) run through shared-past attention; here the kernel
 itself is checked (with and without attention sinks), gpt-oss (eager, sinks, a window) against flat, and
 negative controls show the engine check catches a wrong log-sum-exp merge and a dropped sink.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from support.attention_oracle import reference, reference_eager, reference_with_sinks
-from support.engine_cases import SHAPES, VOCAB, factory, make_batch
+from support.replay_cases import SHAPES, VOCAB, factory, make_batch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
@@ -20,9 +20,6 @@ import treetrain.models.attention as attention
 import treetrain.models.attention_states as attention_states
 import treetrain.models.decoder as decoder
 import treetrain.models.shared_past as shared_past
-from treetrain.engine import ReplayConfig, ReplayPlan
-from treetrain.engine.replay import TreeReplay
-from treetrain.engine.verify import deviation, flat_grad, flat_gradient, noise_floor, tree_gradient
 from treetrain.loss.loss_config import LossConfig
 from treetrain.memory.retention import RetentionPolicy
 from treetrain.models.attention import NAME, engine_attention, shared_past_kernel_note, shared_past_reason
@@ -30,6 +27,9 @@ from treetrain.models.decoder import SharedPast, decoder_forward
 from treetrain.models.presets import TinySize, tiny_model
 from treetrain.models.shared_past import shared_attention
 from treetrain.models.support import SupportGate, UnsupportedModelError
+from treetrain.replay import ReplayConfig, ReplayPlan
+from treetrain.replay.tree_replay import TreeReplay
+from treetrain.replay.verify import deviation, flat_grad, flat_gradient, noise_floor, tree_gradient
 
 SIZE = TinySize(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=1, intermediate_size=64)
 PAST, NEW = 40, 6

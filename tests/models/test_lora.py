@@ -1,6 +1,6 @@
 """LoRA adapters (PEFT): config, frozen base, the reference with adapters off, and exact replay against flat.
 
-The differential cases follow tests/engine/test_replay_exact.py: the gradient of `exact` tree replay must equal the
+The differential cases follow tests/replay/test_replay_exact.py: the gradient of `exact` tree replay must equal the
 flat run of the same PEFT model within FACTOR times the measured noise floor. With KL the reference is the
 same model with its adapters disabled; the negative control leaves them on and must be caught.
 """
@@ -14,16 +14,11 @@ from typing import TYPE_CHECKING
 
 import pytest
 import torch
-from support.engine_cases import SHAPES, VOCAB, make_batch
 from support.lora_cases import OTHER_FAMILY, base_model, lora_factory, trained_like
+from support.replay_cases import SHAPES, VOCAB, make_batch
 
 from treetrain.distributed import TorchBackend
 from treetrain.distributed.backend import OptimizerConfig
-from treetrain.engine import FlatReference, ReplayConfig, ReplayPlan, TreeReplay
-from treetrain.engine.resident import ResidentIdentity, ResidentKey, ResidentStore, StaleResidentStateError
-from treetrain.engine.scoring import PathKV, scoring_pass
-from treetrain.engine.units import UnitTree
-from treetrain.engine.verify import deviation, flat_grad, flat_gradient, noise_floor
 from treetrain.errors import ConfigError
 from treetrain.loss.loss_config import LossConfig
 from treetrain.memory.calibrate import calibrate
@@ -42,6 +37,11 @@ from treetrain.models.lora import (
     peft_quiet,
 )
 from treetrain.models.presets import FAMILIES
+from treetrain.replay import FlatReference, ReplayConfig, ReplayPlan, TreeReplay
+from treetrain.replay.resident import ResidentIdentity, ResidentKey, ResidentStore, StaleResidentStateError
+from treetrain.replay.scoring import PathKV, scoring_pass
+from treetrain.replay.units import UnitTree
+from treetrain.replay.verify import deviation, flat_grad, flat_gradient, noise_floor
 from treetrain.train.config import load_config
 
 if TYPE_CHECKING:
@@ -228,7 +228,7 @@ def test_negative_control_fused_walk_with_adapters_left_on_is_caught(monkeypatch
     is caught by the differential check, like the reference passed as the policy itself."""
     import contextlib
 
-    import treetrain.engine.reference as reference_mod
+    import treetrain.replay.reference as reference_mod
 
     monkeypatch.setattr(reference_mod, "adapters_disabled", lambda ref: contextlib.nullcontext(ref.model))
     dev, floor = _deviation("llama", torch.float64, KL)
@@ -239,7 +239,7 @@ def test_fused_walk_refuses_a_reference_forward_with_adapters_on() -> None:
     """KV scored with the adapters on is never stored as the reference's (identity adapters 'off')."""
     import contextlib
 
-    from treetrain.engine.scoring import ReferenceWalk
+    from treetrain.replay.scoring import ReferenceWalk
 
     model = lora_factory("llama", torch.float32)()
     units = UnitTree.build(

@@ -148,8 +148,8 @@ def test_links_and_cited_paths_exist(page: Path) -> None:
 def test_the_link_check_catches_a_broken_link(tmp_path: Path) -> None:
     page = tmp_path / "probe.md"
     page.write_text(
-        "# Probe\n[ok](#probe) [gone](no-such-page.md) [anchor](#nowhere) `treetrain/engine/nothing.py` "
-        "`treetrain.engine.nope` `treetrain/engine/flat_reference.py` `treetrain.engine.verify.noise_floor`\n"
+        "# Probe\n[ok](#probe) [gone](no-such-page.md) [anchor](#nowhere) `treetrain/replay/nothing.py` "
+        "`treetrain.replay.nope` `treetrain/replay/flat_reference.py` `treetrain.replay.verify.noise_floor`\n"
     )
     assert len(path_problems(page)) == 4, path_problems(page)
 

@@ -19,8 +19,8 @@ from treetrain.errors import ConfigError, TreetrainError
 ROOT = Path(__file__).resolve().parents[2]
 
 INTERNAL = {
-    "treetrain.engine.replay.BackwardFailed": "control flow: a failed backward, judged by its cause and retried",
-    "treetrain.engine.resident.StaleResidentStateError": "an invariant of the engine: reading it is a bug",
+    "treetrain.replay.tree_replay.BackwardFailed": "control flow: a failed backward, judged by its cause and retried",
+    "treetrain.replay.resident.StaleResidentStateError": "an invariant of the engine: reading it is a bug",
     "treetrain.train.config_docs.MissingDocstring": "a developer's tool: a config field without a docstring",
     "envs.tools.StepAbandoned": "control flow: injected into a timed-out tool thread to stop it",
     "treetrain.models.attention.PastLayoutError": "control flow: the layer takes the concatenated past instead",

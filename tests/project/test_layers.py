@@ -1,8 +1,8 @@
 """Dependencies run one way: a package imports only packages listed before it in `LAYERS`.
 
-The order is the pipeline (docs/development.md): tree data, the loss on it, the model, the engine that
+The order is the pipeline (docs/development.md): tree data, the loss on it, the model, the replay engine that
 replays trees through the model, the memory model that prices the engine, then everything that drives a
-run. A lower layer reaching up (say `engine` importing `train`) is a failing test, found by reading every
+run. A lower layer reaching up (say `replay` importing `train`) is a failing test, found by reading every
 `import` in the source, including ones inside functions.
 """
 
@@ -27,7 +27,7 @@ LAYERS = (
     "tree",
     "loss",
     "models",
-    "engine",
+    "replay",
     "memory",
     "viz",
     "rollout",
@@ -108,11 +108,11 @@ def test_no_two_modules_share_a_file_name() -> None:
 
 def test_the_name_check_catches_a_collision() -> None:
     paths = [where for where, _, _ in _sources()]
-    assert _name_collisions([*paths, "treetrain/viz/replay.py"]) == [
-        "replay.py: treetrain/engine/replay.py, treetrain/viz/replay.py"
+    assert _name_collisions([*paths, "treetrain/viz/tree_replay.py"]) == [
+        "tree_replay.py: treetrain/replay/tree_replay.py, treetrain/viz/tree_replay.py"
     ]
 
 
 def test_the_check_catches_an_upward_import_inside_a_function() -> None:
-    probe = ("treetrain/engine/probe.py", "engine", "def f():\n    from treetrain.train.loop import run\n")
-    assert _upward_imports([*_sources(), probe]) == ["treetrain/engine/probe.py (engine) imports train"]
+    probe = ("treetrain/replay/probe.py", "replay", "def f():\n    from treetrain.train.loop import run\n")
+    assert _upward_imports([*_sources(), probe]) == ["treetrain/replay/probe.py (replay) imports train"]

@@ -7,9 +7,9 @@ import pytest
 import torch
 from support.env_fixtures import tiny_model, tokenizer
 
-from treetrain.rollout.generation import GenerationRequest, GenerationResult
-from treetrain.rollout.hf_engine import HFEngine
-from treetrain.rollout.sampler import Sampler, SamplerConfig
+from treetrain.rollout.engines.generation import GenerationRequest, GenerationResult
+from treetrain.rollout.engines.hf_engine import HFEngine
+from treetrain.rollout.prefix_sampler import Sampler, SamplerConfig
 from treetrain.rollout.sampling import Sampling
 
 torch.set_num_threads(1)

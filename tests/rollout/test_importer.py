@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from treetrain.cli.main import main
+from treetrain.rollout.import_records import RecordError
 from treetrain.rollout.importer import GroupBy, import_jsonl
-from treetrain.rollout.records import RecordError
 from treetrain.trajectory import Call, Role, Segment, Trajectory
 from treetrain.tree.format import load_tree
 from treetrain.tree.stats import tree_stats

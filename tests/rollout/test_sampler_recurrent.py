@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from treetrain.models.presets import tiny_model
-from treetrain.rollout.sampler import Sampler, SamplerConfig
+from treetrain.rollout.prefix_sampler import Sampler, SamplerConfig
 from treetrain.rollout.sampling import Sampling
 
 torch.set_num_threads(1)
@@ -60,7 +60,7 @@ def test_greedy_rows_agree_with_each_other(hybrid: torch.nn.Module) -> None:
 def test_a_forked_cache_holds_the_rows_asked_for_in_that_order(hybrid: torch.nn.Module) -> None:
     """`fork_cache` with rows reordered (as the engine forks a branch's samples): continuing row j of the
     fork scores as continuing row rows[j] of the original."""
-    from treetrain.rollout.sampler import fork_cache
+    from treetrain.rollout.prefix_sampler import fork_cache
 
     sampler = Sampler(hybrid, SamplerConfig(Sampling(temperature=1.0), seed=5), NEVER)
     samples = sampler.sample(None, [5, 9, 11, 3], n=3, max_new_tokens=3)

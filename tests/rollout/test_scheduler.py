@@ -15,14 +15,14 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 from envs import EpisodeLimits, Message, StepResult, WrapperConfig
 from envs.remote import WorkerEnvFactory
 from treetrain.rollout import FanOut, RolloutConfig, SamplerConfig, Sampling, rollout_trees
-from treetrain.rollout.generation import (
+from treetrain.rollout.engines.generation import (
     Completion,
     EngineStats,
     GenerationRequest,
     GenerationResult,
     VersionMismatchError,
 )
-from treetrain.rollout.hf_engine import HFEngine
+from treetrain.rollout.engines.hf_engine import HFEngine
 from treetrain.train.models import DEMO_MODEL
 
 torch.set_num_threads(1)

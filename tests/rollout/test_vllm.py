@@ -11,8 +11,8 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 
 from envs import EpisodeLimits, WrapperConfig, make_env
 from treetrain.rollout import FanOut, RolloutConfig, SamplerConfig, Sampling, rollout_trees
-from treetrain.rollout.generation import GenerationRequest, GenerationResult
-from treetrain.rollout.recording import RecordingEngine
+from treetrain.rollout.engines.generation import GenerationRequest, GenerationResult
+from treetrain.rollout.engines.recording_engine import RecordingEngine
 from treetrain.train.models import WIDE_DEMO_MODEL
 from treetrain.trajectory import Role
 
@@ -108,8 +108,8 @@ def test_without_vllm_the_engine_says_how_to_install_it(monkeypatch: Any) -> Non
 
     import pytest
 
-    from treetrain.rollout.generation import EngineError
-    from treetrain.rollout.vllm_engine import import_vllm
+    from treetrain.rollout.engines.generation import EngineError
+    from treetrain.rollout.engines.vllm_engine import import_vllm
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # as if it were not installed
     with pytest.raises(EngineError, match=r"^rollout.engine=vllm: vLLM is not installed .*pip install"):

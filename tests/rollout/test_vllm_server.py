@@ -17,9 +17,9 @@ from support.env_fixtures import FixedTurnsEnv, tiny_model, tokenizer
 from envs import EpisodeLimits, WrapperConfig
 from treetrain.errors import TreetrainError
 from treetrain.rollout import FanOut, RolloutConfig, SamplerConfig, Sampling, rollout_trees
-from treetrain.rollout.engine_settings import VLLMSettings
-from treetrain.rollout.generation import EngineError, GenerationRequest
-from treetrain.rollout.vllm_server import VLLMServerEngine, route
+from treetrain.rollout.engines.engine_settings import VLLMSettings
+from treetrain.rollout.engines.generation import EngineError, GenerationRequest
+from treetrain.rollout.engines.vllm_server import VLLMServerEngine, route
 
 MODELS = {"object": "list", "data": [{"id": "demo", "object": "model"}]}
 Answer = Callable[[dict], tuple[int, bytes]]

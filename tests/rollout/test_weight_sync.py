@@ -10,8 +10,8 @@ from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
 from support.env_fixtures import tiny_model
 
-from treetrain.rollout.weight_files import write_weights
-from treetrain.rollout.weight_sync import weight_buckets
+from treetrain.rollout.engines.served_checkpoint import write_weights
+from treetrain.rollout.engines.weight_buckets import weight_buckets
 
 
 def _lora() -> torch.nn.Module:

@@ -18,15 +18,15 @@ from functools import partial
 import torch
 from transformers import PreTrainedModel
 
-from support.engine_cases import SHAPES, VOCAB, factory
 from support.lora_cases import lora_factory
+from support.replay_cases import SHAPES, VOCAB, factory
 from treetrain.distributed import OptimizerConfig, TorchBackend
-from treetrain.engine import FlatReference, ReplayConfig, TreeReplay, UpdateBatch
-from treetrain.engine.verify import _perturb
 from treetrain.loss.advantages import AdvantageConfig
 from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.manifest import Manifest
 from treetrain.models.lora import AdaptersOff
+from treetrain.replay import FlatReference, ReplayConfig, TreeReplay, UpdateBatch
+from treetrain.replay.verify import _perturb
 from treetrain.update.window_types import Group
 
 LOSS = LossConfig()
@@ -110,7 +110,7 @@ def delta_floor(
     """The reference delta and its fp32 noise floor: the largest gap to two equally valid runs of it.
 
     The variants are another summation order (reversed, other microbatching) and every parameter moved by
-    one float32 rounding step (as in treetrain.engine.verify.noise_floor, applied to the deltas).
+    one float32 rounding step (as in treetrain.replay.verify.noise_floor, applied to the deltas).
     """
     run = partial(reference_delta, optimizer=optimizer, lora=lora, family=family)
     ref = run(contract, update)

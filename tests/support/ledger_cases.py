@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from treetrain.engine import ReplayConfig, ReplayPlan, TreeReplay, UpdateBatch
-from treetrain.engine.flat_reference import FlatReference
 from treetrain.lifetime import ClassBytes
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
 from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.manifest import Manifest
 from treetrain.memory.tracker import MemoryTracker
+from treetrain.replay import ReplayConfig, ReplayPlan, TreeReplay, UpdateBatch
+from treetrain.replay.flat_reference import FlatReference
 from treetrain.tree.synthetic import synthetic_group
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from support.engine_cases import VOCAB
+from support.replay_cases import VOCAB
 from treetrain.models.lora import LoraSection, apply_lora
 from treetrain.models.presets import tiny_model
 

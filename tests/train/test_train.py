@@ -15,7 +15,7 @@ from envs.wrapper import EpisodeLimits, WrapperConfig
 from treetrain.cli.main import main
 from treetrain.errors import ConfigError
 from treetrain.rollout.fanout import FanOut
-from treetrain.rollout.sampler import Sampling
+from treetrain.rollout.prefix_sampler import Sampling
 from treetrain.rollout.tree_rollout import RolloutConfig
 from treetrain.train.config import dump_config, load_config
 from treetrain.train.loop import Trainer

@@ -135,7 +135,7 @@ def test_design_doc_example_costs(p: int, g: int, s: int) -> None:
 
 DOCTEST_MODULES = [
     "treetrain.trajectory",
-    "treetrain.tree.model",
+    "treetrain.tree.trajectory_tree",
     "treetrain.tree.build",
     "treetrain.tree.stats",
     "treetrain.tree.graph",

@@ -8,8 +8,8 @@ from support.dist_cases import LOSS, OPTIMIZER, groups, make_model
 from support.fake_world import ThreadRankBackend, ThreadWorld
 
 from treetrain.distributed import TorchBackend, round_robin
-from treetrain.engine import ReplayPlan
-from treetrain.engine.replay_plan import Mode
+from treetrain.replay import ReplayPlan
+from treetrain.replay.replay_plan import Mode
 from treetrain.update.window import UpdateWindow
 from treetrain.update.window_types import WindowReport
 

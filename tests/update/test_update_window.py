@@ -22,14 +22,14 @@ from treetrain.distributed import (
 )
 from treetrain.distributed.backend import make_backend
 from treetrain.distributed.checkpoint_io import CheckpointError
-from treetrain.engine import BackwardFailed, ReplayConfig, ReplayPlan, UpdateBatch
-from treetrain.engine.replay_plan import Mode
-from treetrain.engine.resident import ResidentIdentity, ResidentKey, ResidentStore, StaleResidentStateError
-from treetrain.engine.schedule import ReplayStep
 from treetrain.errors import ConfigError
 from treetrain.loss.manifest import ManifestError
 from treetrain.memory.retention import BudgetTooSmallError
 from treetrain.models.support import UnsupportedModelError
+from treetrain.replay import BackwardFailed, ReplayConfig, ReplayPlan, UpdateBatch
+from treetrain.replay.replay_plan import Mode
+from treetrain.replay.resident import ResidentIdentity, ResidentKey, ResidentStore, StaleResidentStateError
+from treetrain.replay.schedule import ReplayStep
 from treetrain.update.faults import is_transient
 from treetrain.update.window import UpdateWindow
 from treetrain.update.window_types import WindowConfig

@@ -12,9 +12,9 @@ import pytest
 
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
 from treetrain.tree.format import save_trees
-from treetrain.tree.model import ROOT
 from treetrain.tree.stats import tree_stats
 from treetrain.tree.synthetic import synthetic_group
+from treetrain.tree.trajectory_tree import ROOT
 from treetrain.viz.geometry import MeasuredPoint, ceiling_grid, plot_ceiling_heatmaps
 from treetrain.viz.layout import tidy_layout
 from treetrain.viz.nodes import node_advantages, node_mean_rewards
@@ -148,13 +148,13 @@ def test_plots_draw_without_error() -> None:
 def test_ledger_plot_stacks_classes_and_marks_measured_peaks() -> None:
     import torch
 
-    from treetrain.engine import ReplayConfig, ReplayPlan, TreeReplay, UpdateBatch
     from treetrain.lifetime import ClassBytes
     from treetrain.loss.loss_config import LossConfig
     from treetrain.loss.manifest import Manifest
     from treetrain.memory.ledger import predict_ledger
     from treetrain.memory.tracker import MeasuredSegment, MemoryTracker
     from treetrain.models.presets import tiny_model
+    from treetrain.replay import ReplayConfig, ReplayPlan, TreeReplay, UpdateBatch
     from treetrain.viz.ledger_plot import measured_peaks, plot_ledger
 
     segs = [

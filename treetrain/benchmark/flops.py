@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from transformers import PreTrainedModel
 
 from treetrain.benchmark.bench_config import Mode
-from treetrain.tree.model import ROOT, TrajectoryTree
 from treetrain.tree.stats import node_carries_loss
+from treetrain.tree.trajectory_tree import ROOT, TrajectoryTree
 
 
 @dataclass(frozen=True)

@@ -31,8 +31,8 @@ from transformers import PreTrainedModel
 from treetrain.benchmark.bench_config import BenchConfig, GridPoint, Mode
 from treetrain.benchmark.memory import measure_peak, predict_peak
 from treetrain.benchmark.workload import bench_batch
-from treetrain.engine.batch import UpdateBatch
 from treetrain.lifetime import ClassBytes
+from treetrain.replay.batch import UpdateBatch
 
 Judged = Literal["measured", "predicted", "confirmed", "corrected"]
 

@@ -18,14 +18,14 @@ from transformers import PreTrainedModel
 
 from treetrain.benchmark.bench_config import BenchConfig, Mode
 from treetrain.benchmark.workload import LOSS, make_engine, replay_config, zero_grads
-from treetrain.engine.batch import UpdateBatch
-from treetrain.engine.flat_reference import FlatReference
 from treetrain.lifetime import ClassBytes
 from treetrain.memory.calibrate import calibrate
 from treetrain.memory.events import Shape, forward_shape, plan_tree
 from treetrain.memory.ledger import predict_ledger
 from treetrain.memory.persistent import model_persistent_bytes
 from treetrain.memory.tracker import MemoryTracker
+from treetrain.replay.batch import UpdateBatch
+from treetrain.replay.flat_reference import FlatReference
 
 
 def measure_peak(model: PreTrainedModel, batch: UpdateBatch, mode: Mode, cfg: BenchConfig) -> ClassBytes:

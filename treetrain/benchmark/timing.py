@@ -17,8 +17,8 @@ from collections.abc import Callable, Sequence
 from transformers import PreTrainedModel
 
 from treetrain.benchmark.bench_config import MODES, BenchConfig, GridPoint, Mode
-from treetrain.benchmark.workload import run_update
-from treetrain.engine.batch import ReplayReport, UpdateBatch
+from treetrain.benchmark.workload import time_one_update
+from treetrain.replay.batch import ReplayReport, UpdateBatch
 
 
 def rotation(rep: int, index: int, modes: Sequence[Mode] = MODES) -> tuple[Mode, ...]:
@@ -45,7 +45,7 @@ def interleaved(
     for rep in range(cfg.reps):
         for i, (point, batch) in enumerate(zip(points, batches)):
             for mode in rotation(rep, i):
-                seconds, report = run_update(model, batch, mode, cfg)
+                seconds, report = time_one_update(model, batch, mode, cfg)
                 times[(point, mode)].append(seconds)
                 reports.setdefault((point, mode), report)
             cells = "  ".join(f"{m} {times[(point, m)][-1]:.2f}s" for m in MODES)

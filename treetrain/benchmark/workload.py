@@ -8,7 +8,7 @@ is the same for every mode and is left out of the timing.
 Example:
     >>> model = bench_model(QUICK.model)                                              # doctest: +SKIP
     >>> batch = bench_batch(GridPoint(48, 2, 8, 1), QUICK)                            # doctest: +SKIP
-    >>> seconds, report = run_update(model, batch, "exact", QUICK)                   # doctest: +SKIP
+    >>> seconds, report = time_one_update(model, batch, "exact", QUICK)                   # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -19,18 +19,18 @@ import torch
 from transformers import PreTrainedModel
 
 from treetrain.benchmark.bench_config import BenchConfig, GridPoint, Mode, ModelSpec
-from treetrain.engine.batch import ReplayConfig, ReplayReport, UpdateBatch
-from treetrain.engine.flat_reference import FlatReference
-from treetrain.engine.protocols import MemoryProbe
-from treetrain.engine.replay import TreeReplay
-from treetrain.engine.replay_plan import ReplayPlan
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
 from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.manifest import Manifest
 from treetrain.models.presets import TinySize, tiny_model
 from treetrain.models.support import SupportGate
-from treetrain.tree.model import TrajectoryTree
+from treetrain.replay.batch import ReplayConfig, ReplayReport, UpdateBatch
+from treetrain.replay.flat_reference import FlatReference
+from treetrain.replay.protocols import MemoryProbe
+from treetrain.replay.replay_plan import ReplayPlan
+from treetrain.replay.tree_replay import TreeReplay
 from treetrain.tree.synthetic import synthetic_group
+from treetrain.tree.trajectory_tree import TrajectoryTree
 
 LOSS = LossConfig(ratio_source="sampler")
 """PPO-clip with the sampler's logprobs: no scoring pass in any mode."""
@@ -101,7 +101,7 @@ def make_engine(
     )
 
 
-def run_update(
+def time_one_update(
     model: PreTrainedModel, batch: UpdateBatch, mode: Mode, cfg: BenchConfig
 ) -> tuple[float, ReplayReport]:
     """One update in `mode`: wall seconds of the gradient accumulation, and its report."""

@@ -1,6 +1,6 @@
 """`treetrain import IN.jsonl --out DIR`: turn externally sampled rollouts into tree files.
 
-The schema is in `treetrain.rollout.records` (and README.md, "Environments"). The library does the work
+The schema is in `treetrain.rollout.import_records` (and README.md, "Environments"). The library does the work
 (`treetrain.rollout.importer.import_jsonl`); an invalid record prints its line number and field and exits
 with status 2, having written nothing.
 """

@@ -31,14 +31,14 @@ from treetrain.tree.unpack import short_repr
 from treetrain.viz.tree_files import tree_groups
 
 if TYPE_CHECKING:  # the rest loads in `run`, so `treetrain --help` stays fast
-    from treetrain.engine.batch import UpdateBatch
     from treetrain.loss.advantages import AdvantageConfig
     from treetrain.loss.loss_config import LossConfig
     from treetrain.memory.persistent import PersistentBytes
     from treetrain.memory.planner import Plan
+    from treetrain.replay.batch import UpdateBatch
     from treetrain.train.config import TrainConfig
     from treetrain.train.models import LoadedModels
-    from treetrain.tree.model import TrajectoryTree
+    from treetrain.tree.trajectory_tree import TrajectoryTree
 
 EXIT_BAD_INPUT = 2
 MAX_INFERRED_VOCAB = 1 << 19
@@ -157,8 +157,8 @@ def _batch(named: NamedTrees, loss: LossConfig, adv: AdvantageConfig) -> UpdateB
     """The update `treetrain train` would build from these trees: each file's trees one advantage group
     (as the trainer normalizes one task's trees together), zero-variance groups dropped when `adv` says so.
     Raises TreeFormatError when every group would be dropped (an update with nothing to train)."""
-    from treetrain.engine.batch import UpdateBatch
     from treetrain.loss.manifest import Manifest
+    from treetrain.replay.batch import UpdateBatch
     from treetrain.update.run import advantage_groups
 
     groups, dropped = advantage_groups([group for _, group in named], adv)

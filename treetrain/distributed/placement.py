@@ -26,7 +26,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-from treetrain.tree.model import ROOT, TrajectoryTree
+from treetrain.tree.trajectory_tree import ROOT, TrajectoryTree
 
 
 @dataclass(frozen=True)

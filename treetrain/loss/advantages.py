@@ -25,7 +25,7 @@ from typing import Literal
 import numpy as np
 
 from treetrain.errors import ConfigError
-from treetrain.tree.model import ROOT, TrajectoryTree
+from treetrain.tree.trajectory_tree import ROOT, TrajectoryTree
 
 AdvantageMode = Literal["grpo", "tree"]
 ZeroVariance = Literal["drop", "keep"]

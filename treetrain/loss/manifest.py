@@ -23,7 +23,7 @@ from functools import cached_property
 
 from treetrain.errors import TreetrainError
 from treetrain.loss.loss_config import LossConfig
-from treetrain.tree.model import TrajectoryTree
+from treetrain.tree.trajectory_tree import TrajectoryTree
 
 
 class ManifestError(TreetrainError, RuntimeError):

@@ -23,7 +23,7 @@ from treetrain.loss.advantages import TreeAdvantages
 from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.manifest import Manifest
 from treetrain.trajectory import Role, Trajectory
-from treetrain.tree.model import ROOT, CallRef, TrajectoryTree
+from treetrain.tree.trajectory_tree import ROOT, CallRef, TrajectoryTree
 
 
 @dataclass(frozen=True)

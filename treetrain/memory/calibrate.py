@@ -50,10 +50,6 @@ import torch
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
-from treetrain.engine.batch import ReplayConfig, UpdateBatch
-from treetrain.engine.replay import TreeReplay
-from treetrain.engine.replay_plan import ReplayPlan
-from treetrain.engine.schedule import Contract
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
 from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.manifest import Manifest
@@ -64,9 +60,13 @@ from treetrain.memory.recurrent_cost import recurrent_chunk, row_chunks
 from treetrain.memory.tracker import MeasuredSegment, MemoryTracker
 from treetrain.models.logprobs import DEFAULT_MAX_LOGIT_ELEMENTS
 from treetrain.models.support import SupportGate
+from treetrain.replay.batch import ReplayConfig, UpdateBatch
+from treetrain.replay.replay_plan import ReplayPlan
+from treetrain.replay.schedule import Contract
+from treetrain.replay.tree_replay import TreeReplay
 from treetrain.trajectory import Call, Role, Segment, Trajectory
 from treetrain.tree.build import build_tree
-from treetrain.tree.model import TrajectoryTree
+from treetrain.tree.trajectory_tree import TrajectoryTree
 
 CALIBRATION_VERSION = 3
 

@@ -18,15 +18,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from treetrain.engine.batch import ReplayConfig, TreeWork
-from treetrain.engine.protocols import KeepGraph
-from treetrain.engine.schedule import Contract, ReplayStep, active_units, build_schedule
-from treetrain.engine.scoring import ScoreBatch, ScoreEvent, reference_need, scoring_schedule
-from treetrain.engine.units import Unit, UnitTree
 from treetrain.loss.loss_config import LossConfig
 from treetrain.memory.persistent import unit_resident_bytes
 from treetrain.memory.retention import ResidentUse, RetentionPlan, plan_retention, tree_uses
-from treetrain.tree.model import ROOT
+from treetrain.replay.batch import ReplayConfig, TreeWork
+from treetrain.replay.protocols import KeepGraph
+from treetrain.replay.schedule import Contract, ReplayStep, active_units, build_schedule
+from treetrain.replay.scoring import ScoreBatch, ScoreEvent, reference_need, scoring_schedule
+from treetrain.replay.units import Unit, UnitTree
+from treetrain.tree.trajectory_tree import ROOT
 
 EventKind = Literal["score", "reference", "recompute", "restore", "keep", "step"]
 
@@ -213,7 +213,7 @@ def plan_tree(
 ) -> TreePlan:
     """The schedule, retention plan and forward events of one tree (see `TreeReplay._tree`).
 
-    `fused_reference` (`treetrain.engine.replay.fused_reference`): the reference is scored in the scoring
+    `fused_reference` (`treetrain.replay.tree_replay.fused_reference`): the reference is scored in the scoring
     walk, its KV counted in the retention plan; otherwise, with KL, in a walk of its own."""
     units = UnitTree.build(work.tree, work.targets, replay.chunk_size)
     skip = replay.skip_inert and loss.zero_advantage_is_inert

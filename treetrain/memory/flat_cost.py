@@ -15,8 +15,6 @@ from collections.abc import Sequence
 
 from transformers import PreTrainedModel
 
-from treetrain.engine.batch import UpdateBatch
-from treetrain.engine.flat_reference import FlatCallSize, FlatReference
 from treetrain.lifetime import ClassBytes
 from treetrain.loss.loss_config import LossConfig
 from treetrain.memory.calibrate import MemoryModel, calibrate
@@ -25,6 +23,8 @@ from treetrain.memory.ledger import Ledger, LedgerRow, manifest_host_bytes
 from treetrain.memory.persistent import PersistentBytes, model_persistent_bytes
 from treetrain.models.logprobs import DEFAULT_MAX_LOGIT_ELEMENTS
 from treetrain.models.lora import Reference
+from treetrain.replay.batch import UpdateBatch
+from treetrain.replay.flat_reference import FlatCallSize, FlatReference
 
 
 def predict_flat(

@@ -27,10 +27,6 @@ from dataclasses import dataclass
 from transformers import PreTrainedModel
 
 from treetrain.bytesize import format_bytes
-from treetrain.engine.batch import ReplayConfig, UpdateBatch
-from treetrain.engine.protocols import KeepGraph
-from treetrain.engine.reference import fused_reference
-from treetrain.engine.scoring import ScoreBatch, ScoreDone
 from treetrain.lifetime import CLASSES, ClassBytes
 from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.manifest import Manifest
@@ -38,6 +34,10 @@ from treetrain.memory.calibrate import MemoryModel, calibrate
 from treetrain.memory.events import MemEvent, Shape, TreePlan, plan_tree
 from treetrain.memory.persistent import PersistentBytes, model_persistent_bytes
 from treetrain.models.lora import Reference, reference_module
+from treetrain.replay.batch import ReplayConfig, UpdateBatch
+from treetrain.replay.protocols import KeepGraph
+from treetrain.replay.reference import fused_reference
+from treetrain.replay.scoring import ScoreBatch, ScoreDone
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,6 @@ from typing import Literal
 
 from transformers import PreTrainedModel
 
-from treetrain.engine.batch import ReplayConfig, UpdateBatch
-from treetrain.engine.flat_reference import FlatReference
-from treetrain.engine.protocols import KeepGraph
-from treetrain.engine.schedule import Contract
 from treetrain.loss.loss_config import LossConfig
 from treetrain.memory.events import plan_tree
 from treetrain.memory.flat_cost import predict_flat
@@ -26,6 +22,10 @@ from treetrain.memory.ledger import Ledger, predict_ledger
 from treetrain.memory.persistent import PersistentBytes, kv_bytes_per_token, state_bytes_per_unit
 from treetrain.memory.retention import BudgetTooSmallError
 from treetrain.models.lora import Reference
+from treetrain.replay.batch import ReplayConfig, UpdateBatch
+from treetrain.replay.flat_reference import FlatReference
+from treetrain.replay.protocols import KeepGraph
+from treetrain.replay.schedule import Contract
 
 KeepChoice = Literal["none", "all", "auto"]
 

@@ -34,12 +34,6 @@ from typing import Literal
 from transformers import PreTrainedModel
 
 from treetrain.bytesize import format_bytes
-from treetrain.engine.batch import ReplayConfig, UpdateBatch
-from treetrain.engine.protocols import MemoryProbe
-from treetrain.engine.reference import fused_reference
-from treetrain.engine.replay_plan import ReplayPlan
-from treetrain.engine.schedule import Contract
-from treetrain.engine.units import UnitTree
 from treetrain.errors import TreetrainError
 from treetrain.loss.loss_config import LossConfig
 from treetrain.memory.ledger import Ledger
@@ -56,6 +50,12 @@ from treetrain.memory.plan_search import (
 from treetrain.memory.retention import BudgetTooSmallError, RetentionPolicy
 from treetrain.models.attention import shared_past_kernel_note, shared_past_reason
 from treetrain.models.lora import Reference
+from treetrain.replay.batch import ReplayConfig, UpdateBatch
+from treetrain.replay.protocols import MemoryProbe
+from treetrain.replay.reference import fused_reference
+from treetrain.replay.replay_plan import ReplayPlan
+from treetrain.replay.schedule import Contract
+from treetrain.replay.units import UnitTree
 
 Mode = Literal["tree", "flat"]
 

@@ -7,7 +7,7 @@ it runs against), may store new KV (scoring stores internal units), may create K
 eviction can look at the future: when resident bytes would exceed the budget, the resident unit whose
 next use is farthest away goes first (Belady's rule; optimal in recomputes when units are the same size).
 An evicted unit is recomputed, without a graph, from its nearest resident ancestor when it is needed again
-(`treetrain.engine.scoring.PathKV`), so a budget changes cost, never the gradient.
+(`treetrain.replay.scoring.PathKV`), so a budget changes cost, never the gradient.
 
 What cannot be evicted sets the *minimum* budget: at every use, the KV of the path it runs against, the
 KV it stores, every live G accumulator (they hold gradient not yet pushed through, `exact` mode), the
@@ -34,12 +34,12 @@ from typing import Any, cast
 from transformers import PreTrainedModel
 
 from treetrain.bytesize import format_bytes
-from treetrain.engine.schedule import Contract, ReplayStep
-from treetrain.engine.scoring import ScoreBatch, ScoreDone, ScoreEvent
-from treetrain.engine.units import UnitTree
 from treetrain.errors import TreetrainError
 from treetrain.memory.persistent import kv_bytes_per_token, state_bytes_per_unit, unit_resident_bytes
-from treetrain.tree.model import ROOT
+from treetrain.replay.schedule import Contract, ReplayStep
+from treetrain.replay.scoring import ScoreBatch, ScoreDone, ScoreEvent
+from treetrain.replay.units import UnitTree
+from treetrain.tree.trajectory_tree import ROOT
 
 NEVER = 1 << 62
 

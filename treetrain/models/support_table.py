@@ -231,11 +231,11 @@ are checked again then).
 - **not checked**: no tiny model of the family could be built from its config with generic small sizes (the
   reason is transformers'); the check has not run on it.
 
-Measured against the flat reference in the tests (`tests/engine/test_replay_exact.py`, `tests/models/test_attention.py`):
+Measured against the flat reference in the tests (`tests/replay/test_replay_exact.py`, `tests/models/test_attention.py`):
 the five presets (`llama`, `qwen2`, `qwen3`, `mistral`, `qwen3_moe`), `MORE_FAMILIES` in
 `treetrain/models/presets.py` (`deepseek_v3`, `granite`, `cohere`, `gemma2`, `gpt2`, `gemma4_text`),
 `gpt_oss`, and the presets with recurrent layers, `RECURRENT_FAMILIES` ({_RECURRENT};
-`tests/engine/test_replay_recurrent.py`).
+`tests/replay/test_replay_recurrent.py`).
 
 Generated with transformers {{version}} and torch {{torch}}.
 """

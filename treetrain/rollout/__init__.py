@@ -12,7 +12,7 @@ from treetrain.lazy import lazy_names
 
 if TYPE_CHECKING:
     from treetrain.rollout.fanout import FanOut
-    from treetrain.rollout.sampler import (
+    from treetrain.rollout.prefix_sampler import (
         PrefixState,
         Sample,
         Sampler,
@@ -25,15 +25,15 @@ if TYPE_CHECKING:
 
 _WHERE = {
     "FanOut": "fanout",
-    "PrefixState": "sampler",
+    "PrefixState": "prefix_sampler",
     "RolloutConfig": "tree_rollout",
     "RolloutResult": "tree_rollout",
-    "Sample": "sampler",
-    "Sampler": "sampler",
-    "SamplerConfig": "sampler",
-    "SamplerStats": "sampler",
+    "Sample": "prefix_sampler",
+    "Sampler": "prefix_sampler",
+    "SamplerConfig": "prefix_sampler",
+    "SamplerStats": "prefix_sampler",
     "Sampling": "sampling",
-    "fork_cache": "sampler",
+    "fork_cache": "prefix_sampler",
     "rollout_trees": "tree_rollout",
 }
 __all__ = [

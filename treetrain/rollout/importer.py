@@ -1,6 +1,6 @@
 """Import externally sampled rollouts (chat-format JSONL with token ids) as trees that training consumes.
 
-`import_jsonl(path, out_dir)` reads every line (schema in `treetrain.rollout.records`), assembles the
+`import_jsonl(path, out_dir)` reads every line (schema in `treetrain.rollout.import_records`), assembles the
 per-call records into `Trajectory`s, groups them, builds one `TrajectoryTree` per group and writes one
 tree file per group into `out_dir`. Grouping is by the first call's prompt tokens (`GroupBy.PROMPT`, the
 GRPO group of a prompt) or by the records' `group_id` (`GroupBy.GROUP_ID`).
@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from treetrain.io import open_regular, path_problem, write_files_all_or_nothing
-from treetrain.rollout.records import MAX_METADATA_ENTRIES, CallRecordIn, RecordError, parse_record
+from treetrain.rollout.import_records import MAX_METADATA_ENTRIES, CallRecordIn, RecordError, parse_record
 from treetrain.trajectory import Role, Trajectory, TrajectoryError, TrajectoryMeta
 from treetrain.tree import TrajectoryTree
 from treetrain.tree.build import build_tree

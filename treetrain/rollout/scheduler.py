@@ -27,14 +27,14 @@ from dataclasses import dataclass, field
 from envs.protocol import Rubric
 from envs.remote import EnvError, EnvFailure, RemoteEnv
 from envs.wrapper import TokenEnv, TurnResult
-from treetrain.rollout.fanout import FanOut
-from treetrain.rollout.generation import (
+from treetrain.rollout.engines.generation import (
     Completion,
     GenerationEngine,
     GenerationRequest,
     GenerationResult,
     check_versions,
 )
+from treetrain.rollout.fanout import FanOut
 from treetrain.rollout.sampling import Sampling
 from treetrain.trajectory import Trajectory
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from envs.protocol import Rubric
 from envs.wrapper import TokenEnv
 from treetrain.rollout.fanout import FanOut
-from treetrain.rollout.sampler import PrefixState, Sample, Sampler, fork_cache
+from treetrain.rollout.prefix_sampler import PrefixState, Sample, Sampler, fork_cache
 from treetrain.rollout.scheduler import release
 from treetrain.trajectory import Trajectory
 

@@ -34,9 +34,9 @@ from typing import Any
 from envs.protocol import Environment, default_rubric
 from envs.remote import EnvError, EnvFailure
 from envs.wrapper import TokenEnv, WrapperConfig
+from treetrain.rollout.engines.generation import EngineStats, GenerationEngine
 from treetrain.rollout.fanout import FanOut
-from treetrain.rollout.generation import EngineStats, GenerationEngine
-from treetrain.rollout.sampler import Sampler, SamplerConfig
+from treetrain.rollout.prefix_sampler import Sampler, SamplerConfig
 from treetrain.rollout.scheduler import Scheduler, Task, release
 from treetrain.rollout.sequential import SequentialConfig, grow_sequentially
 from treetrain.tree import TrajectoryTree
@@ -122,7 +122,7 @@ def rollout_trees(
                 release(root)
             failures.append((seed, failure.error))
     if config.concurrent and engine is None:
-        from treetrain.rollout.hf_engine import HFEngine
+        from treetrain.rollout.engines.hf_engine import HFEngine
 
         engine = HFEngine(model, version=config.model_version or 0, keep_prefixes=config.reuse_prefix_kv)
     saved: dict[int, tuple[TrajectoryTree, Path]] = {}  # by task index

@@ -29,7 +29,7 @@ from treetrain.io import path_problem
 from treetrain.loss.advantages import AdvantageConfig
 from treetrain.loss.loss_config import LossConfig
 from treetrain.models.lora_config import LoraSection
-from treetrain.rollout.engine_settings import ENGINES, VLLMSettings
+from treetrain.rollout.engines.engine_settings import ENGINES, VLLMSettings
 from treetrain.rollout.fanout import FanOut
 from treetrain.rollout.sampling import Sampling
 from treetrain.train.config_file import read_config_file
@@ -161,7 +161,7 @@ class RolloutSection:
     'vllm' (vLLM in this process, weights copied in after every optimizer step) or 'vllm-server' (`vllm serve`
     processes at `vllm.urls`, weights reloaded from the run directory); docs/rollout-engines.md."""
     vllm: VLLMSettings = field(default_factory=VLLMSettings)
-    """How the vllm engine starts and the vllm-server engine connects (treetrain.rollout.engine_settings)."""
+    """How the vllm engine starts and the vllm-server engine connects (treetrain.rollout.engines.engine_settings)."""
     max_concurrent_steps: int = 8
     """Most environment steps (tool calls) running at once, in threads, while generation goes on."""
     env_workers: int | None = None

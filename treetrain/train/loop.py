@@ -27,11 +27,11 @@ from tqdm.auto import tqdm
 
 from envs.remote import WorkerEnvFactory
 from treetrain.distributed.backend import TrainBackend, make_backend
-from treetrain.engine import ReplayReport
-from treetrain.engine.resident import ResidentIdentity, ResidentStore
 from treetrain.io import atomic_write_text
 from treetrain.memory.planner import Plan
 from treetrain.memory.tracker import MemoryTracker
+from treetrain.replay import ReplayReport
+from treetrain.replay.resident import ResidentIdentity, ResidentStore
 from treetrain.rollout.env_check import check_environment_config
 from treetrain.runfs import UnsafePathError
 from treetrain.stall import stall

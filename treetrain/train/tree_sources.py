@@ -25,8 +25,8 @@ from envs.wrapper import WrapperConfig
 from treetrain.distributed.backend import TrainBackend
 from treetrain.errors import ConfigError
 from treetrain.loss.loss_config import LossConfig
-from treetrain.rollout.generation import GenerationEngine
-from treetrain.rollout.sampler import SamplerConfig
+from treetrain.rollout.engines.generation import GenerationEngine
+from treetrain.rollout.prefix_sampler import SamplerConfig
 from treetrain.rollout.tree_rollout import RolloutConfig, rollout_trees
 from treetrain.runfs import make_dirs
 from treetrain.train.config import TrainConfig
@@ -156,7 +156,7 @@ def make_engine(cfg: TrainConfig, model: Any, max_tokens: int) -> GenerationEngi
     """The engine `rollout.engine` names, serving `model` (its weights are synced before first use)."""
     kind = cfg.rollout.engine
     if kind != "hf":
-        from treetrain.rollout.weight_sync import fused_experts
+        from treetrain.rollout.engines.weight_buckets import fused_experts
 
         fused = fused_experts(model)
         if fused is not None:
@@ -174,16 +174,16 @@ def make_engine(cfg: TrainConfig, model: Any, max_tokens: int) -> GenerationEngi
                 "merged into partitioned weights); use ZeRO 0-2 with LoRA, or rollout.engine='hf'"
             )
     if kind == "hf":
-        from treetrain.rollout.hf_engine import HFEngine
+        from treetrain.rollout.engines.hf_engine import HFEngine
 
         return HFEngine(model, version=-1)
     if kind == "vllm-server":
-        from treetrain.rollout.vllm_server import VLLMServerEngine
+        from treetrain.rollout.engines.vllm_server import VLLMServerEngine
 
         return VLLMServerEngine(
             cfg.rollout.vllm, weights_dir=Path(cfg.run_dir) / "engine-weights", version=-1
         )
-    from treetrain.rollout.vllm_engine import VLLMEngine
+    from treetrain.rollout.engines.vllm_engine import VLLMEngine
     from treetrain.train.models import resolve_model_path
 
     path = resolve_model_path(cfg.model.path)

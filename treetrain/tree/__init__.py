@@ -1,8 +1,16 @@
 """Trajectory trees: radix merge, statistics, file format and views."""
 
 from treetrain.tree.build import build_tree
-from treetrain.tree.model import ROOT, CallRecord, CallRef, Node, TrajectoryRecord, TrajectoryTree, node_id
 from treetrain.tree.stats import TreeStats, node_carries_loss, tree_stats
+from treetrain.tree.trajectory_tree import (
+    ROOT,
+    CallRecord,
+    CallRef,
+    Node,
+    TrajectoryRecord,
+    TrajectoryTree,
+    node_id,
+)
 
 __all__ = [
     "ROOT",

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from treetrain.trajectory import Role, Trajectory, TrajectoryError
-from treetrain.tree.model import (
+from treetrain.tree.trajectory_tree import (
     ROOT_ID,
     CallRecord,
     CallRef,

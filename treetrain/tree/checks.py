@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from treetrain.tree.model import TrajectoryTree
 from treetrain.tree.schema import TreeFormatError
+from treetrain.tree.trajectory_tree import TrajectoryTree
 from treetrain.tree.unpack import short_repr
 
 NamedTrees = Sequence[tuple[str, Sequence[TrajectoryTree]]]

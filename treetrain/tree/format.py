@@ -29,9 +29,9 @@ import msgpack
 import numpy as np
 
 from treetrain.io import atomic_write_bytes, open_regular
-from treetrain.tree.model import TrajectoryRecord, TrajectoryTree
 from treetrain.tree.reader import decode_trees
 from treetrain.tree.schema import DEFAULT_LIMITS, FORMAT_NAME, FORMAT_VERSION, Limits, TreeFormatError
+from treetrain.tree.trajectory_tree import TrajectoryRecord, TrajectoryTree
 
 __all__ = [
     "DEFAULT_LIMITS",

@@ -7,8 +7,8 @@ from collections import Counter
 import networkx as nx
 
 from treetrain.trajectory import Role
-from treetrain.tree.model import TrajectoryTree
 from treetrain.tree.stats import node_carries_loss
+from treetrain.tree.trajectory_tree import TrajectoryTree
 
 
 def to_networkx(tree: TrajectoryTree) -> nx.DiGraph:

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from treetrain.trajectory import Role
-from treetrain.tree.model import ROOT_ID, CallRef, Node, TrajectoryRecord, node_id
 from treetrain.tree.schema import TreeFormatError
+from treetrain.tree.trajectory_tree import ROOT_ID, CallRef, Node, TrajectoryRecord, node_id
 from treetrain.tree.unpack import expect_bin, expect_fields, expect_int, expect_str, short_repr
 
 ROLES = tuple(Role.from_code(c) for c in range(len(Role)))

@@ -16,9 +16,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from treetrain.trajectory import REWARD_LIMIT, TrajectoryMeta
-from treetrain.tree.model import CallRecord, TrajectoryRecord, TrajectoryTree
 from treetrain.tree.node_table import POLICY, ROLES, Budget, NodeTable
 from treetrain.tree.schema import FORMAT_NAME, SUPPORTED_VERSIONS, Limits, TreeFormatError
+from treetrain.tree.trajectory_tree import CallRecord, TrajectoryRecord, TrajectoryTree
 from treetrain.tree.unpack import (
     MAP_HEADERS,
     expect_array,

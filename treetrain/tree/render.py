@@ -27,8 +27,8 @@ from itertools import groupby
 
 from treetrain.io import path_problem
 from treetrain.trajectory import Role
-from treetrain.tree.model import ROOT, Node, TrajectoryTree
 from treetrain.tree.stats import tree_stats
+from treetrain.tree.trajectory_tree import ROOT, Node, TrajectoryTree
 
 Decoder = Callable[[Sequence[int]], str]
 

@@ -28,7 +28,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from treetrain.trajectory import Role
-from treetrain.tree.model import ROOT, Node, TrajectoryTree
+from treetrain.tree.trajectory_tree import ROOT, Node, TrajectoryTree
 
 
 @dataclass(frozen=True)

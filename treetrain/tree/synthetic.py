@@ -21,7 +21,7 @@ import random
 
 from treetrain.trajectory import Call, Role, Segment, Trajectory, TrajectoryMeta
 from treetrain.tree.build import build_tree
-from treetrain.tree.model import TrajectoryTree
+from treetrain.tree.trajectory_tree import TrajectoryTree
 
 
 def fanouts(branches: int, depth: int) -> list[int]:

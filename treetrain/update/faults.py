@@ -7,10 +7,10 @@ and without dropping anything.
 
 from __future__ import annotations
 
-from treetrain.engine import BackwardFailed, StaleResidentStateError
 from treetrain.loss.manifest import ManifestError
 from treetrain.memory.retention import BudgetTooSmallError
 from treetrain.models.support import UnsupportedModelError
+from treetrain.replay import BackwardFailed, StaleResidentStateError
 
 TRANSIENT: tuple[type[BaseException], ...] = (RuntimeError, OSError)
 """Faults a retry or a window reset can get past: out of memory (`torch.OutOfMemoryError` is a

@@ -14,10 +14,10 @@ import torch
 from transformers import PreTrainedModel
 
 from treetrain.bytesize import parse_bytes
-from treetrain.engine import UpdateBatch
 from treetrain.memory.persistent import model_persistent_bytes
 from treetrain.memory.planner import Plan, plan_update
 from treetrain.models.lora import Reference
+from treetrain.replay import UpdateBatch
 from treetrain.update.settings import UpdateSettings
 
 

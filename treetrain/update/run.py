@@ -6,18 +6,18 @@ run a prefix of the same steps through the same modules:
 
 1. **Advantages** per group (`treetrain.loss.advantages`). A group whose rewards are all equal carries no
    policy gradient; it is left out before anything is built, so it never dilutes a denominator.
-2. **Manifest and batch, once** (`treetrain.loss.manifest`, `treetrain.engine.batch`): the exact set of
+2. **Manifest and batch, once** (`treetrain.loss.manifest`, `treetrain.replay.batch`): the exact set of
    contributions of this step, and each node's loss targets normalized by that manifest alone.
 3. **Plan** (`treetrain.update.planning` → `treetrain.memory.planner`): tree or flat, K, chunking, retention,
    kept graphs and the reference walk, priced by the memory ledger against the budget.
 4. **Place** the trees over ranks (`treetrain.distributed.placement`) and open the window
    (`treetrain.update.window`): every rank agrees on identity, manifest and placement first.
-5. **Score and replay** each tree of this rank (`treetrain.engine.replay`, or the flat reference
-   `treetrain.engine.flat_reference`), retrying what failed (`treetrain.update.faults`).
+5. **Score and replay** each tree of this rank (`treetrain.replay.tree_replay`, or the flat reference
+   `treetrain.replay.flat_reference`), retrying what failed (`treetrain.update.faults`).
 6. **Check coverage** (`treetrain.distributed.coverage`): groups that failed are dropped whole, then every
    manifest key must be covered exactly once over all ranks, or the step is refused.
 7. **Step and advance** (the backend's optimizer, `treetrain.distributed.backend`): the model version goes
-   up, and resident state of the old version becomes unreadable (`treetrain.engine.resident`).
+   up, and resident state of the old version becomes unreadable (`treetrain.replay.resident`).
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from treetrain.engine import UpdateBatch
-from treetrain.engine.protocols import MemoryProbe
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
 from treetrain.loss.manifest import Manifest
 from treetrain.memory.planner import Plan
-from treetrain.tree.model import TrajectoryTree
+from treetrain.replay import UpdateBatch
+from treetrain.replay.protocols import MemoryProbe
+from treetrain.tree.trajectory_tree import TrajectoryTree
 from treetrain.update.planning import plan_for
 from treetrain.update.settings import UpdateSettings
 from treetrain.update.window import UpdateWindow

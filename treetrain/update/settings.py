@@ -13,15 +13,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol
 
 from treetrain.bytesize import parse_bytes
-from treetrain.engine.schedule import Contract
 from treetrain.errors import ConfigError
 from treetrain.loss.advantages import AdvantageConfig
 from treetrain.loss.loss_config import LossConfig
 from treetrain.models import DEFAULT_MAX_LOGIT_ELEMENTS
+from treetrain.replay.schedule import Contract
 
 if TYPE_CHECKING:
-    from treetrain.engine.batch import ReplayConfig
     from treetrain.memory.planner import Overrides
+    from treetrain.replay.batch import ReplayConfig
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class ReplaySection:
 
     def engine_config(self, seed: int) -> ReplayConfig:
         """The engine settings this section fixes; the planner fills in K, chunk size and the reference walk."""
-        from treetrain.engine.batch import ReplayConfig  # the engine loads torch; the config must not
+        from treetrain.replay.batch import ReplayConfig  # the engine loads torch; the config must not
 
         return ReplayConfig(
             contract=self.contract,

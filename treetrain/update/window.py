@@ -52,7 +52,12 @@ from treetrain.distributed.coverage import (
     explain_mismatch,
 )
 from treetrain.distributed.placement import Placement, place
-from treetrain.engine import (
+from treetrain.loss.loss_config import LossConfig
+from treetrain.loss.manifest import ContributionKey, Manifest, ManifestError
+from treetrain.loss.sampler_correction import SamplerGap
+from treetrain.models.lora import Reference
+from treetrain.models.support import SupportGate
+from treetrain.replay import (
     BackwardFailed,
     FlatReference,
     ReplayConfig,
@@ -61,14 +66,9 @@ from treetrain.engine import (
     TreeReplay,
     UpdateBatch,
 )
-from treetrain.engine.batch import TreeWork
-from treetrain.engine.resident import ResidentIdentity, ResidentStore
-from treetrain.engine.schedule import ReplayStep
-from treetrain.loss.loss_config import LossConfig
-from treetrain.loss.manifest import ContributionKey, Manifest, ManifestError
-from treetrain.loss.sampler_correction import SamplerGap
-from treetrain.models.lora import Reference
-from treetrain.models.support import SupportGate
+from treetrain.replay.batch import TreeWork
+from treetrain.replay.resident import ResidentIdentity, ResidentStore
+from treetrain.replay.schedule import ReplayStep
 from treetrain.update.faults import is_transient
 from treetrain.update.window_types import DroppedGroup, Group, WindowConfig, WindowReport
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from treetrain.engine import ReplayReport
 from treetrain.errors import ConfigError
 from treetrain.loss.advantages import AdvantageConfig, TreeAdvantages, compute_advantages
 from treetrain.loss.sampler_correction import SamplerGap
-from treetrain.tree.model import TrajectoryTree
+from treetrain.replay import ReplayReport
+from treetrain.tree.trajectory_tree import TrajectoryTree
 
 
 @dataclass(frozen=True)

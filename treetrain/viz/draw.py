@@ -20,8 +20,8 @@ from typing import Any, Literal
 from treetrain.loss.advantages import TreeAdvantages
 from treetrain.trajectory import Role
 from treetrain.tree.graph import to_networkx
-from treetrain.tree.model import ROOT, TrajectoryTree
 from treetrain.tree.render import ROLE_COLOURS
+from treetrain.tree.trajectory_tree import ROOT, TrajectoryTree
 from treetrain.viz._mpl import pyplot
 from treetrain.viz.layout import Vertical, tidy_layout
 from treetrain.viz.nodes import node_advantages

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from treetrain.engine.schedule import Contract
+from treetrain.replay.schedule import Contract
 from treetrain.tree.stats import tree_stats
 from treetrain.tree.synthetic import synthetic_group
 

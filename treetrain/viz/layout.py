@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from treetrain.tree.model import ROOT, TrajectoryTree
+from treetrain.tree.trajectory_tree import ROOT, TrajectoryTree
 
 Vertical = Literal["depth", "tokens"]
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from treetrain.loss.advantages import TreeAdvantages
-from treetrain.tree.model import TrajectoryTree
+from treetrain.tree.trajectory_tree import TrajectoryTree
 
 
 def node_advantages(tree: TrajectoryTree, advantages: TreeAdvantages) -> np.ndarray:

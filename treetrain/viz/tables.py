@@ -26,9 +26,9 @@ from dataclasses import dataclass, fields
 from typing import Generic, TypeVar
 
 from treetrain.loss.advantages import TreeAdvantages
-from treetrain.tree.model import ROOT, TrajectoryTree
 from treetrain.tree.render import role_runs
 from treetrain.tree.stats import node_carries_loss, tree_stats
+from treetrain.tree.trajectory_tree import ROOT, TrajectoryTree
 from treetrain.viz.nodes import node_advantages, node_mean_rewards
 from treetrain.viz.tree_files import NamedTree
 

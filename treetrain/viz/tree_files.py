@@ -18,7 +18,7 @@ from pathlib import Path
 
 from treetrain.io import path_problem
 from treetrain.tree.format import load_trees
-from treetrain.tree.model import TrajectoryTree
+from treetrain.tree.trajectory_tree import TrajectoryTree
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ samples are one request, so vLLM's prefix cache (on) encodes the shared context 
 result shares the whole path before it.
 
 **Weight sync.** `sync_weights(model, version)` copies the trainer's current weights into the engine's
-model, streamed bucket by bucket (`treetrain.rollout.weight_sync`: ZeRO-3 gathered module by module, LoRA
+model, streamed bucket by bucket (`treetrain.rollout.engines.weight_buckets`: ZeRO-3 gathered module by module, LoRA
 merged for the copy) into vLLM's in-place `reload_weights` (its worker is in this process), then resets the prefix cache, whose KV was
 computed with the old weights. Every completion records the version it was sampled with.
 
@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from treetrain.rollout.engine_settings import VLLMSettings
-from treetrain.rollout.generation import (
+from treetrain.rollout.engines.engine_settings import VLLMSettings
+from treetrain.rollout.engines.generation import (
     Completion,
     EngineError,
     EngineStats,
@@ -41,7 +41,7 @@ from treetrain.rollout.generation import (
     GenerationResult,
     StopMatcher,
 )
-from treetrain.rollout.weight_sync import weight_buckets
+from treetrain.rollout.engines.weight_buckets import weight_buckets
 
 
 def import_vllm(where: str) -> Any:

@@ -13,12 +13,12 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from support.engine_cases import SHAPES, factory, make_batch
+from support.replay_cases import SHAPES, factory, make_batch
 
-from treetrain.engine import ReplayConfig, UpdateBatch
-from treetrain.engine.verify import deviation, flat_gradient, noise_floor, tree_gradient
 from treetrain.loss.loss_config import LossConfig
 from treetrain.models.presets import ATTENTION, EAGER_ONLY, FAMILIES, MORE_FAMILIES
+from treetrain.replay import ReplayConfig, UpdateBatch
+from treetrain.replay.verify import deviation, flat_gradient, noise_floor, tree_gradient
 
 FACTOR = 5.0
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
@@ -75,7 +75,7 @@ def test_sampler_ratio_case_really_clips() -> None:
     """The sampler-ratio case above is only meaningful if ratios leave the clip range."""
     loss = LossConfig(ratio_source="sampler", clip_low=0.1, clip_high=0.3)
     make = factory("qwen3", torch.float64)
-    from treetrain.engine import FlatReference
+    from treetrain.replay import FlatReference
 
     report = FlatReference(make(), loss).accumulate(make_batch(SHAPES["multi_level"](0), loss))
     assert report.clipped > 0.05
@@ -127,7 +127,7 @@ def test_adamw_parameter_delta_matches_flat(dtype: str) -> None:
     # AdamW's first step is lr * g / (|g| + eps): near-zero gradient entries amplify noise, so the floor is
     # measured on the deltas themselves, with the same two flat variants as for gradients.
     moved = make()
-    from treetrain.engine.verify import _perturb
+    from treetrain.replay.verify import _perturb
 
     _perturb(moved, seed=99)
     start = torch.cat([p.detach().reshape(-1).double() for p in moved.parameters()])

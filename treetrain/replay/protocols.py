@@ -12,11 +12,11 @@ from typing import Any, Protocol
 import torch
 from transformers import PreTrainedModel
 
-from treetrain.engine.resident import ResidentStore
-from treetrain.engine.schedule import ReplayStep
-from treetrain.engine.scoring import ScoreEvent
-from treetrain.engine.units import UnitTree
 from treetrain.lifetime import ClassBytes
+from treetrain.replay.resident import ResidentStore
+from treetrain.replay.schedule import ReplayStep
+from treetrain.replay.scoring import ScoreEvent
+from treetrain.replay.units import UnitTree
 
 KeepGraph = Callable[[UnitTree], frozenset[int]]
 """Given a tree's units, the internal units whose first forward keeps its graph (`exact` mode)."""

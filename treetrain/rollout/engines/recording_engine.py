@@ -4,8 +4,8 @@ for measuring it (`bench/rollout_engines.py` computes the prefix-cache ceiling f
 Example:
     >>> import torch
     >>> from transformers import LlamaConfig, LlamaForCausalLM
-    >>> from treetrain.rollout.generation import GenerationRequest
-    >>> from treetrain.rollout.hf_engine import HFEngine
+    >>> from treetrain.rollout.engines.generation import GenerationRequest
+    >>> from treetrain.rollout.engines.hf_engine import HFEngine
     >>> from treetrain.rollout.sampling import Sampling
     >>> _ = torch.manual_seed(0)
     >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from treetrain.rollout.generation import GenerationRequest, GenerationResult
+from treetrain.rollout.engines.generation import GenerationRequest, GenerationResult
 
 
 class RecordingEngine:

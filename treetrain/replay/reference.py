@@ -16,13 +16,13 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from treetrain.engine.batch import ReplayConfig
-from treetrain.engine.protocols import MemoryProbe
-from treetrain.engine.resident import ResidentIdentity, ResidentStore
-from treetrain.engine.scoring import PathKV, ReferenceWalk, ScoreBatch, reference_need, scoring_pass
-from treetrain.engine.units import UnitTree
 from treetrain.loss.loss_config import LossConfig
 from treetrain.models.lora import AdaptersOff, Reference, adapters_disabled
+from treetrain.replay.batch import ReplayConfig
+from treetrain.replay.protocols import MemoryProbe
+from treetrain.replay.resident import ResidentIdentity, ResidentStore
+from treetrain.replay.scoring import PathKV, ReferenceWalk, ScoreBatch, reference_need, scoring_pass
+from treetrain.replay.units import UnitTree
 
 
 def fused_reference(loss: LossConfig, replay: ReplayConfig, ref_model: Reference | None) -> bool:

@@ -13,12 +13,12 @@ import math
 
 import pytest
 import torch
-from support.engine_cases import SHAPES, factory, make_batch
+from support.replay_cases import SHAPES, factory, make_batch
 from support.sampler_cases import resampled, trainer_logprobs, with_sampler_logprob, without_sampler_logprobs
 
-from treetrain.engine import FlatReference, ReplayConfig, ReplayPlan, TreeReplay, UpdateBatch
-from treetrain.engine.verify import deviation, flat_grad, flat_gradient, noise_floor
 from treetrain.loss.loss_config import LossConfig
+from treetrain.replay import FlatReference, ReplayConfig, ReplayPlan, TreeReplay, UpdateBatch
+from treetrain.replay.verify import deviation, flat_grad, flat_gradient, noise_floor
 from treetrain.trajectory import Role
 from treetrain.tree import TrajectoryTree
 

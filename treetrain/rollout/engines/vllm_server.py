@@ -33,8 +33,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from treetrain.rollout.engine_settings import VLLMSettings
-from treetrain.rollout.generation import (
+from treetrain.rollout.engines.engine_settings import VLLMSettings
+from treetrain.rollout.engines.generation import (
     Completion,
     EngineError,
     EngineStats,
@@ -42,7 +42,7 @@ from treetrain.rollout.generation import (
     GenerationResult,
     StopMatcher,
 )
-from treetrain.rollout.vllm_engine import completion_of
+from treetrain.rollout.engines.vllm_engine import completion_of
 
 MAX_RESPONSE_BYTES = 64 * 2**20
 """Largest answer read from a server."""
@@ -215,7 +215,7 @@ class VLLMServerEngine:
         """Write the weights under `weights_dir`, have every server reload them, reset their prefix caches."""
         if self.busy:
             raise RuntimeError("sync_weights while requests are in flight")
-        from treetrain.rollout.weight_files import write_weights
+        from treetrain.rollout.engines.served_checkpoint import write_weights
 
         start = time.perf_counter()
         path = write_weights(model, self.weights_dir)

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.engine_cases import SHAPES, VOCAB, factory, make_batch
+from support.replay_cases import SHAPES, VOCAB, factory, make_batch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from treetrain.engine import BackwardFailed, ReplayConfig, TreeReplay
-from treetrain.engine.resident import ResidentIdentity, ResidentKey, ResidentStore, StaleResidentStateError
-from treetrain.engine.verify import flat_grad, tree_gradient
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
 from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.manifest import Manifest
 from treetrain.models.presets import tiny_model
 from treetrain.models.support import SupportGate, UnsupportedModelError, check_supported
+from treetrain.replay import BackwardFailed, ReplayConfig, TreeReplay
+from treetrain.replay.resident import ResidentIdentity, ResidentKey, ResidentStore, StaleResidentStateError
+from treetrain.replay.verify import flat_grad, tree_gradient
 from treetrain.tree.synthetic import synthetic_group
 
 
@@ -23,7 +23,7 @@ def _zero_adv_batch(loss: LossConfig):
     tree = synthetic_group(
         prefix=20, branches=4, suffix=6, depth=1, vocab=VOCAB, rewards=[1.0, 0.5, 0.5, 0.0]
     )
-    from treetrain.engine import UpdateBatch
+    from treetrain.replay import UpdateBatch
 
     adv = compute_advantages([tree], AdvantageConfig(normalize_std=False))
     return UpdateBatch.build([tree], adv.trees, Manifest.build([tree], 0), loss)
@@ -95,7 +95,7 @@ def test_logprobs_never_materialize_full_logits() -> None:
     loss = LossConfig(entropy_coef=0.01)
     model = tiny_model("llama", vocab, dtype=torch.float32)
     adv = compute_advantages([tree], AdvantageConfig())
-    from treetrain.engine import UpdateBatch
+    from treetrain.replay import UpdateBatch
 
     batch = UpdateBatch.build([tree], adv.trees, Manifest.build([tree], 0), loss)
     budget = 64 * vocab
@@ -257,7 +257,7 @@ def test_support_gate_rechecks_longer_batches_and_the_reference(monkeypatch: pyt
 
 def test_out_of_memory_in_a_scoring_batch_splits_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """A scoring forward of several siblings that runs out of memory is retried in halves, same result."""
-    import treetrain.engine.scoring as scoring
+    import treetrain.replay.scoring as scoring
 
     loss = LossConfig()
     batch = _zero_adv_batch(loss)

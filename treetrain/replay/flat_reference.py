@@ -23,9 +23,6 @@ from typing import TypeVar
 import torch
 from transformers import PreTrainedModel
 
-from treetrain.engine.batch import ReplayReport, UpdateBatch
-from treetrain.engine.pieces import GatheredTargets, gather_targets, pad_pieces, target_stats
-from treetrain.engine.schedule import ORDERS, Order
 from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.objective import Contributions, objective, sampler_logprobs
 from treetrain.loss.sampler_correction import correction_weights, sampler_terms
@@ -33,7 +30,10 @@ from treetrain.loss.targets import TargetTable, call_target_counts, call_targets
 from treetrain.models.decoder import decoder_forward
 from treetrain.models.logprobs import DEFAULT_MAX_LOGIT_ELEMENTS
 from treetrain.models.lora import Reference, adapters_disabled
-from treetrain.tree.model import CallRef
+from treetrain.replay.batch import ReplayReport, UpdateBatch
+from treetrain.replay.pieces import GatheredTargets, gather_targets, pad_pieces, target_stats
+from treetrain.replay.schedule import ORDERS, Order
+from treetrain.tree.trajectory_tree import CallRef
 
 
 @dataclass(frozen=True)

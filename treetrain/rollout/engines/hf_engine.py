@@ -17,12 +17,12 @@ Each request draws from its own `torch.Generator` seeded by `GenerationRequest.s
 and step, inverted through the row's CDF), so its samples do not depend on what else shares the batch, up
 to float rounding: the logits of a row in a padded batch can differ from its logits alone in the last bits,
 which moves its logprobs there and, very rarely, a draw that falls on a boundary. Logprobs are those of the
-distribution actually sampled from (`treetrain.rollout.sampler.sampling_logprobs`): 0 under greedy decoding.
+distribution actually sampled from (`treetrain.rollout.prefix_sampler.sampling_logprobs`): 0 under greedy decoding.
 
 Example:
     >>> import torch
     >>> from transformers import LlamaConfig, LlamaForCausalLM
-    >>> from treetrain.rollout.generation import GenerationRequest
+    >>> from treetrain.rollout.engines.generation import GenerationRequest
     >>> from treetrain.rollout.sampling import Sampling
     >>> _ = torch.manual_seed(0)
     >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from treetrain.rollout.batch_cache import (
+from treetrain.rollout.engines.batch_cache import (
     cache_bytes,
     cache_of,
     layers_of,
@@ -54,14 +54,14 @@ from treetrain.rollout.batch_cache import (
     new_cache,
     pad_left,
 )
-from treetrain.rollout.generation import (
+from treetrain.rollout.engines.generation import (
     Completion,
     EngineStats,
     GenerationRequest,
     GenerationResult,
     StopMatcher,
 )
-from treetrain.rollout.sampler import fork_cache, sampling_logprobs, select_rows
+from treetrain.rollout.prefix_sampler import fork_cache, sampling_logprobs, select_rows
 from treetrain.rollout.sampling import Sampling
 
 MAX_ROWS = 64

@@ -20,8 +20,8 @@ import random
 from dataclasses import dataclass
 from typing import Literal
 
-from treetrain.engine.units import UnitTree
-from treetrain.tree.model import ROOT
+from treetrain.replay.units import UnitTree
+from treetrain.tree.trajectory_tree import ROOT
 
 Contract = Literal["exact", "response_only"]
 Order = Literal["tree", "reverse", "shuffle"]

@@ -28,11 +28,11 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from treetrain.engine.batch import ReplayConfig, UpdateBatch
-from treetrain.engine.flat_reference import FlatReference
-from treetrain.engine.replay import TreeReplay
 from treetrain.loss.loss_config import LossConfig
 from treetrain.models.lora import AdaptersOff, Reference
+from treetrain.replay.batch import ReplayConfig, UpdateBatch
+from treetrain.replay.flat_reference import FlatReference
+from treetrain.replay.tree_replay import TreeReplay
 
 ModelFactory = Callable[[], PreTrainedModel]
 

@@ -8,11 +8,11 @@ from collections.abc import Callable
 import torch
 from transformers import PreTrainedModel
 
-from treetrain.engine import UpdateBatch
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
 from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.manifest import Manifest
 from treetrain.models.presets import tiny_model
+from treetrain.replay import UpdateBatch
 from treetrain.trajectory import Call, Role, Segment, Trajectory
 from treetrain.tree import TrajectoryTree
 from treetrain.tree.build import build_tree

@@ -11,9 +11,9 @@ Engines are asynchronous in one simple way: `submit` queues a request and return
 server) and returns the requests that finished meanwhile. A scheduler keeps every ready branch point of
 every tree submitted, so the engine always sees all the work there is.
 
-Engines: `HFEngine` (`treetrain.rollout.hf_engine`, the model being trained, continuous batching over every
-in-flight row), `VLLMEngine` (`treetrain.rollout.vllm_engine`, vLLM in this process) and `VLLMServerEngine`
-(`treetrain.rollout.vllm_server`, `vllm serve` processes over HTTP). This module imports no torch.
+Engines: `HFEngine` (`treetrain.rollout.engines.hf_engine`, the model being trained, continuous batching over every
+in-flight row), `VLLMEngine` (`treetrain.rollout.engines.vllm_engine`, vLLM in this process) and `VLLMServerEngine`
+(`treetrain.rollout.engines.vllm_server`, `vllm serve` processes over HTTP). This module imports no torch.
 
 Example:
     >>> from treetrain.rollout.sampling import Sampling
@@ -194,7 +194,7 @@ def check_versions(results: Sequence[GenerationResult], expected: int, engine: s
     >>> check_versions([ok], 5, "hf")
     Traceback (most recent call last):
     ...
-    treetrain.rollout.generation.VersionMismatchError: hf sampled request 0 with weight version 4, but the trainer is at version 5; refusing an off-policy update
+    treetrain.rollout.engines.generation.VersionMismatchError: hf sampled request 0 with weight version 4, but the trainer is at version 5; refusing an off-policy update
     """
     for result in results:
         for c in result.completions:

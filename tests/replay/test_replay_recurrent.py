@@ -17,13 +17,9 @@ from typing import Any
 
 import pytest
 import torch
-from support.engine_cases import SHAPES, VOCAB, factory, make_batch
 from support.lora_cases import lora_factory
+from support.replay_cases import SHAPES, VOCAB, factory, make_batch
 
-from treetrain.engine import ReplayConfig, ReplayPlan, TreeReplay
-from treetrain.engine.pieces import own_kv, pad_pieces
-from treetrain.engine.units import UnitTree
-from treetrain.engine.verify import deviation, flat_grad, flat_gradient, noise_floor, tree_gradient
 from treetrain.loss.loss_config import LossConfig
 from treetrain.memory.persistent import kv_bytes_per_token, state_bytes_per_unit, unit_resident_bytes
 from treetrain.memory.retention import RetentionPolicy
@@ -42,6 +38,10 @@ from treetrain.models.presets import (
 from treetrain.models.recurrent_kinds import Kind
 from treetrain.models.recurrent_state import hybrid_layers, mixers, recurrent_layers
 from treetrain.models.support import SupportGate, UnsupportedModelError, check_supported
+from treetrain.replay import ReplayConfig, ReplayPlan, TreeReplay
+from treetrain.replay.pieces import own_kv, pad_pieces
+from treetrain.replay.units import UnitTree
+from treetrain.replay.verify import deviation, flat_grad, flat_gradient, noise_floor, tree_gradient
 
 FACTOR = 5.0
 #: Presets whose layers are all recurrent: Mamba layers only, RWKV's WKV time mixing in every block.
@@ -474,8 +474,8 @@ def test_zamba2_shared_block_attends_over_each_layers_own_kv(monkeypatch: pytest
 def test_resident_store_keeps_both_parts_of_a_hybrid_entry() -> None:
     """A hybrid layer's entry is stored, sized, offloaded, restored and given G part by part: its KV and
     its state. A store that dropped the state part would book fewer bytes and restore a pair."""
-    from treetrain.engine.resident import ResidentIdentity, ResidentKey, ResidentStore
     from treetrain.models.layer_entry import HybridEntry, entry_tensors
+    from treetrain.replay.resident import ResidentIdentity, ResidentKey, ResidentStore
 
     model = tiny_model("zamba2", VOCAB)
     identity = ResidentIdentity.of(model)

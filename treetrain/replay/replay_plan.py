@@ -16,9 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from treetrain.engine.batch import ReplayConfig
-from treetrain.engine.protocols import KeepGraph, MemoryProbe, RetentionHook
 from treetrain.errors import ConfigError
+from treetrain.replay.batch import ReplayConfig
+from treetrain.replay.protocols import KeepGraph, MemoryProbe, RetentionHook
 
 Mode = Literal["tree", "flat"]
 

@@ -49,23 +49,29 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from treetrain.engine.batch import ReplayConfig, ReplayReport, TreeWork, UpdateBatch
-from treetrain.engine.pieces import (
+from treetrain.loss.loss_config import LossConfig
+from treetrain.loss.objective import Contributions, LossTerms, objective, sampler_logprobs
+from treetrain.loss.sampler_correction import SamplerGap, correction_weights, sampler_terms
+from treetrain.models.layer_entry import entry_tensors, map_entry
+from treetrain.models.lora import Reference, reference_module
+from treetrain.models.support import SupportGate
+from treetrain.replay.batch import ReplayConfig, ReplayReport, TreeWork, UpdateBatch
+from treetrain.replay.pieces import (
     forward_units,
     gather_targets,
     own_kv,
     target_stats,
 )
-from treetrain.engine.reference import (
+from treetrain.replay.reference import (
     ReferenceView,
     fused_reference,
     fused_reference_walk,
     separate_reference_logprobs,
 )
-from treetrain.engine.replay_plan import ReplayPlan
-from treetrain.engine.resident import ResidentIdentity, ResidentStore
-from treetrain.engine.schedule import ReplayStep
-from treetrain.engine.scoring import (
+from treetrain.replay.replay_plan import ReplayPlan
+from treetrain.replay.resident import ResidentIdentity, ResidentStore
+from treetrain.replay.schedule import ReplayStep
+from treetrain.replay.scoring import (
     PathKV,
     ScoreBatch,
     ScoreEvent,
@@ -73,14 +79,8 @@ from treetrain.engine.scoring import (
     scoring_pass,
     scoring_schedule,
 )
-from treetrain.engine.units import Unit
-from treetrain.engine.walk import StepGraph, TreeWalk
-from treetrain.loss.loss_config import LossConfig
-from treetrain.loss.objective import Contributions, LossTerms, objective, sampler_logprobs
-from treetrain.loss.sampler_correction import SamplerGap, correction_weights, sampler_terms
-from treetrain.models.layer_entry import entry_tensors, map_entry
-from treetrain.models.lora import Reference, reference_module
-from treetrain.models.support import SupportGate
+from treetrain.replay.units import Unit
+from treetrain.replay.walk import StepGraph, TreeWalk
 from treetrain.tree.stats import tree_stats
 
 Backward = Callable[[torch.Tensor], None]
@@ -121,7 +121,7 @@ class TreeReplay:
         self.loss_cfg = loss
         self.plan = ReplayPlan.of(plan)
         if self.plan.mode != "tree":
-            raise ValueError("TreeReplay runs tree-mode plans; flat mode is treetrain.engine.FlatReference")
+            raise ValueError("TreeReplay runs tree-mode plans; flat mode is treetrain.replay.FlatReference")
         self.store = store or ResidentStore(ResidentIdentity.of(model))
         self.backward = backward
         self.support = support or SupportGate()

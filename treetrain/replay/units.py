@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from treetrain.loss.targets import TargetTable
-from treetrain.tree.model import ROOT, TrajectoryTree
+from treetrain.tree.trajectory_tree import ROOT, TrajectoryTree
 
 
 @dataclass(frozen=True)

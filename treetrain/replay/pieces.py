@@ -13,7 +13,6 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from treetrain.engine.units import Unit
 from treetrain.loss.objective import Contributions
 from treetrain.loss.targets import TargetTable
 from treetrain.models.decoder import (
@@ -25,6 +24,7 @@ from treetrain.models.decoder import (
     output_head,
 )
 from treetrain.models.logprobs import target_logprobs
+from treetrain.replay.units import Unit
 
 
 @dataclass(frozen=True)

@@ -24,19 +24,19 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from treetrain.engine.pieces import forward_units, gather_targets, own_kv, target_stats
-from treetrain.engine.resident import (
+from treetrain.models.decoder import LayerEntry, SharedPast
+from treetrain.models.layer_entry import map_entry
+from treetrain.models.lora import adapter_state, unwrap
+from treetrain.models.recurrent_state import unkeyed_layers
+from treetrain.replay.pieces import forward_units, gather_targets, own_kv, target_stats
+from treetrain.replay.resident import (
     ResidentIdentity,
     ResidentKey,
     ResidentStore,
     StaleResidentStateError,
 )
-from treetrain.engine.units import Unit, UnitTree
-from treetrain.models.decoder import LayerEntry, SharedPast
-from treetrain.models.layer_entry import map_entry
-from treetrain.models.lora import adapter_state, unwrap
-from treetrain.models.recurrent_state import unkeyed_layers
-from treetrain.tree.model import ROOT
+from treetrain.replay.units import Unit, UnitTree
+from treetrain.tree.trajectory_tree import ROOT
 
 
 class PathKV:

@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.engine_cases import SHAPES, factory, make_batch
+from support.replay_cases import SHAPES, factory, make_batch
 
-from treetrain.engine import ReplayConfig, UpdateBatch
-from treetrain.engine.pieces import gather_targets, pad_pieces, target_stats
-from treetrain.engine.verify import deviation, flat_grad, noise_floor, tree_gradient
 from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.objective import Contributions, objective
 from treetrain.loss.targets import TargetTable, call_targets
 from treetrain.models.decoder import decoder_forward
-from treetrain.tree.model import CallRef
+from treetrain.replay import ReplayConfig, UpdateBatch
+from treetrain.replay.pieces import gather_targets, pad_pieces, target_stats
+from treetrain.replay.verify import deviation, flat_grad, noise_floor, tree_gradient
+from treetrain.tree.trajectory_tree import CallRef
 
 FACTOR = 5.0
 

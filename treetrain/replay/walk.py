@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from treetrain.engine.batch import ReplayConfig, TreeWork
-from treetrain.engine.pieces import GatheredTargets, PieceBatch
-from treetrain.engine.protocols import KeepGraph
-from treetrain.engine.schedule import ReplayStep, active_units, build_schedule
-from treetrain.engine.scoring import PathKV, ReferenceWalk
-from treetrain.engine.units import Unit, UnitTree
 from treetrain.models.decoder import DecoderOutput
+from treetrain.replay.batch import ReplayConfig, TreeWork
+from treetrain.replay.pieces import GatheredTargets, PieceBatch
+from treetrain.replay.protocols import KeepGraph
+from treetrain.replay.schedule import ReplayStep, active_units, build_schedule
+from treetrain.replay.scoring import PathKV, ReferenceWalk
+from treetrain.replay.units import Unit, UnitTree
 
 
 @dataclass

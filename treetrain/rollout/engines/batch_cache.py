@@ -1,6 +1,6 @@
 """Caches for batched decoding: KV that grows in place, and rows of different lengths in one padded cache.
 
-The `hf` engine (`treetrain.rollout.hf_engine`) keeps one cache for every live row. `GrowingLayer` makes a
+The `hf` engine (`treetrain.rollout.engines.hf_engine`) keeps one cache for every live row. `GrowingLayer` makes a
 decode step cost the new token, not a copy of the cache; the helpers pad, join and measure caches.
 
 Example:

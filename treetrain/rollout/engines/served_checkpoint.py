@@ -1,7 +1,7 @@
 """The trainer's current weights as a safetensors directory that a `vllm serve` process reloads.
 
 `write_weights(model, root)` writes `root/current/` atomically (a complete new directory replaces the
-complete old one): one `model-NNNNN.safetensors` file per bucket of `treetrain.rollout.weight_sync`, so a
+complete old one): one `model-NNNNN.safetensors` file per bucket of `treetrain.rollout.engines.weight_buckets`, so a
 ZeRO-3 model is never gathered whole. The servers read it during the reload call, before the next write.
 
 Example:
@@ -19,7 +19,7 @@ from typing import Any
 from safetensors.torch import save_file
 
 from treetrain.io import atomic_directory
-from treetrain.rollout.weight_sync import weight_buckets
+from treetrain.rollout.engines.weight_buckets import weight_buckets
 
 
 def write_weights(model: Any, root: str | Path) -> Path:

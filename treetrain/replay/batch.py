@@ -6,7 +6,6 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
-from treetrain.engine.schedule import CONTRACTS, ORDERS, Contract, Order
 from treetrain.errors import ConfigError
 from treetrain.lifetime import ClassBytes, larger
 from treetrain.loss.advantages import TreeAdvantages
@@ -15,7 +14,8 @@ from treetrain.loss.manifest import ContributionKey, Manifest
 from treetrain.loss.sampler_correction import SamplerGap
 from treetrain.loss.targets import EMPTY, TargetTable, tree_targets
 from treetrain.models.logprobs import DEFAULT_MAX_LOGIT_ELEMENTS
-from treetrain.tree.model import TrajectoryTree
+from treetrain.replay.schedule import CONTRACTS, ORDERS, Contract, Order
+from treetrain.tree.trajectory_tree import TrajectoryTree
 
 
 @dataclass(frozen=True)
