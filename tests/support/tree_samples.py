@@ -8,7 +8,7 @@ import msgpack
 import pytest
 
 from treetrain.trajectory import Call, Role, Segment, Trajectory, TrajectoryMeta
-from treetrain.tree import TrajectoryTree
+from treetrain.tree import SamplingRecord, TrajectoryTree
 from treetrain.tree.build import build_tree
 from treetrain.tree.format import TreeFormatError, tree_to_bytes, trees_from_bytes, trees_to_bytes
 
@@ -38,10 +38,19 @@ def tiny_tree() -> TrajectoryTree:
 
 
 TINY_BYTES = tree_to_bytes(tiny_tree())
+SAMPLED = SamplingRecord(temperature=0.7, top_p=0.9)
+"""The sampling settings `sampled_doc`'s tree records (a version 2 file)."""
 
 
 def tiny_doc() -> dict[str, Any]:
     doc: dict[str, Any] = msgpack.unpackb(TINY_BYTES)
+    return doc
+
+
+def sampled_doc() -> dict[str, Any]:
+    """`tiny_doc` as a version 2 file whose tree records `SAMPLED`."""
+    tree = tiny_tree()
+    doc: dict[str, Any] = msgpack.unpackb(tree_to_bytes(TrajectoryTree(tree.nodes, tree.records, SAMPLED)))
     return doc
 
 
@@ -65,7 +74,8 @@ def check_load(blob: bytes) -> None:
         assert rebuilt.nodes == tree.nodes
         assert rebuilt.records == tree.records
         assert rebuilt.id == tree.id
-    assert [t.id for t in trees_from_bytes(trees_to_bytes(trees))] == [t.id for t in trees]
+    again = trees_from_bytes(trees_to_bytes(trees))
+    assert [(t.id, t.sampling) for t in again] == [(t.id, t.sampling) for t in trees]
 
 
 def first_tree(doc: dict[str, Any]) -> dict[str, Any]:

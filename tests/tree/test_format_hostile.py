@@ -209,7 +209,10 @@ CASES: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     ),
     "no nodes": (_set("nodes", []), "trees[0].nodes: needs at least 1"),
     "no trajectories": (_set("trajectories", []), "trees[0].trajectories: needs at least 1"),
-    "wrong version": (lambda d: d.update(version=2), "file.version: 2 is not supported"),
+    "wrong version": (
+        lambda d: d.update(version=3),
+        "file.version: 3 is not supported (this reader knows 1, 2)",
+    ),
     "version as str": (lambda d: d.update(version="1"), "file.version: expected an int, got str"),
     "unknown format": (
         lambda d: d.update(format="other.tree"),

@@ -39,7 +39,7 @@ from treetrain.rollout.fanout import FanOut
 from treetrain.rollout.prefix_sampler import Sampler, SamplerConfig
 from treetrain.rollout.scheduler import Scheduler, Task, release
 from treetrain.rollout.sequential import SequentialConfig, grow_sequentially
-from treetrain.tree import TrajectoryTree
+from treetrain.tree import SamplingRecord, TrajectoryTree
 from treetrain.tree.build import build_tree
 from treetrain.tree.format import save_tree
 
@@ -126,11 +126,12 @@ def rollout_trees(
 
         engine = HFEngine(model, version=config.model_version or 0, keep_prefixes=config.reuse_prefix_kv)
     saved: dict[int, tuple[TrajectoryTree, Path]] = {}  # by task index
+    sampling = config.sampler.sampling  # recorded in each tree: the trainer scores at its temperature
 
     def save(task: Task) -> None:  # as soon as a tree is complete: a later failure cannot lose it
         if engine is not None:
             engine.release_group(task.prefix)
-        tree = build_tree(task.trajectories())
+        tree = build_tree(task.trajectories(), SamplingRecord(sampling.temperature, sampling.top_p))
         path = trees_dir / f"{portable_name(task.prefix)}-{tree.id[:12]}.msgpack"
         save_tree(tree, path)
         saved[tasks.index(task)] = (tree, path)

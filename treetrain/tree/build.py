@@ -17,6 +17,7 @@ from treetrain.tree.trajectory_tree import (
     CallRecord,
     CallRef,
     Node,
+    SamplingRecord,
     TrajectoryRecord,
     TrajectoryTree,
     node_id,
@@ -57,8 +58,9 @@ def _insert(root: _Draft, tokens: tuple[int, ...], roles: tuple[Role, ...], ref:
     node.ends.append(ref)
 
 
-def build_tree(trajectories: Iterable[Trajectory]) -> TrajectoryTree:
-    """Merge trajectories into one tree. Trajectory ids must be unique."""
+def build_tree(trajectories: Iterable[Trajectory], sampling: SamplingRecord | None = None) -> TrajectoryTree:
+    """Merge trajectories into one tree. Trajectory ids must be unique. `sampling` says how they were
+    sampled, when known (the rollout records it)."""
     trajs = list(trajectories)
     if not trajs:
         raise TrajectoryError("cannot build a tree from zero trajectories")
@@ -130,4 +132,4 @@ def build_tree(trajectories: Iterable[Trajectory]) -> TrajectoryTree:
             for ci, call in enumerate(traj.calls)
         )
         records.append(TrajectoryRecord(traj.id, traj.reward, traj.step_rewards, traj.meta, calls))
-    return TrajectoryTree(frozen, records)
+    return TrajectoryTree(frozen, records, sampling)

@@ -30,7 +30,14 @@ import numpy as np
 
 from treetrain.io import atomic_write_bytes, open_regular
 from treetrain.tree.reader import decode_trees
-from treetrain.tree.schema import DEFAULT_LIMITS, FORMAT_NAME, FORMAT_VERSION, Limits, TreeFormatError
+from treetrain.tree.schema import (
+    DEFAULT_LIMITS,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    SAMPLING_VERSION,
+    Limits,
+    TreeFormatError,
+)
 from treetrain.tree.trajectory_tree import TrajectoryRecord, TrajectoryTree
 
 __all__ = [
@@ -59,9 +66,10 @@ def trees_to_bytes(trees: Sequence[TrajectoryTree]) -> bytes:
     trees = list(trees)
     if not trees:
         raise TreeFormatError("trees: a group needs at least one tree")
+    recorded = any(t.sampling is not None for t in trees)
     doc = {
         "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
+        "version": FORMAT_VERSION if recorded else SAMPLING_VERSION - 1,
         "trees": [_encode_tree(t, f"trees[{k}]") for k, t in enumerate(trees)],
     }
     try:
@@ -90,11 +98,17 @@ def _encode_tree(tree: TrajectoryTree, where: str) -> dict[str, object]:
                 "id": n.id,
             }
         )
-    return {
+    out: dict[str, object] = {
         "id": tree.id,
         "nodes": nodes,
         "trajectories": [_encode_record(r, f"{where}.trajectories[{i}]") for i, r in enumerate(tree.records)],
     }
+    if tree.sampling is not None:
+        out["sampling"] = {
+            "temperature": float(tree.sampling.temperature),
+            "top_p": float(tree.sampling.top_p),
+        }
+    return out
 
 
 def _encode_record(rec: TrajectoryRecord, where: str) -> dict[str, object]:

@@ -15,10 +15,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from treetrain.trajectory import REWARD_LIMIT, TrajectoryMeta
+from treetrain.trajectory import REWARD_LIMIT, TrajectoryError, TrajectoryMeta
 from treetrain.tree.node_table import POLICY, ROLES, Budget, NodeTable
-from treetrain.tree.schema import FORMAT_NAME, SUPPORTED_VERSIONS, Limits, TreeFormatError
-from treetrain.tree.trajectory_tree import CallRecord, TrajectoryRecord, TrajectoryTree
+from treetrain.tree.schema import FORMAT_NAME, SAMPLING_VERSION, SUPPORTED_VERSIONS, Limits, TreeFormatError
+from treetrain.tree.trajectory_tree import CallRecord, SamplingRecord, TrajectoryRecord, TrajectoryTree
 from treetrain.tree.unpack import (
     MAP_HEADERS,
     expect_array,
@@ -49,12 +49,13 @@ def decode_trees(data: bytes, limits: Limits) -> tuple[TrajectoryTree, ...]:
     if version not in SUPPORTED_VERSIONS:
         newest = max(SUPPORTED_VERSIONS)
         hint = "; written by a newer treetrain? upgrade" if version > newest else ""
-        raise TreeFormatError(f"file.version: {version} is not supported (this reader knows {newest}){hint}")
+        known = ", ".join(str(v) for v in sorted(SUPPORTED_VERSIONS))
+        raise TreeFormatError(f"file.version: {version} is not supported (this reader knows {known}){hint}")
     fields = expect_fields(top, "file", ("format", "version", "trees"))
     raw_trees = expect_array(fields["trees"], "trees", min_len=1)
     budget = Budget(limits.max_total_tokens, _TOKENS)
     visits = Budget(max(limits.min_node_visits, limits.node_visits_per_byte * len(data)), _VISITS)
-    trees = tuple(_decode_tree(t, f"trees[{k}]", budget, visits) for k, t in enumerate(raw_trees))
+    trees = tuple(_decode_tree(t, f"trees[{k}]", budget, visits, version) for k, t in enumerate(raw_trees))
     _check_distinct(trees)
     return trees
 
@@ -113,8 +114,12 @@ _VISITS = (
 )
 
 
-def _decode_tree(obj: object, where: str, budget: Budget, visits: Budget) -> TrajectoryTree:
-    fields = expect_fields(obj, where, ("nodes", "trajectories"), ("id",))
+def _decode_tree(obj: object, where: str, budget: Budget, visits: Budget, version: int) -> TrajectoryTree:
+    if version < SAMPLING_VERSION and isinstance(obj, dict) and "sampling" in obj:
+        raise TreeFormatError(
+            f"{where}.sampling: a version {version} file has no such field (version {SAMPLING_VERSION} added it)"
+        )
+    fields = expect_fields(obj, where, ("nodes", "trajectories"), ("id", "sampling"))
     nodes = NodeTable(expect_array(fields["nodes"], f"{where}.nodes", min_len=1), f"{where}.nodes")
     raw_trajs = expect_array(fields["trajectories"], f"{where}.trajectories", min_len=1)
     records: list[TrajectoryRecord] = []
@@ -127,12 +132,23 @@ def _decode_tree(obj: object, where: str, budget: Budget, visits: Budget) -> Tra
             )
         first_with_id[rec.id] = ti
         records.append(rec)
-    tree = TrajectoryTree(nodes.freeze(records, visits, where), records)
+    sampling = _decode_sampling(fields["sampling"], f"{where}.sampling") if "sampling" in fields else None
+    tree = TrajectoryTree(nodes.freeze(records, visits, where), records, sampling)
     if "id" in fields and expect_str(fields["id"], f"{where}.id") != tree.id:
         raise TreeFormatError(
             f"{where}.id: stored {short_repr(fields['id'])} but the content hash is {tree.id!r}"
         )
     return tree
+
+
+def _decode_sampling(obj: object, where: str) -> SamplingRecord:
+    fields = expect_fields(obj, where, ("temperature", "top_p"))
+    temperature = expect_finite(fields["temperature"], f"{where}.temperature")
+    top_p = expect_finite(fields["top_p"], f"{where}.top_p")
+    try:
+        return SamplingRecord(temperature, top_p)
+    except TrajectoryError as e:  # its message starts with the field's name
+        raise TreeFormatError(f"{where}.{e}") from None
 
 
 # ----- trajectories -----------------------------------------------------------------------------------

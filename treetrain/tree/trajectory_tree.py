@@ -6,7 +6,9 @@ is a hash of its parent's id, its tokens and its roles, so equal prefixes get eq
 text equality never merges anything: tokenization is never redone.
 
 Per-trajectory data that is not shared (reward, step rewards, metadata, segment boundaries, sampler
-logprobs) lives in `TrajectoryRecord`s, which together with the nodes reconstruct every input exactly.
+logprobs) lives in `TrajectoryRecord`s, which together with the nodes reconstruct every input exactly. A
+tree sampled by treetrain also says how (`SamplingRecord`): the trainer scores at the sampling temperature,
+so training on a recorded tree checks it.
 
 Example:
     >>> from treetrain.trajectory import Call, Role, Segment, Trajectory
@@ -92,6 +94,35 @@ class CallRecord:
 
 
 @dataclass(frozen=True)
+class SamplingRecord:
+    """The settings a tree's policy tokens were drawn with, so its sampler logprobs can be read: they are of
+    softmax(logits / temperature) restricted to the top-p nucleus and renormalised.
+
+    Example:
+        >>> SamplingRecord(temperature=0.7).describe()
+        'temperature 0.7, top_p 1.0'
+    """
+
+    temperature: float
+    """Softmax temperature (0: greedy)."""
+    top_p: float = 1.0
+    """Nucleus mass in (0, 1] (1: the whole distribution)."""
+
+    def __post_init__(self) -> None:  # errors name the field alone; the reader puts the tree in front
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise TrajectoryError(f"{name}: {value!r} is not a finite number")
+        if self.temperature < 0:
+            raise TrajectoryError(f"temperature: {self.temperature!r} is below 0")
+        if not 0 < self.top_p <= 1:
+            raise TrajectoryError(f"top_p: {self.top_p!r} is not in (0, 1]")
+
+    def describe(self) -> str:
+        return f"temperature {self.temperature}, top_p {self.top_p}"
+
+
+@dataclass(frozen=True)
 class TrajectoryRecord:
     """The unshared part of a trajectory."""
 
@@ -121,11 +152,19 @@ class TrajectoryTree:
     Build one with `treetrain.tree.build_tree`; its statistics are `treetrain.tree.tree_stats(tree)` and a
     networkx view is `treetrain.tree.graph.to_networkx(tree)`. Those live above this module, which holds
     only the data and its navigation, so the tree package depends one way: build/stats/graph -> model.
+    `sampling` is how its policy tokens were drawn, None when unknown (imported, synthetic, older files); it
+    is metadata, not content, and not part of `id`.
     """
 
-    def __init__(self, nodes: Sequence[Node], records: Sequence[TrajectoryRecord]) -> None:
+    def __init__(
+        self,
+        nodes: Sequence[Node],
+        records: Sequence[TrajectoryRecord],
+        sampling: SamplingRecord | None = None,
+    ) -> None:
         self.nodes: tuple[Node, ...] = tuple(nodes)
         self.records: tuple[TrajectoryRecord, ...] = tuple(records)
+        self.sampling = sampling
         if not self.nodes or self.nodes[ROOT].parent is not None or self.nodes[ROOT].tokens:
             raise TrajectoryError("tree must start with an empty root node")
 
