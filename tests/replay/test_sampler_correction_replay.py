@@ -9,7 +9,10 @@ weights w = exp(trainer - sampler) spread around 1 and the cap matters for some 
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,10 +20,11 @@ from support.replay_cases import SHAPES, factory, make_batch
 from support.sampler_cases import resampled, trainer_logprobs, with_sampler_logprob, without_sampler_logprobs
 
 from treetrain.loss.loss_config import LossConfig
+from treetrain.loss.sampler_correction import SamplerGap
 from treetrain.replay import FlatReference, ReplayConfig, ReplayPlan, TreeReplay, UpdateBatch
 from treetrain.replay.verify import deviation, flat_grad, flat_gradient, noise_floor
 from treetrain.trajectory import Role
-from treetrain.tree import TrajectoryTree
+from treetrain.tree import SamplingRecord, TrajectoryTree
 
 FACTOR = 5.0
 SIGMA = 0.4
@@ -231,3 +235,144 @@ def test_sequence_mask_scores_branches_that_would_be_skipped_as_inert(trees) -> 
     assert masked.skipped_units == 0
     floor = noise_floor(make, batch, MASK)
     assert deviation(flat_grad(model), flat_gradient(make(), batch, MASK)).abs <= FACTOR * floor
+
+
+# ----- at a sampling temperature ----------------------------------------------------------------------
+# Rollouts sampled at temperature T record logprobs of softmax(logits / T); the loss scores at the same T
+# (`LossConfig.temperature`), in the scoring pass, the replay, the flat reference and the KL reference.
+
+T = 0.7
+make_ref = factory("llama", torch.float64, seed=2)
+HOT_LOSSES = {
+    "none": LossConfig(temperature=T),
+    "token_truncate": dataclasses.replace(TRUNCATE, temperature=T),
+    "sequence_mask": dataclasses.replace(MASK, temperature=T),
+    "kl_entropy_truncate": dataclasses.replace(TRUNCATE, temperature=T, kl_coef=0.1, entropy_coef=0.01),
+}
+
+
+@pytest.fixture(scope="module")
+def hot_trees() -> list[TrajectoryTree]:
+    """The two-tree case with sampler logprobs of the tempered distribution (plus noise, as above)."""
+    return resampled(SHAPES["two_trees"](0), make(), SIGMA, seed=3, temperature=T)
+
+
+@pytest.mark.parametrize("plan", ["K2", "K0-shuffle-kept-graphs"])
+@pytest.mark.parametrize("name", list(HOT_LOSSES))
+def test_exact_matches_flat_at_a_sampling_temperature(hot_trees, name: str, plan: str) -> None:
+    loss = HOT_LOSSES[name]
+    ref = make_ref() if loss.needs_reference else None
+    batch = make_batch(hot_trees, loss)
+    floor = noise_floor(make, batch, loss, make_ref if ref is not None else None)
+    flat = flat_gradient(make(), batch, loss, ref)
+    model = make()
+    TreeReplay(model, loss, PLANS[plan], ref_model=ref).accumulate(batch)
+    dev = deviation(flat_grad(model), flat)
+    assert float(flat.norm()) > 0
+    assert dev.abs <= FACTOR * floor, f"{name}/{plan}: {dev.abs:.3e} > {FACTOR} x {floor:.3e}"
+    # negative control: the same loss scored at temperature 1 is another gradient, far beyond the floor
+    cold = flat_gradient(make(), batch, dataclasses.replace(loss, temperature=1.0), ref)
+    assert float((cold - flat).norm()) > 100 * FACTOR * floor
+
+
+def test_the_gap_to_an_exact_tempered_sampler_is_rounding_only_when_scored_at_its_temperature() -> None:
+    """Sampler logprobs that are exactly the model's at T (no noise): scored at T, both engines' gap is
+    float64 rounding; scored at 1 (the negative control), it is the temperature's effect."""
+    exact = resampled(SHAPES["two_trees"](0), make(), 0.0, temperature=T)
+    for loss in (LossConfig(temperature=T), LossConfig()):
+        batch = make_batch(exact, loss)
+        for gap in (
+            TreeReplay(make(), loss, ReplayConfig(microbatch=2)).accumulate(batch).sampler_gap,
+            FlatReference(make(), loss, microbatch=2).accumulate(batch).sampler_gap,
+        ):
+            assert gap.tokens > 50 and gap.mean is not None and gap.max is not None
+            if loss.temperature == T:
+                assert gap.max < 1e-12
+            else:
+                assert gap.mean > 1e-2, gap
+
+
+def test_the_kl_reference_is_scored_at_the_policys_temperature(hot_trees) -> None:
+    """A reference equal to the policy has KL 0 when both are scored at T, in every way the engines score
+    one (a reference left at temperature 1 would not: the hand computation below): its own walk, the
+    policy's walk (fresh LoRA adapters, so adapters off is the same model), and the flat reference."""
+    from support.lora_cases import base_model
+
+    from treetrain.models.lora import AdaptersOff, LoraSection, apply_lora
+
+    loss = LossConfig(temperature=T, kl_coef=0.1)
+    batch = make_batch(hot_trees, loss)
+    lora = apply_lora(base_model("llama", torch.float64), LoraSection(r=2))
+    runs = (
+        (TreeReplay(make(), loss, ReplayConfig(microbatch=2), ref_model=make()), len(batch.work)),
+        (TreeReplay(lora, loss, ReplayConfig(microbatch=2), ref_model=AdaptersOff(lora)), 0),
+        (FlatReference(make(), loss, ref_model=make(), microbatch=2), 0),
+    )
+    for engine, walks in runs:
+        report = engine.accumulate(batch)
+        assert report.reference_walks == walks  # the separate walk, the fused walk, the flat pass
+        assert abs(report.kl) < 1e-12
+    model, log_ratios = make(), []  # negative control: policy at T against the reference at 1, per token
+    for tree in hot_trees:
+        for i in range(len(tree.records)):
+            (call,) = tree.trajectory(i).calls
+            hot, cold = trainer_logprobs(model, call.tokens, T), trainer_logprobs(model, call.tokens)
+            log_ratios += [cold[t] - hot[t] for t, r in enumerate(call.roles) if r is Role.POLICY]
+    k3 = [math.exp(d) - d - 1 for d in log_ratios]
+    assert sum(k3) / len(k3) > 1e-4  # eight orders above the bound on the engines' KL
+
+
+# ----- against the inference engines ------------------------------------------------------------------
+# The gap as the trainer logs it: what an engine recorded while sampling at T, against the trainer's scoring
+# pass over the trees it wrote, in float32 on the demo policy.
+
+GAP_MEAN = 1e-6
+GAP_MAX = 5e-5
+"""Bounds on the mean and the largest per-token gap at T in float32: rounding, a KV-cached decode against a
+batched forward (logprobs are above -6 here, where a float32 ulp is 5e-7). Measured with the `hf` engine:
+mean 5.7e-7, max 1.0e-5 at T = 0.7, and mean 4.6e-7, max 6.7e-6 sampled and scored at 1, the same
+arithmetic; the largest token is a few ulps of logits that went through every layer."""
+
+
+def _engine_gap(model_dir: Any, engine: Any, tmp_path: Path) -> tuple[SamplerGap, SamplerGap]:
+    """Roll out calculator trees at T with `engine` (None: the `hf` engine over the model), then the gap of
+    the scoring pass at T and, the negative control, at temperature 1."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from envs import EpisodeLimits, WrapperConfig, make_env
+    from treetrain.rollout import FanOut, RolloutConfig, SamplerConfig, Sampling, rollout_trees
+
+    model = LlamaForCausalLM.from_pretrained(model_dir).eval()
+    wrapper = WrapperConfig(EpisodeLimits(max_turns=3, max_turn_tokens=32), stop_token_ids=(2,))
+    config = RolloutConfig(FanOut(root=4), SamplerConfig(Sampling(temperature=T), seed=1), wrapper,
+                           model_version=getattr(engine, "version", None))  # fmt: skip
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    result = rollout_trees(model, tok, lambda: make_env("calculator"), [0, 1], tmp_path, config,
+                           env_name="calculator", engine=engine)  # fmt: skip
+    trees = list(result.trees)
+    assert trees and all(t.sampling == SamplingRecord(T, 1.0) for t in trees)  # what the files say too
+    gaps = []
+    for loss in (LossConfig(temperature=T), LossConfig()):
+        replay = ReplayConfig(skip_inert=False)  # every token scored, whatever its advantage
+        gaps.append(TreeReplay(model, loss, replay).accumulate(make_batch(trees, loss)).sampler_gap)
+    return gaps[0], gaps[1]
+
+
+def _check(on: SamplerGap, off: SamplerGap, name: str) -> None:
+    print(f"{name} at T={T}: gap mean {on.mean:.2e} max {on.max:.2e}; scored at 1: mean {off.mean:.2e}")
+    assert on.tokens >= 40 and on.mean is not None and on.max is not None
+    assert on.mean < GAP_MEAN and on.max < GAP_MAX
+    assert off.mean is not None and off.mean > 1e4 * GAP_MEAN  # negative control: scored at 1
+
+
+def test_the_hf_engines_logprobs_at_a_temperature_are_the_scoring_pass_at_it(tmp_path: Path) -> None:
+    from treetrain.train.models import DEMO_MODEL
+
+    _check(*_engine_gap(DEMO_MODEL, None, tmp_path), "hf")
+
+
+def test_vllms_logprobs_at_a_temperature_are_the_scoring_pass_at_it(vllm_engine: Any, tmp_path: Path) -> None:
+    """The session's real vLLM (`tests/conftest.py`), on the wide demo model it serves."""
+    from treetrain.train.models import WIDE_DEMO_MODEL
+
+    _check(*_engine_gap(WIDE_DEMO_MODEL, vllm_engine, tmp_path), "vllm")

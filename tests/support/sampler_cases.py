@@ -2,7 +2,8 @@
 trainer by a known amount, as an inference engine does (tests of `treetrain.loss.sampler_correction`).
 
 `trainer_logprobs` is the hand computation the engines are checked against: a plain Hugging Face forward
-of the whole call, log-softmax, the logprob of each token given the tokens before it.
+of the whole call, the logits divided by the temperature, log-softmax, the logprob of each token given the
+tokens before it.
 """
 
 from __future__ import annotations
@@ -21,16 +22,19 @@ from treetrain.tree.build import build_tree
 
 
 @torch.no_grad()
-def trainer_logprobs(model: PreTrainedModel, tokens: tuple[int, ...]) -> list[float]:
-    """log p(token t | tokens < t) for every t (NaN at t = 0, which nothing predicts)."""
+def trainer_logprobs(
+    model: PreTrainedModel, tokens: tuple[int, ...], temperature: float = 1.0
+) -> list[float]:
+    """log p(token t | tokens < t) under softmax(logits / temperature) for every t (NaN at t = 0, which
+    nothing predicts)."""
     ids = torch.tensor([tokens])
     logits = model(input_ids=ids).logits[0].double()  # [T, V]
-    logp = torch.log_softmax(logits, dim=-1)
+    logp = torch.log_softmax(logits / temperature, dim=-1)
     return [math.nan] + [float(logp[t - 1, tokens[t]]) for t in range(1, len(tokens))]
 
 
-def _call(model: PreTrainedModel, call: Call, noise: Callable[[], float]) -> Call:
-    lps = trainer_logprobs(model, call.tokens)
+def _call(model: PreTrainedModel, call: Call, noise: Callable[[], float], temperature: float) -> Call:
+    lps = trainer_logprobs(model, call.tokens, temperature)
     segments, at = [], 0
     for seg in call.segments:
         logprobs = None
@@ -43,17 +47,17 @@ def _call(model: PreTrainedModel, call: Call, noise: Callable[[], float]) -> Cal
 
 
 def resampled(
-    trees: list[TrajectoryTree], model: PreTrainedModel, sigma: float, seed: int = 0
+    trees: list[TrajectoryTree], model: PreTrainedModel, sigma: float, seed: int = 0, temperature: float = 1.0
 ) -> list[TrajectoryTree]:
-    """`trees` with every policy token's sampler logprob set to the model's own plus N(0, sigma) noise, so
-    w = exp(trainer - sampler) = exp(-noise) per token."""
+    """`trees` with every policy token's sampler logprob set to the model's own at `temperature` plus
+    N(0, sigma) noise, so w = exp(trainer - sampler) = exp(-noise) per token when the trainer scores at it."""
     rng = random.Random(seed)
     out = []
     for tree in trees:
         trajs: list[Trajectory] = []
         for i in range(len(tree.records)):
             traj = tree.trajectory(i)
-            calls = tuple(_call(model, c, lambda: rng.gauss(0.0, sigma)) for c in traj.calls)
+            calls = tuple(_call(model, c, lambda: rng.gauss(0.0, sigma), temperature) for c in traj.calls)
             trajs.append(dataclasses.replace(traj, calls=calls))
         out.append(build_tree(trajs))
     return out

@@ -1,9 +1,16 @@
-"""Loss configuration: PPO-clip / GRPO policy gradient, optional KL to a reference, entropy bonus."""
+"""Loss configuration: PPO-clip / GRPO policy gradient, optional KL to a reference, entropy bonus.
+
+The policy the loss trains is softmax(logits / temperature), the distribution the sampler drew from, as in
+TRL and verl: tokens sampled at temperature 0.7 are scored at 0.7 (the scoring pass, the replay, the flat
+reference, the entropy and the KL reference alike), so the PPO ratio, the sampler correction and
+`ratio_source='sampler'` compare like with like. The trainer takes the temperature from
+`rollout.sampling.temperature` unless `temperature` is set (`LossConfig.at_temperature`).
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from treetrain.errors import ConfigError
@@ -26,6 +33,8 @@ class LossConfig:
     Example:
         >>> LossConfig(aggregation="seq-mean-token-sum", kl_coef=0.01).kl_estimator
         'k3'
+        >>> LossConfig().at_temperature(0.7).logit_temperature, LossConfig().logit_temperature
+        (0.7, 1.0)
     """
 
     clip_low: float = 0.2
@@ -51,10 +60,15 @@ class LossConfig:
     """Sampler/trainer mismatch correction (treetrain.loss.sampler_correction), with w = exp(scoring - sampler)
     per token: none; token_truncate multiplies each token's policy-gradient term by min(w, cap);
     sequence_mask drops the policy-gradient terms of a trajectory whose product of w is outside
-    [1/cap, cap]. Needs ratio_source='scoring' and sampler logprobs at temperature 1, top_p 1."""
+    [1/cap, cap]. Needs ratio_source='scoring', top_p 1, and the loss at the sampling temperature."""
     sampler_correction_cap: float = 2.0
     """The cap C of sampler_correction (> 1; TRL's vllm_importance_sampling_cap and verl's
     rollout_is_threshold default to 2)."""
+    temperature: float | None = None
+    """Temperature of the policy the loss trains: logits are divided by it before the log-softmax in scoring,
+    replay, entropy and the KL reference (as TRL and verl do). null: the sampling temperature
+    (rollout.sampling.temperature) in a run, 1 in the Python API; another value trains a policy other than
+    the one that sampled, and a sampler correction or ratio_source='sampler' refuses it."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.clip_low < 1.0:
@@ -94,8 +108,27 @@ class LossConfig:
                 "use ratio_source='scoring' or sampler_correction='none'",
                 field="sampler_correction",
             )
+        t = self.temperature
+        if t is not None and (
+            isinstance(t, bool) or not isinstance(t, int | float) or not (math.isfinite(t) and t > 0)
+        ):
+            raise ConfigError(
+                f"must be a finite number > 0, or null for the sampling temperature, got {t!r}",
+                field="temperature",
+            )
         if not self.seq_sum_normalizer > 0:
             raise ConfigError(f"loss.seq_sum_normalizer must be > 0, got {self.seq_sum_normalizer!r}")
+
+    @property
+    def logit_temperature(self) -> float:
+        """What the engines divide the logits by: `temperature`, or 1 (the model's own distribution) when it
+        is null. The trainer resolves null to the sampling temperature first (`at_temperature`)."""
+        return 1.0 if self.temperature is None else float(self.temperature)
+
+    def at_temperature(self, sampling: float) -> LossConfig:
+        """This config for tokens sampled at temperature `sampling`: a null `temperature` becomes it, a set
+        one stays."""
+        return self if self.temperature is not None else replace(self, temperature=float(sampling))
 
     @property
     def corrects_sampler(self) -> bool:

@@ -8,10 +8,11 @@ logp_sampler the recorded one,
 
     gap = |logp_trainer - logp_sampler|,        w = exp(logp_trainer - logp_sampler)  (detached).
 
-`SamplerGap` is the measure the trainer logs per update (`sampler_logprob_gap_mean` / `_max`). Both
-quantities mean something only when the sampler sampled at temperature 1 and top_p 1: with tempered or
-nucleus sampling the recorded logprobs are those of the tempered distribution, and the gap then measures the
-temperature, not the mismatch (the trainer refuses a correction with tempered sampling for that reason).
+`SamplerGap` is the measure the trainer logs per update (`sampler_logprob_gap_mean` / `_max`). The engines
+record the logprob of the distribution they drew from, softmax(logits / T), and the loss scores at the same
+T (`LossConfig.logit_temperature`), so both quantities measure the mismatch at any temperature. Not under
+top_p below 1: the recorded logprob is then of the renormalised nucleus, which the trainer does not score,
+and the gap holds the log of the nucleus's mass (the trainer refuses a correction with top_p below 1).
 
 The correction is truncated importance sampling (Yao et al., "Your efficient RL framework secretly brings you
 off-policy RL training", 2025). Its weight multiplies each token's **policy-gradient** term only; the KL and

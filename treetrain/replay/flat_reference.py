@@ -163,7 +163,12 @@ class FlatReference:
         out = decoder_forward(model, padded.input_ids, padded.positions, None)
         gathered = gather_targets([c.targets for c in calls], padded.input_ids.shape[1], self.device)
         logp, ent = target_stats(
-            model, out.hidden, gathered, with_entropy=with_entropy, max_logit_elements=self.max_logit_elements
+            model,
+            out.hidden,
+            gathered,
+            with_entropy=with_entropy,
+            max_logit_elements=self.max_logit_elements,
+            temperature=self.loss_cfg.logit_temperature,
         )
         return logp, ent, gathered, sum(padded.lengths)
 

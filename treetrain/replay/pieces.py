@@ -124,8 +124,10 @@ def target_stats(
     *,
     with_entropy: bool,
     max_logit_elements: int,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Logprob (and entropy) of every gathered target, `[M]` float32."""
+    """Logprob (and entropy) of every gathered target, `[M]` float32, at the loss's `temperature`
+    (`LossConfig.logit_temperature`)."""
     flat = hidden.reshape(-1, hidden.shape[-1])  # [B * S, H]
     selected = flat.index_select(0, gathered.flat_positions)  # [M, H]
     vocab = int(model.config.get_text_config(decoder=True).vocab_size)
@@ -136,4 +138,5 @@ def target_stats(
         vocab_size=vocab,
         with_entropy=with_entropy,
         max_logit_elements=max_logit_elements,
+        temperature=temperature,
     )

@@ -46,6 +46,9 @@ class ReferenceView:
     device: torch.device
     score_microbatch: int
     max_logit_elements: int
+    temperature: float
+    """The loss's `logit_temperature`: the reference is scored at the policy's temperature (as in TRL and
+    verl), so the KL compares the two distributions the loss sees."""
     tracker: MemoryProbe | None
     """Told about the reference's store, so its KV is measured with the rest."""
     mark: Callable[[ScoreBatch], None]
@@ -79,7 +82,8 @@ def separate_reference_logprobs(
         paths = PathKV(ref, units, store, identity, view.device)
         lps, n_tok = scoring_pass(
             ref, paths, microbatch=view.score_microbatch, need=reference_need(units),
-            keep=lambda u: False, max_logit_elements=view.max_logit_elements, before_batch=view.mark,
+            keep=lambda u: False, max_logit_elements=view.max_logit_elements, temperature=view.temperature,
+            before_batch=view.mark,
         )  # fmt: skip
         store.clear()
     return lps, n_tok

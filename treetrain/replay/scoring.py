@@ -199,6 +199,7 @@ def scoring_pass(
     keep: Callable[[int], bool],
     with_entropy: bool = False,
     max_logit_elements: int,
+    temperature: float = 1.0,
     before_batch: Callable[[ScoreBatch], None] | None = None,
     forward_elsewhere: Callable[[int], bool] | None = None,
     reference: ReferenceWalk | None = None,
@@ -210,7 +211,8 @@ def scoring_pass(
     each batch (the retention policy and the memory tracker listen). Units for which `forward_elsewhere(u)`
     is true are left out of the no-grad forwards (their first forward keeps a graph; see `TreeReplay`).
     With `reference`, every batch is also scored by the reference, all its units included (see the module
-    docstring); its logprobs and tokens are left in `reference`.
+    docstring); its logprobs and tokens are left in `reference`. Both are scored at `temperature` (the
+    loss's `logit_temperature`).
     Returns the logprobs and the number of tokens evaluated.
     """
     units = paths.units
@@ -237,6 +239,7 @@ def scoring_pass(
                 logps,
                 with_entropy,
                 max_logit_elements,
+                temperature,
             )
         elif event.parent != ROOT:  # the path is still made resident, as the retention plan expects
             paths.pieces(event.parent)
@@ -246,7 +249,7 @@ def scoring_pass(
             with reference.enter():
                 reference.tokens += _score_splitting(
                     reference.paths.model, reference.paths, event.parent, [units[c] for c in event.units],
-                    reference.logps, False, max_logit_elements,
+                    reference.logps, False, max_logit_elements, temperature,
                 )  # fmt: skip
     return logps, tokens
 
@@ -259,11 +262,12 @@ def _score_splitting(
     logps: list[torch.Tensor | None],
     with_entropy: bool,
     max_logit_elements: int,
+    temperature: float,
 ) -> int:
     """`_score_batch`, split in halves on out-of-memory. Safe to retry: a scoring forward has no graph and
     its only side effects (logprobs, stored KV) are overwritten by the retry."""
     try:
-        return _score_batch(model, paths, parent, batch, logps, with_entropy, max_logit_elements)
+        return _score_batch(model, paths, parent, batch, logps, with_entropy, max_logit_elements, temperature)
     except torch.OutOfMemoryError:
         if len(batch) == 1:
             raise
@@ -271,7 +275,7 @@ def _score_splitting(
             torch.cuda.empty_cache()
         half = len(batch) // 2
         return sum(
-            _score_splitting(model, paths, parent, part, logps, with_entropy, max_logit_elements)
+            _score_splitting(model, paths, parent, part, logps, with_entropy, max_logit_elements, temperature)
             for part in (batch[:half], batch[half:])
         )
 
@@ -284,6 +288,7 @@ def _score_batch(
     logps: list[torch.Tensor | None],
     with_entropy: bool,
     max_logit_elements: int,
+    temperature: float,
 ) -> int:
     """One scoring forward; its activations die on return, before the next batch runs."""
     state = adapter_state(model)
@@ -294,7 +299,12 @@ def _score_batch(
     batch_ids, out = forward_units(model, batch, paths.past_for_children(parent), paths.device)
     gathered = gather_targets([b.targets for b in batch], batch_ids.input_ids.shape[1], paths.device)
     lp, _ = target_stats(
-        model, out.hidden, gathered, with_entropy=with_entropy, max_logit_elements=max_logit_elements
+        model,
+        out.hidden,
+        gathered,
+        with_entropy=with_entropy,
+        max_logit_elements=max_logit_elements,
+        temperature=temperature,
     )
     for row, unit in enumerate(batch):
         a, b = gathered.target_offsets[row], gathered.target_offsets[row + 1]

@@ -253,7 +253,7 @@ class TreeReplay:
             lps, n_tok = scoring_pass(
                 self.model, walk.paths, microbatch=cfg.score_microbatch, need=walk.scored,
                 keep=lambda u: walk.needs_kv[u], max_logit_elements=cfg.max_logit_elements,
-                before_batch=self._before_score, forward_elsewhere=lambda u: u in walk.kept,
+                temperature=lcfg.logit_temperature, before_batch=self._before_score, forward_elsewhere=lambda u: u in walk.kept,
                 reference=ref_walk,
             )  # fmt: skip
             walk.old_lp = [old if old is not None else lp for old, lp in zip(walk.old_lp, lps)]
@@ -303,6 +303,7 @@ class TreeReplay:
             self.device,
             self.cfg.score_microbatch,
             self.cfg.max_logit_elements,
+            self.loss_cfg.logit_temperature,
             self.plan.tracker,
             lambda b: self._mark(f"reference {b.parent}:{b.units[0]}"),
         )
@@ -359,7 +360,7 @@ class TreeReplay:
         gathered = gather_targets([u.targets for u in batch_units], padded.input_ids.shape[1], self.device)
         logp, entropy = target_stats(
             self.model, out.hidden, gathered, with_entropy=self.loss_cfg.needs_entropy,
-            max_logit_elements=self.cfg.max_logit_elements,
+            max_logit_elements=self.cfg.max_logit_elements, temperature=self.loss_cfg.logit_temperature,
         )  # fmt: skip
         return StepGraph(batch_units, path, padded, out, gathered, logp, entropy)
 
