@@ -223,19 +223,24 @@ def test_cli_trees_overwrite_and_resume(tmp_path: Path, capsys) -> None:
     assert "outside the model's vocabulary" in capsys.readouterr().err
 
 
-def test_sampler_ratio_with_tempered_sampling_is_refused() -> None:
-    with pytest.raises(ConfigError, match=r"loss\.ratio_source"):
-        load_config(None, ["loss.ratio_source=sampler", "rollout.sampling.temperature=0.7"])
-    load_config(
-        None, ["loss.ratio_source=sampler"]
-    )  # temperature 1, top_p 1: the sampler's logprobs are exact
-
-
-def test_sampler_correction_with_tempered_sampling_is_refused() -> None:
-    for tempered in ("rollout.sampling.temperature=0.7", "rollout.sampling.top_p=0.9"):
-        with pytest.raises(ConfigError, match=r"^loss\.sampler_correction: 'token_truncate' .*tempered"):
-            load_config(None, ["loss.sampler_correction=token_truncate", tempered])
-    load_config(None, ["loss.sampler_correction=sequence_mask"])  # temperature 1, top_p 1: accepted
+def test_sampler_logprobs_at_any_temperature_are_the_policys() -> None:
+    """The loss scores at the sampling temperature, so the sampler's ratio and corrections are accepted at
+    any temperature; top_p below 1, and a loss.temperature other than the sampling one, are refused."""
+    for use in ("loss.ratio_source=sampler", "loss.sampler_correction=token_truncate"):
+        cfg = load_config(None, [use, "rollout.sampling.temperature=0.7"])
+        assert cfg.policy_loss.logit_temperature == 0.7 and cfg.loss.temperature is None
+        field = use.split("=")[0].replace(".", r"\.")
+        with pytest.raises(ConfigError, match=rf"^{field}: .*top-p nucleus renormalised .*top_p=0\.9\)"):
+            load_config(None, [use, "rollout.sampling.top_p=0.9"])
+        with pytest.raises(ConfigError, match=rf"^{field}: .*loss\.temperature=1\.0 scores another"):
+            load_config(None, [use, "rollout.sampling.temperature=0.7", "loss.temperature=1"])
+        load_config(None, [use, "rollout.sampling.temperature=0.7", "loss.temperature=0.7"])
+    cold = load_config(
+        None, ["rollout.sampling.temperature=0.7", "loss.temperature=1", "rollout.sampling.top_p=0.9"]
+    )
+    assert cold.policy_loss.logit_temperature == 1.0  # without either, scoring elsewhere is the user's choice
+    with pytest.raises(ConfigError, match=r"^loss\.temperature: must be a finite number > 0"):
+        load_config(None, ["loss.temperature=0"])
 
 
 def test_sampler_correction_settings_are_named_from_the_top_of_the_config() -> None:
@@ -288,6 +293,42 @@ def test_kl_reference_and_forced_flat_runs(tmp_path: Path, extra: tuple[str, ...
     assert rows[0].mode == ("flat" if "mode=flat" in extra else "tree")
     # The first update's policy is the reference itself (KL 0); after one step the KL term must show.
     assert rows[0].kl == 0.0 and (rows[1].kl > 0) == ("loss.kl_coef=0.05" in extra)
+
+
+def test_recorded_trees_are_trained_at_the_temperature_they_were_sampled_at(tmp_path: Path) -> None:
+    """A tree that says how it was sampled must match rollout.sampling (the loss scores at its temperature);
+    one that says nothing (imported, or an older file) is taken as configured."""
+    from treetrain.train.tree_sources import RecordedSource
+    from treetrain.tree import SamplingRecord, TrajectoryTree
+    from treetrain.tree.format import save_trees
+    from treetrain.tree.synthetic import synthetic_group
+
+    tree = synthetic_group(prefix=6, branches=2, suffix=3, vocab=64, seed=1)
+    hot = TrajectoryTree(tree.nodes, tree.records, SamplingRecord(0.7, 1.0))
+    save_trees([hot], tmp_path / "hot.msgpack")
+    save_trees([tree], tmp_path / "unknown.msgpack")
+    for sets, refused in (
+        ([], "set rollout.sampling.temperature=0.7 to train on it"),
+        (
+            ["rollout.sampling.top_p=0.9"],
+            "set rollout.sampling.temperature=0.7 and rollout.sampling.top_p=1.0 to train on it",
+        ),
+        (["rollout.sampling.temperature=0.7"], None),
+    ):
+        cfg = _cfg(tmp_path / "run", f"rollout.trees={tmp_path / 'hot.msgpack'}", *sets)
+        if refused is None:
+            assert RecordedSource(cfg, vocab_size=64)(None, 0, 0).groups[0][0].sampling == hot.sampling
+            continue
+        with pytest.raises(ConfigError) as info:
+            RecordedSource(cfg, vocab_size=64)
+        message = str(info.value)
+        assert message.startswith(f"rollout.trees: {tmp_path / 'hot.msgpack'}: tree {tree.id[:12]} was sampled "
+                                  "at temperature 0.7, top_p 1.0 (recorded in the file)")  # fmt: skip
+        assert message.endswith(refused) and "\n" not in message
+    for temperature in ("0.7", "1.0"):  # nothing recorded: nothing to hold it to
+        cfg = _cfg(tmp_path / "run", f"rollout.trees={tmp_path / 'unknown.msgpack'}",
+                   f"rollout.sampling.temperature={temperature}")  # fmt: skip
+        assert RecordedSource(cfg, vocab_size=64)(None, 0, 0).groups[0][0].sampling is None
 
 
 def test_a_recorded_file_is_one_group_and_globs_recurse(tmp_path: Path) -> None:

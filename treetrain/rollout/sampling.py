@@ -19,8 +19,8 @@ class Sampling:
     Errors name the field alone (`top_p: ...`); the config loader puts the section in front.
 
     Example:
-        >>> Sampling(temperature=0.7).tempered, Sampling().tempered
-        (True, False)
+        >>> Sampling(temperature=0.7).greedy, Sampling(temperature=0).greedy
+        (False, True)
     """
 
     temperature: float = 1.0
@@ -42,9 +42,3 @@ class Sampling:
     def greedy(self) -> bool:
         """True at temperature 0: each token is the argmax, drawn from a point mass."""
         return self.temperature == 0
-
-    @property
-    def tempered(self) -> bool:
-        """True when tokens are not drawn from the model's own distribution (temperature != 1 or top_p < 1),
-        so the logprobs recorded at sampling are not the policy's."""
-        return self.temperature != 1.0 or self.top_p < 1.0

@@ -150,7 +150,8 @@ class RolloutSection:
     """Where and how wide episodes branch (treetrain.rollout.fanout.FanOut, which the rollout takes as is)."""
     sampling: Sampling = field(default_factory=Sampling)
     """Temperature and top-p of token sampling (treetrain.rollout.sampling.Sampling, which the sampler takes
-    as is, with a seed per task)."""
+    as is, with a seed per task). The loss scores at this temperature; with `trees`, a tree that recorded
+    its sampling must match it."""
     episode: EpisodeLimits = field(default_factory=EpisodeLimits)
     """Turn and token budgets and the step timeout of one episode (envs.wrapper.EpisodeLimits, which the
     token wrapper takes as is, a null `max_episode_tokens` resolved to the model's context)."""
@@ -275,20 +276,7 @@ class TrainConfig:
             raise ConfigError(f"measure_memory_every: must be >= 0, got {self.measure_memory_every}")
         if self.threads is not None and not 1 <= self.threads <= MAX_THREADS:
             raise ConfigError(f"threads: must be in [1, {MAX_THREADS}] or null, got {self.threads}")
-        sampling = self.rollout.sampling
-        if self.loss.ratio_source == "sampler" and sampling.tempered and self.rollout.trees is None:
-            raise ConfigError(
-                "loss.ratio_source: 'sampler' logprobs come from the tempered / nucleus-truncated distribution "
-                f"(rollout.sampling.temperature={sampling.temperature}, rollout.sampling.top_p={sampling.top_p}), "
-                "so the PPO ratio would be biased; use ratio_source='scoring' or sample at temperature 1 and top_p 1"
-            )
-        if self.loss.corrects_sampler and sampling.tempered and self.rollout.trees is None:
-            raise ConfigError(
-                f"loss.sampler_correction: {self.loss.sampler_correction!r} weighs tokens by the sampler's logprobs, "
-                f"which come from the tempered / nucleus-truncated distribution (rollout.sampling.temperature="
-                f"{sampling.temperature}, rollout.sampling.top_p={sampling.top_p}), not the policy's; use "
-                "sampler_correction='none' or sample at temperature 1 and top_p 1"
-            )
+        self._check_sampler_logprobs_are_the_policys()
         if self.loss.needs_reference and self.model.reference is None:
             free = "'base': the policy with adapters off" if self.model.lora is not None else "'initial'"
             raise ConfigError(f"model.reference: loss.kl_coef > 0 needs a reference model (e.g. {free})")
@@ -299,6 +287,42 @@ class TrainConfig:
                 parse_bytes(self.memory_budget)
             except ValueError as exc:
                 raise ConfigError(f"memory_budget: {exc}") from exc
+
+    @property
+    def policy_loss(self) -> LossConfig:
+        """`loss` as the engines take it: a null `loss.temperature` resolved to the sampling temperature, so
+        the loss scores the distribution the rollouts were drawn from."""
+        return self.loss.at_temperature(self.rollout.sampling.temperature)
+
+    def _check_sampler_logprobs_are_the_policys(self) -> None:
+        """`ratio_source='sampler'` and a sampler correction compare the sampler's logprobs with the policy's,
+        so both must be of one distribution. The engines record the tempered, top-p renormalised one; the
+        loss scores softmax(logits / T) at its temperature (`policy_loss`). A temperature other than the
+        sampling one is refused, and so is top_p below 1: a nucleus is cut at a threshold on the
+        probabilities, so it has no gradient, and after any step a token at its edge can leave it (logprob
+        -inf); TRL and verl, too, score the tempered distribution without the nucleus."""
+        loss, sampling = self.loss, self.rollout.sampling
+        if loss.ratio_source == "sampler":
+            field, what = "loss.ratio_source", "'sampler' takes the PPO ratio's old logprobs from the sampler"
+            fix = "ratio_source='scoring'"
+        elif loss.corrects_sampler:
+            field = "loss.sampler_correction"
+            what = f"{loss.sampler_correction!r} weighs tokens by the sampler's logprobs"
+            fix = "sampler_correction='none'"
+        else:
+            return
+        if sampling.top_p < 1:
+            raise ConfigError(
+                f"{field}: {what}, which are of the top-p nucleus renormalised (rollout.sampling.top_p="
+                f"{sampling.top_p}), and the trainer scores the whole tempered distribution (a nucleus has no "
+                f"gradient, and a token at its edge leaves it after a step); use {fix} or top_p 1"
+            )
+        if loss.temperature is not None and loss.temperature != sampling.temperature:
+            raise ConfigError(
+                f"{field}: {what}, drawn at rollout.sampling.temperature={sampling.temperature}, but "
+                f"loss.temperature={loss.temperature} scores another distribution; leave loss.temperature "
+                f"null (the sampling temperature) or use {fix}"
+            )
 
 
 def read_file(path: str | Path) -> dict[str, Any]:

@@ -166,7 +166,7 @@ class Trainer:
                     "to continue it", self.state.update, cfg.updates,
                 )  # fmt: skip
         self.window = UpdateWindow(
-            self.backend, cfg.loss, store=ResidentStore(self.identity), ref_model=self.reference
+            self.backend, cfg.policy_loss, store=ResidentStore(self.identity), ref_model=self.reference
         )
         self.device = next(self.backend.module.parameters()).device
         self.last_plan: Plan | None = None

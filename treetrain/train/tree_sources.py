@@ -27,6 +27,7 @@ from treetrain.errors import ConfigError
 from treetrain.loss.loss_config import LossConfig
 from treetrain.rollout.engines.generation import GenerationEngine
 from treetrain.rollout.prefix_sampler import SamplerConfig
+from treetrain.rollout.sampling import Sampling
 from treetrain.rollout.tree_rollout import RolloutConfig, rollout_trees
 from treetrain.runfs import make_dirs
 from treetrain.train.config import TrainConfig
@@ -315,6 +316,30 @@ def check_sampler_logprobs(trees: Sequence[TrajectoryTree], where: str, loss: Lo
                 )
 
 
+def check_sampling(trees: Sequence[TrajectoryTree], where: str, sampling: Sampling) -> None:
+    """Refuse a tree that recorded other sampling settings than `rollout.sampling`: the loss scores at the
+    sampling temperature, and the sampler's logprobs in the file are of the distribution it recorded, so
+    training on it as configured would be off policy. A tree that recorded nothing (imported, or written
+    before trees recorded it) is taken to be sampled as configured."""
+    for tree in trees:
+        got = tree.sampling
+        if got is None or (got.temperature, got.top_p) == (sampling.temperature, sampling.top_p):
+            continue
+        fix = [
+            f"rollout.sampling.{name}={value}"
+            for name, value, want in (
+                ("temperature", got.temperature, sampling.temperature),
+                ("top_p", got.top_p, sampling.top_p),
+            )
+            if value != want
+        ]
+        raise ConfigError(
+            f"{where}: tree {tree.id[:12]} was sampled at {got.describe()} (recorded in the file), but "
+            f"rollout.sampling is temperature {sampling.temperature}, top_p {sampling.top_p}; the loss "
+            f"scores at the sampling temperature, so set {' and '.join(fix)} to train on it"
+        )
+
+
 def glob_files(pattern: str) -> list[Path]:
     """Files matching a glob, sorted; `**` never descends a symbolic link, so a link loop cannot hang it.
 
@@ -365,6 +390,7 @@ class RecordedSource:
             check_vocabulary([(f"rollout.trees: {f}", trees)], vocab_size)
             check_lengths(trees, context, f"rollout.trees: {f}")
             check_sampler_logprobs(trees, f"rollout.trees: {f}", cfg.loss)
+            check_sampling(trees, f"rollout.trees: {f}", cfg.rollout.sampling)
             self.groups.append(trees)  # a file's trees are one group (trees/README.md)
         check_distinct([(f"rollout.trees: {f}", g) for f, g in zip(files, self.groups)])
         self.per_update = min(cfg.rollout.groups_per_update, len(self.groups))
