@@ -269,6 +269,32 @@ def test_metrics_rows_carry_the_sampler_gap_of_live_rollouts(tmp_path: Path) -> 
     assert row.sampler_corrected_fraction == 0.0  # no weight near the cap of 2 at such a gap
 
 
+@pytest.mark.parametrize("scored_at", [None, "1.0"], ids=["sampling-temperature", "negative-control-at-1"])
+def test_a_tempered_run_is_scored_at_its_sampling_temperature(tmp_path: Path, scored_at: str | None) -> None:
+    """Sampled at 0.7, the trainer's scoring pass agrees with the sampler to rounding (a correction is on, so
+    nothing was refused); scored at 1 instead (the negative control, allowed without a correction), the gap
+    measures the temperature. The trees written say how they were sampled."""
+    extra = (
+        ["loss.sampler_correction=token_truncate"] if scored_at is None else [f"loss.temperature={scored_at}"]
+    )
+    cfg = _cfg(
+        tmp_path / "run", "updates=1", "measure_memory_every=0", "rollout.sampling.temperature=0.7", *extra
+    )
+    Trainer(cfg, progress=False).run()
+    (row,) = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    mean, largest = row.sampler_logprob_gap_mean, row.sampler_logprob_gap_max
+    print(f"scored at {scored_at or 0.7}: sampler gap mean {mean}, max {largest}")
+    assert mean is not None and largest is not None
+    if scored_at is None:
+        assert largest < 1e-5 and row.sampler_corrected_fraction == 0.0
+    else:
+        assert mean > 1e-3
+    files = sorted((tmp_path / "run" / "rollouts").glob("**/*.msgpack"))
+    assert files and all(
+        t.sampling is not None and t.sampling.temperature == 0.7 for f in files for t in load_trees(f)
+    )
+
+
 def test_metrics_skip_a_partial_last_line(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path / "run", "updates=2", "measure_memory_every=0")
     Trainer(cfg, progress=False).run()
