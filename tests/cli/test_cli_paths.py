@@ -139,7 +139,7 @@ print(json.dumps({{"code": code, "err": err.getvalue(), "heavy": [m for m in {he
                 "--set",
                 "loss.sampler_correction=token_truncate",
                 "--set",
-                "rollout.sampling.temperature=0.7",
+                "rollout.sampling.top_p=0.9",
             ],
             "loss.sampler_correction: 'token_truncate'",
         ),
