@@ -26,7 +26,7 @@ from treetrain.errors import ConfigError
 from treetrain.loss.manifest import ManifestError
 from treetrain.memory.retention import BudgetTooSmallError
 from treetrain.models.support import UnsupportedModelError
-from treetrain.replay import BackwardFailed, ReplayConfig, ReplayPlan, UpdateBatch
+from treetrain.replay import BackwardFailed, ReplayConfig, ReplayPlan, TreeReplay, UpdateBatch
 from treetrain.replay.replay_plan import Mode, ReplayHooks
 from treetrain.replay.resident import ResidentIdentity, ResidentKey, ResidentStore, StaleResidentStateError
 from treetrain.replay.schedule import ReplayStep
@@ -141,6 +141,26 @@ def test_repeated_out_of_memory_in_backward_narrows_k(
     backend = WideStepOOMBackend(make_model(), OPTIMIZER)
     with pytest.raises(ManifestError, match="dropped"):
         _run(backend, step_hook=backend.hook)
+
+
+def test_out_of_memory_in_backward_lays_out_a_narrower_plan_for_a_fresh_replayer(
+    flat: tuple[torch.Tensor, float],
+) -> None:
+    """The window asks the recipe for half the widest step's rows and builds a new replayer from the plan
+    laid out from it; the first replayer and its plan are left as they were, and the update equals flat."""
+    backend = WideStepOOMBackend(make_model(), OPTIMIZER)
+    start = params_vector(backend.module)
+    window = UpdateWindow(backend, LOSS, ReplayConfig(), hooks=ReplayHooks(step=backend.hook))
+    opened = window.open(groups())
+    first, first_plan = opened.replayer, opened.plan
+    opened.replay_all()
+    assert isinstance(first, TreeReplay) and isinstance(opened.replayer, TreeReplay)
+    assert opened.replayer is not first and first.plan is first_plan and first.widest_step == 2
+    assert first_plan.config.microbatch == 0 and opened.recipe.config.microbatch == 1
+    assert opened.plan.config.microbatch == 1 and opened.replayer.widest_step == 1
+    report = opened.commit()
+    assert report.window_resets == 1 and not report.dropped
+    _close(params_vector(backend.module) - start, flat)
 
 
 PERMANENT = [
