@@ -104,6 +104,11 @@ class ReplayPlan:
         """`plan` as a `ReplayPlan`: a bare config is tree mode with nothing bounded or kept."""
         if isinstance(plan, ReplayPlan):
             return plan
+        if plan is not None and not isinstance(plan, ReplayConfig):
+            raise TypeError(
+                f"the replay engine takes a ReplayPlan or a ReplayConfig, not a {type(plan).__name__}: lay a "
+                "ReplayRecipe out over the batch first (ReplayRecipe.lay_out)"
+            )
         return ReplayPlan(config=plan or ReplayConfig())
 
     def schedule(self, tree_id: str) -> TreeSchedule | None:
