@@ -7,8 +7,9 @@
 manifest and batch built once for the update (or builds them) and the placement, and all ranks agree on
 the resident identity (model version included), the manifest digest and the placement digest before any
 compute. The planner's `ReplayRecipe` is then laid out over this rank's trees as an immutable
-`ReplayPlan` (each tree's steps, kept graphs and evictions), and a replayer (`TreeReplay` or `FlatReference`) is built to carry it out.
-`replay(tree_id)` runs one tree's share on this rank through it (tree replay or the flat reference), claiming its `ContributionKey`s in `CoverageClaims` first, so a duplicate request is refused
+`ReplayPlan` (each tree's steps, kept graphs and evictions), and a replayer (`TreeReplay`, or the flat
+reference `FlatReference`) is built to carry it out. `replay(tree_id)` runs one tree's share on this rank
+through it, claiming its `ContributionKey`s in `CoverageClaims` first, so a duplicate request is refused
 instead of counted twice. Faults (only the transient kinds, see `treetrain.update.faults.is_transient`:
 `RuntimeError` including out-of-memory and `BackwardFailed`, and `OSError`):
 
