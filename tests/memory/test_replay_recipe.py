@@ -16,10 +16,11 @@ from support.replay_cases import SHAPES, factory, make_batch
 
 from treetrain.loss.loss_config import LossConfig
 from treetrain.memory.replay_recipe import ReplayRecipe
-from treetrain.replay import ReplayConfig, ReplayPlan, TreeReplay, UpdateBatch
+from treetrain.replay import ReplayConfig, ReplayPlan, ReplayReport, TreeReplay, UpdateBatch
 from treetrain.replay.replay_plan import PlanMismatchError
 from treetrain.replay.schedule import ReplayStep
 from treetrain.replay.scoring import ScoreBatch
+from treetrain.replay.units import UnitTree
 from treetrain.replay.verify import deviation, flat_grad, flat_gradient, noise_floor
 
 FACTOR = 5.0
@@ -28,7 +29,7 @@ REPLAY = ReplayConfig(microbatch=1, chunk_size=3)
 MAKE = factory("llama", torch.float64)
 
 
-def keep_all(units):
+def keep_all(units: UnitTree) -> frozenset[int]:
     return frozenset(u.index for u in units.units[1:] if u.children)
 
 
@@ -37,7 +38,7 @@ def batch() -> UpdateBatch:
     return make_batch(SHAPES["multi_level"](0), LOSS)
 
 
-def _replay(batch: UpdateBatch, plan: ReplayPlan) -> tuple[torch.Tensor, object, torch.nn.Module]:
+def _replay(batch: UpdateBatch, plan: ReplayPlan) -> tuple[torch.Tensor, ReplayReport, torch.nn.Module]:
     model = MAKE()
     model.zero_grad(set_to_none=True)
     report = TreeReplay(model, LOSS, plan).accumulate(batch)
