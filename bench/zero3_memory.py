@@ -54,6 +54,7 @@ def worker(stage: int, out: Path) -> None:
     from treetrain.distributed.deepspeed_backend import DeepSpeedBackend
     from treetrain.loss.advantages import AdvantageConfig
     from treetrain.loss.loss_config import LossConfig
+    from treetrain.replay.replay_plan import ReplayHooks
     from treetrain.tree.synthetic import synthetic_group
     from treetrain.update.window import UpdateWindow
     from treetrain.update.window_types import Group
@@ -78,8 +79,7 @@ def worker(stage: int, out: Path) -> None:
     def sample(phase: str, step: object) -> None:
         sampled[0] = max(sampled[0], storage(backend.module))
 
-    window = UpdateWindow(backend, LossConfig())
-    window.step_hook = sample
+    window = UpdateWindow(backend, LossConfig(), hooks=ReplayHooks(step=sample))
     backend.reset_param_peak()
     window.run(groups, build_placement(trees, owned, WORLD))
     peak = max(backend.param_peak_bytes, sampled[0])

@@ -59,6 +59,7 @@ from treetrain.loss.manifest import ManifestError
 from treetrain.memory.persistent import largest_module
 from treetrain.models.lora import AdaptersOff, is_adapter_param
 from treetrain.replay import ReplayConfig, UpdateBatch
+from treetrain.replay.replay_plan import ReplayHooks
 from treetrain.replay.resident import ResidentIdentity, ResidentKey, ResidentStore, StaleResidentStateError
 from treetrain.update.window import UpdateWindow
 from treetrain.update.window_types import WindowConfig
@@ -129,8 +130,7 @@ def one_update(
         if step_hook is not None:
             step_hook(phase, step)
 
-    window = UpdateWindow(backend, LOSS, replay, WindowConfig(**window_kw))
-    window.step_hook = sample
+    window = UpdateWindow(backend, LOSS, replay, WindowConfig(**window_kw), hooks=ReplayHooks(step=sample))
     if placement == "round_robin":
         given = round_robin(trees, backend.world_size)
     elif placement in ("uneven", "idle"):
@@ -339,7 +339,7 @@ def bypass(stage_name: str, kind: str) -> tuple[torch.Tensor, Info]:
         keys = opened.keys(work)
         if kind == "double":
             opened.replay(tree_id)
-            opened.engine.accumulate(UpdateBatch((work,), opened.manifest))
+            opened.replayer.accumulate(UpdateBatch((work,), opened.manifest))
         else:
             opened.claims.claim(keys)
             opened.claims.commit(keys)

@@ -17,12 +17,11 @@ from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.manifest import Manifest
 from treetrain.memory.ledger import predict_ledger
 from treetrain.memory.persistent import kv_bytes_per_token, model_persistent_bytes, persistent_bytes
-from treetrain.memory.retention import RetentionPolicy
+from treetrain.memory.replay_recipe import ReplayRecipe
 from treetrain.memory.tracker import MemoryTracker
 from treetrain.models.presets import tiny_model
 from treetrain.replay import (
     ReplayConfig,
-    ReplayPlan,
     ResidentIdentity,
     ResidentStore,
     TreeReplay,
@@ -47,7 +46,7 @@ def measure(model, batch: UpdateBatch, loss: LossConfig, replay: ReplayConfig, r
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     tracker = MemoryTracker()
-    plan = ReplayPlan(config=replay, tracker=tracker, **plan_kw)
+    plan = ReplayRecipe(config=replay, tracker=tracker, **plan_kw).lay_out(batch, model, loss, ref_model).plan
     report = TreeReplay(model, loss, plan, ref_model=ref_model).accumulate(batch)
     tracker.detach()
     return report, tracker
@@ -105,8 +104,7 @@ def test_prediction_holds_with_reference_budgets_and_kept_graphs(loss, budget_fr
         resident = max(r.bytes.prompt_group for r in free.rows)
         budget = int(free.minimum_budget + budget_fraction * (resident - free.minimum_budget))
     ledger = predict_ledger(batch, model, replay, loss, budget=budget, keep_graph=keep_graph, ref_model=ref)
-    retention = RetentionPolicy(budget) if budget is not None else None
-    report, _ = measure(model, batch, loss, replay, ref_model=ref, keep_graph=keep_graph, retention=retention)
+    report, _ = measure(model, batch, loss, replay, ref_model=ref, keep_graph=keep_graph, retention=budget)
     measured = report.measured_peak
     assert measured is not None
     err = (ledger.peak.dynamic - measured.dynamic) / measured.dynamic
@@ -124,7 +122,7 @@ def test_host_tier_ledger_copies_back_instead_of_recomputing() -> None:
     replay = ReplayConfig(microbatch=1, chunk_size=8)
     budget = predict_ledger(batch, model, replay, loss).minimum_budget
     ledger = predict_ledger(batch, model, replay, loss, budget=budget, host_tier=True)
-    report, _ = measure(model, batch, loss, replay, retention=RetentionPolicy(budget, host_tier=True))
+    report, _ = measure(model, batch, loss, replay, retention=budget, host_tier=True)
     assert ledger.recomputes == report.restored_units > 0
     assert any(r.kind == "restore" for r in ledger.rows) and not any(
         r.kind == "recompute" for r in ledger.rows

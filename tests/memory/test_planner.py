@@ -65,7 +65,8 @@ def test_tight_budget_is_met_and_the_run_stays_within_it(model) -> None:
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     tracker = MemoryTracker()
-    engine = TreeReplay(model, LossConfig(), plan.replay(tracker=tracker))
+    laid = plan.replay(tracker=tracker).lay_out(batch, model, LossConfig())
+    engine = TreeReplay(model, LossConfig(), laid.plan)
     report = engine.accumulate(batch)
     tracker.detach()
     assert report.measured_peak is not None

@@ -17,9 +17,10 @@ from support.replay_cases import SHAPES, factory, make_batch
 
 from treetrain.bytesize import format_bytes
 from treetrain.loss.loss_config import LossConfig
-from treetrain.memory.retention import BudgetTooSmallError, ResidentUse, RetentionPolicy, plan_retention
+from treetrain.memory.replay_recipe import ReplayRecipe
+from treetrain.memory.retention import BudgetTooSmallError, ResidentUse, plan_retention
 from treetrain.memory.tracker import MemoryTracker
-from treetrain.replay import ReplayConfig, ReplayPlan, TreeReplay
+from treetrain.replay import ReplayConfig, TreeReplay
 from treetrain.replay.verify import deviation, flat_grad, flat_gradient, noise_floor
 
 FACTOR = 5.0
@@ -32,12 +33,13 @@ def keep_all(units):
 def run(make, batch, loss, replay, budget=None, keep=None):
     model = make()
     model.zero_grad(set_to_none=True)
-    policy = RetentionPolicy(budget)
     tracker = MemoryTracker()
-    plan = ReplayPlan(config=replay, retention=policy, keep_graph=keep, tracker=tracker)
-    report = TreeReplay(model, loss, plan).accumulate(batch)
+    layout = ReplayRecipe(config=replay, retention=budget, keep_graph=keep, tracker=tracker).lay_out(
+        batch, model, loss
+    )
+    report = TreeReplay(model, loss, layout.plan).accumulate(batch)
     tracker.detach()
-    return flat_grad(model), report, policy, tracker
+    return flat_grad(model), report, layout, tracker
 
 
 @pytest.mark.parametrize("contract", ["exact", "response_only"])
@@ -50,8 +52,8 @@ def test_gradient_unchanged_under_every_feasible_budget(contract: str) -> None:
     assert free_report.recomputed_units == 0
     floor = noise_floor(make, batch, loss)
     flat = flat_gradient(make(), batch, loss)
-    minimum = max(p.minimum for p in free_policy.plans)
-    resident = max(p.peak for p in free_policy.plans)
+    minimum = max(p.minimum for p in free_policy.retention)
+    resident = max(p.peak for p in free_policy.retention)
     assert minimum < resident, "the case leaves nothing to evict"
     recomputes = []
     for budget in (minimum, (3 * minimum + resident) // 4, (minimum + 3 * resident) // 4):
@@ -60,7 +62,7 @@ def test_gradient_unchanged_under_every_feasible_budget(contract: str) -> None:
         if contract == "exact":
             assert deviation(grad, flat).abs <= FACTOR * floor
         assert tracker.class_maxima.prompt_group <= budget, "resident bytes exceeded the budget"
-        assert report.recomputed_units == sum(p.recomputes for p in policy.plans)
+        assert report.recomputed_units == sum(p.recomputes for p in policy.retention)
         recomputes.append(report.recomputed_units)
     assert recomputes[0] >= 2, "the smallest budget should force several recomputes"
     assert recomputes == sorted(recomputes, reverse=True)
@@ -72,19 +74,19 @@ def test_budget_below_minimum_fails_cleanly_naming_it() -> None:
     batch = make_batch(SHAPES["multi_level"](0), loss)
     replay = ReplayConfig(microbatch=1, chunk_size=3)
     _, _, policy, _ = run(make, batch, loss, replay)
-    minimum = policy.plans[0].minimum
+    minimum = policy.retention[0].minimum
     model = make()
     model.zero_grad(set_to_none=True)
-    engine = TreeReplay(model, loss, ReplayPlan(config=replay, retention=RetentionPolicy(minimum - 1)))
     with pytest.raises(BudgetTooSmallError) as info:
-        engine.accumulate(batch)
+        layout = ReplayRecipe(config=replay, retention=minimum - 1).lay_out(batch, model, loss)
+        TreeReplay(model, loss, layout.plan).accumulate(batch)
     assert info.value.minimum == minimum
     assert f"{minimum} B" in str(info.value) and format_bytes(minimum) in str(info.value)
     assert all(p.grad is None for p in model.parameters()), (
         "a refused budget must not leave partial gradients"
     )
     with pytest.raises(ValueError, match=">= 0"):
-        RetentionPolicy(-1)
+        ReplayRecipe(retention=-1)
 
 
 def test_host_tier_restores_instead_of_recomputing() -> None:
@@ -94,13 +96,13 @@ def test_host_tier_restores_instead_of_recomputing() -> None:
     batch = make_batch(SHAPES["multi_level"](0), loss)
     replay = ReplayConfig(microbatch=1, chunk_size=3)
     free, _, policy, _ = run(make, batch, loss, replay)
-    budget = policy.plans[0].minimum
+    budget = policy.retention[0].minimum
     _, recomputed, _, _ = run(make, batch, loss, replay, budget)
     model = make()
     model.zero_grad(set_to_none=True)
-    tier = RetentionPolicy(budget, host_tier=True)
-    report = TreeReplay(model, loss, ReplayPlan(config=replay, retention=tier)).accumulate(batch)
-    assert report.restored_units == tier.plans[0].recomputes > 0
+    tier = ReplayRecipe(config=replay, retention=budget, host_tier=True).lay_out(batch, model, loss)
+    report = TreeReplay(model, loss, tier.plan).accumulate(batch)
+    assert report.restored_units == tier.retention[0].recomputes > 0
     assert report.recomputed_units == 0
     assert report.graph_tokens == recomputed.graph_tokens
     assert report.token_cost < recomputed.token_cost
@@ -185,9 +187,8 @@ def test_kept_graphs_give_the_same_gradient_for_less_compute(loss: LossConfig) -
         model = make()
         model.zero_grad(set_to_none=True)
         ref = make_ref() if make_ref else None
-        report = TreeReplay(
-            model, loss, ReplayPlan(config=replay, keep_graph=keep), ref_model=ref
-        ).accumulate(batch)
+        plan = ReplayRecipe(config=replay, keep_graph=keep).lay_out(batch, model, loss, ref).plan
+        report = TreeReplay(model, loss, plan, ref_model=ref).accumulate(batch)
         return flat_grad(model), report
 
     recompute, r_report = tree(None)
@@ -221,6 +222,6 @@ def test_kept_graphs_under_a_budget_keep_the_gradient() -> None:
     batch = make_batch(SHAPES["multi_level"](0), loss)
     replay = ReplayConfig(microbatch=1, chunk_size=3)
     free, _, policy, _ = run(make, batch, loss, replay, keep=keep_all)
-    grad, report, _, _ = run(make, batch, loss, replay, budget=policy.plans[0].minimum, keep=keep_all)
+    grad, report, _, _ = run(make, batch, loss, replay, budget=policy.retention[0].minimum, keep=keep_all)
     assert report.recomputed_units > 0 and report.kept_graphs > 0
     assert deviation(grad, free).abs <= FACTOR * noise_floor(make, batch, loss)

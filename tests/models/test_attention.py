@@ -21,13 +21,13 @@ import treetrain.models.attention_states as attention_states
 import treetrain.models.decoder as decoder
 import treetrain.models.shared_past as shared_past
 from treetrain.loss.loss_config import LossConfig
-from treetrain.memory.retention import RetentionPolicy
+from treetrain.memory.replay_recipe import ReplayRecipe
 from treetrain.models.attention import NAME, engine_attention, shared_past_kernel_note, shared_past_reason
 from treetrain.models.decoder import SharedPast, decoder_forward
 from treetrain.models.presets import TinySize, tiny_model
 from treetrain.models.shared_past import shared_attention
 from treetrain.models.support import SupportGate, UnsupportedModelError
-from treetrain.replay import ReplayConfig, ReplayPlan
+from treetrain.replay import ReplayConfig
 from treetrain.replay.tree_replay import TreeReplay
 from treetrain.replay.verify import deviation, flat_grad, flat_gradient, noise_floor, tree_gradient
 
@@ -277,15 +277,16 @@ def test_gpt_oss_matches_flat_across_k_order_chunking_and_budget() -> None:
     floor = noise_floor(_gpt_oss, batch, loss)
     flat = flat_gradient(_gpt_oss(), batch, loss)
     bounded = ReplayConfig(microbatch=1, chunk_size=6, order="reverse")
-    free = RetentionPolicy(None)
-    TreeReplay(_gpt_oss(), loss, ReplayPlan(config=bounded, retention=free)).accumulate(batch)
+    model = _gpt_oss()
+    free = ReplayRecipe(config=bounded).lay_out(batch, model, loss)
+    TreeReplay(model, loss, free.plan).accumulate(batch)
     cases = [
         (ReplayConfig(microbatch=0, order="shuffle", seed=4), None),
-        (bounded, max(p.minimum for p in free.plans)),  # the smallest feasible budget: recomputes
+        (bounded, max(p.minimum for p in free.retention)),  # the smallest feasible budget: recomputes
     ]
     for replay, budget in cases:
         model = _gpt_oss()
-        plan = ReplayPlan(config=replay, retention=RetentionPolicy(budget))
+        plan = ReplayRecipe(config=replay, retention=budget).lay_out(batch, model, loss).plan
         report = TreeReplay(model, loss, plan).accumulate(batch)
         assert budget is None or report.recomputed_units > 0
         dev = deviation(flat_grad(model), flat).abs

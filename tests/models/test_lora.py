@@ -25,7 +25,7 @@ from treetrain.memory.calibrate import calibrate
 from treetrain.memory.ledger import predict_ledger
 from treetrain.memory.persistent import full_finetune_bytes, model_persistent_bytes
 from treetrain.memory.planner import Overrides, plan_update
-from treetrain.memory.retention import RetentionPolicy
+from treetrain.memory.replay_recipe import ReplayRecipe
 from treetrain.memory.tracker import MemoryTracker
 from treetrain.models.lora import (
     AdaptersOff,
@@ -37,7 +37,7 @@ from treetrain.models.lora import (
     peft_quiet,
 )
 from treetrain.models.presets import FAMILIES
-from treetrain.replay import FlatReference, ReplayConfig, ReplayPlan, TreeReplay
+from treetrain.replay import FlatReference, ReplayConfig, TreeReplay
 from treetrain.replay.resident import ResidentIdentity, ResidentKey, ResidentStore, StaleResidentStateError
 from treetrain.replay.scoring import PathKV, scoring_pass
 from treetrain.replay.units import UnitTree
@@ -310,7 +310,8 @@ def test_lora_under_a_retention_budget_with_kept_graphs_and_the_tracker() -> Non
     for p in model.parameters():
         p.grad = torch.zeros_like(p) if p.requires_grad else None
     tracker = MemoryTracker()
-    plan = ReplayPlan(config=replay, retention=RetentionPolicy(budget), keep_graph=keep, tracker=tracker)
+    recipe = ReplayRecipe(config=replay, retention=budget, keep_graph=keep, tracker=tracker)
+    plan = recipe.lay_out(batch, model, KL, AdaptersOff(model)).plan
     engine = TreeReplay(model, KL, plan, ref_model=AdaptersOff(model))
     report = engine.accumulate(batch)
     tracker.detach()
@@ -356,7 +357,11 @@ def test_planner_budgets_both_kv_sets_and_falls_back_to_two_walks() -> None:
     tight = Overrides(**forced, retention=mins["separate"])
     plan = plan_update(batch, model, budget=1 << 30, loss=KL, ref_model=ref, overrides=tight)
     assert plan.reference_walk == "separate" and "runs as a second walk" in plan.explain()
-    bounded = ReplayPlan(config=plan.replay_config(), retention=RetentionPolicy(plan.retention))
+    bounded = (
+        ReplayRecipe(config=plan.replay_config(), retention=plan.retention)
+        .lay_out(batch, model, KL, ref)
+        .plan
+    )
     report = TreeReplay(model, KL, bounded, ref_model=ref).accumulate(batch)
     assert report.reference_walks == len(batch.work) and report.evicted_units > 0
     floor = noise_floor(make, batch, KL, adapters_off_reference=True)

@@ -13,6 +13,7 @@ from treetrain.loss.manifest import Manifest
 from treetrain.models.presets import tiny_model
 from treetrain.models.support import SupportGate, UnsupportedModelError, check_supported
 from treetrain.replay import BackwardFailed, ReplayConfig, TreeReplay
+from treetrain.replay.replay_plan import ReplayHooks
 from treetrain.replay.resident import ResidentIdentity, ResidentKey, ResidentStore, StaleResidentStateError
 from treetrain.replay.verify import flat_grad, tree_gradient
 from treetrain.tree.synthetic import synthetic_group
@@ -48,7 +49,6 @@ def test_simulated_oom_before_backward_splits_and_retries() -> None:
     batch = make_batch(SHAPES["one_level"](0), loss)
     clean = tree_gradient(make(), batch, loss, ReplayConfig(microbatch=4))
     model = make()
-    engine = TreeReplay(model, loss, ReplayConfig(microbatch=4))
     fired = []
 
     def hook(phase: str, step) -> None:
@@ -56,7 +56,7 @@ def test_simulated_oom_before_backward_splits_and_retries() -> None:
             fired.append(step)
             raise torch.OutOfMemoryError("simulated")
 
-    engine.step_hook = hook
+    engine = TreeReplay(model, loss, ReplayConfig(microbatch=4), hooks=ReplayHooks(step=hook))
     model.zero_grad(set_to_none=True)
     report = engine.accumulate(batch)
     assert fired and report.oom_splits == 1

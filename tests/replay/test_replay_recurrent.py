@@ -22,7 +22,7 @@ from support.replay_cases import SHAPES, VOCAB, factory, make_batch
 
 from treetrain.loss.loss_config import LossConfig
 from treetrain.memory.persistent import kv_bytes_per_token, state_bytes_per_unit, unit_resident_bytes
-from treetrain.memory.retention import RetentionPolicy
+from treetrain.memory.replay_recipe import ReplayRecipe
 from treetrain.memory.tracker import MemoryTracker
 from treetrain.models.decoder import decoder_forward
 from treetrain.models.layer_entry import entry_bytes
@@ -320,21 +320,21 @@ def test_recurrent_gradient_unchanged_under_a_retention_budget(contract: str, fa
     def run(budget: int | None):  # type: ignore[no-untyped-def]
         model = make()
         model.zero_grad(set_to_none=True)
-        policy, tracker = RetentionPolicy(budget), MemoryTracker()
-        plan = ReplayPlan(config=replay, retention=policy, tracker=tracker)
-        report = TreeReplay(model, loss, plan).accumulate(batch)
+        tracker = MemoryTracker()
+        policy = ReplayRecipe(config=replay, retention=budget, tracker=tracker).lay_out(batch, model, loss)
+        report = TreeReplay(model, loss, policy.plan).accumulate(batch)
         tracker.detach()
         return flat_grad(model), report, policy, tracker
 
     free, free_report, free_policy, _ = run(None)
     assert free_report.recomputed_units == 0
     floor = noise_floor(make, batch, loss)
-    minimum = max(p.minimum for p in free_policy.plans)
-    resident = max(p.peak for p in free_policy.plans)
+    minimum = max(p.minimum for p in free_policy.retention)
+    resident = max(p.peak for p in free_policy.retention)
     assert minimum < resident, "the case leaves nothing to evict"
     grad, report, policy, tracker = run(minimum)
     assert report.recomputed_units >= 2, "the smallest budget should force recomputes"
-    assert report.recomputed_units == sum(p.recomputes for p in policy.plans)
+    assert report.recomputed_units == sum(p.recomputes for p in policy.retention)
     assert deviation(grad, free).abs <= FACTOR * floor, "the budget moved the gradient"
     if contract == "exact":
         assert deviation(grad, flat_gradient(make(), batch, loss)).abs <= FACTOR * floor

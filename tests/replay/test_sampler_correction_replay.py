@@ -21,7 +21,8 @@ from support.sampler_cases import resampled, trainer_logprobs, with_sampler_logp
 
 from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.sampler_correction import SamplerGap
-from treetrain.replay import FlatReference, ReplayConfig, ReplayPlan, TreeReplay, UpdateBatch
+from treetrain.memory.replay_recipe import ReplayRecipe
+from treetrain.replay import FlatReference, ReplayConfig, TreeReplay, UpdateBatch
 from treetrain.replay.verify import deviation, flat_grad, flat_gradient, noise_floor
 from treetrain.trajectory import Role
 from treetrain.tree import SamplingRecord, TrajectoryTree
@@ -55,9 +56,9 @@ def _hand(trees: list[TrajectoryTree]) -> list[tuple[str, int, list[tuple[float,
     return out
 
 
-def _tree_grad(batch: UpdateBatch, loss: LossConfig, plan: ReplayPlan | ReplayConfig) -> torch.Tensor:
+def _tree_grad(batch: UpdateBatch, loss: LossConfig, plan: ReplayRecipe | ReplayConfig) -> torch.Tensor:
     model = make()
-    TreeReplay(model, loss, plan).accumulate(batch)
+    TreeReplay(model, loss, ReplayRecipe.of(plan).lay_out(batch, model, loss).plan).accumulate(batch)
     return flat_grad(model)
 
 
@@ -68,7 +69,9 @@ def _keep_all(units):  # every internal unit keeps its first graph
 PLANS = {
     "K2": ReplayConfig(microbatch=2),
     "K1-chunk3-reverse": ReplayConfig(microbatch=1, chunk_size=3, order="reverse", score_microbatch=1),
-    "K0-shuffle-kept-graphs": ReplayPlan(config=ReplayConfig(order="shuffle", seed=5), keep_graph=_keep_all),
+    "K0-shuffle-kept-graphs": ReplayRecipe(
+        config=ReplayConfig(order="shuffle", seed=5), keep_graph=_keep_all
+    ),
 }
 
 

@@ -26,8 +26,8 @@ from treetrain.errors import ConfigError
 from treetrain.loss.manifest import ManifestError
 from treetrain.memory.retention import BudgetTooSmallError
 from treetrain.models.support import UnsupportedModelError
-from treetrain.replay import BackwardFailed, ReplayConfig, ReplayPlan, UpdateBatch
-from treetrain.replay.replay_plan import Mode
+from treetrain.replay import BackwardFailed, ReplayConfig, ReplayPlan, TreeReplay, UpdateBatch
+from treetrain.replay.replay_plan import Mode, ReplayHooks
 from treetrain.replay.resident import ResidentIdentity, ResidentKey, ResidentStore, StaleResidentStateError
 from treetrain.replay.schedule import ReplayStep
 from treetrain.update.faults import is_transient
@@ -59,8 +59,7 @@ def _run(
 ) -> tuple[torch.Tensor, Any]:
     backend = backend or TorchBackend(make_model(), OPTIMIZER)
     start = params_vector(backend.module)
-    window = UpdateWindow(backend, LOSS, ReplayPlan(mode))
-    window.step_hook = step_hook
+    window = UpdateWindow(backend, LOSS, ReplayPlan(mode), hooks=ReplayHooks(step=step_hook))
     report = window.run(groups())
     return params_vector(backend.module) - start, report
 
@@ -144,6 +143,26 @@ def test_repeated_out_of_memory_in_backward_narrows_k(
         _run(backend, step_hook=backend.hook)
 
 
+def test_out_of_memory_in_backward_lays_out_a_narrower_plan_for_a_fresh_replayer(
+    flat: tuple[torch.Tensor, float],
+) -> None:
+    """The window asks the recipe for half the widest step's rows and builds a new replayer from the plan
+    laid out from it; the first replayer and its plan are left as they were, and the update equals flat."""
+    backend = WideStepOOMBackend(make_model(), OPTIMIZER)
+    start = params_vector(backend.module)
+    window = UpdateWindow(backend, LOSS, ReplayConfig(), hooks=ReplayHooks(step=backend.hook))
+    opened = window.open(groups())
+    first, first_plan = opened.replayer, opened.plan
+    opened.replay_all()
+    assert isinstance(first, TreeReplay) and isinstance(opened.replayer, TreeReplay)
+    assert opened.replayer is not first and first.plan is first_plan and first.widest_step == 2
+    assert first_plan.config.microbatch == 0 and opened.recipe.config.microbatch == 1
+    assert opened.plan.config.microbatch == 1 and opened.replayer.widest_step == 1
+    report = opened.commit()
+    assert report.window_resets == 1 and not report.dropped
+    _close(params_vector(backend.module) - start, flat)
+
+
 PERMANENT = [
     ValueError("bad input"),
     TypeError("bad type"),
@@ -161,8 +180,7 @@ def test_a_permanent_error_is_raised_at_once_without_retry_or_drop(exc: Exceptio
     backend = TorchBackend(make_model(), OPTIMIZER)
     start = params_vector(backend.module)
     hook = Raise("forward", {1}, exc)
-    window = UpdateWindow(backend, LOSS)
-    window.step_hook = hook
+    window = UpdateWindow(backend, LOSS, hooks=ReplayHooks(step=hook))
     opened = window.open(groups())
     with pytest.raises(type(exc)) as raised:
         opened.replay_all()
@@ -179,8 +197,7 @@ def test_a_permanent_error_after_a_backward_discards_the_partial_gradient(
     backend = TorchBackend(make_model(), OPTIMIZER)
     start = params_vector(backend.module)
     hook = Raise("backward", {2}, ValueError("bad advantage"))
-    window = UpdateWindow(backend, LOSS)
-    window.step_hook = hook
+    window = UpdateWindow(backend, LOSS, hooks=ReplayHooks(step=hook))
     opened = window.open(groups())
     with pytest.raises(ValueError, match="bad advantage"):
         opened.replay_all()
@@ -227,19 +244,25 @@ def test_transient_and_permanent_kinds(exc: Exception, transient: bool) -> None:
     assert is_transient(wrapped) is transient
 
 
-def _fail_tree(window: UpdateWindow, tree_id: str) -> Raise:
-    """A hook that always raises while `tree_id` is being replayed."""
-    return Raise(
-        "forward", set(range(1, 1000)), RuntimeError("broken tree"),
-        when=lambda step: window.active is not None and window.active.current_tree == tree_id,
-    )  # fmt: skip
+class TreeFault(Raise):
+    """A hook that always raises while `tree_id` is being replayed by `window` (given once it is built)."""
+
+    def __init__(self, tree_id: str) -> None:
+        super().__init__("forward", set(range(1, 1000)), RuntimeError("broken tree"), when=self._in_tree)
+        self.tree_id = tree_id
+        self.window: UpdateWindow | None = None
+
+    def _in_tree(self, step: ReplayStep) -> bool:
+        w = self.window
+        return w is not None and w.active is not None and w.active.current_tree == self.tree_id
 
 
 def test_a_group_that_keeps_failing_is_dropped_whole(caplog: pytest.LogCaptureFixture) -> None:
     backend = TorchBackend(make_model(), OPTIMIZER)
     start = params_vector(backend.module)
-    window = UpdateWindow(backend, LOSS, cfg=WindowConfig(tree_attempts=2))
-    window.step_hook = _fail_tree(window, groups()[1].trees[0].id)
+    fault = TreeFault(groups()[1].trees[0].id)
+    window = UpdateWindow(backend, LOSS, cfg=WindowConfig(tree_attempts=2), hooks=ReplayHooks(step=fault))
+    fault.window = window
     with caplog.at_level(logging.ERROR, logger="treetrain.update"):
         report = window.run(groups())
     assert [d.index for d in report.dropped] == [1] and "broken tree" in report.dropped[0].reason
@@ -251,8 +274,8 @@ def test_a_group_that_keeps_failing_is_dropped_whole(caplog: pytest.LogCaptureFi
 def test_every_group_failing_refuses_the_step() -> None:
     backend = TorchBackend(make_model(), OPTIMIZER)
     start = params_vector(backend.module)
-    window = UpdateWindow(backend, LOSS, cfg=WindowConfig(tree_attempts=1))
-    window.step_hook = Raise("forward", set(range(1, 99)), RuntimeError("x"))
+    hooks = ReplayHooks(step=Raise("forward", set(range(1, 99)), RuntimeError("x")))
+    window = UpdateWindow(backend, LOSS, cfg=WindowConfig(tree_attempts=1), hooks=hooks)
     with pytest.raises(ManifestError, match="every group of the update was dropped"):
         window.run(groups())
     assert torch.equal(params_vector(backend.module), start) and window.version == 0
@@ -301,7 +324,7 @@ def _thread_ranks(
     fail_on: dict[int, list[int]] | None = None,
     replay: Any = lambda rank: None,
     version: Any = lambda rank: 0,
-    hook: Any = lambda rank, window: None,
+    hook: Any = lambda rank: None,
     mean: bool = False,
 ) -> list[Any]:
     """Run one update on every simulated rank; per rank, (delta, report) or the exception raised."""
@@ -316,8 +339,10 @@ def _thread_ranks(
         def fn() -> Any:
             start = params_vector(backends[r].module)
             store = ResidentStore(ResidentIdentity.of(backends[r].module, version=version(r)))
-            window = UpdateWindow(backends[r], LOSS, replay(r), store=store)
-            window.step_hook = hook(r, window)
+            step = hook(r)
+            window = UpdateWindow(backends[r], LOSS, replay(r), store=store, hooks=ReplayHooks(step=step))
+            if isinstance(step, TreeFault):
+                step.window = window
             report = window.run(groups(), round_robin(trees, world.size))
             return params_vector(backends[r].module) - start, report
 
@@ -387,7 +412,7 @@ def test_thread_ranks_match_one_process_under_faults(flat: tuple[torch.Tensor, f
         ThreadWorld(3),
         fail_on={1: [2]},
         replay=lambda r: ReplayConfig(order="shuffle", seed=r, microbatch=r),
-        hook=lambda r, w: Raise("forward", {1}, RuntimeError("x")) if r == 2 else None,
+        hook=lambda r: Raise("forward", {1}, RuntimeError("x")) if r == 2 else None,
     )
     for delta, _ in results:
         _close(delta, flat)
@@ -396,7 +421,7 @@ def test_thread_ranks_match_one_process_under_faults(flat: tuple[torch.Tensor, f
 
 def test_thread_ranks_drop_a_group_that_one_rank_cannot_finish() -> None:
     victim = groups()[1].trees[0].id
-    results = _thread_ranks(ThreadWorld(2), hook=lambda r, w: _fail_tree(w, victim) if r == 1 else None)
+    results = _thread_ranks(ThreadWorld(2), hook=lambda r: TreeFault(victim) if r == 1 else None)
     reference = delta_floor("flat", groups()[:1])
     for delta, report in results:
         assert [d.index for d in report.dropped] == [1] and report.dropped[0].reason.startswith("rank 1: ")
@@ -468,7 +493,7 @@ def test_negative_control_a_tree_counted_twice_is_far_outside_the_tolerance(
     opened = UpdateWindow(backend, LOSS).open(groups())
     opened.replay_all()
     work = next(iter(opened.work.values()))
-    opened.engine.accumulate(UpdateBatch((work,), opened.manifest))  # behind the claims' back
+    opened.replayer.accumulate(UpdateBatch((work,), opened.manifest))  # behind the claims' back
     opened.commit()
     assert float((params_vector(backend.module) - start - flat[0]).norm()) > 100 * FACTOR * flat[1]
 

@@ -47,13 +47,13 @@ from treetrain.memory.plan_search import (
     search_flat,
     search_tree,
 )
-from treetrain.memory.retention import BudgetTooSmallError, RetentionPolicy
+from treetrain.memory.replay_recipe import ReplayRecipe
+from treetrain.memory.retention import BudgetTooSmallError
 from treetrain.models.attention import shared_past_kernel_note, shared_past_reason
 from treetrain.models.lora import Reference
 from treetrain.replay.batch import ReplayConfig, UpdateBatch
 from treetrain.replay.protocols import MemoryProbe
 from treetrain.replay.reference import fused_reference
-from treetrain.replay.replay_plan import ReplayPlan
 from treetrain.replay.schedule import Contract
 from treetrain.replay.units import UnitTree
 
@@ -153,15 +153,14 @@ class Plan:
             reference_walk=self.reference_walk,
         )
 
-    def replay(self, base: ReplayConfig | None = None, tracker: MemoryProbe | None = None) -> ReplayPlan:
-        """This plan as the engine runs it: mode, K, chunking and reference walk, a fresh retention policy
-        for the budget, and the kept graphs. `tracker`, if given, measures the replay."""
+    def replay(self, base: ReplayConfig | None = None, tracker: MemoryProbe | None = None) -> ReplayRecipe:
+        """This plan as the update window lays it out over a rank's trees: mode, K, chunking and reference
+        walk, the retention budget and the kept graphs. `tracker`, if given, measures the replay."""
         config = self.replay_config(base)
         if self.mode == "flat":
-            return ReplayPlan("flat", replace(config, microbatch=max(1, self.microbatch)), tracker=tracker)
-        retention = RetentionPolicy(self.retention) if self.retention is not None else None
+            return ReplayRecipe("flat", replace(config, microbatch=max(1, self.microbatch)), tracker=tracker)
         keep = KeptGraphs(self.keep_graph) if self.keep_graph else None
-        return ReplayPlan("tree", config, retention, keep, tracker)
+        return ReplayRecipe("tree", config, self.retention, keep_graph=keep, tracker=tracker)
 
     def explain(self) -> str:
         t, f = self.tree, self.flat

@@ -14,8 +14,9 @@ KV it stores, every live G accumulator (they hold gradient not yet pushed throug
 ancestors pinned by kept graphs, and, when the reference is scored in the same walk, the reference's own
 KV of the path (`ResidentUse.other`: another store's bytes, counted against the same budget). A budget below that maximum is refused (`BudgetTooSmallError`).
 
-`plan_retention` is a pure function of the uses, so the engine (`RetentionPolicy`) and the ledger
-(`treetrain.memory.ledger`) make the same decisions.
+`plan_retention` is a pure function of the uses, so the plan the engine carries out
+(`treetrain.memory.replay_recipe.ReplayRecipe.lay_out`) and the ledger (`treetrain.memory.ledger`) make
+the same decisions.
 
 Example:
     >>> uses = [ResidentUse("a", need=(1,)), ResidentUse("b", need=(2,)), ResidentUse("c", need=(1,))]
@@ -27,15 +28,12 @@ Example:
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, cast
-
-from transformers import PreTrainedModel
+from typing import Any
 
 from treetrain.bytesize import format_bytes
 from treetrain.errors import TreetrainError
-from treetrain.memory.persistent import kv_bytes_per_token, state_bytes_per_unit, unit_resident_bytes
 from treetrain.replay.schedule import Contract, ReplayStep
 from treetrain.replay.scoring import ScoreBatch, ScoreDone, ScoreEvent
 from treetrain.replay.units import UnitTree
@@ -241,73 +239,3 @@ class _NextUse:
         at = self.at.get(unit, [])
         j = bisect.bisect_right(at, i)
         return at[j] if j < len(at) else NEVER
-
-
-class RetentionPolicy:
-    """Runs `plan_retention` inside `TreeReplay` (the engine's `RetentionHook`).
-
-    `budget` is in bytes (None = unbounded; the plan is still made, so `plans` report the minimum). With
-    `host_tier`, evicted KV goes to host memory and is copied back, not recomputed; the plan is the same.
-
-    Example:
-        >>> policy = RetentionPolicy(budget=64 << 20)                                   # doctest: +SKIP
-        >>> TreeReplay(model, LossConfig(), ReplayPlan(retention=policy))          # doctest: +SKIP
-    """
-
-    def __init__(self, budget: int | None, *, host_tier: bool = False) -> None:
-        if budget is not None and budget < 0:
-            raise ValueError(f"retention budget must be >= 0 bytes, got {budget}")
-        self.budget = budget
-        self.host_tier = host_tier
-        """Offload evicted KV to (pinned) host memory and copy it back when needed, instead of recomputing
-        it. Worth it on a GPU, where host memory is separate; on a CPU it frees nothing."""
-        self.plans: list[RetentionPlan] = []
-        """One plan per tree replayed, in order."""
-        self._plan: RetentionPlan | None = None
-        self._uses: tuple[ResidentUse, ...] = ()
-        self._cursor = 0
-        self._evict: Callable[[int], object] = lambda u: None
-        self._evicted = 0
-
-    def begin_tree(
-        self,
-        units: UnitTree,
-        score_events: Sequence[ScoreEvent],
-        steps: Sequence[ReplayStep],
-        *,
-        contract: str,
-        keep: Sequence[bool],
-        kept_graphs: frozenset[int],
-        evict: Callable[[int], object],
-        offload: Callable[[int], object],
-        model: PreTrainedModel,
-        fused_reference: bool = False,
-    ) -> None:
-        per_token, per_unit = kv_bytes_per_token(model), state_bytes_per_unit(model)
-        kv = [unit_resident_bytes(len(u), per_token, per_unit) for u in units.units]
-        self._uses = tree_uses(
-            units, score_events, steps, contract=cast(Contract, contract), keep=keep, kept_graphs=kept_graphs,
-            fused_reference=fused_reference,
-        )  # fmt: skip
-        self._plan = plan_retention(self._uses, kv, self.budget)
-        self.plans.append(self._plan)
-        self._cursor = 0
-        self._evict = offload if self.host_tier else evict
-        self._evicted = 0
-
-    def before(self, event: object) -> None:
-        """Evict what the plan evicts before `event` (a `ScoreBatch` or `ReplayStep`)."""
-        assert self._plan is not None, "begin_tree was not called"
-        while self._cursor < len(self._uses) and self._uses[self._cursor].event != event:
-            self._cursor += 1
-        if self._cursor == len(self._uses):
-            raise RuntimeError(f"the engine ran {event}, which the retention plan does not contain")
-        for u in self._plan.evict[self._cursor]:
-            self._evict(u)
-            self._evicted += 1
-        self._cursor += 1
-
-    def end_tree(self) -> int:
-        """Close the tree; returns how many evictions were made."""
-        self._plan = None
-        return self._evicted

@@ -1,21 +1,19 @@
-"""What the replay engine tells its optional memory collaborators, as protocols.
+"""What the replay engine tells its optional memory tracker, and the shape of a kept-graph choice.
 
-The engine depends only on these; `treetrain.memory` implements them (`MemoryTracker`, `RetentionPolicy`)
-and the planner produces `KeepGraph` functions.
+The engine depends only on these; `treetrain.memory` implements them (`MemoryTracker`) and the planner
+produces `KeepGraph` functions. Retention is not a collaborator: the planner hands the engine each tree's
+evictions as data (`treetrain.replay.replay_plan.TreeSchedule`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
-from transformers import PreTrainedModel
 
 from treetrain.lifetime import ClassBytes
 from treetrain.replay.resident import ResidentStore
-from treetrain.replay.schedule import ReplayStep
-from treetrain.replay.scoring import ScoreEvent
 from treetrain.replay.units import UnitTree
 
 KeepGraph = Callable[[UnitTree], frozenset[int]]
@@ -35,24 +33,3 @@ class MemoryProbe(Protocol):
     def peak(self) -> ClassBytes: ...
     def __enter__(self) -> Any: ...
     def __exit__(self, *exc: Any) -> Any: ...
-
-
-class RetentionHook(Protocol):
-    """What the engine tells a retention policy (`treetrain.memory.retention.RetentionPolicy`)."""
-
-    def begin_tree(
-        self,
-        units: UnitTree,
-        score_events: Sequence[ScoreEvent],
-        steps: Sequence[ReplayStep],
-        *,
-        contract: str,
-        keep: Sequence[bool],
-        kept_graphs: frozenset[int],
-        evict: Callable[[int], object],
-        offload: Callable[[int], object],
-        model: PreTrainedModel,
-        fused_reference: bool = False,
-    ) -> None: ...
-    def before(self, event: object) -> None: ...
-    def end_tree(self) -> int: ...

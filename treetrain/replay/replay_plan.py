@@ -1,41 +1,97 @@
-"""How one update's gradient is computed, as one object: what the planner decided, in the engine's terms.
+"""How one rank replays one update, as data: what the planner decided, laid out tree by tree.
 
 The planner (`treetrain.memory.planner`) chooses tree or flat mode, K, chunking, the reference walk, a
-retention budget and which internal units keep their first graph; `Plan.replay()` hands all of it to the
-engine as a `ReplayPlan`. `TreeReplay` takes this one object instead of collaborators passed one by one,
-so what an update does is readable in one place. A bare `ReplayConfig` is a plan with nothing bounded.
+retention budget and which internal units keep their first graph; when the update window opens, it lays
+that decision out over this rank's trees (`treetrain.memory.replay_recipe.ReplayRecipe.lay_out`). Each
+tree gets a `TreeSchedule`: the replay steps and kept graphs the decision implies, and the evictions (or
+host offloads) before each scoring batch and step. `TreeReplay` carries the schedule out and decides
+nothing about memory itself: it checks that the walk it builds is the one the schedule was made for, and
+refuses a plan that does not match (`PlanMismatchError`). A bare `ReplayConfig` is a plan with nothing
+bounded or kept.
 
 Example:
     >>> plan = ReplayPlan.of(ReplayConfig(contract="exact", microbatch=2))
-    >>> plan.mode, plan.config.microbatch, plan.retention is None
+    >>> plan.mode, plan.config.microbatch, plan.trees is None
     ('tree', 2, True)
+    >>> step = ReplayStep(0, (1, 2))
+    >>> run = ScheduleRun(TreeSchedule("t", (step,), frozenset(), (Eviction(step, (3,)),)), print)
+    >>> run.before(step)
+    3
+    >>> run.evicted
+    1
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from treetrain.errors import ConfigError
+from treetrain.errors import ConfigError, TreetrainError
 from treetrain.replay.batch import ReplayConfig
-from treetrain.replay.protocols import KeepGraph, MemoryProbe, RetentionHook
+from treetrain.replay.protocols import MemoryProbe
+from treetrain.replay.schedule import ReplayStep
+from treetrain.replay.scoring import ScoreBatch
 
 Mode = Literal["tree", "flat"]
+StepHook = Callable[[str, ReplayStep], None]
+"""Called with ("forward" | "backward", step) before each phase of a replay step."""
+
+
+class PlanMismatchError(TreetrainError, ValueError):
+    """The plan handed to the replay engine is not the one for the tree it replays (a planner bug)."""
+
+
+@dataclass(frozen=True)
+class Eviction:
+    """Before `before` runs, the resident KV of `units` leaves the device (in this order)."""
+
+    before: ScoreBatch | ReplayStep
+    units: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class TreeSchedule:
+    """The planner's decisions for one tree of this rank, in the engine's terms."""
+
+    tree_id: str
+    steps: tuple[ReplayStep, ...]
+    """The replay steps the plan was made for: the engine's own walk must have exactly these."""
+    kept: frozenset[int]
+    """Internal units whose first forward keeps its graph until their own step (`exact` mode)."""
+    evictions: tuple[Eviction, ...] = ()
+    """One entry per scoring batch and replay step, in execution order."""
+    offload: bool = False
+    """Evicted KV goes to host memory and is copied back, instead of being recomputed."""
+
+    def check(self, steps: tuple[ReplayStep, ...], keepable: frozenset[int]) -> None:
+        """Refuse this schedule unless it was made for a walk with `steps`, keeping only `keepable` units."""
+        if steps != self.steps:
+            differ = [i for i, (a, b) in enumerate(zip(steps, self.steps)) if a != b]
+            first = differ[0] if differ else min(len(steps), len(self.steps))
+            raise PlanMismatchError(
+                f"tree {self.tree_id[:12]}: the plan was made for {len(self.steps)} replay steps, the engine's "
+                f"walk has {len(steps)}, first different at step {first}"
+            )
+        if not self.kept <= keepable:
+            raise PlanMismatchError(
+                f"tree {self.tree_id[:12]}: the plan keeps the graphs of units {sorted(self.kept - keepable)}, "
+                "which are not active internal units"
+            )
 
 
 @dataclass(frozen=True)
 class ReplayPlan:
-    """Everything that decides how one update is replayed. None of it changes the gradient, only its cost."""
+    """Everything that decides how one rank replays one update. None of it changes the gradient, only its
+    cost."""
 
     mode: Mode = "tree"
     """tree: `TreeReplay` (contract from `config`); flat: the conventional per-call `FlatReference`."""
     config: ReplayConfig = field(default_factory=ReplayConfig)
     """Contract, K (`microbatch`: the rows of one forward and backward under autograd, sibling units in
     tree mode, whole calls in flat mode), chunk size, order and reference walk."""
-    retention: RetentionHook | None = None
-    """Bounds resident state to a byte budget by evicting (and recomputing) KV; None keeps all of it."""
-    keep_graph: KeepGraph | None = None
-    """`exact` mode: internal units whose first forward keeps its graph until their own step."""
+    trees: tuple[TreeSchedule, ...] | None = None
+    """One schedule per tree this rank replays; None bounds nothing and keeps no graph for any tree."""
     tracker: MemoryProbe | None = None
     """Measures live bytes by lifetime class while this plan runs (the report carries the peak)."""
 
@@ -48,4 +104,57 @@ class ReplayPlan:
         """`plan` as a `ReplayPlan`: a bare config is tree mode with nothing bounded or kept."""
         if isinstance(plan, ReplayPlan):
             return plan
+        if plan is not None and not isinstance(plan, ReplayConfig):
+            raise TypeError(
+                f"the replay engine takes a ReplayPlan or a ReplayConfig, not a {type(plan).__name__}: lay a "
+                "ReplayRecipe out over the batch first (ReplayRecipe.lay_out)"
+            )
         return ReplayPlan(config=plan or ReplayConfig())
+
+    def schedule(self, tree_id: str) -> TreeSchedule | None:
+        """The schedule of `tree_id`; None when the plan has none at all. A plan laid out over other trees
+        is refused."""
+        if self.trees is None:
+            return None
+        for s in self.trees:
+            if s.tree_id == tree_id:
+                return s
+        raise PlanMismatchError(
+            f"the plan has no schedule for tree {tree_id[:12]}: it was laid out for other trees"
+        )
+
+
+@dataclass(frozen=True)
+class ReplayHooks:
+    """Seams the replay engine calls at fixed points, given at construction (tests inject faults here)."""
+
+    step: StepHook | None = None
+    """Called with ("forward" | "backward", step) before each phase of a replay step."""
+
+
+class ScheduleRun:
+    """Carries one tree's evictions out: before each scoring batch or step, what the schedule lists for it.
+
+    `evict(u)` removes unit u's resident KV (or offloads it). An event the schedule does not list, in order,
+    is refused: the engine would be running a walk the plan was not made for.
+    """
+
+    def __init__(self, schedule: TreeSchedule, evict: Callable[[int], object]) -> None:
+        self.schedule = schedule
+        self.evict = evict
+        self.evicted = 0
+        """Evictions made so far."""
+        self._cursor = 0
+
+    def before(self, event: ScoreBatch | ReplayStep) -> None:
+        entries = self.schedule.evictions
+        while self._cursor < len(entries) and entries[self._cursor].before != event:
+            self._cursor += 1
+        if self._cursor == len(entries):
+            raise PlanMismatchError(
+                f"tree {self.schedule.tree_id[:12]}: the engine ran {event}, which the plan does not list"
+            )
+        for u in entries[self._cursor].units:
+            self.evict(u)
+            self.evicted += 1
+        self._cursor += 1

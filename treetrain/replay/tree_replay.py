@@ -16,11 +16,13 @@ For one tree, the three steps of the exact algorithm (`TreeReplay._tree`):
 Normalization comes from the manifest through the target coefficients; how units are batched or ordered
 only changes the summation order.
 
-The plan (`ReplayPlan`) changes memory and cost, never the gradient: its `retention` policy is told each
-tree's schedule and evicts resident KV before each use to stay within a byte budget (evicted KV is
-recomputed from the nearest resident ancestor); `keep_graph` names internal units (in `exact` mode) whose
-first forward keeps its graph until their own step, which then needs no recompute (3 token-costs instead
-of 4, for a graph held longer); a `tracker` measures live bytes by lifetime class
+The plan (`ReplayPlan`) changes memory and cost, never the gradient, and the engine carries it out
+without deciding anything about memory: each tree's `TreeSchedule` lists the resident KV to evict (or
+offload to host memory) before each scoring batch and step, so that resident bytes stay within the
+planner's budget (evicted KV is recomputed from the nearest resident ancestor), and the internal units (in
+`exact` mode) whose first forward keeps its graph until their own step, which then needs no recompute (3
+token-costs instead of 4, for a graph held longer). A schedule made for another walk is refused
+(`PlanMismatchError`). A `tracker` measures live bytes by lifetime class
 (`treetrain.memory.tracker.MemoryTracker`) and the report carries its peak.
 
 Example (the same sequence as `treetrain.tree_update`, spelled out):
@@ -68,16 +70,14 @@ from treetrain.replay.reference import (
     fused_reference_walk,
     separate_reference_logprobs,
 )
-from treetrain.replay.replay_plan import ReplayPlan
+from treetrain.replay.replay_plan import ReplayHooks, ReplayPlan, ScheduleRun, TreeSchedule
 from treetrain.replay.resident import ResidentIdentity, ResidentStore
 from treetrain.replay.schedule import ReplayStep
 from treetrain.replay.scoring import (
     PathKV,
     ScoreBatch,
-    ScoreEvent,
     past_before_overlap,
     scoring_pass,
-    scoring_schedule,
 )
 from treetrain.replay.units import Unit
 from treetrain.replay.walk import StepGraph, TreeWalk
@@ -100,7 +100,8 @@ class TreeReplay:
     `plan` is the planner's `ReplayPlan` (or a bare `ReplayConfig`). `store` holds resident state under its
     identity (a fresh one for the model if omitted); `backward` runs each step's backward (the update
     window routes it through the training backend); `support` remembers which models were checked (pass
-    `SupportGate(trusting=True)` for a model known to split exactly).
+    `SupportGate(trusting=True)` for a model known to split exactly); `hooks` are called at fixed points
+    (tests inject faults through them).
     """
 
     def __init__(
@@ -113,6 +114,7 @@ class TreeReplay:
         store: ResidentStore | None = None,
         backward: Backward = _default_backward,
         support: SupportGate | None = None,
+        hooks: ReplayHooks | None = None,
     ) -> None:
         if loss.needs_reference and ref_model is None:
             raise ValueError("loss.kl_coef > 0 needs a reference model")
@@ -127,11 +129,9 @@ class TreeReplay:
         self.support = support or SupportGate()
         """Refuses models the engine cannot split exactly (policy and reference)."""
         self.device = next(model.parameters()).device
-        self.step_hook: Callable[[str, ReplayStep], None] | None = None
-        """Called with ("forward" | "backward", step) before each phase; tests inject faults through it."""
-        self.widest_step = 0
-        """The most sibling rows any replay step has run with (the K in effect); the update window halves it
-        after an out-of-memory error during backward."""
+        self.hooks = hooks or ReplayHooks()
+        self._widest = 0
+        self._evictions: ScheduleRun | None = None
         self._label = ""
         tracker = self.plan.tracker
         if tracker is not None:
@@ -145,6 +145,12 @@ class TreeReplay:
     def cfg(self) -> ReplayConfig:
         """The plan's replay config: contract, K, chunking, order, reference walk."""
         return self.plan.config
+
+    @property
+    def widest_step(self) -> int:
+        """The most sibling rows any replay step of this engine has run with (the K in effect); the update
+        window plans a narrower K from it after an out-of-memory error during backward."""
+        return self._widest
 
     @property
     def identity(self) -> ResidentIdentity:
@@ -179,15 +185,13 @@ class TreeReplay:
 
     # ----- one tree: the three steps ----------------------------------------------------------------
     def _tree(self, work: TreeWork) -> ReplayReport:
-        walk = self._walk(work)
-        retention = self.plan.retention
-        if retention is not None:
-            retention.begin_tree(
-                walk.units, self._score_events(walk), walk.steps, contract=self.cfg.contract,
-                keep=walk.needs_kv, kept_graphs=walk.kept, evict=lambda u: self.store.evict(walk.paths.key(u)),
-                offload=lambda u: self.store.offload(walk.paths.key(u)), model=self.model,
-                fused_reference=fused_reference(self.loss_cfg, self.cfg, self.ref_model),
-            )  # fmt: skip
+        schedule = self.plan.schedule(work.tree.id)
+        walk = self._walk(work, schedule)
+        evictions = None
+        if schedule is not None:
+            move = self.store.offload if schedule.offload else self.store.evict
+            evictions = ScheduleRun(schedule, lambda u: move(walk.paths.key(u)))
+        self._evictions = evictions
         report = ReplayReport(skipped_units=walk.skipped)
         try:
             # 1. Score: every needed unit once, without a graph (old and reference logprobs, resident KV).
@@ -196,8 +200,8 @@ class TreeReplay:
             # 2 and 3. Replay post-order: K siblings under autograd against resident KV (G accumulates on
             # every ancestor); a unit with children closes with <KV, G> in its own step.
             for i, step in enumerate(walk.steps):
-                if retention is not None:
-                    retention.before(step)
+                if evictions is not None:
+                    evictions.before(step)
                 self._label = f"step {i}"
                 self._mark(self._label)
                 report = report.merged(self._replay(walk, step))
@@ -207,7 +211,8 @@ class TreeReplay:
                 self.store.release(walk.paths.key(u))
             if walk.reference is not None:
                 walk.reference.paths.store.clear()
-            evicted = retention.end_tree() if retention is not None else 0
+            self._evictions = None
+        evicted = evictions.evicted if evictions is not None else 0
         paths = walk.paths
         return report.merged(
             ReplayReport(
@@ -220,8 +225,8 @@ class TreeReplay:
             )
         )
 
-    def _walk(self, work: TreeWork) -> TreeWalk:
-        walk = TreeWalk.build(work, self.cfg, self.plan.keep_graph, skip_inert=self._skip_inert)
+    def _walk(self, work: TreeWork, schedule: TreeSchedule | None) -> TreeWalk:
+        walk = TreeWalk.build(work, self.cfg, schedule, skip_inert=self._skip_inert)
         walk.paths = PathKV(
             self.model, walk.units, self.store, self.identity, self.device,
             produce=partial(self._first_forward, walk) if walk.kept else None,
@@ -231,11 +236,6 @@ class TreeReplay:
     @property
     def _skip_inert(self) -> bool:
         return self.cfg.skip_inert and self.loss_cfg.zero_advantage_is_inert
-
-    def _score_events(self, walk: TreeWalk) -> tuple[ScoreEvent, ...]:
-        if self.loss_cfg.ratio_source != "scoring":
-            return ()
-        return scoring_schedule(walk.units, walk.scored, self.cfg.score_microbatch)
 
     # ----- step 1: score ----------------------------------------------------------------------------
     def _score(self, walk: TreeWalk) -> ReplayReport:
@@ -309,8 +309,8 @@ class TreeReplay:
         )
 
     def _before_score(self, batch: ScoreBatch) -> None:
-        if self.plan.retention is not None:
-            self.plan.retention.before(batch)
+        if self._evictions is not None:
+            self._evictions.before(batch)
         self._mark(f"score {batch.parent}:{batch.units[0]}")
 
     def _first_forward(self, walk: TreeWalk, u: int) -> bool:
@@ -366,9 +366,10 @@ class TreeReplay:
 
     def _step(self, walk: TreeWalk, step: ReplayStep) -> ReplayReport:
         fresh = [walk.units[u] for u in step.units if u not in walk.graphs]
-        self.widest_step = max(self.widest_step, len(step.units))
-        if self.step_hook is not None:
-            self.step_hook("forward", step)
+        self._widest = max(self._widest, len(step.units))
+        hook = self.hooks.step
+        if hook is not None:
+            hook("forward", step)
         graphs = [walk.graphs[u] for u in step.units if u in walk.graphs]
         if fresh:
             graphs.insert(0, self._forward(walk, step.parent, fresh))
@@ -377,8 +378,8 @@ class TreeReplay:
         for _, t in parts[1:]:
             total = total + t
 
-        if self.step_hook is not None:
-            self.step_hook("backward", step)
+        if hook is not None:
+            hook("backward", step)
         self._mark(f"{self._label} backward")
         try:  # from here on, parameter gradients may hold part of this step: no retry can be local
             if total.requires_grad:

@@ -1,9 +1,9 @@
 """One tree's replay state: its units, post-order schedule, resident paths, logprobs and kept graphs.
 
-`TreeWalk.build` decides everything about a tree that does not need the model: the units (nodes split into
-chunks), the schedule of replay steps, which units' KV some step reads, which internal units keep their
-first graph, and which units the scoring pass evaluates. `TreeReplay` then fills in the logprobs and the
-graphs as it walks.
+`TreeWalk.build` derives everything about a tree that does not need the model: the units (nodes split into
+chunks), the schedule of replay steps, which units' KV some step reads and which units the scoring pass
+evaluates. Which internal units keep their first graph is the plan's (`TreeSchedule.kept`), checked against
+the walk. `TreeReplay` then fills in the logprobs and the graphs as it walks.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from treetrain.models.decoder import DecoderOutput
 from treetrain.replay.batch import ReplayConfig, TreeWork
 from treetrain.replay.pieces import GatheredTargets, PieceBatch
-from treetrain.replay.protocols import KeepGraph
+from treetrain.replay.replay_plan import TreeSchedule
 from treetrain.replay.schedule import ReplayStep, active_units, build_schedule
 from treetrain.replay.scoring import PathKV, ReferenceWalk
 from treetrain.replay.units import Unit, UnitTree
@@ -44,7 +44,7 @@ class TreeWalk:
     needs_kv: list[bool]
     """Units whose KV some step reads (they are on a step's parent path)."""
     kept: frozenset[int]
-    """Internal units whose first forward keeps its graph (`ReplayPlan.keep_graph`)."""
+    """Internal units whose first forward keeps its graph (the plan's `TreeSchedule.kept`)."""
     scored: list[bool]
     """Units the scoring pass evaluates: those with targets, and those whose KV is needed."""
     skipped: int
@@ -65,9 +65,10 @@ class TreeWalk:
 
     @staticmethod
     def build(
-        work: TreeWork, cfg: ReplayConfig, keep_graph: KeepGraph | None, *, skip_inert: bool
+        work: TreeWork, cfg: ReplayConfig, schedule: TreeSchedule | None, *, skip_inert: bool
     ) -> TreeWalk:
-        """The walk of one tree under `cfg`; `skip_inert` leaves out branches that carry no gradient."""
+        """The walk of one tree under `cfg`; `skip_inert` leaves out branches that carry no gradient.
+        `schedule` (None: nothing kept) must have been made for this walk (`TreeSchedule.check`)."""
         units = UnitTree.build(work.tree, work.targets, cfg.chunk_size)
         steps = build_schedule(
             units, contract=cfg.contract, microbatch=cfg.microbatch, order=cfg.order, seed=cfg.seed,
@@ -79,9 +80,12 @@ class TreeWalk:
                 needs_kv[u] = True
         active = active_units(units, cfg.contract, skip_inert)
         kept: frozenset[int] = frozenset()
-        if keep_graph is not None and cfg.contract == "exact":
-            chosen = keep_graph(units)
-            kept = frozenset(u for u in chosen if 0 < u < len(units) and units[u].children and active[u])
+        if schedule is not None:
+            keepable = frozenset(
+                u.index for u in units.units[1:] if u.children and active[u.index] and cfg.contract == "exact"
+            )
+            schedule.check(steps, keepable)
+            kept = schedule.kept
         scored = [u.targets.num_targets > 0 or needs_kv[u.index] for u in units.units]
         skipped = sum(1 for u in units.units[1:] if not active[u.index])
-        return TreeWalk(units, tuple(steps), needs_kv, kept, scored, skipped, old_lp=[None] * len(units))
+        return TreeWalk(units, steps, needs_kv, kept, scored, skipped, old_lp=[None] * len(units))

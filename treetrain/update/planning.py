@@ -3,7 +3,8 @@
 The planner (`treetrain.memory.planner`) sees the update's batch, the model and a memory budget, and chooses
 tree or flat mode, K, chunk size, retention and kept graphs; whatever the `replay` section fixes is passed as
 an override. Without `memory_budget`, the budget is the device's memory (total RAM on a CPU). The `Plan` it
-returns is the one plan object of the update: `plan.replay(...)` is what the engine runs.
+returns is the one plan object of the update: `plan.replay(...)` is the recipe the update window lays out
+over its rank's trees for the replay engine.
 """
 
 from __future__ import annotations

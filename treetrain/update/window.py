@@ -6,8 +6,10 @@
 `treetrain.update.run.run_update` drives it for the trainer, one step at a time. `open` takes the
 manifest and batch built once for the update (or builds them) and the placement, and all ranks agree on
 the resident identity (model version included), the manifest digest and the placement digest before any
-compute. `replay(tree_id)` runs one tree's share on this rank through the tree engine (or the flat
-reference), claiming its `ContributionKey`s in `CoverageClaims` first, so a duplicate request is refused
+compute. The planner's `ReplayRecipe` is then laid out over this rank's trees as an immutable
+`ReplayPlan` (each tree's steps, kept graphs and evictions), and a replayer (`TreeReplay`, or the flat
+reference `FlatReference`) is built to carry it out. `replay(tree_id)` runs one tree's share on this rank
+through it, claiming its `ContributionKey`s in `CoverageClaims` first, so a duplicate request is refused
 instead of counted twice. Faults (only the transient kinds, see `treetrain.update.faults.is_transient`:
 `RuntimeError` including out-of-memory and `BackwardFailed`, and `OSError`):
 
@@ -16,9 +18,11 @@ instead of counted twice. Faults (only the transient kinds, see `treetrain.updat
   non-transient kind): a bug or bad input, re-raised at once on that rank, without retry and without
   dropping anything; this rank's gradients are discarded first if a backward of the tree ran;
 - an exception before the tree's first backward: nothing was accumulated, so the tree is retried
-  (`WindowConfig.tree_attempts`); an out-of-memory error inside a step was already split by the engine;
+  (`WindowConfig.tree_attempts`); an out-of-memory error inside a step was already split by the replay;
 - an exception once a backward ran (`BackwardFailed`, or a failure later in the same tree): this rank's
   gradients hold part of a tree, so the backend window is reset and every tree of this rank is replayed;
+  after an out-of-memory error there, with a plan laid out again for half the widest step's rows, by a
+  fresh replayer;
 - a tree that keeps failing marks its group failed. At `commit` the ranks exchange failed groups; any
   failure drops the group whole on every rank, with its reason logged: the manifest is rebuilt without
   it (so normalization excludes it), every rank resets and replays, and the group is never trained on
@@ -38,8 +42,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -55,6 +59,7 @@ from treetrain.distributed.placement import Placement, place
 from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.manifest import ContributionKey, Manifest, ManifestError
 from treetrain.loss.sampler_correction import SamplerGap
+from treetrain.memory.replay_recipe import ReplayRecipe
 from treetrain.models.lora import Reference
 from treetrain.models.support import SupportGate
 from treetrain.replay import (
@@ -67,8 +72,8 @@ from treetrain.replay import (
     UpdateBatch,
 )
 from treetrain.replay.batch import TreeWork
+from treetrain.replay.replay_plan import ReplayHooks
 from treetrain.replay.resident import ResidentIdentity, ResidentStore
-from treetrain.replay.schedule import ReplayStep
 from treetrain.update.faults import is_transient
 from treetrain.update.window_types import DroppedGroup, Group, WindowConfig, WindowReport
 
@@ -80,29 +85,30 @@ class UpdateWindow:
 
     `store` holds resident state under its identity (model version, adapters, tokenizer, dtype, ...); a
     fresh one at version 0 if omitted. The window owns it from then on: each commit bumps the identity and
-    invalidates the store. `plan` is how windows replay unless `open` is given one.
+    invalidates the store. `plan` is how windows replay unless `open` is given one. `hooks` go to every
+    replayer the window builds (tests inject faults through them).
     """
 
     def __init__(
         self,
         backend: TrainBackend,
         loss: LossConfig,
-        plan: ReplayPlan | ReplayConfig | None = None,
+        plan: ReplayRecipe | ReplayPlan | ReplayConfig | None = None,
         cfg: WindowConfig | None = None,
         *,
         store: ResidentStore | None = None,
         ref_model: Reference | None = None,
+        hooks: ReplayHooks | None = None,
     ) -> None:
         self.backend = backend
         self.loss = loss
-        self.plan = ReplayPlan.of(plan)
+        self.plan = ReplayRecipe.of(plan)
         self.cfg = cfg or WindowConfig()
         self.ref_model = ref_model
         self.store = store if store is not None else ResidentStore(ResidentIdentity.of(backend.module))
-        self.step_hook: Callable[[str, ReplayStep], None] | None = None
-        """Passed to the tree engine: called with ("forward" | "backward", step); tests inject faults here."""
+        self.hooks = hooks or ReplayHooks()
         self.support = SupportGate()
-        """Remembers which models and lengths the tree engine has already checked."""
+        """Remembers which models and lengths tree replay has already checked."""
         self.active: OpenWindow | None = None
         """The window between `open` and `commit`, if any (step hooks read `active.current_tree`)."""
 
@@ -122,7 +128,7 @@ class UpdateWindow:
         groups: Sequence[Group],
         placement: Placement | None = None,
         *,
-        plan: ReplayPlan | ReplayConfig | None = None,
+        plan: ReplayRecipe | ReplayPlan | ReplayConfig | None = None,
         batch: UpdateBatch | None = None,
     ) -> OpenWindow:
         """Open the window over `groups`. `batch` is the whole update's batch when the caller already built
@@ -132,7 +138,7 @@ class UpdateWindow:
                 f"the batch is for version {batch.manifest.version}, the window is at {self.version}"
             )
         self.active = OpenWindow(
-            self, groups, placement, ReplayPlan.of(plan) if plan is not None else self.plan, batch
+            self, groups, placement, ReplayRecipe.of(plan) if plan is not None else self.plan, batch
         )
         return self.active
 
@@ -141,7 +147,7 @@ class UpdateWindow:
         groups: Sequence[Group],
         placement: Placement | None = None,
         *,
-        plan: ReplayPlan | ReplayConfig | None = None,
+        plan: ReplayRecipe | ReplayPlan | ReplayConfig | None = None,
     ) -> WindowReport:
         """Open, replay and commit one window (`treetrain.update.run.run_update` spells the steps out)."""
         window = self.open(groups, placement, plan=plan)
@@ -168,12 +174,13 @@ class OpenWindow:
         owner: UpdateWindow,
         groups: Sequence[Group],
         placement: Placement | None,
-        plan: ReplayPlan,
+        recipe: ReplayRecipe,
         batch: UpdateBatch | None,
     ) -> None:
         self.owner = owner
         self.backend = owner.backend
-        self.plan = plan
+        self.recipe = recipe
+        """The planner's decision for the update; laid out over this rank's trees as `plan`."""
         self.groups = tuple(groups)
         self.alive = set(range(len(self.groups)))
         self.dropped: list[DroppedGroup] = []
@@ -201,7 +208,7 @@ class OpenWindow:
         )
         self._build(batch)
         self.backend.begin_window()
-        self.engine = self._engine()
+        self._lay_out()
 
     # ----- manifest, placement, local share ---------------------------------------------------------
     def _build(self, whole: UpdateBatch | None = None) -> None:
@@ -227,25 +234,32 @@ class OpenWindow:
         self.backend.agree(self.placement.digest, "placement")
         mine = self.placement.for_rank(self.backend.rank)
         batch = whole.restricted(dict(zip(self.placement.tree_ids, mine)))
+        self.local_batch = batch
+        """This rank's share of the update."""
         self.work: dict[str, TreeWork] = {w.tree.id: w for w in batch.work}
         self.claims = CoverageClaims(k for w in batch.work for k in self.keys(w))
 
     def keys(self, work: TreeWork) -> tuple[ContributionKey, ...]:
         return work.contribution_keys(self.owner.version)
 
-    def _engine(self) -> TreeReplay | FlatReference:
+    def _lay_out(self) -> None:
+        """This rank's immutable plan from the recipe, and a fresh replayer to carry it out."""
+        o = self.owner
+        self.plan = self.recipe.lay_out(self.local_batch, self.backend.module, o.loss, o.ref_model).plan
+        """This rank's plan: mode, K, chunking, and per tree its steps, kept graphs and evictions."""
+        self.replayer = self._replayer()
+
+    def _replayer(self) -> TreeReplay | FlatReference:
         o, plan = self.owner, self.plan
         if plan.mode == "flat":
             return FlatReference(
                 self.backend.module, o.loss, ref_model=o.ref_model, microbatch=max(1, plan.config.microbatch),
                 backward=self._backward, max_logit_elements=plan.config.max_logit_elements,
             )  # fmt: skip
-        engine = TreeReplay(
+        return TreeReplay(
             self.backend.module, o.loss, plan, ref_model=o.ref_model, store=o.store, backward=self._backward,
-            support=o.support,
+            support=o.support, hooks=o.hooks,
         )  # fmt: skip
-        engine.step_hook = o.step_hook
-        return engine
 
     def _backward(self, loss: torch.Tensor) -> None:
         self.backward_calls += 1
@@ -275,7 +289,7 @@ class OpenWindow:
                 self.claims.claim(keys)
             before = self.backward_calls
             try:
-                report = self.engine.accumulate(UpdateBatch((work,), self.manifest))
+                report = self.replayer.accumulate(UpdateBatch((work,), self.manifest))
             except Exception as exc:
                 self.owner.store.clear()
                 self.claims.release(keys)
@@ -327,20 +341,22 @@ class OpenWindow:
             self._fail(group, f"backward failed {n} times; last: {reason}")
 
     def _narrow_after_oom(self, exc: BaseException) -> None:
-        """After an out-of-memory error in backward, replay with half as many sibling rows per step (K).
+        """After an out-of-memory error in backward, replay with half as many sibling rows per step (K): the
+        recipe narrowed, laid out again, and a fresh replayer.
 
-        A split before backward happens inside the engine; once backward has started only a window reset
+        A split before backward happens inside the replay; once backward has started only a window reset
         can undo the step, and the same K would most likely run out of memory again.
         """
         cause = exc.__cause__ if isinstance(exc, BackwardFailed) else exc
-        engine = self.engine
-        if not isinstance(cause, torch.OutOfMemoryError) or not isinstance(engine, TreeReplay):
+        replayer = self.replayer
+        if not isinstance(cause, torch.OutOfMemoryError) or not isinstance(replayer, TreeReplay):
             return
-        k = max(1, engine.widest_step // 2)
-        if engine.widest_step > 1:
+        widest = replayer.widest_step
+        if widest > 1:
+            k = widest // 2
             log.warning("rank %d: replaying with K = %d after running out of memory", self.backend.rank, k)
-            engine.plan = replace(engine.plan, config=replace(engine.cfg, microbatch=k))
-            engine.widest_step = 0
+            self.recipe = self.recipe.narrower(k)
+            self._lay_out()
 
     def _fail(self, group: int, reason: str) -> None:
         self.failures[group] = reason
@@ -382,6 +398,7 @@ class OpenWindow:
             self.backend.reset_window()
             self.owner.store.clear()
             self._build()
+            self._lay_out()
             self.local = ReplayReport()
 
     def step(self) -> WindowReport:
