@@ -269,7 +269,9 @@ def test_exact_matches_flat_at_a_sampling_temperature(hot_trees, name: str, plan
     floor = noise_floor(make, batch, loss, make_ref if ref is not None else None)
     flat = flat_gradient(make(), batch, loss, ref)
     model = make()
-    TreeReplay(model, loss, PLANS[plan], ref_model=ref).accumulate(batch)
+    TreeReplay(
+        model, loss, ReplayRecipe.of(PLANS[plan]).lay_out(batch, model, loss, ref).plan, ref_model=ref
+    ).accumulate(batch)
     dev = deviation(flat_grad(model), flat)
     assert float(flat.norm()) > 0
     assert dev.abs <= FACTOR * floor, f"{name}/{plan}: {dev.abs:.3e} > {FACTOR} x {floor:.3e}"
