@@ -33,3 +33,14 @@ def vllm_engine() -> Iterator[Any]:
     engine = VLLMEngine(str(WIDE_DEMO_MODEL), VLLMSettings(), dtype="float32", max_model_len=1024, seed=0)
     yield engine
     engine.close()
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One real `vllm serve` (the docs' command, the CPU build in `make test`) on the wide demo model, for
+    the whole session: it takes about a minute to start. Yields its base URL; what the tests reload into it
+    is whatever a later test reloads next (every use starts with a reload)."""
+    from support.vllm_serve import served
+
+    with served(tmp_path_factory.mktemp("vllm-serve") / "server.log") as url:
+        yield url
