@@ -216,7 +216,11 @@ def claim_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> RunLock:
 def clean_leftovers(run_dir: Path) -> None:
     """Remove what writes cut short left behind (temporary checkpoint, export and file copies)."""
     removed = recover_atomic_leftovers(run_dir)
-    subs = ("checkpoints", "engine-weights", *(f"rollouts/{p.name}" for p in _update_dirs(run_dir / "rollouts")))
+    subs = (
+        "checkpoints",
+        "engine-weights",
+        *(f"rollouts/{p.name}" for p in _update_dirs(run_dir / "rollouts")),
+    )
     for sub in subs:
         if entry_kind(run_dir / sub) == "dir":
             removed += recover_atomic_leftovers(run_dir / sub)

@@ -25,18 +25,14 @@ the versions are read again, so a server restarted (its version is `default` aga
 run stops the rollout before its samples are trained on.
 
 **Bad servers.** A server that is down, answers with an HTTP error, stays silent past
-`request_timeout_s`, or returns JSON outside the protocol (or more than `MAX_RESPONSE_BYTES`) stops the
+`request_timeout_s`, or returns JSON outside the protocol (or more than `server_calls.MAX_RESPONSE_BYTES`) stops the
 rollout with one `EngineError` line naming the URL and what was wrong; the update's trees are not written.
 """
 
 from __future__ import annotations
 
-import http.client
-import json
 import queue
 import time
-import urllib.error
-import urllib.request
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -51,6 +47,7 @@ from treetrain.rollout.engines.generation import (
     GenerationResult,
     StopMatcher,
 )
+from treetrain.rollout.engines.server_calls import ServerHTTPError, call_server, short
 from treetrain.rollout.engines.server_checks import (
     Expected,
     ServedConfig,
@@ -62,24 +59,9 @@ from treetrain.rollout.engines.server_checks import (
 )
 from treetrain.rollout.engines.vllm_engine import completion_of
 
-MAX_RESPONSE_BYTES = 64 * 2**20
-"""Largest answer read from a server."""
 MAX_IN_FLIGHT = 64
 """Requests open at once across all servers."""
 DEV_MODE = "start the server with VLLM_SERVER_DEV_MODE=1, which treetrain needs to read its settings and reload weights"
-
-
-class ServerHTTPError(EngineError):
-    """A server answered with an HTTP error status (`code`)."""
-
-    def __init__(self, line: str, code: int) -> None:
-        super().__init__(line)
-        self.code = code
-
-
-def _short(text: object, limit: int = 160) -> str:
-    s = " ".join(str(text).split())
-    return s if len(s) <= limit else s[: limit - 3] + "..."
 
 
 def route(group: str, n_servers: int) -> int:
@@ -114,51 +96,12 @@ class VLLMServerEngine:
         self._open: set[int] = set()
         self._next_id = 0
 
-    # ----- HTTP -------------------------------------------------------------------------------------
-    def _call(self, url: str, path: str, body: dict[str, Any] | None, timeout: float) -> Any:
-        """POST `body` (GET when None) to `url + path`; the parsed JSON answer (None for an empty one)."""
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(
-            url + path,
-            data=data,
-            headers={"Content-Type": "application/json"},
-            method="GET" if body is None else "POST",
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                raw = resp.read(MAX_RESPONSE_BYTES + 1)
-        except urllib.error.HTTPError as exc:
-            detail = _short(exc.read(2000).decode("utf-8", "replace")) if exc.fp else ""
-            raise ServerHTTPError(
-                f"vllm-server {url}{path}: HTTP {exc.code} {exc.reason}: {detail}", exc.code
-            ) from None
-        except urllib.error.URLError as exc:
-            raise EngineError(f"vllm-server {url}{path}: cannot connect: {_short(exc.reason)}") from None
-        except TimeoutError:
-            raise EngineError(f"vllm-server {url}{path}: no answer within {timeout:g}s") from None
-        except (
-            OSError,
-            http.client.HTTPException,
-            ValueError,
-        ) as exc:  # a reset, a bad status line, a short read
-            raise EngineError(f"vllm-server {url}{path}: {type(exc).__name__}: {_short(exc)}") from None
-        if len(raw) > MAX_RESPONSE_BYTES:
-            raise EngineError(f"vllm-server {url}{path}: an answer over {MAX_RESPONSE_BYTES} bytes")
-        if not raw.strip():
-            return None
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise EngineError(
-                f"vllm-server {url}{path}: the answer is not JSON ({exc}): {_short(raw[:200])}"
-            ) from None
-
     def _check_server(self, url: str) -> ServedConfig:
         """What `url` serves, refused in one line when it cannot sample for this run."""
         quick = min(self.timeout, 30.0)
-        models = self._call(url, "/v1/models", None, quick)
+        models = call_server(url, "/v1/models", None, quick)
         try:
-            info = self._call(url, "/server_info?config_format=json", None, quick)
+            info = call_server(url, "/server_info?config_format=json", None, quick)
         except ServerHTTPError as exc:
             if exc.code != 404:
                 raise
@@ -167,7 +110,7 @@ class VLLMServerEngine:
             served = served_config(models, info)
         except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
             raise EngineError(
-                f"vllm-server {url}: /v1/models or /server_info answered outside vLLM's protocol ({_short(exc)})"
+                f"vllm-server {url}: /v1/models or /server_info answered outside vLLM's protocol ({short(exc)})"
             ) from None
         problem = mismatch(served, self.expected)
         if problem is not None:
@@ -175,9 +118,9 @@ class VLLMServerEngine:
         return served
 
     def _weight_version(self, url: str) -> str:
-        answer = self._call(url, "/weight_info", None, min(self.timeout, 30.0))
+        answer = call_server(url, "/weight_info", None, min(self.timeout, 30.0))
         if not isinstance(answer, dict) or not isinstance(answer.get("weight_version"), str):
-            raise EngineError(f"vllm-server {url}/weight_info: no weight_version in {_short(answer)}")
+            raise EngineError(f"vllm-server {url}/weight_info: no weight_version in {short(answer)}")
         return str(answer["weight_version"])
 
     def check_versions(self, when: str) -> None:
@@ -238,13 +181,13 @@ class VLLMServerEngine:
             "return_token_ids": True, "include_stop_str_in_output": True,
         }  # fmt: skip
         try:
-            answer = self._call(url, "/v1/completions", body, self.timeout)
+            answer = call_server(url, "/v1/completions", body, self.timeout)
             result = self._parse(url, rid, answer, request, version)
         except EngineError as exc:
             self._done.put((rid, exc))
             return
         except Exception as exc:  # a bug here must still reach the rollout, not die in a pool thread
-            self._done.put((rid, EngineError(f"vllm-server {url}: {type(exc).__name__}: {_short(exc)}")))
+            self._done.put((rid, EngineError(f"vllm-server {url}: {type(exc).__name__}: {short(exc)}")))
             return
         self._done.put((rid, result))
 
@@ -275,7 +218,7 @@ class VLLMServerEngine:
             cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise EngineError(
-                f"{where}: an answer outside the protocol ({_short(exc)}): {_short(answer)}"
+                f"{where}: an answer outside the protocol ({short(exc)}): {short(answer)}"
             ) from None
         if len(completions) != request.n:
             raise EngineError(f"{where}: {len(completions)} samples for a request of n={request.n}")
@@ -294,9 +237,9 @@ class VLLMServerEngine:
         probe = trainer_probe(model)
         for url, served in zip(self.urls, self.served):
             self._reload(url, served, str(path))
-            answer = self._call(url, "/update_weight_version", {"new_version": label}, self.timeout)
+            answer = call_server(url, "/update_weight_version", {"new_version": label}, self.timeout)
             if not isinstance(answer, dict) or answer.get("new_version") != label:
-                raise EngineError(f"vllm-server {url}/update_weight_version: not confirmed: {_short(answer)}")
+                raise EngineError(f"vllm-server {url}/update_weight_version: not confirmed: {short(answer)}")
             self._probe(url, served, probe)
         self.label = label
         self.check_versions("after the reload")
@@ -307,7 +250,7 @@ class VLLMServerEngine:
     def _reload(self, url: str, served: ServedConfig, path: str) -> None:
         body = {"method": "reload_weights", "kwargs": {"weights_path": path}}
         try:
-            answer = self._call(url, "/collective_rpc", body, self.timeout)
+            answer = call_server(url, "/collective_rpc", body, self.timeout)
         except ServerHTTPError as exc:
             raise EngineError(
                 f"{exc}; it serves {served.root}: is that this run's model ({self.expected.path})?"
@@ -316,12 +259,12 @@ class VLLMServerEngine:
         if not isinstance(results, list) or not results or any(r is not None for r in results):
             raise EngineError(
                 f"vllm-server {url}/collective_rpc: the reload of {path} was not confirmed (the answer was "
-                f"{_short(answer)!r}, not one null result per worker)"
+                f"{short(answer)!r}, not one null result per worker)"
             )
-        reset = self._call(url, "/reset_prefix_cache", {}, self.timeout)
+        reset = call_server(url, "/reset_prefix_cache", {}, self.timeout)
         if not isinstance(reset, dict) or reset.get("success") is not True:
             raise EngineError(
-                f"vllm-server {url}/reset_prefix_cache: the reset was not confirmed: {_short(reset)}; its "
+                f"vllm-server {url}/reset_prefix_cache: the reset was not confirmed: {short(reset)}; its "
                 "cache would hold KV of the old weights"
             )
 
@@ -332,11 +275,11 @@ class VLLMServerEngine:
                 "prompt_logprobs": 0, "logprobs": 0}  # fmt: skip
         where = f"vllm-server {url}/v1/completions (the weight probe)"
         try:
-            theirs = served_prompt_logprobs(self._call(url, "/v1/completions", body, self.timeout), tokens)
+            theirs = served_prompt_logprobs(call_server(url, "/v1/completions", body, self.timeout), tokens)
         except ServerHTTPError as exc:
             raise EngineError(f"{exc}; is {served.root} this run's model ({self.expected.path})?") from None
         except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
-            raise EngineError(f"{where}: an answer outside the protocol ({_short(exc)})") from None
+            raise EngineError(f"{where}: an answer outside the protocol ({short(exc)})") from None
         gap = max(abs(a - b) for a, b in zip(own, theirs))
         tolerance = probe_tolerance(self.expected.dtype)
         if not gap <= tolerance:
