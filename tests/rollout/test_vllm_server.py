@@ -78,6 +78,7 @@ class Standin:
     completions: Answer = _good
     info: dict = field(default_factory=lambda: INFO)
     posts: dict[str, Answer] = field(default_factory=dict)
+    models: dict = field(default_factory=lambda: MODELS)
     model: Any = None
     """Answers the weight probe (`prompt_logprobs`) with this model's logprobs."""
     version: str = "default"
@@ -100,7 +101,7 @@ class Standin:
 
     def get(self, path: str) -> tuple[int, bytes]:
         if path == "/v1/models":
-            return 200, json.dumps(MODELS).encode()
+            return 200, json.dumps(self.models).encode()
         if path.startswith("/server_info") and self.info:
             return 200, json.dumps({"vllm_config": self.info}).encode()
         if path == "/weight_info":
@@ -375,3 +376,29 @@ def test_a_run_refused_at_its_first_reload_leaves_no_engine_weights(
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "was not confirmed" in err and "nothing of it was left" in err, err
     assert list(run.iterdir()) == []
+
+
+def test_a_server_serving_another_model_is_refused_at_start(
+    server: Callable[..., str], tmp_path: Path
+) -> None:
+    checkpoint = tmp_path / "other-model"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps({"vocab_size": 514, "hidden_size": 128}))
+    models = {"data": [{**MODELS["data"][0], "root": str(checkpoint)}]}
+    url = server(Standin(models=models))
+    shape = Expected.shape_of(tiny_model().config)
+    with pytest.raises(
+        EngineError,
+        match=r"another model than this run's \(hidden_size 128, the trainer's 32\): start it with --model",
+    ):
+        VLLMServerEngine(
+            VLLMSettings(urls=(url,)),
+            weights_dir=tmp_path / "w",
+            expected=dataclasses.replace(EXPECTED, shape=shape),
+        )
+    (checkpoint / "config.json").write_text(json.dumps(dict(shape)))  # the same shape: accepted
+    VLLMServerEngine(
+        VLLMSettings(urls=(url,)),
+        weights_dir=tmp_path / "w",
+        expected=dataclasses.replace(EXPECTED, shape=shape),
+    )

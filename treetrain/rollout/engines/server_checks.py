@@ -20,7 +20,9 @@ Example:
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 LOGPROBS_MODE = "processed_logprobs"
@@ -32,6 +34,14 @@ PROBE_TOLERANCE = {"float32": 1e-3}
 model); at half precision the kernels' rounding differs by up to about 0.1, so there it is the check for a
 wrong model or weights that did not arrive at all."""
 HALF_PRECISION_TOLERANCE = 0.25
+SHAPE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+)
+"""The config fields that say whether a served checkpoint is this run's model at all."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +54,15 @@ class Expected:
     """`model.dtype`: the server must compute in it too."""
     max_model_len: int
     """The longest context a rollout sends (the episode budget)."""
+    shape: tuple[tuple[str, int], ...] = ()
+    """The trainer's `SHAPE_FIELDS`, compared with the served checkpoint's `config.json` when the server
+    names it by an absolute path this machine can read."""
+
+    @staticmethod
+    def shape_of(config: Any) -> tuple[tuple[str, int], ...]:
+        """`SHAPE_FIELDS` of a transformers config (its text config for a multimodal model)."""
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        return tuple((f, int(v)) for f in SHAPE_FIELDS if isinstance(v := getattr(text, f, None), int))
 
 
 @dataclass(frozen=True)
@@ -81,8 +100,32 @@ def served_config(models: Any, info: Any) -> ServedConfig:
     )  # fmt: skip
 
 
+def model_mismatch(root: str, expected: Expected) -> str | None:
+    """Why the checkpoint at `root` is not the run's model, when `root` is an absolute path to a readable
+    checkpoint here (the shared filesystem the weights go through); None otherwise."""
+    path = Path(root) / "config.json"
+    try:
+        if not Path(root).is_absolute() or not path.is_file() or path.stat().st_size > 2**20:
+            return None
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    text = config.get("text_config", config) if isinstance(config, dict) else {}
+    for field, ours in expected.shape:
+        theirs = text.get(field) if isinstance(text, dict) else None
+        if isinstance(theirs, int) and theirs != ours:
+            return (
+                f"it serves another model than this run's ({field} {theirs}, the trainer's {ours}): start it with "
+                f"--model pointing at this run's checkpoint ({expected.path})"
+            )
+    return None
+
+
 def mismatch(served: ServedConfig, expected: Expected) -> str | None:
     """Why this server cannot sample for the run, naming the flag to change; None when it can."""
+    wrong_model = model_mismatch(served.root, expected)
+    if wrong_model is not None:
+        return wrong_model
     if served.max_model_len < expected.max_model_len:
         return (
             f"it serves contexts of at most {served.max_model_len} tokens and this run's episodes take up to "
