@@ -2,12 +2,13 @@
 
 The command is read from the page (its ```bash block that runs `vllm.entrypoints.openai.api_server`), so
 the docs' command is the tested one; only the port is changed, to a free loopback port. The server runs
-in a session of its own and everything below it is killed at the end, however the tests ended.
+in a session of its own and everything below it is killed at the end, however the tests ended. The
+suite's conftest starts it as soon as collection shows a test that needs it, so its minute of start-up
+overlaps the tests that run before.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -16,7 +17,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 from support.ports import free_port, kill_tree
@@ -51,25 +51,29 @@ def _up(url: str) -> bool:
         return False
 
 
-@contextlib.contextmanager
-def served(log: Path) -> Iterator[str]:
-    """Start the docs' server, wait until it answers, yield its base URL; stop it at the end."""
-    port = free_port()
-    extra, argv = docs_command(port)
-    env = {**os.environ, **extra, "OMP_NUM_THREADS": "1"}
-    url = f"http://127.0.0.1:{port}"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    try:
+class Served:
+    """The docs' server, started at once in its own session; `url()` waits until it answers."""
+
+    def __init__(self, log: Path) -> None:
+        port = free_port()
+        extra, argv = docs_command(port)
+        self.log = log
+        self.base = f"http://127.0.0.1:{port}"
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen(
+                argv, cwd=ROOT, env={**os.environ, **extra, "OMP_NUM_THREADS": "1"}, stdout=out,
+                stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+
+    def url(self) -> str:
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not _up(url):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                tail = log.read_text()[-4000:]
-                raise RuntimeError(f"vllm serve did not come up (exit {proc.poll()}):\n{tail}")
+        while not _up(self.base):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                tail = self.log.read_text()[-4000:]
+                raise RuntimeError(f"vllm serve did not come up (exit {self.proc.poll()}):\n{tail}")
             time.sleep(1.0)
-        yield url
-    finally:
-        kill_tree(proc.pid)
-        proc.wait()
+        return self.base
+
+    def stop(self) -> None:
+        kill_tree(self.proc.pid)
+        self.proc.wait()
