@@ -9,10 +9,12 @@ overlaps the tests that run before.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -43,6 +45,14 @@ def docs_command(port: int) -> tuple[dict[str, str], list[str]]:
     return env, words
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: a SIGKILL when the test process dies, even by SIGKILL (Linux). Only the
+    server itself gets it: after a SIGKILL of the test process, vLLM's engine core process (a child of the
+    server) is left running and must be killed by hand; every other ending stops both (`Served.stop`)."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def _up(url: str) -> bool:
     try:
         with urllib.request.urlopen(url + "/v1/models", timeout=2) as resp:
@@ -62,7 +72,7 @@ class Served:
         with open(log, "w") as out:
             self.proc = subprocess.Popen(
                 argv, cwd=ROOT, env={**os.environ, **extra, "OMP_NUM_THREADS": "1"}, stdout=out,
-                stderr=subprocess.STDOUT, start_new_session=True,
+                stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
             )  # fmt: skip
 
     def url(self) -> str:
