@@ -4,7 +4,9 @@ distributed tests) on two cores, more threads only contend."""
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,3 +35,37 @@ def vllm_engine() -> Iterator[Any]:
     engine = VLLMEngine(str(WIDE_DEMO_MODEL), VLLMSettings(), dtype="float32", max_model_len=1024, seed=0)
     yield engine
     engine.close()
+
+
+SERVED = pytest.StashKey[Any]()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the real `vllm serve` now when a collected test needs it: its start-up overlaps the tests
+    that run before."""
+    if session.config.option.collectonly:
+        return
+    if any("vllm_server" in getattr(item, "fixturenames", ()) for item in session.items):
+        from support.vllm_serve import Served
+
+        log = Path(tempfile.mkdtemp(prefix="vllm-serve-")) / "server.log"
+        session.config.stash[SERVED] = Served(log)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    served = session.config.stash.get(SERVED, None)
+    if served is not None:
+        served.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_server(request: pytest.FixtureRequest) -> str:
+    """The base URL of one real `vllm serve` (the docs' command, the CPU build in `make test`) on the wide
+    demo model, started once for the session as collection ends (`tests/support/vllm_serve.py`). Every use
+    starts with a reload, so what an earlier test reloaded into it does not matter."""
+    served = request.config.stash.get(SERVED, None)
+    if served is None:  # collected only through a plugin path that skipped the hook
+        from support.vllm_serve import Served
+
+        served = request.config.stash[SERVED] = Served(Path(tempfile.mkdtemp()) / "server.log")
+    return str(served.url())

@@ -1,27 +1,49 @@
-"""The vllm-server engine against servers that misbehave (stand-ins on loopback speaking the completions
-protocol badly), and its routing: one line naming the URL and the fault, and no tree file written half."""
+"""The vllm-server engine against servers that misbehave (stand-ins on loopback speaking vLLM's protocol
+badly), its start-up checks and reload confirmations, and its routing: one line naming the URL and the
+fault, and no tree file written half. `test_served_engine.py` meets a real `vllm serve`."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 from support.env_fixtures import FixedTurnsEnv, tiny_model, tokenizer
 
 from envs import EpisodeLimits, WrapperConfig
+from treetrain.cli.main import main
 from treetrain.errors import TreetrainError
 from treetrain.rollout import FanOut, RolloutConfig, SamplerConfig, Sampling, rollout_trees
 from treetrain.rollout.engines.engine_settings import VLLMSettings
 from treetrain.rollout.engines.generation import EngineError, GenerationRequest
+from treetrain.rollout.engines.server_checks import Expected, ServedConfig, mismatch
 from treetrain.rollout.engines.vllm_server import VLLMServerEngine, route
 
-MODELS = {"object": "list", "data": [{"id": "demo", "object": "model"}]}
+MODELS = {
+    "object": "list",
+    "data": [{"id": "demo", "object": "model", "root": "/ckpt/demo", "max_model_len": 4096}],
+}
+INFO: dict[str, Any] = {
+    "model_config": {"dtype": "torch.float32", "logprobs_mode": "processed_logprobs", "max_model_len": 4096},
+    "cache_config": {"enable_prefix_caching": True},
+    "scheduler_config": {
+        "enable_chunked_prefill": False,
+        "max_num_batched_tokens": 8192,
+        "max_num_seqs": 128,
+    },
+    "device_config": {"device": "cpu"},
+}
+EXPECTED = Expected(path="/ckpt/demo", dtype="float32", max_model_len=64)
 Answer = Callable[[dict], tuple[int, bytes]]
 
 
@@ -40,6 +62,60 @@ def _good(body: dict) -> tuple[int, bytes]:
     return 200, json.dumps({"choices": choices, "usage": usage}).encode()
 
 
+def _reload(body: dict) -> tuple[int, bytes]:
+    """vLLM's answer to a well-formed reload of a directory of safetensors; a 400 to anything else."""
+    path = Path((body.get("kwargs") or {}).get("weights_path", "/nonexistent"))
+    if body.get("method") != "reload_weights" or not list(path.glob("*.safetensors")):
+        return 400, json.dumps({"detail": f"bad reload body {body}"}).encode()
+    return 200, json.dumps({"results": [None]}).encode()
+
+
+@dataclass
+class Standin:
+    """What a stand-in answers: `completions` for sampling, and vLLM's dev endpoints (each overridable in
+    `posts`). Nothing is answered 200 that vLLM would not: an unknown path is a 404."""
+
+    completions: Answer = _good
+    info: dict = field(default_factory=lambda: INFO)
+    posts: dict[str, Answer] = field(default_factory=dict)
+    models: dict = field(default_factory=lambda: MODELS)
+    model: Any = None
+    """Answers the weight probe (`prompt_logprobs`) with this model's logprobs."""
+    version: str = "default"
+    reloads: list[dict] = field(default_factory=list)
+
+    def post(self, path: str, body: dict) -> tuple[int, bytes]:
+        if path in self.posts:
+            return self.posts[path](body)
+        if path == "/v1/completions":
+            return self._probe(body) if "prompt_logprobs" in body else self.completions(body)
+        if path == "/collective_rpc":
+            self.reloads.append(body)
+            return _reload(body)
+        if path == "/reset_prefix_cache":
+            return 200, json.dumps({"success": True}).encode()
+        if path == "/update_weight_version":
+            self.version = body["new_version"]
+            return 200, json.dumps({"success": True, "new_version": self.version}).encode()
+        return 404, b'{"detail": "Not Found"}'
+
+    def get(self, path: str) -> tuple[int, bytes]:
+        if path == "/v1/models":
+            return 200, json.dumps(self.models).encode()
+        if path.startswith("/server_info") and self.info:
+            return 200, json.dumps({"vllm_config": self.info}).encode()
+        if path == "/weight_info":
+            return 200, json.dumps({"weight_version": self.version}).encode()
+        return 404, b'{"detail": "Not Found"}'
+
+    def _probe(self, body: dict) -> tuple[int, bytes]:
+        tokens = body["prompt"]
+        with torch.no_grad():
+            logp = self.model(torch.tensor([tokens])).logits[0].log_softmax(-1)
+        entries = [None] + [{str(t): {"logprob": float(logp[i, t])}} for i, t in enumerate(tokens[1:])]
+        return 200, json.dumps({"choices": [{"index": 0, "prompt_logprobs": entries}]}).encode()
+
+
 class _Server(ThreadingHTTPServer):
     """Joins its handler threads on close (a slow answer must not outlive its test), and keeps quiet when
     the client has hung up on one (the timeout test does)."""
@@ -52,11 +128,13 @@ class _Server(ThreadingHTTPServer):
 
 
 @pytest.fixture
-def server() -> Iterator[Callable[[Answer], str]]:
-    """Start a stand-in server answering /v1/completions with the given function; yields a starter."""
+def server() -> Iterator[Callable[..., str]]:
+    """Start a stand-in server (a `Standin`, or one answering /v1/completions with the given function)."""
     servers: list[ThreadingHTTPServer] = []
 
-    def start(answer: Answer) -> str:
+    def start(answer: Answer | Standin = _good) -> str:
+        standin = answer if isinstance(answer, Standin) else Standin(completions=answer)
+
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args: object) -> None:
                 pass
@@ -69,11 +147,11 @@ def server() -> Iterator[Callable[[Answer], str]]:
                 self.wfile.write(data)
 
             def do_GET(self) -> None:
-                self._send(200, json.dumps(MODELS).encode())
+                self._send(*standin.get(self.path))
 
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                self._send(*answer(body) if self.path == "/v1/completions" else (200, b""))
+                self._send(*standin.post(self.path, body))
 
         srv = _Server(("127.0.0.1", 0), Handler)
         threading.Thread(target=srv.serve_forever, daemon=True).start()
@@ -88,7 +166,9 @@ def server() -> Iterator[Callable[[Answer], str]]:
 
 def _engine(urls: list[str], tmp_path: Path, timeout: float = 5.0) -> VLLMServerEngine:
     return VLLMServerEngine(
-        VLLMSettings(urls=tuple(urls), request_timeout_s=timeout), weights_dir=tmp_path / "w"
+        VLLMSettings(urls=tuple(urls), request_timeout_s=timeout),
+        weights_dir=tmp_path / "w",
+        expected=EXPECTED,
     )
 
 
@@ -103,7 +183,7 @@ def _rollout(engine: VLLMServerEngine, tmp_path: Path) -> object:
     )
 
 
-def test_a_well_behaved_server_grows_the_trees(server: Callable[[Answer], str], tmp_path: Path) -> None:
+def test_a_well_behaved_server_grows_the_trees(server: Callable[..., str], tmp_path: Path) -> None:
     engine = _engine([server(_good)], tmp_path)
     result = _rollout(engine, tmp_path)
     assert len(result.trees) == 2  # type: ignore[attr-defined]
@@ -134,7 +214,7 @@ def test_a_server_that_is_down_is_named_at_start(tmp_path: Path) -> None:
     ],
 )  # fmt: skip
 def test_a_misbehaving_server_stops_the_rollout_in_one_line(
-    server: Callable[[Answer], str], tmp_path: Path, answer: Answer, fault: str
+    server: Callable[..., str], tmp_path: Path, answer: Answer, fault: str
 ) -> None:
     url = server(answer)
     with pytest.raises(EngineError) as caught:
@@ -147,7 +227,7 @@ def test_a_misbehaving_server_stops_the_rollout_in_one_line(
     )  # nothing half: no tree without its answers
 
 
-def test_every_request_of_a_tree_goes_to_one_server(server: Callable[[Answer], str], tmp_path: Path) -> None:
+def test_every_request_of_a_tree_goes_to_one_server(server: Callable[..., str], tmp_path: Path) -> None:
     seen: dict[str, list[int]] = {}
 
     def recorder(name: str) -> Answer:
@@ -177,3 +257,148 @@ def test_bad_urls_are_refused_at_load() -> None:
             VLLMSettings(urls=(bad,))
     with pytest.raises(TreetrainError, match="twice"):
         VLLMSettings(urls=("http://a:1", "http://a:1"))
+
+
+def test_a_sync_sends_the_reload_labels_the_weights_and_probes_them(
+    server: Callable[..., str], tmp_path: Path
+) -> None:
+    standin = Standin(model=tiny_model())
+    engine = _engine([server(standin)], tmp_path)
+    engine.sync_weights(standin.model, 3)
+    (reload,) = standin.reloads
+    assert reload == {"method": "reload_weights", "kwargs": {"weights_path": str(tmp_path / "w" / "current")}}
+    assert standin.version == engine.label == f"{(tmp_path / 'w').resolve()}@3" and engine.version == 3
+
+
+@pytest.mark.parametrize(
+    ("posts", "fault"),
+    [
+        ({"/collective_rpc": lambda body: (200, b"")}, "the reload of .* was not confirmed"),
+        ({"/collective_rpc": lambda body: (200, b'{"results": ["boom"]}')}, "was not confirmed"),
+        ({"/collective_rpc": lambda body: (500, b"start (0) + length (512) exceeds")}, "is that this run's model"),
+        ({"/reset_prefix_cache": lambda body: (200, b'{"success": false}')}, "reset was not confirmed"),
+        ({"/update_weight_version": lambda body: (200, b"")}, "update_weight_version: not confirmed"),
+    ],
+)  # fmt: skip
+def test_a_reload_that_is_not_confirmed_stops_the_run(
+    server: Callable[..., str], tmp_path: Path, posts: dict[str, Answer], fault: str
+) -> None:
+    standin = Standin(model=tiny_model(), posts=posts)
+    url = server(standin)
+    with pytest.raises(EngineError) as caught:
+        _engine([url], tmp_path).sync_weights(standin.model, 1)
+    line = str(caught.value)
+    assert "\n" not in line and line.startswith(f"vllm-server {url}") and re.search(fault, line), line
+
+
+def test_weights_that_did_not_arrive_fail_the_probe(server: Callable[..., str], tmp_path: Path) -> None:
+    standin = Standin(model=tiny_model(seed=1))  # the server holds other weights than the trainer's
+    engine = _engine([server(standin)], tmp_path)
+    with pytest.raises(EngineError, match=r"weight probe\): its logprobs differ from the trainer's by up to"):
+        engine.sync_weights(tiny_model(seed=0), 1)
+    engine.sync_weights(standin.model, 1)  # the same check passes on the weights the server holds
+
+
+def test_a_restarted_server_is_noticed_when_the_engine_falls_idle(
+    server: Callable[..., str], tmp_path: Path
+) -> None:
+    standin = Standin(model=tiny_model())
+    engine = _engine([server(standin)], tmp_path)
+    engine.sync_weights(standin.model, 1)
+    engine.submit(GenerationRequest((1, 2, 3), 1, 4, Sampling(), ((2,),)))
+    while engine.busy:  # its own label passes
+        engine.poll()
+    standin.version = "default"  # what a restarted server reports
+    engine.submit(GenerationRequest((1, 2, 3), 1, 4, Sampling(), ((2,),)))
+    with pytest.raises(EngineError, match=r"weight version is 'default', expected .*restarted"):
+        while engine.busy:
+            engine.poll()
+
+
+def test_a_server_without_dev_mode_is_refused_at_start(server: Callable[..., str], tmp_path: Path) -> None:
+    url = server(Standin(info={}))
+    with pytest.raises(
+        EngineError, match=r"/server_info: not found: start the server with VLLM_SERVER_DEV_MODE=1"
+    ):
+        _engine([url], tmp_path)
+
+
+SERVED = ServedConfig(
+    model="demo", root="/ckpt/demo", max_model_len=4096, dtype="float32", prefix_caching=True,
+    logprobs_mode="processed_logprobs", chunked_prefill=False, max_num_batched_tokens=8192, max_num_seqs=128,
+    device="cpu",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("change", "flag"),
+    [
+        ({"max_model_len": 32}, "--max-model-len 64"),
+        ({"dtype": "bfloat16"}, "--dtype float32"),
+        ({"logprobs_mode": "raw_logprobs"}, "--logprobs-mode processed_logprobs"),
+        ({"prefix_caching": False}, "--enable-prefix-caching"),
+        ({"chunked_prefill": True}, "--no-enable-chunked-prefill"),
+    ],
+)
+def test_each_mismatch_names_its_flag(change: dict[str, Any], flag: str) -> None:
+    assert mismatch(SERVED, EXPECTED) is None
+    line = mismatch(dataclasses.replace(SERVED, **change), EXPECTED)
+    assert line is not None and flag in line
+    if "chunked_prefill" in change:  # a GPU's generator takes offsets: chunked prefill is fine there
+        assert mismatch(dataclasses.replace(SERVED, device="cuda", **change), EXPECTED) is None
+
+
+def test_a_mismatch_is_refused_at_start_in_one_line(server: Callable[..., str], tmp_path: Path) -> None:
+    info = {**INFO, "model_config": {**INFO["model_config"], "logprobs_mode": "raw_logprobs"}}
+    url = server(Standin(info=info))
+    with pytest.raises(EngineError) as caught:
+        _engine([url], tmp_path)
+    assert str(caught.value) == (
+        f"vllm-server {url} (serving /ckpt/demo): it returns raw_logprobs, not the logprobs of the "
+        "distribution it sampled: start it with --logprobs-mode processed_logprobs"
+    )
+
+
+def test_a_run_refused_at_its_first_reload_leaves_no_engine_weights(
+    server: Callable[..., str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The weights are written before the reload is refused; the run never started, so they go too."""
+    url = server(Standin(posts={"/collective_rpc": lambda body: (200, b"")}))  # an unconfirmed reload
+    run = tmp_path / "run"
+    run.mkdir()
+    sets = ["model.path=tiny-llama", "updates=1", "rollout.engine=vllm-server", f"rollout.vllm.urls=[{json.dumps(url)}]",
+            "rollout.groups_per_update=1", "rollout.fanout.root=2", "rollout.episode.max_turn_tokens=4",
+            "rollout.episode.max_episode_tokens=512"]  # fmt: skip
+    assert (
+        main(["train", "--run-dir", str(run), "--no-progress", *(a for kv in sets for a in ("--set", kv))])
+        == 2
+    )
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "was not confirmed" in err and "nothing of it was left" in err, err
+    assert list(run.iterdir()) == []
+
+
+def test_a_server_serving_another_model_is_refused_at_start(
+    server: Callable[..., str], tmp_path: Path
+) -> None:
+    checkpoint = tmp_path / "other-model"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps({"vocab_size": 514, "hidden_size": 128}))
+    models = {"data": [{**MODELS["data"][0], "root": str(checkpoint)}]}
+    url = server(Standin(models=models))
+    shape = Expected.shape_of(tiny_model().config)
+    with pytest.raises(
+        EngineError,
+        match=r"another model than this run's \(hidden_size 128, the trainer's 32\): start it with --model",
+    ):
+        VLLMServerEngine(
+            VLLMSettings(urls=(url,)),
+            weights_dir=tmp_path / "w",
+            expected=dataclasses.replace(EXPECTED, shape=shape),
+        )
+    (checkpoint / "config.json").write_text(json.dumps(dict(shape)))  # the same shape: accepted
+    VLLMServerEngine(
+        VLLMSettings(urls=(url,)),
+        weights_dir=tmp_path / "w",
+        expected=dataclasses.replace(EXPECTED, shape=shape),
+    )

@@ -59,6 +59,7 @@ def test_overwrite_removes_only_what_a_run_wrote(tmp_path: Path) -> None:
         "config.yaml", "metrics.jsonl", "summary.txt", "reward.png", "final/model.safetensors",
         "checkpoints/update-00001/model.safetensors", "checkpoints/.update-00002.tmp-0123456789ab/x",
         "rollouts/update-00000/a.msgpack", "tensorboard/events", ".config.yaml.abcd_123.tmp", "final-merged/w",
+        "engine-weights/current/model-00000.safetensors", "engine-weights/.current.tmp-0123456789ab/x",
     ]  # fmt: skip
     users = ["checkpoints/my-model.pt", "rollouts/notes.txt", "notes.md", "final-answer/x"]
     for name in written + users:
@@ -82,9 +83,12 @@ def test_leftovers_of_interrupted_writes_are_cleaned_up(tmp_path: Path) -> None:
     (run / ".final.old-0123456789ab" / "model.safetensors").write_text("previous export")
     (run / ".metrics.jsonl.k2j4_x9a.tmp").write_text("partial")
     (run / ".reward.png.ab12cd34.tmp").write_bytes(b"partial png")
+    (run / "engine-weights" / ".current.tmp-0123456789ab").mkdir(parents=True)  # a sync killed mid-write
+    (run / "engine-weights" / "current").mkdir()
     claim_run_dir(run, resume=True, overwrite=False).release()
+    assert sorted(p.name for p in (run / "engine-weights").iterdir()) == ["current"]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["update-00001"]
-    assert sorted(p.name for p in run.iterdir()) == [LOCK, MARKER, "checkpoints", "final"]
+    assert sorted(p.name for p in run.iterdir()) == [LOCK, MARKER, "checkpoints", "engine-weights", "final"]
     assert (run / "final" / "model.safetensors").read_text() == "previous export"
 
 

