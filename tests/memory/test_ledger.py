@@ -14,7 +14,6 @@ from support.replay_cases import VOCAB
 
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
 from treetrain.loss.loss_config import LossConfig
-from treetrain.loss.manifest import Manifest
 from treetrain.memory.ledger import predict_ledger
 from treetrain.memory.persistent import kv_bytes_per_token, model_persistent_bytes, persistent_bytes
 from treetrain.memory.retention import RetentionPolicy
@@ -40,7 +39,7 @@ def make_batch(prefix: int, branches: int, suffix: int, depth: int, loss: LossCo
         prefix=prefix, branches=branches, suffix=suffix, depth=depth, vocab=VOCAB, seed=1, rewards=rewards
     )
     adv = compute_advantages([tree], AdvantageConfig())
-    return UpdateBatch.build([tree], adv.trees, Manifest.build([tree], 0), loss)
+    return UpdateBatch.build([tree], adv.trees, loss)
 
 
 def measure(model, batch: UpdateBatch, loss: LossConfig, replay: ReplayConfig, ref_model=None, **plan_kw):

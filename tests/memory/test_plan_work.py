@@ -23,7 +23,6 @@ from support.tree_worst import _doc, _traj, comb_chain, shared_calls, wide
 import treetrain
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
 from treetrain.loss.loss_config import LossConfig
-from treetrain.loss.manifest import Manifest
 from treetrain.memory.planner import plan_update
 from treetrain.models.presets import tiny_model
 from treetrain.replay import UpdateBatch
@@ -69,7 +68,7 @@ def line_count() -> Iterator[list[int]]:
 
 def _batch(trees: list[TrajectoryTree], loss: LossConfig) -> UpdateBatch:
     adv = compute_advantages(trees, AdvantageConfig())
-    return UpdateBatch.build(trees, adv.trees, Manifest.build(trees, 0), loss)
+    return UpdateBatch.build(trees, adv.trees, loss)
 
 
 def chain_calls(depth: int, calls: int) -> bytes:

@@ -9,7 +9,6 @@ from support.replay_cases import VOCAB
 
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
 from treetrain.loss.loss_config import LossConfig
-from treetrain.loss.manifest import Manifest
 from treetrain.memory.planner import Overrides, PlanError, plan_update
 from treetrain.memory.retention import BudgetTooSmallError
 from treetrain.memory.tracker import MemoryTracker
@@ -26,7 +25,7 @@ def batch_of(prefix: int, branches: int, suffix: int, depth: int = 1) -> UpdateB
         prefix=prefix, branches=branches, suffix=suffix, depth=depth, vocab=VOCAB, seed=2, rewards=rewards
     )
     adv = compute_advantages([tree], AdvantageConfig())
-    return UpdateBatch.build([tree], adv.trees, Manifest.build([tree], 0), LossConfig())
+    return UpdateBatch.build([tree], adv.trees, LossConfig())
 
 
 @pytest.fixture(scope="module")

@@ -157,7 +157,6 @@ def _batch(named: NamedTrees, loss: LossConfig, adv: AdvantageConfig) -> UpdateB
     """The update `treetrain train` would build from these trees: each file's trees one advantage group
     (as the trainer normalizes one task's trees together), zero-variance groups dropped when `adv` says so.
     Raises TreeFormatError when every group would be dropped (an update with nothing to train)."""
-    from treetrain.loss.manifest import Manifest
     from treetrain.replay.batch import UpdateBatch
     from treetrain.update.run import advantage_groups
 
@@ -170,7 +169,7 @@ def _batch(named: NamedTrees, loss: LossConfig, adv: AdvantageConfig) -> UpdateB
         )
     trees = [t for g in groups for t in g.trees]
     advantages = [a for g in groups for a in g.advantages]
-    return UpdateBatch.build(trees, advantages, Manifest.build(trees, 0), loss)
+    return UpdateBatch.build(trees, advantages, loss)
 
 
 def _from_config(args: argparse.Namespace, named: NamedTrees) -> int:

@@ -86,17 +86,21 @@ class UpdateBatch:
     def build(
         trees: Sequence[TrajectoryTree],
         advantages: Sequence[TreeAdvantages],
-        manifest: Manifest,
         loss: LossConfig,
+        *,
+        version: int = 0,
         owned: Sequence[Collection[int]] | None = None,
     ) -> UpdateBatch:
-        """The batch for `trees`, normalized by `manifest` (usually `Manifest.build(trees, version)`).
+        """The batch for `trees`, normalized by their manifest (`Manifest.build(trees, version)`).
 
-        `advantages[i]` is tree i's table, i.e. `compute_advantages(group, cfg).trees`, not the
-        `GroupAdvantages` object itself; `loss` sets each target's coefficient (aggregation, clipping).
-        `owned[i]`, if given, limits tree i to those trajectory indices (placement across ranks).
-        `treetrain.build_batch` does all of this for a list of groups.
+        This is the one builder of an update batch: the manifest comes from the trees themselves, so no
+        caller can pair a batch with another update's normalization. `advantages[i]` is tree i's table,
+        i.e. `compute_advantages(group, cfg).trees`, not the `GroupAdvantages` object itself; `loss` sets
+        each target's coefficient (aggregation, clipping); `version` is the model version the manifest's
+        contributions are keyed by. `owned[i]`, if given, limits tree i to those trajectory indices
+        (placement across ranks). `treetrain.build_batch` computes the advantages too, for a list of groups.
         """
+        manifest = Manifest.build(trees, version)
         if len(trees) != len(advantages):
             raise ValueError(f"{len(trees)} trees but {len(advantages)} advantage tables")
         work = []

@@ -53,7 +53,7 @@ from treetrain.distributed.coverage import (
 )
 from treetrain.distributed.placement import Placement, place
 from treetrain.loss.loss_config import LossConfig
-from treetrain.loss.manifest import ContributionKey, Manifest, ManifestError
+from treetrain.loss.manifest import ContributionKey, ManifestError
 from treetrain.loss.sampler_correction import SamplerGap
 from treetrain.models.lora import Reference
 from treetrain.models.support import SupportGate
@@ -214,9 +214,7 @@ class OpenWindow:
         trees = [t for gi in alive for t in self.groups[gi].trees]
         if whole is None:
             advantages = [a for gi in alive for a in self.groups[gi].advantages]
-            whole = UpdateBatch.build(
-                trees, advantages, Manifest.build(trees, self.owner.version), self.owner.loss
-            )
+            whole = UpdateBatch.build(trees, advantages, self.owner.loss, version=self.owner.version)
         self.manifest = whole.manifest
         ws = self.backend.world_size
         given = self._given_placement
