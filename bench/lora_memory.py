@@ -21,7 +21,7 @@ import torch
 
 from treetrain.bytesize import format_bytes
 from treetrain.distributed import TorchBackend
-from treetrain.distributed.backend import OptimizerConfig
+from treetrain.distributed.optim_config import OptimizerConfig
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
 from treetrain.loss.loss_config import LossConfig
 from treetrain.memory.persistent import PersistentBytes, model_persistent_bytes

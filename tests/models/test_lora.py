@@ -18,7 +18,7 @@ from support.lora_cases import OTHER_FAMILY, base_model, lora_factory, trained_l
 from support.replay_cases import SHAPES, VOCAB, make_batch
 
 from treetrain.distributed import TorchBackend
-from treetrain.distributed.backend import OptimizerConfig
+from treetrain.distributed.optim_config import OptimizerConfig
 from treetrain.errors import ConfigError
 from treetrain.loss.loss_config import LossConfig
 from treetrain.memory.calibrate import calibrate
