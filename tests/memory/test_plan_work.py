@@ -25,7 +25,7 @@ from treetrain.loss.advantages import AdvantageConfig, compute_advantages
 from treetrain.loss.loss_config import LossConfig
 from treetrain.memory.planner import plan_update
 from treetrain.models.presets import tiny_model
-from treetrain.replay import UpdateBatch
+from treetrain.replay import ReplayConfig, UpdateBatch
 from treetrain.replay.flat_reference import FlatReference
 from treetrain.trajectory import Trajectory
 from treetrain.tree.build import build_tree
@@ -134,7 +134,7 @@ def test_call_sizes_equal_the_calls(trajs: list[Trajectory]) -> None:
     for loss in (LossConfig(), LossConfig(aggregation="seq-mean-token-mean")):
         batch = _batch([tree], loss)
         for order in ("tree", "reverse", "shuffle"):
-            flat = FlatReference(_MODEL, loss, order=order, seed=3)
+            flat = FlatReference(_MODEL, loss, ReplayConfig(microbatch=1, order=order, seed=3))
             expected = [(len(c.tokens), c.targets.num_targets) for c in flat.calls(batch)]
             assert [(s.tokens, s.targets) for s in flat.call_sizes(batch)] == expected
 

@@ -84,9 +84,8 @@ def reference_delta(
     trees = [t for g in update for t in g.trees]
     batch = UpdateBatch.build(trees, [a for g in update for a in g.advantages], loss)
     if contract == "flat":
-        FlatReference(
-            model, loss, ref_model=ref, microbatch=flat_microbatch, backward=backend.backward
-        ).accumulate(batch)
+        flat = ReplayConfig(microbatch=flat_microbatch)
+        FlatReference(model, loss, flat, ref_model=ref, backward=backend.backward).accumulate(batch)
     else:
         cfg = replay or ReplayConfig(contract=contract)  # type: ignore[arg-type]
         TreeReplay(model, loss, cfg, ref_model=ref, backward=backend.backward).accumulate(batch)

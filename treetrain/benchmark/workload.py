@@ -91,7 +91,7 @@ def make_engine(
     model: PreTrainedModel, mode: Mode, cfg: BenchConfig, tracker: MemoryProbe | None = None
 ) -> FlatReference | TreeReplay:
     if mode == "flat":
-        return FlatReference(model, LOSS, microbatch=cfg.flat_microbatch)
+        return FlatReference(model, LOSS, ReplayConfig(microbatch=cfg.flat_microbatch))
     return TreeReplay(
         model,
         LOSS,

@@ -234,10 +234,12 @@ class OpenWindow:
     def _engine(self) -> TreeReplay | FlatReference:
         o, plan = self.owner, self.plan
         if plan.mode == "flat":
+            flat = ReplayConfig(
+                microbatch=max(1, plan.config.microbatch), max_logit_elements=plan.config.max_logit_elements
+            )
             return FlatReference(
-                self.backend.module, o.loss, ref_model=o.ref_model, microbatch=max(1, plan.config.microbatch),
-                backward=self._backward, max_logit_elements=plan.config.max_logit_elements,
-            )  # fmt: skip
+                self.backend.module, o.loss, flat, ref_model=o.ref_model, backward=self._backward
+            )
         engine = TreeReplay(
             self.backend.module, o.loss, plan, ref_model=o.ref_model, store=o.store, backward=self._backward,
             support=o.support,
