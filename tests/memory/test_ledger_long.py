@@ -98,7 +98,7 @@ def test_max_logit_elements_changes_prediction_plan_and_measured_peak() -> None:
     for base in (big, small):
         try:
             plans[base.max_logit_elements] = plan_update(
-                batch, model, budget=budget, contract="response_only", base=base, overrides=tree_only
+                batch, model, budget=budget, base=base, overrides=tree_only
             )
         except PlanError:
             plans[base.max_logit_elements] = None

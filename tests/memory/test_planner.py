@@ -13,7 +13,7 @@ from treetrain.memory.planner import Overrides, PlanError, plan_update
 from treetrain.memory.retention import BudgetTooSmallError
 from treetrain.memory.tracker import MemoryTracker
 from treetrain.models.presets import tiny_model
-from treetrain.replay import TreeReplay, UpdateBatch
+from treetrain.replay import ReplayConfig, TreeReplay, UpdateBatch
 from treetrain.tree.synthetic import synthetic_group
 
 LARGE = 1 << 30
@@ -123,7 +123,11 @@ def test_contract_is_planned_as_given(model) -> None:
     batch = batch_of(128, 8, 8)
     exact = plan_update(batch, model, budget=LARGE, overrides=Overrides(mode="tree", keep_graphs="none"))
     detached = plan_update(
-        batch, model, budget=LARGE, contract="response_only", overrides=Overrides(mode="tree")
+        batch,
+        model,
+        budget=LARGE,
+        base=ReplayConfig(contract="response_only"),
+        overrides=Overrides(mode="tree"),
     )
     assert detached.contract == "response_only" and detached.replay_config().contract == "response_only"
     assert not detached.keep_graph  # kept graphs are an `exact` optimization

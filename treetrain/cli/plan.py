@@ -289,6 +289,7 @@ def run(args: argparse.Namespace) -> int:
     from treetrain.memory.persistent import model_persistent_bytes
     from treetrain.memory.planner import Overrides, plan_update
     from treetrain.models.presets import load_model
+    from treetrain.replay.batch import ReplayConfig
     from treetrain.train.models import broken_weights, resolve_model_path
 
     try:
@@ -311,7 +312,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         plan = plan_update(
             _batch(named, LossConfig(), AdvantageConfig(zero_variance="keep")), model, budget=args.budget,
-            contract=args.contract or "exact", overrides=overrides,
+            base=ReplayConfig(contract=args.contract or "exact"), overrides=overrides,
             min_speedup=args.min_speedup, persistent=persistent,
         )  # fmt: skip
     except TreetrainError as e:

@@ -22,7 +22,7 @@ Costs are in token units (forward 1, backward 2 per token, as `ReplayReport.toke
 `flops` converts them with the usual 2 x parameters per token forward.
 
 Example:
-    >>> plan = plan_update(trees, model, budget=8 << 30, contract="exact")      # doctest: +SKIP
+    >>> plan = plan_update(batch, model, budget=8 << 30, base=ReplayConfig(contract="exact"))  # doctest: +SKIP
     >>> print(plan.explain())                                                  # doctest: +SKIP
 """
 
@@ -211,7 +211,6 @@ def plan_update(
     model: PreTrainedModel,
     *,
     budget: int,
-    contract: Contract = "exact",
     loss: LossConfig | None = None,
     overrides: Overrides | None = None,
     ref_model: Reference | None = None,
@@ -221,12 +220,16 @@ def plan_update(
 ) -> Plan:
     """Choose mode, K, chunk size, retention and kept graphs for `batch` within `budget` bytes.
 
+    `base` is the engine config the run fixes (`ReplaySection.engine_config`: the contract, the scoring
+    microbatch, the logits chunk); the plan fills in the rest.
+
     Raises `PlanError` (naming the smallest peak found) when neither mode fits, and `BudgetTooSmallError`
     when a forced retention budget (with K and chunk size forced too) is below the minimum.
     """
     loss = loss or LossConfig()
     ov = overrides or Overrides()
-    base = replace(base or ReplayConfig(), contract=contract)
+    base = base or ReplayConfig()
+    contract = base.contract
     if budget <= 0:
         raise ValueError(f"budget must be > 0 bytes, got {budget}")
     params = sum(p.numel() for p in model.parameters())

@@ -250,7 +250,7 @@ class TreeReplay:
             )
         if lcfg.ratio_source == "scoring":
             lps, n_tok = scoring_pass(
-                self.model, walk.paths, microbatch=cfg.score_microbatch, need=walk.scored,
+                walk.paths, microbatch=cfg.score_microbatch, need=walk.scored,
                 keep=lambda u: walk.needs_kv[u], max_logit_elements=cfg.max_logit_elements,
                 before_batch=self._before_score, forward_elsewhere=lambda u: u in walk.kept,
                 reference=ref_walk,
