@@ -23,7 +23,8 @@ from treetrain.loss.loss_config import LossConfig
 from treetrain.memory.calibrate import LONG_PROBE, PROBES, calibrate, probes_for
 from treetrain.memory.flat_cost import predict_flat
 from treetrain.memory.ledger import predict_ledger
-from treetrain.memory.planner import Overrides, PlanError, plan_update
+from treetrain.memory.overrides import Overrides
+from treetrain.memory.planner import PlanError, plan_update
 from treetrain.models.presets import TinySize, tiny_model
 from treetrain.replay import ReplayConfig, UpdateBatch
 

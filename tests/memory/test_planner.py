@@ -9,7 +9,8 @@ from support.replay_cases import VOCAB
 
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
 from treetrain.loss.loss_config import LossConfig
-from treetrain.memory.planner import Overrides, PlanError, plan_update
+from treetrain.memory.overrides import Overrides
+from treetrain.memory.planner import PlanError, plan_update
 from treetrain.memory.retention import BudgetTooSmallError
 from treetrain.memory.tracker import MemoryTracker
 from treetrain.models.presets import tiny_model

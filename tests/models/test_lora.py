@@ -23,8 +23,9 @@ from treetrain.errors import ConfigError
 from treetrain.loss.loss_config import LossConfig
 from treetrain.memory.calibrate import calibrate
 from treetrain.memory.ledger import Residency, predict_ledger
+from treetrain.memory.overrides import Overrides
 from treetrain.memory.persistent import full_finetune_bytes, model_persistent_bytes
-from treetrain.memory.planner import Overrides, plan_update
+from treetrain.memory.planner import plan_update
 from treetrain.memory.retention import RetentionPolicy
 from treetrain.memory.tracker import MemoryTracker
 from treetrain.models.lora import (

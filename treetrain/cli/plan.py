@@ -286,8 +286,9 @@ def run(args: argparse.Namespace) -> int:
 
     from treetrain.loss.advantages import AdvantageConfig
     from treetrain.loss.loss_config import LossConfig
+    from treetrain.memory.overrides import Overrides
     from treetrain.memory.persistent import model_persistent_bytes
-    from treetrain.memory.planner import Overrides, plan_update
+    from treetrain.memory.planner import plan_update
     from treetrain.models.presets import load_model
     from treetrain.replay.batch import ReplayConfig
     from treetrain.train.models import broken_weights, resolve_model_path

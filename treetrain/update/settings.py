@@ -16,10 +16,10 @@ from treetrain.bytesize import parse_bytes
 from treetrain.errors import ConfigError
 from treetrain.loss.advantages import AdvantageConfig
 from treetrain.loss.loss_config import LossConfig
+from treetrain.memory.overrides import Overrides
 from treetrain.replay.replay_settings import ReplaySettings
 
 if TYPE_CHECKING:
-    from treetrain.memory.planner import Overrides
     from treetrain.replay.batch import ReplayConfig
 
 
@@ -41,15 +41,7 @@ class ReplaySection(ReplaySettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("microbatch", "chunk_size"):
-            value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ConfigError(f"replay.{name}: must be >= 0 or null, got {value}")
-        if self.retention is not None and self.retention != "unbounded":
-            try:
-                parse_bytes(self.retention)
-            except ValueError as exc:
-                raise ConfigError(f"replay.retention: {exc}") from exc
+        self.overrides("auto")  # the forced choices are checked where every caller's are: `Overrides`
         if not self.min_speedup > 0:
             raise ConfigError(f"replay.min_speedup: must be > 0, got {self.min_speedup}")
 
@@ -62,11 +54,12 @@ class ReplaySection(ReplaySettings):
 
     def overrides(self, mode: Literal["auto", "tree", "flat"]) -> Overrides:
         """The planner's choices this section (and the run's `mode`) force; null fields are left to it."""
-        from treetrain.memory.planner import Overrides
-
         retention: int | Literal["unbounded"] | None = None
         if self.retention is not None:
-            retention = "unbounded" if self.retention == "unbounded" else parse_bytes(self.retention)
+            try:
+                retention = "unbounded" if self.retention == "unbounded" else parse_bytes(self.retention)
+            except ValueError as exc:
+                raise ConfigError(str(exc), field="retention") from exc
         return Overrides(
             mode=None if mode == "auto" else mode,
             microbatch=self.microbatch,
