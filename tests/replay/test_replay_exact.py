@@ -238,10 +238,10 @@ def test_negative_control_kv_sharing_gradient_left_out_of_g_is_rejected(
         reusing.append(bool(getattr(module, "is_kv_shared_layer", False)))
         return source(module)
 
-    def detached(q, k, v, positions, past, grads, **kw):  # type: ignore[no-untyped-def]
+    def detached(q, k, v, positions, past, grads, form, **kw):  # type: ignore[no-untyped-def]
         if reusing[-1]:
             past, grads = tuple((a.detach(), b.detach()) for a, b in past), (None,) * len(past)
-        return attend(q, k, v, positions, past, grads, **kw)
+        return attend(q, k, v, positions, past, grads, form, **kw)
 
     monkeypatch.setattr(attention, "kv_source_layer", spy)
     monkeypatch.setattr(attention, "shared_attention", detached)
