@@ -2,7 +2,9 @@
 
 `ReplaySection` is the `replay` section of the run's config file, and the update consumes it as it is:
 it fixes the engine settings (`engine_config`) and forces whichever planner choices it names
-(`overrides`). `UpdateSettings` is the part of the trainer's config that one update reads; the trainer's
+(`overrides`). The settings it shares with the engine are `ReplaySettings`' (declared and checked once,
+`treetrain.replay.replay_settings`), and its forced choices are checked by the `Overrides` it builds, as
+every other caller's are. `UpdateSettings` is the part of the trainer's config that one update reads; the trainer's
 `TrainConfig` satisfies it, so this layer never imports the trainer's. Nothing here imports torch: the
 command line validates a config before torch loads.
 """
