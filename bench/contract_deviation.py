@@ -21,7 +21,6 @@ import torch
 from treetrain.io import atomic_write_text
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
 from treetrain.loss.loss_config import LossConfig
-from treetrain.loss.manifest import Manifest
 from treetrain.models.presets import FAMILIES, load_model, tiny_model
 from treetrain.replay import ReplayConfig, UpdateBatch
 from treetrain.replay.verify import deviation, flat_gradient, noise_floor, tree_gradient
@@ -63,7 +62,7 @@ def main() -> None:
         ]
         what = f"prefix {args.prefix}, G={args.branches}, suffix {args.suffix}, depth {args.depth}"
     advantages = [compute_advantages([t], AdvantageConfig(zero_variance="keep")).trees[0] for t in trees]
-    batch = UpdateBatch.build(trees, advantages, Manifest.build(trees, 0), loss)
+    batch = UpdateBatch.build(trees, advantages, loss)
     models = (
         {Path(args.model).name: lambda: load_model(args.model, dtype=dtype)}
         if args.model

@@ -45,7 +45,6 @@ from treetrain.benchmark.workload import (
 from treetrain.io import atomic_write_text
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
 from treetrain.loss.loss_config import LossConfig
-from treetrain.loss.manifest import Manifest
 from treetrain.memory.ledger import predict_ledger
 from treetrain.models.presets import TinySize, tiny_model
 from treetrain.replay.batch import ReplayConfig, UpdateBatch
@@ -69,7 +68,7 @@ def exactness(device: torch.device, dry: bool) -> list[str]:
     tree = synthetic_group(prefix=prefix, branches=4, suffix=suffix, depth=2, vocab=64, seed=0)
     loss = LossConfig()
     adv = compute_advantages([tree], AdvantageConfig(zero_variance="keep"))
-    batch = UpdateBatch.build([tree], adv.trees, Manifest.build([tree], 0), loss)
+    batch = UpdateBatch.build([tree], adv.trees, loss)
     lines = [
         "| family | dtype | exact vs flat (abs) | noise floor (abs) | ratio | within 5x floor |",
         "|---|---|---|---|---|---|",

@@ -21,10 +21,9 @@ import torch
 
 from treetrain.bytesize import format_bytes
 from treetrain.distributed import TorchBackend
-from treetrain.distributed.backend import OptimizerConfig
+from treetrain.distributed.optim_config import OptimizerConfig
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
 from treetrain.loss.loss_config import LossConfig
-from treetrain.loss.manifest import Manifest
 from treetrain.memory.persistent import PersistentBytes, model_persistent_bytes
 from treetrain.memory.tracker import MemoryTracker
 from treetrain.models.lora import AdaptersOff, LoraSection, apply_lora
@@ -65,7 +64,7 @@ def measure(model_path: str, r: int | None, batch_args: dict[str, int], vocab: i
     size = int(policy.config.get_text_config(decoder=True).vocab_size)
     trees = [synthetic_group(vocab=size, seed=0, **batch_args)]
     adv = compute_advantages(trees, AdvantageConfig(zero_variance="keep"))
-    batch = UpdateBatch.build(trees, adv.trees, Manifest.build(trees, 0), LOSS)
+    batch = UpdateBatch.build(trees, adv.trees, LOSS)
     backend = TorchBackend(policy, OptimizerConfig(lr=1e-5))
     tracker = MemoryTracker()
     engine = TreeReplay(policy, LOSS, ReplayPlan(tracker=tracker), ref_model=reference)  # type: ignore[arg-type]

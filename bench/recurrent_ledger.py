@@ -20,7 +20,6 @@ from transformers import PreTrainedModel
 from treetrain.bytesize import format_bytes
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
 from treetrain.loss.loss_config import LossConfig
-from treetrain.loss.manifest import Manifest
 from treetrain.memory.flat_cost import predict_flat
 from treetrain.memory.ledger import predict_ledger
 from treetrain.memory.tracker import MemoryTracker
@@ -61,7 +60,7 @@ def make_batch(prefix: int, branches: int, suffix: int, depth: int) -> UpdateBat
         prefix=prefix, branches=branches, suffix=suffix, depth=depth, vocab=VOCAB, seed=1, rewards=rewards
     )
     adv = compute_advantages([tree], AdvantageConfig())
-    return UpdateBatch.build([tree], adv.trees, Manifest.build([tree], 0), LOSS)
+    return UpdateBatch.build([tree], adv.trees, LOSS)
 
 
 def measure(model: PreTrainedModel, batch: UpdateBatch, mode: str) -> tuple[int, int]:

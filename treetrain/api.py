@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING
 
 from treetrain.loss.advantages import AdvantageConfig, TreeAdvantages, compute_advantages
 from treetrain.loss.loss_config import LossConfig
-from treetrain.loss.manifest import Manifest
 from treetrain.replay.batch import ReplayConfig, ReplayReport, UpdateBatch
 from treetrain.trajectory import Trajectory
 from treetrain.tree.build import build_tree
@@ -115,7 +114,7 @@ def build_batch(
             continue
         trees.extend(members)
         tables.extend(adv.trees)
-    batch = UpdateBatch.build(trees, tables, Manifest.build(trees, version), loss)
+    batch = UpdateBatch.build(trees, tables, loss, version=version)
     return BatchBuild(batch, tuple(dropped))
 
 

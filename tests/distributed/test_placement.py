@@ -111,7 +111,8 @@ def test_rank_shares_sum_to_the_whole_gradient(placement: str, contract: str, fl
     split_model = make_model()
     advantages = [w.advantages for w in batch.work]
     for rank in range(3):
-        share = UpdateBatch.build(trees, advantages, batch.manifest, LOSS, owned=p.for_rank(rank))
+        share = UpdateBatch.build(trees, advantages, LOSS, owned=p.for_rank(rank))
+        assert share.manifest == batch.manifest
         assert sum(len(w.trajectories) for w in share.work) == sum(len(s[rank]) for s in p.owned)
         TreeReplay(split_model, LOSS, cfg).accumulate(share)
     assert deviation(flat_grad(split_model), whole).abs <= 5 * floor

@@ -52,7 +52,7 @@ from treetrain.distributed import (
     build_placement,
     round_robin,
 )
-from treetrain.distributed.backend import make_backend
+from treetrain.distributed.backend_choice import make_backend
 from treetrain.distributed.checkpoint_io import CheckpointError
 from treetrain.distributed.deepspeed_backend import DeepSpeedBackend
 from treetrain.loss.manifest import ManifestError

@@ -14,8 +14,7 @@ from support.replay_cases import VOCAB
 
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
 from treetrain.loss.loss_config import LossConfig
-from treetrain.loss.manifest import Manifest
-from treetrain.memory.ledger import predict_ledger
+from treetrain.memory.ledger import Residency, predict_ledger
 from treetrain.memory.persistent import kv_bytes_per_token, model_persistent_bytes, persistent_bytes
 from treetrain.memory.replay_recipe import ReplayRecipe
 from treetrain.memory.tracker import MemoryTracker
@@ -39,7 +38,7 @@ def make_batch(prefix: int, branches: int, suffix: int, depth: int, loss: LossCo
         prefix=prefix, branches=branches, suffix=suffix, depth=depth, vocab=VOCAB, seed=1, rewards=rewards
     )
     adv = compute_advantages([tree], AdvantageConfig())
-    return UpdateBatch.build([tree], adv.trees, Manifest.build([tree], 0), loss)
+    return UpdateBatch.build([tree], adv.trees, loss)
 
 
 def measure(model, batch: UpdateBatch, loss: LossConfig, replay: ReplayConfig, ref_model=None, **plan_kw):
@@ -100,10 +99,14 @@ def test_prediction_holds_with_reference_budgets_and_kept_graphs(loss, budget_fr
     keep_graph = (lambda units: frozenset(u.index for u in units.units if u.children)) if keep else None
     budget = None
     if budget_fraction is not None:
-        free = predict_ledger(batch, model, replay, loss, ref_model=ref, keep_graph=keep_graph)
+        free = predict_ledger(
+            batch, model, replay, loss, ref_model=ref, residency=Residency(keep_graph=keep_graph)
+        )
         resident = max(r.bytes.prompt_group for r in free.rows)
         budget = int(free.minimum_budget + budget_fraction * (resident - free.minimum_budget))
-    ledger = predict_ledger(batch, model, replay, loss, budget=budget, keep_graph=keep_graph, ref_model=ref)
+    ledger = predict_ledger(
+        batch, model, replay, loss, residency=Residency(budget, keep_graph=keep_graph), ref_model=ref
+    )
     report, _ = measure(model, batch, loss, replay, ref_model=ref, keep_graph=keep_graph, retention=budget)
     measured = report.measured_peak
     assert measured is not None
@@ -121,7 +124,7 @@ def test_host_tier_ledger_copies_back_instead_of_recomputing() -> None:
     model = tiny_model("llama", VOCAB)
     replay = ReplayConfig(microbatch=1, chunk_size=8)
     budget = predict_ledger(batch, model, replay, loss).minimum_budget
-    ledger = predict_ledger(batch, model, replay, loss, budget=budget, host_tier=True)
+    ledger = predict_ledger(batch, model, replay, loss, residency=Residency(budget, host_tier=True))
     report, _ = measure(model, batch, loss, replay, retention=budget, host_tier=True)
     assert ledger.recomputes == report.restored_units > 0
     assert any(r.kind == "restore" for r in ledger.rows) and not any(

@@ -23,7 +23,8 @@ from treetrain.loss.loss_config import LossConfig
 from treetrain.memory.calibrate import LONG_PROBE, PROBES, calibrate, probes_for
 from treetrain.memory.flat_cost import predict_flat
 from treetrain.memory.ledger import predict_ledger
-from treetrain.memory.planner import Overrides, PlanError, plan_update
+from treetrain.memory.overrides import Overrides
+from treetrain.memory.planner import PlanError, plan_update
 from treetrain.models.presets import TinySize, tiny_model
 from treetrain.replay import ReplayConfig, UpdateBatch
 
@@ -98,7 +99,7 @@ def test_max_logit_elements_changes_prediction_plan_and_measured_peak() -> None:
     for base in (big, small):
         try:
             plans[base.max_logit_elements] = plan_update(
-                batch, model, budget=budget, contract="response_only", base=base, overrides=tree_only
+                batch, model, budget=budget, base=base, overrides=tree_only
             )
         except PlanError:
             plans[base.max_logit_elements] = None

@@ -23,10 +23,9 @@ from support.tree_worst import _doc, _traj, comb_chain, shared_calls, wide
 import treetrain
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
 from treetrain.loss.loss_config import LossConfig
-from treetrain.loss.manifest import Manifest
 from treetrain.memory.planner import plan_update
 from treetrain.models.presets import tiny_model
-from treetrain.replay import UpdateBatch
+from treetrain.replay import ReplayConfig, UpdateBatch
 from treetrain.replay.flat_reference import FlatReference
 from treetrain.trajectory import Trajectory
 from treetrain.tree.build import build_tree
@@ -69,7 +68,7 @@ def line_count() -> Iterator[list[int]]:
 
 def _batch(trees: list[TrajectoryTree], loss: LossConfig) -> UpdateBatch:
     adv = compute_advantages(trees, AdvantageConfig())
-    return UpdateBatch.build(trees, adv.trees, Manifest.build(trees, 0), loss)
+    return UpdateBatch.build(trees, adv.trees, loss)
 
 
 def chain_calls(depth: int, calls: int) -> bytes:
@@ -135,7 +134,7 @@ def test_call_sizes_equal_the_calls(trajs: list[Trajectory]) -> None:
     for loss in (LossConfig(), LossConfig(aggregation="seq-mean-token-mean")):
         batch = _batch([tree], loss)
         for order in ("tree", "reverse", "shuffle"):
-            flat = FlatReference(_MODEL, loss, order=order, seed=3)
+            flat = FlatReference(_MODEL, loss, ReplayConfig(microbatch=1, order=order, seed=3))
             expected = [(len(c.tokens), c.targets.num_targets) for c in flat.calls(batch)]
             assert [(s.tokens, s.targets) for s in flat.call_sizes(batch)] == expected
 

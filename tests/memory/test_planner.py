@@ -9,12 +9,12 @@ from support.replay_cases import VOCAB
 
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
 from treetrain.loss.loss_config import LossConfig
-from treetrain.loss.manifest import Manifest
-from treetrain.memory.planner import Overrides, PlanError, plan_update
+from treetrain.memory.overrides import Overrides
+from treetrain.memory.planner import PlanError, plan_update
 from treetrain.memory.retention import BudgetTooSmallError
 from treetrain.memory.tracker import MemoryTracker
 from treetrain.models.presets import tiny_model
-from treetrain.replay import TreeReplay, UpdateBatch
+from treetrain.replay import ReplayConfig, TreeReplay, UpdateBatch
 from treetrain.tree.synthetic import synthetic_group
 
 LARGE = 1 << 30
@@ -26,7 +26,7 @@ def batch_of(prefix: int, branches: int, suffix: int, depth: int = 1) -> UpdateB
         prefix=prefix, branches=branches, suffix=suffix, depth=depth, vocab=VOCAB, seed=2, rewards=rewards
     )
     adv = compute_advantages([tree], AdvantageConfig())
-    return UpdateBatch.build([tree], adv.trees, Manifest.build([tree], 0), LossConfig())
+    return UpdateBatch.build([tree], adv.trees, LossConfig())
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +125,11 @@ def test_contract_is_planned_as_given(model) -> None:
     batch = batch_of(128, 8, 8)
     exact = plan_update(batch, model, budget=LARGE, overrides=Overrides(mode="tree", keep_graphs="none"))
     detached = plan_update(
-        batch, model, budget=LARGE, contract="response_only", overrides=Overrides(mode="tree")
+        batch,
+        model,
+        budget=LARGE,
+        base=ReplayConfig(contract="response_only"),
+        overrides=Overrides(mode="tree"),
     )
     assert detached.contract == "response_only" and detached.replay_config().contract == "response_only"
     assert not detached.keep_graph  # kept graphs are an `exact` optimization

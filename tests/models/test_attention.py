@@ -25,7 +25,7 @@ from treetrain.memory.replay_recipe import ReplayRecipe
 from treetrain.models.attention import NAME, engine_attention, shared_past_kernel_note, shared_past_reason
 from treetrain.models.decoder import SharedPast, decoder_forward
 from treetrain.models.presets import TinySize, tiny_model
-from treetrain.models.shared_past import shared_attention
+from treetrain.models.shared_past import ScoreForm, shared_attention
 from treetrain.models.support import SupportGate, UnsupportedModelError
 from treetrain.replay import ReplayConfig
 from treetrain.replay.tree_replay import TreeReplay
@@ -67,7 +67,7 @@ def test_shared_attention_equals_plain_attention_over_the_concatenated_past(
     past = [(rand(1, kv_heads, n, d), rand(1, kv_heads, n, d)) for n in lengths]
     positions = torch.arange(sum(lengths), sum(lengths) + t).expand(rows, -1)
     inputs = [q, k_own, v_own, *(x for kv in past for x in kv)]
-    out = shared_attention(q, k_own, v_own, positions, past, (), scale=d**-0.5, window=window)
+    out = shared_attention(q, k_own, v_own, positions, past, (), ScoreForm(d**-0.5, window))
     ref = reference(q, k_own, v_own, positions, past, window)
     weight = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(dtype)
     grads = torch.autograd.grad((out * weight).sum(), inputs)
@@ -81,7 +81,7 @@ def test_shared_attention_equals_plain_attention_over_the_concatenated_past(
     # Into G accumulators instead: the pieces' gradients arrive there once, summed over the rows.
     frozen = [(k.detach(), v.detach()) for k, v in past]
     acc = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in frozen]
-    out2 = shared_attention(q, k_own, v_own, positions, frozen, acc, scale=d**-0.5, window=window)
+    out2 = shared_attention(q, k_own, v_own, positions, frozen, acc, ScoreForm(d**-0.5, window))
     (out2 * weight).sum().backward()
     for (gk, gv), i in zip(acc, range(3, len(grads), 2)):
         assert torch.equal(gk, grads[i]) and torch.equal(gv, grads[i + 1])
@@ -105,7 +105,7 @@ def test_sinks_enter_the_merge_as_one_more_logit(
     past = [(rand(1, kv_heads, n, d), rand(1, kv_heads, n, d)) for n in lengths]
     positions = torch.arange(sum(lengths), sum(lengths) + t).expand(rows, -1)
     inputs = [q, k_own, v_own, sinks, *(x for kv in past for x in kv)]
-    out = shared_attention(q, k_own, v_own, positions, past, (), scale=d**-0.5, window=window, sinks=sinks)
+    out = shared_attention(q, k_own, v_own, positions, past, (), ScoreForm(d**-0.5, window), sinks=sinks)
     ref = reference_with_sinks(q, k_own, v_own, positions, past, window, sinks)
     weight = torch.randn(out.shape, generator=gen, dtype=torch.float64)
     grads = torch.autograd.grad((out * weight).sum(), inputs)
@@ -114,7 +114,7 @@ def test_sinks_enter_the_merge_as_one_more_logit(
     for g, r in zip(grads, ref_grads):
         assert (g - r).abs().max() <= 1e-12 * max(1.0, float(r.abs().max()))
     # The control: without the sink term the kernel is far off.
-    plain = shared_attention(q, k_own, v_own, positions, past, (), scale=d**-0.5, window=window)
+    plain = shared_attention(q, k_own, v_own, positions, past, (), ScoreForm(d**-0.5, window))
     assert (plain - ref).abs().max() > 1e-3
 
 
@@ -139,9 +139,7 @@ def test_a_value_head_of_another_size_and_soft_capped_scores(
     past = [(rand(1, kv_heads, n, d), rand(1, kv_heads, n, value_head)) for n in lengths]
     positions = torch.arange(sum(lengths), sum(lengths) + t).expand(rows, -1)
     inputs = [q, k_own, v_own, *(x for kv in past for x in kv)]
-    out = shared_attention(
-        q, k_own, v_own, positions, past, (), scale=d**-0.5, window=window, softcap=softcap
-    )
+    out = shared_attention(q, k_own, v_own, positions, past, (), ScoreForm(d**-0.5, window, softcap))
     ref = reference_eager(q, k_own, v_own, positions, past, window, softcap)
     assert out.shape == (rows, t, heads, value_head)
     weight = torch.randn(out.shape, generator=gen, dtype=torch.float64)
@@ -151,7 +149,7 @@ def test_a_value_head_of_another_size_and_soft_capped_scores(
     for g, r in zip(grads, ref_grads):
         assert (g - r).abs().max() <= 1e-12 * max(1.0, float(r.abs().max()))
     if softcap is not None:  # the control: the same scores uncapped are far off (the scores reach the cap)
-        uncapped = shared_attention(q, k_own, v_own, positions, past, (), scale=d**-0.5, window=window)
+        uncapped = shared_attention(q, k_own, v_own, positions, past, (), ScoreForm(d**-0.5, window))
         assert (uncapped - ref).abs().max() > 1e-2
 
 

@@ -19,7 +19,7 @@ from support.attention_oracle import reference
 
 import treetrain.models.attention_states as states
 import treetrain.models.shared_past as shared_past
-from treetrain.models.shared_past import shared_attention
+from treetrain.models.shared_past import ScoreForm, shared_attention
 
 
 def _emulated_forward(q, k, v, bias, compute_lse, dropout, causal, *, scale=None, ignore_bias=False):
@@ -74,7 +74,7 @@ def test_shared_attention_on_the_cuda_glue_equals_plain_attention(
     past = [(rand(1, kv_heads, n, d), rand(1, kv_heads, n, d)) for n in lengths]
     positions = torch.arange(sum(lengths), sum(lengths) + t).expand(rows, -1)
     inputs = [q, k_own, v_own, *(x for kv in past for x in kv)]
-    out = shared_attention(q, k_own, v_own, positions, past, (), scale=d**-0.5, window=window)
+    out = shared_attention(q, k_own, v_own, positions, past, (), ScoreForm(d**-0.5, window))
     ref = reference(q, k_own, v_own, positions, past, window)
     weight = torch.randn(out.shape, generator=gen)
     grads = torch.autograd.grad((out * weight).sum(), inputs)
@@ -136,7 +136,7 @@ def test_bfloat16_on_cpu_is_as_close_to_the_truth_as_plain_bfloat16_attention(wi
         return [out.detach().double(), *(g.double() for g in grads)]
 
     def ours(q, k_own, v_own, positions, past):
-        return shared_attention(q, k_own, v_own, positions, past, (), scale=d**-0.5, window=window)
+        return shared_attention(q, k_own, v_own, positions, past, (), ScoreForm(d**-0.5, window))
 
     def plain(q, k_own, v_own, positions, past):
         return reference(q, k_own, v_own, positions, past, window)

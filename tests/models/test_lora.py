@@ -18,13 +18,14 @@ from support.lora_cases import OTHER_FAMILY, base_model, lora_factory, trained_l
 from support.replay_cases import SHAPES, VOCAB, make_batch
 
 from treetrain.distributed import TorchBackend
-from treetrain.distributed.backend import OptimizerConfig
+from treetrain.distributed.optim_config import OptimizerConfig
 from treetrain.errors import ConfigError
 from treetrain.loss.loss_config import LossConfig
 from treetrain.memory.calibrate import calibrate
-from treetrain.memory.ledger import predict_ledger
+from treetrain.memory.ledger import Residency, predict_ledger
+from treetrain.memory.overrides import Overrides
 from treetrain.memory.persistent import full_finetune_bytes, model_persistent_bytes
-from treetrain.memory.planner import Overrides, plan_update
+from treetrain.memory.planner import plan_update
 from treetrain.memory.replay_recipe import ReplayRecipe
 from treetrain.memory.tracker import MemoryTracker
 from treetrain.models.lora import (
@@ -167,7 +168,7 @@ def test_stale_state_adapters_off_never_read_as_policy(written: str) -> None:
     paths = PathKV(model, units, store, write, torch.device("cpu"))
     need = [True] * len(units)
     with model.disable_adapter() if written == "off" else torch.no_grad():
-        scoring_pass(model, paths, microbatch=0, need=need, keep=lambda u: True, max_logit_elements=1 << 20)
+        scoring_pass(paths, microbatch=0, need=need, keep=lambda u: True, max_logit_elements=1 << 20)
     key = ResidentKey(units.tree.id, 1, units.tree.nodes[units[1].node].id)
     assert store.has_kv(key, write)
     with pytest.raises(StaleResidentStateError):
@@ -254,7 +255,7 @@ def test_fused_walk_refuses_a_reference_forward_with_adapters_on() -> None:
         StaleResidentStateError, match="adapters 'on' into a store of identity adapters='off'"
     ):
         scoring_pass(
-            model, PathKV(model, units, ResidentStore(on), on, cpu), microbatch=0, need=[True] * len(units),
+            PathKV(model, units, ResidentStore(on), on, cpu), microbatch=0, need=[True] * len(units),
             keep=lambda u: True, max_logit_elements=1 << 20, reference=walk,
         )  # fmt: skip
 
@@ -304,9 +305,13 @@ def test_lora_under_a_retention_budget_with_kept_graphs_and_the_tracker() -> Non
         return frozenset(u.index for u in units.units[1:] if u.children)
 
     mm = calibrate(model, "exact", with_entropy=False, max_logit_elements=replay.max_logit_elements)
-    kw = {"ref_model": AdaptersOff(model), "keep_graph": keep, "memory_model": mm}
-    budget = predict_ledger(batch, model, replay, KL, **kw).minimum_budget
-    ledger = predict_ledger(batch, model, replay, KL, budget=budget, **kw)
+    ref = AdaptersOff(model)
+    free = Residency(keep_graph=keep)
+    budget = predict_ledger(
+        batch, model, replay, KL, residency=free, ref_model=ref, memory_model=mm
+    ).minimum_budget
+    bounded = Residency(budget, keep_graph=keep)
+    ledger = predict_ledger(batch, model, replay, KL, residency=bounded, ref_model=ref, memory_model=mm)
     for p in model.parameters():
         p.grad = torch.zeros_like(p) if p.requires_grad else None
     tracker = MemoryTracker()

@@ -4,6 +4,7 @@ and a probe that fails for any reason is a refusal naming the model type and the
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -141,7 +142,12 @@ def test_attention_soft_capping_is_applied_by_shared_past_attention(monkeypatch:
     assert "attn_logit_softcapping" in str(attention.shared_past_kernel_note(model))
     check_supported(model, 32)
     real = attention.shared_attention
-    monkeypatch.setattr(attention, "shared_attention", lambda *a, **kw: real(*a, **{**kw, "softcap": None}))
+
+    def uncapped(*args, **kwargs):  # type: ignore[no-untyped-def]
+        *rest, form = args
+        return real(*rest, replace(form, softcap=None), **kwargs)
+
+    monkeypatch.setattr(attention, "shared_attention", uncapped)
     with pytest.raises(
         UnsupportedModelError, match=r"'gemma2'.*shared-past attention over resident KV changes"
     ):

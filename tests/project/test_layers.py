@@ -19,7 +19,6 @@ LAYERS = (
     "runfs",
     "io",
     "bytesize",
-    "stall",
     "lifetime",
     "jsonfile",
     "trajectory",

@@ -9,7 +9,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
 from treetrain.loss.loss_config import LossConfig
-from treetrain.loss.manifest import Manifest
 from treetrain.models.presets import tiny_model
 from treetrain.models.support import SupportGate, UnsupportedModelError, check_supported
 from treetrain.replay import BackwardFailed, ReplayConfig, TreeReplay
@@ -27,7 +26,7 @@ def _zero_adv_batch(loss: LossConfig):
     from treetrain.replay import UpdateBatch
 
     adv = compute_advantages([tree], AdvantageConfig(normalize_std=False))
-    return UpdateBatch.build([tree], adv.trees, Manifest.build([tree], 0), loss)
+    return UpdateBatch.build([tree], adv.trees, loss)
 
 
 @pytest.mark.parametrize("loss", [LossConfig(), LossConfig(kl_coef=0.1), LossConfig(entropy_coef=0.01)])
@@ -97,7 +96,7 @@ def test_logprobs_never_materialize_full_logits() -> None:
     adv = compute_advantages([tree], AdvantageConfig())
     from treetrain.replay import UpdateBatch
 
-    batch = UpdateBatch.build([tree], adv.trees, Manifest.build([tree], 0), loss)
+    batch = UpdateBatch.build([tree], adv.trees, loss)
     budget = 64 * vocab
     engine = TreeReplay(model, loss, ReplayConfig(max_logit_elements=budget))
     with _LargestTensor() as probe:

@@ -18,6 +18,7 @@ from support.replay_cases import SHAPES, factory, make_batch
 from treetrain.loss.loss_config import LossConfig
 from treetrain.models.presets import ATTENTION, EAGER_ONLY, FAMILIES, MORE_FAMILIES
 from treetrain.replay import ReplayConfig, UpdateBatch
+from treetrain.replay.flat_reference import ONE_CALL
 from treetrain.replay.verify import deviation, flat_gradient, noise_floor, tree_gradient
 
 FACTOR = 5.0
@@ -116,11 +117,11 @@ def test_adamw_parameter_delta_matches_flat(dtype: str) -> None:
     make = factory("qwen2", DTYPES[dtype])
     batch = make_batch(SHAPES["multi_level"](0), loss)
 
-    def flat(m, **kw):
-        return flat_gradient(m, batch, loss, None, **kw)
+    def flat(m, replay=ONE_CALL):
+        return flat_gradient(m, batch, loss, None, replay)
 
     d_flat = _adamw_delta(make(), flat)
-    d_reorder = _adamw_delta(make(), lambda m: flat(m, order="reverse", microbatch=3))
+    d_reorder = _adamw_delta(make(), lambda m: flat(m, ReplayConfig(order="reverse", microbatch=3)))
     d_tree = _adamw_delta(
         make(), lambda m: tree_gradient(m, batch, loss, ReplayConfig(microbatch=1, chunk_size=4))
     )
@@ -184,7 +185,7 @@ def test_exact_matches_flat_to_float64_precision_without_float32_islands(
     make = factory("llama", torch.float64)
     batch = make_batch(SHAPES["multi_level"](0), loss)
     flat = flat_gradient(make(), batch, loss)
-    reordered = flat_gradient(make(), batch, loss, order="reverse", microbatch=2)
+    reordered = flat_gradient(make(), batch, loss, replay=ReplayConfig(order="reverse", microbatch=2))
     floor = max(float((flat - reordered).norm()), 4 * torch.finfo(torch.float64).eps * float(flat.norm()))
     tree = tree_gradient(make(), batch, loss, ReplayConfig(microbatch=2, chunk_size=5))
     dev = deviation(tree, flat)
@@ -237,10 +238,10 @@ def test_negative_control_kv_sharing_gradient_left_out_of_g_is_rejected(
         reusing.append(bool(getattr(module, "is_kv_shared_layer", False)))
         return source(module)
 
-    def detached(q, k, v, positions, past, grads, **kw):  # type: ignore[no-untyped-def]
+    def detached(q, k, v, positions, past, grads, form, **kw):  # type: ignore[no-untyped-def]
         if reusing[-1]:
             past, grads = tuple((a.detach(), b.detach()) for a, b in past), (None,) * len(past)
-        return attend(q, k, v, positions, past, grads, **kw)
+        return attend(q, k, v, positions, past, grads, form, **kw)
 
     monkeypatch.setattr(attention, "kv_source_layer", spy)
     monkeypatch.setattr(attention, "shared_attention", detached)

@@ -109,7 +109,7 @@ def test_the_case_has_weights_over_the_cap_and_trajectories_either_side_of_it(tr
     for loss, expected in ((TRUNCATE, capped), (MASK, masked), (LossConfig(), 0)):
         batch = make_batch(trees, loss)
         tree = TreeReplay(make(), loss, ReplayConfig(microbatch=2)).accumulate(batch).sampler_gap
-        flat = FlatReference(make(), loss, microbatch=2).accumulate(batch).sampler_gap
+        flat = FlatReference(make(), loss, ReplayConfig(microbatch=2)).accumulate(batch).sampler_gap
         assert tree.corrected == flat.corrected == expected, loss.sampler_correction
 
 
@@ -182,7 +182,7 @@ def test_the_gap_is_the_hand_computation_in_tree_and_flat_mode(trees) -> None:
         .accumulate(batch)
         .sampler_gap
     )
-    flat = FlatReference(make(), LossConfig(), microbatch=3).accumulate(batch).sampler_gap
+    flat = FlatReference(make(), LossConfig(), ReplayConfig(microbatch=3)).accumulate(batch).sampler_gap
     for gap in (tree, flat):
         assert gap.tokens == len(gaps)
         assert gap.mean == pytest.approx(sum(gaps) / len(gaps), rel=1e-6)

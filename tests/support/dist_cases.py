@@ -23,7 +23,6 @@ from support.replay_cases import SHAPES, VOCAB, factory
 from treetrain.distributed import OptimizerConfig, TorchBackend
 from treetrain.loss.advantages import AdvantageConfig
 from treetrain.loss.loss_config import LossConfig
-from treetrain.loss.manifest import Manifest
 from treetrain.models.lora import AdaptersOff
 from treetrain.replay import FlatReference, ReplayConfig, TreeReplay, UpdateBatch
 from treetrain.replay.verify import _perturb
@@ -83,13 +82,10 @@ def reference_delta(
     start = params_vector(model)
     backend = TorchBackend(model, optimizer)
     trees = [t for g in update for t in g.trees]
-    batch = UpdateBatch.build(
-        trees, [a for g in update for a in g.advantages], Manifest.build(trees, 0), loss
-    )
+    batch = UpdateBatch.build(trees, [a for g in update for a in g.advantages], loss)
     if contract == "flat":
-        FlatReference(
-            model, loss, ref_model=ref, microbatch=flat_microbatch, backward=backend.backward
-        ).accumulate(batch)
+        flat = ReplayConfig(microbatch=flat_microbatch)
+        FlatReference(model, loss, flat, ref_model=ref, backward=backend.backward).accumulate(batch)
     else:
         cfg = replay or ReplayConfig(contract=contract)  # type: ignore[arg-type]
         TreeReplay(model, loss, cfg, ref_model=ref, backward=backend.backward).accumulate(batch)

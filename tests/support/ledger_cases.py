@@ -7,7 +7,6 @@ import torch
 from treetrain.lifetime import ClassBytes
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
 from treetrain.loss.loss_config import LossConfig
-from treetrain.loss.manifest import Manifest
 from treetrain.memory.tracker import MemoryTracker
 from treetrain.replay import ReplayConfig, ReplayPlan, TreeReplay, UpdateBatch
 from treetrain.replay.flat_reference import FlatReference
@@ -23,7 +22,7 @@ def ledger_batch(
         prefix=prefix, branches=branches, suffix=suffix, depth=depth, vocab=vocab, seed=1, rewards=rewards
     )
     adv = compute_advantages([tree], AdvantageConfig())
-    return UpdateBatch.build([tree], adv.trees, Manifest.build([tree], 0), loss)
+    return UpdateBatch.build([tree], adv.trees, loss)
 
 
 def zero_grads(model: torch.nn.Module) -> None:

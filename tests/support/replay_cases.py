@@ -10,7 +10,6 @@ from transformers import PreTrainedModel
 
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
 from treetrain.loss.loss_config import LossConfig
-from treetrain.loss.manifest import Manifest
 from treetrain.models.presets import tiny_model
 from treetrain.replay import UpdateBatch
 from treetrain.trajectory import Call, Role, Segment, Trajectory
@@ -95,7 +94,7 @@ def make_batch(
     trees: list[TrajectoryTree], loss: LossConfig, adv: AdvantageConfig | None = None
 ) -> UpdateBatch:
     group = compute_advantages(trees, adv or AdvantageConfig(zero_variance="keep"))
-    return UpdateBatch.build(trees, group.trees, Manifest.build(trees, 0), loss)
+    return UpdateBatch.build(trees, group.trees, loss)
 
 
 def factory(

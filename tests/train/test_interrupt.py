@@ -2,7 +2,8 @@
 uninterrupted run ends: the same metrics rows and the same final weights, nothing left behind. While the
 killed-to-be process runs, a second run or a resume on its directory is refused by the lock.
 
-The process is stopped at a point by the test hook `treetrain.stall.stall` (TREETRAIN_TEST_STALL)."""
+The process is stopped at a point by the trainer's `on_point` hook, which the test-only entry
+tests/support/stalling_train.py installs (production code reads no test setting)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from treetrain.train.config import load_config
 from treetrain.train.loop import Trainer
 from treetrain.train.metrics import UpdateMetrics, read_metrics
 
+STALLING_TRAIN = Path(__file__).resolve().parents[1] / "support" / "stalling_train.py"
 SETTINGS = [
     "model.path=tiny-llama", "rollout.groups_per_update=2", "rollout.fanout.root=4", "rollout.episode.max_turns=2",
     "rollout.episode.max_turn_tokens=12", "optim.lr=0.01", "advantages.zero_variance=keep", "loss.entropy_coef=0.01",
@@ -58,12 +60,9 @@ def _args(run: Path, extra: list[str]) -> list[str]:
 def _start(run: Path, extra: list[str], point: str, tmp_path: Path) -> subprocess.Popen[str]:
     """Start `treetrain train` in its own process and return once it stands still at `point`."""
     arrived = tmp_path / "arrived"
-    env = {
-        **os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
-        "TREETRAIN_TEST_STALL": point, "TREETRAIN_TEST_STALL_FILE": str(arrived),
-    }  # fmt: skip
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "treetrain", *_args(run, extra)],
+        [sys.executable, str(STALLING_TRAIN), point, str(arrived), *_args(run, extra)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     deadline = time.monotonic() + 600

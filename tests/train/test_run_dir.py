@@ -116,7 +116,8 @@ def test_the_lock_refuses_a_second_process_and_dies_with_its_holder(tmp_path: Pa
 
 
 def test_a_torn_latest_checkpoint_falls_back_to_the_previous_one(tmp_path: Path, caplog) -> None:
-    from treetrain.distributed.backend import OptimizerConfig, TorchBackend
+    from treetrain.distributed.backend import TorchBackend
+    from treetrain.distributed.optim_config import OptimizerConfig
     from treetrain.models.presets import load_model
     from treetrain.train.trainer_state import TrainerState, resume_state, save_trainer_state
 

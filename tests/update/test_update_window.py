@@ -20,7 +20,7 @@ from treetrain.distributed import (
     TorchBackend,
     round_robin,
 )
-from treetrain.distributed.backend import make_backend
+from treetrain.distributed.backend_choice import make_backend
 from treetrain.distributed.checkpoint_io import CheckpointError
 from treetrain.errors import ConfigError
 from treetrain.loss.manifest import ManifestError

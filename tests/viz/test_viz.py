@@ -150,7 +150,6 @@ def test_ledger_plot_stacks_classes_and_marks_measured_peaks() -> None:
 
     from treetrain.lifetime import ClassBytes
     from treetrain.loss.loss_config import LossConfig
-    from treetrain.loss.manifest import Manifest
     from treetrain.memory.ledger import predict_ledger
     from treetrain.memory.tracker import MeasuredSegment, MemoryTracker
     from treetrain.models.presets import tiny_model
@@ -170,7 +169,7 @@ def test_ledger_plot_stacks_classes_and_marks_measured_peaks() -> None:
         p.grad = torch.zeros_like(p)
     loss, replay = LossConfig(), ReplayConfig(microbatch=2)
     adv = compute_advantages([tree], AdvantageConfig())
-    batch = UpdateBatch.build([tree], adv.trees, Manifest.build([tree], 0), loss)
+    batch = UpdateBatch.build([tree], adv.trees, loss)
     ledger = predict_ledger(batch, model, replay, loss)
     tracker = MemoryTracker()
     TreeReplay(model, loss, ReplayPlan(config=replay, tracker=tracker)).accumulate(batch)

@@ -24,7 +24,7 @@ from treetrain.memory.events import Shape, forward_shape, plan_tree
 from treetrain.memory.ledger import predict_ledger
 from treetrain.memory.persistent import model_persistent_bytes
 from treetrain.memory.tracker import MemoryTracker
-from treetrain.replay.batch import UpdateBatch
+from treetrain.replay.batch import ReplayConfig, UpdateBatch
 from treetrain.replay.flat_reference import FlatReference
 
 
@@ -52,7 +52,7 @@ def _fixed(model: PreTrainedModel) -> ClassBytes:
 def predict_flat_peak(model: PreTrainedModel, batch: UpdateBatch, cfg: BenchConfig) -> ClassBytes:
     """Flat's predicted peak: the largest microbatch's forward-and-backward peak, as a no-past step."""
     mm = calibrate(model, "response_only")  # a flat backward has no <KV, G> term
-    calls = FlatReference(model, LOSS, microbatch=cfg.flat_microbatch).call_sizes(batch)
+    calls = FlatReference(model, LOSS, ReplayConfig(microbatch=cfg.flat_microbatch)).call_sizes(batch)
     worst = 0
     for i in range(0, len(calls), cfg.flat_microbatch):
         group = calls[i : i + cfg.flat_microbatch]

@@ -21,7 +21,6 @@ from transformers import PreTrainedModel
 from treetrain.benchmark.bench_config import BenchConfig, GridPoint, Mode, ModelSpec
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
 from treetrain.loss.loss_config import LossConfig
-from treetrain.loss.manifest import Manifest
 from treetrain.models.presets import TinySize, tiny_model
 from treetrain.models.support import SupportGate
 from treetrain.replay.batch import ReplayConfig, ReplayReport, UpdateBatch
@@ -78,7 +77,7 @@ def bench_tree(point: GridPoint, cfg: BenchConfig) -> TrajectoryTree:
 def bench_batch(point: GridPoint, cfg: BenchConfig, tree: TrajectoryTree | None = None) -> UpdateBatch:
     tree = tree or bench_tree(point, cfg)
     adv = compute_advantages([tree], AdvantageConfig(zero_variance="keep"))
-    return UpdateBatch.build([tree], adv.trees, Manifest.build([tree], 0), LOSS)
+    return UpdateBatch.build([tree], adv.trees, LOSS)
 
 
 def replay_config(mode: Mode, cfg: BenchConfig) -> ReplayConfig:
@@ -92,7 +91,7 @@ def make_engine(
     model: PreTrainedModel, mode: Mode, cfg: BenchConfig, tracker: MemoryProbe | None = None
 ) -> FlatReference | TreeReplay:
     if mode == "flat":
-        return FlatReference(model, LOSS, microbatch=cfg.flat_microbatch)
+        return FlatReference(model, LOSS, ReplayConfig(microbatch=cfg.flat_microbatch))
     return TreeReplay(
         model,
         LOSS,

@@ -157,7 +157,6 @@ def _batch(named: NamedTrees, loss: LossConfig, adv: AdvantageConfig) -> UpdateB
     """The update `treetrain train` would build from these trees: each file's trees one advantage group
     (as the trainer normalizes one task's trees together), zero-variance groups dropped when `adv` says so.
     Raises TreeFormatError when every group would be dropped (an update with nothing to train)."""
-    from treetrain.loss.manifest import Manifest
     from treetrain.replay.batch import UpdateBatch
     from treetrain.update.run import advantage_groups
 
@@ -170,7 +169,7 @@ def _batch(named: NamedTrees, loss: LossConfig, adv: AdvantageConfig) -> UpdateB
         )
     trees = [t for g in groups for t in g.trees]
     advantages = [a for g in groups for a in g.advantages]
-    return UpdateBatch.build(trees, advantages, Manifest.build(trees, 0), loss)
+    return UpdateBatch.build(trees, advantages, loss)
 
 
 def _from_config(args: argparse.Namespace, named: NamedTrees) -> int:
@@ -287,9 +286,11 @@ def run(args: argparse.Namespace) -> int:
 
     from treetrain.loss.advantages import AdvantageConfig
     from treetrain.loss.loss_config import LossConfig
+    from treetrain.memory.overrides import Overrides
     from treetrain.memory.persistent import model_persistent_bytes
-    from treetrain.memory.planner import Overrides, plan_update
+    from treetrain.memory.planner import plan_update
     from treetrain.models.presets import load_model
+    from treetrain.replay.batch import ReplayConfig
     from treetrain.train.models import broken_weights, resolve_model_path
 
     try:
@@ -312,7 +313,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         plan = plan_update(
             _batch(named, LossConfig(), AdvantageConfig(zero_variance="keep")), model, budget=args.budget,
-            contract=args.contract or "exact", overrides=overrides,
+            base=ReplayConfig(contract=args.contract or "exact"), overrides=overrides,
             min_speedup=args.min_speedup, persistent=persistent,
         )  # fmt: skip
     except TreetrainError as e:

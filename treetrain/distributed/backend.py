@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from safetensors.torch import load_model, save_model
@@ -35,10 +35,14 @@ from transformers import PreTrainedModel
 
 from treetrain.distributed.checkpoint_io import read_client_state, write_client_state
 from treetrain.distributed.optim_config import OptimizerConfig
-from treetrain.errors import ConfigError, TreetrainError
+from treetrain.errors import TreetrainError
 from treetrain.io import atomic_directory
 from treetrain.models.lora import is_peft, save_adapter
-from treetrain.stall import stall
+
+OnPoint = Callable[[str, int | None], None]
+"""A hook a run calls at a named point (`"checkpoint-write"`, `"update-end"`) with the update's index.
+Interruption tests pass one that stops the process there, to kill it at a known moment; a run without
+one (every real run) calls nothing."""
 
 
 class AgreementError(TreetrainError, RuntimeError):
@@ -161,8 +165,17 @@ class TorchBackend(TrainBackend):
     MODEL_FILE = "model.safetensors"
     OPTIMIZER_FILE = "optimizer.pt"
 
-    def __init__(self, model: PreTrainedModel, optimizer: OptimizerConfig = OptimizerConfig()) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        optimizer: OptimizerConfig = OptimizerConfig(),
+        *,
+        on_point: OnPoint | None = None,
+    ) -> None:
+        """`on_point`, if given, is called inside each checkpoint write, between the weights and the
+        optimizer state (`"checkpoint-write"`)."""
         self.module = model
+        self.on_point = on_point
         self.rank, self.world_size = 0, 1
         self.cfg = optimizer
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -196,7 +209,8 @@ class TorchBackend(TrainBackend):
     def save_checkpoint(self, directory: str | Path, client_state: Mapping[str, Any]) -> None:
         with atomic_directory(Path(directory)) as tmp:
             save_model(self.module, str(tmp / self.MODEL_FILE))
-            stall("checkpoint-write", client_state.get("update"))
+            if self.on_point is not None:
+                self.on_point("checkpoint-write", client_state.get("update"))
             torch.save(self.optimizer.state_dict(), tmp / self.OPTIMIZER_FILE)
             write_client_state(tmp, client_state)
 
@@ -216,42 +230,3 @@ class TorchBackend(TrainBackend):
                 self.module.save_pretrained(tmp)
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
-
-
-class DistributedSettings(Protocol):
-    """What `make_backend` reads from a trainer's distributed section."""
-
-    @property
-    def backend(self) -> str: ...
-    @property
-    def zero_stage(self) -> int: ...
-    @property
-    def offload_optimizer(self) -> bool: ...
-    @property
-    def deepspeed_config(self) -> str | None: ...
-
-
-def make_backend(
-    model: PreTrainedModel, opt: OptimizerConfig, distributed: DistributedSettings
-) -> TrainBackend:
-    """The backend a trainer config asks for. A DeepSpeed JSON, when given, decides the ZeRO stage and
-    offload (and the optimizer, if it has an optimizer section); DeepSpeed is imported only here."""
-    if distributed.backend == "torch":
-        return TorchBackend(model, opt)
-    if distributed.backend != "deepspeed":
-        raise ConfigError(f"distributed.backend must be 'torch' or 'deepspeed', got {distributed.backend!r}")
-    from treetrain.distributed.deepspeed_backend import DeepSpeedBackend
-    from treetrain.distributed.deepspeed_config import read_config
-
-    if distributed.deepspeed_config is None:
-        return DeepSpeedBackend(
-            model,
-            zero_stage=distributed.zero_stage,
-            offload_optimizer=distributed.offload_optimizer,
-            optimizer=opt,
-            dtype=next(model.parameters()).dtype,
-        )
-    has_optimizer = "optimizer" in read_config(distributed.deepspeed_config)
-    return DeepSpeedBackend(
-        model, ds_config=distributed.deepspeed_config, optimizer=None if has_optimizer else opt
-    )

@@ -57,7 +57,7 @@ from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 from transformers import PreTrainedModel
 
-from treetrain.distributed.backend import OptimizerConfig, TrainBackend
+from treetrain.distributed.backend import TrainBackend
 from treetrain.distributed.checkpoint_io import (
     CheckpointError,
     read_client_state,
@@ -71,6 +71,7 @@ from treetrain.distributed.deepspeed_config import (
     read_config,
     with_optimizer,
 )
+from treetrain.distributed.optim_config import OptimizerConfig
 from treetrain.distributed.zero3_sync import FetchRendezvous
 from treetrain.errors import ConfigError
 from treetrain.io import atomic_directory
@@ -114,17 +115,15 @@ class DeepSpeedBackend(TrainBackend):
         offload_optimizer: bool | None = None,
         optimizer: OptimizerConfig | None = None,
         dtype: torch.dtype = torch.float32,
-        torch_adam: bool | None = None,
-        dist_backend: str | None = None,
         measure_params: bool = False,
     ) -> None:
         """`ds_config` (a JSON path or a mapping) wins; without it the config is generated from `zero_stage`
-        (default 2), `offload_optimizer`, `optimizer`, `dtype` and `torch_adam` (default: True on the CPU
-        accelerator, where DeepSpeed's fused and CPU Adam kernels are not built). Arguments that contradict
-        a given `ds_config` are refused. The process group is initialized with `dist_backend` (default: the
-        accelerator's, gloo on CPU) unless one exists already."""
-        if torch_adam is None:
-            torch_adam = get_accelerator().device_name() == "cpu"
+        (default 2), `offload_optimizer`, `optimizer` and `dtype`. Arguments that contradict a given
+        `ds_config` are refused. Adam is torch's own on the CPU accelerator, where DeepSpeed's fused and
+        CPU Adam kernels are not built. The process group is initialized with the accelerator's
+        communication backend (gloo on CPU) unless one exists already. `measure_params` makes the ZeRO-3
+        rendezvous record the parameter bytes it gathers (`FetchRendezvous`)."""
+        torch_adam = get_accelerator().device_name() == "cpu"
         if ds_config is None:
             cfg = default_config(
                 zero_stage=2 if zero_stage is None else zero_stage,
@@ -147,9 +146,7 @@ class DeepSpeedBackend(TrainBackend):
                 cfg = with_optimizer(cfg, optimizer, torch_adam=torch_adam, offload=offloaded, source=source)
         self.config = own_boundary(cfg, source)
         if not dist.is_initialized():
-            deepspeed.init_distributed(
-                dist_backend=dist_backend or get_accelerator().communication_backend_name()
-            )
+            deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
         params = [p for p in model.parameters() if p.requires_grad]
         engine, *_ = deepspeed.initialize(model=model, config=self.config, model_parameters=params)
         self.engine = engine

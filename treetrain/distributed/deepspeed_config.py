@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from treetrain.distributed.backend import OptimizerConfig
+from treetrain.distributed.optim_config import OptimizerConfig
 from treetrain.errors import ConfigError
 from treetrain.jsonfile import read_json_object
 

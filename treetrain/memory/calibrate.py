@@ -52,7 +52,6 @@ from transformers import PreTrainedModel
 
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
 from treetrain.loss.loss_config import LossConfig
-from treetrain.loss.manifest import Manifest
 from treetrain.memory.events import Shape, plan_tree
 from treetrain.memory.fit import Affine, MaxAffine, fit_affine, fit_max_affine
 from treetrain.memory.persistent import kv_bytes_per_token, state_bytes_per_unit
@@ -327,7 +326,7 @@ def measure(
                 p.grad = torch.zeros_like(p) if p.requires_grad and not partitioned else None
             tree = probe_tree(probe.prompt, probe.shared, probe.fans, probe.turn, vocab, seed)
             adv = compute_advantages([tree], AdvantageConfig(zero_variance="keep"))
-            batch = UpdateBatch.build([tree], adv.trees, Manifest.build([tree], 0), loss)
+            batch = UpdateBatch.build([tree], adv.trees, loss)
             cfg = ReplayConfig(
                 contract=contract,
                 microbatch=probe.microbatch,

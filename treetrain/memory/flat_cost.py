@@ -23,7 +23,7 @@ from treetrain.memory.ledger import Ledger, LedgerRow, manifest_host_bytes
 from treetrain.memory.persistent import PersistentBytes, model_persistent_bytes
 from treetrain.models.logprobs import DEFAULT_MAX_LOGIT_ELEMENTS
 from treetrain.models.lora import Reference
-from treetrain.replay.batch import UpdateBatch
+from treetrain.replay.batch import ReplayConfig, UpdateBatch
 from treetrain.replay.flat_reference import FlatCallSize, FlatReference
 
 
@@ -39,7 +39,7 @@ def predict_flat(
     max_logit_elements: int = DEFAULT_MAX_LOGIT_ELEMENTS,
     sizes: Sequence[FlatCallSize] | None = None,
 ) -> tuple[Ledger, int]:
-    """The predicted timeline of `FlatReference(model, loss, microbatch=...).accumulate(batch)` and its
+    """The predicted timeline of `FlatReference(model, loss, ReplayConfig(microbatch=...)).accumulate(batch)` and its
     token cost (forward 1, backward 2 per token, as `ReplayReport.token_cost` counts). `sizes` are
     `FlatReference.call_sizes(batch)` when the caller prices several microbatch sizes."""
     mm = memory_model or calibrate(
@@ -49,7 +49,9 @@ def predict_flat(
     fixed = ClassBytes(persistent=pers.run_persistent, boundary=pers.update_boundary)
     lp_size = max(4, next(model.parameters()).element_size())
     if sizes is None:
-        sizes = FlatReference(model, loss, ref_model=ref_model, microbatch=microbatch).call_sizes(batch)
+        sizes = FlatReference(
+            model, loss, ReplayConfig(microbatch=microbatch), ref_model=ref_model
+        ).call_sizes(batch)
     calls = sizes
     rows: list[LedgerRow] = []
     cost = 0

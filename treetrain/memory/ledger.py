@@ -150,18 +150,32 @@ def manifest_host_bytes(manifest: Manifest) -> int:
     return total
 
 
+@dataclass(frozen=True)
+class Residency:
+    """What bounds resident state in the replay a ledger predicts, beyond its `ReplayConfig`: the retention
+    budget and its host tier (`RetentionPolicy(budget, host_tier=...)`) and the kept graphs."""
+
+    budget: int | None = None
+    """Retention budget in bytes (None = unbounded)."""
+    host_tier: bool = False
+    """Evicted KV is copied to host memory and back instead of recomputed."""
+    keep_graph: KeepGraph | None = None
+    """`exact` mode: the internal units whose first forward keeps its graph until their own step."""
+
+
+UNBOUNDED = Residency()
+
+
 def predict_ledger(
     batch: UpdateBatch,
     model: PreTrainedModel,
     replay: ReplayConfig,
     loss: LossConfig,
     *,
-    budget: int | None = None,
-    keep_graph: KeepGraph | None = None,
+    residency: Residency = UNBOUNDED,
     ref_model: Reference | None = None,
     persistent: PersistentBytes | None = None,
     memory_model: MemoryModel | None = None,
-    host_tier: bool = False,
 ) -> Ledger:
     """Predict the timeline of `TreeReplay(model, loss, replay, ...).accumulate(batch)`.
 
@@ -170,8 +184,8 @@ def predict_ledger(
 
     `persistent` overrides the run-persistent bytes (e.g. with optimizer state under ZeRO); by default
     they are the model's (and reference model's) parameters and gradients, without an optimizer.
-    `host_tier` matches `RetentionPolicy(host_tier=True)`: evicted KV is copied back, not recomputed.
-    Raises `BudgetTooSmallError` when `budget` is below the minimum.
+    `residency` is the retention budget, its host tier and the kept graphs the replay runs under.
+    Raises `BudgetTooSmallError` when `residency.budget` is below the minimum.
     """
     mm = memory_model or calibrate(
         model, replay.contract, with_entropy=loss.needs_entropy, max_logit_elements=replay.max_logit_elements
@@ -191,8 +205,8 @@ def predict_ledger(
     for t, work in enumerate(batch.work):
         tp = plan_tree(
             work, replay, loss, kv_bytes_per_token=mm.kv_bytes_per_token,
-            state_bytes_per_unit=mm.state_bytes_per_unit, budget=budget, keep_graph=keep_graph,
-            host_tier=host_tier, fused_reference=fused,
+            state_bytes_per_unit=mm.state_bytes_per_unit, budget=residency.budget,
+            keep_graph=residency.keep_graph, host_tier=residency.host_tier, fused_reference=fused,
         )  # fmt: skip
         minimum = max(minimum, tp.plan.minimum)
         recomputes += tp.plan.recomputes
@@ -202,7 +216,7 @@ def predict_ledger(
         rows.append(LedgerRow(0, -1, "idle", "idle", fixed))
     peak_row = max(rows, key=lambda r: r.bytes.total)
     return Ledger(
-        tuple(rows), peak_row.bytes, peak_row.index, _cause(peak_row), pers, budget, minimum, recomputes,
+        tuple(rows), peak_row.bytes, peak_row.index, _cause(peak_row), pers, residency.budget, minimum, recomputes,
         manifest_host_bytes(batch.manifest), mm.kv_bytes_per_token, mm.state_bytes_per_unit,
     )  # fmt: skip
 

@@ -18,7 +18,8 @@ from transformers import PreTrainedModel
 from treetrain.loss.loss_config import LossConfig
 from treetrain.memory.events import plan_tree
 from treetrain.memory.flat_cost import predict_flat
-from treetrain.memory.ledger import Ledger, predict_ledger
+from treetrain.memory.ledger import Ledger, Residency, predict_ledger
+from treetrain.memory.overrides import KeepChoice
 from treetrain.memory.persistent import PersistentBytes, kv_bytes_per_token, state_bytes_per_unit
 from treetrain.memory.retention import BudgetTooSmallError
 from treetrain.models.lora import Reference
@@ -26,8 +27,6 @@ from treetrain.replay.batch import ReplayConfig, UpdateBatch
 from treetrain.replay.flat_reference import FlatReference
 from treetrain.replay.protocols import KeepGraph
 from treetrain.replay.schedule import Contract
-
-KeepChoice = Literal["none", "all", "auto"]
 
 
 @dataclass(frozen=True)
@@ -78,7 +77,7 @@ class TreeSearch:
         cfg = replace(self.base, microbatch=k, chunk_size=chunk)
         try:
             ledger = predict_ledger(
-                self.batch, self.model, cfg, self.loss, budget=retention, keep_graph=keep_fn(keep),
+                self.batch, self.model, cfg, self.loss, residency=Residency(retention, keep_graph=keep_fn(keep)),
                 ref_model=self.ref_model, persistent=self.persistent,
             )  # fmt: skip
         except BudgetTooSmallError:

@@ -22,7 +22,7 @@ Costs are in token units (forward 1, backward 2 per token, as `ReplayReport.toke
 `flops` converts them with the usual 2 x parameters per token forward.
 
 Example:
-    >>> plan = plan_update(trees, model, budget=8 << 30, contract="exact")      # doctest: +SKIP
+    >>> plan = plan_update(batch, model, budget=8 << 30, base=ReplayConfig(contract="exact"))  # doctest: +SKIP
     >>> print(plan.explain())                                                  # doctest: +SKIP
 """
 
@@ -37,10 +37,10 @@ from treetrain.bytesize import format_bytes
 from treetrain.errors import TreetrainError
 from treetrain.loss.loss_config import LossConfig
 from treetrain.memory.ledger import Ledger
+from treetrain.memory.overrides import Mode, Overrides
 from treetrain.memory.persistent import PersistentBytes
 from treetrain.memory.plan_search import (
     Candidate,
-    KeepChoice,
     TreeSearch,
     chunk_candidates,
     k_candidates,
@@ -57,46 +57,9 @@ from treetrain.replay.reference import fused_reference
 from treetrain.replay.schedule import Contract
 from treetrain.replay.units import UnitTree
 
-Mode = Literal["tree", "flat"]
-
 
 class PlanError(TreetrainError, ValueError):
     """No candidate fits the budget; the message names the smallest peak found."""
-
-
-@dataclass(frozen=True)
-class Overrides:
-    """Choices the user forces; None leaves a choice to the planner."""
-
-    mode: Mode | None = None
-    """'tree' or 'flat'."""
-    microbatch: int | None = None
-    """K in tree mode (0 = all siblings), calls per microbatch in flat mode."""
-    chunk_size: int | None = None
-    """Unit length in tree mode; 0 means never split."""
-    retention: int | Literal["unbounded"] | None = None
-    """Retention budget in bytes, or 'unbounded'."""
-    keep_graphs: KeepChoice | None = None
-    """'none', 'all' (every internal unit) or 'auto' (the planner's greedy choice)."""
-
-    def __post_init__(self) -> None:
-        if self.mode not in (None, "tree", "flat"):
-            raise ValueError(f"mode must be 'tree' or 'flat', got {self.mode!r}")
-        if self.microbatch is not None and self.microbatch < 0:
-            raise ValueError(f"microbatch must be >= 0, got {self.microbatch}")
-        if self.chunk_size is not None and self.chunk_size < 0:
-            raise ValueError(f"chunk_size must be >= 0 (0 = never split), got {self.chunk_size}")
-        if isinstance(self.retention, int) and self.retention < 0:
-            raise ValueError(f"retention must be >= 0 bytes, got {self.retention}")
-        if self.keep_graphs not in (None, "none", "all", "auto"):
-            raise ValueError(f"keep_graphs must be 'none', 'all' or 'auto', got {self.keep_graphs!r}")
-
-    def forced(self) -> tuple[str, ...]:
-        return tuple(
-            f
-            for f in ("mode", "microbatch", "chunk_size", "retention", "keep_graphs")
-            if getattr(self, f) is not None
-        )
 
 
 @dataclass(frozen=True)
@@ -210,7 +173,6 @@ def plan_update(
     model: PreTrainedModel,
     *,
     budget: int,
-    contract: Contract = "exact",
     loss: LossConfig | None = None,
     overrides: Overrides | None = None,
     ref_model: Reference | None = None,
@@ -220,12 +182,16 @@ def plan_update(
 ) -> Plan:
     """Choose mode, K, chunk size, retention and kept graphs for `batch` within `budget` bytes.
 
+    `base` is the engine config the run fixes (`ReplaySection.engine_config`: the contract, the scoring
+    microbatch, the logits chunk); the plan fills in the rest.
+
     Raises `PlanError` (naming the smallest peak found) when neither mode fits, and `BudgetTooSmallError`
     when a forced retention budget (with K and chunk size forced too) is below the minimum.
     """
     loss = loss or LossConfig()
     ov = overrides or Overrides()
-    base = replace(base or ReplayConfig(), contract=contract)
+    base = base or ReplayConfig()
+    contract = base.contract
     if budget <= 0:
         raise ValueError(f"budget must be > 0 bytes, got {budget}")
     params = sum(p.numel() for p in model.parameters())
@@ -236,7 +202,7 @@ def plan_update(
     walk_note = ""
     if ov.mode != "flat":
         ks = [ov.microbatch] if ov.microbatch is not None else k_candidates(batch)
-        chunks = [ov.chunk_size or None] if ov.chunk_size is not None else chunk_candidates(batch)
+        chunks = [ov.chunk] if ov.chunk_size is not None else chunk_candidates(batch)
 
         def search(walk: Literal["fused", "separate"]) -> tuple[TreeSearch, Candidate | None]:
             s = TreeSearch(

@@ -12,13 +12,12 @@ plan, never a patched one.
 
 Example:
     >>> from treetrain.loss.advantages import AdvantageConfig, compute_advantages
-    >>> from treetrain.loss.manifest import Manifest
     >>> from treetrain.models.presets import tiny_model
     >>> from treetrain.tree.synthetic import synthetic_group
     >>> trees = [synthetic_group(prefix=16, branches=3, suffix=4, depth=1, vocab=64, seed=0)]
     >>> advantages = compute_advantages(trees, AdvantageConfig()).trees
     >>> loss = LossConfig()
-    >>> batch = UpdateBatch.build(trees, advantages, Manifest.build(trees, version=0), loss)
+    >>> batch = UpdateBatch.build(trees, advantages, loss)
     >>> layout = ReplayRecipe(config=ReplayConfig(microbatch=1)).lay_out(batch, tiny_model("llama", 64), loss)
     >>> [len(s.steps) for s in layout.plan.trees], layout.retention[0].recomputes
     ([4], 0)

@@ -45,7 +45,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.utils.import_utils import is_torch_greater_or_equal
 
 from treetrain.models.recurrent_state import attending_layer, recurrent_layers, unkeyed_layers
-from treetrain.models.shared_past import SharedPast, expanded_past, shared_attention
+from treetrain.models.shared_past import ScoreForm, SharedPast, expanded_past, shared_attention
 
 NAME = "treetrain_sdpa"
 SHARED = "treetrain_shared_past"
@@ -174,11 +174,12 @@ def shared_past_forward(
     window = kwargs.get("sliding_window")
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))  # [H], gpt-oss's learned per-head sink logits
     softcap = kwargs.get("softcap")  # Gemma 2's attention soft-capping
-    out = shared_attention(
-        query, key, value, active.positions, past, grads,
-        scale=float(scaling if scaling is not None else query.shape[-1] ** -0.5),
-        window=int(window) if window else None, sinks=sinks, softcap=float(softcap) if softcap else None,
-    )  # fmt: skip
+    form = ScoreForm(
+        float(scaling if scaling is not None else query.shape[-1] ** -0.5),
+        int(window) if window else None,
+        float(softcap) if softcap else None,
+    )
+    out = shared_attention(query, key, value, active.positions, past, grads, form, sinks=sinks)
     return out, None
 
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -127,13 +128,21 @@ def partial_state(
     return out, lse
 
 
+@dataclass(frozen=True)
+class MergedGrad:
+    """What every key set's backward reads of the *merged* attention state: its log-sum-exp, the gradient
+    of its output, and their row product. It is one for all key sets, which is what lets each run alone."""
+
+    lse: torch.Tensor  # [N, M], of the merged state
+    d_out: torch.Tensor  # [N, M, D]
+    delta: torch.Tensor  # [N, M] = rowsum(d_out * merged out)
+
+
 def partial_backward(
     q: torch.Tensor,  # [N, M, D]
     k: torch.Tensor,  # [N, L, D]
     v: torch.Tensor,  # [N, L, D]
-    lse: torch.Tensor,  # [N, M], of the merged state
-    d_out: torch.Tensor,  # [N, M, D]
-    delta: torch.Tensor,  # [N, M] = rowsum(d_out * merged out)
+    merged: MergedGrad,
     scale: float,
     mask: Mask,
     d_q: torch.Tensor,  # [N, M, D], accumulated into
@@ -142,6 +151,7 @@ def partial_backward(
 ) -> None:
     """The flash-attention backward over one key set; `d_kv(a, b, dk, dv)` receives each block's key grads.
     With `softcap`, the score gradient passes through the cap: d(cap * tanh(s / cap))/ds = 1 - tanh^2."""
+    lse, d_out, delta = merged.lse, merged.d_out, merged.delta
     stat = lse.dtype
     step = _block(q.shape[0] * q.shape[1], k.shape[1])
     for a in range(0, k.shape[1], step):
@@ -293,7 +303,7 @@ def _probe(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
 
         d_of = d_out[0].float()
         delta = (d_of * merged_out).sum(-1)
-        partial_backward(qf, kf, vf, merged_lse, d_of, delta, scale, mask, r_dq, sink)
+        partial_backward(qf, kf, vf, MergedGrad(merged_lse, d_of, delta), scale, mask, r_dq, sink)
         if not all(_close(x[0], y, tol) for x, y in ((dq, r_dq), (dk, r_dk), (dv, r_dv))):
             return False
     return True

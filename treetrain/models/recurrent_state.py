@@ -18,8 +18,10 @@ Two things differ from KV, and this module does both:
   a right-padded batch. The model's own forward runs unchanged, with two seams: an `EngineCache` answers
   the layer's `get_conv_state` / `update_conv_state` / `get_recurrent_state` / `update_recurrent_state`
   (the resident state in, the captured state out, never written in place), and the layer's own sequence
-  and step functions, looked up in the layer's module by name, are wrapped while a capture is active
-  (`treetrain.models.recurrent_kinds`: what each kind does to stop its state at a row's cut).
+  and step functions, looked up in the layer's module by name, run their captured form while a capture
+  is active (`treetrain.models.recurrent_kinds`: what each kind does to stop its state at a row's cut).
+  The module's functions are patched once for the process, and outside a capture call the originals
+  unchanged (`_install`).
 - **How a path reads it.** Attention concatenates the KV of every unit on the path; a recurrent layer
   reads only the last unit's state. Its gradient goes into that unit's G accumulator (`_Into`), and the
   unit's closing backward adds <state, G> like <KV, G>.
@@ -173,8 +175,14 @@ def _dispatch(original: Callable[..., Any], captured: Callable[..., Any]) -> Cal
 
 
 def _install(module: nn.Module, kind: Kind) -> None:
-    """Route the layer module's functions of `kind` through `_dispatch` (once per module; a no-op outside a
-    capture)."""
+    """Route the layer module's functions of `kind` through `_dispatch`, for the whole process.
+
+    Process-wide on purpose, and never undone: outside a capture the dispatch calls transformers' own
+    function with the same arguments, so a patched module computes exactly what an unpatched one does
+    (tests/models/test_recurrent_install.py checks it bit for bit), and undoing it after a use would race
+    with a capture running in another thread. Installing is idempotent: the originals are kept once per
+    module (`_ORIGINAL`), and a function already routed is left as it is, so a second install changes
+    nothing."""
     mod = sys.modules[type(module).__module__]
     seq, single = kind.functions
     for name in kind.functions:

@@ -21,12 +21,12 @@ none holds the scores of a whole key set.
 
 Example:
     >>> import torch
-    >>> from treetrain.models.shared_past import shared_attention
+    >>> from treetrain.models.shared_past import ScoreForm, shared_attention
     >>> q = torch.randn(2, 4, 3, 8, dtype=torch.float64)                 # [K, H, T, D]
     >>> own = torch.randn(2, 1, 3, 8, dtype=torch.float64)               # [K, H_kv, T, D]
     >>> piece = torch.randn(1, 1, 5, 8, dtype=torch.float64)             # [1, H_kv, P, D]
     >>> pos = torch.arange(5, 8)[None].expand(2, -1)                     # [K, T]
-    >>> shared_attention(q, own, own, pos, ((piece, piece),), (None,), scale=8**-0.5, window=None).shape
+    >>> shared_attention(q, own, own, pos, ((piece, piece),), (None,), ScoreForm(8**-0.5)).shape
     torch.Size([2, 3, 4, 8])
 """
 
@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from treetrain.models.attention_states import (
+    MergedGrad,
     block_mask,
     fused,
     fused_backward,
@@ -273,8 +274,9 @@ class _SharedAttention(torch.autograd.Function):
                     dk[0, :, a:b] = gk
                     dv[0, :, a:b] = gv
 
+                merged = MergedGrad(lse, do, delta)
                 partial_backward(
-                    qs, k[0], v[0], lse, do, delta, spec.scale, block_mask(vis), d_qs, sink, spec.softcap
+                    qs, k[0], v[0], merged, spec.scale, block_mask(vis), d_qs, sink, spec.softcap
                 )
             if acc is not None:
                 acc[0].add_(dk)
@@ -306,13 +308,25 @@ class _SharedAttention(torch.autograd.Function):
 
             partial_backward(
                 q.reshape(n, g, lay.d), k_own.reshape(n, lay.t, -1), v_own.reshape(n, lay.t, -1),
-                own(lse[..., None])[..., 0], own(do), own(delta[..., None])[..., 0], spec.scale,
+                MergedGrad(own(lse[..., None])[..., 0], own(do), own(delta[..., None])[..., 0]), spec.scale,
                 block_mask(_own_visible(lay.t, spec.window, q.device).repeat(lay.group, 1)), d_qo, own_sink,
                 spec.softcap,
             )  # fmt: skip
             d_q = d_qo.reshape(lay.rows, lay.heads, lay.t, lay.d)
         d_q = d_q + lay.per_row(d_qs)
         return (d_q, d_k.reshape(k_own.shape), d_v.reshape(v_own.shape), d_sinks, None, *piece_grads)
+
+
+@dataclass(frozen=True)
+class ScoreForm:
+    """How a layer turns query-key products into attention scores, as its module's forward says."""
+
+    scale: float
+    """Multiplies every query-key product."""
+    window: int | None = None
+    """Sliding window: a query sees keys with position > its own - window (None: every earlier key)."""
+    softcap: float | None = None
+    """Gemma 2's soft-capping of the scaled scores, `cap * tanh(s / cap)` (None: uncapped)."""
 
 
 def shared_attention(
@@ -322,18 +336,16 @@ def shared_attention(
     positions: torch.Tensor,  # [K, T]
     past: Sequence[LayerKV],  # per piece [1, H_kv, P_i, D], positions 0.. in order
     grads: Sequence[LayerKV | None],
+    form: ScoreForm,
     *,
-    scale: float,
-    window: int | None,
     sinks: torch.Tensor | None = None,  # [H]
-    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of the rows' queries over the shared past and their own tokens: `[K, T, H, Dv]`.
 
-    Past keys sit at positions `0..P-1` and every query comes after them; `window` keeps keys with
+    Past keys sit at positions `0..P-1` and every query comes after them; `form.window` keeps keys with
     position > query position - window (Hugging Face's sliding window). The rows' own tokens are
     consecutive, so a query at own index i sees own keys j <= i (and i - j < window). `sinks` (gpt-oss) are
-    per-head logits in every softmax's denominator with no value; they get their gradient. `softcap`
+    per-head logits in every softmax's denominator with no value; they get their gradient. `form.softcap`
     (Gemma 2) caps every scaled score, `cap * tanh(s / cap)`; the fused kernels take no score modification,
     so a capped layer runs the block-by-block reference for every key set.
     """
@@ -342,8 +354,9 @@ def shared_attention(
         starts.append(at)
         at += int(k.shape[-2])
     spec = _Spec(
-        tuple(past), tuple(grads) or (None,) * len(past), positions, tuple(starts), scale, window, softcap
-    )
+        tuple(past), tuple(grads) or (None,) * len(past), positions, tuple(starts), form.scale, form.window,
+        form.softcap,
+    )  # fmt: skip
     flat = [t for kv in past for t in kv]
     out: torch.Tensor = _SharedAttention.apply(q, k_own, v_own, sinks, spec, *flat)
     return out

@@ -13,48 +13,49 @@ from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.manifest import ContributionKey, Manifest
 from treetrain.loss.sampler_correction import SamplerGap
 from treetrain.loss.targets import EMPTY, TargetTable, tree_targets
-from treetrain.models.logprobs import DEFAULT_MAX_LOGIT_ELEMENTS
-from treetrain.replay.schedule import CONTRACTS, ORDERS, Contract, Order
+from treetrain.replay.replay_settings import ReplaySettings
+from treetrain.replay.schedule import ORDERS, Order
 from treetrain.tree.trajectory_tree import TrajectoryTree
 
 
 @dataclass(frozen=True)
-class ReplayConfig:
-    """How the tree engine schedules work. None of these change the result, only cost and memory."""
+class ReplayConfig(ReplaySettings):
+    """How the tree engine schedules work: the run's `ReplaySettings` and what the planner chose. None of
+    these change the result, only cost and memory (the contract aside)."""
 
-    contract: Contract = "exact"
-    """exact: the full gradient, equal to the flat run; response_only: resident KV detached (cheaper, biased)."""
     microbatch: int = 0
     """K, the sibling units replayed together under autograd (0 = all siblings at once)."""
-    score_microbatch: int = 0
-    """Sibling units per no-grad scoring forward (0 = all)."""
     chunk_size: int | None = None
     """Split nodes longer than this many tokens into chains (None = never split)."""
     order: Order = "tree"
     """Sibling order: tree order, reversed, or shuffled with `seed` (for invariance tests)."""
     seed: int = 0
     """Seed for order='shuffle'."""
-    skip_inert: bool = True
-    """Skip branches whose every advantage is zero when no KL or entropy term is on (exactly no gradient)."""
-    max_logit_elements: int = DEFAULT_MAX_LOGIT_ELEMENTS
-    """Largest logits chunk (rows x vocab) materialized at once."""
     reference_walk: Literal["fused", "separate"] = "fused"
     """With KL and a reference that is the policy with its adapters off: 'fused' scores it in the scoring
     walk (both KV sets resident during it), 'separate' in a second walk after it (less resident at once)."""
 
     def __post_init__(self) -> None:
-        if self.contract not in CONTRACTS:
-            raise ConfigError(f"replay.contract must be one of {CONTRACTS}, got {self.contract!r}")
+        super().__post_init__()
         if self.order not in ORDERS:
-            raise ConfigError(f"replay.order must be one of {ORDERS}, got {self.order!r}")
-        if self.microbatch < 0 or self.score_microbatch < 0:
-            raise ConfigError("replay.microbatch and replay.score_microbatch must be >= 0")
+            raise ConfigError(f"must be one of {ORDERS}, got {self.order!r}", field="order")
+        if self.microbatch < 0:
+            raise ConfigError(f"must be >= 0 (0 = all siblings), got {self.microbatch}", field="microbatch")
         if self.chunk_size is not None and self.chunk_size < 1:
-            raise ConfigError(f"replay.chunk_size must be >= 1 or None, got {self.chunk_size!r}")
-        if self.max_logit_elements < 1:
-            raise ConfigError("replay.max_logit_elements must be >= 1")
+            raise ConfigError(
+                f"must be >= 1 or None (never split), got {self.chunk_size!r}", field="chunk_size"
+            )
         if self.reference_walk not in ("fused", "separate"):
-            raise ConfigError(f"reference_walk must be 'fused' or 'separate', got {self.reference_walk!r}")
+            raise ConfigError(
+                f"must be 'fused' or 'separate', got {self.reference_walk!r}", field="reference_walk"
+            )
+
+    @staticmethod
+    def of(settings: ReplaySettings, *, seed: int = 0) -> ReplayConfig:
+        """The engine's config for the run's `settings` (a `ReplaySection`, say), every shared field carried
+        over as it is; K, chunk size and the reference walk are left for the planner to fill in."""
+        shared = {f.name: getattr(settings, f.name) for f in fields(ReplaySettings)}
+        return ReplayConfig(**shared, seed=seed)
 
 
 @dataclass(frozen=True)
@@ -86,17 +87,21 @@ class UpdateBatch:
     def build(
         trees: Sequence[TrajectoryTree],
         advantages: Sequence[TreeAdvantages],
-        manifest: Manifest,
         loss: LossConfig,
+        *,
+        version: int = 0,
         owned: Sequence[Collection[int]] | None = None,
     ) -> UpdateBatch:
-        """The batch for `trees`, normalized by `manifest` (usually `Manifest.build(trees, version)`).
+        """The batch for `trees`, normalized by their manifest (`Manifest.build(trees, version)`).
 
-        `advantages[i]` is tree i's table, i.e. `compute_advantages(group, cfg).trees`, not the
-        `GroupAdvantages` object itself; `loss` sets each target's coefficient (aggregation, clipping).
-        `owned[i]`, if given, limits tree i to those trajectory indices (placement across ranks).
-        `treetrain.build_batch` does all of this for a list of groups.
+        This is the one builder of an update batch: the manifest comes from the trees themselves, so no
+        caller can pair a batch with another update's normalization. `advantages[i]` is tree i's table,
+        i.e. `compute_advantages(group, cfg).trees`, not the `GroupAdvantages` object itself; `loss` sets
+        each target's coefficient (aggregation, clipping); `version` is the model version the manifest's
+        contributions are keyed by. `owned[i]`, if given, limits tree i to those trajectory indices
+        (placement across ranks). `treetrain.build_batch` computes the advantages too, for a list of groups.
         """
+        manifest = Manifest.build(trees, version)
         if len(trees) != len(advantages):
             raise ValueError(f"{len(trees)} trees but {len(advantages)} advantage tables")
         work = []

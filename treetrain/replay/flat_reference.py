@@ -9,7 +9,7 @@ the sampler correction's `sequence_mask` needs a trajectory's every token before
 trajectory of several calls spans microbatches. Only the `[M]` old logprobs of each call are kept.
 
 Example:
-    >>> flat = FlatReference(model, LossConfig(), microbatch=2)      # doctest: +SKIP
+    >>> flat = FlatReference(model, LossConfig(), ReplayConfig(microbatch=2))   # doctest: +SKIP
     >>> flat.accumulate(batch).loss                                    # doctest: +SKIP
 """
 
@@ -28,11 +28,9 @@ from treetrain.loss.objective import Contributions, objective, sampler_logprobs
 from treetrain.loss.sampler_correction import correction_weights, sampler_terms
 from treetrain.loss.targets import TargetTable, call_target_counts, call_targets
 from treetrain.models.decoder import decoder_forward
-from treetrain.models.logprobs import DEFAULT_MAX_LOGIT_ELEMENTS
 from treetrain.models.lora import Reference, adapters_disabled
-from treetrain.replay.batch import ReplayReport, UpdateBatch
+from treetrain.replay.batch import ReplayConfig, ReplayReport, UpdateBatch
 from treetrain.replay.pieces import GatheredTargets, gather_targets, pad_pieces, target_stats
-from treetrain.replay.schedule import ORDERS, Order
 from treetrain.tree.trajectory_tree import CallRef
 
 
@@ -55,6 +53,10 @@ class FlatCallSize:
 _C = TypeVar("_C", FlatCall, FlatCallSize)
 
 
+ONE_CALL = ReplayConfig(microbatch=1)
+"""The flat reference's default: one call per forward and backward, in tree order."""
+
+
 class FlatReference:
     """Per-call full-sequence forward and backward with the tree engine's loss."""
 
@@ -62,28 +64,25 @@ class FlatReference:
         self,
         model: PreTrainedModel,
         loss: LossConfig,
+        replay: ReplayConfig = ONE_CALL,
         *,
         ref_model: Reference | None = None,
-        microbatch: int = 1,
-        order: Order = "tree",
-        seed: int = 0,
         backward: Callable[[torch.Tensor], None] = lambda t: t.backward(),
-        max_logit_elements: int = DEFAULT_MAX_LOGIT_ELEMENTS,
     ) -> None:
+        """`replay` is the engines' one vocabulary; flat reads its `microbatch` (calls per forward and
+        backward, at least 1), `order` and `seed` (the call order) and `max_logit_elements`."""
         if loss.needs_reference and ref_model is None:
             raise ValueError("loss.kl_coef > 0 needs a reference model")
-        if order not in ORDERS:
-            raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
-        if microbatch < 1:
-            raise ValueError(f"flat microbatch must be >= 1, got {microbatch}")
+        if replay.microbatch < 1:
+            raise ValueError(f"flat microbatch must be >= 1, got {replay.microbatch}")
         self.model = model
         self.ref_model = ref_model
         self.loss_cfg = loss
-        self.microbatch = microbatch
-        self.order = order
-        self.seed = seed
+        self.microbatch = replay.microbatch
+        self.order = replay.order
+        self.seed = replay.seed
         self.backward = backward
-        self.max_logit_elements = max_logit_elements
+        self.max_logit_elements = replay.max_logit_elements
         self.device = next(model.parameters()).device
 
     def calls(self, batch: UpdateBatch) -> list[FlatCall]:

@@ -81,7 +81,7 @@ def separate_reference_logprobs(
         store, identity = view.store(ref)
         paths = PathKV(ref, units, store, identity, view.device)
         lps, n_tok = scoring_pass(
-            ref, paths, microbatch=view.score_microbatch, need=reference_need(units),
+            paths, microbatch=view.score_microbatch, need=reference_need(units),
             keep=lambda u: False, max_logit_elements=view.max_logit_elements, temperature=view.temperature,
             before_batch=view.mark,
         )  # fmt: skip

@@ -191,7 +191,6 @@ class ReferenceWalk:
 
 @torch.no_grad()
 def scoring_pass(
-    model: PreTrainedModel,
     paths: PathKV,
     *,
     microbatch: int,
@@ -204,7 +203,8 @@ def scoring_pass(
     forward_elsewhere: Callable[[int], bool] | None = None,
     reference: ReferenceWalk | None = None,
 ) -> tuple[list[torch.Tensor | None], int]:
-    """Logprobs of every needed unit's targets, `[M_u]` per unit (None where not needed).
+    """Logprobs of every needed unit's targets, `[M_u]` per unit (None where not needed), forwarded through
+    `paths.model`, the model whose KV `paths` keeps (so the two cannot disagree).
 
     `need[u]` says the unit must be evaluated (it has targets, or descendants that do). Internal units' KV
     is stored; `keep(u)` says whether it stays after u's subtree is scored. `before_batch` is called before
@@ -232,7 +232,7 @@ def scoring_pass(
         members = [c for c in event.units if forward_elsewhere is None or not forward_elsewhere(c)]
         if members:
             tokens += _score_splitting(
-                model,
+                paths.model,
                 paths,
                 event.parent,
                 [units[c] for c in members],

@@ -27,13 +27,12 @@ token-costs instead of 4, for a graph held longer). A schedule made for another 
 
 Example (the same sequence as `treetrain.tree_update`, spelled out):
     >>> from treetrain.loss.advantages import AdvantageConfig, compute_advantages
-    >>> from treetrain.loss.manifest import Manifest
     >>> from treetrain.models.presets import tiny_model
     >>> from treetrain.tree.synthetic import synthetic_group
     >>> trees = [synthetic_group(prefix=16, branches=3, suffix=4, depth=1, vocab=64, seed=0)]
     >>> advantages = compute_advantages(trees, AdvantageConfig()).trees  # one table per tree, not the group
     >>> loss = LossConfig()
-    >>> batch = UpdateBatch.build(trees, advantages, Manifest.build(trees, version=0), loss)
+    >>> batch = UpdateBatch.build(trees, advantages, loss)
     >>> engine = TreeReplay(tiny_model("llama", 64), loss, ReplayConfig(contract="exact", microbatch=2))
     >>> report = engine.accumulate(batch)
     >>> report.steps > 0, report.graph_tokens > 0
@@ -251,7 +250,7 @@ class TreeReplay:
             )
         if lcfg.ratio_source == "scoring":
             lps, n_tok = scoring_pass(
-                self.model, walk.paths, microbatch=cfg.score_microbatch, need=walk.scored,
+                walk.paths, microbatch=cfg.score_microbatch, need=walk.scored,
                 keep=lambda u: walk.needs_kv[u], max_logit_elements=cfg.max_logit_elements,
                 temperature=lcfg.logit_temperature, before_batch=self._before_score, forward_elsewhere=lambda u: u in walk.kept,
                 reference=ref_walk,

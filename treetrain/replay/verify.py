@@ -31,7 +31,7 @@ from transformers import PreTrainedModel
 from treetrain.loss.loss_config import LossConfig
 from treetrain.models.lora import AdaptersOff, Reference
 from treetrain.replay.batch import ReplayConfig, UpdateBatch
-from treetrain.replay.flat_reference import FlatReference
+from treetrain.replay.flat_reference import ONE_CALL, FlatReference
 from treetrain.replay.tree_replay import TreeReplay
 
 ModelFactory = Callable[[], PreTrainedModel]
@@ -71,10 +71,10 @@ def flat_gradient(
     batch: UpdateBatch,
     loss: LossConfig,
     ref_model: Reference | None = None,
-    **kw: object,
+    replay: ReplayConfig = ONE_CALL,
 ) -> torch.Tensor:
     model.zero_grad(set_to_none=True)
-    FlatReference(model, loss, ref_model=ref_model, **kw).accumulate(batch)  # type: ignore[arg-type]
+    FlatReference(model, loss, replay, ref_model=ref_model).accumulate(batch)
     return flat_grad(model)
 
 
@@ -118,7 +118,7 @@ def noise_floor(
     base_model = make_model()
     base = flat_gradient(base_model, batch, loss, ref(base_model))
     other = make_model()
-    reordered = flat_gradient(other, batch, loss, ref(other), order="reverse", microbatch=2)
+    reordered = flat_gradient(other, batch, loss, ref(other), ReplayConfig(order="reverse", microbatch=2))
     moved_model = make_model()
     _perturb(moved_model, seed=1234)
     moved = flat_gradient(moved_model, batch, loss, ref(moved_model))

@@ -52,7 +52,7 @@ treetrain train --config my.yaml --set loss.kl_coef=0.02 --set model.reference=i
 
 The code is `treetrain/train/config.py` (sections), `treetrain/rollout/fanout.py` (`rollout.fanout`),
 `treetrain/rollout/prefix_sampler.py` (`rollout.sampling`), `envs/wrapper.py` (`rollout.episode`),
-`treetrain/update/settings.py` (`replay`), `treetrain/loss/loss_config.py` (`loss`),
+`treetrain/update/settings.py` with `treetrain/replay/replay_settings.py` (`replay`), `treetrain/loss/loss_config.py` (`loss`),
 `treetrain/loss/advantages.py` (`advantages`), `treetrain/models/lora_config.py` (`model.lora`) and
 `treetrain/distributed/optim_config.py` (`optim`). A config file that does not set `run_dir` runs in
 `runs/<file stem>` (`--config my.yaml`: `runs/my`); `--print-config` leaves the demo's `run_dir` commented out.

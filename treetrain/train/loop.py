@@ -26,7 +26,8 @@ import torch
 from tqdm.auto import tqdm
 
 from envs.remote import WorkerEnvFactory
-from treetrain.distributed.backend import TrainBackend, make_backend
+from treetrain.distributed.backend import OnPoint, TrainBackend
+from treetrain.distributed.backend_choice import make_backend
 from treetrain.io import atomic_write_text
 from treetrain.memory.planner import Plan
 from treetrain.memory.tracker import MemoryTracker
@@ -34,7 +35,6 @@ from treetrain.replay import ReplayReport
 from treetrain.replay.resident import ResidentIdentity, ResidentStore
 from treetrain.rollout.env_check import check_environment_config
 from treetrain.runfs import UnsafePathError
-from treetrain.stall import stall
 from treetrain.train.advice import no_signal_advice
 from treetrain.train.config import TrainConfig, dump_config
 from treetrain.train.env_failures import EnvironmentFailedError
@@ -78,8 +78,17 @@ class Trainer:
     """
 
     def __init__(
-        self, cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, progress: bool = True
+        self,
+        cfg: TrainConfig,
+        *,
+        resume: bool = False,
+        overwrite: bool = False,
+        progress: bool = True,
+        on_point: OnPoint | None = None,
     ) -> None:
+        """`on_point`, if given, is called after each update's metrics row (`"update-end"`) and inside each
+        checkpoint write of the torch backend (`"checkpoint-write"`): the interruption tests' seam."""
+        self.on_point = on_point
         if cfg.threads is not None:
             torch.set_num_threads(cfg.threads)
         self.cfg = cfg
@@ -150,7 +159,7 @@ class Trainer:
             check_first_prompt(cfg, models.tokenizer, models.policy, make)
         self.tokenizer = models.tokenizer
         self.reference = models.reference
-        self.backend: TrainBackend = make_backend(models.policy, cfg.optim, cfg.distributed)
+        self.backend: TrainBackend = make_backend(models.policy, cfg.optim, cfg.distributed, self.on_point)
         self.state = TrainerState(update=0, version=0)
         self.identity = ResidentIdentity.of(self.backend.module, tokenizer=models.tokenizer_fingerprint)
         if resume:
@@ -264,7 +273,8 @@ class Trainer:
                         advice = no_signal_advice(history)
                         if advice is not None:
                             log.warning("%s", advice)
-                    stall("update-end", index)
+                    if self.on_point is not None:
+                        self.on_point("update-end", index)
                     bar.update(1)
                     bar.set_postfix(progress.fields(row), refresh=False)
                     if self._checkpoint_due(index, last_saved):

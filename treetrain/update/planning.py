@@ -58,7 +58,6 @@ def plan_for(
         batch,
         model,
         budget=budget,
-        contract=cfg.replay.contract,
         loss=cfg.loss,
         overrides=cfg.replay.overrides(cfg.mode),
         ref_model=ref_model,

@@ -26,7 +26,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
-from treetrain.loss.manifest import Manifest
 from treetrain.memory.planner import Plan
 from treetrain.replay import UpdateBatch
 from treetrain.replay.protocols import MemoryProbe
@@ -86,8 +85,8 @@ def run_update(
 
     # 2. The manifest and the batch, once: normalization comes from the manifest alone.
     trees = [t for g in groups for t in g.trees]
-    manifest = Manifest.build(trees, window.version)
-    batch = UpdateBatch.build(trees, [a for g in groups for a in g.advantages], manifest, cfg.loss)
+    advantages = [a for g in groups for a in g.advantages]
+    batch = UpdateBatch.build(trees, advantages, cfg.loss, version=window.version)
 
     # 3. Plan: mode, K, chunking, retention, kept graphs, reference walk (priced by the memory ledger).
     with backend.scratch():  # planning may calibrate with real backward passes

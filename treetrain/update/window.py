@@ -57,7 +57,7 @@ from treetrain.distributed.coverage import (
 )
 from treetrain.distributed.placement import Placement, place
 from treetrain.loss.loss_config import LossConfig
-from treetrain.loss.manifest import ContributionKey, Manifest, ManifestError
+from treetrain.loss.manifest import ContributionKey, ManifestError
 from treetrain.loss.sampler_correction import SamplerGap
 from treetrain.memory.replay_recipe import ReplayRecipe
 from treetrain.models.lora import Reference
@@ -221,9 +221,7 @@ class OpenWindow:
         trees = [t for gi in alive for t in self.groups[gi].trees]
         if whole is None:
             advantages = [a for gi in alive for a in self.groups[gi].advantages]
-            whole = UpdateBatch.build(
-                trees, advantages, Manifest.build(trees, self.owner.version), self.owner.loss
-            )
+            whole = UpdateBatch.build(trees, advantages, self.owner.loss, version=self.owner.version)
         self.manifest = whole.manifest
         ws = self.backend.world_size
         given = self._given_placement
@@ -252,10 +250,12 @@ class OpenWindow:
     def _replayer(self) -> TreeReplay | FlatReference:
         o, plan = self.owner, self.plan
         if plan.mode == "flat":
+            flat = ReplayConfig(
+                microbatch=max(1, plan.config.microbatch), max_logit_elements=plan.config.max_logit_elements
+            )
             return FlatReference(
-                self.backend.module, o.loss, ref_model=o.ref_model, microbatch=max(1, plan.config.microbatch),
-                backward=self._backward, max_logit_elements=plan.config.max_logit_elements,
-            )  # fmt: skip
+                self.backend.module, o.loss, flat, ref_model=o.ref_model, backward=self._backward
+            )
         return TreeReplay(
             self.backend.module, o.loss, plan, ref_model=o.ref_model, store=o.store, backward=self._backward,
             support=o.support, hooks=o.hooks,

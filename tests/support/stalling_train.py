@@ -1,0 +1,59 @@
+"""`treetrain` (the command line) whose trainer stands still at one named point: the entry the
+interruption tests (tests/train/test_interrupt.py) start in a process of their own, to kill it there.
+
+    python tests/support/stalling_train.py POINT[@UPDATE] ARRIVED_FILE train --run-dir ... --set ...
+
+The trainer and its torch backend call their `on_point` hook at named points (`"update-end"`,
+`"checkpoint-write"`); this script builds every trainer with a hook that, at `POINT` (of update `UPDATE`
+when given), writes the process id to `ARRIVED_FILE`, so the test knows it arrived, and sleeps until
+killed. Production code reads no test setting: the seam is this script's constructor argument.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from treetrain.cli.main import main
+from treetrain.train import loop
+
+
+@dataclass(frozen=True)
+class StallAt:
+    """An `on_point` hook that stops the process at `point` (of update `update`, or of any when None)."""
+
+    point: str
+    update: int | None
+    arrived: Path
+
+    @staticmethod
+    def parse(spec: str, arrived: Path) -> StallAt:
+        name, _, at = spec.partition("@")
+        return StallAt(name, int(at) if at else None, arrived)
+
+    def __call__(self, point: str, update: int | None) -> None:
+        if point != self.point or (self.update is not None and update != self.update):
+            return
+        self.arrived.write_text(str(os.getpid()))
+        while True:
+            time.sleep(0.05)
+
+
+def run(argv: list[str]) -> int:
+    spec, arrived, *rest = argv
+    hook = StallAt.parse(spec, Path(arrived))
+
+    class StallingTrainer(loop.Trainer):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, on_point=hook, **kwargs)
+
+    loop.Trainer = StallingTrainer  # type: ignore[misc]  # the CLI imports the trainer when it runs
+    return main(rest)
+
+
+if __name__ == "__main__":
+    raise SystemExit(run(sys.argv[1:]))
