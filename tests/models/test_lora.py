@@ -40,7 +40,7 @@ from treetrain.models.lora import (
 from treetrain.models.presets import FAMILIES
 from treetrain.replay import FlatReference, ReplayConfig, TreeReplay
 from treetrain.replay.resident import ResidentIdentity, ResidentKey, ResidentStore, StaleResidentStateError
-from treetrain.replay.scoring import PathKV, scoring_pass
+from treetrain.replay.scoring import LogitSettings, PathKV, scoring_pass
 from treetrain.replay.units import UnitTree
 from treetrain.replay.verify import deviation, flat_grad, flat_gradient, noise_floor
 from treetrain.train.config import load_config
@@ -168,7 +168,7 @@ def test_stale_state_adapters_off_never_read_as_policy(written: str) -> None:
     paths = PathKV(model, units, store, write, torch.device("cpu"))
     need = [True] * len(units)
     with model.disable_adapter() if written == "off" else torch.no_grad():
-        scoring_pass(paths, microbatch=0, need=need, keep=lambda u: True, max_logit_elements=1 << 20)
+        scoring_pass(paths, microbatch=0, need=need, keep=lambda u: True, logits=LogitSettings(1 << 20))
     key = ResidentKey(units.tree.id, 1, units.tree.nodes[units[1].node].id)
     assert store.has_kv(key, write)
     with pytest.raises(StaleResidentStateError):
@@ -256,7 +256,7 @@ def test_fused_walk_refuses_a_reference_forward_with_adapters_on() -> None:
     ):
         scoring_pass(
             PathKV(model, units, ResidentStore(on), on, cpu), microbatch=0, need=[True] * len(units),
-            keep=lambda u: True, max_logit_elements=1 << 20, reference=walk,
+            keep=lambda u: True, logits=LogitSettings(1 << 20), reference=walk,
         )  # fmt: skip
 
 

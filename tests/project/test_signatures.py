@@ -29,7 +29,7 @@ EXCEPTIONS = {
 }
 """`path:name` -> why its signature is not this project's to narrow."""
 
-PARALLEL = {"begin_tree", "Scheduler"}  # owned by a parallel change
+PARALLEL = {"Scheduler"}  # owned by a parallel change
 
 
 def _count(args: ast.arguments) -> int:

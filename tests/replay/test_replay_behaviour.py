@@ -69,7 +69,7 @@ def test_failure_during_backward_is_reported_not_retried() -> None:
     def broken_backward(t: torch.Tensor) -> None:
         raise RuntimeError("worker died")
 
-    engine = TreeReplay(model, loss, ReplayConfig(), backward=broken_backward)
+    engine = TreeReplay(model, loss, ReplayConfig(), hooks=ReplayHooks(backward=broken_backward))
     with pytest.raises(BackwardFailed, match="window must be reset"):
         engine.accumulate(make_batch(SHAPES["one_level"](0), loss))
 
@@ -184,7 +184,9 @@ def test_failure_after_backward_is_never_split_and_retried() -> None:
         total.backward()
         raise torch.OutOfMemoryError("simulated, at the end of backward")
 
-    engine = TreeReplay(model, loss, ReplayConfig(microbatch=4), backward=backward_then_oom)
+    engine = TreeReplay(
+        model, loss, ReplayConfig(microbatch=4), hooks=ReplayHooks(backward=backward_then_oom)
+    )
     with pytest.raises(BackwardFailed, match="window must be reset"):
         engine.accumulate(make_batch(SHAPES["multi_level"](0), loss))
 

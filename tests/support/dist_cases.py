@@ -25,6 +25,7 @@ from treetrain.loss.advantages import AdvantageConfig
 from treetrain.loss.loss_config import LossConfig
 from treetrain.models.lora import AdaptersOff
 from treetrain.replay import FlatReference, ReplayConfig, TreeReplay, UpdateBatch
+from treetrain.replay.replay_plan import ReplayHooks
 from treetrain.replay.verify import _perturb
 from treetrain.update.window_types import Group
 
@@ -88,7 +89,9 @@ def reference_delta(
         FlatReference(model, loss, flat, ref_model=ref, backward=backend.backward).accumulate(batch)
     else:
         cfg = replay or ReplayConfig(contract=contract)  # type: ignore[arg-type]
-        TreeReplay(model, loss, cfg, ref_model=ref, backward=backend.backward).accumulate(batch)
+        TreeReplay(model, loss, cfg, ref_model=ref, hooks=ReplayHooks(backward=backend.backward)).accumulate(
+            batch
+        )
     backend.step()
     delta = params_vector(model) - start
     if perturb:

@@ -21,7 +21,14 @@ from treetrain.models.lora import AdaptersOff, Reference, adapters_disabled
 from treetrain.replay.batch import ReplayConfig
 from treetrain.replay.protocols import MemoryProbe
 from treetrain.replay.resident import ResidentIdentity, ResidentStore
-from treetrain.replay.scoring import PathKV, ReferenceWalk, ScoreBatch, reference_need, scoring_pass
+from treetrain.replay.scoring import (
+    LogitSettings,
+    PathKV,
+    ReferenceWalk,
+    ScoreBatch,
+    reference_need,
+    scoring_pass,
+)
 from treetrain.replay.units import UnitTree
 
 
@@ -82,7 +89,7 @@ def separate_reference_logprobs(
         paths = PathKV(ref, units, store, identity, view.device)
         lps, n_tok = scoring_pass(
             paths, microbatch=view.score_microbatch, need=reference_need(units),
-            keep=lambda u: False, max_logit_elements=view.max_logit_elements, temperature=view.temperature,
+            keep=lambda u: False, logits=LogitSettings(view.max_logit_elements, view.temperature),
             before_batch=view.mark,
         )  # fmt: skip
         store.clear()

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from treetrain.errors import ConfigError, TreetrainError
 from treetrain.replay.batch import ReplayConfig
@@ -34,6 +34,9 @@ from treetrain.replay.schedule import ReplayStep
 from treetrain.replay.scoring import ScoreBatch
 
 Mode = Literal["tree", "flat"]
+if TYPE_CHECKING:
+    import torch
+
 StepHook = Callable[[str, ReplayStep], None]
 """Called with ("forward" | "backward", step) before each phase of a replay step."""
 
@@ -130,6 +133,9 @@ class ReplayHooks:
 
     step: StepHook | None = None
     """Called with ("forward" | "backward", step) before each phase of a replay step."""
+    backward: Callable[[torch.Tensor], None] | None = None
+    """Turns a step's loss into gradients: `loss.backward()` when None, the DeepSpeed engine's `backward`
+    under ZeRO (so its gradient partitioning sees every call)."""
 
 
 class ScheduleRun:

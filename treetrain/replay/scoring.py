@@ -189,6 +189,16 @@ class ReferenceWalk:
     tokens: int = 0
 
 
+@dataclass(frozen=True)
+class LogitSettings:
+    """How a scoring forward turns hidden states into logprobs: in pieces of at most `max_elements` logits
+    (the `[rows, T, V]` buffer stays bounded whatever the vocabulary), each divided by `temperature` first
+    (the sampling temperature, so the scored policy is the one that sampled)."""
+
+    max_elements: int
+    temperature: float = 1.0
+
+
 @torch.no_grad()
 def scoring_pass(
     paths: PathKV,
@@ -196,9 +206,8 @@ def scoring_pass(
     microbatch: int,
     need: Sequence[bool],
     keep: Callable[[int], bool],
+    logits: LogitSettings,
     with_entropy: bool = False,
-    max_logit_elements: int,
-    temperature: float = 1.0,
     before_batch: Callable[[ScoreBatch], None] | None = None,
     forward_elsewhere: Callable[[int], bool] | None = None,
     reference: ReferenceWalk | None = None,
@@ -211,8 +220,8 @@ def scoring_pass(
     each batch (the retention policy and the memory tracker listen). Units for which `forward_elsewhere(u)`
     is true are left out of the no-grad forwards (their first forward keeps a graph; see `TreeReplay`).
     With `reference`, every batch is also scored by the reference, all its units included (see the module
-    docstring); its logprobs and tokens are left in `reference`. Both are scored at `temperature` (the
-    loss's `logit_temperature`).
+    docstring); its logprobs and tokens are left in `reference`. Both turn logits into logprobs as `logits`
+    says (bounded pieces, at the loss's `logit_temperature`).
     Returns the logprobs and the number of tokens evaluated.
     """
     units = paths.units
@@ -238,8 +247,7 @@ def scoring_pass(
                 [units[c] for c in members],
                 logps,
                 with_entropy,
-                max_logit_elements,
-                temperature,
+                logits,
             )
         elif event.parent != ROOT:  # the path is still made resident, as the retention plan expects
             paths.pieces(event.parent)
@@ -249,7 +257,7 @@ def scoring_pass(
             with reference.enter():
                 reference.tokens += _score_splitting(
                     reference.paths.model, reference.paths, event.parent, [units[c] for c in event.units],
-                    reference.logps, False, max_logit_elements, temperature,
+                    reference.logps, False, logits,
                 )  # fmt: skip
     return logps, tokens
 
@@ -261,13 +269,12 @@ def _score_splitting(
     batch: Sequence[Unit],
     logps: list[torch.Tensor | None],
     with_entropy: bool,
-    max_logit_elements: int,
-    temperature: float,
+    logits: LogitSettings,
 ) -> int:
     """`_score_batch`, split in halves on out-of-memory. Safe to retry: a scoring forward has no graph and
     its only side effects (logprobs, stored KV) are overwritten by the retry."""
     try:
-        return _score_batch(model, paths, parent, batch, logps, with_entropy, max_logit_elements, temperature)
+        return _score_batch(model, paths, parent, batch, logps, with_entropy, logits)
     except torch.OutOfMemoryError:
         if len(batch) == 1:
             raise
@@ -275,7 +282,7 @@ def _score_splitting(
             torch.cuda.empty_cache()
         half = len(batch) // 2
         return sum(
-            _score_splitting(model, paths, parent, part, logps, with_entropy, max_logit_elements, temperature)
+            _score_splitting(model, paths, parent, part, logps, with_entropy, logits)
             for part in (batch[:half], batch[half:])
         )
 
@@ -287,8 +294,7 @@ def _score_batch(
     batch: Sequence[Unit],
     logps: list[torch.Tensor | None],
     with_entropy: bool,
-    max_logit_elements: int,
-    temperature: float,
+    logits: LogitSettings,
 ) -> int:
     """One scoring forward; its activations die on return, before the next batch runs."""
     state = adapter_state(model)
@@ -303,8 +309,8 @@ def _score_batch(
         out.hidden,
         gathered,
         with_entropy=with_entropy,
-        max_logit_elements=max_logit_elements,
-        temperature=temperature,
+        max_logit_elements=logits.max_elements,
+        temperature=logits.temperature,
     )
     for row, unit in enumerate(batch):
         a, b = gathered.target_offsets[row], gathered.target_offsets[row + 1]

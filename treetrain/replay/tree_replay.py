@@ -73,6 +73,7 @@ from treetrain.replay.replay_plan import ReplayHooks, ReplayPlan, ScheduleRun, T
 from treetrain.replay.resident import ResidentIdentity, ResidentStore
 from treetrain.replay.schedule import ReplayStep
 from treetrain.replay.scoring import (
+    LogitSettings,
     PathKV,
     ScoreBatch,
     past_before_overlap,
@@ -97,10 +98,10 @@ class TreeReplay:
     """Accumulates parameter gradients for an update by tree replay. `optimizer.step()` is the caller's.
 
     `plan` is the planner's `ReplayPlan` (or a bare `ReplayConfig`). `store` holds resident state under its
-    identity (a fresh one for the model if omitted); `backward` runs each step's backward (the update
-    window routes it through the training backend); `support` remembers which models were checked (pass
+    identity (a fresh one for the model if omitted); `support` remembers which models were checked (pass
     `SupportGate(trusting=True)` for a model known to split exactly); `hooks` are called at fixed points
-    (tests inject faults through them).
+    (tests inject faults through them), and `hooks.backward` runs each step's backward (the update window
+    routes it through the training backend).
     """
 
     def __init__(
@@ -111,7 +112,6 @@ class TreeReplay:
         *,
         ref_model: Reference | None = None,
         store: ResidentStore | None = None,
-        backward: Backward = _default_backward,
         support: SupportGate | None = None,
         hooks: ReplayHooks | None = None,
     ) -> None:
@@ -124,11 +124,11 @@ class TreeReplay:
         if self.plan.mode != "tree":
             raise ValueError("TreeReplay runs tree-mode plans; flat mode is treetrain.replay.FlatReference")
         self.store = store or ResidentStore(ResidentIdentity.of(model))
-        self.backward = backward
         self.support = support or SupportGate()
         """Refuses models the engine cannot split exactly (policy and reference)."""
         self.device = next(model.parameters()).device
         self.hooks = hooks or ReplayHooks()
+        self.backward: Backward = self.hooks.backward or _default_backward
         self._widest = 0
         self._evictions: ScheduleRun | None = None
         self._label = ""
@@ -251,8 +251,9 @@ class TreeReplay:
         if lcfg.ratio_source == "scoring":
             lps, n_tok = scoring_pass(
                 walk.paths, microbatch=cfg.score_microbatch, need=walk.scored,
-                keep=lambda u: walk.needs_kv[u], max_logit_elements=cfg.max_logit_elements,
-                temperature=lcfg.logit_temperature, before_batch=self._before_score, forward_elsewhere=lambda u: u in walk.kept,
+                keep=lambda u: walk.needs_kv[u],
+                logits=LogitSettings(cfg.max_logit_elements, lcfg.logit_temperature),
+                before_batch=self._before_score, forward_elsewhere=lambda u: u in walk.kept,
                 reference=ref_walk,
             )  # fmt: skip
             walk.old_lp = [old if old is not None else lp for old, lp in zip(walk.old_lp, lps)]

@@ -40,6 +40,7 @@ contribution keys stay distinct.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Sequence
@@ -257,8 +258,8 @@ class OpenWindow:
                 self.backend.module, o.loss, flat, ref_model=o.ref_model, backward=self._backward
             )
         return TreeReplay(
-            self.backend.module, o.loss, plan, ref_model=o.ref_model, store=o.store, backward=self._backward,
-            support=o.support, hooks=o.hooks,
+            self.backend.module, o.loss, plan, ref_model=o.ref_model, store=o.store, support=o.support,
+            hooks=dataclasses.replace(o.hooks, backward=self._backward),
         )  # fmt: skip
 
     def _backward(self, loss: torch.Tensor) -> None:
