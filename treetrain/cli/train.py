@@ -7,7 +7,11 @@ import logging
 import sys
 from pathlib import Path
 
+from treetrain.cli.option_types import Whole
 from treetrain.errors import ConfigError, TreetrainError
+
+MAX_UPDATES = 10**9
+"""Largest `--updates` (at a second an update, thirty years)."""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -30,7 +34,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="override one field (repeatable), e.g. --set loss.kl_coef=0.05",
     )
     p.add_argument("--run-dir", help="shorthand for --set run_dir=DIR")
-    p.add_argument("--updates", type=int, help="shorthand for --set updates=N")
+    p.add_argument("--updates", type=Whole(1, MAX_UPDATES), help="shorthand for --set updates=N")
     p.add_argument("--trees", help="train on recorded trees (a directory or glob) instead of rollouts")
     p.add_argument(
         "--resume",
