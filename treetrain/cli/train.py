@@ -71,21 +71,26 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config and not args.resume:
         print(config_template(cfg), end="")
         return 0
+    if args.resume:  # the run's own saved settings, changed only where that is safe (before torch loads)
+        from treetrain.train.resume import resume_config
+
+        try:
+            cfg = resume_config(cfg.run_dir, args.config, overrides)
+        except (TreetrainError, OSError) as exc:
+            print(f"treetrain train: {exc}", file=sys.stderr)
+            return 2
+        if args.print_config:  # what the resume would run with
+            print(dump_config(cfg), end="")
+            return 0
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.no_progress:
         from treetrain.train.progress import hide_library_bars
 
         hide_library_bars()
     from treetrain.train.loop import Trainer
-    from treetrain.train.resume import resume_config
     from treetrain.train.rundir import is_run_dir
 
     try:
-        if args.resume:  # the run's own saved settings, changed only where that is safe
-            cfg = resume_config(cfg.run_dir, args.config, overrides)
-            if args.print_config:  # what the resume would run with
-                print(dump_config(cfg), end="")
-                return 0
         trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress)
         summary = trainer.run()
     except (TreetrainError, OSError, FloatingPointError) as exc:  # bad input, the disk, a non-finite step
