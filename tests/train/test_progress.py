@@ -66,6 +66,12 @@ def test_trainer_bar_shows_last_peak_and_dropped_update(
     shown = capsys.readouterr().err
     assert "no step: all 1 groups dropped" in shown and "(update 0)" in shown
     assert "peak=0" not in shown and "tok_s=0" not in shown
+    frames = [f for f in shown.replace("\n", "\r").split("\r") if f.startswith("train:")]
+    after = {n: [f for f in frames if f" {n}/2 " in f] for n in (1, 2)}
+    assert after[1] and after[2], frames  # each update's own reward, not the one before it
+    assert all(f"reward={rows[0].reward_mean:.2f}" in f for f in after[1]), after[1]
+    assert all(f"reward={rows[1].reward_mean:.2f}" in f for f in after[2]), after[2]
+    assert rows[0].reward_mean != rows[1].reward_mean
 
 
 def test_reward_plot_is_titled_with_its_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -266,8 +266,8 @@ class Trainer:
                         if advice is not None:
                             log.warning("%s", advice)
                     stall("update-end", index)
+                    bar.set_postfix(progress.fields(row), refresh=False)  # shown by the update below
                     bar.update(1)
-                    bar.set_postfix(progress.fields(row), refresh=False)
                     if self._checkpoint_due(index, last_saved):
                         save_trainer_state(self.backend, self.run_dir, self.state, to_dict(cfg))
                         last_saved = time.monotonic()
