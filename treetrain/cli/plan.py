@@ -148,6 +148,11 @@ def add_parser(sub: Any) -> None:
         help="DeepSpeed ZeRO stage the update runs under (default 0, or the config's)",
     )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the ledger and the decision as JSON")
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bars (transformers' weight loading), as in train",
+    )
     p.set_defaults(func=run)
 
 
@@ -261,6 +266,10 @@ def lora_text(lora: PersistentBytes, full: PersistentBytes) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.no_progress:
+        from treetrain.train.progress import hide_library_bars
+
+        hide_library_bars()
     if not args.trees:
         return _check_model(args)
     if args.budget is None:
