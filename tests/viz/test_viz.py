@@ -225,3 +225,18 @@ def test_leaf_labels_are_rounded_and_never_overlap(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(draw, "reward_label", lambda rs: "r=" + ",".join(f"{v:g}" for v in sorted(set(rs))))
     assert sum(overlaps(_leaf_label_boxes(tree)[1]) for tree in trees) > 0
     plt.close("all")
+
+
+def test_notebook_trees_come_from_the_variable_or_the_shipped_examples(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import treetrain.viz.tree_files as tree_files_module
+    from treetrain.viz.tree_files import notebook_trees
+
+    assert notebook_trees({"TREETRAIN_TREES": str(tmp_path)}) == tmp_path
+    assert notebook_trees({}) == TREES  # the shipped examples, wherever the notebook runs from
+    monkeypatch.setattr(tree_files_module, "SHIPPED_TREES", tmp_path / "gone")  # installed without the repo
+    with pytest.raises(
+        FileNotFoundError, match=r"no trees to show: \$TREETRAIN_TREES is not set.*set TREETRAIN"
+    ):
+        notebook_trees({})
