@@ -36,8 +36,8 @@ from pathlib import Path
 from treetrain.bytesize import format_bytes
 from treetrain.errors import TreetrainError
 
-_CODES = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC), getattr(errno, "EFBIG", errno.ENOSPC)}
-_WORDS = ("no space left on device", "disk quota exceeded", "file too large")
+_CODES = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+_WORDS = ("no space left on device", "disk quota exceeded")
 _TORCH_SHORT_WRITE = "unexpected pos"
 """What torch's zip writer (`inline_container.cc`) says when a write came up short: the disk filled."""
 
