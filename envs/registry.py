@@ -10,19 +10,28 @@ A name resolves, in this order, through:
        maze = "my_pkg.envs:MazeEnv"
 
 A built-in name wins over an entry point of the same name. An unknown name raises `UnknownEnvironmentError`
-listing every available name; an entry point that fails to load names the distribution that declared it.
+listing every available name (and the closest one: `calculater`, did you mean `calculator`?); an entry
+point that fails to load names the distribution that declared it. A module whose own code fails at import
+(it raises, has a syntax error, or calls `sys.exit`) is one `EnvironmentLoadError` line naming the module and
+the error, with the traceback in a file under `TRACEBACK_DIR`.
 
 Example:
     >>> env = make_env("calculator", max_operands=3)
     >>> type(env).__name__, "lookup" in available()
     ('CalculatorEnv', True)
+    >>> resolve("calculater")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    envs.registry.UnknownEnvironmentError: unknown environment 'calculater'; did you mean 'calculator'? Available: ...
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import os
 import sys
+import tempfile
+import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
@@ -34,6 +43,9 @@ from envs.protocol import Environment
 from treetrain.errors import TreetrainError
 
 ENTRY_POINT_GROUP = "treetrain.envs"
+TRACEBACK_DIR = Path(tempfile.gettempdir()) / "treetrain-env-errors"
+"""Where the traceback of an environment module that fails at import goes: the run directory is not yet
+claimed then (a run that never started leaves nothing in it)."""
 
 #: The built-in environments: name -> "module:Class". Importing this module imports none of them.
 BUILTINS: Mapping[str, str] = MappingProxyType(
@@ -81,13 +93,42 @@ def _import_target(target: str, origin: str) -> type[Environment]:
         raise EnvironmentLoadError(f"{target!r} ({origin}) is not of the form 'module:Class'")
     try:
         obj: Any = _import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not (module_name == exc.name or module_name.startswith(f"{exc.name}.")):
+            # the module was found, and its own code imports one that is missing
+            raise _failed_import(module_name, origin, exc) from None
+        raise EnvironmentLoadError(f"cannot load {target!r} ({origin}): {exc}") from exc
+    # the module's own code ran and failed (a raise, a syntax error, `sys.exit` at import): one line, and
+    # the traceback in a file, as for environment code that fails later
+    except (Exception, SystemExit) as exc:
+        raise _failed_import(module_name, origin, exc) from None
+    try:
         for part in attr.split("."):
             obj = getattr(obj, part)
-    except (ImportError, AttributeError) as exc:
+    except AttributeError as exc:
         raise EnvironmentLoadError(f"cannot load {target!r} ({origin}): {exc}") from exc
     if not (isinstance(obj, type) and issubclass(obj, Environment)):
         raise EnvironmentLoadError(f"{target!r} ({origin}) is {obj!r}, not a subclass of envs.Environment")
     return obj
+
+
+def _failed_import(module_name: str, origin: str, exc: BaseException) -> EnvironmentLoadError:
+    """The one-line error for an environment module whose import raised (or exited), with its traceback
+    written to a file under `TRACEBACK_DIR` that the line names."""
+    if isinstance(exc, SystemExit):
+        what = f"called sys.exit({exc.code!r}) while being imported"
+    else:
+        what = f"failed while being imported: {type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+    text = "".join(traceback.format_exception(exc))
+    try:
+        TRACEBACK_DIR.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=f"import-{module_name[:60]}-", suffix=".log", dir=TRACEBACK_DIR)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(f"environment module {module_name!r} ({origin}) failed at import\n\n{text}")
+        where = f"traceback in {name}"
+    except OSError as problem:
+        where = f"its traceback could not be saved ({problem.strerror})"
+    return EnvironmentLoadError(f"environment module {module_name!r} ({origin}) {what}; {where}")
 
 
 def _import_module(module_name: str) -> Any:
@@ -114,8 +155,10 @@ def resolve(name: str) -> type[Environment]:
     source = sources.get(name)
     if source is None:
         listing = ", ".join(f"{n} ({s.origin})" for n, s in sources.items()) or "none"
+        close = difflib.get_close_matches(name, list(sources), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else "."
         raise UnknownEnvironmentError(
-            f"unknown environment {name!r}. Available: {listing}. "
+            f"unknown environment {name!r}{hint} Available: {listing}. "
             "Or pass 'module:Class' to load a class directly."
         )
     return _import_target(source.target, source.origin)

@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO, Literal
 
+from treetrain.diskfull import DiskFullError, is_disk_full, naming_full_disk, tree_bytes
+
 
 def _fsync_dir(directory: str) -> None:
     if hasattr(os, "O_DIRECTORY"):
@@ -68,18 +70,19 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     if existing is not None and not stat.S_ISREG(existing.st_mode):
         raise OSError(errno.EINVAL, f"{_kind(existing.st_mode)}; refusing to replace it", path)
     mode = existing.st_mode & 0o777 if existing is not None else 0o644
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    with naming_full_disk(directory, len(data)):  # one line naming the directory, whatever the disk said
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, mode)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
     _fsync_dir(directory)
 
 
@@ -178,9 +181,13 @@ def atomic_directory(
     try:
         yield tmp
         barrier()
-    except BaseException:
+    except BaseException as exc:
+        full = writer and is_disk_full(exc) and not isinstance(exc, DiskFullError)
+        needed = _needed_for(final, tmp) if full else 0
         if writer:
             shutil.rmtree(tmp, ignore_errors=True)
+        if full:  # torch's zip writer, safetensors and os.write each say it in their own words
+            raise DiskFullError(final.parent, needed, at_least=True) from None
         raise
     if writer:
         if os.path.lexists(final):
@@ -189,6 +196,13 @@ def atomic_directory(
         _fsync_dir(str(final.parent))
         shutil.rmtree(old, ignore_errors=True)
     barrier()
+
+
+def _needed_for(final: Path, tmp: Path) -> int:
+    """What a directory write that filled the disk needs, at least: what it wrote before it failed, or the
+    size of the directory it replaces or of the newest one beside it (the previous checkpoint), if larger."""
+    siblings = sorted(p for p in final.parent.iterdir() if p.is_dir() and not p.name.startswith("."))
+    return max([tree_bytes(tmp), *(tree_bytes(p) for p in {final, *siblings[-1:]} if p.is_dir())])
 
 
 def write_files_all_or_nothing(files: Sequence[tuple[Path, bytes]]) -> None:

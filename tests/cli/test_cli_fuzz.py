@@ -308,3 +308,81 @@ def test_a_vocab_that_would_take_gibs_is_refused(capsys: pytest.CaptureFixture[s
     tree = str(Path(__file__).parents[1] / "assets" / "tree_tiny.msgpack")
     code, _, err = run_cli(capsys, ["plan", tree, *PLAN, "--vocab", str(1 << 24)])
     assert code == 2 and "Traceback" not in err and "must be in [1, 1048576]" in err
+
+
+def _numeric_options() -> list[tuple[str, str, object]]:
+    """(verb, option, argparse type) for every option of every verb that takes a number."""
+    import argparse
+
+    from treetrain.cli.main import build_parser
+
+    verbs = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    found = []
+    for verb, parser in verbs.choices.items():
+        for action in parser._actions:
+            if action.type is not None and action.option_strings:
+                found.append((verb, action.option_strings[-1], action.type))
+    return found
+
+
+def test_every_numeric_option_is_checked_like_a_config_field() -> None:
+    """argparse's bare `int` and `float` take nan, inf and 2**63: no verb may use them (choices aside)."""
+    from treetrain.cli.option_types import Real, Whole
+
+    typed = [(verb, opt) for verb, opt, kind in _numeric_options() if isinstance(kind, Whole | Real)]
+    bare = [(verb, opt) for verb, opt, kind in _numeric_options() if kind in (int, float)]
+    assert bare == [("plan", "--zero-stage")], bare  # the one with choices (0, 1, 2, 3)
+    assert {("plan", "--min-speedup"), ("plan", "--world-size"), ("inspect", "--max-tokens")} <= set(typed)
+    assert ("train", "--updates") in typed and len(typed) >= 7
+
+
+def _hostile_numbers(kind: object) -> list[str]:
+    from treetrain.cli.option_types import Real, Whole
+
+    common = ["nan", "NaN", "inf", "-inf", "1e400", "-1e400", "", " ", "x", "0x10"]
+    if isinstance(kind, Whole):
+        return [*common, str(kind.low - 1), str(kind.high + 1), str(2**63), "9" * 5000, "1_0", "2**63",
+                "1.5", "1e3", "\uff12"]  # fmt: skip
+    assert isinstance(kind, Real)
+    return [
+        *common,
+        repr(kind.low - 1),
+        repr(kind.high * 2),
+        "-5",
+        *([repr(kind.low)] if kind.low_open else []),
+    ]
+
+
+@pytest.mark.timeout(120)
+def test_every_numeric_option_refuses_out_of_range_and_non_finite_values(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Each is refused at parse time in argparse's one line naming the option (before anything loads);
+    a value in range parses (the negative control)."""
+    from treetrain.cli.main import build_parser
+    from treetrain.cli.option_types import Real, Whole
+
+    needs = {
+        "plan": ["t.msgpack"],
+        "inspect": ["t.msgpack"],
+        "train": [],
+        "import": ["in.jsonl", "--out", "o"],
+    }
+    for verb, opt, kind in _numeric_options():
+        if not isinstance(kind, Whole | Real):
+            continue
+        for value in _hostile_numbers(kind):
+            code, _, err = run_cli(capsys, [verb, *needs[verb], f"{opt}={value}"])
+            last = err.strip().splitlines()[-1] if err.strip() else ""
+            assert code == 2 and "Traceback" not in err, f"{verb} {opt}={value!r}: {code} {err[-500:]}"
+            assert last.startswith(f"treetrain {verb}: error: argument {opt}"), f"{opt}={value!r}: {last}"
+        fine = str(kind.high) if isinstance(kind, Whole) else repr(kind.high)
+        args = build_parser().parse_args([verb, *needs[verb], f"{opt}={fine}"])
+        assert getattr(args, opt.lstrip("-").replace("-", "_")) == (
+            int(fine) if isinstance(kind, Whole) else kind.high
+        )
+    for value in ("nan", "inf", "-5"):  # the outside checks' own cases
+        code, _, err = run_cli(capsys, ["plan", "t.msgpack", *PLAN, "--min-speedup", value])
+        assert code == 2 and "argument --min-speedup" in err
+    code, _, err = run_cli(capsys, ["plan", "t.msgpack", *PLAN, "--world-size", str(2**63)])
+    assert code == 2 and "argument --world-size: must be in [1, 65536]" in err

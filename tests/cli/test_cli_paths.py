@@ -147,6 +147,9 @@ print(json.dumps({{"code": code, "err": err.getvalue(), "heavy": [m for m in {he
         (["train", "--set", "model.path=/no/such/model"], "model.path: '/no/such/model' does not exist"),
         (["plan", "trees/tool_use.msgpack", "--budget", "1GiB"], "give --model"),
         (["plan", "trees/tool_use.msgpack", "--budget", "1GiB", "--set", "nosuchkey=1"], "nosuchkey"),
+        (["train", "--resume", "--run-dir", "runs/never-ran-here"], "runs/never-ran-here does not exist"),
+        (["train", "--resume", "--no-progress", "--run-dir", "trees"], "trees holds no treetrain run"),
+        (["plan", "trees/tool_use.msgpack", *PLAN, "--chunk-size", "1"], "units, more than the 512"),
     ],
 )
 def test_config_errors_are_answered_before_torch_is_imported(argv: list[str], needle: str) -> None:

@@ -216,4 +216,44 @@ def test_each_file_is_one_advantage_group_as_in_train(
     assert flat_tokens(varied, constant) == alone  # negative control: a constant group is dropped
     assert main(["plan", str(constant), "--config", str(cfg), "--budget", "1GiB"]) == 2
     err = capsys.readouterr().err
-    assert "equal rewards" in err and "zero_variance=keep" in err and len(err.strip().splitlines()) == 1
+    assert "equal rewards" in err and "nothing to plan" in err and len(err.strip().splitlines()) == 1
+    kl = ["--set", "loss.kl_coef=0.1", "--set", "model.reference=initial"]  # a KL term trains on them
+    assert main(["plan", str(constant), "--config", str(cfg), *kl, "--budget", "1GiB"]) == 2
+    assert "zero_variance=keep" in capsys.readouterr().err
+
+
+def test_trees_with_equal_rewards_say_there_is_nothing_to_train(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`plan --model` keeps zero-variance groups; when every group has equal rewards, every advantage is 0
+    and an update trains nothing: one line says so, never a speedup of nothing over nothing (`infx`)."""
+    path = tmp_path / "equal.msgpack"
+    save_trees([synthetic_group(prefix=40, branches=3, suffix=8, vocab=500, seed=1, rewards=[1.0] * 3)], path)
+    varied = tmp_path / "varied.msgpack"
+    save_trees(
+        [synthetic_group(prefix=40, branches=3, suffix=8, vocab=500, seed=2, rewards=[0.0, 1.0, 0.0])], varied
+    )
+    args = ["--model", "tiny-llama", "--budget", "64MiB"]
+    assert main(["plan", str(path), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "equal rewards (zero variance" in err and "nothing to plan" in err and "\n" not in err
+    assert "inf" not in err and "speedup" not in err
+    assert main(["plan", str(path), str(varied), *args]) == 0  # negative control: one varied group plans
+    assert "speedup" in capsys.readouterr().out
+
+
+def test_a_chunk_size_too_small_to_plan_is_refused_before_the_model_loads(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`--chunk-size 1` on a shipped tree gave no answer within 300 s: the work is counted up front and
+    refused in one line naming the smallest chunk size that is answered."""
+    tree = str(Path(__file__).parents[2] / "trees" / "long_prefix.msgpack")
+    for extra in (["--chunk-size", "1"], ["--set", "replay.chunk_size=2"]):  # the flag, and the config's
+        argv = ["plan", tree, "--model", "tiny-llama", "--budget", "64MiB", *extra]
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert "units, more than the" in err and "\n" not in err, err
+    assert int(err.split("give ")[1].split()[0]) > 2  # names a chunk size that is answered
+    argv = ["plan", tree, "--model", "tiny-llama", "--budget", "64MiB", "--chunk-size", "64"]
+    assert main(argv) == 0  # negative control: a chunk size the planner prices plans
+    assert "chunk size=64" in capsys.readouterr().out

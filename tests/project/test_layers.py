@@ -16,9 +16,10 @@ ROOT = Path(__file__).resolve().parents[2]
 LAYERS = (
     "errors",
     "lazy",
+    "bytesize",
+    "diskfull",
     "runfs",
     "io",
-    "bytesize",
     "lifetime",
     "jsonfile",
     "trajectory",

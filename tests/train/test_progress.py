@@ -66,6 +66,12 @@ def test_trainer_bar_shows_last_peak_and_dropped_update(
     shown = capsys.readouterr().err
     assert "no step: all 1 groups dropped" in shown and "(update 0)" in shown
     assert "peak=0" not in shown and "tok_s=0" not in shown
+    frames = [f for f in shown.replace("\n", "\r").split("\r") if f.startswith("train:")]
+    after = {n: [f for f in frames if f" {n}/2 " in f] for n in (1, 2)}
+    assert after[1] and after[2], frames  # each update's own reward, not the one before it
+    assert all(f"reward={rows[0].reward_mean:.2f}" in f for f in after[1]), after[1]
+    assert all(f"reward={rows[1].reward_mean:.2f}" in f for f in after[2]), after[2]
+    assert rows[0].reward_mean != rows[1].reward_mean
 
 
 def test_reward_plot_is_titled_with_its_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -120,3 +126,25 @@ def test_no_progress_hides_the_weight_loading_bar() -> None:
         err[mode] = done.stderr
     assert "Loading weights" in err["show"]  # the control: the bar is there to hide
     assert "Loading weights" not in err["hide"], err["hide"]
+
+
+@pytest.mark.timeout(240)
+def test_plan_no_progress_hides_the_weight_loading_bar_too(tmp_path: Path) -> None:
+    """`treetrain plan --model demo --no-progress` loads the demo's weights without their bar (the test
+    above is the control: loading the demo without `hide_library_bars` draws it)."""
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), *sys.path]), "TQDM_DISABLE": ""}
+    tree = str(tmp_path / "t.msgpack")
+    save_trees(
+        [synthetic_group(prefix=24, branches=4, suffix=4, vocab=64, seed=0, rewards=[1.0, 0.0] * 2)], tree
+    )
+    argv = ["plan", tree, "--model", "demo", "--budget", "1GiB", "--no-progress"]
+    done = subprocess.run(
+        [sys.executable, "-m", "treetrain", *argv], capture_output=True, text=True, timeout=200, env=env
+    )
+    assert done.returncode == 0 and "speedup" in done.stdout, done.stderr
+    assert "Loading weights" not in done.stderr and "%|" not in done.stderr, done.stderr

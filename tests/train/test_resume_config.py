@@ -145,6 +145,20 @@ def test_resume_as_printed_continues_the_same_run(tmp_path: Path, capsys) -> Non
     err = capsys.readouterr().err
     assert "optim.lr" in err and len(err.strip().splitlines()) == 1
     assert len(read_metrics(run / "metrics.jsonl")) == 3
+    # the same change made by editing config.yaml is held to the same rule: the checkpoint knows better
+    edited = saved.replace("updates: 2\n", "updates: 3\n")
+    for key, new in [("lr", "0.5"), ("seed", "12345")]:
+        line = next(ln for ln in edited.splitlines() if ln.strip().startswith(f"{key}:"))
+        (run / "config.yaml").write_text(edited.replace(line, line.split(":")[0] + f": {new}", 1))
+        assert main(["train", "--resume", "--run-dir", str(run), "--no-progress"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "the saved config was edited" in err and "checkpoints/update-00003" in err and "\n" not in err
+        assert f"{key} is {new}" in err, err
+    assert len(read_metrics(run / "metrics.jsonl")) == 3
+    # negative control: an edit of a setting a resume may change is taken
+    (run / "config.yaml").write_text(edited.replace("measure_memory_every: ", "measure_memory_every: 7 #", 1))
+    assert main(["train", "--resume", "--run-dir", str(run), "--print-config"]) == 0
+    assert "measure_memory_every: 7" in capsys.readouterr().out
 
 
 def test_print_config_on_resume_shows_the_saved_settings(tmp_path: Path, capsys) -> None:

@@ -183,3 +183,59 @@ def test_ledger_plot_stacks_classes_and_marks_measured_peaks() -> None:
     peaks = measured_peaks(tracker.segments)
     assert dots and len(dots[0].get_xdata()) == sum(r.label in peaks for r in ledger.rows)
     plt.close("all")
+
+
+def _leaf_label_boxes(tree: object) -> tuple[list[str], list[object]]:
+    from treetrain.viz.draw import draw_tree
+
+    ax = draw_tree(tree)  # type: ignore[arg-type]
+    ax.figure.canvas.draw()
+    renderer = ax.figure.canvas.get_renderer()  # type: ignore[attr-defined]
+    labels = [t for t in ax.texts if t.get_text().startswith("r=")]
+    return [t.get_text() for t in labels], [t.get_window_extent(renderer) for t in labels]
+
+
+def test_leaf_labels_are_rounded_and_never_overlap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rewards such as 0.123456789 print as 0.12, and no two leaves' labels overlap, on trees of many
+    narrow leaves; the same check finds overlaps in the labels as they were (the control)."""
+    import re
+
+    import treetrain.viz.draw as draw
+
+    rng = np.random.default_rng(0)
+    trees = []
+    for b, d in [(8, 1), (12, 1), (20, 1), (3, 2), (4, 2)]:
+        shape = synthetic_group(prefix=16, branches=b, suffix=4, depth=d, vocab=64, seed=b)
+        rewards = list(rng.random(len(shape.records)))
+        trees.append(
+            synthetic_group(prefix=16, branches=b, suffix=4, depth=d, vocab=64, seed=b, rewards=rewards)
+        )
+
+    def overlaps(boxes: list[object]) -> int:
+        return sum(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1 :])  # type: ignore[attr-defined]
+
+    for tree in trees:
+        texts, boxes = _leaf_label_boxes(tree)
+        assert len(texts) == len(tree.leaves())
+        assert not any(re.search(r"\d\.\d{3,}", t) for t in texts), texts
+        assert overlaps(boxes) == 0, texts
+    # the control: six significant digits on one line, as the labels were, overlap on the same trees
+    monkeypatch.setattr(draw, "LABEL_LINE", 0.0)
+    monkeypatch.setattr(draw, "reward_label", lambda rs: "r=" + ",".join(f"{v:g}" for v in sorted(set(rs))))
+    assert sum(overlaps(_leaf_label_boxes(tree)[1]) for tree in trees) > 0
+    plt.close("all")
+
+
+def test_notebook_trees_come_from_the_variable_or_the_shipped_examples(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import treetrain.viz.tree_files as tree_files_module
+    from treetrain.viz.tree_files import notebook_trees
+
+    assert notebook_trees({"TREETRAIN_TREES": str(tmp_path)}) == tmp_path
+    assert notebook_trees({}) == TREES  # the shipped examples, wherever the notebook runs from
+    monkeypatch.setattr(tree_files_module, "SHIPPED_TREES", tmp_path / "gone")  # installed without the repo
+    with pytest.raises(
+        FileNotFoundError, match=r"no trees to show: \$TREETRAIN_TREES is not set.*set TREETRAIN"
+    ):
+        notebook_trees({})

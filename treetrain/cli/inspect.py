@@ -14,6 +14,7 @@ import sys
 from collections import Counter
 from typing import Any
 
+from treetrain.cli.option_types import Whole
 from treetrain.errors import TreetrainError
 from treetrain.io import atomic_write_bytes, output_problem, path_problem
 from treetrain.tree.render import Decoder, RenderOptions, render_trees, to_dot, tokenizer_decoder
@@ -21,13 +22,8 @@ from treetrain.tree.stats import tree_stats
 from treetrain.viz.tree_files import NamedTree, load_tree_sources
 
 EXIT_BAD_INPUT = 2
-
-
-def _at_least_two(text: str) -> int:
-    value = int(text)
-    if value < 2:
-        raise argparse.ArgumentTypeError(f"must be at least 2, got {value}")
-    return value
+MAX_TOKENS_SHOWN = 1 << 20
+"""Largest `--max-tokens` (tokens shown per node; more than any node of a tree file holds)."""
 
 
 def add_parser(sub: Any) -> None:
@@ -46,7 +42,9 @@ def add_parser(sub: Any) -> None:
         help="print each tree's statistics and token-ceiling costs as JSON (docs/tree-format.md)",
     )
     p.add_argument("--dot", metavar="OUT.dot", help="also write a Graphviz DOT drawing (colour = role)")
-    p.add_argument("--max-tokens", type=_at_least_two, default=8, metavar="N", help="tokens shown per node")
+    p.add_argument(
+        "--max-tokens", type=Whole(2, MAX_TOKENS_SHOWN), default=8, metavar="N", help="tokens shown per node"
+    )
     p.add_argument("--tokenizer", metavar="DIR", help="local Hugging Face tokenizer dir: show text, not ids")
     p.set_defaults(func=run)
 
@@ -82,10 +80,16 @@ def run(args: argparse.Namespace) -> int:
     if args.tokenizer and (problem := path_problem(args.tokenizer, "directory")):
         return _fail(f"--tokenizer: {problem}")
     if args.tokenizer:
+        from treetrain.models.tokenizer_files import check_tokenizer_dir, load_failure
+
         try:
+            check_tokenizer_dir(args.tokenizer)  # before transformers reads a byte of it
             decode = tokenizer_decoder(args.tokenizer)
-        except (OSError, ValueError) as e:
-            return _fail(f"--tokenizer: cannot load a tokenizer from {args.tokenizer}: {e}")
+        except TreetrainError as e:
+            return _fail(f"--tokenizer: {e}")
+        # transformers and tokenizers raise many types (even a bare Exception) for bad tokenizer files
+        except Exception as e:
+            return _fail(f"--tokenizer: {load_failure(args.tokenizer, e)}")
     options = RenderOptions(max_tokens=args.max_tokens, decode=decode)
     trees = [t.tree for t in named]
     if args.json:

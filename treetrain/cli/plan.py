@@ -23,6 +23,8 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from treetrain.bytesize import format_bytes, parse_bytes
+from treetrain.cli.option_types import Real, Whole
+from treetrain.cli.plan_bounds import check_planning_work, nothing_to_train
 from treetrain.errors import TreetrainError
 from treetrain.models import ATTENTION
 from treetrain.tree.checks import NamedTrees, check_distinct, check_vocabulary, largest_token
@@ -48,6 +50,14 @@ MAX_VOCAB = 1 << 20
 """Largest `--vocab` accepted (it sizes a tiny preset: at 2^24 one embedding is 2 GiB, and planning needs its
 gradient and optimizer state too)."""
 DTYPES = ("float32", "bfloat16", "float16", "float64")
+MAX_WORLD_SIZE = 1 << 16
+"""Most data-parallel processes `--world-size` takes (the largest training jobs run a few tens of thousands)."""
+MAX_MICROBATCH = 1 << 20
+"""Largest `--microbatch` (siblings or calls per microbatch; more than any tree file can hold)."""
+MAX_CHUNK = 1 << 24
+"""Largest `--chunk-size` (longer than any context a model takes)."""
+MAX_MIN_SPEEDUP = 1e6
+"""Largest `--min-speedup` (a token-ceiling speedup is a ratio of token counts, far below this)."""
 
 
 def _bytes(text: str) -> int:
@@ -62,23 +72,6 @@ def _bytes(text: str) -> int:
 
 def _retention(text: str) -> int | str:
     return "unbounded" if text == "unbounded" else _bytes(text)
-
-
-def _vocab(text: str) -> int:
-    value = _count(text)
-    if not 1 <= value <= MAX_VOCAB:
-        raise argparse.ArgumentTypeError(f"must be in [1, {MAX_VOCAB}], got {value}")
-    return value
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
 
 
 def add_parser(sub: Any) -> None:
@@ -119,7 +112,9 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--contract", choices=("exact", "response_only"), help="default: exact, or the config's")
     p.add_argument(
-        "--vocab", type=_vocab, help="vocabulary of a preset model (default: largest token id + 1)"
+        "--vocab",
+        type=Whole(1, MAX_VOCAB),
+        help="vocabulary of a preset model (default: largest token id + 1)",
     )
     p.add_argument(
         "--dtype", choices=sorted(DTYPES), help="parameter dtype (default float32, or the config's)"
@@ -129,22 +124,35 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--mode", choices=("tree", "flat"), help="force the mode")
     p.add_argument(
-        "--microbatch", type=_count, help="force K (tree; 0 = all siblings) or calls per microbatch"
+        "--microbatch",
+        type=Whole(0, MAX_MICROBATCH),
+        help="force K (tree; 0 = all siblings) or calls per microbatch",
     )
-    p.add_argument("--chunk-size", type=_count, help="force the unit length (0 = never split)")
+    p.add_argument("--chunk-size", type=Whole(0, MAX_CHUNK), help="force the unit length (0 = never split)")
     p.add_argument("--retention", type=_retention, help="force the retention budget (bytes or 'unbounded')")
     p.add_argument("--keep-graphs", choices=("none", "all", "auto"), help="force which graphs are kept")
     p.add_argument(
-        "--min-speedup", type=float, default=1.25, help="tree's least token-ceiling speedup over flat"
+        "--min-speedup",
+        type=Real(0.0, MAX_MIN_SPEEDUP, low_open=True),
+        default=1.25,
+        help="tree's least token-ceiling speedup over flat (a finite number > 0)",
     )
     p.add_argument(
-        "--world-size", type=_count, default=1, help="data-parallel processes (per-rank bytes; default 1)"
+        "--world-size",
+        type=Whole(1, MAX_WORLD_SIZE),
+        default=1,
+        help="data-parallel processes (per-rank bytes; default 1)",
     )
     p.add_argument(
         "--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
         help="DeepSpeed ZeRO stage the update runs under (default 0, or the config's)",
     )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the ledger and the decision as JSON")
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bars (transformers' weight loading), as in train",
+    )
     p.set_defaults(func=run)
 
 
@@ -156,17 +164,14 @@ def _fail(message: str) -> int:
 def _batch(named: NamedTrees, loss: LossConfig, adv: AdvantageConfig) -> UpdateBatch:
     """The update `treetrain train` would build from these trees: each file's trees one advantage group
     (as the trainer normalizes one task's trees together), zero-variance groups dropped when `adv` says so.
-    Raises TreeFormatError when every group would be dropped (an update with nothing to train)."""
+    Raises TreeFormatError when nothing would be trained (`nothing_to_train`)."""
     from treetrain.replay.batch import UpdateBatch
     from treetrain.update.run import advantage_groups
 
-    groups, dropped = advantage_groups([group for _, group in named], adv)
-    if not groups:
-        raise TreeFormatError(
-            f"every one of the {dropped} tree groups has equal rewards, so `treetrain train` would drop them "
-            "all (advantages.zero_variance=drop) and train on nothing; set advantages.zero_variance=keep "
-            "to plan them"
-        )
+    groups, _ = advantage_groups([group for _, group in named], adv)
+    problem = nothing_to_train(named, loss, adv, kept=len(groups))
+    if problem is not None:
+        raise TreeFormatError(problem)
     trees = [t for g in groups for t in g.trees]
     advantages = [a for g in groups for a in g.advantages]
     return UpdateBatch.build(trees, advantages, loss)
@@ -210,6 +215,8 @@ def _from_config(args: argparse.Namespace, named: NamedTrees) -> int:
     replay = replace(cfg.replay, **{k: v for k, v in forced.items() if v is not None})
     cfg = replace(cfg, replay=replace(replay, contract=args.contract or cfg.replay.contract))
     try:
+        field = "--chunk-size" if args.chunk_size is not None else "replay.chunk_size"
+        check_planning_work(named, cfg.replay.chunk_size, field)
         batch = _batch(named, cfg.loss, cfg.advantages)
         planned = plan_for(
             cfg, batch, models.policy, models.reference, world_size=args.world_size,
@@ -258,6 +265,10 @@ def lora_text(lora: PersistentBytes, full: PersistentBytes) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.no_progress:
+        from treetrain.train.progress import hide_library_bars
+
+        hide_library_bars()
     if not args.trees:
         return _check_model(args)
     if args.budget is None:
@@ -274,8 +285,10 @@ def run(args: argparse.Namespace) -> int:
         check_distinct(named)
     except TreeFormatError as e:
         return _fail(str(e))
-    if args.world_size < 1:
-        return _fail(f"--world-size must be >= 1, got {args.world_size}")
+    try:  # before any model loads: a forced chunk size that a plan cannot price in bounded time
+        check_planning_work(named, args.chunk_size, "--chunk-size")
+    except TreetrainError as e:
+        return _fail(str(e))
     if args.config or args.overrides:
         return _from_config(args, named)
     if not args.model:

@@ -7,7 +7,12 @@ import logging
 import sys
 from pathlib import Path
 
+from treetrain.cli.option_types import Whole
+from treetrain.diskfull import DiskFullError, is_disk_full
 from treetrain.errors import ConfigError, TreetrainError
+
+MAX_UPDATES = 10**9
+"""Largest `--updates` (at a second an update, thirty years)."""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -30,7 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="override one field (repeatable), e.g. --set loss.kl_coef=0.05",
     )
     p.add_argument("--run-dir", help="shorthand for --set run_dir=DIR")
-    p.add_argument("--updates", type=int, help="shorthand for --set updates=N")
+    p.add_argument("--updates", type=Whole(1, MAX_UPDATES), help="shorthand for --set updates=N")
     p.add_argument("--trees", help="train on recorded trees (a directory or glob) instead of rollouts")
     p.add_argument(
         "--resume",
@@ -67,27 +72,38 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config and not args.resume:
         print(config_template(cfg), end="")
         return 0
+    if args.resume:  # the run's own saved settings, changed only where that is safe (before torch loads)
+        from treetrain.train.resume import resume_config
+
+        try:
+            cfg = resume_config(cfg.run_dir, args.config, overrides)
+        except (TreetrainError, OSError) as exc:
+            print(f"treetrain train: {exc}", file=sys.stderr)
+            return 2
+        if args.print_config:  # what the resume would run with
+            print(dump_config(cfg), end="")
+            return 0
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.no_progress:
         from treetrain.train.progress import hide_library_bars
 
         hide_library_bars()
     from treetrain.train.loop import Trainer
-    from treetrain.train.resume import resume_config
     from treetrain.train.rundir import is_run_dir
 
     try:
-        if args.resume:  # the run's own saved settings, changed only where that is safe
-            cfg = resume_config(cfg.run_dir, args.config, overrides)
-            if args.print_config:  # what the resume would run with
-                print(dump_config(cfg), end="")
-                return 0
         trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress)
         summary = trainer.run()
-    except (TreetrainError, OSError, FloatingPointError) as exc:  # bad input, the disk, a non-finite step
+    except Exception as exc:
+        if is_disk_full(exc) and not isinstance(exc, DiskFullError):  # a write no atomic writer wrapped
+            filename = getattr(exc, "filename", None)
+            where = Path(filename).parent if isinstance(filename, str) else Path(cfg.run_dir)
+            exc = _with_notes(DiskFullError(where, None), exc)
+        elif not isinstance(exc, (TreetrainError, OSError, FloatingPointError)):  # a bug: its traceback
+            raise
         notes = getattr(exc, "__notes__", [])  # e.g. what a run that never started left behind
         print("; ".join([f"treetrain train: {exc}", *notes]), file=sys.stderr)
-        return 2
+        return 2  # bad input, the disk, a non-finite step
     except KeyboardInterrupt:
         if is_run_dir(Path(cfg.run_dir)):
             print(
@@ -103,3 +119,9 @@ def run(args: argparse.Namespace) -> int:
             f"run directory: {cfg.run_dir} (metrics.jsonl, reward.png, summary.txt, rollouts/, final/, checkpoints/)"
         )
     return 0
+
+
+def _with_notes(new: DiskFullError, old: BaseException) -> DiskFullError:
+    for note in getattr(old, "__notes__", []):
+        new.add_note(note)
+    return new

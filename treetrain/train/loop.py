@@ -54,6 +54,7 @@ from treetrain.train.tree_sources import (
     config_context,
     task_seeds,
 )
+from treetrain.train.typed import to_dict
 from treetrain.tree.stats import tree_stats
 from treetrain.update.run import run_update
 from treetrain.update.window import UpdateWindow
@@ -275,16 +276,16 @@ class Trainer:
                             log.warning("%s", advice)
                     if self.on_point is not None:
                         self.on_point("update-end", index)
+                    bar.set_postfix(progress.fields(row), refresh=False)  # shown by the update below
                     bar.update(1)
-                    bar.set_postfix(progress.fields(row), refresh=False)
                     if self._checkpoint_due(index, last_saved):
-                        save_trainer_state(self.backend, self.run_dir, self.state)
+                        save_trainer_state(self.backend, self.run_dir, self.state, to_dict(cfg))
                         last_saved = time.monotonic()
             finally:
                 bar.close()
                 if self.metrics is not None:
                     self.metrics.close()
-            save_trainer_state(self.backend, self.run_dir, self.state)  # always at the end
+            save_trainer_state(self.backend, self.run_dir, self.state, to_dict(cfg))  # always at the end
             self.backend.export_pretrained(self.run_dir / "final", tokenizer=self.tokenizer)
             lora = cfg.model.lora
             if lora is not None and lora.export_merged and self.backend.rank == 0:

@@ -20,6 +20,7 @@ from treetrain.io import atomic_directory, path_problem
 from treetrain.models.checkpoint_bounds import checkpoint_config
 from treetrain.models.lora import AdaptersOff, Reference, apply_lora, peft_quiet
 from treetrain.models.presets import load_model, model_config
+from treetrain.models.tokenizer_files import TokenizerFileError, check_tokenizer_dir, load_failure
 from treetrain.train.config import ModelSection
 
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "assets" / "demo_model"
@@ -124,12 +125,15 @@ def load_models(
     problem = path_problem(tok_dir, "directory")  # before Hugging Face takes a missing path for a repo id
     if problem is not None:
         raise ConfigError(f"{field}: {problem}; give a local tokenizer directory")
+    try:  # before transformers reads a byte of it
+        check_tokenizer_dir(tok_dir)
+    except TokenizerFileError as exc:
+        raise ConfigError(f"{field}: {exc}") from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
     # transformers and tokenizers raise many types (even a bare Exception) for bad tokenizer files
     except Exception as exc:
-        message = " ".join(str(exc).split())[:300]
-        raise ConfigError(f"{field}: cannot load a tokenizer from {tok_dir}: {message}") from None
+        raise ConfigError(f"{field}: {load_failure(tok_dir, exc)}") from None
     if check_tokenizer is not None:
         check_tokenizer(tokenizer)
     vocab = vocab_size if vocab_size is not None and path.startswith("tiny-") else len(tokenizer)

@@ -27,10 +27,14 @@ Example:
 from __future__ import annotations
 
 import copy
+import logging
+import os
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from treetrain.distributed.checkpoint_io import STATE_FILE, CheckpointError, read_client_state
 from treetrain.errors import ConfigError
 from treetrain.runfs import UnsafePathError, expect, read_bytes
 from treetrain.train.config import TrainConfig, read_file
@@ -38,8 +42,14 @@ from treetrain.train.config_file import MAX_CONFIG_BYTES, parse_config_bytes
 from treetrain.train.rundir import MARKER, RunDirError, is_run_dir
 from treetrain.train.typed import apply_override, from_dict, to_dict
 
+log = logging.getLogger(__name__)
+
 SAVED_CONFIG = "config.yaml"
 """The run's settings, written by a fresh run before its first update (and by every resume)."""
+
+CONFIG_KEY = "config"
+"""The checkpoint's client state field holding the settings it was written under (`treetrain.train.typed.to_dict`)."""
+_CHECKPOINT = re.compile(r"update-\d{5,}")
 
 RESUMABLE = (
     "updates",
@@ -74,15 +84,48 @@ def read_saved_config(run_dir: str | Path) -> dict[str, Any]:
 
 
 def saved_config(run_dir: str | Path) -> TrainConfig:
-    """The run's saved settings, validated like any config."""
+    """The run's saved settings, validated like any config, and held to the same rule as `--set`: they may
+    differ from the settings the newest checkpoint was written under only in `RESUMABLE`."""
     path = Path(run_dir) / SAVED_CONFIG
     try:
-        return from_dict(TrainConfig, read_saved_config(run_dir))
+        saved = from_dict(TrainConfig, read_saved_config(run_dir))
     except ConfigError as exc:
         message = str(exc)
         raise ConfigError(
             message if message.startswith("--resume") else f"--resume: {path}: {message}"
         ) from None
+    written = checkpoint_config(run_dir)
+    if written is not None:
+        checkpoint, under = written
+        refused = [k for k in changed_settings(under, saved) if k not in RESUMABLE]
+        if refused:
+            key = refused[0]
+            old, new = _flat(to_dict(under)).get(key), _flat(to_dict(saved)).get(key)
+            raise ConfigError(
+                f"--resume: {key} is {_short(new)} in {path} but {_short(old)} in the settings {checkpoint} "
+                f"was written under: the saved config was edited, and {key} cannot change on resume (as with "
+                f"--set); only {', '.join(RESUMABLE)} may; restore it, or start a new run for other settings"
+            )
+    return saved
+
+
+def checkpoint_config(run_dir: str | Path) -> tuple[Path, TrainConfig] | None:
+    """The newest checkpoint that records the settings it was written under, and those settings (None: no
+    checkpoint records them). Read from its client state as untrusted JSON; links are never followed."""
+    root = Path(run_dir) / "checkpoints"
+    if expect(root, "dir") != "dir":
+        return None
+    found = sorted((p for p in root.iterdir() if _CHECKPOINT.fullmatch(p.name)), reverse=True)
+    for path in found:
+        if expect(path, "dir") != "dir" or expect(path / STATE_FILE, "file") != "file":
+            continue
+        try:
+            config = read_client_state(path).get(CONFIG_KEY)
+            if isinstance(config, dict):
+                return path, from_dict(TrainConfig, config)
+        except (CheckpointError, ConfigError) as exc:  # a torn one: resume falls back past it too
+            log.warning("%s: its settings cannot be read (%s); trying the checkpoint before it", path, exc)
+    return None
 
 
 def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> None:
@@ -98,6 +141,10 @@ def resume_config(
 ) -> TrainConfig:
     """The saved settings of the run in `run_dir`, then `config_file`, then `overrides`; refused unless the
     result differs from the saved run only in `RESUMABLE` (the error names the first key that differs)."""
+    if not os.path.lexists(run_dir):  # said before anything loads (torch takes seconds)
+        raise RunDirError(
+            f"--resume: {run_dir} does not exist, so there is no run to continue; start one without --resume"
+        )
     expect(Path(run_dir) / MARKER, "file")
     if not is_run_dir(Path(run_dir)):
         raise RunDirError(f"--resume: {run_dir} holds no treetrain run (no {MARKER} marker there)")

@@ -11,6 +11,7 @@ import logging
 import pickle
 import random
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,11 +72,18 @@ def checkpoints(run_dir: Path) -> list[Path]:
     )
 
 
-def save_trainer_state(backend: TrainBackend, run_dir: Path, state: TrainerState) -> Path:
+def save_trainer_state(
+    backend: TrainBackend, run_dir: Path, state: TrainerState, config: Mapping[str, Any] | None = None
+) -> Path:
+    """A checkpoint of `state`; `config` (the run's settings as `to_dict` gives them) goes into its client
+    state, so that a resume can tell an edited `config.yaml` (`treetrain.train.resume.saved_config`)."""
     path = checkpoint_dir(run_dir, state.update)
     if backend.rank == 0:
         make_dirs(run_dir, path.parent)  # `checkpoints/` as a link to elsewhere is refused
-    backend.save_checkpoint(path, {"update": state.update, "version": state.version, "rng": _rng_state()})
+    client: dict[str, Any] = {"update": state.update, "version": state.version, "rng": _rng_state()}
+    if config is not None:
+        client["config"] = dict(config)
+    backend.save_checkpoint(path, client)
     return path
 
 

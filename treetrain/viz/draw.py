@@ -30,6 +30,26 @@ ColorBy = Literal["role", "advantage"]
 DIVERGENCE_COLOUR = "crimson"
 
 
+LABEL_SIZE = 7.0
+"""Font size of the leaf labels, in points."""
+LABEL_LINE = 1.3 * LABEL_SIZE
+"""How much lower every other leaf's label sits (points): neighbouring labels then never share a line."""
+
+
+def reward_label(rewards: list[float]) -> str:
+    """A leaf's label: its distinct rewards rounded to two decimals (`r=0.12`, `r=0,1`); more than two
+    distinct values read as their range and count (`r=0.1..0.9 (5)`), so a label stays short.
+
+    Example:
+        >>> reward_label([0.123456789]), reward_label([1.0, 0.0, 1.0]), reward_label([0.1, 0.5, 0.25, 0.9])
+        ('r=0.12', 'r=0,1', 'r=0.1..0.9 (4)')
+    """
+    vals = sorted({round(v, 2) for v in rewards})
+    shown = [f"{v:.2f}".rstrip("0").rstrip(".") if math.isfinite(v) else str(v) for v in vals]
+    shown = ["0" if t == "-0" else t for t in shown]
+    return f"r={shown[0]}..{shown[-1]} ({len(vals)})" if len(vals) > 2 else "r=" + ",".join(shown)
+
+
 def node_sizes(tree: TrajectoryTree, smallest: float = 60.0, largest: float = 1400.0) -> list[float]:
     """Marker areas (points^2) per node: `smallest` + (`largest` - `smallest`) * sqrt(tokens / most)."""
     most = max((len(n) for n in tree.nodes), default=0) or 1
@@ -99,16 +119,16 @@ def draw_tree(
     if labels:
         nx.draw_networkx_labels(graph, pos, labels={i: str(i) for i in nodes}, font_size=7, ax=ax)
     if rewards:
-        for i in tree.leaves():
-            ends = tree.nodes[i].ends
-            if ends:
-                vals = sorted({tree.records[r.trajectory].reward for r in ends})
-                text = "r=" + ",".join(f"{v:g}" for v in vals)
-                x, y = pos[i]
-                below = math.sqrt(sizes[i]) / 2 + 6  # marker radius in points, plus a gap
-                ax.annotate(
-                    text, (x, y), xytext=(0, -below), textcoords="offset points", ha="center", fontsize=7
-                )
+        ended = sorted((i for i in tree.leaves() if tree.nodes[i].ends), key=lambda i: pos[i])
+        for k, i in enumerate(ended):
+            text = reward_label([tree.records[r.trajectory].reward for r in tree.nodes[i].ends])
+            x, y = pos[i]
+            # marker radius in points plus a gap; every other leaf one line lower, so neighbours never overlap
+            below = math.sqrt(sizes[i]) / 2 + 6 + (LABEL_LINE if k % 2 else 0.0)
+            ax.annotate(
+                text, (x, y), xytext=(0, -below), textcoords="offset points", ha="center", va="top",
+                fontsize=LABEL_SIZE,
+            )  # fmt: skip
     _legend(ax, color_by, mappable, plt)
     ys = [y for _, y in pos.values()]
     pad = 0.6 if vertical == "depth" else 0.08 * (max(ys) - min(ys) or 1.0)

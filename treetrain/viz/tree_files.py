@@ -69,3 +69,32 @@ def tree_groups(path: str | os.PathLike[str]) -> tuple[tuple[str, tuple[Trajecto
     if not files:
         raise FileNotFoundError(f"no *.msgpack tree files under {os.fspath(path)!r}")
     return tuple((str(f), load_trees(f)) for f in files)
+
+
+TREES_VARIABLE = "TREETRAIN_TREES"
+"""The environment variable a notebook reads for the trees to show (a tree file, a directory, a run)."""
+SHIPPED_TREES = Path(__file__).resolve().parents[2] / "trees"
+"""The checked-in example trees, beside the package in a source checkout."""
+
+
+def notebook_trees(environ: dict[str, str] | None = None) -> Path:
+    """What a notebook shows: `$TREETRAIN_TREES` (a tree file, a directory of them or a run directory)
+    when it is set, else the shipped examples. Raises `FileNotFoundError` saying both where it looked and
+    how to point it elsewhere, never a bare `StopIteration` (a notebook copied out of the repository).
+
+    Example:
+        >>> notebook_trees({"TREETRAIN_TREES": "runs/demo"})
+        PosixPath('runs/demo')
+        >>> notebook_trees({}) == SHIPPED_TREES
+        True
+    """
+    env = os.environ if environ is None else environ
+    if env.get(TREES_VARIABLE):
+        return Path(env[TREES_VARIABLE]).expanduser()
+    if SHIPPED_TREES.is_dir():
+        return SHIPPED_TREES
+    raise FileNotFoundError(
+        f"no trees to show: ${TREES_VARIABLE} is not set, and the shipped examples are not at {SHIPPED_TREES} "
+        f"(treetrain is installed without its repository); set {TREES_VARIABLE} to a tree file, a directory "
+        "of them or a run directory"
+    )
