@@ -39,6 +39,7 @@ ENTRY_POINT_GROUP = "treetrain.envs"
 BUILTINS: Mapping[str, str] = MappingProxyType(
     {
         "calculator": "envs.calculator:CalculatorEnv",
+        "dataset": "envs.dataset:DatasetEnv",
         "lookup": "envs.lookup:LookupEnv",
     }
 )
