@@ -14,8 +14,8 @@ whitespace into one space, and drops one trailing period. A number in the row (`
 as its text (`42`, `2.5`), so `42.0` does not match `42`.
 
 Example:
-    >>> final_answer("Adding them gives 7, so the answer is 7.")
-    '7'
+    >>> final_answer("Adding them gives 7, so the answer is 7."), normalize("7.")
+    ('7.', '7')
     >>> final_answer(r"so $x = \\boxed{\\frac{1}{2}}$"), final_answer("work...\\n#### 1,200")
     ('\\\\frac{1}{2}', '1,200')
     >>> normalize("  The  Eiffel Tower. ")

@@ -112,7 +112,7 @@ def _messages_problem(messages: object) -> str | None:
         role, content = m.get("role"), m.get("content")
         if role not in ("system", "user"):
             return (
-                f"messages[{i}].role: {_shown(role)} is not 'system' or 'user' "
+                f"messages[{i}].role: {role!r:.40} is not 'system' or 'user' "
                 "(a task opens with system and user messages)"
             )
         if not isinstance(content, str):

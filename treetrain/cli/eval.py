@@ -128,7 +128,9 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"eval {args.env}: {row.tasks} held-out tasks x {row.samples} sample{'s' if row.samples != 1 else ''} "
             f"({mode}, {cfg.rollout.engine}): "
-            f"pass@1 {row.pass_at_1:.3f}, pass@{row.samples} {row.pass_at_k:.3f}, mean reward {row.reward_mean:.3f}"
+            f"pass@1 {row.pass_at_1:.3f}, "
+            + (f"pass@{row.samples} {row.pass_at_k:.3f}, " if row.samples > 1 else "")
+            + f"mean reward {row.reward_mean:.3f}"
             + (f", {row.failed_tasks} tasks failed" if row.failed_tasks else "")
             + f"  [{args.model}]"
         )
