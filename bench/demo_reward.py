@@ -5,7 +5,7 @@ Runs the embedded demo (`treetrain train` defaults, with `EVAL` added: held-out 
 the training temperature before training, every 20 updates and at the end) into a run directory, or reads
 one that exists, and reports both training means, their difference and a Welch t statistic over the
 per-update means. The held-out part pairs each task's pass fraction before training with the same task's
-after the last update (the trees under `eval/after-XXXXX/`) and reports the mean paired difference and its
+after the last update (the trees under `eval/update-XXXXX/`) and reports the mean paired difference and its
 standard error. A rise counts as clear when the difference is above three standard errors. Exit status 1
 when the training reward, or the held-out pass@1 of a run that has evaluations, did not clearly rise.
 
@@ -90,7 +90,7 @@ def task_passes(run_dir: Path, update: int, threshold: float) -> dict[str, float
     from treetrain.tree.format import load_trees
 
     found: dict[str, float] = {}
-    for path in sorted((run_dir / "eval" / f"after-{update:05d}" / "trees").glob("*.msgpack")):
+    for path in sorted((run_dir / "eval" / f"update-{update:05d}" / "trees").glob("*.msgpack")):
         for tree in load_trees(path):
             rewards = [r.reward for r in tree.records]
             found[tree.records[0].id.split("/")[0]] = sum(x >= threshold for x in rewards) / len(rewards)

@@ -165,7 +165,20 @@ def test_training_writes_eval_rows_and_draws_them(trained: Path) -> None:
     assert all(math.isfinite(e.reward_mean) and 0 <= e.pass_at_1 <= 1 for e in evals)
     assert len(read_metrics(trained / "metrics.jsonl")) == 2
     assert (trained / "reward.png").stat().st_size > 0
-    assert len(list((trained / "eval" / "after-00002" / "trees").glob("*.msgpack"))) == 3
+    assert len(list((trained / "eval" / "update-00002" / "trees").glob("*.msgpack"))) == 3
+
+
+@pytest.mark.timeout(600)
+def test_evaluation_never_changes_training(trained: Path, tmp_path: Path) -> None:
+    """The same run without evaluations makes the same updates: evaluation draws from its own generators."""
+    plain = tmp_path / "plain"
+    assert main(["train", "--run-dir", str(plain), *TRAIN, "--set", "eval.every=0"]) == 0
+    assert not read_evals(plain / "metrics.jsonl")
+    with_eval, without = read_metrics(trained / "metrics.jsonl"), read_metrics(plain / "metrics.jsonl")
+    assert [(r.reward_mean, r.loss, r.trajectories) for r in with_eval] == [
+        (r.reward_mean, r.loss, r.trajectories) for r in without
+    ]
+    assert any(r.loss != 0 for r in without)  # an update that stepped: equal losses are not two zeros
 
 
 @pytest.mark.timeout(600)

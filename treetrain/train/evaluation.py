@@ -97,7 +97,7 @@ class Evaluator:
     """The held-out evaluation of a training run (`eval.every`), sampled on the run's rollout engine.
 
     Each rank samples every W-th held-out task; the rewards are gathered, so every rank returns the same
-    row. Trees are kept under `<run_dir>/eval/after-XXXXX/trees/`."""
+    row. Trees are kept under `<run_dir>/eval/update-XXXXX/trees/`."""
 
     def __init__(
         self, cfg: TrainConfig, held: HeldOut, tokenizer: Any, wrapper: WrapperConfig, backend: Any
@@ -126,7 +126,7 @@ class Evaluator:
         from treetrain.runfs import make_dirs
 
         cfg, rank, world = self.cfg, self.backend.rank, self.backend.world_size
-        out_dir = Path(cfg.run_dir) / "eval" / f"after-{update:05d}"
+        out_dir = Path(cfg.run_dir) / "eval" / f"update-{update:05d}"
         make_dirs(cfg.run_dir, out_dir / "trees")
         start = time.perf_counter()
         was_training = model.training

@@ -49,10 +49,17 @@ RESUMABLE = (
     "threads",
     "memory_budget",
     "run_dir",
+    "eval.every",
+    "eval.tasks",
+    "eval.samples",
+    "eval.greedy",
+    "eval.pass_threshold",
 )
 """Settings a resume may change. `updates` extends or shortens the run; checkpoint and measurement cadence,
 torch threads and the planner's memory budget change cost, not the update (the planner's choices are
-exact under the `exact` contract, and are re-made every update anyway); `run_dir` is where the run is now."""
+exact under the `exact` contract, and are re-made every update anyway); `run_dir` is where the run is now;
+`eval.*` changes what is measured on held-out tasks, never what an update computes (evaluation samples
+with its own generators, tests/train/test_evaluation.py)."""
 
 
 def read_saved_config(run_dir: str | Path) -> dict[str, Any]:

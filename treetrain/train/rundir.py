@@ -48,8 +48,9 @@ MARKER_SCHEMA = "treetrain.run/1"
 
 OWN_FILES = ("config.yaml", "metrics.jsonl", "summary.txt", "reward.png")
 OWN_DIRS = ("final", "final-merged", "tensorboard")
-OWN_PARENTS = ("checkpoints", "rollouts")
-"""Directories holding one `update-NNNNN` directory per checkpoint or per update's rollouts."""
+OWN_PARENTS = ("checkpoints", "rollouts", "eval")
+"""Directories holding one `update-NNNNN` directory per checkpoint, per update's rollouts, or per held-out
+evaluation (`eval/update-NNNNN/`: after NNNNN updates)."""
 _UPDATE_DIR = re.compile(r"update-\d{5,}")
 _ENV_LOG = re.compile(r"update-\d{5,}(-rank\d+)?\.log")
 ENV_ERRORS = "env-errors"
