@@ -188,8 +188,10 @@ def test_treetrain_eval_agrees_with_the_runs_last_evaluation(
     last = read_evals(trained / "metrics.jsonl")[-1]
     assert 0 < last.pass_at_1 < 1  # the demo solves some held-out tasks, not all: agreement means something
     capsys.readouterr()
-    for model in (trained / "final", trained / "checkpoints" / "update-00002"):
-        assert main(["eval", "--model", str(model), *EVAL]) == 0
+    runs = [(trained / "final", EVAL), (trained / "checkpoints" / "update-00002", EVAL)]
+    runs.append((trained / "final", ["--env", "dataset", "--json"]))  # the run's own env settings
+    for model, argv in runs:
+        assert main(["eval", "--model", str(model), *argv]) == 0
         out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert (out["tasks"], out["samples"]) == (3, 1), model
         # greedy decoding of the same weights on the same tasks: the same rewards

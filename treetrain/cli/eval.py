@@ -1,9 +1,10 @@
 """`treetrain eval --model DIR --env NAME`: score a checkpoint on held-out tasks (pass@1, pass@k, mean reward).
 
 DIR is a run's `final/`, any Hugging Face model directory, or a run's `checkpoints/update-XXXXX/` (its
-weights loaded over the model the run's `config.yaml` names). Settings come from the defaults, then
-`--config`, then `--set` (the engine: `--set rollout.engine=vllm`; a dataset: `--set env.kwargs.path=...`),
-then the flags. The tasks are the environment's held-out ones (`treetrain.train.held_out`), sampled through
+weights loaded over the model the run's `config.yaml` names). Settings come from the defaults, or, for a
+directory of a run that trained on the same `--env` (and without `--config`), from that run's `config.yaml`
+(its `env.kwargs`, rubric, budgets and engine); then `--config`, then `--set` (the engine: `--set
+rollout.engine=vllm`; a dataset: `--set env.kwargs.path=...`), then the flags. The tasks are the environment's held-out ones (`treetrain.train.held_out`), sampled through
 the training rollout on the chosen engine (`treetrain.train.evaluation`). Everything that can be checked
 without a model is checked before torch loads, each problem in one line with exit status 2.
 
@@ -66,7 +67,7 @@ def _config(args: argparse.Namespace) -> tuple[TrainConfig, Path | None]:
     """The settings, and the checkpoint weights to load over `model.path` (None: DIR is the model)."""
     from treetrain.io import path_problem
     from treetrain.train.config import check_paths, load_config
-    from treetrain.train.resume import saved_config
+    from treetrain.train.resume import SAVED_CONFIG, saved_config
 
     problem = path_problem(args.model, "directory")
     if problem is not None:
@@ -79,12 +80,16 @@ def _config(args: argparse.Namespace) -> tuple[TrainConfig, Path | None]:
     if args.greedy is not None:
         overrides.append(f"eval.greedy={str(args.greedy).lower()}")
     cfg = load_config(args.config, overrides)
+    run = _run_of(directory)
+    if args.config is None and run is not None and saved_config(run).env.name == args.env:
+        # the run's own settings (env.kwargs, rubric, budgets, engine) are the base; --set changes them
+        cfg = load_config(run / SAVED_CONFIG, overrides)
     weights: Path | None = None
     if (directory / "config.json").is_file():
         model = replace(cfg.model, path=str(directory), lora=None, reference=None)
     elif (directory / "model.safetensors").is_file() and directory.parent.name == "checkpoints":
-        run = saved_config(directory.parent.parent)  # the model the checkpoint's weights belong to
-        model, weights = replace(run.model, reference=None), directory / "model.safetensors"
+        trained = saved_config(directory.parent.parent)  # the model the checkpoint's weights belong to
+        model, weights = replace(trained.model, reference=None), directory / "model.safetensors"
     elif (directory / "adapter_config.json").is_file():
         raise ConfigError(
             f"--model: {directory} holds LoRA adapters only; score the run's final-merged/ "
@@ -98,6 +103,17 @@ def _config(args: argparse.Namespace) -> tuple[TrainConfig, Path | None]:
     cfg = replace(cfg, model=model, loss=replace(cfg.loss, kl_coef=0.0))
     check_paths(cfg)
     return cfg, weights
+
+
+def _run_of(directory: Path) -> Path | None:
+    """The run directory `directory` belongs to (its `final/`, `final-merged/` or a checkpoint), or None."""
+    if directory.name in ("final", "final-merged"):
+        run = directory.parent
+    elif directory.parent.name == "checkpoints":
+        run = directory.parent.parent
+    else:
+        return None
+    return run if (run / "config.yaml").is_file() else None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -144,6 +160,10 @@ def score(cfg: TrainConfig, held: HeldOut, weights: Path | None) -> EvalMetrics:
     from treetrain.train.models import load_models
     from treetrain.train.tree_sources import check_context, check_template, make_engine, wrapper_config
 
+    if cfg.threads is not None:
+        import torch
+
+        torch.set_num_threads(cfg.threads)
     factory = WorkerEnvFactory(cfg.env.name, held.kwargs, cfg.rollout.episode.step_timeout_s)
     engine = None
     try:
