@@ -51,6 +51,7 @@ claimed then (a run that never started leaves nothing in it)."""
 BUILTINS: Mapping[str, str] = MappingProxyType(
     {
         "calculator": "envs.calculator:CalculatorEnv",
+        "dataset": "envs.dataset:DatasetEnv",
         "lookup": "envs.lookup:LookupEnv",
     }
 )

@@ -26,7 +26,8 @@ from envs import (
     make_env,
 )
 
-SMALL = {"calculator": {}, "lookup": {"num_rows": 12, "num_warehouses": 4}}
+TASKS = str(Path(__file__).resolve().parents[1] / "assets" / "tasks.jsonl")
+SMALL = {"calculator": {}, "lookup": {"num_rows": 12, "num_warehouses": 4}, "dataset": {"path": TASKS}}
 
 
 @pytest.mark.parametrize("name", sorted(BUILTINS))

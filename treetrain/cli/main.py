@@ -18,6 +18,7 @@ SUBCOMMANDS: tuple[str, ...] = (
     "treetrain.cli.inspect",
     "treetrain.cli.import_",
     "treetrain.cli.plan",
+    "treetrain.cli.eval",
 )
 
 

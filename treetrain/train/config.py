@@ -13,6 +13,7 @@ Example:
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -202,6 +203,49 @@ class RolloutSection:
             )
 
 
+MAX_EVAL_TASKS = 1 << 16
+"""Most held-out tasks one evaluation samples (a tree is held for each)."""
+MAX_EVAL_SAMPLES = 4096
+"""Most samples per evaluation task (the fan-out of its root: `treetrain.rollout.fanout.FACTOR_LIMIT`)."""
+
+
+@dataclass(frozen=True)
+class EvalSection:
+    """Held-out evaluation during training (docs/evaluation.md): the dataset environment's held-out rows, or
+    task seeds training never draws for any other environment."""
+
+    every: int = 0
+    """Evaluate after every N-th update, after the last, and once before the first (0: never)."""
+    tasks: int = 16
+    """Held-out tasks per evaluation (a dataset's held-out split may have fewer: then all of them)."""
+    samples: int = 1
+    """Samples per task: k of pass@k (pass@1 and the mean reward average over every sample)."""
+    greedy: bool = True
+    """Greedy decoding (temperature 0); false samples at `rollout.sampling` (needed for samples > 1)."""
+    pass_threshold: float = 1.0
+    """A sample passes when its reward is at least this (1.0: full marks of a 0/1 rubric)."""
+
+    def __post_init__(self) -> None:
+        for name, most in (("every", None), ("tasks", MAX_EVAL_TASKS), ("samples", MAX_EVAL_SAMPLES)):
+            value = getattr(self, name)
+            low = 0 if name == "every" else 1
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int)
+                or value < low
+                or (most and value > most)
+            ):
+                bound = f"in [{low}, {most}]" if most else f">= {low}"
+                raise ConfigError(f"eval.{name}: must be an integer {bound}, got {value!r:.40}")
+        if self.greedy and self.samples > 1:
+            raise ConfigError(
+                f"eval.samples: {self.samples} greedy samples of a task are all the same; set eval.greedy=false "
+                "to sample at rollout.sampling, or eval.samples=1"
+            )
+        if not math.isfinite(self.pass_threshold):
+            raise ConfigError(f"eval.pass_threshold: must be a finite number, got {self.pass_threshold}")
+
+
 @dataclass(frozen=True)
 class DistributedSection:
     """How the update runs across processes."""
@@ -260,6 +304,8 @@ class TrainConfig:
     """Linear learning-rate warm-up over this many updates."""
     distributed: DistributedSection = field(default_factory=DistributedSection)
     """One process (torch) or DeepSpeed ZeRO across processes."""
+    eval: EvalSection = field(default_factory=EvalSection)
+    """Held-out evaluation during training: how often, how many tasks and samples (docs/evaluation.md)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.seed < SEED_LIMIT:
@@ -280,6 +326,11 @@ class TrainConfig:
         if self.loss.needs_reference and self.model.reference is None:
             free = "'base': the policy with adapters off" if self.model.lora is not None else "'initial'"
             raise ConfigError(f"model.reference: loss.kl_coef > 0 needs a reference model (e.g. {free})")
+        if self.eval.every and self.rollout.trees is not None:
+            raise ConfigError(
+                "eval.every: evaluation samples the policy on env.name's held-out tasks, and a run on recorded "
+                "trees (rollout.trees) has no rollout engine; set eval.every=0 and use `treetrain eval` on final/"
+            )
         if self.memory_budget is not None:
             from treetrain.bytesize import parse_bytes
 

@@ -38,7 +38,9 @@ from treetrain.runfs import UnsafePathError
 from treetrain.train.advice import no_signal_advice
 from treetrain.train.config import TrainConfig, dump_config
 from treetrain.train.env_failures import EnvironmentFailedError
-from treetrain.train.metrics import MetricsWriter, UpdateMetrics, read_metrics
+from treetrain.train.evaluation import Evaluator
+from treetrain.train.held_out import HeldOut, check_disjoint, held_out_tasks
+from treetrain.train.metrics import MetricsWriter, UpdateMetrics, read_evals, read_metrics
 from treetrain.train.models import export_merged, load_models
 from treetrain.train.progress import Progress
 from treetrain.train.resume import SAVED_CONFIG, check_resumable, saved_config
@@ -103,6 +105,10 @@ class Trainer:
             check_environment_config(
                 e.name, e.kwargs, e.rubric, task_seeds(cfg, 0)[0], cfg.rollout.episode.step_timeout_s
             )
+        check_disjoint(cfg)
+        self.held: HeldOut | None = (
+            held_out_tasks(cfg.env.name, cfg.env.kwargs, cfg.eval.tasks) if cfg.eval.every else None
+        )
         if int(os.environ.get("RANK", "0")) == 0:
             self.lock = claim_run_dir(self.run_dir, resume=resume, overwrite=overwrite)
         try:
@@ -119,6 +125,9 @@ class Trainer:
         source = getattr(self, "source", None)
         if isinstance(source, RolloutSource):
             source.close()  # the inference engine
+        evaluator = getattr(self, "evaluator", None)
+        if evaluator is not None:
+            evaluator.close()  # its environment workers
         if getattr(self, "envs", None) is not None:
             self.envs.close()  # the environment worker process
         if self.lock is not None:
@@ -181,6 +190,9 @@ class Trainer:
         self.device = next(self.backend.module.parameters()).device
         self.last_plan: Plan | None = None
         self.source = recorded[0] if recorded else RolloutSource(cfg, self.tokenizer, make, self.backend)
+        self.evaluator: Evaluator | None = None
+        if self.held is not None and isinstance(self.source, RolloutSource):
+            self.evaluator = Evaluator(cfg, self.held, self.tokenizer, self.source.wrapper, self.backend)
         if not resume and overwrite and self.lock is not None:
             remove_run_artifacts(self.run_dir)
         if self.backend.rank == 0:
@@ -266,6 +278,8 @@ class Trainer:
         last_saved = time.monotonic()
         try:
             try:
+                if self.state.update == 0:
+                    self.evaluate()
                 for index in range(self.state.update, cfg.updates):
                     row = self.update(index)
                     if self.metrics is not None:
@@ -274,6 +288,7 @@ class Trainer:
                         advice = no_signal_advice(history)
                         if advice is not None:
                             log.warning("%s", advice)
+                    self.evaluate()
                     if self.on_point is not None:
                         self.on_point("update-end", index)
                     bar.set_postfix(progress.fields(row), refresh=False)  # shown by the update below
@@ -312,6 +327,22 @@ class Trainer:
             due = late if self.backend.world_size == 1 else self.backend.gather(str(int(late)))[0] == "1"
         return due
 
+    def evaluate(self) -> None:
+        """The held-out evaluation, when one is due after `state.update` updates, written as an eval row."""
+        if self.evaluator is None or not self.evaluator.due(self.state.update):
+            return
+        assert isinstance(self.source, RolloutSource)
+        model = self.backend.module
+        engine = self.source.synced_engine(model, self.state.version)
+        row = self.evaluator(model, engine, self.state.update, self.state.version)
+        log.info(
+            "eval after %d updates: pass@1 %.3f, pass@%d %.3f, mean reward %.3f over %d held-out tasks (%s)",
+            row.update, row.pass_at_1, row.samples, row.pass_at_k, row.reward_mean, row.tasks,
+            self.evaluator.held.source,
+        )  # fmt: skip
+        if self.metrics is not None:
+            self.metrics.write_eval(row)
+
     def read_rows(self) -> list[UpdateMetrics]:
         return read_metrics(self.run_dir / "metrics.jsonl")
 
@@ -319,6 +350,6 @@ class Trainer:
         rows = self.read_rows()
         summary = RunSummary.of(rows)
         if self.backend.rank == 0:
-            plot_rewards(rows, self.run_dir / "reward.png")
+            plot_rewards(rows, self.run_dir / "reward.png", evals=read_evals(self.run_dir / "metrics.jsonl"))
             atomic_write_text(self.run_dir / "summary.txt", summary.text(rows) + "\n")
         return summary

@@ -1,6 +1,8 @@
 """Per-update metrics: one typed row per update, appended to `metrics.jsonl` (and TensorBoard when installed).
 
-The JSONL file is the run's record: the summary, the notebooks and a resumed run all read it back.
+The JSONL file is the run's record: the summary, the notebooks and a resumed run all read it back. Held-out
+evaluations (`eval.every`) write their own typed rows, `EvalMetrics`, to the same file, marked
+`"kind": "eval"`; `read_metrics` reads the update rows and `read_evals` the evaluation rows.
 
 Example:
     >>> row = UpdateMetrics(update=0, version=1, reward_mean=0.5, reward_std=0.5, trajectories=8,
@@ -121,6 +123,37 @@ class UpdateMetrics:
         return d
 
 
+@dataclass(frozen=True)
+class EvalMetrics:
+    """One held-out evaluation (`treetrain.train.evaluation`): how the policy did on tasks it never trains on."""
+
+    update: int
+    """Updates completed when it ran (0: before the first)."""
+    version: int
+    """Model version evaluated."""
+    tasks: int
+    """Held-out tasks scored (tasks lost to environment failures are left out, see `failed_tasks`)."""
+    samples: int
+    """Samples per task (k of pass@k)."""
+    pass_at_1: float
+    """Mean over tasks of the fraction of samples that pass (reward >= `eval.pass_threshold`)."""
+    pass_at_k: float
+    """Mean over tasks of the unbiased pass@k estimate (Chen et al. 2021) with k = `samples`."""
+    reward_mean: float
+    """Mean reward over every sample of every task."""
+    failed_tasks: int = 0
+    """Tasks whose episode failed in environment code (not scored)."""
+    seconds: float = 0.0
+    """Wall time of the evaluation."""
+    greedy: bool = True
+    """Greedy decoding (else the rollout's sampling settings)."""
+    kind: str = "eval"
+    """Always 'eval': tells these rows from update rows in metrics.jsonl."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 class MetricsError(TreetrainError, ValueError):
     """A metrics file that cannot be read; the message names the file and line."""
 
@@ -141,7 +174,10 @@ def read_metrics(path: str | Path) -> list[UpdateMetrics]:
         if not line.strip():
             continue
         try:
-            rows.append(_row(json.loads(line), names))
+            obj = json.loads(line)
+            if isinstance(obj, dict) and obj.get("kind") == "eval":
+                continue  # an evaluation row (`read_evals`)
+            rows.append(_row(obj, names))
         except (ValueError, TypeError, RecursionError) as exc:  # JSONDecodeError is a ValueError
             if number == len(lines):
                 log.warning("%s:%d: skipping a partial last line (%s)", path, number, exc)
@@ -151,6 +187,29 @@ def read_metrics(path: str | Path) -> list[UpdateMetrics]:
                     :300
                 ]
             ) from None
+    return rows
+
+
+def read_evals(path: str | Path) -> list[EvalMetrics]:
+    """The evaluation rows of a metrics.jsonl file (`"kind": "eval"`), in the order they were written; a
+    line that is not one is skipped (`read_metrics` is the reader that refuses bad lines)."""
+    names = {f.name for f in fields(EvalMetrics)}
+    try:
+        with open_file(None, path, "rb") as f:
+            lines = f.read().decode("utf-8", errors="replace").splitlines()
+    except FileNotFoundError:
+        return []
+    rows = []
+    for line in lines:
+        try:
+            obj = json.loads(line)
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(obj, dict) and obj.get("kind") == "eval":
+            try:
+                rows.append(EvalMetrics(**{k: v for k, v in obj.items() if k in names}))
+            except TypeError as exc:
+                raise MetricsError(f"{path}: not an evaluation row: {exc}") from None
     return rows
 
 
@@ -172,7 +231,14 @@ class MetricsWriter:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if truncate_after is not None and os.path.lexists(self.path):
-            kept = [r for r in read_metrics(self.path) if r.update < truncate_after]
+            kept: list[UpdateMetrics | EvalMetrics] = [
+                r for r in read_metrics(self.path) if r.update < truncate_after
+            ]
+            kept += [r for r in read_evals(self.path) if r.update <= truncate_after]
+            # update row i ends with i + 1 updates done; the evaluation after u updates follows row u - 1
+            kept.sort(
+                key=lambda r: (r.update + isinstance(r, UpdateMetrics), not isinstance(r, UpdateMetrics))
+            )
             atomic_write_text(self.path, "".join(json.dumps(r.as_dict()) + "\n" for r in kept))
         self._tb: Any = None
         try:
@@ -190,6 +256,15 @@ class MetricsWriter:
             for key, value in row.as_dict().items():
                 if isinstance(value, int | float) and key != "update":
                     self._tb.add_scalar(key, value, row.update)
+
+    def write_eval(self, row: EvalMetrics) -> None:
+        """Append an evaluation row (TensorBoard: `eval/<name>` against the updates completed)."""
+        with open_file(self.path.parent, self.path, "ab") as f:
+            f.write((json.dumps(row.as_dict()) + "\n").encode())
+            f.flush()
+        if self._tb is not None:
+            for key in ("pass_at_1", "pass_at_k", "reward_mean"):
+                self._tb.add_scalar(f"eval/{key}", getattr(row, key), row.update)
 
     def close(self) -> None:
         if self._tb is not None:

@@ -21,7 +21,7 @@ Example:
     (12, 2, True)
     >>> resume_config(run, None, ["optim.lr=0.1"])
     Traceback (most recent call last):
-    treetrain.errors.ConfigError: --resume: optim.lr is 3e-05 in the saved run (...config.yaml) and cannot change on resume (asked 0.1); only updates, checkpoint_every, checkpoint_every_s, measure_memory_every, threads, memory_budget, run_dir may; start a new run for other settings
+    treetrain.errors.ConfigError: --resume: optim.lr is 3e-05 in the saved run (...config.yaml) and cannot change on resume (asked 0.1); only updates, checkpoint_every, checkpoint_every_s, measure_memory_every, threads, memory_budget, run_dir, eval.every, eval.tasks, eval.samples, eval.greedy, eval.pass_threshold may; start a new run for other settings
 """
 
 from __future__ import annotations
@@ -59,10 +59,17 @@ RESUMABLE = (
     "threads",
     "memory_budget",
     "run_dir",
+    "eval.every",
+    "eval.tasks",
+    "eval.samples",
+    "eval.greedy",
+    "eval.pass_threshold",
 )
 """Settings a resume may change. `updates` extends or shortens the run; checkpoint and measurement cadence,
 torch threads and the planner's memory budget change cost, not the update (the planner's choices are
-exact under the `exact` contract, and are re-made every update anyway); `run_dir` is where the run is now."""
+exact under the `exact` contract, and are re-made every update anyway); `run_dir` is where the run is now;
+`eval.*` changes what is measured on held-out tasks, never what an update computes (evaluation samples
+with its own generators, tests/train/test_evaluation.py)."""
 
 
 def read_saved_config(run_dir: str | Path) -> dict[str, Any]:

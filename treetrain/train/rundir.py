@@ -50,8 +50,9 @@ OWN_FILES = ("config.yaml", "metrics.jsonl", "summary.txt", "reward.png")
 OWN_DIRS = ("final", "final-merged", "tensorboard", "engine-weights")
 """`engine-weights/` holds the weights a `vllm-server` run hands its servers; rewritten at every sync, so
 `--overwrite` and a run that never started remove it like the others."""
-OWN_PARENTS = ("checkpoints", "rollouts")
-"""Directories holding one `update-NNNNN` directory per checkpoint or per update's rollouts."""
+OWN_PARENTS = ("checkpoints", "rollouts", "eval")
+"""Directories holding one `update-NNNNN` directory per checkpoint, per update's rollouts, or per held-out
+evaluation (`eval/update-NNNNN/`: after NNNNN updates)."""
 _UPDATE_DIR = re.compile(r"update-\d{5,}")
 _ENV_LOG = re.compile(r"update-\d{5,}(-rank\d+)?\.log")
 ENV_ERRORS = "env-errors"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from treetrain.bytesize import format_bytes
 from treetrain.io import atomic_write_bytes
-from treetrain.train.metrics import UpdateMetrics
+from treetrain.train.metrics import EvalMetrics, UpdateMetrics
 
 _BARS = "▁▂▃▄▅▆▇█"
 
@@ -94,8 +94,16 @@ class RunSummary:
         return "\n".join(lines)
 
 
-def plot_rewards(rows: Sequence[UpdateMetrics], path: str | Path, run_name: str | None = None) -> Path | None:
+def plot_rewards(
+    rows: Sequence[UpdateMetrics],
+    path: str | Path,
+    run_name: str | None = None,
+    evals: Sequence[EvalMetrics] = (),
+) -> Path | None:
     """Reward curve (per update and a 10-update moving mean) as a PNG; None when matplotlib is missing.
+
+    Held-out evaluations (`evals`) are drawn on the same axes, their pass@1 and mean reward against the
+    updates completed when each ran, so the training curve and the held-out one read side by side.
 
     The title names the run (default: the directory the PNG is written to, the run directory), so a copied
     or attached picture still says which run it shows."""
@@ -112,6 +120,11 @@ def plot_rewards(rows: Sequence[UpdateMetrics], path: str | Path, run_name: str 
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.plot(xs, ys, ".", alpha=0.5, label="mean reward per update")
     ax.plot(xs, avg, "-", label="10-update moving mean")
+    if evals:
+        ex = [e.update for e in evals]
+        ax.plot(ex, [e.pass_at_1 for e in evals], "s-", label="held-out pass@1")
+        ax.plot(ex, [e.reward_mean for e in evals], "^--", label="held-out mean reward")
+        ys = [*ys, *(e.reward_mean for e in evals)]
     ax.set_xlabel("update")
     ax.set_ylabel("reward")
     if ys and min(ys) >= 0 and max(ys) <= 1:  # rewards in [0, 1]: show the whole range

@@ -107,6 +107,10 @@ class RolloutSource:
                 self.engine.sync_weights(model, version)
         return self.engine
 
+    def synced_engine(self, model: Any, version: int) -> GenerationEngine:
+        """The rollout engine serving `model`'s weights of `version` (held-out evaluation samples on it)."""
+        return self._engine(model, version)
+
     def __call__(self, model: Any, update: int, version: int) -> Produced:
         start = time.perf_counter()
         r = self.cfg.rollout
