@@ -43,6 +43,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from envs.channel import Channel
+from envs.env_error import EnvError, EnvFailure
 from envs.protocol import Episode, Message, Rubric, StepResult, ToolSpec
 from envs.step_thread import DeadlineEnvironment
 from envs.wire import (
@@ -57,7 +58,6 @@ from envs.wire import (
     tools_from_wire,
 )
 from envs.worker import serve
-from envs.wrapper import EnvStepError
 from treetrain.errors import ConfigError
 
 GRACE_S = 10.0
@@ -67,34 +67,6 @@ BUILD_S = 300.0
 """How long building an environment may take, the worker's start (its imports) included."""
 MAX_CONCURRENT = 16
 """Requests one worker runs at once by default (each in its own thread); the trainer passes its own bound."""
-
-
-@dataclass(frozen=True)
-class EnvError:
-    """One failure of environment code: which environment, which method, what was raised, and where."""
-
-    env: str
-    method: str
-    exception: str
-    where: str = ""
-    traceback: str = ""
-
-    def line(self) -> str:
-        """One line naming all of it (the traceback aside).
-
-        >>> EnvError("my_env:Maze", "step", "ValueError: wall", "maze.py:12").line()
-        'my_env:Maze: step raised ValueError: wall (at maze.py:12)'
-        """
-        at = f" (at {self.where})" if self.where else ""
-        return f"{self.env}: {self.method} raised {self.exception}{at}"
-
-
-class EnvFailure(EnvStepError):
-    """Environment code failed (in a worker); `error` says how."""
-
-    def __init__(self, error: EnvError) -> None:
-        super().__init__(error.line())
-        self.error = error
 
 
 def _exit_text(code: int | None) -> str:

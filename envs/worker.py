@@ -26,13 +26,13 @@ import json
 import os
 import signal
 import sys
-import sysconfig
 import threading
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
+from envs.env_error import raised_at, summary
 from envs.lanes import Lanes
 from envs.protocol import Environment, Episode, Message, StepResult
 from envs.registry import resolve
@@ -54,31 +54,12 @@ class _Refused(Exception):
     """A value the environment returned that the protocol does not allow (the message says which)."""
 
 
-def _summary(exc: BaseException) -> str:
-    try:
-        text = str(exc)
-    except Exception:
-        text = "<str() raised>"
-    line = " ".join(f"{type(exc).__name__}: {text}".split()) if text else type(exc).__name__
-    return line[:MAX_NAME_CHARS]
-
-
-_NOT_THEIRS = (os.path.dirname(os.path.abspath(__file__)) + os.sep, sysconfig.get_paths()["stdlib"] + os.sep)
-
-
-def _where(exc: BaseException) -> str:
-    """The innermost frame of the traceback outside this package and the standard library: the environment's
-    own line (none when its code only returned something wrong, or the standard library refused it)."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(_NOT_THEIRS)]
-    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""
-
-
 def error_reply(method: str, exc: BaseException) -> dict[str, Any]:
     """The reply for an exception raised by environment code during `method`."""
     if isinstance(exc, _Refused):
         text, tb, where = str(exc)[:MAX_NAME_CHARS], f"{method}: {exc}\n", ""
     else:
-        text, where = _summary(exc), _where(exc)
+        text, where = summary(exc), raised_at(exc)
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     return {
         "error": {

@@ -16,6 +16,7 @@ from envs import EpisodeLimits, Message, TokenEnv, WrapperConfig, format_tool_ca
 from envs.remote import EnvFailure, RemoteEnv, WorkerEnvFactory
 from envs.wire import MAX_ITEMS, WireError, messages_from_wire, result_from_wire, tools_from_wire
 from treetrain.rollout import FanOut, RolloutConfig, SamplerConfig, Sampling, rollout_trees
+from treetrain.rollout.engines.hf_engine import HFEngine
 
 torch.set_num_threads(1)
 MODEL = tiny_model(init=0.5)
@@ -55,10 +56,21 @@ def test_worker_trees_equal_in_process_trees(
     config = RolloutConfig(fanout=fanout, sampler=sampling, wrapper=SHORT)
     factory = WorkerEnvFactory(name, kwargs, timeout=30.0)
     try:
-        remote = rollout_trees(MODEL, tokenizer(), factory, [0, 1, 2], tmp_path / "w", config, env_name=name)
+        remote = rollout_trees(
+            MODEL,
+            tokenizer(),
+            factory,
+            [0, 1, 2],
+            tmp_path / "w",
+            config,
+            env_name=name,
+            engine=HFEngine(MODEL),
+        )
     finally:
         factory.close()
-    inproc = rollout_trees(MODEL, tokenizer(), local, [0, 1, 2], tmp_path / "p", config, env_name=name)  # type: ignore[arg-type]
+    inproc = rollout_trees(
+        MODEL, tokenizer(), local, [0, 1, 2], tmp_path / "p", config, env_name=name, engine=HFEngine(MODEL)
+    )  # type: ignore[arg-type]
     assert remote.failures == ()
     assert [t.id for t in remote.trees] == [t.id for t in inproc.trees]
     assert [t.trajectories() for t in remote.trees] == [t.trajectories() for t in inproc.trees]
@@ -67,7 +79,9 @@ def test_worker_trees_equal_in_process_trees(
         other = RolloutConfig(
             fanout=fanout, sampler=SamplerConfig(Sampling(temperature=1.0), seed=6), wrapper=SHORT
         )
-        moved = rollout_trees(MODEL, tokenizer(), local, [0, 1, 2], tmp_path / "o", other, env_name=name)  # type: ignore[arg-type]
+        moved = rollout_trees(
+            MODEL, tokenizer(), local, [0, 1, 2], tmp_path / "o", other, env_name=name, engine=HFEngine(MODEL)
+        )  # type: ignore[arg-type]
         assert [t.id for t in moved.trees] != [t.id for t in inproc.trees]
 
 
@@ -166,7 +180,9 @@ def test_a_failed_task_loses_its_tree_and_the_others_are_written(misbehaving: No
     )
     config = RolloutConfig(fanout=FanOut(root=2), wrapper=SHORT)
     try:
-        result = rollout_trees(MODEL, tokenizer(), factory, [0, 1, 2, 3], tmp_path, config, env_name="m")
+        result = rollout_trees(
+            MODEL, tokenizer(), factory, [0, 1, 2, 3], tmp_path, config, env_name="m", engine=HFEngine(MODEL)
+        )
     finally:
         factory.close()
     assert [seed for seed, _ in result.failures] == [1, 3]

@@ -41,8 +41,8 @@ from treetrain.rollout.engines.generation import (
     GenerationRequest,
     GenerationResult,
     StopMatcher,
+    completion_of,
 )
-from treetrain.rollout.engines.vllm_engine import completion_of
 
 MAX_RESPONSE_BYTES = 64 * 2**20
 """Largest answer read from a server."""
@@ -146,6 +146,9 @@ class VLLMServerEngine:
             item = self._done.get(timeout=0.05)
             while True:
                 rid, answer = item
+                if rid not in self._open:  # aborted: its answer came back after all
+                    item = self._done.get_nowait()
+                    continue
                 self._open.discard(rid)
                 if isinstance(answer, EngineError):
                     raise answer
@@ -214,7 +217,7 @@ class VLLMServerEngine:
     def sync_weights(self, model: object, version: int) -> None:
         """Write the weights under `weights_dir`, have every server reload them, reset their prefix caches."""
         if self.busy:
-            raise RuntimeError("sync_weights while requests are in flight")
+            raise EngineError("vllm-server: sync_weights while requests are in flight (abort them first)")
         from treetrain.rollout.engines.served_checkpoint import write_weights
 
         start = time.perf_counter()
@@ -233,6 +236,10 @@ class VLLMServerEngine:
 
     def release_group(self, group: str) -> None:
         """vLLM's prefix cache evicts by itself."""
+
+    def abort(self) -> None:
+        """Forget every request in flight; their answers are dropped when they arrive."""
+        self._open.clear()
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
