@@ -4,7 +4,8 @@ The trainer starts one with the environment's name, constructor arguments and ho
 run at once (`envs.remote.EnvWorker`); the worker builds every environment itself, from the name, so
 nothing is pickled from the trainer. It then answers JSON requests on a pipe: build an environment, reset,
 step (under the step deadline, on a copy, as `envs.step_thread.step_within` does in-process), fork, score
-with a rubric, release. Each environment is a numbered handle; a fork is a new handle in the same worker.
+with a rubric, release, and `ping` (answered at once by the main loop: the trainer's check that a worker
+whose call is overdue is still alive, `envs.channel`). Each environment is a numbered handle; a fork is a new handle in the same worker.
 
 Requests run concurrently, each in a thread of a bounded pool, and each reply goes back with its request's
 id as soon as it is ready: a tool that sleeps on one handle holds up no other. An environment object is not
@@ -202,6 +203,13 @@ def serve(conn: Connection, name: str, kwargs_json: str, max_concurrent: int = 1
         except OSError:  # the trainer is gone
             _exit()
 
+    def answer_now(ident: object) -> None:
+        try:
+            with sending:
+                conn.send_bytes(dumps({"id": ident, "ok": {}}))
+        except OSError:
+            _exit()
+
     lanes = Lanes(max_concurrent, name="treetrain-env")
     while True:
         try:
@@ -210,6 +218,9 @@ def serve(conn: Connection, name: str, kwargs_json: str, max_concurrent: int = 1
             break
         if not isinstance(req, dict) or req.get("op") == "stop":
             break
+        if req.get("op") == "ping":  # answered here, outside the pool: says the process is not stuck
+            answer_now(req.get("id"))
+            continue
         handle = req.get("handle")
         lane = handle if isinstance(handle, int) and not isinstance(handle, bool) else req.get("op")
         lanes.submit(lane, functools.partial(answer, req))

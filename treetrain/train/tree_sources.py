@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from envs.env_error import EnvFailure
 from envs.protocol import Environment
-from envs.remote import EnvFailure
 from envs.wrapper import WrapperConfig
 from treetrain.distributed.backend import TrainBackend
 from treetrain.errors import ConfigError
@@ -48,6 +48,8 @@ class Produced:
     groups: tuple[tuple[TrajectoryTree, ...], ...]
     seconds: float
     failed_episodes: int = 0
+    step_timeouts: int = 0
+    """Environment steps that missed their deadline (all ranks)."""
 
     @property
     def trees(self) -> tuple[TrajectoryTree, ...]:
@@ -70,6 +72,13 @@ def share_trees(backend: TrainBackend, local: tuple[TrajectoryTree, ...]) -> tup
     total = sum(len(p) for p in per_rank)
     w = backend.world_size
     return tuple(per_rank[i % w][i // w] for i in range(total))
+
+
+def share_count(backend: TrainBackend, local: int) -> int:
+    """The sum of a count over every rank."""
+    if backend.world_size == 1:
+        return local
+    return sum(int(part) for part in backend.gather(str(int(local))))
 
 
 class RolloutSource:
@@ -139,7 +148,14 @@ class RolloutSource:
                 "update %d: task seed %d dropped: %s (traceback in %s)",
                 update, failure.seed, failure.error.line(), failure.log,
             )  # fmt: skip
-        return Produced(tuple((t,) for t in trees), time.perf_counter() - start, len(lost))
+        timeouts = share_count(self.backend, result.step_timeouts)
+        if timeouts:
+            log.warning(
+                "update %d: %d environment steps missed rollout.episode.step_timeout_s=%ss (each became a "
+                "timeout observation; step_timeouts in metrics.jsonl)",
+                update, timeouts, r.episode.step_timeout_s,
+            )  # fmt: skip
+        return Produced(tuple((t,) for t in trees), time.perf_counter() - start, len(lost), timeouts)
 
     def close(self) -> None:
         if self.engine is not None:

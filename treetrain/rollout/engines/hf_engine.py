@@ -16,11 +16,13 @@ kept prefix, and `release_group` drops what a finished tree left behind.
 **Memory.** The `n` rows of a request each hold their own copy of the context's KV: transformers' caches
 keep one dense `[rows, heads, length, dim]` tensor per layer and grow every row in place, so rows cannot
 share a prefix (a stride-0 view would be copied by the first decode step). The engine bounds the bytes
-instead: `max_kv_bytes` caps the KV it holds, live rows and kept prefixes together, counted from the
-tensors' actual storage (the spare capacity a growing layer reserves included, `cache_bytes`). A request
-waits while its estimated KV (`n` rows of context plus turn budget) would exceed the cap, kept prefixes
-are dropped oldest first to make room, and one request always runs. `held_bytes` is what it holds now,
-`peak_kv_bytes` the most it held (the trainer logs it).
+instead: `max_kv_bytes` caps the KV it holds, live rows and kept prefixes together. A request waits
+while the KV its rows and the live rows may reach (context plus turn budget, as wide as the widest row of
+the padded batch, with the growth room a growing layer reserves: `_reserve`) would exceed the cap; kept
+prefixes are dropped oldest first to make room, and one request always runs. `held_bytes` is what it
+holds, counted from the tensors' actual storage (`cache_bytes`), and `peak_kv_bytes` the most it held
+between decode steps. The reservation assumes plain attention KV (`token_kv_bytes`, from the config);
+for recurrent state it is an estimate.
 
 Each request draws from its own `torch.Generator` seeded by `GenerationRequest.seed` (one uniform per row
 and step, inverted through the row's CDF), so its samples do not depend on what else shares the batch, up
@@ -182,8 +184,7 @@ class HFEngine:
     @property
     def held_bytes(self) -> int:
         """KV bytes held now: every live batch's cache and every kept prefix (their actual storage)."""
-        live = sum(cache_bytes(b.cache) for b in self._batches)
-        return live + sum(e.nbytes for e in self._kept.values())
+        return sum(cache_bytes(b.cache) for b in self._batches) + self._kept_bytes()
 
     def _held(self) -> int:
         held = self.held_bytes
@@ -229,21 +230,26 @@ class HFEngine:
         self._kept.clear()
 
     # ----- admission --------------------------------------------------------------------------------
+    def _live(self) -> list[GenerationRequest]:
+        """The requests whose rows are in a batch (admitted, not finished)."""
+        waiting = {id(job) for job in self._waiting}
+        return [job.request for job in self._jobs.values() if id(job) not in waiting]
+
     def _admit(self) -> None:
-        rows = sum(len(b.rows) - b.dead for b in self._batches)
-        held = self._held()
+        """Move waiting requests into the batch while the rows and the KV they would reserve fit."""
+        live = self._live()
+        rows = sum(r.n for r in live)
         jobs: list[_Job] = []
         while self._waiting:
             request = self._waiting[0].request
-            need = self._estimate(request)
-            while held + need > self.max_kv_bytes and self._kept:  # make room: oldest kept prefix first
-                held -= self._kept.popitem(last=False)[1].nbytes
-            idle = rows == 0 and not jobs
-            if not idle and (rows + request.n > self.max_rows or held + need > self.max_kv_bytes):
+            need = self._reserve([*live, *(job.request for job in jobs), request])
+            while need + self._kept_bytes() > self.max_kv_bytes and self._kept:  # oldest kept prefix first
+                self._kept.popitem(last=False)
+            idle = not live and not jobs
+            if not idle and (rows + request.n > self.max_rows or need > self.max_kv_bytes):
                 break
             jobs.append(self._waiting.pop(0))
             rows += request.n
-            held += need
         if not jobs:
             return
         if not self.merge:
@@ -253,11 +259,26 @@ class HFEngine:
         into = self._batches.pop() if self._batches else None
         self._batches.append(new if into is None else self._join(into, new))
 
-    def _estimate(self, request: GenerationRequest) -> int:
-        """KV bytes a request's rows will hold at their longest (context plus the whole turn budget)."""
+    def _reserve(self, requests: list[GenerationRequest]) -> int:
+        """KV bytes `requests`' rows may hold at their longest, growth room included: a growing layer
+        reserves up to twice its length, and rows in one padded batch are as wide as its widest."""
         if self._token_bytes is None:
             self._token_bytes = token_kv_bytes(self.model)
-        return self._token_bytes * request.n * (request.prompt_tokens + request.max_new_tokens)
+        spans = [max(r.prompt_tokens + r.max_new_tokens, 32) for r in requests]
+        if self.merge:
+            return 2 * self._token_bytes * sum(r.n for r in requests) * max(spans, default=0)
+        return sum(2 * self._token_bytes * r.n * span for r, span in zip(requests, spans))
+
+    def _kept_bytes(self) -> int:
+        return sum(e.nbytes for e in self._kept.values())
+
+    def _trim_kept(self) -> None:
+        """Drop kept prefixes, oldest first, beyond `max_kept` or the bytes the live rows leave."""
+        live = self._reserve(self._live())
+        while self._kept and (
+            len(self._kept) > self.max_kept or live + self._kept_bytes() > self.max_kv_bytes
+        ):
+            self._kept.popitem(last=False)
 
     def _lookup(self, context: tuple[int, ...]) -> tuple[int, Any]:
         """The longest kept prefix of `context` (leaving at least one token to encode), as a cache to use."""
@@ -421,10 +442,7 @@ class HFEngine:
             else:
                 kept = fork_cache(batch.cache, [j])
             self._kept[key] = _Kept(kept, request.children, request.group, cache_bytes(kept))
-            while len(self._kept) > self.max_kept or (
-                len(self._kept) > 1 and self._held() > self.max_kv_bytes
-            ):
-                self._kept.popitem(last=False)
+            self._trim_kept()
         job.results[row.sample] = Completion(
             tuple(row.tokens), tuple(row.logprobs), "stop" if stopped else "length", job.version
         )
