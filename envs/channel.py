@@ -45,9 +45,6 @@ from typing import Any
 
 from envs.wire import MAX_REPLY_BYTES, WireError, dumps, loads
 
-PROBE_S = 10.0
-"""How long a worker has to answer a ping after a call's deadline passed before it is taken to be stuck."""
-
 
 @dataclass
 class _Waiter:
@@ -63,7 +60,8 @@ class _Waiter:
 
 class Channel:
     """Concurrent calls over one duplex `Connection` to a worker. `on_break` stops the worker (called once,
-    when the channel breaks); `exit_text` says, after the worker's end closed, how it ended."""
+    when the channel breaks); `exit_text` says, after the worker's end closed, how it ended; `probe_s` is how
+    long the worker has to answer a ping after a call's deadline passed."""
 
     def __init__(
         self,
@@ -71,7 +69,7 @@ class Channel:
         on_break: Callable[[], None],
         slots: int,
         exit_text: Callable[[], str] = lambda: "WorkerGone: the worker closed the pipe",
-        probe_s: float = PROBE_S,
+        probe_s: float = 10.0,
     ) -> None:
         self._conn, self._on_break, self._exit_text = conn, on_break, exit_text
         self.probe_s = probe_s

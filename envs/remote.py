@@ -67,8 +67,9 @@ from treetrain.errors import ConfigError
 RUBRIC_TIMEOUT_S = 300.0
 """How long a rubric may score one episode by default (the trainer passes `rollout.rubric_timeout_s`)."""
 GRACE_S = 10.0
-"""How much longer than the step deadline a worker may stay silent before it is stopped (a step stuck in
-C code, holding the interpreter, cannot be abandoned in its thread)."""
+"""How much longer than the step deadline a worker may stay silent before the call fails (a step stuck in
+C code, holding the interpreter, cannot be abandoned in its thread), and how long it then has to answer a
+ping before it is taken to be stuck and stopped."""
 BUILD_S = 300.0
 """How long building an environment may take, the worker's start (its imports) included."""
 MAX_CONCURRENT = 16
@@ -116,8 +117,9 @@ class EnvWorker:
         self._proc.start()
         child.close()
         self._channel = Channel(
-            conn, functools.partial(_kill, self._proc), max_concurrent, functools.partial(_ended, self._proc)
-        )
+            conn, functools.partial(_kill, self._proc), max_concurrent, functools.partial(_ended, self._proc),
+            probe_s=GRACE_S,
+        )  # fmt: skip
         self._building = threading.Lock()
         """Held while an environment is built: builds run one at a time in the worker (constructors are not
         assumed thread-safe), so each one's deadline starts when it does."""
@@ -131,6 +133,11 @@ class EnvWorker:
     def waiting(self) -> int:
         """How many calls are waiting for their reply now."""
         return self._channel.waiting
+
+    @property
+    def overdue(self) -> int:
+        """How many calls gave up on their reply (deadline passed) while the worker still runs them."""
+        return self._channel.overdue
 
     def call(self, method: str, request: dict[str, Any], extra_s: float = 0.0, scoring: bool = False) -> Any:
         """Send `request`, return the worker's answer; any failure is an `EnvFailure` naming `method`. The

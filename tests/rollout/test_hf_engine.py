@@ -3,6 +3,8 @@ padding, joining, kept prefixes and per-request seeds must not change a single t
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from support.env_fixtures import tiny_model, tokenizer
@@ -151,6 +153,23 @@ def test_an_engine_that_raised_recovers_and_syncs() -> None:
     again = _run(engine, _requests(HOT))
     fresh = _run(HFEngine(SHARP, version=1), _requests(HOT))
     assert all(again[i].completions == fresh[i].completions for i in fresh)  # nothing of the failure is left
+
+
+def test_a_rollout_the_engine_failed_leaves_it_idle_for_the_next_sync(tmp_path: Path) -> None:
+    from support.env_fixtures import FixedTurnsEnv
+
+    from envs import EpisodeLimits, WrapperConfig
+    from treetrain.rollout import FanOut, RolloutConfig, rollout_trees
+
+    failing = _FailingOnce(SHARP, fail_at=4)
+    engine = HFEngine(failing)
+    config = RolloutConfig(FanOut(root=2), wrapper=WrapperConfig(EpisodeLimits(4, 6, 1024)))
+    with pytest.raises(RuntimeError, match="forward failed"):
+        rollout_trees(failing, tokenizer(), FixedTurnsEnv, [0, 1], tmp_path / "a", config, engine=engine)
+    assert not engine.busy  # the scheduler aborted what was in flight (the test above: else it stays busy)
+    engine.sync_weights(failing, 1)
+    again = rollout_trees(failing, tokenizer(), FixedTurnsEnv, [0, 1], tmp_path / "b", config, engine=engine)
+    assert len(again.trees) == 2 and again.failures == ()
 
 
 def test_kv_bytes_stay_under_the_bound_and_are_counted() -> None:

@@ -238,6 +238,35 @@ def test_a_task_that_crashes_ends_alone_and_the_others_are_on_disk(tmp_path: Pat
         assert again.id == tree.id and again.trajectories() == tree.trajectories()
 
 
+def test_a_long_prompt_or_a_template_error_ends_its_task_alone(tmp_path: Path) -> None:
+    from envs import Message
+    from envs.template import TemplateError
+
+    class Faulty(FixedTurnsEnv):
+        def reset(self, seed: int) -> Any:
+            if seed == 1:
+                return (Message("user", "word " * 3000),)  # over SHORT's 1024-token episode budget
+            if seed == 3:
+                raise TemplateError("the template cannot render this conversation")
+            return super().reset(seed)
+
+    config = RolloutConfig(
+        fanout=FanOut(root=2), sampler=SamplerConfig(Sampling(temperature=0.0)), wrapper=SHORT
+    )
+    engine = HFEngine(MODEL)
+    result = rollout_trees(MODEL, tokenizer(), Faulty, [0, 1, 2, 3], tmp_path / "f", config, "fixed", engine)
+    assert [(seed, e.method, e.exception.split(":")[0]) for seed, e in result.failures] == [
+        (1, "reset", "PromptTooLongError"),
+        (3, "reset", "TemplateError"),
+    ]
+    assert all("Traceback" in e.traceback for _, e in result.failures) and not engine.busy
+    healthy = rollout_trees(
+        MODEL, tokenizer(), FixedTurnsEnv, [0, 2], tmp_path / "h", config, "fixed", engine
+    )
+    assert healthy.failures == ()  # control: the same tasks without the faulty ones give the same trees
+    assert [t.id for t in result.trees] == [t.id for t in healthy.trees] and len(result.trees) == 2
+
+
 def test_builtin_lookup_rollout_shares_the_long_prompt(tmp_path: Path) -> None:
     config = RolloutConfig(
         fanout=FanOut(root=3), wrapper=WrapperConfig(EpisodeLimits(max_turns=2, max_turn_tokens=4))
