@@ -13,10 +13,8 @@ Example:
     ...     raise ValueError("prompt too long")
     ... except ValueError as exc:
     ...     error = EnvError.raised("calculator", "reset", exc)
-    >>> error.line()
-    'calculator: reset raised ValueError: prompt too long'
-    >>> "Traceback" in error.traceback
-    True
+    >>> error.method, error.exception, "Traceback" in error.traceback
+    ('reset', 'ValueError: prompt too long', True)
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from treetrain.io import path_problem
 from treetrain.loss.advantages import AdvantageConfig
 from treetrain.loss.loss_config import LossConfig
 from treetrain.models.lora_config import LoraSection
-from treetrain.rollout.engines.engine_settings import ENGINES, VLLMSettings
+from treetrain.rollout.engines.engine_settings import VLLMSettings, check_engine_choice
 from treetrain.rollout.fanout import FanOut
 from treetrain.rollout.sampling import Sampling
 from treetrain.train.config_file import read_config_file
@@ -193,10 +193,7 @@ class RolloutSection:
             raise ConfigError(
                 "rollout.sampling.temperature: must be > 0 for RL sampling (0 is greedy decoding), got 0"
             )
-        if self.engine not in ENGINES:
-            raise ConfigError(f"rollout.engine: must be one of {ENGINES}, got {self.engine!r:.80}")
-        if self.engine == "vllm-server" and not self.vllm.urls:
-            raise ConfigError("rollout.vllm.urls: rollout.engine=vllm-server needs the servers' base URLs")
+        check_engine_choice(self.engine, self.vllm)
         if self.hf_kv_budget is not None:
             from treetrain.bytesize import parse_bytes
 
