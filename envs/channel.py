@@ -7,13 +7,18 @@ its deadline measures the worker, not a queue), registers a waiter under a fresh
 its own deadline. The reader thread is the only one that receives: it decodes each reply (bounded by
 `MAX_REPLY_BYTES`, JSON only, never unpickled) and wakes its waiter.
 
+A caller whose deadline passes fails alone: its request is abandoned (a late reply to it is dropped, and
+only then is its slot free again), and the worker goes on serving every other call, so one hung step or
+slow rubric ends only its own task. Before saying so the channel pings the worker (`ping`, answered by the
+worker's main loop, outside its pool): a worker that does not answer the ping within `probe_s` is stuck
+(code in C holding its interpreter, a stopped process) and would stall every later call too, so it is
+stopped, as below.
+
 Anything that breaks the protocol breaks the channel for every caller at once, because no later reply can
 be trusted: the worker dying, a reply that is oversized, not JSON, not an object with `id` and `ok` or
-`error`, or for an id no one waits for. The worker is stopped and each waiting caller gets the reason,
-naming its own method; later calls fail at once (`WorkerGone`), and the factory starts a fresh worker. A
-caller whose deadline passes, or that is interrupted (Ctrl-C), stops the worker the same way: a worker
-that keeps its own step deadline and still does not answer is stuck (a step in C code holding the
-interpreter), and would stall every later call too.
+`error`, or for an id no one waits for (or abandoned). The worker is stopped and each waiting caller gets
+the reason, naming its own method; later calls fail at once (`WorkerGone`), and the factory starts a fresh
+worker. A caller that is interrupted (Ctrl-C) stops the worker the same way, so nothing runs on unseen.
 
 Example (the echoing "worker" here is a thread; `envs.remote.EnvWorker` runs `envs.worker.serve`):
     >>> import json, multiprocessing, threading
@@ -55,7 +60,8 @@ class _Waiter:
 
 class Channel:
     """Concurrent calls over one duplex `Connection` to a worker. `on_break` stops the worker (called once,
-    when the channel breaks); `exit_text` says, after the worker's end closed, how it ended."""
+    when the channel breaks); `exit_text` says, after the worker's end closed, how it ended; `probe_s` is how
+    long the worker has to answer a ping after a call's deadline passed."""
 
     def __init__(
         self,
@@ -63,11 +69,15 @@ class Channel:
         on_break: Callable[[], None],
         slots: int,
         exit_text: Callable[[], str] = lambda: "WorkerGone: the worker closed the pipe",
+        probe_s: float = 10.0,
     ) -> None:
         self._conn, self._on_break, self._exit_text = conn, on_break, exit_text
+        self.probe_s = probe_s
         self._slots = threading.BoundedSemaphore(slots)
-        self._lock = threading.Lock()  # guards _waiters, _broken and sending
+        self._lock = threading.Lock()  # guards _waiters, _abandoned, _broken and sending
         self._waiters: dict[int, _Waiter] = {}
+        self._abandoned: set[int] = set()
+        """Requests whose caller's deadline passed: their slot is freed when their late reply comes."""
         self._ids = itertools.count(1)
         self._broken: str | None = None
         self._reader = threading.Thread(target=self._read, name="treetrain-env-replies", daemon=True)
@@ -83,11 +93,23 @@ class Channel:
         with self._lock:
             return len(self._waiters)
 
+    @property
+    def overdue(self) -> int:
+        """How many abandoned requests (their caller's deadline passed) the worker has not answered yet."""
+        with self._lock:
+            return len(self._abandoned)
+
     def call(self, method: str, request: dict[str, Any], deadline: float | None) -> tuple[str, Any]:
         """Send `request` and wait up to `deadline` seconds (None: forever) for its reply: ("ok", value),
-        ("error", the worker's error object), or ("broken", why it cannot be answered: `Kind: detail`)."""
+        ("error", the worker's error object), ("timeout", why: only this call failed), or ("broken", why it
+        cannot be answered: `Kind: detail`)."""
         try:
-            with self._slots:
+            if not self._slots.acquire(timeout=deadline):
+                return "timeout", (
+                    f"Timeout: no free slot within {deadline:g}s (every one is held by a call past its deadline)"
+                )
+            release_slot = True
+            try:
                 waiter, ident = _Waiter(method), next(self._ids)
                 with self._lock:
                     if self._broken is not None:
@@ -95,12 +117,24 @@ class Channel:
                     self._waiters[ident] = waiter
                     with contextlib.suppress(OSError):  # the worker is gone; the reader reports how
                         self._conn.send_bytes(dumps({**request, "id": ident}))
-                if not waiter.done.wait(deadline):
+                if not waiter.done.wait(deadline) and self._abandon(ident):
+                    assert deadline is not None
+                    release_slot = False  # the reader frees it when the late reply comes
+                    if self._answers_ping(method):
+                        return "timeout", (
+                            f"Timeout: no answer within {deadline:g}s (the worker still answers; only this "
+                            "call failed)"
+                        )
                     self._break(
-                        f"WorkerStopped: another call ({method}) had no answer within {deadline:g}s, so the "
-                        "worker was stopped",
-                        own=(waiter, f"Timeout: no answer within {deadline:g}s; the worker was stopped"),
+                        f"WorkerStopped: another call ({method}) had no answer within {deadline:g}s and the "
+                        f"worker answered no ping within {self.probe_s:g}s, so it was stopped"
                     )
+                    return "broken", (
+                        f"Timeout: no answer within {deadline:g}s, nor to a ping; the worker was stopped"
+                    )
+            finally:
+                if release_slot:
+                    self._slots.release()
         except BaseException as exc:  # Ctrl-C while waiting: stop the worker, so nothing runs on unseen
             self._break(
                 f"WorkerStopped: interrupted ({type(exc).__name__}) while waiting; the worker was stopped"
@@ -109,6 +143,29 @@ class Channel:
         if waiter.reply is None:
             return "broken", waiter.broken or "WorkerGone: the worker stopped answering"
         return waiter.reply
+
+    def _abandon(self, ident: int) -> bool:
+        """Give up on request `ident` (its deadline passed); False when its reply came in meanwhile."""
+        with self._lock:
+            waiter = self._waiters.pop(ident, None)
+            if waiter is None or waiter.done.is_set():
+                return False
+            self._abandoned.add(ident)
+            return True
+
+    def _answers_ping(self, method: str) -> bool:
+        """Whether the worker's main loop still answers (within `probe_s`); no slot needed."""
+        waiter, ident = _Waiter(f"ping after {method}"), next(self._ids)
+        with self._lock:
+            if self._broken is not None:
+                return False
+            self._waiters[ident] = waiter
+            with contextlib.suppress(OSError):
+                self._conn.send_bytes(dumps({"op": "ping", "id": ident}))
+        answered = waiter.done.wait(self.probe_s) and waiter.reply is not None
+        with self._lock:
+            self._waiters.pop(ident, None)
+        return answered
 
     def close(self, text: str) -> None:
         """Ask the worker to exit and break the channel on purpose: every waiting call fails with `text`
@@ -156,6 +213,12 @@ class Channel:
                 if waiter is not None:
                     waiter.reply = reply
                     waiter.done.set()
+                late = waiter is None and ident in self._abandoned
+                if late:
+                    self._abandoned.discard(ident)
+            if late:  # the answer to a call that gave up: dropped, and its slot is free again
+                self._slots.release()
+                continue
             if waiter is None and self.alive:
                 self._break(f"WireError: a reply to request {ident}, which no call is waiting for")
                 break

@@ -231,6 +231,11 @@ class Environment(ABC):
         del branch
         return copy.deepcopy(self)
 
+    def release(self) -> None:
+        """Free what this environment holds once its episode needs it no more (one hosted in a worker
+        frees its handle there); the default holds nothing beyond the object itself."""
+        return None
+
 
 def default_rubric(env: Environment, name: str | None = None) -> Rubric:
     """The rubric called `name`, or the environment's first one; errors list the known names."""

@@ -10,15 +10,19 @@ Calls are concurrent: the factory, its workers and their environments may be use
 once. Each request carries an id (`envs.channel`), the worker runs each in its own thread, in order per
 handle (`envs.lanes`), and answers as soon as it is done, so a slow tool delays only its own episode. A
 `RemoteEnv` sends one request at a time, and a worker builds one environment at a time, so a request's
-deadline (step deadline plus `GRACE_S`) starts when the worker can start it. With `workers=N` the factory
-gives root environments to N processes in turn (a fork stays in its root's worker), for tools that are
-CPU-bound in Python, which one process's interpreter lock would run one at a time.
+deadline starts when the worker can start it: the step deadline plus `GRACE_S` for a step (the worker
+keeps the step deadline itself and answers a timeout), `rubric_timeout` for a rubric (code execution and
+judges take far longer than a tool call). With `workers=N` the factory gives root environments to N
+processes in turn (a fork stays in its root's worker), for tools that are CPU-bound in Python, which one
+process's interpreter lock would run one at a time.
 
 Anything the environment does wrong surfaces as one exception, `EnvFailure`, carrying an `EnvError`: the
-environment, the method, the exception, where it was raised and the full traceback. A worker that dies
-(`os._exit`, a crash, a kill), that answers with something the protocol does not allow, or that leaves a
-call unanswered past the step deadline plus `GRACE_S` is stopped, and every call waiting on it fails the
-same way, each naming its own method; the next environment starts a fresh worker.
+environment, the method, the exception, where it was raised and the full traceback. A call left
+unanswered past its deadline fails alone (`Timeout: ...`): the worker goes on serving its other
+environments, so one hung step or slow rubric ends one task. A worker that dies (`os._exit`, a crash, a
+kill), that answers with something the protocol does not allow, or that answers not even a ping after a
+missed deadline (stuck) is stopped, and every call waiting on it fails the same way, each naming its own
+method; the next environment starts a fresh worker.
 
 Example:
     >>> factory = WorkerEnvFactory("calculator", {"max_operands": 2})
@@ -43,6 +47,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from envs.channel import Channel
+from envs.env_error import EnvError, EnvFailure
 from envs.protocol import Episode, Message, Rubric, StepResult, ToolSpec
 from envs.step_thread import DeadlineEnvironment
 from envs.wire import (
@@ -57,44 +62,18 @@ from envs.wire import (
     tools_from_wire,
 )
 from envs.worker import serve
-from envs.wrapper import EnvStepError
 from treetrain.errors import ConfigError
 
+RUBRIC_TIMEOUT_S = 300.0
+"""How long a rubric may score one episode by default (the trainer passes `rollout.rubric_timeout_s`)."""
 GRACE_S = 10.0
-"""How much longer than the step deadline a worker may stay silent before it is stopped (a step stuck in
-C code, holding the interpreter, cannot be abandoned in its thread)."""
+"""How much longer than the step deadline a worker may stay silent before the call fails (a step stuck in
+C code, holding the interpreter, cannot be abandoned in its thread), and how long it then has to answer a
+ping before it is taken to be stuck and stopped."""
 BUILD_S = 300.0
 """How long building an environment may take, the worker's start (its imports) included."""
 MAX_CONCURRENT = 16
 """Requests one worker runs at once by default (each in its own thread); the trainer passes its own bound."""
-
-
-@dataclass(frozen=True)
-class EnvError:
-    """One failure of environment code: which environment, which method, what was raised, and where."""
-
-    env: str
-    method: str
-    exception: str
-    where: str = ""
-    traceback: str = ""
-
-    def line(self) -> str:
-        """One line naming all of it (the traceback aside).
-
-        >>> EnvError("my_env:Maze", "step", "ValueError: wall", "maze.py:12").line()
-        'my_env:Maze: step raised ValueError: wall (at maze.py:12)'
-        """
-        at = f" (at {self.where})" if self.where else ""
-        return f"{self.env}: {self.method} raised {self.exception}{at}"
-
-
-class EnvFailure(EnvStepError):
-    """Environment code failed (in a worker); `error` says how."""
-
-    def __init__(self, error: EnvError) -> None:
-        super().__init__(error.line())
-        self.error = error
 
 
 def _exit_text(code: int | None) -> str:
@@ -123,8 +102,9 @@ class EnvWorker:
         kwargs: Mapping[str, Any],
         timeout: float | None,
         max_concurrent: int = MAX_CONCURRENT,
+        rubric_timeout: float | None = RUBRIC_TIMEOUT_S,
     ) -> None:
-        self.name, self.timeout = name, timeout
+        self.name, self.timeout, self.rubric_timeout = name, timeout, rubric_timeout
         self._kwargs = json.dumps(dict(kwargs))
         ctx = multiprocessing.get_context("spawn")
         conn, child = ctx.Pipe(duplex=True)
@@ -137,8 +117,9 @@ class EnvWorker:
         self._proc.start()
         child.close()
         self._channel = Channel(
-            conn, functools.partial(_kill, self._proc), max_concurrent, functools.partial(_ended, self._proc)
-        )
+            conn, functools.partial(_kill, self._proc), max_concurrent, functools.partial(_ended, self._proc),
+            probe_s=GRACE_S,
+        )  # fmt: skip
         self._building = threading.Lock()
         """Held while an environment is built: builds run one at a time in the worker (constructors are not
         assumed thread-safe), so each one's deadline starts when it does."""
@@ -153,13 +134,22 @@ class EnvWorker:
         """How many calls are waiting for their reply now."""
         return self._channel.waiting
 
-    def call(self, method: str, request: dict[str, Any], extra_s: float = 0.0) -> Any:
+    @property
+    def overdue(self) -> int:
+        """How many calls gave up on their reply (deadline passed) while the worker still runs them."""
+        return self._channel.overdue
+
+    def call(self, method: str, request: dict[str, Any], extra_s: float = 0.0, scoring: bool = False) -> Any:
         """Send `request`, return the worker's answer; any failure is an `EnvFailure` naming `method`. The
-        worker has the step deadline plus `GRACE_S` and `extra_s` to answer (no step deadline: forever),
-        counted from when the request is sent. Calls from other threads run meanwhile."""
-        deadline = None if self.timeout is None else self.timeout + GRACE_S + extra_s
+        worker has the step deadline plus `GRACE_S` and `extra_s` to answer (no step deadline: forever), or
+        when `scoring` (a rubric) the rubric deadline, counted from when the request is sent. Calls from other threads
+        run meanwhile; a missed deadline fails this call only (see the module docstring)."""
+        if scoring:
+            deadline = self.rubric_timeout
+        else:
+            deadline = None if self.timeout is None else self.timeout + GRACE_S + extra_s
         kind, value = self._channel.call(method, request, deadline)
-        if kind == "broken":
+        if kind in ("broken", "timeout"):
             raise EnvFailure(EnvError(self.name, method, value))
         if kind == "error":
             raise EnvFailure(_error_from_wire(self.name, value))
@@ -243,9 +233,9 @@ class RemoteEnv(DeadlineEnvironment):
         """One request of this handle in flight at a time, so each one's deadline starts when the worker
         can start it (the worker also runs a handle's requests in order, `envs.lanes`)."""
 
-    def _call(self, method: str, op: str, **fields: Any) -> Any:
+    def _call(self, method: str, op: str, scoring: bool = False, **fields: Any) -> Any:
         with self._turn:
-            reply = self.worker.call(method, {"op": op, "handle": self.handle, **fields})
+            reply = self.worker.call(method, {"op": op, "handle": self.handle, **fields}, scoring=scoring)
         if not isinstance(reply, dict):
             raise EnvFailure(EnvError(self.worker.name, method, "WireError: a reply that is not an object"))
         return reply
@@ -286,7 +276,7 @@ class RemoteEnv(DeadlineEnvironment):
 
     def score(self, rubric: str, episode: Episode) -> float:
         reply = self._call(
-            f"rubric {rubric!r}", "score", rubric=rubric, messages=messages_to_wire(episode.messages),
+            f"rubric {rubric!r}", "score", True, rubric=rubric, messages=messages_to_wire(episode.messages),
             finish=episode.finish,
         )  # fmt: skip
         reward = reply.get("reward")
@@ -311,7 +301,7 @@ class WorkerEnvFactory:
     fork stays in its root's worker), each running up to `max_concurrent` requests at once: a step that
     sleeps or waits on I/O holds up only its own episode, and CPU-bound tools spread over the processes.
     A failed worker is replaced when its turn for a new environment comes. `timeout` (the step deadline)
-    bounds how long any request may take, plus `GRACE_S`."""
+    bounds how long any request may take, plus `GRACE_S`; `rubric_timeout` how long a rubric may."""
 
     def __init__(
         self,
@@ -320,12 +310,13 @@ class WorkerEnvFactory:
         timeout: float | None = 30.0,
         max_concurrent: int = MAX_CONCURRENT,
         workers: int = 1,
+        rubric_timeout: float | None = RUBRIC_TIMEOUT_S,
     ) -> None:
         for field, value, most in (("max_concurrent", max_concurrent, 1024), ("workers", workers, 64)):
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
                 raise ConfigError(f"must be an integer in [1, {most}], got {value!r}", field=field)
         self.name, self.kwargs, self.timeout = name, dict(kwargs or {}), timeout
-        self.max_concurrent = max_concurrent
+        self.max_concurrent, self.rubric_timeout = max_concurrent, rubric_timeout
         self._workers: list[EnvWorker | None] = [None] * workers
         self._turns = itertools.count()
         self._lock = threading.Lock()
@@ -337,7 +328,9 @@ class WorkerEnvFactory:
             if worker is None or not worker.alive:
                 if worker is not None:
                     worker.close()
-                worker = EnvWorker(self.name, self.kwargs, self.timeout, self.max_concurrent)
+                worker = EnvWorker(
+                    self.name, self.kwargs, self.timeout, self.max_concurrent, self.rubric_timeout
+                )
                 self._workers[slot] = worker
             return worker
 

@@ -4,7 +4,8 @@ The trainer starts one with the environment's name, constructor arguments and ho
 run at once (`envs.remote.EnvWorker`); the worker builds every environment itself, from the name, so
 nothing is pickled from the trainer. It then answers JSON requests on a pipe: build an environment, reset,
 step (under the step deadline, on a copy, as `envs.step_thread.step_within` does in-process), fork, score
-with a rubric, release. Each environment is a numbered handle; a fork is a new handle in the same worker.
+with a rubric, release, and `ping` (answered at once by the main loop: the trainer's check that a worker
+whose call is overdue is still alive, `envs.channel`). Each environment is a numbered handle; a fork is a new handle in the same worker.
 
 Requests run concurrently, each in a thread of a bounded pool, and each reply goes back with its request's
 id as soon as it is ready: a tool that sleeps on one handle holds up no other. An environment object is not
@@ -26,13 +27,13 @@ import json
 import os
 import signal
 import sys
-import sysconfig
 import threading
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
+from envs.env_error import raised_at, summary
 from envs.lanes import Lanes
 from envs.protocol import Environment, Episode, Message, StepResult
 from envs.registry import resolve
@@ -54,31 +55,12 @@ class _Refused(Exception):
     """A value the environment returned that the protocol does not allow (the message says which)."""
 
 
-def _summary(exc: BaseException) -> str:
-    try:
-        text = str(exc)
-    except Exception:
-        text = "<str() raised>"
-    line = " ".join(f"{type(exc).__name__}: {text}".split()) if text else type(exc).__name__
-    return line[:MAX_NAME_CHARS]
-
-
-_NOT_THEIRS = (os.path.dirname(os.path.abspath(__file__)) + os.sep, sysconfig.get_paths()["stdlib"] + os.sep)
-
-
-def _where(exc: BaseException) -> str:
-    """The innermost frame of the traceback outside this package and the standard library: the environment's
-    own line (none when its code only returned something wrong, or the standard library refused it)."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(_NOT_THEIRS)]
-    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""
-
-
 def error_reply(method: str, exc: BaseException) -> dict[str, Any]:
     """The reply for an exception raised by environment code during `method`."""
     if isinstance(exc, _Refused):
         text, tb, where = str(exc)[:MAX_NAME_CHARS], f"{method}: {exc}\n", ""
     else:
-        text, where = _summary(exc), _where(exc)
+        text, where = summary(exc), raised_at(exc)
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     return {
         "error": {
@@ -221,6 +203,13 @@ def serve(conn: Connection, name: str, kwargs_json: str, max_concurrent: int = 1
         except OSError:  # the trainer is gone
             _exit()
 
+    def answer_now(ident: object) -> None:
+        try:
+            with sending:
+                conn.send_bytes(dumps({"id": ident, "ok": {}}))
+        except OSError:
+            _exit()
+
     lanes = Lanes(max_concurrent, name="treetrain-env")
     while True:
         try:
@@ -229,6 +218,9 @@ def serve(conn: Connection, name: str, kwargs_json: str, max_concurrent: int = 1
             break
         if not isinstance(req, dict) or req.get("op") == "stop":
             break
+        if req.get("op") == "ping":  # answered here, outside the pool: says the process is not stuck
+            answer_now(req.get("id"))
+            continue
         handle = req.get("handle")
         lane = handle if isinstance(handle, int) and not isinstance(handle, bool) else req.get("op")
         lanes.submit(lane, functools.partial(answer, req))

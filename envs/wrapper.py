@@ -227,6 +227,8 @@ class TokenEnv:
         self._rendered = ""
         self._turns = 0
         self._finish: Finish | None = None
+        self.timed_out = False
+        """Whether the last `step`'s environment call missed its deadline (`step_timeout_s`)."""
 
     # ----- state ------------------------------------------------------------------------------------
     @property
@@ -300,6 +302,7 @@ class TokenEnv:
             raise ValueError(
                 f"{self.env_name}: a turn must have 1..{self.turn_budget()} tokens, got {len(tokens)}"
             )
+        self.timed_out = False
         self._segments.append(
             Segment(Role.POLICY, tuple(tokens), None if logprobs is None else tuple(logprobs))
         )
@@ -382,6 +385,7 @@ class TokenEnv:
                 self.env = stepped[0]
         if answered is None:
             assert timeout is not None
+            self.timed_out = True
             return StepResult(self._timeout_messages(message, timeout))
         return answered
 
@@ -417,6 +421,10 @@ class TokenEnv:
         twin._segments = list(self._segments)
         twin._context = list(self._context)
         return twin
+
+    def release(self) -> None:
+        """Free this episode's environment (`Environment.release`) once nothing will step or fork it."""
+        self.env.release()
 
     # ----- results ----------------------------------------------------------------------------------
     def episode(self) -> Episode:

@@ -133,9 +133,12 @@ def test_requests_on_one_handle_run_in_the_order_sent(gates: Path) -> None:
         worker.close()
 
 
-def test_one_callers_deadline_stops_the_worker_while_others_had_gone_on(
+def test_one_callers_deadline_fails_that_call_alone_and_the_others_go_on(
     gates: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A worker that answers a ping is not stuck: the call past its deadline fails, and the worker keeps
+    serving every other call, before and after (tests/envs/test_env_workers.py stops one that answers
+    nothing)."""
     monkeypatch.setattr(envs.remote, "GRACE_S", 3.0)
     factory = WorkerEnvFactory(GATED, {"gates": str(gates)}, timeout=0.2)
     try:
@@ -145,18 +148,19 @@ def test_one_callers_deadline_stops_the_worker_while_others_had_gone_on(
         while stuck.is_alive() and done < 3:
             assert step(b, f"b{done}").endswith(f"b{done}")
             done += 1
-        assert done == 3 and stuck.is_alive()  # the others went on while it waited
-        held = Call(lambda: step(c, "wait:c", None))
+        assert done == 3  # the others went on while it waited
+        assert re.search(
+            r"step raised Timeout: no answer within 3.2s \(the worker still answers; only this call failed\)",
+            str(stuck.failure()),
+        )
+        assert a.worker.alive and a.worker.overdue == 1
+        held = Call(
+            lambda: step(c, "wait:c", None)
+        )  # the worker still runs calls that wait, beside the stuck one
         started(gates, "c")
-        # whichever deadline the channel sees pass first (a's, unless threads wake late on a loaded machine)
-        # stops the worker: that call times out, the other is told why it was stopped
-        said = sorted(str(call.failure()) for call in (stuck, held))
-        assert re.search(r"step raised Timeout: no answer within 3.2s; the worker was stopped", said[0]), said
-        assert re.search(r"step raised WorkerStopped: another call \(step\) had no answer", said[1]), said
-        with pytest.raises(EnvFailure, match=r"WorkerGone: the worker had already stopped \(WorkerStopped"):
-            step(b, "late", 0.2)
-        assert not a.worker.alive
-        assert step(opened(factory, 3), "x", 0.2) == "seed3|x"  # a fresh worker serves the next environment
+        touch(gates / "c.go")
+        assert held.result() == "seed2|c-start|c-end"
+        assert step(b, "late", 0.2).endswith("late")
     finally:
         factory.close()
 

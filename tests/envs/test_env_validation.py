@@ -13,6 +13,7 @@ import treetrain.train.loop as loop
 from envs import Episode, EpisodeLimits, TokenEnv, WrapperConfig, parse_tool_calls, resolve
 from treetrain.cli.main import main
 from treetrain.rollout import RolloutConfig, rollout_trees
+from treetrain.rollout.engines.hf_engine import HFEngine
 from treetrain.train.config import load_config
 
 BAD_SCHEMA_ENV = """
@@ -114,8 +115,16 @@ def test_tree_file_names_are_portable(tmp_path: Path) -> None:
     config = RolloutConfig(
         wrapper=WrapperConfig(EpisodeLimits(max_turns=2, max_turn_tokens=4, max_episode_tokens=512))
     )
+    model = tiny_model()
     result = rollout_trees(
-        tiny_model(), tokenizer(), FixedTurnsEnv, [3], tmp_path, config, env_name="my_pkg.envs:Maze"
+        model,
+        tokenizer(),
+        FixedTurnsEnv,
+        [3],
+        tmp_path,
+        config,
+        env_name="my_pkg.envs:Maze",
+        engine=HFEngine(model),
     )
     (path,) = result.paths
     assert path.name.startswith("my_pkg.envs_Maze-s3-") and path.is_file()

@@ -5,6 +5,7 @@ process goes on."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from envs import EpisodeLimits, Message, TokenEnv, WrapperConfig, format_tool_ca
 from envs.remote import EnvFailure, RemoteEnv, WorkerEnvFactory
 from envs.wire import MAX_ITEMS, WireError, messages_from_wire, result_from_wire, tools_from_wire
 from treetrain.rollout import FanOut, RolloutConfig, SamplerConfig, Sampling, rollout_trees
+from treetrain.rollout.engines.hf_engine import HFEngine
 
 torch.set_num_threads(1)
 MODEL = tiny_model(init=0.5)
@@ -55,10 +57,21 @@ def test_worker_trees_equal_in_process_trees(
     config = RolloutConfig(fanout=fanout, sampler=sampling, wrapper=SHORT)
     factory = WorkerEnvFactory(name, kwargs, timeout=30.0)
     try:
-        remote = rollout_trees(MODEL, tokenizer(), factory, [0, 1, 2], tmp_path / "w", config, env_name=name)
+        remote = rollout_trees(
+            MODEL,
+            tokenizer(),
+            factory,
+            [0, 1, 2],
+            tmp_path / "w",
+            config,
+            env_name=name,
+            engine=HFEngine(MODEL),
+        )
     finally:
         factory.close()
-    inproc = rollout_trees(MODEL, tokenizer(), local, [0, 1, 2], tmp_path / "p", config, env_name=name)  # type: ignore[arg-type]
+    inproc = rollout_trees(
+        MODEL, tokenizer(), local, [0, 1, 2], tmp_path / "p", config, env_name=name, engine=HFEngine(MODEL)
+    )  # type: ignore[arg-type]
     assert remote.failures == ()
     assert [t.id for t in remote.trees] == [t.id for t in inproc.trees]
     assert [t.trajectories() for t in remote.trees] == [t.trajectories() for t in inproc.trees]
@@ -67,7 +80,9 @@ def test_worker_trees_equal_in_process_trees(
         other = RolloutConfig(
             fanout=fanout, sampler=SamplerConfig(Sampling(temperature=1.0), seed=6), wrapper=SHORT
         )
-        moved = rollout_trees(MODEL, tokenizer(), local, [0, 1, 2], tmp_path / "o", other, env_name=name)  # type: ignore[arg-type]
+        moved = rollout_trees(
+            MODEL, tokenizer(), local, [0, 1, 2], tmp_path / "o", other, env_name=name, engine=HFEngine(MODEL)
+        )  # type: ignore[arg-type]
         assert [t.id for t in moved.trees] != [t.id for t in inproc.trees]
 
 
@@ -166,7 +181,9 @@ def test_a_failed_task_loses_its_tree_and_the_others_are_written(misbehaving: No
     )
     config = RolloutConfig(fanout=FanOut(root=2), wrapper=SHORT)
     try:
-        result = rollout_trees(MODEL, tokenizer(), factory, [0, 1, 2, 3], tmp_path, config, env_name="m")
+        result = rollout_trees(
+            MODEL, tokenizer(), factory, [0, 1, 2, 3], tmp_path, config, env_name="m", engine=HFEngine(MODEL)
+        )
     finally:
         factory.close()
     assert [seed for seed, _ in result.failures] == [1, 3]
@@ -175,24 +192,110 @@ def test_a_failed_task_loses_its_tree_and_the_others_are_written(misbehaving: No
     assert len(result.trees) == 2 and all(len(t.trajectories()) == 2 for t in result.trees)
 
 
-def test_a_silent_worker_is_stopped_past_the_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_call_past_its_deadline_fails_alone_and_the_worker_serves_its_other_tasks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     import envs.remote
 
     monkeypatch.setattr(envs.remote, "GRACE_S", 0.3)
     monkeypatch.setenv("BLOCKING_ENV_MARKER", "BLOCKING-ENV: blocked")  # the worker's step blocks for good
     factory = WorkerEnvFactory("support.blocking_env:BlockingStepEnv", {}, 0.2)
     try:
+        hung, other = factory(), factory()
+        hung.reset(0)
+        other.reset(1)
+        with pytest.raises(
+            EnvFailure,
+            match=r"step raised Timeout: no answer within 0.5s \(the worker still answers; only this",
+        ):
+            hung.step_within(
+                Message("assistant", "hi"), None
+            )  # no deadline in the worker: only the trainer's
+        assert hung.worker is other.worker and other.worker.alive and other.worker.overdue == 1
+        assert other.reset(2)[0].content == "Say anything (2)."  # the same worker serves its other task
+        assert other.fork(1).reset(3)[0].content == "Say anything (3)."
+    finally:
+        factory.close()
+
+
+def test_a_worker_that_answers_nothing_is_stopped_past_the_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control for the test above: a stuck worker (here a stopped process: not even its main loop
+    answers the ping) is stopped, and a fresh one takes the next environment."""
+    import envs.remote
+
+    monkeypatch.setattr(envs.remote, "GRACE_S", 0.3)
+    factory = WorkerEnvFactory("support.blocking_env:BlockingStepEnv", {}, 0.2)
+    try:
         env = factory()
         env.reset(0)
+        os.kill(env.worker._proc.pid or 0, signal.SIGSTOP)
         with pytest.raises(
-            EnvFailure, match=r"step raised Timeout: no answer within 0.5s; the worker was stopped"
+            EnvFailure, match=r"reset raised Timeout: no answer within 0.5s, nor to a ping; the worker"
         ):
-            env.step_within(Message("assistant", "hi"), None)  # no deadline in the worker: only the trainer's
+            env.reset(1)
         assert not env.worker.alive
         fresh = factory()  # control: a new worker answers
         assert fresh.reset(1)[0].content == "Say anything (1)."
     finally:
         factory.close()
+
+
+@pytest.mark.parametrize("rubric_timeout", [0.5, 30.0])
+def test_a_rubric_past_its_deadline_ends_its_task_alone_on_a_shared_worker(
+    misbehaving: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rubric_timeout: float
+) -> None:
+    """Four tasks on one worker; the rubric of the odd ones takes 1.5 s. Under a 0.5 s rubric deadline
+    those two tasks fail and the even ones are written; under 30 s (the control) all four are."""
+    monkeypatch.setenv("MISBEHAVING_SLEEP_S", "1.5")
+    factory = WorkerEnvFactory(
+        "misbehaving_env:Misbehaving",
+        {"fault": "slow_rubric", "seeds": "odd"},
+        30.0,
+        rubric_timeout=rubric_timeout,
+    )
+    config = RolloutConfig(fanout=FanOut(root=2), wrapper=SHORT)
+    try:
+        result = rollout_trees(
+            MODEL, tokenizer(), factory, [0, 1, 2, 3], tmp_path, config, env_name="m", engine=HFEngine(MODEL)
+        )
+    finally:
+        factory.close()
+    if rubric_timeout > 1.5:
+        assert result.failures == () and len(result.trees) == 4
+        return
+    assert [seed for seed, _ in result.failures] == [1, 3]
+    for _, error in result.failures:
+        assert error.method == "rubric 'length'" and error.exception.startswith(
+            "Timeout: no answer within 0.5s"
+        )
+    assert sorted(p.name.split("-")[1] for p in (tmp_path / "trees").iterdir()) == ["s0", "s2"]
+    assert all(len(t.trajectories()) == 2 for t in result.trees)
+
+
+@pytest.mark.parametrize("fault", ["slow_step", "none"])
+def test_step_timeouts_are_counted(
+    misbehaving: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: str
+) -> None:
+    monkeypatch.setenv("MISBEHAVING_SLEEP_S", "1")
+    wrapper = WrapperConfig(
+        EpisodeLimits(max_turns=2, max_turn_tokens=6, max_episode_tokens=1024, step_timeout_s=0.2)
+    )
+    factory = WorkerEnvFactory("misbehaving_env:Misbehaving", {"fault": fault, "seeds": "odd"}, 0.2)
+    config = RolloutConfig(fanout=FanOut(root=2), wrapper=wrapper)
+    try:
+        result = rollout_trees(
+            MODEL, tokenizer(), factory, [0, 1], tmp_path, config, env_name="m", engine=HFEngine(MODEL)
+        )
+    finally:
+        factory.close()
+    assert result.failures == ()
+    texts = {
+        t.id: tokenizer().decode(t.calls[0].tokens) for tree in result.trees for t in tree.trajectories()
+    }
+    timed_out = sum(text.count("did not answer within 0.2s") for text in texts.values())
+    hit = fault == "slow_step"  # seed 1: 2 branches x 2 turns; the last turn's observation is never rendered
+    assert (result.step_timeouts, timed_out) == ((4, 2) if hit else (0, 0))
+    assert all("did not answer" not in text for tid, text in texts.items() if tid.startswith("m-s0"))
 
 
 @pytest.mark.parametrize(

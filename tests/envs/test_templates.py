@@ -25,6 +25,7 @@ from envs import (
 )
 from envs.protocol import Environment
 from treetrain.rollout import RolloutConfig, Sampler, SamplerConfig, Sampling, rollout_trees
+from treetrain.rollout.engines.hf_engine import HFEngine
 from treetrain.trajectory import Role
 from treetrain.tree import build_tree
 
@@ -94,7 +95,10 @@ def test_rollout_with_a_rewriting_template_encodes_each_new_call_from_scratch(tm
         wrapper=WrapperConfig(EpisodeLimits(max_turns=3, max_turn_tokens=5, max_episode_tokens=512)),
         sampler=SamplerConfig(seed=1),
     )
-    (tree,) = rollout_trees(tiny_model(), tok, ThinkEnv, [0], tmp_path, config, env_name="think").trees
+    model = tiny_model()
+    (tree,) = rollout_trees(
+        model, tok, ThinkEnv, [0], tmp_path, config, env_name="think", engine=HFEngine(model)
+    ).trees
     trajs = tree.trajectories()
     assert trajs and all(len(t.calls) == 3 for t in trajs)  # every user reply rewrote the (assistant) history
     for traj in trajs:

@@ -3,11 +3,14 @@ padding, joining, kept prefixes and per-request seeds must not change a single t
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from support.env_fixtures import tiny_model, tokenizer
 
-from treetrain.rollout.engines.generation import GenerationRequest, GenerationResult
+from treetrain.rollout.engines.batch_cache import cache_bytes
+from treetrain.rollout.engines.generation import EngineError, GenerationRequest, GenerationResult
 from treetrain.rollout.engines.hf_engine import HFEngine
 from treetrain.rollout.prefix_sampler import Sampler, SamplerConfig
 from treetrain.rollout.sampling import Sampling
@@ -114,8 +117,75 @@ def test_stops_versions_and_weight_sync() -> None:
     (after,) = _run(engine, [GenerationRequest(context, 1, 3, GREEDY, END)]).values()
     assert after.completions[0].version == 5
     engine.submit(GenerationRequest(context, 1, 3, GREEDY, END))
-    with pytest.raises(RuntimeError, match="in flight"):
+    with pytest.raises(EngineError, match="in flight"):
         engine.sync_weights(SHARP, 6)
+    engine.abort()  # what the scheduler does when a rollout stops early
+    assert not engine.busy
+    engine.sync_weights(SHARP, 6)
+    assert engine.version == 6
+
+
+class _FailingOnce(torch.nn.Module):
+    """The model, but its `fail_at`-th forward raises (as an out-of-memory error would)."""
+
+    def __init__(self, model: torch.nn.Module, fail_at: int) -> None:
+        super().__init__()
+        self.model, self.calls, self.fail_at = model, 0, fail_at
+        self.config = model.config
+
+    def forward(self, **kwargs: object) -> object:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("forward failed")
+        return self.model(**kwargs)
+
+
+def test_an_engine_that_raised_recovers_and_syncs() -> None:
+    failing = _FailingOnce(SHARP, fail_at=3)
+    engine = HFEngine(failing)
+    with pytest.raises(RuntimeError, match="forward failed"):
+        _run(engine, _requests(HOT))
+    assert engine.busy  # negative control: without an abort the engine still holds the lost requests
+    with pytest.raises(EngineError, match="in flight"):
+        engine.sync_weights(failing, 1)
+    engine.abort()
+    engine.sync_weights(failing, 1)
+    again = _run(engine, _requests(HOT))
+    fresh = _run(HFEngine(SHARP, version=1), _requests(HOT))
+    assert all(again[i].completions == fresh[i].completions for i in fresh)  # nothing of the failure is left
+
+
+def test_a_rollout_the_engine_failed_leaves_it_idle_for_the_next_sync(tmp_path: Path) -> None:
+    from support.env_fixtures import FixedTurnsEnv
+
+    from envs import EpisodeLimits, WrapperConfig
+    from treetrain.rollout import FanOut, RolloutConfig, rollout_trees
+
+    failing = _FailingOnce(SHARP, fail_at=4)
+    engine = HFEngine(failing)
+    config = RolloutConfig(FanOut(root=2), wrapper=WrapperConfig(EpisodeLimits(4, 6, 1024)))
+    with pytest.raises(RuntimeError, match="forward failed"):
+        rollout_trees(failing, tokenizer(), FixedTurnsEnv, [0, 1], tmp_path / "a", config, engine=engine)
+    assert not engine.busy  # the scheduler aborted what was in flight (the test above: else it stays busy)
+    engine.sync_weights(failing, 1)
+    again = rollout_trees(failing, tokenizer(), FixedTurnsEnv, [0, 1], tmp_path / "b", config, engine=engine)
+    assert len(again.trees) == 2 and again.failures == ()
+
+
+def test_kv_bytes_stay_under_the_bound_and_are_counted() -> None:
+    requests = _requests(HOT, n=4, children=2)
+    free = HFEngine(SHARP)
+    unbounded = _run(free, requests)
+    one = max(HFEngine(SHARP)._reserve([r]) for r in requests)
+    bound = one + one // 2  # room for one request at a time, not for two
+    assert free.peak_kv_bytes > bound  # negative control: unbounded, the same requests hold more
+    engine = HFEngine(SHARP, max_kv_bytes=bound)
+    bounded = _run(engine, requests)
+    assert 0 < engine.peak_kv_bytes <= bound
+    assert engine.stats.forward_calls > free.stats.forward_calls  # requests waited for room
+    assert all(bounded[i].completions == unbounded[i].completions for i in unbounded)  # same samples
+    assert engine.held_bytes == sum(e.nbytes for e in engine._kept.values()) > 0  # kept prefixes count
+    assert engine.held_bytes == sum(cache_bytes(e.cache) for e in engine._kept.values())
 
 
 def test_the_generation_types_refuse_what_no_engine_could_serve() -> None:

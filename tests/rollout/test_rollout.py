@@ -22,6 +22,7 @@ from treetrain.rollout import (
     fork_cache,
     rollout_trees,
 )
+from treetrain.rollout.engines.hf_engine import HFEngine
 from treetrain.trajectory import Role, Trajectory
 from treetrain.tree import TrajectoryTree
 from treetrain.tree.format import load_tree
@@ -41,7 +42,9 @@ def _rollout(
 ) -> tuple[TrajectoryTree, ...]:
     config = RolloutConfig(wrapper=SHORT, **kwargs)  # type: ignore[arg-type]
     factory = env or FixedTurnsEnv
-    return rollout_trees(MODEL, tokenizer(), factory, [0], tmp_path, config, env_name="fixed").trees
+    return rollout_trees(
+        MODEL, tokenizer(), factory, [0], tmp_path, config, env_name="fixed", engine=HFEngine(MODEL)
+    ).trees
 
 
 def _path(traj: Trajectory) -> tuple[int, ...]:
@@ -116,8 +119,10 @@ def test_prefix_reuse_gives_the_same_tokens(tmp_path: Path, sampling: SamplerCon
     config = RolloutConfig(fanout=fan, sampler=sampling, wrapper=SHORT)
     runs = {}
     for reuse in (True, False):
-        cfg = RolloutConfig(config.fanout, config.sampler, config.wrapper, reuse_prefix_kv=reuse)
-        runs[reuse] = rollout_trees(SHARP, tokenizer(), FixedTurnsEnv, [0, 1], tmp_path / str(reuse), cfg)
+        engine = HFEngine(SHARP, keep_prefixes=reuse)
+        runs[reuse] = rollout_trees(
+            SHARP, tokenizer(), FixedTurnsEnv, [0, 1], tmp_path / str(reuse), config, engine=engine
+        )
     for with_reuse, without in zip(runs[True].trees, runs[False].trees):
         assert with_reuse.trajectories() == without.trajectories()
         assert len(with_reuse.trajectories()) == 8
@@ -203,7 +208,7 @@ def test_greedy_logprobs_are_zero_and_turns_stop_on_the_end_marker(tmp_path: Pat
 
 
 @pytest.mark.parametrize("concurrent", [True, False])
-def test_trees_are_on_disk_before_return_and_survive_a_crash(tmp_path: Path, concurrent: bool) -> None:
+def test_a_task_that_crashes_ends_alone_and_the_others_are_on_disk(tmp_path: Path, concurrent: bool) -> None:
     config = RolloutConfig(fanout=FanOut(root=2), wrapper=SHORT, concurrent=concurrent)
     made = []
 
@@ -217,17 +222,49 @@ def test_trees_are_on_disk_before_return_and_survive_a_crash(tmp_path: Path, con
         made.append(1)
         return FixedTurnsEnv(turns=1) if len(made) == 1 else Crashing()
 
-    with pytest.raises(RuntimeError, match="crash"):
-        rollout_trees(MODEL, tokenizer(), factory, [0, 1], tmp_path, config)
+    engine = HFEngine(MODEL) if concurrent else None
+    crashed = rollout_trees(MODEL, tokenizer(), factory, [0, 1], tmp_path, config, engine=engine)
+    ((seed, error),) = crashed.failures
+    assert seed == 1 and "crash while rolling out the second seed" in error.exception
+    assert "Traceback" in error.traceback and error.method == "step"
     (saved,) = (tmp_path / "trees").glob("*.msgpack")  # the first task's tree, complete
-    assert tree_stats(load_tree(saved)).num_trajectories == 2
+    assert crashed.paths == (saved,) and tree_stats(load_tree(saved)).num_trajectories == 2
 
-    result = rollout_trees(MODEL, tokenizer(), FixedTurnsEnv, [5, 6], tmp_path / "ok", config)
-    assert len(result.paths) == 2
+    result = rollout_trees(MODEL, tokenizer(), FixedTurnsEnv, [5, 6], tmp_path / "ok", config, engine=engine)
+    assert len(result.paths) == 2 and result.failures == ()  # control: the same engine, nothing fails
     for tree, path in zip(result.trees, result.paths):
         assert path.parent == tmp_path / "ok" / "trees"
         again = load_tree(path)
         assert again.id == tree.id and again.trajectories() == tree.trajectories()
+
+
+def test_a_long_prompt_or_a_template_error_ends_its_task_alone(tmp_path: Path) -> None:
+    from envs import Message
+    from envs.template import TemplateError
+
+    class Faulty(FixedTurnsEnv):
+        def reset(self, seed: int) -> Any:
+            if seed == 1:
+                return (Message("user", "word " * 3000),)  # over SHORT's 1024-token episode budget
+            if seed == 3:
+                raise TemplateError("the template cannot render this conversation")
+            return super().reset(seed)
+
+    config = RolloutConfig(
+        fanout=FanOut(root=2), sampler=SamplerConfig(Sampling(temperature=0.0)), wrapper=SHORT
+    )
+    engine = HFEngine(MODEL)
+    result = rollout_trees(MODEL, tokenizer(), Faulty, [0, 1, 2, 3], tmp_path / "f", config, "fixed", engine)
+    assert [(seed, e.method, e.exception.split(":")[0]) for seed, e in result.failures] == [
+        (1, "reset", "PromptTooLongError"),
+        (3, "reset", "TemplateError"),
+    ]
+    assert all("Traceback" in e.traceback for _, e in result.failures) and not engine.busy
+    healthy = rollout_trees(
+        MODEL, tokenizer(), FixedTurnsEnv, [0, 2], tmp_path / "h", config, "fixed", engine
+    )
+    assert healthy.failures == ()  # control: the same tasks without the faulty ones give the same trees
+    assert [t.id for t in result.trees] == [t.id for t in healthy.trees] and len(result.trees) == 2
 
 
 def test_builtin_lookup_rollout_shares_the_long_prompt(tmp_path: Path) -> None:
@@ -235,7 +272,14 @@ def test_builtin_lookup_rollout_shares_the_long_prompt(tmp_path: Path) -> None:
         fanout=FanOut(root=3), wrapper=WrapperConfig(EpisodeLimits(max_turns=2, max_turn_tokens=4))
     )
     result = rollout_trees(
-        MODEL, tokenizer(), lambda: make_env("lookup", num_rows=20), [0], tmp_path, config, env_name="lookup"
+        MODEL,
+        tokenizer(),
+        lambda: make_env("lookup", num_rows=20),
+        [0],
+        tmp_path,
+        config,
+        env_name="lookup",
+        engine=HFEngine(MODEL),
     )
     (tree,) = result.trees
     first = tree.nodes[tree.nodes[0].children[0]]

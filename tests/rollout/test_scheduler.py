@@ -47,7 +47,14 @@ def test_greedy_demo_rollout_gives_the_sequential_loops_trees(tmp_path: Path) ->
                 sampler=SamplerConfig(Sampling(temperature=0.0)), wrapper=wrapper, concurrent=concurrent
             )
             runs[concurrent] = rollout_trees(
-                model, tok, factory, [0, 1, 2, 3], tmp_path / str(concurrent), config, env_name="calculator"
+                model,
+                tok,
+                factory,
+                [0, 1, 2, 3],
+                tmp_path / str(concurrent),
+                config,
+                env_name="calculator",
+                engine=HFEngine(model),
             )
     finally:
         factory.close()
@@ -66,7 +73,13 @@ def test_greedy_trees_with_policy_and_environment_branching(tmp_path: Path, fano
     for concurrent in (False, True):
         config = RolloutConfig(fanout, SamplerConfig(Sampling(temperature=0.0)), SHORT, concurrent=concurrent)
         runs[concurrent] = rollout_trees(
-            SHARP, tokenizer(), NoisyEnv, [0, 1, 2], tmp_path / str(concurrent), config
+            SHARP,
+            tokenizer(),
+            NoisyEnv,
+            [0, 1, 2],
+            tmp_path / str(concurrent),
+            config,
+            engine=HFEngine(SHARP),
         )
     assert [t.id for t in runs[True].trees] == [t.id for t in runs[False].trees]
     assert _ids(runs[True]) == _ids(runs[False])
@@ -84,7 +97,10 @@ def test_sampled_trees_depend_on_seeds_not_on_batching_or_threads(tmp_path: Path
     assert trees[0] == trees[1] == trees[2]
     other = RolloutConfig(fanout, SamplerConfig(Sampling(temperature=1.0), seed=12), SHORT)
     assert [
-        t.id for t in rollout_trees(SHARP, tokenizer(), NoisyEnv, [0, 1], tmp_path / "o", other).trees
+        t.id
+        for t in rollout_trees(
+            SHARP, tokenizer(), NoisyEnv, [0, 1], tmp_path / "o", other, engine=HFEngine(SHARP)
+        ).trees
     ] != trees[0]
 
 
@@ -121,6 +137,9 @@ class _ScriptedEngine:
     def release_group(self, group: str) -> None:
         pass
 
+    def abort(self) -> None:
+        self._open = []
+
     def close(self) -> None:
         pass
 
@@ -142,9 +161,9 @@ class _Gated(FixedTurnsEnv):
 
 def test_a_slow_tool_delays_only_its_own_tree(tmp_path: Path) -> None:
     finished: list[int] = []
-    from treetrain.rollout import tree_rollout
+    from treetrain.rollout import tree_writer
 
-    real_save = tree_rollout.save_tree
+    real_save = tree_writer.save_tree
 
     def recording(tree: object, path: Path) -> None:
         finished.append(int(path.name.split("-s")[1].split("-")[0]))
@@ -154,13 +173,13 @@ def test_a_slow_tool_delays_only_its_own_tree(tmp_path: Path) -> None:
 
     _Gated.GATE.clear()
     config = RolloutConfig(FanOut(root=2), SamplerConfig(Sampling()), SHORT, model_version=3)
-    tree_rollout.save_tree = recording  # type: ignore[assignment]
+    tree_writer.save_tree = recording  # type: ignore[assignment]
     try:
         result = rollout_trees(
             SHARP, tokenizer(), _Gated, [0, 1], tmp_path, config, engine=_ScriptedEngine(3)
         )
     finally:
-        tree_rollout.save_tree = real_save
+        tree_writer.save_tree = real_save
     assert finished == [1, 0]
     assert [t.trajectories()[0].id.split("/")[0] for t in result.trees] == [
         "_Gated-s0",

@@ -99,7 +99,7 @@ def test_a_fault_in_every_task_stops_the_run_in_one_line(
     assert not (run / "final").exists()
 
 
-@pytest.mark.parametrize("fault", ["step", "step_dict", "nan", "inf", "exit", "reset"])
+@pytest.mark.parametrize("fault", ["step", "step_dict", "nan", "inf", "exit", "reset", "long_prompt"])
 def test_a_fault_in_one_task_drops_its_group_and_training_goes_on(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], fault: str
 ) -> None:
@@ -107,10 +107,45 @@ def test_a_fault_in_one_task_drops_its_group_and_training_goes_on(
     assert main(_args(run, fault, "odd")) == 0, capsys.readouterr().err[-3000:]
     assert _error_lines(capsys.readouterr().err) == []
     (row,) = read_metrics(run / "metrics.jsonl")
-    assert row.failed_episodes == 1 and row.groups == 1  # task seed 1 failed, task seed 0 trained
+    assert row.failed_episodes == 1 and row.groups == 2  # task seed 1 failed, task seed 0 trained
+    assert row.groups_dropped == 1 and row.step_timeouts == 0
     assert (run / "final" / "model.safetensors").is_file()
     log = (run / "env-errors" / "update-00000.log").read_text()
     assert log.startswith(f"== task seed 1: {ENV}: ") and "task seed 0" not in log
+    if fault == "long_prompt":  # a trainer-side failure: its traceback too
+        assert "PromptTooLongError" in log and "Traceback (most recent call last)" in log
+
+
+def test_timeouts_are_counted_and_a_slow_rubric_ends_its_task_alone(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MISBEHAVING_SLEEP_S", "1.5")
+    run = tmp_path / "steps"
+    assert main([*_args(run, "slow_step", "odd"), "--set", "rollout.episode.step_timeout_s=0.3"]) == 0
+    (row,) = read_metrics(run / "metrics.jsonl")
+    assert row.step_timeouts == 4 and row.failed_episodes == 0  # seed 1: 2 samples x 2 turns, each timed out
+    warned = [r.getMessage() for r in caplog.records if "environment steps missed" in r.getMessage()]
+    assert len(warned) == 1 and "4 environment steps missed rollout.episode.step_timeout_s=0.3s" in warned[0]
+
+    run = tmp_path / "rubric"
+    assert (
+        main(
+            [
+                *_args(run, "slow_rubric", "odd"),
+                "--set",
+                "rollout.rubric_timeout_s=0.5",
+                "--set",
+                "rollout.env_workers=1",
+            ]
+        )
+        == 0
+    )
+    (row,) = read_metrics(run / "metrics.jsonl")
+    assert (
+        row.failed_episodes == 1 and row.groups == 2 and row.groups_dropped == 1
+    )  # seed 0, same worker, trained
+    log = (run / "env-errors" / "update-00000.log").read_text()
+    assert "rubric 'length' raised Timeout: no answer within 0.5s" in log
 
 
 def test_a_well_behaved_run_counts_no_failures(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -119,6 +154,7 @@ def test_a_well_behaved_run_counts_no_failures(tmp_path: Path, capsys: pytest.Ca
     assert main(_args(run, "none", "all")) == 0
     (row,) = read_metrics(run / "metrics.jsonl")
     assert row.failed_episodes == 0 and row.groups == 2 and not (run / "env-errors").exists()
+    assert row.step_timeouts == 0 and row.groups_dropped == 0
 
 
 def test_closing_stdout_in_the_environment_leaves_the_trainers(

@@ -158,7 +158,8 @@ def score(cfg: TrainConfig, held: HeldOut, weights: Path | None) -> EvalMetrics:
     from envs.remote import WorkerEnvFactory
     from treetrain.train.evaluation import eval_sampling, sample_scores
     from treetrain.train.models import load_models
-    from treetrain.train.tree_sources import check_context, check_template, make_engine, wrapper_config
+    from treetrain.rollout.engines.factory import make_engine
+    from treetrain.train.tree_sources import check_context, check_template, engine_spec, wrapper_config
 
     if cfg.threads is not None:
         import torch
@@ -176,7 +177,7 @@ def score(cfg: TrainConfig, held: HeldOut, weights: Path | None) -> EvalMetrics:
         check_context(cfg, policy)
         policy.eval()
         wrapper = wrapper_config(cfg, policy)
-        engine = make_engine(cfg, policy, wrapper.episode.episode_tokens())
+        engine = make_engine(engine_spec(cfg, policy, world_size=1), policy)
         engine.sync_weights(policy, 0)
         with tempfile.TemporaryDirectory(prefix="treetrain-eval-") as out:
             start = time.perf_counter()

@@ -13,19 +13,27 @@ the sequential loop would have produced it at), so under greedy decoding both gi
 request's seed is a function of its task seed and its place in the tree, so sampled trees do not depend on
 timing either.
 
-A failure of environment code (`EnvFailure`) ends its task's tree at once: the task's other branches are
-abandoned, its environments released, and the failure returned; the other tasks go on.
+One task ends alone. Any exception of one task's episode (environment code failing in its worker, a
+rubric that raises or misses its deadline, the chat template refusing the conversation, any other error of
+the token wrapper) ends that task's tree at once: the task's other branches are abandoned, its
+environments released, and the failure kept on the task (`Task.failure`, an `EnvError` with the
+traceback); the other tasks go on. Only what is not one task's (the engine failing, Ctrl-C) stops the
+run, and then every request in flight is aborted, so the engine is idle for the next sync.
+
+Steps whose environment call missed its deadline (`rollout.episode.step_timeout_s`; the episode goes on
+with a timeout observation) are counted in `Scheduler.step_timeouts`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
+from envs.env_error import EnvError
 from envs.protocol import Rubric
-from envs.remote import EnvError, EnvFailure, RemoteEnv
 from envs.wrapper import TokenEnv, TurnResult
 from treetrain.rollout.engines.generation import (
     Completion,
@@ -97,33 +105,44 @@ def request_seed(base_seed: int, task_seed: int, key: Key) -> int:
 
 
 def release(episode: TokenEnv) -> None:
-    """Free a worker-hosted environment once its episode needs it no more."""
-    if isinstance(episode.env, RemoteEnv):
-        episode.env.release()
+    """Free an episode's environment once nothing needs it (best effort: a failed release is the
+    environment's own problem and must not end another task)."""
+    with contextlib.suppress(Exception):  # whatever a release raises, the episode is over
+        episode.release()
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How the scheduler grows trees: the fan-out, the sampling, the step pool and the request seeds."""
+
+    fanout: FanOut
+    sampling: Sampling
+    max_concurrent_steps: int = 8
+    """Threads stepping environments at once."""
+    model_version: int | None = None
+    """The weight version every sample must come from (None: not checked), recorded in trajectories."""
+    base_seed: int = 0
+    """The sampler seed every request's seed derives from (`request_seed`)."""
+    engine_name: str = "engine"
+    """The engine's name in a version-mismatch error."""
 
 
 class Scheduler:
-    """Grows `tasks` together on `engine`; see the module docstring."""
+    """Grows `tasks` together on `engine`; see the module docstring. `on_finished` is called (in the
+    calling thread) once per task whose tree is complete, as soon as it is."""
 
     def __init__(
         self,
         engine: GenerationEngine,
-        fanout: FanOut,
-        sampling: Sampling,
-        *,
-        max_concurrent_steps: int,
-        model_version: int | None,
-        base_seed: int = 0,
-        engine_name: str = "engine",
+        config: SchedulerConfig,
         on_finished: Callable[[Task], None] = lambda task: None,
     ) -> None:
-        self.engine, self.fanout, self.sampling = engine, fanout, sampling
-        self.max_concurrent_steps = max_concurrent_steps
-        self.model_version = model_version
-        self.engine_name = engine_name
-        self.base_seed = base_seed
+        self.engine, self.config = engine, config
+        self.fanout, self.sampling = config.fanout, config.sampling
+        self.model_version = config.model_version
         self.on_finished = on_finished
-        """Called (in the calling thread) once per task whose tree is complete, as soon as it is."""
+        self.step_timeouts = 0
+        """Steps whose environment call missed its deadline (each became a timeout observation)."""
         self._points: dict[int, _Point] = {}
         self._steps: dict[Future[tuple[TokenEnv, TurnResult, Trajectory | None]], _Fork] = {}
         self._forks_left: dict[int, int] = {}  # id(parent episode) -> forks not yet made
@@ -135,7 +154,9 @@ class Scheduler:
         are cancelled and running ones are not waited for: a tool call blocked forever must not hold the
         interrupt. Their worker-hosted environments are freed when the worker stops (the trainer closes it).
         """
-        pool = self._pool = ThreadPoolExecutor(self.max_concurrent_steps, thread_name_prefix="treetrain-step")
+        pool = self._pool = ThreadPoolExecutor(
+            self.config.max_concurrent_steps, thread_name_prefix="treetrain-step"
+        )
         finished = False
         try:
             for task in tasks:
@@ -151,6 +172,8 @@ class Scheduler:
                     self._stepped(future, self._steps.pop(future))
             finished = True
         finally:
+            if not finished:  # the engine must not stay busy with requests no one will collect
+                self.engine.abort()
             pool.shutdown(wait=finished, cancel_futures=True)
             for task in tasks:
                 if finished:  # nothing is live after a complete run; a failed task freed its own
@@ -169,7 +192,7 @@ class Scheduler:
             max_new_tokens=episode.turn_budget(),
             sampling=self.sampling,
             stop=tuple(dict.fromkeys(stop)),
-            seed=request_seed(self.base_seed, point.task.seed, point.key),
+            seed=request_seed(self.config.base_seed, point.task.seed, point.key),
             group=point.task.prefix,
             children=self.fanout.env_factor(point.depth + (n > 1)),
         )
@@ -178,7 +201,7 @@ class Scheduler:
 
     def _answered(self, results: list[GenerationResult]) -> None:
         if self.model_version is not None:
-            check_versions(results, self.model_version, self.engine_name)
+            check_versions(results, self.model_version, self.config.engine_name)
         for result in results:
             point = self._points.pop(result.request_id)
             task = point.task
@@ -204,15 +227,20 @@ class Scheduler:
         """In a pool thread: fork the parent, step the copy with the sample, reward it when finished."""
         if fork.task.failure is not None:
             raise _Abandoned
-        episode = fork.parent.fork(branch=fork.branch)
+        try:
+            episode = fork.parent.fork(branch=fork.branch)
+        except Exception as exc:
+            raise _TaskFailed("fork", exc) from None
         try:
             result = episode.step(fork.sample.tokens, fork.sample.logprobs)
             trajectory = None
             if episode.done:
                 tid = f"{fork.task.prefix}/{'.'.join(map(str, fork.path)) or '0'}"
                 trajectory = episode.trajectory(tid, fork.task.rubric, self.model_version)
-        except BaseException:
+        except BaseException as exc:
             release(episode)
+            if isinstance(exc, Exception):
+                raise _TaskFailed("rubric" if episode.done else "step", exc) from None
             raise
         return episode, result, trajectory
 
@@ -232,9 +260,10 @@ class Scheduler:
             episode, _, trajectory = future.result()
         except _Abandoned:
             return
-        except EnvFailure as failure:
-            self._fail(task, failure.error)
+        except _TaskFailed as failed:
+            self._fail(task, EnvError.raised(task.root.env_name, failed.method, failed.exc))
             return
+        self.step_timeouts += episode.timed_out
         if task.failure is not None:
             self._release(episode)
             return
@@ -273,3 +302,11 @@ class Scheduler:
 
 class _Abandoned(Exception):
     """A step of a task that had already failed: never run."""
+
+
+class _TaskFailed(Exception):
+    """One task's fork, step or rubric raised `exc`: that task ends, the others go on."""
+
+    def __init__(self, method: str, exc: Exception) -> None:
+        super().__init__(method)
+        self.method, self.exc = method, exc

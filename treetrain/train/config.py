@@ -30,7 +30,7 @@ from treetrain.io import path_problem
 from treetrain.loss.advantages import AdvantageConfig
 from treetrain.loss.loss_config import LossConfig
 from treetrain.models.lora_config import LoraSection
-from treetrain.rollout.engines.engine_settings import ENGINES, VLLMSettings
+from treetrain.rollout.engines.engine_settings import VLLMSettings, check_engine_choice
 from treetrain.rollout.fanout import FanOut
 from treetrain.rollout.sampling import Sampling
 from treetrain.train.config_file import read_config_file
@@ -169,6 +169,14 @@ class RolloutSection:
     env_workers: int | None = None
     """Environment worker processes per trainer process. A worker that dies ends the groups of every task
     it hosts, so the default (null) gives each task of an update its own worker, up to 16."""
+    hf_kv_budget: str | None = None
+    """Most KV-cache bytes the 'hf' engine holds during a rollout, live rows and kept prefixes together, e.g.
+    '2GiB' (null: a quarter of memory_budget, or of the device's memory). Requests wait while admitting them
+    would exceed it (one always runs); kept prefixes are dropped oldest first."""
+    rubric_timeout_s: float | None = 300.0
+    """Seconds a rubric (the reward of one finished episode, scored in its environment worker) may take
+    before that task's group is dropped; null waits forever. Apart from the step timeout, because code
+    execution and judge rewards take far longer than a tool call."""
     max_failed_fraction: float = 0.5
     """Largest fraction of an update's tasks that environment code may fail in (an exception in reset,
     step, fork or a rubric, or a worker that died) before the run stops. A failed task's group is dropped
@@ -187,10 +195,22 @@ class RolloutSection:
             raise ConfigError(
                 "rollout.sampling.temperature: must be > 0 for RL sampling (0 is greedy decoding), got 0"
             )
-        if self.engine not in ENGINES:
-            raise ConfigError(f"rollout.engine: must be one of {ENGINES}, got {self.engine!r:.80}")
-        if self.engine == "vllm-server" and not self.vllm.urls:
-            raise ConfigError("rollout.vllm.urls: rollout.engine=vllm-server needs the servers' base URLs")
+        check_engine_choice(self.engine, self.vllm)
+        if self.hf_kv_budget is not None:
+            from treetrain.bytesize import parse_bytes
+
+            try:
+                if parse_bytes(self.hf_kv_budget) <= 0:
+                    raise ValueError("must be positive")
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"rollout.hf_kv_budget: {exc}") from None
+        timeout = self.rubric_timeout_s
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout <= 7 * 86400
+        ):
+            raise ConfigError(
+                f"rollout.rubric_timeout_s: must be in (0, 604800] seconds or null (no timeout), got {timeout!r}"
+            )
         workers = self.env_workers
         if workers is not None and (
             isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= 64

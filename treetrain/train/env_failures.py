@@ -1,7 +1,9 @@
 """What an update does with tasks lost to environment code: log them, count them, and stop when too many.
 
-A failure of environment code (`envs.remote.EnvError`: an exception in `reset`, `step`, `fork` or a rubric,
-a worker that died or went silent) ends its task's tree, so that task's group is dropped whole and never
+A failure of one task's episode (`envs.env_error.EnvError`: environment code raising in `reset`, `step`,
+`fork` or a rubric, a worker that died, a call past its deadline, a prompt longer than the episode budget,
+a chat template that refuses the conversation, any other exception of the token wrapper) ends its task's
+tree, so that task's group is dropped whole and never
 reaches the manifest: advantages are normalized only over complete groups, and exactly-once accounting
 never sees the group at all. The full tracebacks go to `<run_dir>/env-errors/update-XXXXX.log` (one file
 per update and rank, written atomically), the count to `UpdateMetrics.failed_episodes`, and when every task
@@ -9,7 +11,7 @@ of an update fails, or more than `rollout.max_failed_fraction` of them, the run 
 the environment, the method, the exception and the log file.
 
 Example:
-    >>> from envs.remote import EnvError
+    >>> from envs.env_error import EnvError
     >>> lost = (TaskFailure(7, EnvError("maze", "step", "ValueError: wall"), "env-errors/update-00000.log"),)
     >>> too_many(lost, tasks=4, max_fraction=0.5) is None
     True
@@ -24,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from envs.remote import EnvError
+from envs.env_error import EnvError
 from treetrain.distributed.backend import TrainBackend
 from treetrain.errors import TreetrainError
 from treetrain.io import atomic_write_text

@@ -153,6 +153,7 @@ class Trainer:
         make = self.envs = WorkerEnvFactory(
             cfg.env.name, cfg.env.kwargs, cfg.rollout.episode.step_timeout_s,
             max_concurrent=cfg.rollout.max_concurrent_steps, workers=cfg.rollout.env_workers or min(tasks, 16),
+            rubric_timeout=cfg.rollout.rubric_timeout_s,
         )  # fmt: skip
         recorded: list[RecordedSource] = []
 
@@ -236,8 +237,10 @@ class Trainer:
             reward_mean=float(np.mean(rewards)) if rewards else 0.0,
             reward_std=float(np.std(rewards)) if rewards else 0.0,
             trajectories=len(rewards),
-            groups=len(trees),
-            groups_dropped=outcome.zero_variance + (len(result.dropped) if result is not None else 0),
+            groups=len(trees) + produced.failed_episodes,
+            groups_dropped=produced.failed_episodes
+            + outcome.zero_variance
+            + (len(result.dropped) if result is not None else 0),
             loss=report.loss,
             pg=report.pg,
             kl=report.kl,
@@ -246,6 +249,7 @@ class Trainer:
             mode=plan.mode if plan else "none",
             contract=cfg.replay.contract,
             failed_episodes=produced.failed_episodes,
+            step_timeouts=produced.step_timeouts,
             graph_tokens=report.graph_tokens,
             nograd_tokens=report.nograd_tokens,
             flat_token_cost=flat_cost // self.backend.world_size,

@@ -45,9 +45,9 @@ class UpdateMetrics:
     trajectories: int
     """Trajectories sampled."""
     groups: int
-    """Advantage groups (trees) sampled."""
+    """Advantage groups (trees) sampled, those of failed tasks (`failed_episodes`) included."""
     groups_dropped: int
-    """Groups left out of the step (zero reward variance, or incomplete)."""
+    """Groups left out of the step (a failed task's, zero reward variance, or incomplete)."""
     loss: float
     """The normalized loss this rank backpropagated."""
     pg: float
@@ -84,9 +84,12 @@ class UpdateMetrics:
     replay_tokens_mean: float = 0.0
     """Mean replay tokens per rank in the same placement."""
     failed_episodes: int = 0
-    """Tasks lost to a failure of environment code (an exception in reset, step, fork or a rubric, or a dead
-    worker): each ends its tree at the failed episode, and its group is dropped whole, so it is counted in
-    neither `groups` nor `trajectories` (tracebacks: `env-errors/update-XXXXX.log`)."""
+    """Tasks lost to a failure of their episode (environment code raising in reset, step, fork or a rubric,
+    a dead worker, a call past its deadline, a prompt over the episode budget, a template error): each ends its tree at the failed episode, and its group is dropped whole, so it is counted in
+    `groups` and `groups_dropped` but not in `trajectories` (tracebacks: `env-errors/update-XXXXX.log`)."""
+    step_timeouts: int = 0
+    """Environment steps of this update that missed `rollout.episode.step_timeout_s`, all ranks: each became
+    a timeout observation and its episode went on (warned once per update when not 0)."""
     sampler_logprob_gap_mean: float | None = None
     """Mean |logp_trainer - logp_sampler| over the update's policy tokens, all ranks (trainer: the scoring
     pass's old logprob; sampler: the one recorded at rollout). None (`null`) when no token has a sampler

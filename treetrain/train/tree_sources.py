@@ -19,12 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from envs.env_error import EnvFailure
 from envs.protocol import Environment
-from envs.remote import EnvFailure
 from envs.wrapper import WrapperConfig
 from treetrain.distributed.backend import TrainBackend
 from treetrain.errors import ConfigError
 from treetrain.loss.loss_config import LossConfig
+from treetrain.rollout.engines.factory import EngineSpec, make_engine
 from treetrain.rollout.engines.generation import GenerationEngine
 from treetrain.rollout.prefix_sampler import SamplerConfig
 from treetrain.rollout.sampling import Sampling
@@ -48,6 +49,8 @@ class Produced:
     groups: tuple[tuple[TrajectoryTree, ...], ...]
     seconds: float
     failed_episodes: int = 0
+    step_timeouts: int = 0
+    """Environment steps that missed their deadline (all ranks)."""
 
     @property
     def trees(self) -> tuple[TrajectoryTree, ...]:
@@ -72,6 +75,13 @@ def share_trees(backend: TrainBackend, local: tuple[TrajectoryTree, ...]) -> tup
     return tuple(per_rank[i % w][i // w] for i in range(total))
 
 
+def share_count(backend: TrainBackend, local: int) -> int:
+    """The sum of a count over every rank."""
+    if backend.world_size == 1:
+        return local
+    return sum(int(part) for part in backend.gather(str(int(local))))
+
+
 class RolloutSource:
     """Samples this rank's share of `groups_per_update` trees from the policy, then shares them.
 
@@ -88,20 +98,14 @@ class RolloutSource:
         self.tokenizer = tokenizer
         self.make_env = make_env
         self.wrapper = wrapper_config(cfg, backend.module)
-        if cfg.rollout.engine == "vllm-server" and backend.world_size > 1:
-            raise ConfigError(
-                "rollout.engine: 'vllm-server' runs with one trainer process (weights are written once and "
-                f"reloaded by every server); this run has {backend.world_size}; use 'vllm' (one engine per rank)"
-            )
-        self.engine: GenerationEngine | None = make_engine(
-            cfg, backend.module, self.wrapper.episode.episode_tokens()
-        )
+        self.spec = engine_spec(cfg, backend.module, backend.world_size)
+        self.engine: GenerationEngine | None = make_engine(self.spec, backend.module)
         """Made before the first update, so that a server that is down or a model vLLM cannot load stops the
         run before anything is sampled."""
 
     def _engine(self, model: Any, version: int) -> GenerationEngine:
         if self.engine is None:
-            self.engine = make_engine(self.cfg, model, self.wrapper.episode.episode_tokens())
+            self.engine = make_engine(self.spec, model)
         if self.engine.version != version:
             with self.backend.uneven():
                 self.engine.sync_weights(model, version)
@@ -149,7 +153,14 @@ class RolloutSource:
                 "update %d: task seed %d dropped: %s (traceback in %s)",
                 update, failure.seed, failure.error.line(), failure.log,
             )  # fmt: skip
-        return Produced(tuple((t,) for t in trees), time.perf_counter() - start, len(lost))
+        timeouts = share_count(self.backend, result.step_timeouts)
+        if timeouts:
+            log.warning(
+                "update %d: %d environment steps missed rollout.episode.step_timeout_s=%ss (each became a "
+                "timeout observation; step_timeouts in metrics.jsonl)",
+                update, timeouts, r.episode.step_timeout_s,
+            )  # fmt: skip
+        return Produced(tuple((t,) for t in trees), time.perf_counter() - start, len(lost), timeouts)
 
     def close(self) -> None:
         if self.engine is not None:
@@ -157,57 +168,32 @@ class RolloutSource:
             self.engine = None
 
 
-def make_engine(cfg: TrainConfig, model: Any, max_tokens: int) -> GenerationEngine:
-    """The engine `rollout.engine` names, serving `model` (its weights are synced before first use)."""
-    kind = cfg.rollout.engine
-    if kind != "hf":
-        from treetrain.rollout.engines.weight_buckets import fused_experts
-
-        fused = fused_experts(model)
-        if fused is not None:
-            raise ConfigError(
-                f"rollout.engine: {kind!r} loads checkpoint-named weights, and this model keeps {fused} fused in "
-                "memory (transformers' expert layout), which treetrain does not convert back yet; use 'hf'"
-            )
-        if (
-            cfg.model.lora is not None
-            and cfg.distributed.backend == "deepspeed"
-            and cfg.distributed.zero_stage == 3
-        ):
-            raise ConfigError(
-                f"rollout.engine: {kind!r} with LoRA under ZeRO-3 is not supported (the adapters would have to be "
-                "merged into partitioned weights); use ZeRO 0-2 with LoRA, or rollout.engine='hf'"
-            )
-    if kind == "hf":
-        from treetrain.rollout.engines.hf_engine import HFEngine
-
-        return HFEngine(model, version=-1)
-    if kind == "vllm-server":
-        from treetrain.rollout.engines.server_checks import Expected
-        from treetrain.rollout.engines.vllm_server import VLLMServerEngine
-
-        expected = Expected(
-            path=cfg.model.path,
-            dtype=cfg.model.dtype,
-            max_model_len=max_tokens,
-            shape=Expected.shape_of(model.config),
-        )
-        return VLLMServerEngine(
-            cfg.rollout.vllm, weights_dir=Path(cfg.run_dir) / "engine-weights", expected=expected, version=-1
-        )
-    from treetrain.rollout.engines.vllm_engine import VLLMEngine
+def engine_spec(cfg: TrainConfig, model: Any, world_size: int) -> EngineSpec:
+    """What the engine factory needs to know about this run (`treetrain.rollout.engines.factory`)."""
+    from treetrain.bytesize import parse_bytes
     from treetrain.train.models import resolve_model_path
 
-    path = resolve_model_path(cfg.model.path)
-    if not Path(path).is_dir():
-        raise ConfigError(
-            f"rollout.engine: 'vllm' loads the model from a checkpoint directory, and model.path={cfg.model.path!r} "
-            "is a built-in preset; save it with save_pretrained and give that directory"
+    r = cfg.rollout
+    if r.hf_kv_budget is not None:
+        kv_bytes = parse_bytes(r.hf_kv_budget)
+    else:  # the rollout runs between updates: a quarter of what the planner may plan for
+        from treetrain.update.planning import device_memory
+
+        budget = (
+            parse_bytes(cfg.memory_budget)
+            if cfg.memory_budget
+            else device_memory(next(model.parameters()).device)
         )
-    device = next(model.parameters()).device
-    return VLLMEngine(
-        path, cfg.rollout.vllm, dtype=cfg.model.dtype, max_model_len=max_tokens, seed=cfg.seed, version=-1,
-        device=device.type,
+        kv_bytes = budget // 4
+    lora_z3 = (
+        cfg.model.lora is not None
+        and cfg.distributed.backend == "deepspeed"
+        and cfg.distributed.zero_stage == 3
+    )
+    return EngineSpec(
+        r.engine, r.vllm, run_dir=cfg.run_dir, model_path=str(cfg.model.path),
+        checkpoint=str(resolve_model_path(cfg.model.path)), max_tokens=wrapper_config(cfg, model).episode.episode_tokens(),
+        dtype=cfg.model.dtype, seed=cfg.seed, world_size=world_size, lora_under_zero3=lora_z3, hf_kv_bytes=kv_bytes,
     )  # fmt: skip
 
 

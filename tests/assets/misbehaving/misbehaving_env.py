@@ -14,6 +14,7 @@ import math
 import os
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 
 from envs import Environment, Episode, Message, Rubric, StepResult
@@ -28,6 +29,8 @@ class Length(Rubric):
             return math.nan
         if self.hit and self.fault == "inf":
             return math.inf
+        if self.hit and self.fault == "slow_rubric":  # a judge slower than rollout.rubric_timeout_s
+            time.sleep(float(os.environ.get("MISBEHAVING_SLEEP_S", "2")))
         return min(1.0, sum(len(m.content) for m in episode.messages if m.role == "assistant") / 40)
 
 
@@ -47,6 +50,8 @@ class Misbehaving(Environment):
             raise RuntimeError("reset fault")
         if self._hit() and self.fault == "reset_none":
             return None  # type: ignore[return-value]
+        if self._hit() and self.fault == "long_prompt":  # longer than any episode budget
+            return (Message("user", "word " * 20000),)
         return (Message("user", f"Say anything ({seed})."),)
 
     def step(self, message: Message) -> StepResult:
@@ -57,6 +62,8 @@ class Misbehaving(Environment):
                 return {"done": True}  # type: ignore[return-value]
             if self.fault == "exit":
                 os._exit(0)
+            if self.fault == "slow_step":  # past rollout.episode.step_timeout_s: a timeout observation
+                time.sleep(float(os.environ.get("MISBEHAVING_SLEEP_S", "2")))
             if self.fault == "close_stdout" and not sys.stdout.closed:  # once per worker process
                 print("closing stdout", flush=True)
                 sys.stdout.close()

@@ -86,12 +86,46 @@ def mask_left(mask: torch.Tensor, width: int) -> torch.Tensor:  # [R, L] -> [R, 
     return mask if extra == 0 else torch.cat([mask.new_zeros(mask.shape[0], extra), mask], dim=1)
 
 
-def cache_bytes(cache: Any) -> int:
-    total = 0
+def compact(cache: Any) -> Any:
+    """`cache` with each growing layer's spare capacity given back (a kept prefix is read, not grown: a
+    child that extends it reserves its own room)."""
     for layer in cache.layers:
-        for name in ("keys", "values"):
-            t = getattr(layer, name, None)
-            total += t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+        if isinstance(layer, GrowingLayer) and layer.keys is not None and layer.values is not None:
+            layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
+            vars(layer).pop("_buf", None)
+    return cache
+
+
+def cache_bytes(cache: Any) -> int:
+    """Bytes `cache` holds, counted from its tensors' storage: a growing layer's spare capacity counts, and
+    a storage two tensors view is counted once.
+
+    >>> layer = GrowingLayer()
+    >>> _ = layer.update(torch.zeros(1, 1, 3, 4), torch.zeros(1, 1, 3, 4))
+    >>> cache = DynamicCache()
+    >>> cache.layers = [layer]
+    >>> cache_bytes(cache), cache_bytes(compact(cache))  # 64 reserved positions, then the 3 used
+    (2048, 96)
+    """
+    seen: dict[int, int] = {}
+    for layer in cache.layers:
+        tensors = [getattr(layer, "keys", None), getattr(layer, "values", None)]
         for states in (getattr(layer, "conv_states", {}), getattr(layer, "recurrent_states", {})):
-            total += sum(t.numel() * t.element_size() for t in states.values() if isinstance(t, torch.Tensor))
-    return total
+            tensors += list(states.values())
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def token_kv_bytes(model: Any) -> int:
+    """KV bytes one token of one row takes in `model`'s cache (keys and values of every layer), from its
+    config; an estimate for caches that are not plain attention KV."""
+    config = model.config.get_text_config(decoder=True)
+    heads = int(getattr(config, "num_attention_heads", 1) or 1)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = getattr(config, "head_dim", None) or int(getattr(config, "hidden_size", heads)) // heads
+    layers = int(getattr(config, "num_hidden_layers", 1) or 1)
+    itemsize = next(model.parameters()).element_size()
+    return max(1, 2 * layers * kv_heads * int(head_dim) * itemsize)

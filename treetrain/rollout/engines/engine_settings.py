@@ -83,3 +83,17 @@ class VLLMSettings:
             or self.max_num_seqs < 1
         ):
             raise ConfigError(f"must be a positive integer, got {self.max_num_seqs!r}", field="max_num_seqs")
+
+
+def check_engine_choice(engine: object, settings: VLLMSettings) -> None:
+    """Refuse, at config load, an engine name that is not one of `ENGINES`, or `vllm-server` without URLs.
+
+    >>> check_engine_choice("vllm-server", VLLMSettings())
+    Traceback (most recent call last):
+    ...
+    treetrain.errors.ConfigError: rollout.vllm.urls: rollout.engine=vllm-server needs the servers' base URLs
+    """
+    if engine not in ENGINES:
+        raise ConfigError(f"rollout.engine: must be one of {ENGINES}, got {engine!r:.80}")
+    if engine == "vllm-server" and not settings.urls:
+        raise ConfigError("rollout.vllm.urls: rollout.engine=vllm-server needs the servers' base URLs")

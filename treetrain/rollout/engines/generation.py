@@ -27,7 +27,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -173,12 +173,18 @@ class GenerationEngine(Protocol):
         ...
 
     def sync_weights(self, model: object, version: int) -> None:
-        """Sample from `model`'s current weights from now on, as weight version `version`."""
+        """Sample from `model`'s current weights from now on, as weight version `version`; an `EngineError`
+        while requests are in flight (`abort` them first) or when the weights cannot be loaded."""
         ...
 
     def release_group(self, group: str) -> None:
         """The tree of `group` is finished: drop what the engine kept for it (engines with their own prefix
         cache keep nothing per group)."""
+        ...
+
+    def abort(self) -> None:
+        """Drop every request in flight (a rollout that stopped early): the engine is idle afterwards, so
+        `sync_weights` and the next rollout work; answers still on their way are discarded."""
         ...
 
     def close(self) -> None:
@@ -225,3 +231,27 @@ class StopMatcher:
         if tokens and tokens[-1] in self.ids:
             return True
         return any(len(tokens) >= len(s) and tuple(tokens[-len(s) :]) == s for s in self.sequences)
+
+
+def cut_at_stop(tokens: tuple[int, ...], stops: StopMatcher) -> int | None:
+    """The length of `tokens` up to and including the first stop, or None when no stop occurs.
+
+    >>> cut_at_stop((4, 7, 8, 9), StopMatcher.of(((7, 8),)))
+    3
+    """
+    longest = max((len(s) for s in stops.sequences), default=1)
+    for end in range(1, len(tokens) + 1):
+        if stops.stops(tokens[max(0, end - longest) : end]):
+            return end
+    return None
+
+
+def completion_of(
+    token_ids: Iterable[int], logprobs: list[float], finish: str | None, stops: StopMatcher, version: int
+) -> Completion:
+    """A `Completion` from what an engine returned, cut at the first stop sequence."""
+    tokens, lps = tuple(int(t) for t in token_ids), tuple(min(float(x), 0.0) for x in logprobs)
+    end = cut_at_stop(tokens, stops)
+    if end is not None:
+        return Completion(tokens[:end], lps[:end], "stop", version)
+    return Completion(tokens, lps, "stop" if finish == "stop" else "length", version)

@@ -11,7 +11,18 @@ A request's context is encoded once, then repeated for its `n` rows. When a row 
 the KV of its context plus every sampled token but the last is kept, keyed by those token ids: the next
 request whose context extends them (the branch's next turn, after the tool result) encodes only the new
 tokens. That is the engine's prefix cache; `GenerationRequest.children` says how many requests will use a
-kept prefix, `release_group` drops what a finished tree left behind, and `MAX_KEPT_BYTES` bounds it.
+kept prefix, and `release_group` drops what a finished tree left behind.
+
+**Memory.** The `n` rows of a request each hold their own copy of the context's KV: transformers' caches
+keep one dense `[rows, heads, length, dim]` tensor per layer and grow every row in place, so rows cannot
+share a prefix (a stride-0 view would be copied by the first decode step). The engine bounds the bytes
+instead: `max_kv_bytes` caps the KV it holds, live rows and kept prefixes together. A request waits
+while the KV its rows and the live rows may reach (context plus turn budget, as wide as the widest row of
+the padded batch, with the growth room a growing layer reserves: `_reserve`) would exceed the cap; kept
+prefixes are dropped oldest first to make room, and one request always runs. `held_bytes` is what it
+holds, counted from the tensors' actual storage (`cache_bytes`), and `peak_kv_bytes` the most it held
+between decode steps. The reservation assumes plain attention KV (`token_kv_bytes`, from the config);
+for recurrent state it is an estimate.
 
 Each request draws from its own `torch.Generator` seeded by `GenerationRequest.seed` (one uniform per row
 and step, inverted through the row's CDF), so its samples do not depend on what else shares the batch, up
@@ -48,14 +59,17 @@ import torch
 from treetrain.rollout.engines.batch_cache import (
     cache_bytes,
     cache_of,
+    compact,
     layers_of,
     mask_left,
     mergeable,
     new_cache,
     pad_left,
+    token_kv_bytes,
 )
 from treetrain.rollout.engines.generation import (
     Completion,
+    EngineError,
     EngineStats,
     GenerationRequest,
     GenerationResult,
@@ -69,8 +83,8 @@ MAX_ROWS = 64
 fits). Finished rows awaiting compaction are not counted."""
 MAX_KEPT = 512
 """Most kept prefixes; the least recently used go first."""
-MAX_KEPT_BYTES = 1 << 30
-"""Most bytes of kept prefixes (the memory planner does not see them; they live only during a rollout)."""
+MAX_KV_BYTES = 1 << 30
+"""Default cap on the KV bytes the engine holds (the trainer passes `rollout.hf_kv_budget`)."""
 
 
 @dataclass
@@ -127,14 +141,20 @@ class HFEngine:
         version: int = 0,
         max_rows: int = MAX_ROWS,
         max_kept: int = MAX_KEPT,
-        max_kept_bytes: int = MAX_KEPT_BYTES,
+        max_kv_bytes: int = MAX_KV_BYTES,
         keep_prefixes: bool = True,
     ) -> None:
+        if isinstance(max_kv_bytes, bool) or not isinstance(max_kv_bytes, int) or max_kv_bytes < 1:
+            raise EngineError(
+                f"rollout.engine=hf: max_kv_bytes must be a positive integer, got {max_kv_bytes!r}"
+            )
         self.model = model
         self.version = version
         self.stats = EngineStats()
         self.max_rows, self.max_kept, self.keep_prefixes = max_rows, max_kept, keep_prefixes
-        self.max_kept_bytes = max_kept_bytes
+        self.max_kv_bytes = max_kv_bytes
+        self.peak_kv_bytes = 0
+        """The most KV bytes held at once since the engine was made."""
         self.device = next(model.parameters()).device
         self.merge = mergeable(new_cache(model))
         """Whether rows of different requests share one padded batch (plain full-attention caches)."""
@@ -143,6 +163,7 @@ class HFEngine:
         self._jobs: dict[int, _Job] = {}
         self._batches: list[_Batch] = []
         self._kept: OrderedDict[tuple[int, ...], _Kept] = OrderedDict()
+        self._token_bytes: int | None = None
 
     # ----- GenerationEngine -------------------------------------------------------------------------
     def submit(self, request: GenerationRequest) -> int:
@@ -160,6 +181,16 @@ class HFEngine:
     def busy(self) -> bool:
         return bool(self._jobs)
 
+    @property
+    def held_bytes(self) -> int:
+        """KV bytes held now: every live batch's cache and every kept prefix (their actual storage)."""
+        return sum(cache_bytes(b.cache) for b in self._batches) + self._kept_bytes()
+
+    def _held(self) -> int:
+        held = self.held_bytes
+        self.peak_kv_bytes = max(self.peak_kv_bytes, held)
+        return held
+
     @torch.no_grad()
     def poll(self) -> list[GenerationResult]:
         """Encode the requests that fit, then draw one token for every live row (one forward per batch)."""
@@ -168,13 +199,16 @@ class HFEngine:
         for batch in self._batches:
             self._step(batch, finished)
         self._batches = [b for b in self._batches if b.dead < len(b.rows)]
+        self._held()
         return finished
 
     def sync_weights(self, model: object, version: int) -> None:
         """The engine samples from the trainer's own model: nothing to copy, but prefixes kept under the old
         weights are dropped."""
         if self.busy:
-            raise RuntimeError("sync_weights while requests are in flight")
+            raise EngineError(
+                "rollout.engine=hf: sync_weights while requests are in flight (abort them first)"
+            )
         self.model = model
         self.version = version
         self._kept.clear()
@@ -185,17 +219,37 @@ class HFEngine:
         for key in [k for k, e in self._kept.items() if e.group == group]:
             del self._kept[key]
 
-    def close(self) -> None:
-        self._kept.clear()
+    def abort(self) -> None:
+        """Drop every request in flight and its rows' KV; kept prefixes stay (they are still valid)."""
+        self._waiting.clear()
+        self._jobs.clear()
         self._batches.clear()
 
+    def close(self) -> None:
+        self.abort()
+        self._kept.clear()
+
     # ----- admission --------------------------------------------------------------------------------
+    def _live(self) -> list[GenerationRequest]:
+        """The requests whose rows are in a batch (admitted, not finished)."""
+        waiting = {id(job) for job in self._waiting}
+        return [job.request for job in self._jobs.values() if id(job) not in waiting]
+
     def _admit(self) -> None:
-        rows = sum(len(b.rows) - b.dead for b in self._batches)
+        """Move waiting requests into the batch while the rows and the KV they would reserve fit."""
+        live = self._live()
+        rows = sum(r.n for r in live)
         jobs: list[_Job] = []
-        while self._waiting and (rows == 0 or rows + self._waiting[0].request.n <= self.max_rows):
+        while self._waiting:
+            request = self._waiting[0].request
+            need = self._reserve([*live, *(job.request for job in jobs), request])
+            while need + self._kept_bytes() > self.max_kv_bytes and self._kept:  # oldest kept prefix first
+                self._kept.popitem(last=False)
+            idle = not live and not jobs
+            if not idle and (rows + request.n > self.max_rows or need > self.max_kv_bytes):
+                break
             jobs.append(self._waiting.pop(0))
-            rows += jobs[-1].request.n
+            rows += request.n
         if not jobs:
             return
         if not self.merge:
@@ -204,6 +258,27 @@ class HFEngine:
         new = self._prefill(jobs)
         into = self._batches.pop() if self._batches else None
         self._batches.append(new if into is None else self._join(into, new))
+
+    def _reserve(self, requests: list[GenerationRequest]) -> int:
+        """KV bytes `requests`' rows may hold at their longest, growth room included: a growing layer
+        reserves up to twice its length, and rows in one padded batch are as wide as its widest."""
+        if self._token_bytes is None:
+            self._token_bytes = token_kv_bytes(self.model)
+        spans = [max(r.prompt_tokens + r.max_new_tokens, 32) for r in requests]
+        if self.merge:
+            return 2 * self._token_bytes * sum(r.n for r in requests) * max(spans, default=0)
+        return sum(2 * self._token_bytes * r.n * span for r, span in zip(requests, spans))
+
+    def _kept_bytes(self) -> int:
+        return sum(e.nbytes for e in self._kept.values())
+
+    def _trim_kept(self) -> None:
+        """Drop kept prefixes, oldest first, beyond `max_kept` or the bytes the live rows leave."""
+        live = self._reserve(self._live())
+        while self._kept and (
+            len(self._kept) > self.max_kept or live + self._kept_bytes() > self.max_kv_bytes
+        ):
+            self._kept.popitem(last=False)
 
     def _lookup(self, context: tuple[int, ...]) -> tuple[int, Any]:
         """The longest kept prefix of `context` (leaving at least one token to encode), as a cache to use."""
@@ -363,14 +438,11 @@ class HFEngine:
             if mergeable(batch.cache):
                 cols = batch.mask[j].bool().nonzero().squeeze(-1).to(self.device)
                 layers = [(k[j : j + 1, :, cols], v[j : j + 1, :, cols]) for k, v in layers_of(batch.cache)]
-                kept = cache_of(self.model, layers)
+                kept = compact(cache_of(self.model, layers))
             else:
                 kept = fork_cache(batch.cache, [j])
             self._kept[key] = _Kept(kept, request.children, request.group, cache_bytes(kept))
-            while len(self._kept) > self.max_kept or (
-                len(self._kept) > 1 and sum(e.nbytes for e in self._kept.values()) > self.max_kept_bytes
-            ):
-                self._kept.popitem(last=False)
+            self._trim_kept()
         job.results[row.sample] = Completion(
             tuple(row.tokens), tuple(row.logprobs), "stop" if stopped else "length", job.version
         )

@@ -27,19 +27,18 @@ from __future__ import annotations
 import gc
 import os
 import time
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from treetrain.rollout.engines.engine_settings import VLLMSettings
 from treetrain.rollout.engines.generation import (
-    Completion,
     EngineError,
     EngineStats,
     GenerationRequest,
     GenerationResult,
     StopMatcher,
+    completion_of,
 )
 from treetrain.rollout.engines.vllm_logs import quiet_known_false_warnings
 from treetrain.rollout.engines.weight_buckets import weight_buckets
@@ -61,30 +60,6 @@ def import_vllm(where: str) -> Any:
         ) from None
     quiet_known_false_warnings()
     return vllm
-
-
-def cut_at_stop(tokens: tuple[int, ...], stops: StopMatcher) -> int | None:
-    """The length of `tokens` up to and including the first stop, or None when no stop occurs.
-
-    >>> cut_at_stop((4, 7, 8, 9), StopMatcher.of(((7, 8),)))
-    3
-    """
-    longest = max((len(s) for s in stops.sequences), default=1)
-    for end in range(1, len(tokens) + 1):
-        if stops.stops(tokens[max(0, end - longest) : end]):
-            return end
-    return None
-
-
-def completion_of(
-    token_ids: Iterable[int], logprobs: list[float], finish: str | None, stops: StopMatcher, version: int
-) -> Completion:
-    """A `Completion` from what an engine returned, cut at the first stop sequence."""
-    tokens, lps = tuple(int(t) for t in token_ids), tuple(min(float(x), 0.0) for x in logprobs)
-    end = cut_at_stop(tokens, stops)
-    if end is not None:
-        return Completion(tokens[:end], lps[:end], "stop", version)
-    return Completion(tokens, lps, "stop" if finish == "stop" else "length", version)
 
 
 def _line(exc: BaseException) -> str:
@@ -187,7 +162,9 @@ class VLLMEngine:
     def sync_weights(self, model: object, version: int) -> None:
         """Copy `model`'s weights into the engine and drop the prefix cache (see the module docstring)."""
         if self.busy:
-            raise RuntimeError("sync_weights while requests are in flight")
+            raise EngineError(
+                "rollout.engine=vllm: sync_weights while requests are in flight (abort them first)"
+            )
         start = time.perf_counter()
         weights = (pair for bucket in weight_buckets(model) for pair in bucket)  # streamed, bucket by bucket
         try:
@@ -204,14 +181,18 @@ class VLLMEngine:
     def release_group(self, group: str) -> None:
         """vLLM's prefix cache evicts by itself."""
 
+    def abort(self) -> None:
+        """Abort every request in flight inside vLLM."""
+        if self._engine is not None and self._pending:
+            self._engine.abort_request(list(self._pending))
+        self._pending.clear()
+
     def close(self) -> None:
         """Abort what is in flight and shut the engine core down, so its KV cache and weights are freed
         (a run that ends, or a test that builds several engines in one process). Idempotent."""
         if self._engine is None:
             return
-        for rid in list(self._pending):
-            self._engine.abort_request([rid])
-        self._pending.clear()
+        self.abort()
         self._engine.engine_core.shutdown()
         self._engine = self.llm = None
         gc.collect()

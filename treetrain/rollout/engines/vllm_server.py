@@ -46,6 +46,7 @@ from treetrain.rollout.engines.generation import (
     GenerationRequest,
     GenerationResult,
     StopMatcher,
+    completion_of,
 )
 from treetrain.rollout.engines.server_calls import ServerHTTPError, call_server, short
 from treetrain.rollout.engines.server_checks import (
@@ -57,7 +58,6 @@ from treetrain.rollout.engines.server_checks import (
     served_prompt_logprobs,
     trainer_probe,
 )
-from treetrain.rollout.engines.vllm_engine import completion_of
 
 MAX_IN_FLIGHT = 64
 """Requests open at once across all servers."""
@@ -157,6 +157,9 @@ class VLLMServerEngine:
             item = self._done.get(timeout=0.05)
             while True:
                 rid, answer = item
+                if rid not in self._open:  # aborted: its answer came back after all
+                    item = self._done.get_nowait()
+                    continue
                 self._open.discard(rid)
                 if isinstance(answer, EngineError):
                     raise answer
@@ -228,7 +231,7 @@ class VLLMServerEngine:
         """Write the weights under `weights_dir`, have every server reload them and reset its prefix cache,
         each confirmed by its answer, then label and probe the served weights (see the module docstring)."""
         if self.busy:
-            raise RuntimeError("sync_weights while requests are in flight")
+            raise EngineError("vllm-server: sync_weights while requests are in flight (abort them first)")
         from treetrain.rollout.engines.served_checkpoint import write_weights
 
         start = time.perf_counter()
@@ -291,6 +294,10 @@ class VLLMServerEngine:
 
     def release_group(self, group: str) -> None:
         """vLLM's prefix cache evicts by itself."""
+
+    def abort(self) -> None:
+        """Forget every request in flight; their answers are dropped when they arrive."""
+        self._open.clear()
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
