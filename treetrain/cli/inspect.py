@@ -9,6 +9,7 @@ path that is missing or holds no trees, or a file that is not a valid tree file,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections import Counter
@@ -92,7 +93,14 @@ def run(args: argparse.Namespace) -> int:
         doc = {
             "paths": args.paths,
             "trees": [
-                {"name": t.name, "file": str(t.path), "id": t.tree.id, "stats": tree_stats(t.tree).as_dict()}
+                {
+                    "name": t.name,
+                    "file": str(t.path),
+                    "id": t.tree.id,
+                    "stats": tree_stats(t.tree).as_dict(),
+                    "sampling": None if t.tree.sampling is None else dataclasses.asdict(t.tree.sampling),
+                    "node_versions": [list(v) for v in t.tree.node_versions],
+                }
                 for t in named
             ],
         }

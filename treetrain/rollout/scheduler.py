@@ -206,7 +206,7 @@ class Scheduler:
             raise _Abandoned
         episode = fork.parent.fork(branch=fork.branch)
         try:
-            result = episode.step(fork.sample.tokens, fork.sample.logprobs)
+            result = episode.step(fork.sample.tokens, fork.sample.logprobs, fork.sample.version)
             trajectory = None
             if episode.done:
                 tid = f"{fork.task.prefix}/{'.'.join(map(str, fork.path)) or '0'}"
