@@ -44,7 +44,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--json",
         action="store_true",
-        help="print each tree's statistics and token-ceiling costs as JSON (docs/tree-format.md)",
+        help="print each tree's statistics, token-ceiling costs, sampling settings and node versions as JSON (docs/tree-format.md)",
     )
     p.add_argument("--dot", metavar="OUT.dot", help="also write a Graphviz DOT drawing (colour = role)")
     p.add_argument("--max-tokens", type=_at_least_two, default=8, metavar="N", help="tokens shown per node")
