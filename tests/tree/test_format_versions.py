@@ -113,7 +113,16 @@ CASES = {
     "a bool": (_set_versions([True, 5]), f"{WHERE}[0]: expected an int, got bool"),
     "a float": (_set_versions([4, 5.0]), f"{WHERE}[1]: expected an int, got float"),
     "a str": (_set_versions(["4", 5]), f"{WHERE}[0]: expected an int, got str"),
-    "all nil": (_set_versions([None, None]), f"{WHERE}: every entry is nil; leave the field out"),
+    "all nil": (
+        _set_versions([None, None]),
+        f"{WHERE}: holds no version (every entry nil); leave the field out",
+    ),
+    "empty on a second call": (
+        lambda d: first_tree(d)["trajectories"][0]["calls"].append(
+            {"end": 1, "segment_lengths": [3, 1], "logprobs": [None], "versions": []}
+        ),
+        "trees[0].trajectories[0].calls[1].versions: 0 entries but the call has 1 policy segments",
+    ),
     "in a version 1 file": (
         lambda d: d.update(version=1),
         f"{WHERE}: a version 1 file has no such field (version 2 added it)",

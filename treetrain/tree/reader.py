@@ -248,7 +248,9 @@ def _call_versions(obj: object, where: str, n_policy: int) -> tuple[int | None, 
         None if v is None else expect_int(v, f"{where}[{j}]", 0, VERSION_LIMIT) for j, v in enumerate(raw)
     )
     if all(v is None for v in out):
-        raise TreeFormatError(f"{where}: every entry is nil; leave the field out when no version is known")
+        raise TreeFormatError(
+            f"{where}: holds no version (every entry nil); leave the field out when none is known"
+        )
     return out
 
 
