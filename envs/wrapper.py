@@ -292,8 +292,11 @@ class TokenEnv:
         self._turns, self._finish = 0, None
         return prompt
 
-    def step(self, tokens: Sequence[int], logprobs: Sequence[float] | None = None) -> TurnResult:
-        """Feed one sampled assistant turn (its token ids, ending with the stop token when it stopped)."""
+    def step(
+        self, tokens: Sequence[int], logprobs: Sequence[float] | None = None, version: int | None = None
+    ) -> TurnResult:
+        """Feed one sampled assistant turn (its token ids, ending with the stop token when it stopped), and
+        the weight version that sampled it when known (kept on the turn's policy segment)."""
         if self._seed is None or self.done:
             raise RuntimeError(
                 f"{self.env_name}: step called {'before reset' if self._seed is None else 'after done'}"
@@ -304,7 +307,7 @@ class TokenEnv:
             )
         self.timed_out = False
         self._segments.append(
-            Segment(Role.POLICY, tuple(tokens), None if logprobs is None else tuple(logprobs))
+            Segment(Role.POLICY, tuple(tokens), None if logprobs is None else tuple(logprobs), version)
         )
         self._context.extend(tokens)
         text, closed = self.template.turn_text(tokens)

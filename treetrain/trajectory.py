@@ -66,11 +66,14 @@ class Segment:
 
     `logprobs` are the sampler's log-probabilities of the tokens; only policy segments have them, and
     they are optional (imported rollouts sometimes lack them; the loss can then use the scoring pass).
+    `version` is the weight version that sampled the tokens (`Completion.version`), so a trainer can tell
+    how stale they are; only policy segments have one, and it is None when unknown (imported, older files).
     """
 
     role: Role
     tokens: tuple[int, ...]
     logprobs: tuple[float, ...] | None = None
+    version: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, Role):
@@ -101,8 +104,24 @@ class Segment:
                 if not math.isfinite(x) or x > 0.0:
                     raise TrajectoryError(f"policy segment logprob {x!r} is not a finite value <= 0")
 
+        if self.version is not None:
+            if self.role is not Role.POLICY:
+                raise TrajectoryError(
+                    f"{self.role.value} segment has a weight version; only policy segments may"
+                )
+            if (
+                isinstance(self.version, bool)
+                or not isinstance(self.version, int)
+                or not 0 <= self.version <= VERSION_LIMIT
+            ):
+                raise TrajectoryError(f"policy segment version {self.version!r} is not an int in [0, 2**63)")
+
     def __len__(self) -> int:
         return len(self.tokens)
+
+
+VERSION_LIMIT = (1 << 63) - 1
+"""Largest weight version accepted: versions count optimizer steps, and files store them as msgpack int64."""
 
 
 @dataclass(frozen=True)
@@ -155,7 +174,12 @@ class Call:
 
 @dataclass(frozen=True)
 class TrajectoryMeta:
-    """Where a trajectory came from. `extra` holds free-form string tags (task id, sampler, ...)."""
+    """Where a trajectory came from. `extra` holds free-form string tags (task id, sampler, ...).
+
+    `model_version` is the weight version the rollout expected when it ran the episode (the trainer's
+    version then), not a summary of the tokens: each policy segment records the version that actually
+    sampled it (`Segment.version`), and a long episode may span several.
+    """
 
     env: str = ""
     seed: int | None = None
@@ -255,6 +279,13 @@ class Trajectory:
     @property
     def num_tokens(self) -> int:
         return sum(c.num_tokens for c in self.calls)
+
+    @property
+    def versions(self) -> tuple[int, ...]:
+        """The distinct weight versions that sampled this trajectory's policy tokens, ascending (unknown
+        ones left out)."""
+        found = {s.version for c in self.calls for s in c.segments if s.version is not None}
+        return tuple(sorted(found))
 
     @property
     def num_policy_tokens(self) -> int:

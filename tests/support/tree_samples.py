@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import msgpack
@@ -54,6 +55,26 @@ def sampled_doc() -> dict[str, Any]:
     return doc
 
 
+def versioned_tree() -> TrajectoryTree:
+    """`tiny_tree` with weight versions on its policy segments: "a" sampled by 4 then 5 (an episode whose
+    turns span versions), "b" by 5, "c" by 4 and then an unknown version; the shared node 1 records 4 and 5."""
+    versions = {"a": (4, 5), "b": (5,), "c": (4, None)}
+    out = []
+    for traj in tiny_tree().trajectories():
+        it = iter(versions[traj.id])
+        segs = tuple(
+            replace(s, version=next(it)) if s.role is Role.POLICY else s for s in traj.calls[0].segments
+        )
+        out.append(replace(traj, calls=(Call(segs),)))
+    return build_tree(out)
+
+
+def versioned_doc() -> dict[str, Any]:
+    """`versioned_tree` as a version 2 document."""
+    doc: dict[str, Any] = msgpack.unpackb(tree_to_bytes(versioned_tree()))
+    return doc
+
+
 def expect_error(blob: bytes, *fragments: str) -> str:
     with pytest.raises(TreeFormatError) as info:
         trees_from_bytes(blob)
@@ -75,7 +96,7 @@ def check_load(blob: bytes) -> None:
         assert rebuilt.records == tree.records
         assert rebuilt.id == tree.id
     again = trees_from_bytes(trees_to_bytes(trees))
-    assert [(t.id, t.sampling) for t in again] == [(t.id, t.sampling) for t in trees]
+    assert [(t.id, t.sampling, t.records) for t in again] == [(t.id, t.sampling, t.records) for t in trees]
 
 
 def first_tree(doc: dict[str, Any]) -> dict[str, Any]:

@@ -46,6 +46,9 @@ def test_three_updates_end_to_end(tmp_path: Path) -> None:
     assert all(r.trajectories == 8 and r.graph_tokens > 0 for r in rows)
     tree_files = sorted((run / "rollouts").glob("**/*.msgpack"))
     assert len(tree_files) == 6 and all(load_trees(f) for f in tree_files)
+    for f in tree_files:  # update u's rollouts were sampled by weight version u, every policy token of them
+        update = int(f.relative_to(run / "rollouts").parts[0].split("-")[1])
+        assert {v for t in load_trees(f) for vs in t.node_versions for v in vs} == {update}, f
     exported = AutoModelForCausalLM.from_pretrained(run / "final", local_files_only=True)
     for k, v in exported.state_dict().items():
         assert torch.allclose(v, after[k]), k

@@ -10,7 +10,7 @@ from typing import Any
 import msgpack
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support.tree_samples import TINY_BYTES, check_load, sampled_doc, tiny_doc
+from support.tree_samples import TINY_BYTES, check_load, sampled_doc, tiny_doc, versioned_doc
 from support.tree_strategies import trajectory_sets
 
 from treetrain.tree.build import build_tree
@@ -68,7 +68,7 @@ SCHEMA_KEYS += [
     "end",
     "segment_lengths",
 ]
-SCHEMA_KEYS += ["logprobs", "sampling", "temperature", "top_p"]
+SCHEMA_KEYS += ["logprobs", "sampling", "temperature", "top_p", "versions"]
 KEYS = st.sampled_from(SCHEMA_KEYS) | st.text(max_size=6)
 SCALARS = (
     st.none()
@@ -110,7 +110,7 @@ def _slots(obj: object) -> Iterator[tuple[Any, Any]]:
 @FUZZ
 @given(st.data())
 def test_structured_mutations(data: st.DataObject) -> None:
-    doc = sampled_doc() if data.draw(st.booleans()) else tiny_doc()
+    doc = data.draw(st.sampled_from([sampled_doc, versioned_doc, tiny_doc]))()
     for _ in range(data.draw(st.integers(1, 3))):
         slots = list(_slots(doc))
         container, key = data.draw(st.sampled_from(slots))

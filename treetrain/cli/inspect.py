@@ -9,6 +9,7 @@ path that is missing or holds no trees, or a file that is not a valid tree file,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections import Counter
@@ -39,7 +40,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--json",
         action="store_true",
-        help="print each tree's statistics and token-ceiling costs as JSON (docs/tree-format.md)",
+        help="print each tree's statistics, token-ceiling costs, sampling settings and node versions as JSON (docs/tree-format.md)",
     )
     p.add_argument("--dot", metavar="OUT.dot", help="also write a Graphviz DOT drawing (colour = role)")
     p.add_argument(
@@ -96,7 +97,14 @@ def run(args: argparse.Namespace) -> int:
         doc = {
             "paths": args.paths,
             "trees": [
-                {"name": t.name, "file": str(t.path), "id": t.tree.id, "stats": tree_stats(t.tree).as_dict()}
+                {
+                    "name": t.name,
+                    "file": str(t.path),
+                    "id": t.tree.id,
+                    "stats": tree_stats(t.tree).as_dict(),
+                    "sampling": None if t.tree.sampling is None else dataclasses.asdict(t.tree.sampling),
+                    "node_versions": [list(v) for v in t.tree.node_versions],
+                }
                 for t in named
             ],
         }

@@ -232,7 +232,7 @@ class Scheduler:
         except Exception as exc:
             raise _TaskFailed("fork", exc) from None
         try:
-            result = episode.step(fork.sample.tokens, fork.sample.logprobs)
+            result = episode.step(fork.sample.tokens, fork.sample.logprobs, fork.sample.version)
             trajectory = None
             if episode.done:
                 tid = f"{fork.task.prefix}/{'.'.join(map(str, fork.path)) or '0'}"

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from treetrain.trajectory import Role, Trajectory, TrajectoryError
+from treetrain.trajectory import Role, Segment, Trajectory, TrajectoryError
 from treetrain.tree.trajectory_tree import (
     ROOT_ID,
     CallRecord,
@@ -56,6 +56,12 @@ def _insert(root: _Draft, tokens: tuple[int, ...], roles: tuple[Role, ...], ref:
             child.split(m)
         node, i = child, i + m
     node.ends.append(ref)
+
+
+def _versions(segments: tuple[Segment, ...]) -> tuple[int | None, ...]:
+    """One weight version per policy segment, or () when none is known (so unversioned data stays as it was)."""
+    versions = tuple(s.version for s in segments if s.role is Role.POLICY)
+    return versions if any(v is not None for v in versions) else ()
 
 
 def build_tree(trajectories: Iterable[Trajectory], sampling: SamplingRecord | None = None) -> TrajectoryTree:
@@ -128,6 +134,7 @@ def build_tree(trajectories: Iterable[Trajectory], sampling: SamplingRecord | No
                 end=end_of[CallRef(ti, ci)],
                 segment_lengths=tuple(len(s) for s in call.segments),
                 logprobs=tuple(s.logprobs for s in call.segments if s.role is Role.POLICY),
+                versions=_versions(call.segments),
             )
             for ci, call in enumerate(traj.calls)
         )

@@ -38,7 +38,7 @@ from treetrain.tree.schema import (
     Limits,
     TreeFormatError,
 )
-from treetrain.tree.trajectory_tree import TrajectoryRecord, TrajectoryTree
+from treetrain.tree.trajectory_tree import CallRecord, TrajectoryRecord, TrajectoryTree
 
 __all__ = [
     "DEFAULT_LIMITS",
@@ -66,7 +66,9 @@ def trees_to_bytes(trees: Sequence[TrajectoryTree]) -> bytes:
     trees = list(trees)
     if not trees:
         raise TreeFormatError("trees: a group needs at least one tree")
-    recorded = any(t.sampling is not None for t in trees)
+    recorded = any(
+        t.sampling is not None or any(c.versions for r in t.records for c in r.calls) for t in trees
+    )
     doc = {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION if recorded else SAMPLING_VERSION - 1,
@@ -122,17 +124,19 @@ def _encode_record(rec: TrajectoryRecord, where: str) -> dict[str, object]:
             "model_version": _int64(rec.meta.model_version, f"{where}.meta.model_version"),
             "extra": dict(rec.meta.extra),
         },
-        "calls": [
-            {
-                "end": c.end,
-                "segment_lengths": list(c.segment_lengths),
-                "logprobs": [
-                    None if lp is None else np.asarray(lp, dtype="<f8").tobytes() for lp in c.logprobs
-                ],
-            }
-            for c in rec.calls
-        ],
+        "calls": [_encode_call(c, f"{where}.calls[{ci}]") for ci, c in enumerate(rec.calls)],
     }
+
+
+def _encode_call(call: CallRecord, where: str) -> dict[str, object]:
+    out: dict[str, object] = {
+        "end": call.end,
+        "segment_lengths": list(call.segment_lengths),
+        "logprobs": [None if lp is None else np.asarray(lp, dtype="<f8").tobytes() for lp in call.logprobs],
+    }
+    if call.versions:  # absent when unknown, so an unversioned call is written as before
+        out["versions"] = [_int64(v, f"{where}.versions[{j}]") for j, v in enumerate(call.versions)]
+    return out
 
 
 def _int64(value: object, where: str) -> int | None:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from treetrain.trajectory import REWARD_LIMIT, TrajectoryError, TrajectoryMeta
+from treetrain.trajectory import REWARD_LIMIT, VERSION_LIMIT, TrajectoryError, TrajectoryMeta
 from treetrain.tree.node_table import POLICY, ROLES, Budget, NodeTable
 from treetrain.tree.schema import FORMAT_NAME, SAMPLING_VERSION, SUPPORTED_VERSIONS, Limits, TreeFormatError
 from treetrain.tree.trajectory_tree import CallRecord, SamplingRecord, TrajectoryRecord, TrajectoryTree
@@ -125,7 +125,7 @@ def _decode_tree(obj: object, where: str, budget: Budget, visits: Budget, versio
     records: list[TrajectoryRecord] = []
     first_with_id: dict[str, int] = {}
     for ti, raw in enumerate(raw_trajs):
-        rec = _decode_trajectory(raw, f"{where}.trajectories[{ti}]", nodes, budget)
+        rec = _decode_trajectory(raw, f"{where}.trajectories[{ti}]", nodes, budget, version)
         if rec.id in first_with_id:
             raise TreeFormatError(
                 f"{where}.trajectories[{ti}].id: {short_repr(rec.id)} duplicates trajectories[{first_with_id[rec.id]}].id"
@@ -154,7 +154,9 @@ def _decode_sampling(obj: object, where: str) -> SamplingRecord:
 # ----- trajectories -----------------------------------------------------------------------------------
 
 
-def _decode_trajectory(obj: object, where: str, nodes: NodeTable, budget: Budget) -> TrajectoryRecord:
+def _decode_trajectory(
+    obj: object, where: str, nodes: NodeTable, budget: Budget, version: int
+) -> TrajectoryRecord:
     fields = expect_fields(obj, where, ("id", "reward", "step_rewards", "meta", "calls"))
     tid = expect_str(fields["id"], f"{where}.id")
     if not tid:
@@ -164,7 +166,9 @@ def _decode_trajectory(obj: object, where: str, nodes: NodeTable, budget: Budget
     steps = tuple(_reward(x, f"{where}.step_rewards[{j}]") for j, x in enumerate(raw_steps))
     meta = _decode_meta(fields["meta"], f"{where}.meta")
     raw_calls = expect_array(fields["calls"], f"{where}.calls", min_len=1)
-    calls = tuple(_decode_call(c, f"{where}.calls[{ci}]", nodes, budget) for ci, c in enumerate(raw_calls))
+    calls = tuple(
+        _decode_call(c, f"{where}.calls[{ci}]", nodes, budget, version) for ci, c in enumerate(raw_calls)
+    )
     n_policy = sum(len(c.logprobs) for c in calls)
     if steps and len(steps) != n_policy:
         raise TreeFormatError(
@@ -193,8 +197,12 @@ def _decode_meta(obj: object, where: str) -> TrajectoryMeta:
     )
 
 
-def _decode_call(obj: object, where: str, nodes: NodeTable, budget: Budget) -> CallRecord:
-    fields = expect_fields(obj, where, ("end", "segment_lengths", "logprobs"))
+def _decode_call(obj: object, where: str, nodes: NodeTable, budget: Budget, version: int) -> CallRecord:
+    if version < SAMPLING_VERSION and isinstance(obj, dict) and "versions" in obj:
+        raise TreeFormatError(
+            f"{where}.versions: a version {version} file has no such field (version {SAMPLING_VERSION} added it)"
+        )
+    fields = expect_fields(obj, where, ("end", "segment_lengths", "logprobs"), ("versions",))
     end = expect_int(fields["end"], f"{where}.end")
     if not 1 <= end < len(nodes.parents):
         raise TreeFormatError(f"{where}.end: {end} is not a node index in [1, {len(nodes.parents) - 1}]")
@@ -218,7 +226,32 @@ def _decode_call(obj: object, where: str, nodes: NodeTable, budget: Budget) -> C
             f"{where}.segment_lengths[0]: the call starts with a policy segment; a sequence's first token is "
             "never predicted, so it cannot carry loss"
         )
-    return CallRecord(end, lengths, _call_logprobs(fields, where, lengths, policy_segments))
+    logprobs = _call_logprobs(fields, where, lengths, policy_segments)
+    versions = (
+        _call_versions(fields["versions"], f"{where}.versions", len(policy_segments))
+        if "versions" in fields
+        else ()
+    )
+    return CallRecord(end, lengths, logprobs, versions)
+
+
+def _call_versions(obj: object, where: str, n_policy: int) -> tuple[int | None, ...]:
+    """One weight version (an int in [0, 2**63), or nil) per policy segment; never all nil, since the writer
+    leaves the field out then, so a file that loads is written back byte for byte."""
+    raw = expect_array(obj, where)
+    if len(raw) != n_policy:
+        raise TreeFormatError(
+            f"{where}: {len(raw)} entries but the call has {n_policy} policy segments (one weight version per "
+            "policy segment, or nil where unknown)"
+        )
+    out = tuple(
+        None if v is None else expect_int(v, f"{where}[{j}]", 0, VERSION_LIMIT) for j, v in enumerate(raw)
+    )
+    if all(v is None for v in out):
+        raise TreeFormatError(
+            f"{where}: holds no version (every entry nil); leave the field out when none is known"
+        )
+    return out
 
 
 def _segment_codes(nodes: NodeTable, end: int, lengths: tuple[int, ...]) -> list[int] | None:

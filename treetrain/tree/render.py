@@ -2,7 +2,9 @@
 
 The outline has one line per node: its index, its role runs (`prompt×512 policy×12`), its tokens with
 long runs collapsed (`[1 2 3 … 98 99]`, or decoded text when a tokenizer is given), how many trajectories
-pass through it, a `◆` mark at divergence points and, where calls end, the trajectory ids and rewards.
+pass through it, the weight versions that sampled its policy tokens (`v2,3`, when recorded), a `◆` mark at
+divergence points and, where calls end, the trajectory ids and rewards. The summary line ends with the
+sampling settings when the tree records them.
 
 Example:
     >>> from treetrain.trajectory import Call, Role, Segment, Trajectory
@@ -86,6 +88,11 @@ def _ends(tree: TrajectoryTree, node: Node) -> str:
     return "■ " + ", ".join(parts) if parts else ""
 
 
+def version_label(versions: Sequence[int]) -> str:
+    """The weight versions that sampled a node's policy tokens, e.g. `v3` or `v2,3`."""
+    return "v" + ",".join(map(str, versions))
+
+
 def node_label(tree: TrajectoryTree, node: Node, options: RenderOptions) -> str:
     """One-line description of a node, without the tree drawing."""
     if node.index == ROOT:
@@ -94,6 +101,8 @@ def node_label(tree: TrajectoryTree, node: Node, options: RenderOptions) -> str:
         runs = role_runs(node.roles, options.max_role_runs)
         parts = [f"#{node.index} {runs}", token_snippet(node.tokens, options)]
     parts.append(f"{len(node.trajectories)} traj")
+    if versions := tree.node_versions[node.index]:
+        parts.append(version_label(versions))
     if node.is_divergence:
         parts.append(f"◆ {len(node.children)} branches")
     if node.ends:
@@ -110,6 +119,7 @@ def render_tree(tree: TrajectoryTree, options: RenderOptions | None = None) -> s
         f"leaves={s.num_leaves} divergence_points={s.num_divergence_points} depth={s.depth} "
         f"T={s.total_tokens} U={s.unique_tokens} sharing={s.sharing_ratio:.2f}x "
         f"ceiling_speedup_exact={s.ceiling_speedup_exact:.2f}x"
+        + (f"  sampled at {tree.sampling.describe()}" if tree.sampling is not None else "")
     ]
     # (node, prefix for its own line, prefix for its children's lines); iterative for deep trees.
     stack: list[tuple[int, str, str]] = [(ROOT, "", "")]
@@ -176,6 +186,8 @@ def to_dot(trees: Sequence[TrajectoryTree], options: RenderOptions | None = None
                     _dot_escape(x) for x in (f"#{node.index} {runs}", token_snippet(node.tokens, options))
                 )
             text += _dot_escape(f"\n{len(node.trajectories)} traj")
+            if versions := tree.node_versions[node.index]:
+                text += _dot_escape(f" {version_label(versions)}")
             if node.ends:
                 text += _dot_escape("\n" + _ends(tree, node))
             style, fill = _fill(node)

@@ -2,8 +2,8 @@
 
 A tree file is one msgpack map `{"format": "treetrain.tree", "version": 2, "trees": [...]}` holding a
 *group*: the trees whose leaves are normalized together (usually one). `trees/README.md` documents every
-field. Version 2 adds a tree's `sampling` (temperature and top_p); a group without it is written as
-version 1, so a file that needs nothing new stays readable by a version-1 reader. The limits bound what a reader allocates *before* it has seen the data: a declared length larger
+field. Version 2 adds a tree's `sampling` (temperature and top_p) and a call's `versions` (the weight version
+of each policy segment); a group without either is written as version 1, so a file that needs nothing new stays readable by a version-1 reader. The limits bound what a reader allocates *before* it has seen the data: a declared length larger
 than the limit, or larger than the bytes actually present, is refused without allocating.
 """
 
@@ -17,10 +17,10 @@ FORMAT_NAME = "treetrain.tree"
 """Value of the top-level `format` field; anything else is not a tree file."""
 
 FORMAT_VERSION = 2
-"""The newest version this code writes (a group with no `sampling` is written as version 1)."""
+"""The newest version this code writes (a group with no `sampling` and no `versions` is written as version 1)."""
 
 SAMPLING_VERSION = 2
-"""The first version with a tree's optional `sampling` map."""
+"""The first version with a tree's optional `sampling` map and a call's optional `versions` array."""
 
 SUPPORTED_VERSIONS = frozenset({1, 2})
 """Versions this code reads. A new field or a changed meaning bumps the version (trees/README.md)."""

@@ -86,11 +86,18 @@ class CallRecord:
 
     `segment_lengths` restores segment boundaries (two adjacent policy segments stay two);
     `logprobs` has one entry per policy segment, in order: the sampler's logprobs, or None.
+    `versions` has one entry per policy segment too, the weight version that sampled it or None; it is
+    empty when no segment of the call records one (imported data, older files).
     """
 
     end: int
     segment_lengths: tuple[int, ...]
     logprobs: tuple[tuple[float, ...] | None, ...]
+    versions: tuple[int | None, ...] = ()
+
+    def version(self, policy_segment: int) -> int | None:
+        """The weight version of the call's `policy_segment`-th policy segment, None when unknown."""
+        return self.versions[policy_segment] if self.versions else None
 
 
 @dataclass(frozen=True)
@@ -153,7 +160,8 @@ class TrajectoryTree:
     networkx view is `treetrain.tree.graph.to_networkx(tree)`. Those live above this module, which holds
     only the data and its navigation, so the tree package depends one way: build/stats/graph -> model.
     `sampling` is how its policy tokens were drawn, None when unknown (imported, synthetic, older files); it
-    is metadata, not content, and not part of `id`.
+    is metadata, not content, and not part of `id`; so are the weight versions of the policy segments
+    (`CallRecord.versions`, summarised per node by `node_versions`).
     """
 
     def __init__(
@@ -244,6 +252,38 @@ class TrajectoryTree:
                     out[ti] += k
         return tuple(out)
 
+    @cached_property
+    def node_versions(self) -> tuple[tuple[int, ...], ...]:
+        """Per node, the distinct weight versions that sampled its policy tokens, ascending.
+
+        Versions are metadata, like logprobs: a node is its tokens and roles, so the same tokens sampled by
+        two versions are one node recording both (and neither changes a node id or the tree id). Empty for
+        nodes without policy tokens and where no version is recorded. Time is linear in the nodes on the
+        calls' paths plus their segments, never in the calls' lengths.
+        """
+        found: list[set[int]] = [set() for _ in self.nodes]
+        for rec in self.records:
+            for crec in rec.calls:
+                if any(v is not None for v in crec.versions):
+                    self._add_call_versions(crec, found)
+        return tuple(tuple(sorted(s)) for s in found)
+
+    def _add_call_versions(self, crec: CallRecord, found: list[set[int]]) -> None:
+        path = self.path(crec.end)
+        k = pos = j = 0  # path[k] holds position `pos`; j counts policy segments
+        for length in crec.segment_lengths:
+            while self.nodes[path[k]].end <= pos:
+                k += 1
+            node = self.nodes[path[k]]
+            if node.roles[pos - node.offset] is Role.POLICY:
+                version = crec.version(j)
+                j += 1
+                m = k
+                while version is not None and m < len(path) and self.nodes[path[m]].offset < pos + length:
+                    found[path[m]].add(version)
+                    m += 1
+            pos += length
+
     # ----- reconstruction ---------------------------------------------------------------------------
     def trajectory(self, index: int) -> Trajectory:
         """Rebuild input trajectory `index` exactly (tokens, roles, segments, logprobs, rewards, meta)."""
@@ -252,12 +292,14 @@ class TrajectoryTree:
         for ci, crec in enumerate(rec.calls):
             toks, roles = self.call_tokens(CallRef(index, ci))
             segs: list[Segment] = []
-            pos = 0
-            lp_iter = iter(crec.logprobs)
+            pos = j = 0
             for length in crec.segment_lengths:
                 role = roles[pos]
-                lps = next(lp_iter) if role is Role.POLICY else None
-                segs.append(Segment(role, toks[pos : pos + length], lps))
+                if role is Role.POLICY:
+                    segs.append(Segment(role, toks[pos : pos + length], crec.logprobs[j], crec.version(j)))
+                    j += 1
+                else:
+                    segs.append(Segment(role, toks[pos : pos + length]))
                 pos += length
             calls.append(Call(tuple(segs)))
         return Trajectory(rec.id, tuple(calls), rec.reward, rec.step_rewards, rec.meta)

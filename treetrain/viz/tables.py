@@ -121,6 +121,8 @@ class NodeRow:
     leaf: bool
     carries_loss: bool
     """Whether some position predicts a policy token of this node."""
+    versions: str
+    """The weight versions that sampled the node's policy tokens, e.g. `2,3` (empty where none is recorded)."""
     ends: int
     """Calls that end exactly here."""
     mean_reward: float
@@ -151,6 +153,7 @@ def node_table(tree: TrajectoryTree, advantages: TreeAdvantages | None = None) -
                 divergence=n.is_divergence,
                 leaf=n.is_leaf,
                 carries_loss=node_carries_loss(tree, n),
+                versions=",".join(map(str, tree.node_versions[n.index])),
                 ends=len(n.ends),
                 mean_reward=float(rewards[n.index]),
                 advantage=float(adv[n.index]) if adv is not None else None,
