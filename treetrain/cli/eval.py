@@ -156,9 +156,9 @@ def run(args: argparse.Namespace) -> int:
 def score(cfg: TrainConfig, held: HeldOut, weights: Path | None) -> EvalMetrics:
     """Load the model, sample the held-out tasks on `rollout.engine`, and return the scores."""
     from envs.remote import WorkerEnvFactory
+    from treetrain.rollout.engines.factory import make_engine
     from treetrain.train.evaluation import eval_sampling, sample_scores
     from treetrain.train.models import load_models
-    from treetrain.rollout.engines.factory import make_engine
     from treetrain.train.tree_sources import check_context, check_template, engine_spec, wrapper_config
 
     if cfg.threads is not None:
