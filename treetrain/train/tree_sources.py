@@ -183,6 +183,7 @@ def make_engine(cfg: TrainConfig, model: Any, max_tokens: int) -> GenerationEngi
         return VLLMServerEngine(
             cfg.rollout.vllm, weights_dir=Path(cfg.run_dir) / "engine-weights", version=-1
         )
+    from treetrain.rollout.engines.adapter_sync import lora_serving
     from treetrain.rollout.engines.vllm_engine import VLLMEngine
     from treetrain.train.models import resolve_model_path
 
@@ -195,7 +196,7 @@ def make_engine(cfg: TrainConfig, model: Any, max_tokens: int) -> GenerationEngi
     device = next(model.parameters()).device
     return VLLMEngine(
         path, cfg.rollout.vllm, dtype=cfg.model.dtype, max_model_len=max_tokens, seed=cfg.seed, version=-1,
-        device=device.type,
+        device=device.type, lora=lora_serving(model),
     )  # fmt: skip
 
 
