@@ -178,11 +178,13 @@ def make_engine(cfg: TrainConfig, model: Any, max_tokens: int) -> GenerationEngi
 
         return HFEngine(model, version=-1)
     if kind == "vllm-server":
+        from treetrain.rollout.engines.adapter_sync import lora_serving
         from treetrain.rollout.engines.vllm_server import VLLMServerEngine
 
         return VLLMServerEngine(
-            cfg.rollout.vllm, weights_dir=Path(cfg.run_dir) / "engine-weights", version=-1
-        )
+            cfg.rollout.vllm, weights_dir=Path(cfg.run_dir) / "engine-weights", version=-1,
+            lora=lora_serving(model),
+        )  # fmt: skip
     from treetrain.rollout.engines.adapter_sync import lora_serving
     from treetrain.rollout.engines.vllm_engine import VLLMEngine
     from treetrain.train.models import resolve_model_path

@@ -9,11 +9,19 @@ tree is in flight at once and the servers batch them.
 server, chosen by a stable hash of the group, so that server's prefix cache holds the whole tree.
 
 **Weight sync.** After each optimizer step the trainer's weights are written as safetensors under
-`<run_dir>/engine-weights/` (atomically; ZeRO-3 gathered module by module, LoRA merged), then each server is
+`<run_dir>/engine-weights/` (atomically; ZeRO-3 gathered module by module, a mixture of experts under its
+checkpoint's per-expert names, LoRA merged where vLLM cannot serve it as an adapter), then each server is
 asked to reload them from that path (so a server on another machine needs the run directory on a shared
 filesystem at the same path) (`POST /collective_rpc` with `reload_weights`, available when the server runs with
 `VLLM_SERVER_DEV_MODE=1`) and to reset its prefix cache. A server that fails to reload stops the run: its
 samples would come from other weights than the trainer's.
+
+**LoRA.** With `lora=LoraServing(as_adapter=True, ...)` (`adapter_sync.lora_serving`) the servers keep the
+base weights they started with; each sync writes the adapter under `<run_dir>/engine-weights/adapters/`,
+each server loads it (`POST /v1/load_lora_adapter` as `treetrain-v{version}`) and unloads the previous one,
+and every request names the current adapter as its `model`. The servers must run with
+`VLLM_ALLOW_RUNTIME_LORA_UPDATING=True vllm serve ... --enable-lora --max-lora-rank R` (R at least the
+adapter's rank).
 
 **Bad servers.** A server that is down, answers with an HTTP error, stays silent past
 `request_timeout_s`, or returns JSON outside the protocol (or more than `MAX_RESPONSE_BYTES`) stops the
@@ -24,6 +32,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import queue
 import time
 import urllib.error
@@ -33,6 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from treetrain.rollout.engines.adapter_sync import AdapterFiles, LoraServing, adapter_name
 from treetrain.rollout.engines.engine_settings import VLLMSettings
 from treetrain.rollout.engines.generation import (
     Completion,
@@ -43,6 +53,8 @@ from treetrain.rollout.engines.generation import (
     StopMatcher,
 )
 from treetrain.rollout.engines.vllm_engine import completion_of
+
+log = logging.getLogger(__name__)
 
 MAX_RESPONSE_BYTES = 64 * 2**20
 """Largest answer read from a server."""
@@ -67,12 +79,25 @@ def route(group: str, n_servers: int) -> int:
 class VLLMServerEngine:
     """Requests to `vllm serve` processes; see the module docstring."""
 
-    def __init__(self, settings: VLLMSettings, *, weights_dir: str | Path, version: int = 0) -> None:
+    def __init__(
+        self,
+        settings: VLLMSettings,
+        *,
+        weights_dir: str | Path,
+        version: int = 0,
+        lora: LoraServing | None = None,
+    ) -> None:
         if not settings.urls:
             raise EngineError("rollout.engine=vllm-server needs rollout.vllm.urls (the servers' base URLs)")
         self.urls = tuple(u.rstrip("/") for u in settings.urls)
         self.timeout = settings.request_timeout_s
         self.weights_dir = Path(weights_dir)
+        self._adapters = (
+            AdapterFiles(self.weights_dir / "adapters") if lora is not None and lora.as_adapter else None
+        )
+        self._adapter: str | None = None  # the served name of the current version's adapter
+        if lora is not None:
+            (log.info if lora.as_adapter else log.warning)("rollout.engine=vllm-server: %s", lora.line())
         self.version = version
         self.stats = EngineStats()
         self.models = tuple(self._served_model(url) for url in self.urls)
@@ -132,7 +157,7 @@ class VLLMServerEngine:
         self._open.add(rid)
         self.stats.requests += 1
         self.stats.prompt_tokens += request.prompt_tokens
-        self._pool.submit(self._run, rid, request, self.version)
+        self._pool.submit(self._run, rid, request, self.version, self._adapter)
         return rid
 
     @property
@@ -157,11 +182,11 @@ class VLLMServerEngine:
             pass
         return results
 
-    def _run(self, rid: int, request: GenerationRequest, version: int) -> None:
+    def _run(self, rid: int, request: GenerationRequest, version: int, adapter: str | None) -> None:
         server = route(request.group, len(self.urls))
         url = self.urls[server]
         body = {
-            "model": self.models[server], "prompt": list(request.context), "n": request.n,
+            "model": adapter or self.models[server], "prompt": list(request.context), "n": request.n,
             "max_tokens": request.max_new_tokens, "temperature": request.sampling.temperature,
             "top_p": request.sampling.top_p, "seed": request.seed, "logprobs": 0,
             "stop_token_ids": list(request.stop_ids), "ignore_eos": True, "skip_special_tokens": False,
@@ -212,24 +237,51 @@ class VLLMServerEngine:
         return GenerationResult(rid, tuple(completions), cached)
 
     def sync_weights(self, model: object, version: int) -> None:
-        """Write the weights under `weights_dir`, have every server reload them, reset their prefix caches."""
+        """Write the weights (or the LoRA adapter) under `weights_dir` and have every server load them."""
         if self.busy:
             raise RuntimeError("sync_weights while requests are in flight")
-        from treetrain.rollout.engines.served_checkpoint import write_weights
-
         start = time.perf_counter()
-        path = write_weights(model, self.weights_dir)
-        for url in self.urls:
-            self._call(
-                url,
-                "/collective_rpc",
-                {"method": "reload_weights", "kwargs": {"weights_path": str(path)}},
-                self.timeout,
-            )
-            self._call(url, "/reset_prefix_cache", {}, self.timeout)
+        if self._adapters is not None:
+            self.stats.sync_bytes += self._load_adapter(model, version)
+        else:
+            from treetrain.rollout.engines.served_checkpoint import write_weights
+
+            path = write_weights(model, self.weights_dir)
+            self.stats.sync_bytes += sum(p.stat().st_size for p in path.iterdir())
+            for url in self.urls:
+                self._call(
+                    url,
+                    "/collective_rpc",
+                    {"method": "reload_weights", "kwargs": {"weights_path": str(path)}},
+                    self.timeout,
+                )
+                self._call(url, "/reset_prefix_cache", {}, self.timeout)
         self.version = version
         self.stats.weight_syncs += 1
         self.stats.sync_seconds += time.perf_counter() - start
+
+    def _load_adapter(self, model: object, version: int) -> int:
+        """Every server loads the adapter under the version's name (`POST /v1/load_lora_adapter`, which a
+        server offers with `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True` and `--enable-lora`) and drops the
+        previous one; requests name it as their model. Its size in bytes."""
+        assert self._adapters is not None
+        path, size = self._adapters.write(model, version)
+        name = adapter_name(version)
+        for url in self.urls:
+            try:
+                self._call(
+                    url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}, self.timeout
+                )
+            except EngineError as exc:
+                raise EngineError(
+                    f"{exc} (a server takes LoRA adapters when started with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True "
+                    "and --enable-lora --max-lora-rank at least the adapter's rank)"
+                ) from None
+            if self._adapter is not None and self._adapter != name:
+                self._call(url, "/v1/unload_lora_adapter", {"lora_name": self._adapter}, self.timeout)
+        self._adapter = name
+        self._adapters.done(path)
+        return size
 
     def release_group(self, group: str) -> None:
         """vLLM's prefix cache evicts by itself."""
