@@ -22,4 +22,4 @@ def test_the_column_reads_checked_only_for_those_families() -> None:
     assert (
         "| checked (`tests/rollout/test_vllm_moe.py`) |" in SupportRow("qwen3_moe", "accepted", "").markdown()
     )
-    assert "| not checked |" in SupportRow("mixtral", "accepted", "").markdown()  # negative control
+    assert "| not checked |" in SupportRow("olmoe", "accepted", "").markdown()  # negative control

@@ -1,6 +1,6 @@
 """A mixture of experts through a real vLLM (the CPU build `make test` installs): a tiny `qwen3_moe` trains
-two updates with `rollout.engine=vllm` with the sampler/trainer gap at rounding, and the engine's logprobs
-are the trainer's after a sync of moved weights. Negative controls: two experts swapped in the export, and
+two updates with `rollout.engine=vllm` with the sampler/trainer gap at rounding, and for it and a tiny
+`mixtral` the engine's logprobs are the trainer's after a sync of moved weights. Negative controls: two experts swapped in the export, and
 the reload without vLLM's CPU experts packed again, each leave a gap of nats."""
 
 from __future__ import annotations
@@ -30,16 +30,26 @@ WRONG = 0.1
 CONTEXT = tuple(range(5, 40))
 
 
-@pytest.fixture(scope="module")
-def moe(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Any]]:
-    """The tiny qwen3_moe's checkpoint directory and one vLLM engine serving it, for this module."""
+def _served(tmp_path_factory: pytest.TempPathFactory, family: str) -> Iterator[tuple[Path, Any]]:
     from treetrain.rollout.engines.engine_settings import VLLMSettings
     from treetrain.rollout.engines.vllm_engine import VLLMEngine
 
-    directory = save_tiny_moe(tmp_path_factory.mktemp("qwen3_moe"))
+    directory = save_tiny_moe(tmp_path_factory.mktemp(family), family)
     engine = VLLMEngine(str(directory), VLLMSettings(), dtype="float32", max_model_len=512, seed=0)
     yield directory, engine
     engine.close()
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Any]]:
+    """The tiny qwen3_moe's checkpoint directory and one vLLM engine serving it, for this module."""
+    yield from _served(tmp_path_factory, "qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Any]]:
+    """The same for a tiny mixtral (its checkpoint names: `block_sparse_moe.experts.{i}.w1`, `w2`, `w3`)."""
+    yield from _served(tmp_path_factory, "mixtral")
 
 
 def _gap(engine: Any, model: Any) -> float:
@@ -69,7 +79,7 @@ def _swapped(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
     swap = {"experts.0.": "experts.1.", "experts.1.": "experts.0."}
     for bucket in weight_buckets(model):
         for name, tensor in bucket:
-            if name.startswith("model.layers.0.mlp.experts."):
+            if name.startswith("model.layers.0.") and ".experts." in name:
                 for a, b in swap.items():
                     if f".{a}" in name:
                         name = name.replace(f".{a}", f".{b}")
@@ -77,8 +87,9 @@ def _swapped(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, tensor
 
 
-def test_vllm_samples_from_the_synced_experts(moe: tuple[Path, Any]) -> None:
-    directory, engine = moe
+@pytest.mark.parametrize("family", ["moe", "mixtral"])
+def test_vllm_samples_from_the_synced_experts(family: str, request: pytest.FixtureRequest) -> None:
+    directory, engine = request.getfixturevalue(family)
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     assert _gap(engine, model) < GAP  # as loaded from the checkpoint
     torch.manual_seed(3)

@@ -54,6 +54,7 @@ Status = Literal["accepted", "refused", "not checked"]
 VLLM_CHECKED: Mapping[str, str] = MappingProxyType(
     {
         "llama": "tests/rollout/test_vllm.py",
+        "mixtral": "tests/rollout/test_vllm_moe.py",
         "qwen3_moe": "tests/rollout/test_vllm_moe.py",
     }
 )
