@@ -26,8 +26,10 @@ import io
 import re
 import sys
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Literal
 
 import torch
@@ -48,6 +50,16 @@ VOCAB = 64
 #: A tiny config larger than this is not built (a field the generic sizes below do not reach).
 MAX_PARAMETERS = 8_000_000
 Status = Literal["accepted", "refused", "not checked"]
+
+VLLM_CHECKED: Mapping[str, str] = MappingProxyType(
+    {
+        "llama": "tests/rollout/test_vllm.py",
+        "mixtral": "tests/rollout/test_vllm_moe.py",
+        "qwen3_moe": "tests/rollout/test_vllm_moe.py",
+    }
+)
+"""Families whose vLLM path (`rollout.engine=vllm`: serving, weight sync, the sampler/trainer gap at
+rounding) a test in the suite runs against a real vLLM, and that test; the page's vLLM column."""
 
 #: Sizes under the names most configs use (or map through their `attribute_map`).
 _COMMON: dict[str, Any] = dict(
@@ -108,7 +120,8 @@ class SupportRow:
 
     def markdown(self) -> str:
         note = self.note.replace("|", "\\|")
-        return f"| `{self.family}` | {self.status} | {note} |"
+        vllm = f"checked (`{VLLM_CHECKED[self.family]}`)" if self.family in VLLM_CHECKED else "not checked"
+        return f"| `{self.family}` | {self.status} | {vllm} | {note} |"
 
 
 def families() -> tuple[str, ...]:
@@ -231,6 +244,10 @@ are checked again then).
 - **not checked**: no tiny model of the family could be built from its config with generic small sizes (the
   reason is transformers'); the check has not run on it.
 
+The **vLLM** column says whether the suite runs the family through a real vLLM (`rollout.engine=vllm`:
+served, its weights synced after optimizer steps, the sampler's logprobs the trainer's at rounding), and in
+which test. Other families may serve through vLLM; that path is not checked for them.
+
 Measured against the flat reference in the tests (`tests/replay/test_replay_exact.py`, `tests/models/test_attention.py`):
 the five presets (`llama`, `qwen2`, `qwen3`, `mistral`, `qwen3_moe`), `MORE_FAMILIES` in
 `treetrain/models/presets.py` (`deepseek_v3`, `granite`, `cohere`, `gemma2`, `gpt2`, `gemma4_text`),
@@ -245,7 +262,7 @@ def render(rows: list[SupportRow]) -> str:
     counts = {s: sum(1 for r in rows if r.status == s) for s in ("accepted", "refused", "not checked")}
     head = _INTRO.format(version=transformers.__version__, torch=torch.__version__.split("+")[0])
     summary = ", ".join(f"{n} {s}" for s, n in counts.items())
-    table = ["| family | status | note |", "|---|---|---|", *(r.markdown() for r in rows)]
+    table = ["| family | status | vLLM | note |", "|---|---|---|---|", *(r.markdown() for r in rows)]
     return f"{head}\n{len(rows)} families: {summary}.\n\n" + "\n".join(table) + "\n"
 
 

@@ -6,8 +6,8 @@ class and imports no engine module, and every engine-specific refusal lives here
 protects. Each refusal is one `ConfigError` line naming the setting to change:
 
 - `vllm-server` with more than one trainer process (weights are written once and reloaded by every server);
-- `vllm` or `vllm-server` with experts kept fused in memory (transformers' layout, which the weight export
-  does not convert back to checkpoint names), or with LoRA under ZeRO-3 (adapters would have to be merged
+- `vllm` or `vllm-server` with experts that stay fused even in the checkpoint layout (transformers' own
+  conversion, reversed, gives no per-expert names for them: `expert_export`), or with LoRA under ZeRO-3 (adapters would have to be merged
   into partitioned weights);
 - `vllm` with a model that is not a checkpoint directory (a built-in preset: vLLM loads from disk).
 
@@ -88,8 +88,8 @@ def check_engine(spec: EngineSpec, model: Any) -> None:
     fused = fused_experts(model)
     if fused is not None:
         raise ConfigError(
-            f"rollout.engine: {kind!r} loads checkpoint-named weights, and this model keeps {fused} fused in "
-            "memory (transformers' expert layout), which treetrain does not convert back yet; use 'hf'"
+            f"rollout.engine: {kind!r} loads checkpoint-named weights, and this model's {fused} stays fused "
+            "even in its checkpoint layout (transformers has no per-expert names for it); use 'hf'"
         )
     if spec.lora_under_zero3:
         raise ConfigError(
@@ -112,6 +112,8 @@ def make_engine(spec: EngineSpec, model: Any) -> GenerationEngine:
         if spec.hf_kv_bytes is None:
             return HFEngine(model, version=-1)
         return HFEngine(model, version=-1, max_kv_bytes=spec.hf_kv_bytes)
+    from treetrain.rollout.engines.adapter_sync import lora_serving
+
     if spec.kind == "vllm-server":
         from treetrain.rollout.engines.server_checks import Expected
         from treetrain.rollout.engines.vllm_server import VLLMServerEngine
@@ -123,12 +125,13 @@ def make_engine(spec: EngineSpec, model: Any) -> GenerationEngine:
             shape=Expected.shape_of(model.config),
         )
         return VLLMServerEngine(
-            spec.vllm, weights_dir=Path(spec.run_dir) / "engine-weights", expected=expected, version=-1
-        )
+            spec.vllm, weights_dir=Path(spec.run_dir) / "engine-weights", expected=expected, version=-1,
+            lora=lora_serving(model),
+        )  # fmt: skip
     from treetrain.rollout.engines.vllm_engine import VLLMEngine
 
     device = next(model.parameters()).device
     return VLLMEngine(
         spec.checkpoint, spec.vllm, dtype=spec.dtype, max_model_len=spec.max_tokens, seed=spec.seed,
-        version=-1, device=device.type,
+        version=-1, device=device.type, lora=lora_serving(model),
     )  # fmt: skip

@@ -141,6 +141,8 @@ class EngineStats:
     sampled_tokens: int = 0
     weight_syncs: int = 0
     sync_seconds: float = 0.0
+    sync_bytes: int = 0
+    """Bytes sent to the engine by the weight syncs (full weights, or a LoRA adapter's files)."""
 
     def since(self, before: EngineStats) -> EngineStats:
         """The work done after `before` was copied."""

@@ -9,9 +9,15 @@ samples are one request, so vLLM's prefix cache (on) encodes the shared context 
 result shares the whole path before it.
 
 **Weight sync.** `sync_weights(model, version)` copies the trainer's current weights into the engine's
-model, streamed bucket by bucket (`treetrain.rollout.engines.weight_buckets`: ZeRO-3 gathered module by module, LoRA
-merged for the copy) into vLLM's in-place `reload_weights` (its worker is in this process), then resets the prefix cache, whose KV was
-computed with the old weights. Every completion records the version it was sampled with.
+model, streamed bucket by bucket (`treetrain.rollout.engines.weight_buckets`: ZeRO-3 gathered module by
+module, a mixture of experts under its checkpoint's per-expert names, LoRA merged for the copy) into vLLM's
+in-place `reload_weights` (its worker is in this process), then resets the prefix cache, whose KV was
+computed with the old weights. On vLLM's CPU build the experts are packed again after the reload
+(`cpu_expert_repack`). Every completion records the version it was sampled with.
+
+**LoRA.** With `lora=LoraServing(as_adapter=True, ...)` (`adapter_sync.lora_serving`) the engine starts with
+`enable_lora`, the base weights stay as loaded, and each sync sends only the adapter (a PEFT directory
+loaded with `add_lora` under a new id); every request carries the current version's `LoRARequest`.
 
 **Stops.** vLLM stops on single token ids; a stop *sequence* of several tokens is matched after the fact
 and the sample cut there (the tokens drawn past it are discarded, never trained on).
@@ -25,12 +31,16 @@ dimensions: the shipped demo model has 16, so the vLLM tests and examples use `m
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
+from treetrain.rollout.engines.adapter_sync import AdapterFiles, LoraServing, adapter_name
+from treetrain.rollout.engines.cpu_expert_repack import repack_cpu_experts
 from treetrain.rollout.engines.engine_settings import VLLMSettings
 from treetrain.rollout.engines.generation import (
     EngineError,
@@ -42,6 +52,8 @@ from treetrain.rollout.engines.generation import (
 )
 from treetrain.rollout.engines.vllm_logs import quiet_known_false_warnings
 from treetrain.rollout.engines.weight_buckets import weight_buckets
+
+log = logging.getLogger(__name__)
 
 
 def import_vllm(where: str) -> Any:
@@ -82,7 +94,13 @@ class VLLMEngine:
         seed: int = 0,
         version: int = 0,
         device: str = "cpu",
+        lora: LoraServing | None = None,
     ) -> None:
+        if lora is not None:
+            (log.info if lora.as_adapter else log.warning)("rollout.engine=vllm: %s", lora.line())
+        self._adapters = AdapterFiles() if lora is not None and lora.as_adapter else None
+        self._adapter: Any = None  # the LoRARequest of the current version
+        self._adapter_ids = 0
         if device == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{settings.cpu_kv_cache_gib:g}")
         vllm = import_vllm("rollout.engine=vllm")
@@ -98,6 +116,8 @@ class VLLMEngine:
             "max_model_len": max_model_len, "enable_prefix_caching": True, "logprobs_mode": "processed_logprobs",
             "distributed_executor_backend": "uni", "max_num_seqs": settings.max_num_seqs,
         }  # fmt: skip
+        if self._adapters is not None and lora is not None:
+            kwargs.update(enable_lora=True, max_lora_rank=lora.rank, max_loras=1)
         if device == "cpu":
             kwargs.update(enforce_eager=True, block_size=32)
         else:
@@ -123,7 +143,12 @@ class VLLMEngine:
             ignore_eos=True, detokenize=False, skip_special_tokens=False, output_kind=self._final,
         )  # fmt: skip
         try:
-            self._engine.add_request(str(rid), self._prompt(prompt_token_ids=list(request.context)), params)
+            self._engine.add_request(
+                str(rid),
+                self._prompt(prompt_token_ids=list(request.context)),
+                params,
+                lora_request=self._adapter,
+            )
         except Exception as exc:  # e.g. a context longer than the engine's max_model_len
             raise EngineError(f"rollout.engine=vllm: vLLM refused a request: {_line(exc)}") from None
         self._pending[str(rid)] = (rid, StopMatcher.of(request.stop), self.version, request.n)
@@ -160,15 +185,18 @@ class VLLMEngine:
         return results
 
     def sync_weights(self, model: object, version: int) -> None:
-        """Copy `model`'s weights into the engine and drop the prefix cache (see the module docstring)."""
+        """Send `model`'s weights (or its LoRA adapter) to the engine and drop the prefix cache (see the
+        module docstring)."""
         if self.busy:
             raise EngineError(
                 "rollout.engine=vllm: sync_weights while requests are in flight (abort them first)"
             )
         start = time.perf_counter()
-        weights = (pair for bucket in weight_buckets(model) for pair in bucket)  # streamed, bucket by bucket
         try:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            if self._adapters is not None:
+                self.stats.sync_bytes += self._load_adapter(model, version)
+            else:
+                self.stats.sync_bytes += self._reload(model)
             self.llm.reset_prefix_cache()
         except Exception as exc:
             raise EngineError(
@@ -177,6 +205,36 @@ class VLLMEngine:
         self.version = version
         self.stats.weight_syncs += 1
         self.stats.sync_seconds += time.perf_counter() - start
+
+    def _reload(self, model: object) -> int:
+        """Full weights streamed bucket by bucket into vLLM's in-place reload; the bytes sent."""
+        sent = 0
+
+        def weights() -> Iterable[tuple[str, torch.Tensor]]:
+            nonlocal sent
+            for bucket in weight_buckets(model):
+                for name, tensor in bucket:
+                    sent += tensor.numel() * tensor.element_size()
+                    yield name, tensor
+
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
+        self.llm.collective_rpc(repack_cpu_experts)  # a no-op but on vLLM's CPU experts kernel
+        return sent
+
+    def _load_adapter(self, model: object, version: int) -> int:
+        """The adapter written and loaded under a new name and id, the previous one removed; its bytes."""
+        from vllm.lora.request import LoRARequest
+
+        assert self._adapters is not None
+        path, size = self._adapters.write(model, version)
+        self._adapter_ids += 1
+        request = LoRARequest(adapter_name(version), self._adapter_ids, str(path))
+        self._engine.add_lora(request)
+        if self._adapter is not None:
+            self._engine.remove_lora(self._adapter.lora_int_id)
+        self._adapter = request
+        self._adapters.done(path)
+        return size
 
     def release_group(self, group: str) -> None:
         """vLLM's prefix cache evicts by itself."""
@@ -195,6 +253,8 @@ class VLLMEngine:
         self.abort()
         self._engine.engine_core.shutdown()
         self._engine = self.llm = None
+        if self._adapters is not None:
+            self._adapters.close()
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

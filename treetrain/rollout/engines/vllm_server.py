@@ -14,15 +14,23 @@ shorter context, a CPU build that splits prompts) is refused in one line naming 
 (`treetrain.rollout.engines.server_checks`).
 
 **Weight sync.** After each optimizer step the trainer's weights are written as safetensors under
-`<run_dir>/engine-weights/current/` (atomically, readable by the server's user), then each server is asked to
-reload them from that path (so a server on another machine needs the run directory on a shared filesystem
-at the same path; `POST /collective_rpc` with `reload_weights`, available when the server runs with
-`VLLM_SERVER_DEV_MODE=1`) and to reset its prefix cache. Each step must be confirmed by its answer (the
-reload's `{"results": [null]}`, the reset's `{"success": true}`); then the server's weight version is set to
-this sync's label (`POST /update_weight_version`, read back from `GET /weight_info`) and a probe prompt is
-scored on it and compared with the trainer's logprobs. Whenever the engine falls idle during a rollout
-the versions are read again, so a server restarted (its version is `default` again) or reloaded by another
-run stops the rollout before its samples are trained on.
+`<run_dir>/engine-weights/current/` (atomically, readable by the server's user; ZeRO-3 gathered module by
+module, a mixture of experts under its checkpoint's per-expert names, LoRA merged where vLLM cannot serve it
+as an adapter), then each server is asked to reload them from that path (so a server on another machine needs
+the run directory on a shared filesystem at the same path; `POST /collective_rpc` with `reload_weights`,
+available when the server runs with `VLLM_SERVER_DEV_MODE=1`) and to reset its prefix cache. Each step must be
+confirmed by its answer (the reload's `{"results": [null]}`, the reset's `{"success": true}`); then the
+server's weight version is set to this sync's label (`POST /update_weight_version`, read back from
+`GET /weight_info`) and a probe prompt is scored on it and compared with the trainer's logprobs. Whenever the
+engine falls idle during a rollout the versions are read again, so a server restarted (its version is
+`default` again) or reloaded by another run stops the rollout before its samples are trained on.
+
+**LoRA.** With `lora=LoraServing(as_adapter=True, ...)` (`adapter_sync.lora_serving`) the servers keep the
+base weights they started with; each sync writes the adapter under `<run_dir>/engine-weights/adapters/`,
+each server loads it (`POST /v1/load_lora_adapter` as `treetrain-v{version}`) and unloads the previous one,
+and every request names the current adapter as its `model`. The servers must run with
+`VLLM_ALLOW_RUNTIME_LORA_UPDATING=True vllm serve ... --enable-lora --max-lora-rank R` (R at least the
+adapter's rank).
 
 **Bad servers.** A server that is down, answers with an HTTP error, stays silent past
 `request_timeout_s`, or returns JSON outside the protocol (or more than `server_calls.MAX_RESPONSE_BYTES`) stops the
@@ -31,6 +39,7 @@ rollout with one `EngineError` line naming the URL and what was wrong; the updat
 
 from __future__ import annotations
 
+import logging
 import queue
 import time
 import zlib
@@ -38,6 +47,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from treetrain.rollout.engines.adapter_sync import AdapterFiles, LoraServing, adapter_name
 from treetrain.rollout.engines.engine_settings import VLLMSettings
 from treetrain.rollout.engines.generation import (
     Completion,
@@ -59,6 +69,8 @@ from treetrain.rollout.engines.server_checks import (
     trainer_probe,
 )
 
+log = logging.getLogger(__name__)
+
 MAX_IN_FLIGHT = 64
 """Requests open at once across all servers."""
 DEV_MODE = "start the server with VLLM_SERVER_DEV_MODE=1, which treetrain needs to read its settings and reload weights"
@@ -77,7 +89,13 @@ class VLLMServerEngine:
     """Requests to `vllm serve` processes; see the module docstring."""
 
     def __init__(
-        self, settings: VLLMSettings, *, weights_dir: str | Path, expected: Expected, version: int = 0
+        self,
+        settings: VLLMSettings,
+        *,
+        weights_dir: str | Path,
+        expected: Expected,
+        version: int = 0,
+        lora: LoraServing | None = None,
     ) -> None:
         if not settings.urls:
             raise EngineError("rollout.engine=vllm-server needs rollout.vllm.urls (the servers' base URLs)")
@@ -85,6 +103,12 @@ class VLLMServerEngine:
         self.timeout = settings.request_timeout_s
         self.weights_dir = Path(weights_dir)
         self.expected = expected
+        self._adapters = (
+            AdapterFiles(self.weights_dir / "adapters") if lora is not None and lora.as_adapter else None
+        )
+        self._adapter: str | None = None  # the served name of the current version's adapter
+        if lora is not None:
+            (log.info if lora.as_adapter else log.warning)("rollout.engine=vllm-server: %s", lora.line())
         self.version = version
         self.stats = EngineStats()
         self.served = tuple(self._check_server(url) for url in self.urls)
@@ -143,7 +167,7 @@ class VLLMServerEngine:
         self._open.add(rid)
         self.stats.requests += 1
         self.stats.prompt_tokens += request.prompt_tokens
-        self._pool.submit(self._run, rid, request, self.version)
+        self._pool.submit(self._run, rid, request, self.version, self._adapter)
         return rid
 
     @property
@@ -173,11 +197,11 @@ class VLLMServerEngine:
             self.check_versions("during the rollout")
         return results
 
-    def _run(self, rid: int, request: GenerationRequest, version: int) -> None:
+    def _run(self, rid: int, request: GenerationRequest, version: int, adapter: str | None) -> None:
         server = route(request.group, len(self.urls))
         url = self.urls[server]
         body = {
-            "model": self.models[server], "prompt": list(request.context), "n": request.n,
+            "model": adapter or self.models[server], "prompt": list(request.context), "n": request.n,
             "max_tokens": request.max_new_tokens, "temperature": request.sampling.temperature,
             "top_p": request.sampling.top_p, "seed": request.seed, "logprobs": 0,
             "stop_token_ids": list(request.stop_ids), "ignore_eos": True, "skip_special_tokens": False,
@@ -228,18 +252,25 @@ class VLLMServerEngine:
         return GenerationResult(rid, tuple(completions), cached)
 
     def sync_weights(self, model: object, version: int) -> None:
-        """Write the weights under `weights_dir`, have every server reload them and reset its prefix cache,
-        each confirmed by its answer, then label and probe the served weights (see the module docstring)."""
+        """Write the weights (or, with LoRA served as an adapter, only the adapter) under `weights_dir` and
+        have every server load them, each step confirmed by its answer; then label and probe the served
+        weights (see the module docstring)."""
         if self.busy:
             raise EngineError("vllm-server: sync_weights while requests are in flight (abort them first)")
-        from treetrain.rollout.engines.served_checkpoint import write_weights
-
         start = time.perf_counter()
-        path = write_weights(model, self.weights_dir)
         label = f"{self.weights_dir.resolve()}@{version}"
         probe = trainer_probe(model)
+        path: Path | None = None
+        if self._adapters is not None:
+            self.stats.sync_bytes += self._load_adapter(model, version)
+        else:
+            from treetrain.rollout.engines.served_checkpoint import write_weights
+
+            path = write_weights(model, self.weights_dir)
+            self.stats.sync_bytes += sum(p.stat().st_size for p in path.iterdir())
         for url, served in zip(self.urls, self.served):
-            self._reload(url, served, str(path))
+            if path is not None:
+                self._reload(url, served, str(path))
             answer = call_server(url, "/update_weight_version", {"new_version": label}, self.timeout)
             if not isinstance(answer, dict) or answer.get("new_version") != label:
                 raise EngineError(f"vllm-server {url}/update_weight_version: not confirmed: {short(answer)}")
@@ -274,7 +305,7 @@ class VLLMServerEngine:
     def _probe(self, url: str, served: ServedConfig, probe: tuple[list[int], list[float]]) -> None:
         """Score the probe prompt on the server against the trainer's logprobs of it."""
         tokens, own = probe
-        body = {"model": served.model, "prompt": tokens, "max_tokens": 1, "temperature": 1.0, "seed": 0,
+        body = {"model": self._adapter or served.model, "prompt": tokens, "max_tokens": 1, "temperature": 1.0, "seed": 0,
                 "prompt_logprobs": 0, "logprobs": 0}  # fmt: skip
         where = f"vllm-server {url}/v1/completions (the weight probe)"
         try:
@@ -291,6 +322,29 @@ class VLLMServerEngine:
                 f"right after the reload: it does not serve the weights written to {self.weights_dir} (another "
                 "copy of the run directory, or another model than model.path)"
             )
+
+    def _load_adapter(self, model: object, version: int) -> int:
+        """Every server loads the adapter under the version's name (`POST /v1/load_lora_adapter`, which a
+        server offers with `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True` and `--enable-lora`) and drops the
+        previous one; requests name it as their model. Its size in bytes."""
+        assert self._adapters is not None
+        path, size = self._adapters.write(model, version)
+        name = adapter_name(version)
+        for url in self.urls:
+            try:
+                call_server(
+                    url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}, self.timeout
+                )
+            except EngineError as exc:
+                raise EngineError(
+                    f"{exc} (a server takes LoRA adapters when started with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True "
+                    "and --enable-lora --max-lora-rank at least the adapter's rank)"
+                ) from None
+            if self._adapter is not None and self._adapter != name:
+                call_server(url, "/v1/unload_lora_adapter", {"lora_name": self._adapter}, self.timeout)
+        self._adapter = name
+        self._adapters.done(path)
+        return size
 
     def release_group(self, group: str) -> None:
         """vLLM's prefix cache evicts by itself."""

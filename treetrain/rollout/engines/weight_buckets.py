@@ -8,6 +8,8 @@
   at a time, and released once the bucket holding them has been yielded: the model is never whole on a rank;
 - a tied weight goes under each of its names (`lm_head.weight` and `embed_tokens.weight`): vLLM's in-place
   reload reads the head from `lm_head.weight`;
+- weights transformers holds in a layout of its own (a mixture of experts' fused 3-D stacks) go out under
+  the checkpoint's names, one module at a time (`treetrain.rollout.engines.expert_export`);
 - a PEFT model has its adapters merged into the base weights for the copy and unmerged after, so the engine
   samples from exactly the policy being trained, under the base model's own parameter names.
 
@@ -30,6 +32,8 @@ from typing import Any
 
 import torch
 
+from treetrain.rollout.engines.expert_export import checkpoint_layout, unconverted_stack
+
 BUCKET_BYTES = 256 * 2**20
 """Default bucket size: what a rank holds gathered at once under ZeRO-3."""
 
@@ -46,28 +50,36 @@ def _partitioned(model: Any) -> bool:
     return any(hasattr(p, "ds_id") for p in model.parameters())
 
 
-def _lora_deltas(model: Any) -> dict[int, torch.Tensor]:
-    """For a PEFT model, each adapted base weight's merged delta (by the weight's id), computed out of place:
-    merging into the weight and unmerging after would move the frozen base weights by rounding each time."""
+def _lora_layers(model: Any) -> dict[int, Any]:
+    """For a PEFT model, the LoRA layer adapting each base weight (by the weight's id). Each delta is computed
+    when its weight's module is reached, so at most one module's deltas exist at a time."""
     if not _is_peft(model):
         return {}
     from peft.tuners.lora import LoraLayer
 
-    deltas: dict[int, torch.Tensor] = {}
-    for module in model.modules():
-        if isinstance(module, LoraLayer) and not module.disable_adapters:
-            weight = module.get_base_layer().weight
-            for adapter in module.active_adapters:
-                if adapter in module.lora_A:
-                    delta = module.get_delta_weight(adapter).to(weight.dtype)  # type: ignore[attr-defined]
-                    deltas[id(weight)] = deltas[id(weight)] + delta if id(weight) in deltas else delta
-    return deltas
+    return {
+        id(module.get_base_layer().weight): module
+        for module in model.modules()
+        if isinstance(module, LoraLayer) and not module.disable_adapters
+    }
+
+
+def _delta(layer: Any, weight: torch.Tensor) -> torch.Tensor | None:
+    """The summed delta of `layer`'s active adapters, computed out of place: merging into the weight and
+    unmerging after would move the frozen base weights by rounding each time."""
+    total: torch.Tensor | None = None
+    for adapter in layer.active_adapters:
+        if adapter in layer.lora_A:
+            delta = layer.get_delta_weight(adapter).to(weight.dtype)
+            total = delta if total is None else total + delta
+    return total
 
 
 def fused_experts(model: Any) -> str | None:
-    """The first parameter held in a fused in-memory layout (3-D expert stacks), whose name an inference
-    engine's checkpoint loader does not know, or None."""
-    return next((n for n, p in _unwrap(model).named_parameters() if p.dim() > 2), None)
+    """The first parameter that stays a fused stack (3-D) even in the checkpoint layout, which an inference
+    engine's checkpoint loader does not know, or None (`expert_export.unconverted_stack`)."""
+    model = _unwrap(model)
+    return unconverted_stack(model.get_base_model() if _is_peft(model) else model)
 
 
 def _checkpoint_name(name: str) -> str | None:
@@ -91,8 +103,9 @@ def weight_buckets(model: Any, bucket_bytes: int = BUCKET_BYTES) -> Iterator[lis
     model = _unwrap(model)
     if _is_peft(model) and _partitioned(model):  # the trainer refuses this combination at start
         raise ValueError("LoRA weights are not synced into an inference engine under ZeRO-3")
-    deltas = _lora_deltas(model)
+    lora = _lora_layers(model)
     base = model.get_base_model() if _is_peft(model) else model
+    layout = checkpoint_layout(base)
     with torch.no_grad():
         gather = _partitioned(base)
         bucket: list[tuple[str, torch.Tensor]] = []
@@ -107,15 +120,21 @@ def weight_buckets(model: Any, bucket_bytes: int = BUCKET_BYTES) -> Iterator[lis
 
                 ctx = deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None)
             with ctx:
+                named: dict[str, torch.Tensor] = {}
                 for n, p in params:
                     name = _checkpoint_name(f"{prefix}.{n}" if prefix else n)
                     if name is None:
                         continue
                     tensor = p.detach().clone() if gather else p.detach()
-                    if id(p) in deltas:
-                        tensor = tensor + deltas[id(p)]  # a new tensor: the trained base weight is untouched
-                    bucket.append((name, tensor))
-                    size += tensor.numel() * tensor.element_size()
+                    delta = _delta(lora[id(p)], tensor) if id(p) in lora else None
+                    if delta is not None:
+                        tensor = tensor + delta  # a new tensor: the trained base weight is untouched
+                    named[name] = tensor
+            if layout is not None and named:
+                named = layout(named)
+            for name, tensor in named.items():
+                bucket.append((name, tensor))
+                size += tensor.numel() * tensor.element_size()
             if size >= bucket_bytes:
                 yield bucket
                 bucket, size = [], 0
