@@ -198,7 +198,7 @@ def rollout_engines(device: torch.device, dry: bool) -> list[str]:
     with tempfile.TemporaryDirectory() as where:
         model.save_pretrained(where)
         engine = VLLMEngine(where, VLLMSettings(gpu_memory_utilization=0.3), dtype="bfloat16",
-                            max_model_len=prompt + new + 8, device="cuda")  # fmt: skip
+                            max_model_len=prompt + new + 8)  # fmt: skip
         _generate(engine, requests()[:1])
         tokens, seconds = _generate(engine, requests())
         sync = time.perf_counter()

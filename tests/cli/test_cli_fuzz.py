@@ -367,6 +367,7 @@ def test_every_numeric_option_refuses_out_of_range_and_non_finite_values(
         "inspect": ["t.msgpack"],
         "train": [],
         "import": ["in.jsonl", "--out", "o"],
+        "eval": ["--model", "m", "--env", "calculator"],
     }
     for verb, opt, kind in _numeric_options():
         if not isinstance(kind, Whole | Real):

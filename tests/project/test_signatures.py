@@ -26,10 +26,13 @@ EXCEPTIONS = {
     "treetrain/models/recurrent_kinds.py:_mamba2_step": (
         "stands in for transformers' mamba2_selective_state_update, called by the layer by keyword"
     ),
+    "envs/dataset/env.py:DatasetEnv": (
+        "its keywords are the user's `env.kwargs` keys (path, reward, tools, tool_kwargs, system_prompt, "
+        "eval_fraction, eval_path, split), which travel to the worker process as JSON: the signature is a "
+        "config schema, validated field by field"
+    ),
 }
 """`path:name` -> why its signature is not this project's to narrow."""
-
-PARALLEL: set[str] = set()
 
 
 def _count(args: ast.arguments) -> int:
@@ -49,7 +52,7 @@ def _wide(where: str, source: str) -> list[str]:
         n = _count(node.args)
         init = node.name == "__init__"
         name = owners.get(id(node), "?") if init else node.name
-        if name in PARALLEL or f"{where}:{name}" in EXCEPTIONS:
+        if f"{where}:{name}" in EXCEPTIONS:
             continue
         if (init and n > MAX_INIT) or (not init and n > MAX_FUNCTION):
             found.append(f"{where}:{name} ({n} parameters)")
@@ -70,12 +73,20 @@ def test_every_exception_still_exists_and_is_still_wide() -> None:
     sources = dict(_sources())
     for key in EXCEPTIONS:
         where, _, name = key.partition(":")
+        tree = ast.parse(sources[where])
         widths = [
             _count(n.args)
-            for n in ast.walk(ast.parse(sources[where]))
+            for n in ast.walk(tree)
             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name
         ]
-        assert widths and max(widths) > MAX_FUNCTION, key
+        inits = [
+            _count(f.args)
+            for c in ast.walk(tree)
+            if isinstance(c, ast.ClassDef) and c.name == name
+            for f in c.body
+            if isinstance(f, ast.FunctionDef) and f.name == "__init__"
+        ]
+        assert (widths and max(widths) > MAX_FUNCTION) or (inits and max(inits) > MAX_INIT), key
 
 
 def test_the_check_catches_a_wide_constructor_and_a_wide_function() -> None:
@@ -86,7 +97,6 @@ def test_the_check_catches_a_wide_constructor_and_a_wide_function() -> None:
         "class Narrow:\n    def __init__(self, a, b, c, d, e, f, g): ...\n"
         "def wide(a, b, c, d, e, f, g, h, *args, **kwargs): ...\n"
         "def narrow(a, b, c, d, e, f, g, h, i): ...\n"
-        "class Scheduler:\n    def __init__(self, a, b, c, d, e, f, g, h): ...\n"
     )
     assert _wide("treetrain/probe.py", probe) == [
         "treetrain/probe.py:Wide (8 parameters)",

@@ -34,6 +34,9 @@ if TYPE_CHECKING:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    from treetrain.cli.option_types import Whole
+    from treetrain.train.config import MAX_EVAL_SAMPLES, MAX_EVAL_TASKS
+
     p = sub.add_parser(
         "eval",
         help="score a checkpoint on held-out tasks (pass@1, pass@k, mean reward)",
@@ -48,8 +51,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--env", required=True, help="the environment: a built-in name, an entry point or module:Class"
     )
-    p.add_argument("--tasks", type=int, help="held-out tasks to score (shorthand for --set eval.tasks=N)")
-    p.add_argument("--samples", type=int, help="samples per task, k of pass@k (--set eval.samples=K)")
+    p.add_argument(
+        "--tasks",
+        type=Whole(1, MAX_EVAL_TASKS),
+        help="held-out tasks to score (shorthand for --set eval.tasks=N)",
+    )
+    p.add_argument(
+        "--samples",
+        type=Whole(1, MAX_EVAL_SAMPLES),
+        help="samples per task, k of pass@k (--set eval.samples=K)",
+    )
     p.add_argument(
         "--greedy", action=argparse.BooleanOptionalAction, default=None,
         help="greedy decoding (the default), or --no-greedy: rollout.sampling's temperature and top-p",
@@ -157,7 +168,7 @@ def score(cfg: TrainConfig, held: HeldOut, weights: Path | None) -> EvalMetrics:
     """Load the model, sample the held-out tasks on `rollout.engine`, and return the scores."""
     from envs.remote import WorkerEnvFactory
     from treetrain.rollout.engines.factory import make_engine
-    from treetrain.train.evaluation import eval_sampling, sample_scores
+    from treetrain.train.evaluation import eval_rollout, sample_scores
     from treetrain.train.models import load_models
     from treetrain.train.tree_sources import check_context, check_template, engine_spec, wrapper_config
 
@@ -182,9 +193,8 @@ def score(cfg: TrainConfig, held: HeldOut, weights: Path | None) -> EvalMetrics:
         with tempfile.TemporaryDirectory(prefix="treetrain-eval-") as out:
             start = time.perf_counter()
             scores = sample_scores(
-                policy, models.tokenizer, factory, held.seeds, Path(out), engine=engine, wrapper=wrapper,
-                sampling=eval_sampling(cfg), samples=cfg.eval.samples, rubric=cfg.env.rubric, seed=cfg.seed,
-                env_name=cfg.env.name, max_concurrent_steps=cfg.rollout.max_concurrent_steps,
+                policy, models.tokenizer, factory, held.seeds, Path(out), engine=engine,
+                config=eval_rollout(cfg, wrapper), env_name=cfg.env.name,
             )  # fmt: skip
             seconds = time.perf_counter() - start
     finally:

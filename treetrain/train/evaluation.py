@@ -49,6 +49,17 @@ class Scores:
         )  # fmt: skip
 
 
+def eval_rollout(cfg: TrainConfig, wrapper: WrapperConfig, version: int = 0) -> RolloutConfig:
+    """The rollout of a held-out evaluation: each task's root fanned out `eval.samples` ways and nothing
+    more, greedy or at the training temperature (`eval.greedy`), on the run's episode limits and rubric."""
+    samples = cfg.eval.samples
+    return RolloutConfig(
+        fanout=FanOut(root=samples, max_depth=1, max_trajectories=samples),
+        sampler=SamplerConfig(eval_sampling(cfg), seed=cfg.seed), wrapper=wrapper, rubric=cfg.env.rubric,
+        model_version=version, max_concurrent_steps=cfg.rollout.max_concurrent_steps,
+    )  # fmt: skip
+
+
 def sample_scores(
     model: Any,
     tokenizer: Any,
@@ -57,21 +68,10 @@ def sample_scores(
     out_dir: Path,
     *,
     engine: GenerationEngine | None,
-    wrapper: WrapperConfig,
-    sampling: Sampling,
-    samples: int,
-    rubric: str | None,
-    seed: int,
+    config: RolloutConfig,
     env_name: str,
-    version: int = 0,
-    max_concurrent_steps: int = 8,
 ) -> Scores:
-    """Sample `samples` episodes of each task through `rollout_trees` and return their rewards."""
-    config = RolloutConfig(
-        fanout=FanOut(root=samples, max_depth=1, max_trajectories=samples),
-        sampler=SamplerConfig(sampling, seed=seed), wrapper=wrapper, rubric=rubric,
-        model_version=version, max_concurrent_steps=max_concurrent_steps,
-    )  # fmt: skip
+    """Sample each task as `config` says (`eval_rollout`) through `rollout_trees`; their rewards."""
     result = rollout_trees(
         model, tokenizer, make_env, seeds, out_dir, config, env_name=env_name, engine=engine
     )
@@ -135,9 +135,7 @@ class Evaluator:
             with self.backend.uneven():
                 local = sample_scores(
                     model, self.tokenizer, self.factory, self.held.seeds[rank::world], out_dir, engine=engine,
-                    wrapper=self.wrapper, sampling=eval_sampling(cfg), samples=cfg.eval.samples,
-                    rubric=cfg.env.rubric, seed=cfg.seed, env_name=cfg.env.name, version=version,
-                    max_concurrent_steps=cfg.rollout.max_concurrent_steps,
+                    config=eval_rollout(cfg, self.wrapper, version), env_name=cfg.env.name,
                 )  # fmt: skip
         finally:
             model.train(was_training)

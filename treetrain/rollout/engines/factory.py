@@ -130,8 +130,7 @@ def make_engine(spec: EngineSpec, model: Any) -> GenerationEngine:
         )  # fmt: skip
     from treetrain.rollout.engines.vllm_engine import VLLMEngine
 
-    device = next(model.parameters()).device
     return VLLMEngine(
         spec.checkpoint, spec.vllm, dtype=spec.dtype, max_model_len=spec.max_tokens, seed=spec.seed,
-        version=-1, device=device.type, lora=lora_serving(model),
+        version=-1, lora=lora_serving(model),
     )  # fmt: skip

