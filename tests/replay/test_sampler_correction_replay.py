@@ -288,7 +288,7 @@ def test_the_gap_to_an_exact_tempered_sampler_is_rounding_only_when_scored_at_it
         batch = make_batch(exact, loss)
         for gap in (
             TreeReplay(make(), loss, ReplayConfig(microbatch=2)).accumulate(batch).sampler_gap,
-            FlatReference(make(), loss, microbatch=2).accumulate(batch).sampler_gap,
+            FlatReference(make(), loss, ReplayConfig(microbatch=2)).accumulate(batch).sampler_gap,
         ):
             assert gap.tokens > 50 and gap.mean is not None and gap.max is not None
             if loss.temperature == T:
@@ -311,7 +311,7 @@ def test_the_kl_reference_is_scored_at_the_policys_temperature(hot_trees) -> Non
     runs = (
         (TreeReplay(make(), loss, ReplayConfig(microbatch=2), ref_model=make()), len(batch.work)),
         (TreeReplay(lora, loss, ReplayConfig(microbatch=2), ref_model=AdaptersOff(lora)), 0),
-        (FlatReference(make(), loss, ref_model=make(), microbatch=2), 0),
+        (FlatReference(make(), loss, ReplayConfig(microbatch=2), ref_model=make()), 0),
     )
     for engine, walks in runs:
         report = engine.accumulate(batch)
@@ -353,6 +353,10 @@ def _engine_gap(model_dir: Any, engine: Any, tmp_path: Path) -> tuple[SamplerGap
     config = RolloutConfig(FanOut(root=4), SamplerConfig(Sampling(temperature=T), seed=1), wrapper,
                            model_version=getattr(engine, "version", None))  # fmt: skip
     tok = AutoTokenizer.from_pretrained(model_dir)
+    if engine is None:
+        from treetrain.rollout.engines.hf_engine import HFEngine
+
+        engine = HFEngine(model)
     result = rollout_trees(model, tok, lambda: make_env("calculator"), [0, 1], tmp_path, config,
                            env_name="calculator", engine=engine)  # fmt: skip
     trees = list(result.trees)

@@ -402,3 +402,89 @@ def test_a_server_serving_another_model_is_refused_at_start(
         weights_dir=tmp_path / "w",
         expected=dataclasses.replace(EXPECTED, shape=shape),
     )
+
+
+# ----- LoRA as an adapter --------------------------------------------------------------------------------
+# Each sync sends the adapter only (`POST /v1/load_lora_adapter` with a PEFT directory that loads back into
+# the trainer's policy), unloads the previous one, and requests and the weight probe name the current adapter.
+
+
+def _lora_policy() -> Any:
+    from treetrain.models.lora import apply_lora
+    from treetrain.models.lora_config import LoraSection
+
+    model = apply_lora(tiny_model(dtype=torch.float32), LoraSection(r=4))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0, 0.3)  # as after training
+    return model
+
+
+def _recording(calls: list[tuple[str, dict]], code: int = 200) -> Answer:
+    def answer(body: dict) -> tuple[int, bytes]:
+        calls.append(("adapter", body))
+        return code, json.dumps({} if code == 200 else {"detail": "runtime LoRA updating is off"}).encode()
+
+    return answer
+
+
+def test_a_lora_sync_sends_the_adapter_and_requests_name_it(
+    server: Callable[..., str], tmp_path: Path
+) -> None:
+    from peft import PeftModel
+
+    from treetrain.rollout.engines.adapter_sync import lora_serving
+
+    model = _lora_policy()
+    loads: list[tuple[str, dict]] = []
+    unloads: list[tuple[str, dict]] = []
+    asked: list[dict] = []
+
+    def completions(body: dict) -> tuple[int, bytes]:
+        asked.append(body)
+        return _good(body)
+
+    standin = Standin(completions=completions, model=model.eval(),
+                      posts={"/v1/load_lora_adapter": _recording(loads),
+                             "/v1/unload_lora_adapter": _recording(unloads)})  # fmt: skip
+    url = server(standin)
+    engine = VLLMServerEngine(
+        VLLMSettings(urls=(url,)), weights_dir=tmp_path, expected=EXPECTED, lora=lora_serving(model)
+    )
+    try:
+        engine.sync_weights(model, 1)
+        engine.sync_weights(model, 2)
+        engine.submit(GenerationRequest((1, 2, 3), 1, 4, Sampling(temperature=1.0), ((2,),)))
+        while engine.busy:
+            engine.poll()
+    finally:
+        engine.close()
+    assert standin.reloads == []  # the base weights are never sent
+    assert [b["lora_name"] for _, b in loads] == ["treetrain-v1", "treetrain-v2"]
+    assert [b for _, b in unloads] == [{"lora_name": "treetrain-v1"}]
+    assert [b["model"] for b in asked] == ["treetrain-v2"]
+    served = Path(loads[-1][1]["lora_path"])
+    assert not Path(loads[0][1]["lora_path"]).exists()  # the previous version's files are gone
+    loaded = PeftModel.from_pretrained(tiny_model(dtype=torch.float32), str(served))
+    ids = torch.tensor([[1, 5, 9, 40]])
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
+    assert engine.stats.sync_bytes < sum(p.numel() * 4 for p in model.get_base_model().parameters())
+
+
+def test_a_server_without_runtime_lora_says_how_to_start_it(
+    server: Callable[..., str], tmp_path: Path
+) -> None:
+    from treetrain.rollout.engines.adapter_sync import lora_serving
+
+    model = _lora_policy()
+    url = server(Standin(model=model.eval(), posts={"/v1/load_lora_adapter": _recording([], 404)}))
+    engine = VLLMServerEngine(
+        VLLMSettings(urls=(url,)), weights_dir=tmp_path, expected=EXPECTED, lora=lora_serving(model)
+    )
+    try:
+        with pytest.raises(EngineError, match=r"404.*VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"):
+            engine.sync_weights(model, 1)
+    finally:
+        engine.close()
