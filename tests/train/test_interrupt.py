@@ -23,6 +23,8 @@ from treetrain.train.config import load_config
 from treetrain.train.loop import Trainer
 from treetrain.train.metrics import UpdateMetrics, read_metrics
 
+pytestmark = pytest.mark.launch  # runs the treetrain CLI, a notebook kernel or a script in a subprocess
+
 STALLING_TRAIN = Path(__file__).resolve().parents[1] / "support" / "stalling_train.py"
 SETTINGS = [
     "model.path=tiny-llama", "rollout.groups_per_update=2", "rollout.fanout.root=4", "rollout.episode.max_turns=2",

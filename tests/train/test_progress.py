@@ -109,6 +109,7 @@ AutoModelForCausalLM.from_pretrained(DEMO_MODEL)
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.launch
 def test_no_progress_hides_the_weight_loading_bar() -> None:
     """`--no-progress` calls `hide_library_bars`; transformers draws a bar while it loads weights."""
     import os
@@ -129,6 +130,7 @@ def test_no_progress_hides_the_weight_loading_bar() -> None:
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.launch
 def test_plan_no_progress_hides_the_weight_loading_bar_too(tmp_path: Path) -> None:
     """`treetrain plan --model demo --no-progress` loads the demo's weights without their bar (the test
     above is the control: loading the demo without `hide_library_bars` draws it)."""

