@@ -276,6 +276,8 @@ class Trainer:
             desc="train",
             disable=not self.progress or self.backend.rank != 0,
             dynamic_ncols=True,
+            mininterval=0,  # an update takes seconds: draw every one, with its own reward, never skip it
+            miniters=1,
         )
         history = self.read_rows() if self.state.update > 0 and self.backend.rank == 0 else []
         progress = Progress.after(history if not bar.disable else [])
