@@ -18,6 +18,8 @@ from treetrain.cli.main import main
 from treetrain.train.metrics import read_metrics
 from treetrain.tree.format import load_trees
 
+pytestmark = pytest.mark.launch  # end-to-end runs: each starts its environment worker processes
+
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "tools-and-templates.md"
 TRAIN = [
     "rollout.groups_per_update=2",

@@ -19,6 +19,8 @@ import pytest
 from treetrain.cli.main import main
 from treetrain.train.metrics import read_metrics
 
+pytestmark = pytest.mark.launch  # end-to-end runs: each starts its environment worker processes
+
 ASSETS = str(Path(__file__).resolve().parents[1] / "assets" / "misbehaving")
 ENV = "misbehaving_env:Misbehaving"
 SETTINGS = [

@@ -20,6 +20,8 @@ from treetrain.train.held_out import EVAL_SEED_BASE, check_disjoint, held_out_ta
 from treetrain.train.metrics import EvalMetrics, MetricsWriter, read_evals, read_metrics
 from treetrain.train.tree_sources import task_seeds
 
+pytestmark = pytest.mark.launch  # end-to-end runs: each starts its environment worker processes
+
 ASSET = str(Path(__file__).resolve().parents[1] / "assets" / "tasks.jsonl")
 
 

@@ -17,6 +17,8 @@ from support.tree_samples import TINY_BYTES
 
 from treetrain.cli.main import main
 
+pytestmark = pytest.mark.launch  # end-to-end runs: each starts its environment worker processes
+
 TRAIN = [
     "--no-progress",
     "--set",

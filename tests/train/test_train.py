@@ -24,6 +24,8 @@ from treetrain.train.tree_sources import wrapper_config
 from treetrain.tree.format import load_trees
 from treetrain.update.run import advantage_groups
 
+pytestmark = pytest.mark.launch  # end-to-end runs: each starts its environment worker processes
+
 
 def _cfg(run_dir: Path, *extra: str):
     return load_config(None, [*TINY, f"run_dir={run_dir}", *extra])
