@@ -166,7 +166,9 @@ def test_closing_stdout_in_the_environment_leaves_the_trainers(
     assert main(_args(run, "close_stdout", "all")) == 0
     assert f"run directory: {run}" in capsys.readouterr().out  # the trainer still prints its summary
     (row,) = read_metrics(run / "metrics.jsonl")
-    assert row.failed_episodes == 0 and (run / "final" / "model.safetensors").is_file()
+    errors = "\n".join(p.read_text() for p in sorted((run / "env-errors").glob("*")))
+    assert row.failed_episodes == 0, errors
+    assert (run / "final" / "model.safetensors").is_file()
 
 
 @pytest.mark.parametrize(("fault", "method", "exception"), BEFORE_ANY_MODEL)

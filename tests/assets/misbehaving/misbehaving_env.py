@@ -19,6 +19,10 @@ from collections.abc import Mapping, Sequence
 
 from envs import Environment, Episode, Message, Rubric, StepResult
 
+_STDOUT = threading.Lock()
+"""Steps of one worker run in concurrent threads: the check-then-close must be one step, or a second
+thread would print to, or close, a stdout that another has just closed (its own failure, not the fault's)."""
+
 
 class Length(Rubric):
     def __init__(self, fault: str, hit: bool) -> None:
@@ -64,10 +68,12 @@ class Misbehaving(Environment):
                 os._exit(0)
             if self.fault == "slow_step":  # past rollout.episode.step_timeout_s: a timeout observation
                 time.sleep(float(os.environ.get("MISBEHAVING_SLEEP_S", "2")))
-            if self.fault == "close_stdout" and not sys.stdout.closed:  # once per worker process
-                print("closing stdout", flush=True)
-                sys.stdout.close()
-                os.close(1)
+            if self.fault == "close_stdout":
+                with _STDOUT:
+                    if not sys.stdout.closed:  # once per worker process
+                        print("closing stdout", flush=True)
+                        sys.stdout.close()
+                        os.close(1)
         return StepResult(done=True)
 
     def state(self) -> int:
