@@ -12,6 +12,7 @@ killed. Production code reads no test setting: the seam is this script's constru
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -41,6 +42,23 @@ class StallAt:
         self.arrived.write_text(str(os.getpid()))
         while True:
             time.sleep(0.05)
+
+
+def start_stalling(args: list[str], point: str, arrived: Path) -> subprocess.Popen[str]:
+    """Start `treetrain ARGS` in its own process under this script and return once it stands still at
+    `point` (`POINT[@UPDATE]`), which it says by writing its pid to `arrived`."""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, __file__, point, str(arrived), *args],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 600
+    while not arrived.exists():
+        if proc.poll() is not None:
+            raise AssertionError(f"exited {proc.returncode} before {point}: {proc.communicate()[1][-3000:]}")
+        assert time.monotonic() < deadline, f"never reached {point}"
+        time.sleep(0.1)
+    return proc
 
 
 def run(argv: list[str]) -> int:

@@ -7,16 +7,14 @@ tests/support/stalling_train.py installs (production code reads no test setting)
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from support.stalling_train import start_stalling
 
 from treetrain.cli.main import main
 from treetrain.train.config import load_config
@@ -25,7 +23,6 @@ from treetrain.train.metrics import UpdateMetrics, read_metrics
 
 pytestmark = pytest.mark.launch  # runs the treetrain CLI, a notebook kernel or a script in a subprocess
 
-STALLING_TRAIN = Path(__file__).resolve().parents[1] / "support" / "stalling_train.py"
 SETTINGS = [
     "model.path=tiny-llama", "rollout.groups_per_update=2", "rollout.fanout.root=4", "rollout.episode.max_turns=2",
     "rollout.episode.max_turn_tokens=12", "optim.lr=0.01", "advantages.zero_variance=keep", "loss.entropy_coef=0.01",
@@ -61,19 +58,7 @@ def _args(run: Path, extra: list[str]) -> list[str]:
 
 def _start(run: Path, extra: list[str], point: str, tmp_path: Path) -> subprocess.Popen[str]:
     """Start `treetrain train` in its own process and return once it stands still at `point`."""
-    arrived = tmp_path / "arrived"
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, str(STALLING_TRAIN), point, str(arrived), *_args(run, extra)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    deadline = time.monotonic() + 600
-    while not arrived.exists():
-        if proc.poll() is not None:
-            raise AssertionError(f"exited {proc.returncode} before {point}: {proc.communicate()[1][-3000:]}")
-        assert time.monotonic() < deadline, f"never reached {point}"
-        time.sleep(0.1)
-    return proc
+    return start_stalling(_args(run, extra), point, tmp_path / "arrived")
 
 
 def _resume_and_compare(run: Path, extra: list[str], straight: Path, capsys) -> None:

@@ -20,6 +20,12 @@ environments released, and the failure kept on the task (`Task.failure`, an `Env
 traceback); the other tasks go on. Only what is not one task's (the engine failing, Ctrl-C) stops the
 run, and then every request in flight is aborted, so the engine is idle for the next sync.
 
+Weights may change in flight (`rollout.max_staleness` >= 1): given an `InFlightSync`, the scheduler asks it
+before each engine step whether newer weights wait. If so, ready branch points are held back instead of
+submitted; once the engine has no request in flight (tool calls may still run), the engine takes the new
+weights and the held points go out. No sample ever mixes two versions, and an episode's later turns are
+sampled by newer weights than its first: each `Completion` carries its version into its segment.
+
 Steps whose environment call missed its deadline (`rollout.episode.step_timeout_s`; the episode goes on
 with a timeout observation) are counted in `Scheduler.step_timeouts`.
 """
@@ -31,6 +37,7 @@ import hashlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from envs.env_error import EnvError
 from envs.protocol import Rubric
@@ -111,6 +118,18 @@ def release(episode: TokenEnv) -> None:
         episode.release()
 
 
+class InFlightSync(Protocol):
+    """Newer weights for an engine that is growing trees (`treetrain.rollout.weight_feed.WeightFeed`)."""
+
+    def due(self, engine_version: int) -> bool:
+        """Whether weights newer than `engine_version` wait (may raise to stop the rollout)."""
+        ...
+
+    def sync(self, engine: GenerationEngine) -> None:
+        """Load them into `engine`, which has no request in flight."""
+        ...
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """How the scheduler grows trees: the fan-out, the sampling, the step pool and the request seeds."""
@@ -129,15 +148,19 @@ class SchedulerConfig:
 
 class Scheduler:
     """Grows `tasks` together on `engine`; see the module docstring. `on_finished` is called (in the
-    calling thread) once per task whose tree is complete, as soon as it is."""
+    calling thread) once per task whose tree is complete, as soon as it is; `weights`, when given, brings
+    newer weights into the engine between its steps."""
 
     def __init__(
         self,
         engine: GenerationEngine,
         config: SchedulerConfig,
         on_finished: Callable[[Task], None] = lambda task: None,
+        weights: InFlightSync | None = None,
     ) -> None:
         self.engine, self.config = engine, config
+        self.weights = weights
+        self._held: list[_Point] = []  # ready branch points waiting for the engine to take new weights
         self.fanout, self.sampling = config.fanout, config.sampling
         self.model_version = config.model_version
         self.on_finished = on_finished
@@ -162,7 +185,8 @@ class Scheduler:
             for task in tasks:
                 task.live.add(task.root)
                 self._submit(_Point(task, task.root, 0, (), (), at_root=True))
-            while self.engine.busy or self._steps:
+            while self.engine.busy or self._steps or self._held:
+                self._refresh_weights()
                 if self.engine.busy:
                     self._answered(self.engine.poll())
                     done = [f for f in self._steps if f.done()]
@@ -182,7 +206,28 @@ class Scheduler:
                 task.live.clear()
 
     # ----- generation -------------------------------------------------------------------------------
+    def _refresh_weights(self) -> None:
+        """At a safe point (no request in flight) take newer weights, then send what was held for them."""
+        if self.weights is None:
+            return
+        if not self.engine.busy and self.weights.due(self.engine.version):
+            self.weights.sync(self.engine)
+        if self._held and not self.weights.due(self.engine.version):
+            held, self._held = self._held, []
+            for point in held:
+                if point.task.failure is None:
+                    self._send(point)
+                else:  # its task failed meanwhile: the point was released with the task
+                    point.task.pending -= 1
+
     def _submit(self, point: _Point) -> None:
+        point.task.pending += 1
+        if self.weights is not None and self.weights.due(self.engine.version):
+            self._held.append(point)  # sampled under the new weights, once the engine has them
+        else:
+            self._send(point)
+
+    def _send(self, point: _Point) -> None:
         n = self.fanout.policy_factor(point.depth, point.at_root)
         episode = point.episode
         stop = (*((t,) for t in episode.stop_token_ids), *episode.stop_sequences)
@@ -197,7 +242,6 @@ class Scheduler:
             children=self.fanout.env_factor(point.depth + (n > 1)),
         )
         self._points[self.engine.submit(request)] = point
-        point.task.pending += 1
 
     def _answered(self, results: list[GenerationResult]) -> None:
         if self.model_version is not None:

@@ -40,7 +40,7 @@ from envs.wrapper import TokenEnv, WrapperConfig
 from treetrain.rollout.engines.generation import EngineStats, GenerationEngine
 from treetrain.rollout.fanout import FanOut
 from treetrain.rollout.prefix_sampler import Sampler, SamplerConfig
-from treetrain.rollout.scheduler import Scheduler, SchedulerConfig, Task, release
+from treetrain.rollout.scheduler import InFlightSync, Scheduler, SchedulerConfig, Task, release
 from treetrain.rollout.sequential import SequentialConfig, grow_sequentially
 from treetrain.rollout.tree_writer import TreeWriter
 from treetrain.tree import SamplingRecord, TrajectoryTree
@@ -90,12 +90,14 @@ def rollout_trees(
     config: RolloutConfig | None = None,
     env_name: str = "",
     engine: GenerationEngine | None = None,
+    weights: InFlightSync | None = None,
 ) -> RolloutResult:
     """Roll out one tree per seed and write each to `<run_dir>/trees/` before returning.
 
     `make_env` builds a fresh environment (e.g. `lambda: envs.make_env("calculator")`). The model should
     be in eval mode; its weights are only read. `engine` serves the concurrent rollout (e.g.
-    `HFEngine(model)`); the sequential loop (`concurrent=False`) samples from `model` itself.
+    `HFEngine(model)`); the sequential loop (`concurrent=False`) samples from `model` itself. `weights`
+    brings newer weights into the engine while the trees grow (`treetrain.rollout.weight_feed`).
     """
     config = config or RolloutConfig()
     if config.concurrent and engine is None:
@@ -129,7 +131,7 @@ def rollout_trees(
     try:
         if config.concurrent:
             assert engine is not None
-            stats, timeouts = _grow_concurrently(tasks, config, engine, save)
+            stats, timeouts = _grow_concurrently(tasks, config, engine, save, weights)
         else:
             stats = _grow_sequentially(model, tasks, config, save)
     finally:
@@ -142,14 +144,18 @@ def rollout_trees(
 
 
 def _grow_concurrently(
-    tasks: list[Task], config: RolloutConfig, engine: GenerationEngine, save: Callable[[Task], None]
+    tasks: list[Task],
+    config: RolloutConfig,
+    engine: GenerationEngine,
+    save: Callable[[Task], None],
+    weights: InFlightSync | None,
 ) -> tuple[EngineStats, int]:
     before = copy.copy(engine.stats)
     settings = SchedulerConfig(
         config.fanout, config.sampler.sampling, max_concurrent_steps=config.max_concurrent_steps,
         model_version=config.model_version, base_seed=config.sampler.seed,
     )  # fmt: skip
-    scheduler = Scheduler(engine, settings, on_finished=save)
+    scheduler = Scheduler(engine, settings, on_finished=save, weights=weights)
     scheduler.run(tasks)
     for task in tasks:  # a finished task's group was released when its tree was saved
         if task.failure is not None:

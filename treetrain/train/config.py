@@ -46,6 +46,8 @@ MAX_GROUPS_PER_UPDATE = 1 << 16
 (`FanOut`, `Sampling` and `EpisodeLimits` bound their own fields)."""
 MAX_CONCURRENT_STEPS = 1024
 """Most environment steps at once (a thread each)."""
+MAX_STALENESS = 64
+"""Largest `rollout.max_staleness`: the sampler holds that many updates' trees ahead of the trainer."""
 
 
 @dataclass(frozen=True)
@@ -177,6 +179,13 @@ class RolloutSection:
     """Seconds a rubric (the reward of one finished episode, scored in its environment worker) may take
     before that task's group is dropped; null waits forever. Apart from the step timeout, because code
     execution and judge rewards take far longer than a tool call."""
+    max_staleness: int = 0
+    """How many optimizer steps older than the trainer's weights a trained token's sampling weights may be.
+    0: rollout and training take turns (the rollout of update n+1 starts after the step of update n). K >= 1:
+    a sampler thread grows the rollouts of the next updates while the current one trains, taking new weights
+    between its engine steps, paced so that every token update u trains on was sampled by a version of at
+    least (the trainer's version) - K; groups over the bound are dropped and counted
+    (docs/async-training.md). May be changed on --resume."""
     max_failed_fraction: float = 0.5
     """Largest fraction of an update's tasks that environment code may fail in (an exception in reset,
     step, fork or a rubric, or a worker that died) before the run stops. A failed task's group is dropped
@@ -216,6 +225,9 @@ class RolloutSection:
             isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= 64
         ):
             raise ConfigError(f"rollout.env_workers: must be null or an integer in [1, 64], got {workers!r}")
+        k = self.max_staleness
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_STALENESS:
+            raise ConfigError(f"rollout.max_staleness: must be an integer in [0, {MAX_STALENESS}], got {k!r}")
         steps = self.max_concurrent_steps
         if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_CONCURRENT_STEPS:
             raise ConfigError(
@@ -346,6 +358,20 @@ class TrainConfig:
         if self.loss.needs_reference and self.model.reference is None:
             free = "'base': the policy with adapters off" if self.model.lora is not None else "'initial'"
             raise ConfigError(f"model.reference: loss.kl_coef > 0 needs a reference model (e.g. {free})")
+        if self.rollout.max_staleness and self.rollout.trees is not None:
+            raise ConfigError(
+                "rollout.max_staleness: recorded trees (rollout.trees) are consumed as they are, with no "
+                "sampler to run ahead of the trainer; set rollout.max_staleness=0"
+            )
+        if (
+            self.rollout.max_staleness
+            and self.distributed.backend == "deepspeed"
+            and self.distributed.zero_stage == 3
+        ):
+            raise ConfigError(
+                "rollout.max_staleness: the sampler keeps its own copy of the policy's weights, which ZeRO-3 "
+                "shards across ranks; use distributed.zero_stage <= 2 or rollout.max_staleness=0"
+            )
         if self.eval.every and self.rollout.trees is not None:
             raise ConfigError(
                 "eval.every: evaluation samples the policy on env.name's held-out tasks, and a run on recorded "
@@ -411,7 +437,26 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Train
         data["run_dir"] = str(Path("runs") / Path(path).stem)
     for assignment in overrides:
         apply_override(data, assignment)
-    return from_dict(TrainConfig, data)
+    return from_dict(TrainConfig, decoupled_ppo_default(data))
+
+
+def decoupled_ppo_default(data: dict[str, Any]) -> dict[str, Any]:
+    """With `rollout.max_staleness` >= 1 and `loss.sampler_correction` left unset, the correction is
+    `token_truncate`: decoupled PPO, whose behaviour policy is the sampler (its logprobs, recorded per token)
+    and whose proximal policy is the scoring pass (the PPO ratio's old logprobs). Stale tokens then weigh by
+    min(p_proximal / p_behaviour, cap). Left alone where the user chose, where the ratio is taken against the
+    sampler already (`ratio_source='sampler'`), and under top-p sampling (which no correction takes)."""
+    rollout, loss = data.get("rollout"), data.get("loss")
+    rollout = rollout if isinstance(rollout, dict) else {}
+    loss = loss if isinstance(loss, dict) else {}
+    k, sampling = rollout.get("max_staleness", 0), rollout.get("sampling")
+    top_p = sampling.get("top_p", 1.0) if isinstance(sampling, dict) else 1.0
+    if (
+        isinstance(k, int) and not isinstance(k, bool) and k >= 1 and "sampler_correction" not in loss
+        and loss.get("ratio_source", "scoring") == "scoring" and top_p == 1.0
+    ):  # fmt: skip
+        data = {**data, "loss": {**loss, "sampler_correction": "token_truncate"}}
+    return data
 
 
 def check_paths(cfg: TrainConfig) -> None:

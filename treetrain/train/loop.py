@@ -36,6 +36,7 @@ from treetrain.replay.resident import ResidentIdentity, ResidentStore
 from treetrain.rollout.env_check import check_environment_config
 from treetrain.runfs import UnsafePathError
 from treetrain.train.advice import no_signal_advice
+from treetrain.train.async_source import AsyncRolloutSource
 from treetrain.train.config import TrainConfig, dump_config
 from treetrain.train.env_failures import EnvironmentFailedError
 from treetrain.train.evaluation import Evaluator
@@ -89,8 +90,10 @@ class Trainer:
         progress: bool = True,
         on_point: OnPoint | None = None,
     ) -> None:
-        """`on_point`, if given, is called after each update's metrics row (`"update-end"`) and inside each
-        checkpoint write of the torch backend (`"checkpoint-write"`): the interruption tests' seam."""
+        """`on_point`, if given, is called once an update has taken its trees (`"update-start"`), after each
+        update's metrics row (`"update-end"`), inside each checkpoint write of the torch backend
+        (`"checkpoint-write"`) and, with `rollout.max_staleness` >= 1, on the sampler thread as a rollout
+        starts and once it is queued (`"rollout-start"`, `"rollout-queued"`): the interruption tests' seam."""
         self.on_point = on_point
         if cfg.threads is not None:
             torch.set_num_threads(cfg.threads)
@@ -123,8 +126,8 @@ class Trainer:
     def close(self) -> None:
         """Release the run directory (the end of `run()` does; so does the end of the process)."""
         source = getattr(self, "source", None)
-        if isinstance(source, RolloutSource):
-            source.close()  # the inference engine
+        if isinstance(source, RolloutSource | AsyncRolloutSource):
+            source.close()  # the inference engine (and the sampler thread)
         evaluator = getattr(self, "evaluator", None)
         if evaluator is not None:
             evaluator.close()  # its environment workers
@@ -190,9 +193,17 @@ class Trainer:
         )
         self.device = next(self.backend.module.parameters()).device
         self.last_plan: Plan | None = None
-        self.source = recorded[0] if recorded else RolloutSource(cfg, self.tokenizer, make, self.backend)
+        self.source: RecordedSource | RolloutSource | AsyncRolloutSource
+        if recorded:
+            self.source = recorded[0]
+        elif cfg.rollout.max_staleness:
+            self.source = AsyncRolloutSource(
+                cfg, self.tokenizer, make, self.backend, self.state.update, self.on_point
+            )
+        else:
+            self.source = RolloutSource(cfg, self.tokenizer, make, self.backend)
         self.evaluator: Evaluator | None = None
-        if self.held is not None and isinstance(self.source, RolloutSource):
+        if self.held is not None and not isinstance(self.source, RecordedSource):
             self.evaluator = Evaluator(cfg, self.held, self.tokenizer, self.source.wrapper, self.backend)
         if not resume and overwrite and self.lock is not None:
             remove_run_artifacts(self.run_dir)
@@ -212,6 +223,8 @@ class Trainer:
         """Roll out, run one update (`treetrain.update.run.run_update`), and say what it did."""
         cfg = self.cfg
         produced = self.source(self.backend.module, index, self.state.version)
+        if self.on_point is not None:
+            self.on_point("update-start", index)
         trees = produced.trees
         rewards = [r.reward for t in trees for r in t.records]
         every = cfg.measure_memory_every
@@ -219,6 +232,7 @@ class Trainer:
         self.backend.set_learning_rate(self.learning_rate(index))
         start = time.perf_counter()
         outcome = run_update(self.window, cfg, produced.groups, tracker=tracker)
+        self.source.trained(index, self.backend.module, self.window.version)
         plan, result = outcome.plan, outcome.report
         if plan is not None:
             self.last_plan = plan
@@ -237,8 +251,9 @@ class Trainer:
             reward_mean=float(np.mean(rewards)) if rewards else 0.0,
             reward_std=float(np.std(rewards)) if rewards else 0.0,
             trajectories=len(rewards),
-            groups=len(trees) + produced.failed_episodes,
+            groups=len(trees) + produced.failed_episodes + produced.stale.groups,
             groups_dropped=produced.failed_episodes
+            + produced.stale.groups
             + outcome.zero_variance
             + (len(result.dropped) if result is not None else 0),
             loss=report.loss,
@@ -265,6 +280,13 @@ class Trainer:
             sampler_corrected_fraction=gap.corrected_fraction
             if gap is not None and cfg.loss.corrects_sampler
             else None,
+            staleness_min=produced.staleness.least,
+            staleness_mean=produced.staleness.mean,
+            staleness_max=produced.staleness.most,
+            stale_tokens_dropped=produced.stale.tokens,
+            queue_depth=produced.queue_depth,
+            sampler_idle_seconds=produced.sampler_idle,
+            trainer_idle_seconds=produced.seconds if produced.trainer_idle is None else produced.trainer_idle,
         )
 
     # ----- the run ----------------------------------------------------------------------------------
@@ -337,10 +359,10 @@ class Trainer:
         """The held-out evaluation, when one is due after `state.update` updates, written as an eval row."""
         if self.evaluator is None or not self.evaluator.due(self.state.update):
             return
-        assert isinstance(self.source, RolloutSource)
+        assert not isinstance(self.source, RecordedSource)
         model = self.backend.module
-        engine = self.source.synced_engine(model, self.state.version)
-        row = self.evaluator(model, engine, self.state.update, self.state.version)
+        with self.source.serving(model, self.state.version) as engine:
+            row = self.evaluator(model, engine, self.state.update, self.state.version)
         log.info(
             "eval after %d updates: pass@1 %.3f, pass@%d %.3f, mean reward %.3f over %d held-out tasks (%s)",
             row.update, row.pass_at_1, row.samples, row.pass_at_k, row.reward_mean, row.tasks,

@@ -101,6 +101,23 @@ class UpdateMetrics:
     sampler_corrected_fraction: float | None = None
     """Fraction of those tokens whose weight `loss.sampler_correction` changed: truncated to the cap
     (`token_truncate`), or in a dropped trajectory (`sequence_mask`); None without a correction."""
+    staleness_min: int | None = None
+    """Smallest version lag of the policy tokens this update trained on, per trajectory: the trainer's version
+    before the step minus the version that sampled the token (`treetrain.train.staleness`); 0 in a synchronous
+    run. None when no trained token records its version (recorded trees without versions)."""
+    staleness_mean: float | None = None
+    """Their mean lag."""
+    staleness_max: int | None = None
+    """Their largest lag (at most `rollout.max_staleness`)."""
+    stale_tokens_dropped: int = 0
+    """Policy tokens of groups dropped because a token was over `rollout.max_staleness` (those groups are
+    counted in `groups_dropped`)."""
+    queue_depth: int = 0
+    """Later updates whose rollouts were finished and waiting when this update took its trees."""
+    sampler_idle_seconds: float = 0.0
+    """Seconds the sampler waited, before this update's rollout, for the trainer to come within the bound."""
+    trainer_idle_seconds: float = 0.0
+    """Seconds the trainer waited for this update's trees (the whole rollout in a synchronous run)."""
 
     @property
     def replay_imbalance(self) -> float:

@@ -54,6 +54,8 @@ class Progress:
             out["saved"] = f"{100 * row.tokens_saved:.0f}%"
         if row.sampler_logprob_gap_mean is not None:  # mean / max |trainer - sampler| logprob
             out["gap"] = f"{row.sampler_logprob_gap_mean:.2g}/{row.sampler_logprob_gap_max:.2g}"
+        if row.staleness_max:  # mean / max version lag of the trained tokens (rollout.max_staleness >= 1)
+            out["lag"] = f"{row.staleness_mean:.2f}/{row.staleness_max}"
         if row.peak_bytes is not None:
             self.last_peak = (row.update, row.peak_bytes)
             out["peak"] = format_bytes(row.peak_bytes)

@@ -64,12 +64,14 @@ RESUMABLE = (
     "eval.samples",
     "eval.greedy",
     "eval.pass_threshold",
+    "rollout.max_staleness",
 )
 """Settings a resume may change. `updates` extends or shortens the run; checkpoint and measurement cadence,
 torch threads and the planner's memory budget change cost, not the update (the planner's choices are
 exact under the `exact` contract, and are re-made every update anyway); `run_dir` is where the run is now;
 `eval.*` changes what is measured on held-out tasks, never what an update computes (evaluation samples
-with its own generators, tests/train/test_evaluation.py)."""
+with its own generators, tests/train/test_evaluation.py); `rollout.max_staleness` changes how far ahead the
+sampler may run, and the trees an update takes are checked against the new bound (docs/async-training.md)."""
 
 
 def read_saved_config(run_dir: str | Path) -> dict[str, Any]:

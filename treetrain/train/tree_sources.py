@@ -9,13 +9,14 @@ bytes) so that every rank enters the update window with the same groups, in task
 from __future__ import annotations
 
 import base64
+import contextlib
 import glob
 import json
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +30,11 @@ from treetrain.rollout.engines.factory import EngineSpec, make_engine
 from treetrain.rollout.engines.generation import GenerationEngine
 from treetrain.rollout.prefix_sampler import SamplerConfig
 from treetrain.rollout.sampling import Sampling
-from treetrain.rollout.tree_rollout import RolloutConfig, rollout_trees
+from treetrain.rollout.tree_rollout import RolloutConfig, RolloutResult, rollout_trees
 from treetrain.runfs import make_dirs
 from treetrain.train.config import TrainConfig
 from treetrain.train.env_failures import EnvironmentFailedError, share_failures, too_many, write_failures
+from treetrain.train.staleness import Dropped, Staleness
 from treetrain.tree import TrajectoryTree
 from treetrain.tree.checks import check_distinct, check_vocabulary
 from treetrain.tree.format import load_trees, tree_from_bytes, tree_to_bytes
@@ -51,6 +53,17 @@ class Produced:
     failed_episodes: int = 0
     step_timeouts: int = 0
     """Environment steps that missed their deadline (all ranks)."""
+    staleness: Staleness = field(default_factory=Staleness)
+    """Version lags of the policy tokens of `groups` (empty for recorded trees: their versions are another
+    run's)."""
+    stale: Dropped = field(default_factory=Dropped)
+    """Groups left out for a token over `rollout.max_staleness` (not among `groups`)."""
+    queue_depth: int = 0
+    """Later updates' rollouts finished and waiting when these trees were taken."""
+    sampler_idle: float = 0.0
+    """Seconds the sampler waited for the pacing rule before growing these trees."""
+    trainer_idle: float | None = None
+    """Seconds the trainer waited for these trees (None: all of `seconds`, a synchronous rollout)."""
 
     @property
     def trees(self) -> tuple[TrajectoryTree, ...]:
@@ -111,28 +124,23 @@ class RolloutSource:
                 self.engine.sync_weights(model, version)
         return self.engine
 
-    def synced_engine(self, model: Any, version: int) -> GenerationEngine:
+    @contextlib.contextmanager
+    def serving(self, model: Any, version: int) -> Iterator[GenerationEngine]:
         """The rollout engine serving `model`'s weights of `version` (held-out evaluation samples on it)."""
-        return self._engine(model, version)
+        yield self._engine(model, version)
+
+    def trained(self, update: int, model: Any, version: int) -> None:
+        """Update `update` stepped to `version`: the next rollout syncs the engine itself."""
 
     def __call__(self, model: Any, update: int, version: int) -> Produced:
         start = time.perf_counter()
-        r = self.cfg.rollout
         rank, world = self.backend.rank, self.backend.world_size
-        out_dir = Path(self.cfg.run_dir) / "rollouts" / f"update-{update:05d}"
-        make_dirs(self.cfg.run_dir, out_dir / "trees")  # a planted link on the way is refused, not followed
+        out_dir = update_dir(self.cfg, update)
         was_training = model.training
         model.eval()
         try:
             engine = self._engine(model, version)
-            config = RolloutConfig(
-                fanout=r.fanout,
-                sampler=SamplerConfig(r.sampling, seed=self.cfg.seed),
-                wrapper=self.wrapper,
-                rubric=self.cfg.env.rubric,
-                model_version=version,
-                max_concurrent_steps=r.max_concurrent_steps,
-            )
+            config = rollout_config(self.cfg, self.wrapper, version)
             with self.backend.uneven():  # ranks generate different lengths (ZeRO-3: fetches rendezvous)
                 result = rollout_trees(
                     model, self.tokenizer, self.make_env, task_seeds(self.cfg, update)[rank::world], out_dir,
@@ -141,31 +149,64 @@ class RolloutSource:
         finally:
             model.train(was_training)
         self.stats = result.stats
-        trees = share_trees(self.backend, result.trees)
-        lost = share_failures(
-            self.backend, write_failures(self.cfg.run_dir, update, rank, list(result.failures))
-        )
-        line = too_many(lost, len(task_seeds(self.cfg, update)), r.max_failed_fraction)
-        if line is not None:
-            raise EnvironmentFailedError(f"update {update}: {line}")
-        for failure in lost:
-            log.warning(
-                "update %d: task seed %d dropped: %s (traceback in %s)",
-                update, failure.seed, failure.error.line(), failure.log,
-            )  # fmt: skip
-        timeouts = share_count(self.backend, result.step_timeouts)
-        if timeouts:
-            log.warning(
-                "update %d: %d environment steps missed rollout.episode.step_timeout_s=%ss (each became a "
-                "timeout observation; step_timeouts in metrics.jsonl)",
-                update, timeouts, r.episode.step_timeout_s,
-            )  # fmt: skip
-        return Produced(tuple((t,) for t in trees), time.perf_counter() - start, len(lost), timeouts)
+        produced = gather_update(self.cfg, self.backend, update, result, time.perf_counter() - start)
+        return replace(produced, staleness=lags_of(produced.trees, version))
 
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
             self.engine = None
+
+
+def lags_of(trees: Sequence[TrajectoryTree], version: int) -> Staleness:
+    """The version lags of every policy token of `trees`, trained at `version`."""
+    out = Staleness()
+    for tree in trees:
+        out = out.merged(Staleness.of(tree, version))
+    return out
+
+
+def update_dir(cfg: TrainConfig, update: int) -> Path:
+    """`<run_dir>/rollouts/update-XXXXX/`, made (a planted link on the way is refused, not followed)."""
+    out_dir = Path(cfg.run_dir) / "rollouts" / f"update-{update:05d}"
+    make_dirs(cfg.run_dir, out_dir / "trees")
+    return out_dir
+
+
+def rollout_config(cfg: TrainConfig, wrapper: WrapperConfig, version: int | None) -> RolloutConfig:
+    """How the run grows one update's trees; `version` is the weight version every sample must come from
+    (None: not checked, the sampler of an asynchronous run records each turn's own)."""
+    r = cfg.rollout
+    return RolloutConfig(
+        fanout=r.fanout, sampler=SamplerConfig(r.sampling, seed=cfg.seed), wrapper=wrapper,
+        rubric=cfg.env.rubric, model_version=version, max_concurrent_steps=r.max_concurrent_steps,
+    )  # fmt: skip
+
+
+def gather_update(
+    cfg: TrainConfig, backend: TrainBackend, update: int, result: RolloutResult, seconds: float
+) -> Produced:
+    """Every rank's trees of `update` (a collective), its failures logged and written, and the run stopped
+    when too many tasks failed (`rollout.max_failed_fraction`)."""
+    r = cfg.rollout
+    trees = share_trees(backend, result.trees)
+    lost = share_failures(backend, write_failures(cfg.run_dir, update, backend.rank, list(result.failures)))
+    line = too_many(lost, len(task_seeds(cfg, update)), r.max_failed_fraction)
+    if line is not None:
+        raise EnvironmentFailedError(f"update {update}: {line}")
+    for failure in lost:
+        log.warning(
+            "update %d: task seed %d dropped: %s (traceback in %s)",
+            update, failure.seed, failure.error.line(), failure.log,
+        )  # fmt: skip
+    timeouts = share_count(backend, result.step_timeouts)
+    if timeouts:
+        log.warning(
+            "update %d: %d environment steps missed rollout.episode.step_timeout_s=%ss (each became a "
+            "timeout observation; step_timeouts in metrics.jsonl)",
+            update, timeouts, r.episode.step_timeout_s,
+        )  # fmt: skip
+    return Produced(tuple((t,) for t in trees), seconds, len(lost), timeouts)
 
 
 def engine_spec(cfg: TrainConfig, model: Any, world_size: int) -> EngineSpec:
@@ -397,6 +438,9 @@ class RecordedSource:
                 len(self.groups),
                 cfg.rollout.groups_per_update,
             )
+
+    def trained(self, update: int, model: Any, version: int) -> None:
+        """Nothing to do: recorded trees do not depend on the weights."""
 
     def __call__(self, model: Any, update: int, version: int) -> Produced:
         n = len(self.groups)

@@ -1,0 +1,103 @@
+"""Weights updated in flight: a rollout whose engine takes new weights between its steps records, turn by
+turn, the version that sampled each token, and each token's recorded logprob is that version's own.
+
+The differential check scores every policy segment again with the model of the version it recorded (the
+sampler's logprob at temperature 1 is the model's log-softmax), against the measured noise floor of
+float64; the negative control scores it with the other version's model and finds the gap."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import torch
+from support.env_fixtures import FixedTurnsEnv, tiny_model, tokenizer
+
+from envs import EpisodeLimits, WrapperConfig
+from treetrain.rollout import FanOut, RolloutConfig, SamplerConfig, Sampling, rollout_trees
+from treetrain.rollout.engines.hf_engine import HFEngine
+from treetrain.rollout.weight_feed import WeightFeed
+from treetrain.trajectory import Role, Trajectory
+
+torch.set_num_threads(1)
+LIMITS = WrapperConfig(EpisodeLimits(max_turns=4, max_turn_tokens=6, max_episode_tokens=1024))
+FLOOR = 2e-6
+"""Tree files keep logprobs in float32: measured at most 4.8e-7 (float32 rounding of values near -4)."""
+
+
+class PublishesAt(WeightFeed):
+    """A feed whose trainer publishes `newer` as version 1 when the scheduler asks for the `at`-th time:
+    mid-rollout, at a point that does not depend on timing."""
+
+    def __init__(self, model: Any, newer: Any, at: int) -> None:
+        super().__init__(model, version=0, own_model=True)
+        self.newer, self.at, self.asked = newer, at, 0
+
+    def due(self, engine_version: int) -> bool:
+        self.asked += 1
+        if self.asked == self.at:
+            self.publish(self.newer, 1)
+        return super().due(engine_version)
+
+
+def _gaps(trajectory: Trajectory, models: dict[int, Any], swap: bool = False) -> list[float]:
+    """|recorded - rescored| logprob of every policy token, rescored by its version's model (or, with `swap`,
+    by the other version's)."""
+    out = []
+    for call in trajectory.calls:
+        tokens = [t for seg in call.segments for t in seg.tokens]
+        with torch.no_grad():
+            logp = torch.log_softmax(models[0 if swap else 1](torch.tensor([tokens])).logits[0].double(), -1)
+            other = torch.log_softmax(models[1 if swap else 0](torch.tensor([tokens])).logits[0].double(), -1)
+        pos = 0
+        for seg in call.segments:
+            if seg.role is Role.POLICY:
+                assert seg.version in (0, 1) and seg.logprobs is not None
+                table = logp if seg.version == 1 else other
+                for k, (tok, lp) in enumerate(zip(seg.tokens, seg.logprobs)):
+                    out.append(abs(float(table[pos + k - 1, tok]) - lp))
+            pos += len(seg.tokens)
+    return out
+
+
+def test_an_engine_takes_new_weights_between_turns_and_each_turn_records_its_version(tmp_path: Path) -> None:
+    old = tiny_model(seed=0).eval()
+    new = copy.deepcopy(old)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    feed = PublishesAt(old, new, at=6)
+    engine = HFEngine(feed.sampling_model)
+    config = RolloutConfig(
+        FanOut(root=2, after_tool_result=2, max_depth=2), SamplerConfig(Sampling()), LIMITS
+    )
+    result = rollout_trees(
+        feed.sampling_model, tokenizer(), FixedTurnsEnv, [0, 1], tmp_path, config, engine=engine, weights=feed
+    )
+    assert feed.syncs == 1 and engine.version == 1
+    trajectories = [t for tree in result.trees for t in tree.trajectories()]
+    versions = [
+        {seg.version for c in t.calls for seg in c.segments if seg.role is Role.POLICY} for t in trajectories
+    ]
+    assert {0, 1} in versions  # an episode whose turns span two versions
+    assert any(len(set().union(*(tree.node_versions))) == 2 for tree in result.trees)  # a tree of both
+    models = {0: old, 1: new}
+    gaps = [g for t in trajectories for g in _gaps(t, models)]
+    assert gaps and max(gaps) < FLOOR, max(gaps)
+    swapped = [g for t in trajectories for g in _gaps(t, models, swap=True)]
+    assert max(swapped) > 1e-3  # negative control: the other version's model does not give these logprobs
+
+
+def test_the_trainers_model_is_never_the_one_sampled_from() -> None:
+    policy = tiny_model(seed=1)
+    feed = WeightFeed(policy, version=0, own_model=True)
+    sampler = feed.sampling_model
+    assert all(p.data_ptr() != q.data_ptr() for p, q in zip(policy.parameters(), sampler.parameters()))
+    assert all(p.data_ptr() != q.data_ptr() for p, q in zip(feed.shadow.parameters(), sampler.parameters()))
+    with torch.no_grad():
+        next(policy.parameters()).add_(1.0)
+    feed.publish(policy, 1)
+    assert not torch.equal(next(sampler.parameters()), next(policy.parameters()))  # not until a sync
+    feed.sync(HFEngine(sampler))
+    assert torch.equal(next(sampler.parameters()), next(policy.parameters()))

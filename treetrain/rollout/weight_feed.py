@@ -1,0 +1,107 @@
+"""Weights handed from the training thread to a sampler that runs beside it, at the sampler's own pace.
+
+With `rollout.max_staleness` >= 1 the sampler keeps sampling while the trainer steps, so neither may wait for
+the other, and neither may see the other's weights change under it:
+
+- the trainer never touches the engine. After each optimizer step it copies its weights into the feed's
+  *shadow*, a private copy of the policy (`publish`, on the training thread, where a gather of sharded
+  weights and any other collective has to happen), and goes on training;
+- the sampler takes the newest published version between its own engine steps, when no request is in flight
+  (`sync`, called by `treetrain.rollout.scheduler.Scheduler` at its safe points): the engine loads the
+  shadow (vLLM), or the `hf` engine's own model copies it. A long episode then continues under the newer
+  weights from its next turn, and each turn records the version that sampled it (`Completion.version`).
+
+One lock guards the shadow, so a sync never reads a half-published version and a publish never writes
+weights a sync is reading. The `hf` engine samples from a model of its own (`sampler_model`), never the
+one being trained halfway through a step, and never the shadow itself, which the trainer rewrites while the
+engine decodes.
+
+Example:
+    >>> import torch
+    >>> policy = torch.nn.Linear(2, 2)
+    >>> feed = WeightFeed(policy, version=0)
+    >>> with torch.no_grad():
+    ...     _ = policy.weight.add_(1.0)
+    >>> feed.due(0), bool(torch.equal(feed.shadow.weight, policy.weight))
+    (False, False)
+    >>> feed.publish(policy, version=1)
+    >>> feed.due(0), feed.version, bool(torch.equal(feed.shadow.weight, policy.weight))
+    (True, 1, True)
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from typing import Any
+
+import torch
+
+from treetrain.errors import TreetrainError
+from treetrain.rollout.engines.generation import GenerationEngine
+
+
+class SamplerStopped(TreetrainError):
+    """The sampler was closed while a rollout was growing: that rollout stops (its requests are aborted)."""
+
+
+def private_copy(model: Any) -> Any:
+    """A copy of `model` that shares no tensor with it, in eval mode and without gradients."""
+    twin = copy.deepcopy(model)
+    twin.requires_grad_(False)
+    return twin.eval()
+
+
+class WeightFeed:
+    """The newest published weights and their version; see the module docstring.
+
+    `sampler_model`, when given, is the model the engine samples from (the `hf` engine's own copy): a sync
+    copies the shadow into it before the engine is told the new version. Otherwise the engine loads the
+    shadow itself (`GenerationEngine.sync_weights(shadow, version)`: vLLM in process or a server).
+    """
+
+    def __init__(self, model: Any, version: int, *, own_model: bool = False) -> None:
+        self._lock = threading.Lock()
+        self._closing = threading.Event()
+        self.shadow = private_copy(model)
+        self.version = version
+        self.sampler_model = private_copy(model) if own_model else None
+        self.syncs = 0
+        """Syncs carried out, for tests and logs."""
+
+    def publish(self, model: Any, version: int) -> None:
+        """Copy `model`'s weights into the shadow as `version` (training thread, after the step)."""
+        with self._lock, torch.no_grad():
+            for mine, theirs in zip(self.shadow.state_dict().values(), model.state_dict().values()):
+                mine.copy_(theirs)
+            self.version = version
+
+    def due(self, engine_version: int) -> bool:
+        """Whether newer weights than `engine_version` wait; raises `SamplerStopped` once `close` was called,
+        which ends a growing rollout at its next safe point."""
+        if self._closing.is_set():
+            raise SamplerStopped("the sampler was closed")
+        return self.version != engine_version
+
+    def sync(self, engine: GenerationEngine) -> None:
+        """Load the newest published version into `engine` (sampler thread, no request in flight)."""
+        with self._lock, torch.no_grad():
+            if self.sampler_model is not None:
+                self.sampler_model.load_state_dict(self.shadow.state_dict())
+                engine.sync_weights(self.sampler_model, self.version)
+            else:
+                engine.sync_weights(self.shadow, self.version)
+            self.syncs += 1
+
+    @property
+    def sampling_model(self) -> Any:
+        """The model an `hf` engine over this feed samples from (the shadow when the engine loads weights)."""
+        return self.sampler_model if self.sampler_model is not None else self.shadow
+
+    @property
+    def closed(self) -> bool:
+        return self._closing.is_set()
+
+    def close(self) -> None:
+        """Make every later `due` raise `SamplerStopped` (the sampler thread stops at its next safe point)."""
+        self._closing.set()
