@@ -11,6 +11,7 @@ when the training reward, or the held-out pass@1 of a run that has evaluations, 
 
     python bench/demo_reward.py --run-dir runs/demo            # read an existing run
     python bench/demo_reward.py --run-dir runs/demo --train    # run the demo first (several minutes)
+    python bench/demo_reward.py --run-dir runs/async --train --set rollout.max_staleness=1
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def main() -> int:
     parser.add_argument("--run-dir", type=Path, default=Path("runs/demo"))
     parser.add_argument("--train", action="store_true", help="run the demo into --run-dir first")
     parser.add_argument("--window", type=int, default=10)
+    parser.add_argument("--set", action="append", default=[], help="a setting for --train (key=value)")
     args = parser.parse_args()
     seconds = None
     if args.train:
@@ -59,6 +61,7 @@ def main() -> int:
                 "--set",
                 "threads=1",
                 *EVAL,
+                *(a for kv in args.set for a in ("--set", kv)),
             ]
         )
         seconds = time.perf_counter() - start

@@ -4,7 +4,7 @@
     python bench/gpu_check.py --dry-run          # the same steps on CPU with a tiny model (seconds; tests)
     python bench/gpu_check.py --out bench/out/gpu_check.md
 
-Three steps, one table each, written as markdown to stdout and `--out`:
+Five steps, one table each, written as markdown to stdout and `--out`:
 
 1. exactness: `exact` against flat, in float32 and bfloat16, beside the noise floor measured the same way
    (`treetrain.replay.verify`), for a grouped-query Llama and the sliding-window Mistral;
@@ -14,7 +14,9 @@ Three steps, one table each, written as markdown to stdout and `--out`:
    against the ledger's prediction (`predict_ledger`);
 4. rollout engines: sampled tokens per second of the `hf` engine and of vLLM in process on the same requests
    (a random-init Llama of about 0.5B parameters in bfloat16: 64 branch points of 8 samples of 128 tokens
-   after a shared 512-token prompt), and vLLM's weight-sync seconds per GB.
+   after a shared 512-token prompt), and vLLM's weight-sync seconds per GB;
+5. asynchronous training: the demo's update loop with `rollout.max_staleness=1` against 0, interleaved
+   (`bench/async_overlap.py`), its wall-time ratio and the trained tokens' lags.
 
 The dry run shrinks every step (one family, one point, float32 speed, the tracker instead of the
 allocator, a tiny model and the `hf` engine alone for the rollout step) so that it checks the script in
@@ -209,6 +211,26 @@ def rollout_engines(device: torch.device, dry: bool) -> list[str]:
     return rows
 
 
+def async_training(dry: bool) -> list[str]:
+    """The demo with `rollout.max_staleness=1` against 0, side by side (`bench/async_overlap.py`)."""
+    import importlib.util
+    import tempfile
+
+    spec = importlib.util.spec_from_file_location(
+        "async_overlap", Path(__file__).with_name("async_overlap.py")
+    )
+    assert spec is not None and spec.loader is not None
+    overlap = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(overlap)
+    updates = 2 if dry else 8
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = [
+            overlap.train("hf", k, updates, Path(tmp) / f"{i}")
+            for i, k in enumerate((0, 1) if dry else (0, 1, 1, 0))
+        ]
+    return overlap.report(runs, updates, "python bench/gpu_check.py").splitlines()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -237,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     lines += [f"## peak memory against the ledger ({dtype})", "", *memory, ""]
     lines += [f"## rollout engines ({dtype})", "", *rollout_engines(device, args.dry_run), ""]
+    lines += ["## asynchronous training (the demo, hf)", "", *async_training(args.dry_run), ""]
     lines.append(f"wall time {time.perf_counter() - start:.0f} s")
     text = "\n".join(lines) + "\n"
     print(text)

@@ -23,7 +23,13 @@ def test_dry_run_writes_every_table(tmp_path: Path) -> None:
     out = tmp_path / "gpu_check.md"
     assert _script().main(["--dry-run", "--out", str(out)]) == 0
     text = out.read_text()
-    for heading in ("exact vs flat", "## speed", "peak memory against the ledger", "## rollout engines"):
+    for heading in (
+        "exact vs flat",
+        "## speed",
+        "peak memory against the ledger",
+        "## rollout engines",
+        "## asynchronous",
+    ):
         assert heading in text
     rows = [line for line in text.splitlines() if line.startswith("| llama")]
     assert len(rows) == 2 and all(line.endswith("| yes |") for line in rows), text

@@ -160,3 +160,29 @@ def test_sampler_terms_gather_each_trajectorys_tokens_across_tables() -> None:
     assert sampler_terms(LossConfig(), [a, b], old, sequence, 2).gap.corrected == 0
     empty = sampler_terms(MASK, [], [], [], 3)
     assert empty.gap.mean is None and empty.kept is not None and empty.kept.tolist() == [False] * 3
+
+
+def _flat(rows: tuple[tuple[float, ...], ...]) -> list[float]:
+    return [x for row in rows for x in row]
+
+
+def test_the_gap_splits_by_the_version_that_sampled_each_token_and_rejoins_exactly() -> None:
+    a = _table([-1.0, -2.0, -2.5], [0, 1, 1], [0, 0, 1])
+    a = TargetTable(*(getattr(a, f) for f in ("positions", "tokens", "contrib_target", "coef", "advantage")),
+                    a.sampler_logprob, a.trajectory, np.asarray([3, 4, -1]))  # fmt: skip
+    b = _table([-0.5], [0], [1])
+    b = TargetTable(*(getattr(b, f) for f in ("positions", "tokens", "contrib_target", "coef", "advantage")),
+                    b.sampler_logprob, b.trajectory, np.asarray([4]))  # fmt: skip
+    old = [torch.tensor([-1.4, -2.2]), torch.tensor([-2.0])]
+    sequence = [torch.as_tensor(a.trajectory), torch.as_tensor(b.trajectory)]
+    gap = sampler_terms(LossConfig(), [a, b], old, sequence, 2).gap
+    assert gap.tokens == 4  # the token of unknown version counts in the whole, not in a version
+    assert _flat(gap.by_version) == pytest.approx([3, 0.4, 1, 0.4, 4, 0.2 + 1.5, 2, 1.5])
+    assert _flat(gap.by_lag(5)) == pytest.approx([1, 0.85, 1.5, 2, 2, 0.4, 0.4, 1])
+    assert SamplerGap.decode(gap.encode()) == gap
+    halves = SamplerGap.of(torch.tensor([-1.4]), torch.tensor([-1.0]), torch.tensor([3])).merged(
+        SamplerGap.of(torch.tensor([-2.2, -2.0]), torch.tensor([-2.0, -0.5]), torch.tensor([4, 4]))
+    )
+    assert _flat(halves.by_version) == pytest.approx(_flat(gap.by_version))  # parts combine exactly
+    unknown = sampler_terms(LossConfig(), [_table([-1.0], [0], [0])], [torch.tensor([-1.4])], sequence[:1], 1)
+    assert unknown.gap.tokens == 1 and unknown.gap.by_version == ()  # negative control: no versions, no split

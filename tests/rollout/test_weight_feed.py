@@ -11,10 +11,14 @@ import copy
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from support.env_fixtures import FixedTurnsEnv, tiny_model, tokenizer
+from support.replay_cases import make_batch
 
 from envs import EpisodeLimits, WrapperConfig
+from treetrain.loss.loss_config import LossConfig
+from treetrain.replay import FlatReference, ReplayConfig, TreeReplay
 from treetrain.rollout import FanOut, RolloutConfig, SamplerConfig, Sampling, rollout_trees
 from treetrain.rollout.engines.hf_engine import HFEngine
 from treetrain.rollout.weight_feed import WeightFeed
@@ -87,6 +91,24 @@ def test_an_engine_takes_new_weights_between_turns_and_each_turn_records_its_ver
     assert gaps and max(gaps) < FLOOR, max(gaps)
     swapped = [g for t in trajectories for g in _gaps(t, models, swap=True)]
     assert max(swapped) > 1e-3  # negative control: the other version's model does not give these logprobs
+
+    # The trainer at version 1 scores them: the gap split by lag is float32 rounding at lag 0 and the
+    # change of weights at lag 1, and the tree replay splits it as the flat reference does.
+    batch = make_batch(list(result.trees), LossConfig())
+    tree_gap = (
+        TreeReplay(copy.deepcopy(new), LossConfig(), ReplayConfig(skip_inert=False))
+        .accumulate(batch)
+        .sampler_gap
+    )
+    flat_gap = (
+        FlatReference(copy.deepcopy(new), LossConfig(), ReplayConfig(microbatch=4))
+        .accumulate(batch)
+        .sampler_gap
+    )
+    (lag0, _, max0, n0), (lag1, mean1, _, n1) = tree_gap.by_lag(1)
+    assert (lag0, lag1) == (0, 1) and max0 < FLOOR and mean1 > 1e-3 and n0 + n1 == tree_gap.tokens
+    for a, b in zip(tree_gap.by_lag(1), flat_gap.by_lag(1)):
+        assert a[0] == b[0] and a[3] == b[3] and a[1] == pytest.approx(b[1], rel=1e-9)
 
 
 def test_the_trainers_model_is_never_the_one_sampled_from() -> None:

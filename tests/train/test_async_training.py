@@ -8,7 +8,6 @@ their tokens instead of training on them."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 from pathlib import Path
@@ -17,15 +16,14 @@ from typing import Any
 import pytest
 import torch
 from support.gated_env import wait_for
+from support.staleness_checks import queued_lags, within
 from support.stalling_train import start_stalling
 
 from treetrain.cli.main import main
-from treetrain.train.async_source import AsyncRolloutSource, queued_marker
+from treetrain.train.async_source import AsyncRolloutSource, queued_marker, read_queued
 from treetrain.train.config import load_config
 from treetrain.train.loop import Trainer
-from treetrain.train.metrics import UpdateMetrics, read_metrics
-from treetrain.train.staleness import Staleness
-from treetrain.tree.format import load_trees
+from treetrain.train.metrics import read_metrics
 
 pytestmark = pytest.mark.launch  # end-to-end runs: each starts its environment worker processes
 
@@ -38,28 +36,6 @@ SETTINGS = [
     "advantages.zero_variance=keep", "measure_memory_every=0", "threads=1", f"updates={UPDATES}",
     f"rollout.max_staleness={K}", "checkpoint_every=1",
 ]  # fmt: skip
-
-
-def queued_lags(run: Path, rows: list[UpdateMetrics]) -> dict[int, Staleness]:
-    """Per update, the lags of every policy token of the trees queued for it, at the version it trained at
-    (the version after the update before it), read token by token from the tree files."""
-    out = {}
-    for row in rows:
-        before = rows[row.update - 1].version if row.update else 0
-        out_dir = run / "rollouts" / f"update-{row.update:05d}"
-        names = json.loads(queued_marker(out_dir, 0).read_text())["trees"]
-        lags = Staleness()
-        for name in names:
-            for tree in load_trees(out_dir / "trees" / name):
-                lags = lags.merged(Staleness.of(tree, before))
-        out[row.update] = lags
-    return out
-
-
-def within(lags: dict[int, Staleness], bound: int) -> bool:
-    return all(
-        s.least is not None and s.least >= 0 and s.most is not None and s.most <= bound for s in lags.values()
-    )
 
 
 def _trainer(run: Path, *extra: str) -> Trainer:
@@ -169,11 +145,7 @@ def test_kill_9_anywhere_then_resume_trains_each_update_once(tmp_path: Path, poi
     queued = {}  # update -> (marker text, newest version among its tokens), as the killed run left them
     for marker in (run / "rollouts").glob("*/queued-rank0.json"):
         update = int(marker.parent.name.split("-")[1])
-        trees = [
-            t
-            for name in json.loads(marker.read_text())["trees"]
-            for t in load_trees(marker.parent / "trees" / name)
-        ]
+        trees = read_queued(run, update).trees
         queued[update] = (marker.read_text(), max(v for t in trees for vs in t.node_versions for v in vs))
     threads = torch.get_num_threads()
     try:

@@ -63,8 +63,9 @@ from treetrain.loss.targets import TargetTable
 @dataclass(frozen=True)
 class SamplerGap:
     """Sum, count and largest |logp_trainer - logp_sampler| over policy tokens (tokens without a sampler
-    logprob left out), and how many of those tokens the correction changed. Sums, so that parts of an update
-    and ranks combine exactly (`merged`)."""
+    logprob left out), how many of those tokens the correction changed, and the same three per weight
+    version that sampled the tokens (`by_version`: (version, sum, count, largest), version ascending; tokens
+    of unknown version left out). Sums, so that parts of an update and ranks combine exactly (`merged`)."""
 
     total: float = 0.0
     tokens: int = 0
@@ -72,23 +73,47 @@ class SamplerGap:
     corrected: int = 0
     """Tokens whose weight the correction set apart from w: truncated to the cap (`token_truncate`), or in a
     trajectory it dropped (`sequence_mask`)."""
+    by_version: tuple[tuple[int, float, int, float], ...] = ()
 
     @staticmethod
-    def of(trainer: torch.Tensor, sampler: torch.Tensor) -> SamplerGap:
-        """The gap over `[C]` contributions; `sampler` is NaN where the sampler recorded no logprob."""
+    def of(trainer: torch.Tensor, sampler: torch.Tensor, version: torch.Tensor | None = None) -> SamplerGap:
+        """The gap over `[C]` contributions; `sampler` is NaN where the sampler recorded no logprob, and
+        `version` `[C]` (-1 unknown) the weight version that sampled each."""
         known = ~torch.isnan(sampler)
         gap = (trainer.detach().double() - sampler.double())[known].abs()  # [C_known]
         if gap.numel() == 0:
             return SamplerGap()
-        return SamplerGap(float(gap.sum()), int(gap.numel()), float(gap.max()))
+        parts: list[tuple[int, float, int, float]] = []
+        if version is not None:
+            versions = version.to(gap.device)[known]  # [C_known]
+            for v in torch.unique(versions[versions >= 0]).tolist():
+                part = gap[versions == v]
+                parts.append((int(v), float(part.sum()), int(part.numel()), float(part.max())))
+        return SamplerGap(float(gap.sum()), int(gap.numel()), float(gap.max()), by_version=tuple(parts))
 
     def merged(self, other: SamplerGap) -> SamplerGap:
+        parts = {v: (t, n, m) for v, t, n, m in self.by_version}
+        for v, t, n, m in other.by_version:
+            if v in parts:
+                t0, n0, m0 = parts[v]
+                parts[v] = (t0 + t, n0 + n, max(m0, m))
+            else:
+                parts[v] = (t, n, m)
         return SamplerGap(
             self.total + other.total,
             self.tokens + other.tokens,
             max(self.largest, other.largest),
             self.corrected + other.corrected,
+            tuple((v, *parts[v]) for v in sorted(parts)),
         )
+
+    def by_lag(self, version: int) -> tuple[tuple[int, float, float, int], ...]:
+        """(lag, mean gap, largest gap, tokens) per version lag at trainer version `version`, lag ascending.
+
+        >>> SamplerGap(3.0, 3, 2.0, by_version=((4, 2.0, 1, 2.0), (5, 1.0, 2, 0.5))).by_lag(5)
+        ((0, 0.5, 0.5, 2), (1, 2.0, 2.0, 1))
+        """
+        return tuple(sorted((version - v, t / n, m, n) for v, t, n, m in self.by_version if n))
 
     @property
     def mean(self) -> float | None:
@@ -107,12 +132,13 @@ class SamplerGap:
 
     def encode(self) -> str:
         """Text for a cross-rank gather (`decode` reads it back)."""
-        return json.dumps([self.total, self.tokens, self.largest, self.corrected])
+        return json.dumps([self.total, self.tokens, self.largest, self.corrected, self.by_version])
 
     @staticmethod
     def decode(text: str) -> SamplerGap:
-        total, tokens, largest, corrected = json.loads(text)
-        return SamplerGap(float(total), int(tokens), float(largest), int(corrected))
+        total, tokens, largest, corrected, parts = json.loads(text)
+        by_version = tuple((int(v), float(t), int(n), float(m)) for v, t, n, m in parts)
+        return SamplerGap(float(total), int(tokens), float(largest), int(corrected), by_version)
 
 
 def require_sampler_logprobs(sampler: torch.Tensor, cfg: LossConfig) -> None:
@@ -202,7 +228,10 @@ def sampler_terms(
             for t, lp in zip(tables, old)
         ]
     )  # [C]
-    gap = SamplerGap.of(trainer, sampler)
+    versions = None
+    if all(t.sampler_version is not None for t in tables):
+        versions = torch.cat([torch.as_tensor(t.sampler_version, dtype=torch.long) for t in tables])  # [C]
+    gap = SamplerGap.of(trainer, sampler, versions)
     if cfg.sampler_correction == "none":
         return SamplerTerms(gap, None)
     require_sampler_logprobs(sampler, cfg)

@@ -42,6 +42,7 @@ class TargetTable:
     advantage: np.ndarray  # [C] float64
     sampler_logprob: np.ndarray  # [C] float64, NaN where the sampler gave none
     trajectory: np.ndarray  # [C] int64, trajectory index in the tree
+    sampler_version: np.ndarray | None = None  # [C] int64, the weight version that sampled it, -1 unknown
 
     @property
     def num_targets(self) -> int:
@@ -67,6 +68,7 @@ class TargetTable:
             self.advantage[keep],
             self.sampler_logprob[keep],
             self.trajectory[keep],
+            None if self.sampler_version is None else self.sampler_version[keep],
         )
 
 
@@ -109,12 +111,18 @@ def _coefficients(tree: TrajectoryTree, manifest: Manifest, cfg: LossConfig) -> 
     return np.array([manifest.coefficient(tree.id, r.id, cfg) for r in tree.records], dtype=np.float64)
 
 
-def _policy_logprobs(tree: TrajectoryTree, ref: CallRef) -> tuple[float, ...] | None:
-    """A call's sampler logprobs, one per policy token in order, or None when any segment lacks them."""
+def _policy_logprobs(tree: TrajectoryTree, ref: CallRef) -> tuple[tuple[float, int], ...] | None:
+    """A call's sampler logprobs with the weight version that sampled each (-1 unknown), one per policy
+    token in order, or None when any segment lacks logprobs."""
     crec = tree.records[ref.trajectory].calls[ref.call]
     if any(lp is None for lp in crec.logprobs):
         return None
-    return tuple(x for lp in crec.logprobs if lp is not None for x in lp)
+    return tuple(
+        (x, -1 if crec.version(j) is None else int(crec.version(j)))  # type: ignore[arg-type]
+        for j, lp in enumerate(crec.logprobs)
+        if lp is not None
+        for x in lp
+    )
 
 
 @dataclass
@@ -128,6 +136,7 @@ class _TableBuilder:
     advantage: list[float] = field(default_factory=list)
     sampler_logprob: list[float] = field(default_factory=list)
     trajectory: list[int] = field(default_factory=list)
+    sampler_version: list[int] = field(default_factory=list)
 
     def target(self, position: int, token: int) -> int:
         self.positions.append(position)
@@ -135,8 +144,9 @@ class _TableBuilder:
         return len(self.positions) - 1
 
     def contribution(
-        self, target: int, coef: float, advantage: float, logprob: float, trajectory: int
+        self, target: int, coef: float, advantage: float, logprob: float, trajectory: int, version: int
     ) -> None:
+        self.sampler_version.append(version)
         self.contrib_target.append(target)
         self.coef.append(coef)
         self.advantage.append(advantage)
@@ -153,6 +163,7 @@ class _TableBuilder:
             np.asarray(self.advantage, dtype=np.float64),
             np.asarray(self.sampler_logprob, dtype=np.float64),
             np.asarray(self.trajectory, dtype=i64),
+            np.asarray(self.sampler_version, dtype=i64),
         )
 
 
@@ -163,7 +174,7 @@ def tree_targets(
     coefs = _coefficients(tree, manifest, cfg)
     owner = _owner_calls(tree)
     _, above = _policy_counts(tree)
-    sampler: dict[CallRef, tuple[float, ...] | None] = {}
+    sampler: dict[CallRef, tuple[tuple[float, int], ...] | None] = {}
     tables: list[TargetTable] = []
     for node in tree.nodes:
         if node.index == ROOT:
@@ -185,8 +196,8 @@ def tree_targets(
                 if ref not in sampler:
                     sampler[ref] = _policy_logprobs(tree, ref)
                 lps = sampler[ref]
-                lp = lps[rank - 1] if lps is not None else math.nan
-                table.contribution(m, coefs[j], advantages.at(j, node.index), lp, j)
+                lp, v = lps[rank - 1] if lps is not None else (math.nan, -1)
+                table.contribution(m, coefs[j], advantages.at(j, node.index), lp, j, v)
         tables.append(table.build())
     return tuple(tables)
 
@@ -222,6 +233,11 @@ def call_targets(
     owned = traj.owned_policy_mask(ref.call)
     toks = traj.calls[ref.call].tokens
     lps = tree.sampler_logprobs(ref)
+    versions = [
+        -1 if seg.version is None else seg.version
+        for seg in traj.calls[ref.call].segments
+        for _ in seg.tokens
+    ]
     node_at = [n for n in tree.path(tree.call_end(ref)) for _ in tree.nodes[n].tokens]
     table = _TableBuilder()
     if coef > 0:
@@ -229,5 +245,7 @@ def call_targets(
             if owned[t]:
                 m = table.target(t - 1, toks[t])
                 lp = lps[t] if lps is not None else math.nan
-                table.contribution(m, coef, advantages.at(ref.trajectory, node_at[t]), lp, ref.trajectory)
+                table.contribution(
+                    m, coef, advantages.at(ref.trajectory, node_at[t]), lp, ref.trajectory, versions[t]
+                )
     return table.build()

@@ -153,6 +153,7 @@ def _restrict(table: TargetTable, trajectories: frozenset[int]) -> TargetTable:
         table.advantage[keep],
         table.sampler_logprob[keep],
         table.trajectory[keep],
+        None if table.sampler_version is None else table.sampler_version[keep],
     )
 
 

@@ -56,6 +56,7 @@ from treetrain.train.tree_sources import (
     update_dir,
     wrapper_config,
 )
+from treetrain.tree import TrajectoryTree
 from treetrain.tree.format import load_trees
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,26 @@ log = logging.getLogger(__name__)
 def queued_marker(out_dir: Path, rank: int) -> Path:
     """The marker of rank `rank`'s finished rollout waiting for its update: the names of its tree files."""
     return out_dir / f"queued-rank{rank}.json"
+
+
+@dataclass(frozen=True)
+class Queued:
+    """A finished rollout as its marker lists it: the tree files, their trees, the steps that timed out."""
+
+    paths: tuple[Path, ...]
+    trees: tuple[TrajectoryTree, ...]
+    step_timeouts: int
+
+
+def read_queued(run_dir: str | Path, update: int, rank: int = 0) -> Queued:
+    """Rank `rank`'s queued rollout of `update` in `run_dir` (an `OSError` or `ValueError` when missing or
+    unreadable): the trees a resumed run takes, and what tests and benchmarks check token by token."""
+    out_dir = Path(run_dir) / "rollouts" / f"update-{update:05d}"
+    listed = json.loads(queued_marker(out_dir, rank).read_text())
+    if not isinstance(listed, dict) or not isinstance(listed.get("trees"), list):
+        raise ValueError(f"{queued_marker(out_dir, rank)}: not a list of tree files")
+    paths = tuple(out_dir / "trees" / Path(str(name)).name for name in listed["trees"])
+    return Queued(paths, tuple(t for p in paths for t in load_trees(p)), int(listed.get("step_timeouts", 0)))
 
 
 @dataclass(frozen=True)
@@ -227,18 +248,15 @@ class AsyncRolloutSource:
     def _queued(self, update: int) -> Sampled | None:
         """The trees a killed run left queued for `update`, when they may still be trained (see the module
         docstring); None to sample the update again."""
-        out_dir = Path(self.cfg.run_dir) / "rollouts" / f"update-{update:05d}"
-        marker = queued_marker(out_dir, self.backend.rank)
+        marker = queued_marker(update_dir(self.cfg, update), self.backend.rank)
         if not marker.is_file():
             return None
         try:
-            listed = json.loads(marker.read_text())
-            paths = tuple(out_dir / "trees" / str(name) for name in listed["trees"])
-            trees = tuple(t for p in paths for t in load_trees(p))
-            timeouts = int(listed["step_timeouts"])
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+            queued = read_queued(self.cfg.run_dir, update, self.backend.rank)
+        except (OSError, ValueError) as exc:
             log.warning("update %d: the queued rollout cannot be read (%s); sampling it again", update, exc)
             return None
+        trees = queued.trees
         newest = max((v for t in trees for vs in t.node_versions for v in vs), default=0)
         if newest > self.feed.version:
             log.warning(
@@ -247,5 +265,5 @@ class AsyncRolloutSource:
             )  # fmt: skip
             marker.unlink()
             return None
-        log.info("update %d: taking its %d queued trees from %s", update, len(trees), out_dir)
-        return Sampled(RolloutResult(trees, paths, EngineStats(), (), timeouts), 0.0, 0.0)
+        log.info("update %d: taking its %d queued trees from %s", update, len(trees), marker.parent)
+        return Sampled(RolloutResult(trees, queued.paths, EngineStats(), (), queued.step_timeouts), 0.0, 0.0)

@@ -222,7 +222,8 @@ class Trainer:
     def update(self, index: int) -> UpdateMetrics:
         """Roll out, run one update (`treetrain.update.run.run_update`), and say what it did."""
         cfg = self.cfg
-        produced = self.source(self.backend.module, index, self.state.version)
+        trained_at = self.state.version
+        produced = self.source(self.backend.module, index, trained_at)
         if self.on_point is not None:
             self.on_point("update-start", index)
         trees = produced.trees
@@ -280,6 +281,7 @@ class Trainer:
             sampler_corrected_fraction=gap.corrected_fraction
             if gap is not None and cfg.loss.corrects_sampler
             else None,
+            sampler_gap_by_lag=gap.by_lag(trained_at) if gap is not None else (),
             staleness_min=produced.staleness.least,
             staleness_mean=produced.staleness.mean,
             staleness_max=produced.staleness.most,

@@ -109,6 +109,10 @@ class UpdateMetrics:
     """Their mean lag."""
     staleness_max: int | None = None
     """Their largest lag (at most `rollout.max_staleness`)."""
+    sampler_gap_by_lag: tuple[tuple[int, float, float, int], ...] = ()
+    """The sampler gap split by version lag: (lag, mean, max, tokens) per lag of the scored policy tokens,
+    lag ascending (tokens that record no version left out). With `rollout.max_staleness` >= 1 the lag-0
+    row is the engine's numerical mismatch and the others add the staleness."""
     stale_tokens_dropped: int = 0
     """Policy tokens of groups dropped because a token was over `rollout.max_staleness` (those groups are
     counted in `groups_dropped`)."""

@@ -1,0 +1,27 @@
+"""The version bound checked token by token from a run's tree files, for the asynchronous-training tests
+(tests/train/test_async_training.py, tests/train/test_vllm_train.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from treetrain.train.async_source import read_queued
+from treetrain.train.metrics import UpdateMetrics
+from treetrain.train.staleness import Staleness
+from treetrain.train.tree_sources import lags_of
+
+
+def queued_lags(run: Path, rows: list[UpdateMetrics]) -> dict[int, Staleness]:
+    """Per update, the lags of every policy token of the trees queued for it, at the version it trained at
+    (the version after the update before it), read token by token from the tree files."""
+    out = {}
+    for row in rows:
+        before = rows[row.update - 1].version if row.update else 0
+        out[row.update] = lags_of(read_queued(run, row.update).trees, before)
+    return out
+
+
+def within(lags: dict[int, Staleness], bound: int) -> bool:
+    return all(
+        s.least is not None and s.least >= 0 and s.most is not None and s.most <= bound for s in lags.values()
+    )
