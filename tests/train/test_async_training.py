@@ -23,7 +23,7 @@ from treetrain.cli.main import main
 from treetrain.train.async_source import AsyncRolloutSource, queued_marker, read_queued
 from treetrain.train.config import load_config
 from treetrain.train.loop import Trainer
-from treetrain.train.metrics import read_metrics
+from treetrain.train.metrics import read_evals, read_metrics
 
 pytestmark = pytest.mark.launch  # end-to-end runs: each starts its environment worker processes
 
@@ -58,8 +58,8 @@ def _hold_publish(source: AsyncRolloutSource, until: int) -> None:
 def test_the_sampler_runs_ahead_and_every_token_is_within_the_bound(tmp_path: Path) -> None:
     run = tmp_path / "run"
     threads = torch.get_num_threads()
-    try:
-        trainer = _trainer(run)
+    try:  # held-out evaluation samples on the sampler's engine between two of its updates
+        trainer = _trainer(run, "eval.every=2", "eval.tasks=2")
         assert isinstance(trainer.source, AsyncRolloutSource)
         assert trainer.cfg.loss.sampler_correction == "token_truncate"  # K >= 1: decoupled PPO by default
         _hold_publish(trainer.source, until=1)
@@ -76,6 +76,7 @@ def test_the_sampler_runs_ahead_and_every_token_is_within_the_bound(tmp_path: Pa
         assert row.staleness_mean == pytest.approx(lags[row.update].mean)
         assert row.stale_tokens_dropped == 0 and row.trajectories == GROUPS * FANOUT
     assert sum(r.trajectories for r in rows) == UPDATES * GROUPS * FANOUT
+    assert [(e.update, e.version) for e in read_evals(run / "metrics.jsonl")] == [(0, 0), (2, 2), (4, 4)]
 
 
 def test_a_sampler_running_past_the_bound_is_caught(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from support.staleness_checks import queued_lags, within
 
 from treetrain.train.metrics import read_metrics
 
@@ -67,3 +68,21 @@ def test_training_against_a_server_survives_a_kill_and_resumes(vllm_server: str,
     with urllib.request.urlopen(vllm_server + "/weight_info", timeout=30) as resp:
         label = json.loads(resp.read())["weight_version"]
     assert label == f"{(run / 'engine-weights').resolve()}@1"  # the last sync, before update 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_asynchronous_training_against_a_server(vllm_server: str, tmp_path: Path) -> None:
+    """`rollout.max_staleness=1`: the sampler thread sends requests and reloads the server while the trainer
+    steps; every token is within one version of its update's (read from the tree files), and the lag-0 part
+    of the gap is float32 rounding: the server held the weights it said it held."""
+    run = tmp_path / "run"
+    proc = _train(run, vllm_server, "--set", "rollout.max_staleness=1")
+    _, err = proc.communicate(timeout=500)
+    assert proc.returncode == 0, err[-3000:]
+    metrics = read_metrics(run / "metrics.jsonl")
+    assert [m.update for m in metrics] == [0, 1]
+    assert within(queued_lags(run, metrics), 1)
+    fresh = [row for m in metrics for row in m.sampler_gap_by_lag if row[0] == 0]
+    assert fresh and all(largest < GAP for _, _, largest, _ in fresh)
+    assert any(lag == 1 for m in metrics for lag, *_ in m.sampler_gap_by_lag)

@@ -13,54 +13,22 @@ is a delta of the wrong scale.
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
-from support.ports import free_port, run_all
+from support.two_nodes import DEMO, close_delta, two_nodes
+from support.two_nodes import delta as _delta
+from support.two_nodes import weights as _weights
 
 from treetrain.cli.main import main
 from treetrain.train.metrics import read_metrics
 
 pytestmark = pytest.mark.distributed
-TIMEOUT_S = 600
 SETTINGS = [
     "--set", "optim.name=sgd", "--set", "optim.lr=0.5", "--set", "rollout.groups_per_update=2",
     "--set", "threads=1", "--set", "measure_memory_every=0", "--set", "checkpoint_every=1",
 ]  # fmt: skip
 NODES = ["--set", "distributed.backend=deepspeed", "--set", "distributed.zero_stage=3"]
-DEMO = Path(__file__).parents[2] / "treetrain" / "assets" / "demo_model" / "model.safetensors"
-
-
-def _weights(path: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(path))
-
-
-def _delta(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> torch.Tensor:
-    """after - before over the tensors both files hold (a checkpoint stores a tied weight once)."""
-    keys = sorted(before.keys() & after.keys())
-    assert len(keys) >= len(before) - 1, "the files hold different models"
-    return torch.cat([(after[k].double() - before[k].double()).reshape(-1) for k in keys])
-
-
-def two_nodes(run_dir: Path, *args: str) -> None:
-    """Run the trainer as 2 nodes x 1 process: two launchers, one rendezvous endpoint, one run dir."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false")
-    port = free_port()
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1"]
-    rendezvous = ["--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id=treetrain-{port}"]
-    train = ["-m", "treetrain", "train", "--run-dir", str(run_dir), "--no-progress", *SETTINGS, *NODES, *args]
-    cmds = [[*launcher, f"--node_rank={node}", *rendezvous, *train] for node in range(2)]
-    for node, done in enumerate(run_all(cmds, env, TIMEOUT_S)):
-        if done.returncode is None:
-            pytest.fail(
-                f"2-node training did not finish in {TIMEOUT_S}s (a deadlock?):\n{done.output[-3000:]}"
-            )
-        if done.returncode != 0:
-            pytest.fail(f"node {node} failed ({done.returncode}):\n{done.output[-6000:]}")
 
 
 @pytest.fixture(scope="module")
@@ -68,20 +36,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("train_nodes")
     single, nodes = base / "single", base / "nodes"
     assert main(["train", "--run-dir", str(single), "--no-progress", "--updates", "2", *SETTINGS]) == 0
-    two_nodes(nodes, "--updates", "1")
+    two_nodes(nodes, *SETTINGS, *NODES, "--updates", "1")
     first = base / "nodes-update1.safetensors"
     first.write_bytes((nodes / "final" / "model.safetensors").read_bytes())
-    two_nodes(nodes, "--updates", "2", "--resume")
+    two_nodes(nodes, *SETTINGS, *NODES, "--updates", "2", "--resume")
     return {"single": single, "nodes": nodes, "first": first}
-
-
-def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    scale = float(want.norm())
-    assert scale > 0, f"{what}: the single-process update is empty"
-    err = float((got - want).norm()) / scale
-    print(f"\n{what}: 2-node vs single-process delta {err:.2e} relative")
-    assert err < 1e-5, f"{what}: 2-node delta differs from the single-process delta by {err:.2e} (relative)"
-    assert float((0.5 * got - want).norm()) / scale > 0.4  # a halved update is far outside
 
 
 def test_two_nodes_make_the_single_process_updates_across_a_resume(runs: dict[str, Path]) -> None:
@@ -94,7 +53,7 @@ def test_two_nodes_make_the_single_process_updates_across_a_resume(runs: dict[st
     one = _weights(single / "checkpoints" / "update-00001" / "model.safetensors")
     two = {k: v for k, v in _weights(single / "final" / "model.safetensors").items() if k in tied}
     first = {k: v for k, v in _weights(runs["first"]).items() if k in tied}
-    _close(_delta(start, first), _delta(start, one), "update 1")
+    close_delta(_delta(start, first), _delta(start, one), "update 1")
     assert float(_delta(one, two).abs().max()) == 0.0, "the workload changed: update 2 now trains"
     assert float(_delta(first, _weights(nodes / "final" / "model.safetensors")).abs().max()) == 0.0
 

@@ -123,6 +123,12 @@ class AsyncRolloutSource:
         """How many updates ahead of the trainer the sampler may start one (K; the negative-control tests
         run it further ahead, and the check of every token's lag catches it)."""
         self.wrapper = wrapper_config(cfg, backend.module)
+        if cfg.loss.sampler_correction == "none" and cfg.loss.ratio_source == "scoring":
+            log.warning(
+                "rollout.max_staleness=%d with loss.sampler_correction='none': stale tokens train without a "
+                "correction for the sampler (decoupled PPO is sampler_correction='token_truncate')",
+                self.max_staleness,
+            )
         model = backend.module
         self.feed = WeightFeed(model, version=0, own_model=cfg.rollout.engine == "hf")
         self.engine: GenerationEngine = make_engine(
