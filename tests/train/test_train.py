@@ -329,7 +329,7 @@ def test_kl_reference_and_forced_flat_runs(tmp_path: Path, extra: tuple[str, ...
 def test_recorded_trees_are_trained_at_the_temperature_they_were_sampled_at(tmp_path: Path) -> None:
     """A tree that says how it was sampled must match rollout.sampling (the loss scores at its temperature);
     one that says nothing (imported, or an older file) is taken as configured."""
-    from treetrain.train.tree_sources import RecordedSource
+    from treetrain.train.recorded_source import RecordedSource
     from treetrain.tree import SamplingRecord, TrajectoryTree
     from treetrain.tree.format import save_trees
     from treetrain.tree.synthetic import synthetic_group
@@ -364,7 +364,7 @@ def test_recorded_trees_are_trained_at_the_temperature_they_were_sampled_at(tmp_
 
 def test_a_recorded_file_is_one_group_and_globs_recurse(tmp_path: Path) -> None:
     """Two trees with rewards [1, 1] and [0, 0] stored as one group have variance; apart, neither would."""
-    from treetrain.train.tree_sources import RecordedSource
+    from treetrain.train.recorded_source import RecordedSource
     from treetrain.tree.format import save_trees
     from treetrain.tree.synthetic import synthetic_group
 

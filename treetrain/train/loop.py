@@ -44,12 +44,12 @@ from treetrain.train.held_out import HeldOut, check_disjoint, held_out_tasks
 from treetrain.train.metrics import MetricsWriter, UpdateMetrics, read_evals, read_metrics
 from treetrain.train.models import export_merged, load_models
 from treetrain.train.progress import Progress
+from treetrain.train.recorded_source import RecordedSource
 from treetrain.train.resume import SAVED_CONFIG, check_resumable, saved_config
 from treetrain.train.rundir import RunLock, abandon_run_dir, claim_run_dir, remove_run_artifacts
 from treetrain.train.summary import RunSummary, plot_rewards
 from treetrain.train.trainer_state import TrainerState, resume_state, save_trainer_state
 from treetrain.train.tree_sources import (
-    RecordedSource,
     RolloutSource,
     check_context,
     check_first_prompt,
