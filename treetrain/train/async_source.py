@@ -30,6 +30,7 @@ import contextlib
 import functools
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -44,6 +45,7 @@ from treetrain.rollout.engines.factory import make_engine
 from treetrain.rollout.engines.generation import EngineStats, GenerationEngine
 from treetrain.rollout.tree_rollout import RolloutResult, rollout_trees
 from treetrain.rollout.weight_feed import SamplerStopped, WeightFeed
+from treetrain.runfs import UnsafePathError, read_bytes, remove_file
 from treetrain.train.config import TrainConfig
 from treetrain.train.staleness import split_stale
 from treetrain.train.tree_sources import (
@@ -67,6 +69,10 @@ def queued_marker(out_dir: Path, rank: int) -> Path:
     return out_dir / f"queued-rank{rank}.json"
 
 
+MAX_MARKER_BYTES = 1 << 20
+"""Largest marker read back (a name per tree of one rank's update: far below this)."""
+
+
 @dataclass(frozen=True)
 class Queued:
     """A finished rollout as its marker lists it: the tree files, their trees, the steps that timed out."""
@@ -80,7 +86,10 @@ def read_queued(run_dir: str | Path, update: int, rank: int = 0) -> Queued:
     """Rank `rank`'s queued rollout of `update` in `run_dir` (an `OSError` or `ValueError` when missing or
     unreadable): the trees a resumed run takes, and what tests and benchmarks check token by token."""
     out_dir = Path(run_dir) / "rollouts" / f"update-{update:05d}"
-    listed = json.loads(queued_marker(out_dir, rank).read_text())
+    raw = read_bytes(run_dir, queued_marker(out_dir, rank), MAX_MARKER_BYTES)  # never through a link
+    if len(raw) > MAX_MARKER_BYTES:
+        raise ValueError(f"{queued_marker(out_dir, rank)}: over {MAX_MARKER_BYTES} bytes")
+    listed = json.loads(raw)
     if not isinstance(listed, dict) or not isinstance(listed.get("trees"), list):
         raise ValueError(f"{queued_marker(out_dir, rank)}: not a list of tree files")
     paths = tuple(out_dir / "trees" / Path(str(name)).name for name in listed["trees"])
@@ -255,11 +264,11 @@ class AsyncRolloutSource:
         """The trees a killed run left queued for `update`, when they may still be trained (see the module
         docstring); None to sample the update again."""
         marker = queued_marker(update_dir(self.cfg, update), self.backend.rank)
-        if not marker.is_file():
+        if not os.path.lexists(marker):
             return None
         try:
             queued = read_queued(self.cfg.run_dir, update, self.backend.rank)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, UnsafePathError) as exc:
             log.warning("update %d: the queued rollout cannot be read (%s); sampling it again", update, exc)
             return None
         trees = queued.trees
@@ -269,7 +278,7 @@ class AsyncRolloutSource:
                 "update %d: the queued rollout holds tokens of version %d, newer than the resumed trainer's "
                 "%d; sampling it again", update, newest, self.feed.version,
             )  # fmt: skip
-            marker.unlink()
+            remove_file(self.cfg.run_dir, marker)
             return None
         log.info("update %d: taking its %d queued trees from %s", update, len(trees), marker.parent)
         return Sampled(RolloutResult(trees, queued.paths, EngineStats(), (), queued.step_timeouts), 0.0, 0.0)
