@@ -221,6 +221,7 @@ def async_training(dry: bool) -> list[str]:
     )
     assert spec is not None and spec.loader is not None
     overlap = importlib.util.module_from_spec(spec)
+    sys.modules["async_overlap"] = overlap  # its dataclasses look their module up there
     spec.loader.exec_module(overlap)
     updates = 2 if dry else 8
     with tempfile.TemporaryDirectory() as tmp:
