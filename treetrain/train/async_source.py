@@ -110,8 +110,9 @@ class Sampled:
 class AsyncRolloutSource:
     """The trees of each update, grown ahead by a sampler thread; see the module docstring.
 
-    `start` is the first update to train and `version` the trainer's weight version then. Call it with an
-    update index to take that update's trees (waiting for them if need be), and `trained` after each step.
+    `start` is the first update to train. The first call publishes the trainer's weights and starts the
+    sampler thread; each call takes one update's trees (waiting for them if need be), and `trained` after
+    each step publishes the new weights and lets the sampler on.
     """
 
     def __init__(
@@ -143,7 +144,6 @@ class AsyncRolloutSource:
         self.engine: GenerationEngine = make_engine(
             engine_spec(cfg, model, backend.world_size), self.feed.sampling_model
         )
-        self.stats = EngineStats()
         self._serving = threading.Lock()  # held while the sampler grows an update, or evaluation samples
         self._cond = threading.Condition()
         self._trained = start
@@ -208,6 +208,9 @@ class AsyncRolloutSource:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=60)
+            if self._thread.is_alive():  # a tool call that does not return: the daemon thread ends with us
+                log.warning("the sampler thread is still in a rollout step after 60 s; leaving it")
+                return
         with self._serving:
             self.engine.close()
 
@@ -245,13 +248,11 @@ class AsyncRolloutSource:
             self.on_point("rollout-start", update)
         if self.feed.due(self.engine.version):
             self.feed.sync(self.engine)
-        before = self.engine.stats.since(EngineStats())
         result = rollout_trees(
             self.feed.sampling_model, self.tokenizer, self.make_env, task_seeds(self.cfg, update)[rank::world],
             out_dir, rollout_config(self.cfg, self.wrapper, None), env_name=self.cfg.env.name,
             engine=self.engine, weights=self.feed,
         )  # fmt: skip
-        self.stats = self.engine.stats.since(before)
         if not result.failures:
             names = [p.name for p in result.paths]
             listed = json.dumps({"trees": names, "step_timeouts": result.step_timeouts})
