@@ -146,7 +146,11 @@ def check_supported(
         foreign = module_state_reason(unwrap(model))
     if foreign is not None:
         raise UnsupportedModelError(f"model type {mtype!r} {foreign}")
-    if mtype in RECURRENT_MODEL_TYPES and not recurrent_layers(unwrap(model)):
+    declared = getattr(config, "layer_types", None) or []
+    # With `layer_types` declared, a layer whose block builds a known recurrent mixer counts as recurrent
+    # whatever its name (`recurrent_layers`), so none found means attention layers only, which the probes
+    # check like any model's; without them, where the state lives is unknown.
+    if mtype in RECURRENT_MODEL_TYPES and not declared and not recurrent_layers(unwrap(model)):
         raise UnsupportedModelError(
             f"model type {mtype!r} keeps recurrent state in layers its config does not declare (no `layer_types` "
             "entry 'linear_attention' or 'hybrid'); resident state covers KV and the recurrent layers of the "
@@ -155,9 +159,8 @@ def check_supported(
         )
     if mixer is not None:
         raise UnsupportedModelError(f"model type {mtype!r}: {mixer}")
-    layer_types = getattr(config, "layer_types", None) or []
     odd = sorted(
-        set(layer_types)
+        set(declared)
         - FULL_ATTENTION_TYPES
         - SLIDING_TYPES
         - RECURRENT_LAYER_TYPES

@@ -129,10 +129,12 @@ def families() -> tuple[str, ...]:
     return tuple(sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
 
 
-def tiny_family_config(family: str) -> PretrainedConfig:
-    """A tiny config of `family`: `_COMMON` sizes with the family's `OVERRIDES`; fields a strict config
-    refuses are dropped one by one (the first refusal that is not about a known field is raised)."""
+def tiny_family_config(family: str, changes: Mapping[str, Any] | None = None) -> PretrainedConfig:
+    """A tiny config of `family`: `_COMMON` sizes with the family's `OVERRIDES` and then `changes` (another
+    layer count or layer pattern, say); fields a strict config refuses are dropped one by one (the first
+    refusal that is not about a known field is raised)."""
     fields = dict(_COMMON, **OVERRIDES.get(family, {}))
+    fields.update(changes or {})
     for _ in range(len(fields)):
         try:
             return AutoConfig.for_model(family, **fields)
