@@ -295,6 +295,14 @@ def _probe(
             # Tell a layer that attends over other tensors than it caches (DiffLlama splits its cached values)
             # from a past the model cannot continue at all: the layer's own attention over the concatenated past.
             again = _continue(model, ids, pos, split, past, first.recurrent, concatenate=True)
+            windowed = active_window(model, length)
+            if _split_error(whole, first.hidden, again) <= tol and windowed is not None:
+                raise UnsupportedModelError(
+                    f"model type {mtype!r} uses a sliding window of {windowed} tokens, and shared-past attention "
+                    f"over resident KV changes the hidden states across it (relative error {shared_err:.2e}) where "
+                    "the layer's own attention over the concatenated past does not: its window is not reproduced "
+                    "over resident KV for this model (use sequences no longer than the window)"
+                )
             if _split_error(whole, first.hidden, again) <= tol:
                 raise UnsupportedModelError(
                     f"model type {mtype!r}: shared-past attention over resident KV changes the hidden states "
