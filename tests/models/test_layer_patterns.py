@@ -18,7 +18,7 @@ from treetrain.models.decoder import decoder_layers
 from treetrain.models.recurrent_kinds import kind_of
 from treetrain.models.recurrent_state import EngineCache, hybrid_layers, recurrent_layers
 from treetrain.models.support import UnsupportedModelError, check_supported
-from treetrain.models.support_table import tiny_family_config
+from treetrain.models.tiny_family import tiny_family_config
 
 PATTERNS: list[tuple[str, dict[str, Any]]] = [
     ("zamba2", dict(num_hidden_layers=1, layers_block_type=["hybrid"])),

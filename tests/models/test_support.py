@@ -18,7 +18,8 @@ from treetrain.models.attention import shared_past_reason
 from treetrain.models.foreign_state import forward_state_reason, module_state_reason
 from treetrain.models.presets import EAGER_ONLY, tiny_model
 from treetrain.models.support import UnsupportedModelError, check_supported
-from treetrain.models.support_table import support_row, tiny_family_config
+from treetrain.models.support_table import support_row
+from treetrain.models.tiny_family import tiny_family_config
 
 VOCAB = 64
 SMALL: dict[str, Any] = dict(
