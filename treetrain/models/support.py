@@ -80,6 +80,20 @@ RECURRENT_MODEL_TYPES = frozenset(
 )
 #: Config flags that make attention bidirectional, with the value that does.
 BIDIRECTIONAL_FLAGS: dict[str, bool] = {"use_bidirectional_attention": True, "is_causal": False}
+#: What a layer type the engine does not run keeps or reads that resident KV does not hold: the refusal
+#: names it.
+LAYER_TYPE_REASONS: dict[str, str] = {
+    "indexed_attention": (
+        "indexed sparse attention: an indexer scores every earlier position with keys of its own and each query "
+        "attends to the top k, so the indexer's keys would be one more resident tensor, which the engine does not "
+        "keep"
+    ),
+    "chunked_attention": (
+        "chunked attention: a query sees only the keys of its own fixed-size chunk, a mask shared-past attention "
+        "does not build over resident KV"
+    ),
+    "conv": "short-convolution layers: their conv window is state the engine does not keep resident",
+}
 #: RoPE types whose frequencies depend on the longest position of the forward call.
 LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
 
@@ -168,8 +182,10 @@ def check_supported(
         - STATELESS_LAYER_TYPES
     )
     if odd:
+        why = "; ".join(LAYER_TYPE_REASONS[t] for t in odd if t in LAYER_TYPE_REASONS)
         raise UnsupportedModelError(
-            f"model type {mtype!r} has layer types {odd}; only full (and covered sliding) attention is supported"
+            f"model type {mtype!r} has layer types {odd}{f' ({why})' if why else ''}; only full (and covered "
+            "sliding) attention, and the recurrent kinds of `treetrain.models.recurrent_kinds`, are supported"
         )
     dynamic = sorted(_rope_types(config) & LENGTH_DEPENDENT_ROPE)
     if dynamic:

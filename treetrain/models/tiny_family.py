@@ -82,6 +82,10 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     ),
     "recurrent_gemma": dict(num_hidden_layers=3),  # recurrent, recurrent, (windowed) attention
     "beam": dict(n_group=1, topk_group=1),  # expert groups of the 4 tiny experts
+    # Indexed sparse attention (DeepSeek V3.2, GLM-5): a small indexer over MLA
+    "deepseek_v32": dict(_MLA, index_topk=4, index_head_dim=8, index_n_heads=2),
+    "glm_moe_dsa": dict(_MLA, index_topk=4, index_head_dim=8, index_n_heads=2),
+    "deepseek_v4": dict(q_lora_rank=16, o_groups=2, o_lora_rank=16, index_topk=4, index_head_dim=8, index_n_heads=2),
     # Phi-3.5-MoE and Doge with the sliding window their attention masks by (their configs default to none)
     "phimoe": dict(sliding_window=SHORT),
     "doge": dict(sliding_window=SHORT),
