@@ -15,6 +15,7 @@ import pytest
 import torch
 from support.replay_cases import SHAPES, VOCAB, make_batch
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers.masking_utils import chunked_causal_mask_function, sliding_window_causal_mask_function
 
 import treetrain.models.attention as attention
 from treetrain.loss.loss_config import LossConfig
@@ -123,3 +124,20 @@ def test_negative_control_doge_through_shared_past_attention_without_its_mask_is
         check_supported(_factory("doge")(), 64)
     bad = _deviation("doge", check_model=False)
     assert bad > 100 * 5.0 * floor
+
+
+def test_only_a_sliding_window_mask_gives_its_window_and_a_chunked_one_does_not() -> None:
+    """A chunked mask passes its chunk size to the mask call as a sliding one passes its window; taking
+    it for a window would attend across chunks."""
+    pad = torch.zeros(1, dtype=torch.long)
+    cases = [
+        (sliding_window_causal_mask_function(4), 4),
+        (chunked_causal_mask_function(4, pad), None),  # the negative control
+    ]
+    for mask_function, expected in cases:
+        token = attention._MASKS.set(())
+        try:
+            attention._no_mask(local_size=4, mask_function=mask_function)
+            assert attention._mask_window() == expected
+        finally:
+            attention._MASKS.reset(token)

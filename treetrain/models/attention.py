@@ -248,8 +248,24 @@ def _no_mask(*args: Any, **kwargs: Any) -> None:
     some layers (PhiMoE, Doge) window their attention only through the mask their model builds, never
     passing `sliding_window` to the attention function."""
     size = kwargs.get("local_size")
-    _MASKS.set((*_MASKS.get(), int(size) if size else None))
+    window = int(size) if size else None
+    if window is not None and not _is_sliding_window(kwargs.get("mask_function"), window):
+        window = -1  # a chunked mask passes its chunk as `local_size` too: no window to take
+    _MASKS.set((*_MASKS.get(), window))
     return None
+
+
+def _is_sliding_window(mask_function: Any, window: int) -> bool:
+    """Whether `mask_function` (batch, head, query, key -> visible) is the causal sliding window of
+    `window` keys, checked over positions `0..3 * window`."""
+    n = 3 * window
+    q, kv = torch.arange(n)[:, None], torch.arange(n)[None, :]  # [n, 1], [1, n]
+    zero = torch.zeros((), dtype=torch.long)
+    try:
+        got = torch.as_tensor(mask_function(zero, zero, q, kv)).expand(n, n)  # [n, n]
+    except Exception:  # a mask function of another form: not one to read a window from
+        return False
+    return bool(torch.equal(got.bool(), (kv <= q) & (kv > q - window)))
 
 
 def _mask_window() -> int | None:
@@ -257,7 +273,7 @@ def _mask_window() -> int | None:
     passes no `sliding_window` then has only that mask to take it from); None otherwise."""
     built = set(_MASKS.get())
     window = next(iter(built)) if len(built) == 1 else None
-    return window
+    return window if window is not None and window > 0 else None
 
 
 _GQA = is_torch_greater_or_equal("2.5")  # SDPA's `enable_gqa`
