@@ -257,12 +257,18 @@ def _no_mask(*args: Any, **kwargs: Any) -> None:
 
 def _is_sliding_window(mask_function: Any, window: int) -> bool:
     """Whether `mask_function` (batch, head, query, key -> visible) is the causal sliding window of
-    `window` keys, checked over positions `0..3 * window`."""
-    n = 3 * window
-    q, kv = torch.arange(n)[:, None], torch.arange(n)[None, :]  # [n, 1], [1, n]
+    `window` keys, read at the positions where a window and a chunk of that size differ (a few dozen,
+    whatever the window: this runs at every mask call)."""
+    pairs = [
+        (q, k)
+        for q in (window - 1, window, 2 * window - 1, 2 * window, 3 * window)
+        for k in (q - window, q - window + 1, q - 1, q, q + 1)
+        if k >= 0
+    ]
+    q, kv = torch.tensor(pairs).T  # [N], [N]
     zero = torch.zeros((), dtype=torch.long)
     try:
-        got = torch.as_tensor(mask_function(zero, zero, q, kv)).expand(n, n)  # [n, n]
+        got = torch.as_tensor(mask_function(zero, zero, q, kv)).expand(q.shape)  # [N]
     except Exception:  # a mask function of another form: not one to read a window from
         return False
     return bool(torch.equal(got.bool(), (kv <= q) & (kv > q - window)))
