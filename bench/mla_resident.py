@@ -32,7 +32,8 @@ from treetrain.bytesize import format_bytes
 from treetrain.io import atomic_write_text
 from treetrain.memory.persistent import kv_bytes_per_token
 from treetrain.models.recurrent_state import RECURRENT_LAYER_TYPES
-from treetrain.models.support_table import families, tiny_family_config
+from treetrain.models.support_table import families
+from treetrain.models.tiny_family import tiny_family_config
 
 TOKENS = 12
 PREFIX = 32_768

@@ -18,7 +18,8 @@ from treetrain.models.attention import shared_past_reason
 from treetrain.models.foreign_state import forward_state_reason, module_state_reason
 from treetrain.models.presets import EAGER_ONLY, tiny_model
 from treetrain.models.support import UnsupportedModelError, check_supported
-from treetrain.models.support_table import support_row, tiny_family_config
+from treetrain.models.support_table import MAX_PARAMETERS, support_row
+from treetrain.models.tiny_family import tiny_family_config
 
 VOCAB = 64
 SMALL: dict[str, Any] = dict(
@@ -171,12 +172,28 @@ def test_blocks_under_other_names_are_found_and_checked_by_behaviour(family: str
         ("bert", r"has no decoder stack with its blocks in `.layers`, `.h`, `.blocks`"),
         ("diffllama", "attend over other tensors than they cache"),
         ("minimax", r"runs its recurrence inline in its forward.*MiniMaxCache's linear cache"),
+        ("deepseek_v32", r"\['indexed_attention'\] \(indexed sparse attention: .*indexer's keys"),
+        ("glm_moe_dsa", r"\['indexed_attention'\] \(indexed sparse attention: .*indexer's keys"),
+        ("llama4_text", r"\['chunked_attention'\] \(chunked attention: a query sees only .* its own"),
+        ("lfm2", r"\['conv'\] \(short-convolution layers"),
     ],
 )
 def test_refusals_give_the_true_reason(family: str, reason: str) -> None:
     row = support_row(family)
     assert row.status == "refused" and re.search(reason, row.note), row
     assert "looped" not in row.note
+
+
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa", "llama4_text"])
+def test_indexed_and_chunked_attention_families_are_checked_on_small_models_with_those_layers(
+    family: str,
+) -> None:
+    """Their tiny models are built (under `MAX_PARAMETERS`) with the layers the refusal names: the page
+    says what was checked, not "not checked"."""
+    model = AutoModelForCausalLM.from_config(tiny_family_config(family))
+    kinds = {type(m).__name__ for m in model.modules()}
+    assert sum(p.numel() for p in model.parameters()) < MAX_PARAMETERS
+    assert any("Indexer" in k for k in kinds) or model.config.get_text_config().attention_chunk_size == 6
 
 
 @pytest.mark.parametrize(

@@ -58,19 +58,30 @@ _UNMODELLED = ("position_bias",)
 #: Config fields of attention soft-capping: torch's fused kernels with a log-sum-exp take no score
 #: modification, so shared-past attention runs its plain-PyTorch reference for such a model.
 SOFTCAP_CONFIG = ("attn_logit_softcapping",)
+CACHE_MISMATCH = "its cache holds other tensors than the keys and values its attention reads"
+OWN_MASK = (
+    "its attention takes a mask of its own making (as Doge's dynamic mask: a learned bias per key), which "
+    "shared-past attention, masking by position alone, does not reproduce"
+)
 
 
 class PastLayoutError(RuntimeError):
-    """A layer's resident pieces are not shaped like the keys and values it attends over."""
+    """A layer attends over something shared-past attention does not reproduce from the resident pieces:
+    keys and values of other shapes than the cache holds, or a mask of the layer's own making."""
+
+    def __init__(self, message: str, reason: str = CACHE_MISMATCH) -> None:
+        super().__init__(message)
+        self.reason = reason
+        """Why the model takes the concatenated path, as `shared_past_reason` says it."""
 
 
-#: Model classes whose cache was found, on a forward, to hold other tensors than their attention's keys and
-#: values (e.g. keys kept per KV head and expanded by the layer itself); they take the concatenated path.
-_LAYOUT_MISMATCH: set[type] = set()
+#: Model classes found, on a forward, to attend over something the resident pieces do not reproduce, and
+#: why (`PastLayoutError.reason`); they take the concatenated path.
+_LAYOUT_MISMATCH: dict[type, str] = {}
 
 
-def mark_layout_mismatch(model: PreTrainedModel) -> None:
-    _LAYOUT_MISMATCH.add(type(model))
+def mark_layout_mismatch(model: PreTrainedModel, reason: str = CACHE_MISMATCH) -> None:
+    _LAYOUT_MISMATCH[type(model)] = reason
 
 
 @dataclass(frozen=True)
@@ -80,6 +91,8 @@ class _Active:
 
 
 _ACTIVE: ContextVar[_Active | None] = ContextVar("treetrain_shared_past", default=None)
+#: The windows of the masks the running forward built (None for a plain causal one), in order.
+_MASKS: ContextVar[tuple[int | None, ...]] = ContextVar("treetrain_shared_masks", default=())
 
 
 def shared_past_reason(model: PreTrainedModel) -> str | None:
@@ -90,7 +103,7 @@ def shared_past_reason(model: PreTrainedModel) -> str | None:
     if not (getattr(model, "_supports_attention_backend", False) or hybrid_attention_uses_interface(model)):
         return f"{type(model).__name__}'s attention does not go through transformers' attention interface"
     if type(model) in _LAYOUT_MISMATCH:
-        return "its cache holds other tensors than the keys and values its attention reads"
+        return _LAYOUT_MISMATCH[type(model)]
     return None
 
 
@@ -165,13 +178,15 @@ def shared_past_forward(
             f"{type(module).__name__} passes {extra or ['dropout']} to its attention, which shared-past attention "
             "does not model; this model must use the concatenated path (shared_past_reason)"
         )
+    if attention_mask is not None:  # the model's own masks are `_no_mask`'s None: the layer made this one
+        raise PastLayoutError(f"{type(module).__name__} attends under a mask of its own making", OWN_MASK)
     layer = kv_source_layer(module)
     past, grads = active.past.layer(layer)
     expand = getattr(module, "expand_kv", None)
     if callable(expand):  # MLA: the cache holds latents, which the layer expands to keys and values
         past, grads = expanded_past(expand, past, grads, anchor=query)
     _check_past_shapes(module, layer, past, key, value)
-    window = kwargs.get("sliding_window")
+    window = kwargs.get("sliding_window") or _mask_window()
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))  # [H], gpt-oss's learned per-head sink logits
     softcap = kwargs.get("softcap")  # Gemma 2's attention soft-capping
     form = ScoreForm(
@@ -228,8 +243,43 @@ def _check_past_shapes(
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:
-    """Shared-past attention builds its masks from positions; Hugging Face's mask would go unused."""
+    """Shared-past attention builds its masks from positions; Hugging Face's mask would go unused. What
+    it records is the mask's window (`local_size`, which only transformers' sliding-window masks pass):
+    some layers (PhiMoE, Doge) window their attention only through the mask their model builds, never
+    passing `sliding_window` to the attention function."""
+    size = kwargs.get("local_size")
+    window = int(size) if size else None
+    if window is not None and not _is_sliding_window(kwargs.get("mask_function"), window):
+        window = -1  # a chunked mask passes its chunk as `local_size` too: no window to take
+    _MASKS.set((*_MASKS.get(), window))
     return None
+
+
+def _is_sliding_window(mask_function: Any, window: int) -> bool:
+    """Whether `mask_function` (batch, head, query, key -> visible) is the causal sliding window of
+    `window` keys, read at the positions where a window and a chunk of that size differ (a few dozen,
+    whatever the window: this runs at every mask call)."""
+    pairs = [
+        (q, k)
+        for q in (window - 1, window, 2 * window - 1, 2 * window, 3 * window)
+        for k in (q - window, q - window + 1, q - 1, q, q + 1)
+        if k >= 0
+    ]
+    q, kv = torch.tensor(pairs).T  # [N], [N]
+    zero = torch.zeros((), dtype=torch.long)
+    try:
+        got = torch.as_tensor(mask_function(zero, zero, q, kv)).expand(q.shape)  # [N]
+    except Exception:  # a mask function of another form: not one to read a window from
+        return False
+    return bool(torch.equal(got.bool(), (kv <= q) & (kv > q - window)))
+
+
+def _mask_window() -> int | None:
+    """The window of the masks this forward built, when they are all one sliding window (a layer that
+    passes no `sliding_window` then has only that mask to take it from); None otherwise."""
+    built = set(_MASKS.get())
+    window = next(iter(built)) if len(built) == 1 else None
+    return window if window is not None and window > 0 else None
 
 
 _GQA = is_torch_greater_or_equal("2.5")  # SDPA's `enable_gqa`
@@ -293,9 +343,11 @@ def engine_attention(
         return
     _register()
     token = _ACTIVE.set(_Active(shared, positions) if shared is not None and positions is not None else None)
+    masks = _MASKS.set(())
     config._attn_implementation = name
     try:
         yield
     finally:
         config._attn_implementation = original
         _ACTIVE.reset(token)
+        _MASKS.reset(masks)

@@ -214,10 +214,10 @@ def decoder_forward(
             out = base(input_ids=ids, position_ids=positions, use_cache=True, **kwargs)
             if argument:
                 rwkv_state.finish(cache, shifts, out.state)  # type: ignore[arg-type]
-    except PastLayoutError:
+    except PastLayoutError as exc:
         if not shared:
             raise
-        mark_layout_mismatch(unwrap(model))  # from now on this class takes the concatenated path
+        mark_layout_mismatch(unwrap(model), exc.reason)  # from now on this class takes the concatenated path
         return decoder_forward(model, input_ids, positions, past, lengths=lengths)
     returned: Any = getattr(out, "cache", None) or getattr(out, "past_key_values", None) or cache
     keys: list[torch.Tensor] = []

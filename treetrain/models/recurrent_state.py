@@ -38,6 +38,7 @@ Example:
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -64,18 +65,39 @@ STATELESS_LAYER_TYPES = frozenset({"mlp", "moe"})
 
 
 def _layer_types(model: nn.Module) -> list[str]:
-    """The config's `layer_types`; for a model that passes its state as a forward argument the engine fills
-    (RWKV: `treetrain.models.rwkv_state`), every layer with a WKV mixer is a recurrent one."""
+    """The config's `layer_types`, read as the model builds them: a layer whose block holds a recurrent
+    mixer of a known kind is a recurrent layer whatever its declared name (Zamba and Zamba 2 build a Mamba
+    block for every type but 'hybrid', 'full_attention' included), so the engine never expects KV from a
+    layer that keeps none. For a model that passes its state as a forward argument the engine fills (RWKV:
+    `treetrain.models.rwkv_state`), every layer with a WKV mixer is a recurrent one."""
     config = model.config.get_text_config(decoder=True)  # type: ignore[union-attr,operator]
     declared = list(getattr(config, "layer_types", None) or [])
     if declared:
-        return declared
+        built = _built_mixers(model)
+        stateful = RECURRENT_LAYER_TYPES | HYBRID_LAYER_TYPES
+        return ["linear_attention" if i in built and t not in stateful else t for i, t in enumerate(declared)]
     found = argument_state_mixers(model)
     return (
         ["linear_attention" if i in found else "full_attention" for i in range(max(found) + 1)]
         if found
         else []
     )
+
+
+_BUILT: weakref.WeakKeyDictionary[nn.Module, frozenset[int]] = weakref.WeakKeyDictionary()
+
+
+def _built_mixers(model: nn.Module) -> frozenset[int]:
+    """Layer indices of the model's modules that are recurrent mixers of a known kind, found once per model
+    (its modules do not change after it is built; every forward asks)."""
+    found = _BUILT.get(model)
+    if found is None:
+        indices = (
+            getattr(m, "layer_idx", getattr(m, "layer_id", None)) for m in model.modules() if kind_of(m)
+        )
+        found = frozenset(i for i in indices if isinstance(i, int) and i >= 0)
+        _BUILT[model] = found
+    return found
 
 
 def argument_state_mixers(model: nn.Module) -> dict[int, Any]:

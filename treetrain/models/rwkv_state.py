@@ -18,7 +18,7 @@ overwrites in place (a saved tensor autograd would refuse); the engine appends o
 the sequence path runs, and drops it again. Padding after a row's last token changes nothing before it.
 
 Example:
-    >>> from treetrain.models.support_table import tiny_family_config
+    >>> from treetrain.models.tiny_family import tiny_family_config
     >>> from transformers import AutoModelForCausalLM
     >>> model = AutoModelForCausalLM.from_config(tiny_family_config("rwkv"))
     >>> sorted(argument_state_mixers(model))

@@ -80,6 +80,20 @@ RECURRENT_MODEL_TYPES = frozenset(
 )
 #: Config flags that make attention bidirectional, with the value that does.
 BIDIRECTIONAL_FLAGS: dict[str, bool] = {"use_bidirectional_attention": True, "is_causal": False}
+#: What a layer type the engine does not run keeps or reads that resident KV does not hold: the refusal
+#: names it.
+LAYER_TYPE_REASONS: dict[str, str] = {
+    "indexed_attention": (
+        "indexed sparse attention: an indexer scores every earlier position with keys of its own and each query "
+        "attends to the top k, so the indexer's keys would be one more resident tensor, which the engine does not "
+        "keep"
+    ),
+    "chunked_attention": (
+        "chunked attention: a query sees only the keys of its own fixed-size chunk, a mask shared-past attention "
+        "does not build over resident KV"
+    ),
+    "conv": "short-convolution layers: their conv window is state the engine does not keep resident",
+}
 #: RoPE types whose frequencies depend on the longest position of the forward call.
 LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
 
@@ -146,7 +160,11 @@ def check_supported(
         foreign = module_state_reason(unwrap(model))
     if foreign is not None:
         raise UnsupportedModelError(f"model type {mtype!r} {foreign}")
-    if mtype in RECURRENT_MODEL_TYPES and not recurrent_layers(unwrap(model)):
+    declared = getattr(config, "layer_types", None) or []
+    # With `layer_types` declared, a layer whose block builds a known recurrent mixer counts as recurrent
+    # whatever its name (`recurrent_layers`), so none found means attention layers only, which the probes
+    # check like any model's; without them, where the state lives is unknown.
+    if mtype in RECURRENT_MODEL_TYPES and not declared and not recurrent_layers(unwrap(model)):
         raise UnsupportedModelError(
             f"model type {mtype!r} keeps recurrent state in layers its config does not declare (no `layer_types` "
             "entry 'linear_attention' or 'hybrid'); resident state covers KV and the recurrent layers of the "
@@ -155,9 +173,8 @@ def check_supported(
         )
     if mixer is not None:
         raise UnsupportedModelError(f"model type {mtype!r}: {mixer}")
-    layer_types = getattr(config, "layer_types", None) or []
     odd = sorted(
-        set(layer_types)
+        set(declared)
         - FULL_ATTENTION_TYPES
         - SLIDING_TYPES
         - RECURRENT_LAYER_TYPES
@@ -165,8 +182,10 @@ def check_supported(
         - STATELESS_LAYER_TYPES
     )
     if odd:
+        why = "; ".join(LAYER_TYPE_REASONS[t] for t in odd if t in LAYER_TYPE_REASONS)
         raise UnsupportedModelError(
-            f"model type {mtype!r} has layer types {odd}; only full (and covered sliding) attention is supported"
+            f"model type {mtype!r} has layer types {odd}{f' ({why})' if why else ''}; only full (and covered "
+            "sliding) attention, and the recurrent kinds of `treetrain.models.recurrent_kinds`, are supported"
         )
     dynamic = sorted(_rope_types(config) & LENGTH_DEPENDENT_ROPE)
     if dynamic:
@@ -292,6 +311,14 @@ def _probe(
             # Tell a layer that attends over other tensors than it caches (DiffLlama splits its cached values)
             # from a past the model cannot continue at all: the layer's own attention over the concatenated past.
             again = _continue(model, ids, pos, split, past, first.recurrent, concatenate=True)
+            windowed = active_window(model, length)
+            if _split_error(whole, first.hidden, again) <= tol and windowed is not None:
+                raise UnsupportedModelError(
+                    f"model type {mtype!r} uses a sliding window of {windowed} tokens, and shared-past attention "
+                    f"over resident KV changes the hidden states across it (relative error {shared_err:.2e}) where "
+                    "the layer's own attention over the concatenated past does not: its window is not reproduced "
+                    "over resident KV for this model (use sequences no longer than the window)"
+                )
             if _split_error(whole, first.hidden, again) <= tol:
                 raise UnsupportedModelError(
                     f"model type {mtype!r}: shared-past attention over resident KV changes the hidden states "

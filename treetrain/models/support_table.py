@@ -34,19 +34,22 @@ from typing import Any, Literal
 
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from treetrain.io import atomic_write_bytes
 from treetrain.models.attention import shared_past_kernel_note, shared_past_reason
 from treetrain.models.decoder import cache_layer_indices, decoder_layers
+from treetrain.models.layer_kinds import describe
 from treetrain.models.logit_head import LogitHead, logit_transform, output_head
 from treetrain.models.presets import RECURRENT_FAMILIES
 from treetrain.models.recurrent_state import hybrid_layers, mixers
 from treetrain.models.support import UnsupportedModelError, check_supported, short_message
+from treetrain.models.tiny_family import SHORT, VOCAB, tiny_family_config
 
 COMMAND = "python -m treetrain.models.support_table docs/model-support.md"
-VOCAB = 64
+#: The support check's split probe: its tokens (a window or chunk shorter than this is crossed by it).
+PROBE = 12
 #: A tiny config larger than this is not built (a field the generic sizes below do not reach).
 MAX_PARAMETERS = 8_000_000
 Status = Literal["accepted", "refused", "not checked"]
@@ -61,53 +64,6 @@ VLLM_CHECKED: Mapping[str, str] = MappingProxyType(
 """Families whose vLLM path (`rollout.engine=vllm`: serving, weight sync, the sampler/trainer gap at
 rounding) a test in the suite runs against a real vLLM, and that test; the page's vLLM column."""
 
-#: Sizes under the names most configs use (or map through their `attribute_map`).
-_COMMON: dict[str, Any] = dict(
-    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=8, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
-    eos_token_id=2, tie_word_embeddings=False, num_experts=4, num_local_experts=4, n_routed_experts=4,
-    num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
-)  # fmt: skip
-_MLA: dict[str, Any] = dict(
-    num_key_value_heads=4, head_dim=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8,
-    v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=1,
-    n_group=1, topk_group=1,
-)  # fmt: skip
-_KV_SHARED: dict[str, Any] = dict(
-    num_hidden_layers=4, num_kv_shared_layers=2, hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB,
-    layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=6, global_head_dim=8,
-)  # fmt: skip
-#: Fields a family needs beyond `_COMMON` for a tiny model of it to build (and use its mechanism).
-OVERRIDES: dict[str, dict[str, Any]] = {
-    "deepseek_v2": _MLA, "deepseek_v3": _MLA, "glm4_moe_lite": _MLA, "minicpm3": _MLA, "axk1": _MLA,
-    "youtu": _MLA, "sarvam_mla": _MLA,
-    "longcat_flash": dict(_MLA, num_layers=2, ffn_hidden_size=64, expert_ffn_hidden_size=16, zero_expert_num=1),
-    "granite": dict(logits_scaling=4.0), "granitemoe": dict(logits_scaling=4.0),
-    "cohere": dict(logit_scale=2.0), "cohere2": dict(logit_scale=2.0), "cohere2_moe": dict(logit_scale=2.0),
-    "gemma2": dict(attn_logit_softcapping=0.005, final_logit_softcapping=0.2),
-    "vaultgemma": dict(attn_logit_softcapping=0.005, final_logit_softcapping=0.2),
-    "gemma3n_text": dict(
-        _KV_SHARED, intermediate_size=[64] * 4, activation_sparsity_pattern=[0.0] * 4, laurel_rank=4,
-        altup_num_inputs=2,
-    ),
-    "gemma4_text": _KV_SHARED,
-    "gpt2": dict(n_embd=32, n_layer=2, n_head=4, n_inner=64, summary_first_dropout=0.0),
-    "gptj": dict(rotary_dim=4), "codegen": dict(rotary_dim=4),
-    "ctrl": dict(dff=64), "opt": dict(ffn_dim=64, word_embed_proj_dim=32),
-    "mpt": dict(d_model=32, n_layers=2, n_heads=4), "xlstm": dict(num_heads=4),
-    "dory": dict(num_hidden_layers=3, n_input_layers=1, n_output_layers=1, n_recurrent_loops=2),
-    "zamba": dict(num_hidden_layers=3, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8),
-    "zamba2": dict(num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "mamba"], mamba_d_state=8),
-    "bamba": dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, attn_layer_indices=[1], num_hidden_layers=3),
-    "kimi_linear": dict(
-        _MLA, linear_num_heads=4, linear_head_dim=8, layer_types=["linear_attention", "full_attention"],
-    ),
-    "bailing_hybrid": dict(_MLA, head_dim=8, layer_types=["linear_attention", "full_attention"]),
-    "granitemoehybrid": dict(
-        mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
-    ),
-}  # fmt: skip
-
 
 @dataclass(frozen=True)
 class SupportRow:
@@ -117,32 +73,18 @@ class SupportRow:
     status: Status
     note: str
     """Why it was refused or not checked; for an accepted family, what the engine does particularly."""
+    tiny: str = ""
+    """What the tiny model checked holds (`treetrain.models.layer_kinds.describe`); empty when none was built."""
 
     def markdown(self) -> str:
         note = self.note.replace("|", "\\|")
         vllm = f"checked (`{VLLM_CHECKED[self.family]}`)" if self.family in VLLM_CHECKED else "not checked"
-        return f"| `{self.family}` | {self.status} | {vllm} | {note} |"
+        return f"| `{self.family}` | {self.status} | {vllm} | {self.tiny} | {note} |"
 
 
 def families() -> tuple[str, ...]:
     """Every model type transformers maps to a causal LM, sorted."""
     return tuple(sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
-
-
-def tiny_family_config(family: str) -> PretrainedConfig:
-    """A tiny config of `family`: `_COMMON` sizes with the family's `OVERRIDES`; fields a strict config
-    refuses are dropped one by one (the first refusal that is not about a known field is raised)."""
-    fields = dict(_COMMON, **OVERRIDES.get(family, {}))
-    for _ in range(len(fields)):
-        try:
-            return AutoConfig.for_model(family, **fields)
-        except Exception as exc:  # transformers' strict dataclasses name the field they refuse
-            text = str(exc)
-            bad = next((name for name in fields if f"'{name}'" in text and name in _COMMON), None)
-            if bad is None:
-                raise
-            del fields[bad]
-    raise ValueError(f"no tiny config of {family} could be built")
 
 
 def _build(config: PretrainedConfig) -> tuple[PreTrainedModel, str | None]:
@@ -202,26 +144,27 @@ def _notes(model: PreTrainedModel) -> list[str]:
     return notes
 
 
-def support_row(family: str) -> SupportRow:
-    """Build a tiny `family` model and run the support check on it."""
+def support_row(family: str, changes: Mapping[str, Any] | None = None) -> SupportRow:
+    """Build a tiny `family` model (`tiny_family_config`, with `changes`) and run the support check on it."""
     quiet = io.StringIO()
     with warnings.catch_warnings(), contextlib.redirect_stderr(quiet), contextlib.redirect_stdout(quiet):
         warnings.simplefilter("ignore")
         transformers.logging.set_verbosity_error()
         try:
-            model, eager = _build(tiny_family_config(family))
+            model, eager = _build(tiny_family_config(family, changes))
             model.eval()
         except Exception as exc:
             return SupportRow(
                 family, "not checked", f"no tiny model: {type(exc).__name__}: {short_message(exc, 160)}"
             )
+        tiny = describe(model, PROBE)
         try:
             check_supported(model, 4 * VOCAB)
         except UnsupportedModelError as exc:
             reason = re.sub(rf"^model type {re.escape(repr(family))}:? ", "", short_message(exc, 400))
-            return SupportRow(family, "refused", reason)
+            return SupportRow(family, "refused", reason, tiny)
         notes = ([eager] if eager else []) + _notes(model)
-    return SupportRow(family, "accepted", "; ".join(notes))
+    return SupportRow(family, "accepted", "; ".join(notes), tiny)
 
 
 _RECURRENT = ", ".join(f"`{f}`" for f in RECURRENT_FAMILIES)
@@ -234,8 +177,15 @@ Which Hugging Face causal-LM families the tree engine runs. Every row is the out
 builds it): the same tokens run split at a node boundary and whole must give the same hidden states, and the
 engine's head the model's own logprobs. A real checkpoint meets the same check when training starts, so a
 family refused here is refused there with the same reason; a family accepted here is accepted for the
-configuration the tiny model has (a real checkpoint's own settings, a sliding window, an `attn_implementation`,
-are checked again then).
+configuration the tiny model has (a real checkpoint's own settings and its `attn_implementation` are checked
+again then).
+
+Each tiny model carries its family's distinctive layers as the published configuration has them: every
+layer kind its decoder layers' code constructs (attention, short convolutions, recurrent mixers, indexers,
+experts), every per-layer type of the family's default config, and any sliding window or attention chunk
+cut to {SHORT} tokens, so the 12-token probe splits across it (`tests/models/test_layer_kinds.py` checks this
+for every accepted family). The **tiny model checked** column says what it held: its layers and layer
+types, the window or chunk the probe crossed, KV-sharing layers, experts.
 
 - **accepted**: the check passes, so training runs the family; a note says what the engine does
   particularly for it. `exact` follows from the split agreeing, but is measured against the flat reference
@@ -262,7 +212,11 @@ def render(rows: list[SupportRow]) -> str:
     counts = {s: sum(1 for r in rows if r.status == s) for s in ("accepted", "refused", "not checked")}
     head = _INTRO.format(version=transformers.__version__, torch=torch.__version__.split("+")[0])
     summary = ", ".join(f"{n} {s}" for s, n in counts.items())
-    table = ["| family | status | vLLM | note |", "|---|---|---|---|", *(r.markdown() for r in rows)]
+    table = [
+        "| family | status | vLLM | tiny model checked | note |",
+        "|---|---|---|---|---|",
+        *(r.markdown() for r in rows),
+    ]
     return f"{head}\n{len(rows)} families: {summary}.\n\n" + "\n".join(table) + "\n"
 
 
