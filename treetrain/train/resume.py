@@ -21,7 +21,7 @@ Example:
     (12, 2, True)
     >>> resume_config(run, None, ["optim.lr=0.1"])
     Traceback (most recent call last):
-    treetrain.errors.ConfigError: --resume: optim.lr is 3e-05 in the saved run (...config.yaml) and cannot change on resume (asked 0.1); only updates, checkpoint_every, checkpoint_every_s, measure_memory_every, threads, memory_budget, run_dir, eval.every, eval.tasks, eval.samples, eval.greedy, eval.pass_threshold may; start a new run for other settings
+    treetrain.errors.ConfigError: --resume: optim.lr is 3e-05 in the saved run (...config.yaml) and cannot change on resume (asked 0.1); only updates, checkpoint_every, checkpoint_every_s, measure_memory_every, threads, memory_budget, run_dir, eval.every, eval.tasks, eval.samples, eval.greedy, eval.pass_threshold, rollout.max_staleness may; start a new run for other settings
 """
 
 from __future__ import annotations
