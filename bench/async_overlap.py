@@ -30,7 +30,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from treetrain.io import atomic_write_text
+from treetrain.benchmark.report import publish
 from treetrain.train.async_source import read_queued
 from treetrain.train.metrics import UpdateMetrics, read_metrics
 from treetrain.train.staleness import Staleness
@@ -146,11 +146,7 @@ def main() -> int:
                     print(f"{engine} K={k}: loop {run.loop_seconds:.1f} s", file=sys.stderr)
                     runs.append(run)
     command = "python bench/async_overlap.py " + " ".join(sys.argv[1:])
-    text = report(runs, args.updates, command.strip())
-    print(text)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(args.out, text)
+    publish(report(runs, args.updates, command.strip()), args.out)
     return 0
 
 

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from treetrain.benchmark.bench_config import FULL, QUICK, BenchConfig, GridPoint
+from treetrain.benchmark.report import publish
 from treetrain.benchmark.workload import (
     LOSS,
     bench_batch,
@@ -44,7 +45,6 @@ from treetrain.benchmark.workload import (
     replay_config,
     zero_grads,
 )
-from treetrain.io import atomic_write_text
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
 from treetrain.loss.loss_config import LossConfig
 from treetrain.memory.ledger import predict_ledger
@@ -262,11 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     lines += [f"## rollout engines ({dtype})", "", *rollout_engines(device, args.dry_run), ""]
     lines += ["## asynchronous training (the demo, hf)", "", *async_training(args.dry_run), ""]
     lines.append(f"wall time {time.perf_counter() - start:.0f} s")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(args.out, text)
+    publish("\n".join(lines) + "\n", args.out)
     return 0
 
 

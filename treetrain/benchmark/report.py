@@ -25,6 +25,14 @@ from treetrain.lifetime import CLASSES, ClassBytes
 SHORT = {"flat": "flat", "exact": "exact", "response_only": "resp-only"}
 
 
+def publish(text: str, out: Path | None) -> None:
+    """A bench script's markdown: to stdout, and written atomically to `out` when given."""
+    print(text)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(out, text.encode("utf-8"))
+
+
 def mib(n: float) -> str:
     return f"{n / 2**20:.1f}"
 
