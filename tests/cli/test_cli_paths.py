@@ -124,6 +124,7 @@ print(json.dumps({{"code": code, "err": err.getvalue(), "heavy": [m for m in {he
 """
 
 
+@pytest.mark.launch  # each case answers in a fresh interpreter
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     ("argv", "needle"),
@@ -158,6 +159,7 @@ def test_config_errors_are_answered_before_torch_is_imported(argv: list[str], ne
     assert result["heavy"] == [], f"imported {result['heavy']} before answering {argv}"
 
 
+@pytest.mark.launch  # a fresh interpreter
 def test_the_import_probe_sees_torch_when_it_is_imported() -> None:
     """Negative control: the same probe, on a verb that loads a model, does report torch."""
     argv = ["plan", "trees/tool_use.msgpack", "--budget", "1GiB", "--model", "/no/such"]

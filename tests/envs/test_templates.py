@@ -168,6 +168,7 @@ def test_malformed_call_error_answers_with_the_call_id() -> None:
     assert ToolCall("x", "f").name == "f"
 
 
+@pytest.mark.launch  # an end-to-end run: it starts its environment worker processes
 def test_a_rewriting_template_trains_from_the_cli(tmp_path: Path) -> None:
     """Multi-call trajectories from a template that rewrites earlier turns go through a whole update."""
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -14,6 +14,7 @@ from support.replay_cases import VOCAB
 
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
 from treetrain.loss.loss_config import LossConfig
+from treetrain.memory.calibrate import calibrate
 from treetrain.memory.ledger import Residency, predict_ledger
 from treetrain.memory.persistent import kv_bytes_per_token, model_persistent_bytes, persistent_bytes
 from treetrain.memory.replay_recipe import ReplayRecipe
@@ -144,6 +145,33 @@ def test_negative_control_a_wrong_schedule_is_caught() -> None:
     assert (
         abs(wrong.peak.dynamic - report.measured_peak.dynamic) > 2 * TOLERANCE * report.measured_peak.dynamic
     )
+
+
+def test_a_partly_frozen_twin_is_calibrated_apart() -> None:
+    """Calibrations are cached per configuration, and which parameters train is part of it: a frozen weight
+    saves no input for its gradient, so a process that calibrated a partly frozen twin first (a LoRA test
+    on the same tiny model, say) must not lend that calibration to the full model."""
+    loss = LossConfig()
+    batch = make_batch(48, 8, 12, 3, loss)
+    replay = ReplayConfig(microbatch=1)
+    keep = Residency(keep_graph=lambda units: frozenset(u.index for u in units.units if u.children))
+    frozen = tiny_model("llama", VOCAB)
+    for name, p in frozen.named_parameters():
+        p.requires_grad_("embed" not in name and "proj" not in name)
+
+    def fitted(model, cache: bool = True):
+        return calibrate(model, replay.contract, max_logit_elements=replay.max_logit_elements, cache=cache)
+
+    def peak(memory_model=None) -> int:
+        ledger = predict_ledger(
+            batch, tiny_model("llama", VOCAB), replay, loss, residency=keep, memory_model=memory_model
+        )
+        return ledger.peak.dynamic
+
+    fresh = peak(fitted(tiny_model("llama", VOCAB), cache=False))
+    twin = peak(fitted(frozen))
+    assert peak() == fresh  # the cache, holding the twin's calibration, gives the full model its own
+    assert abs(twin - fresh) > TOLERANCE * fresh  # negative control: the twin's would fail the ledger tests
 
 
 def test_ledger_table_names_the_peak_and_its_cause() -> None:

@@ -376,6 +376,7 @@ def test_planner_budgets_both_kv_sets_and_falls_back_to_two_walks() -> None:
 
 
 # ----- the trainer ----------------------------------------------------------------------------------
+@pytest.mark.launch  # end-to-end runs: each starts its environment worker processes
 def test_trainer_resume_with_adapters_equals_straight_run_and_exports(tmp_path) -> None:
     """KL against adapters off (0 on the first update, > 0 after); resume reproduces the uninterrupted run;
     final/ is the adapter, final-merged/ a plain model giving the adapted policy's logits."""
@@ -514,6 +515,7 @@ def test_rewriting_init_reference_is_the_starting_model(init: str, tmp_path) -> 
         LoraSection(adapter=str(tmp_path / "final"))
 
 
+@pytest.mark.launch  # an end-to-end run: it starts its environment worker processes
 def test_trainer_with_pissa_exports_the_trained_policy(tmp_path) -> None:
     """The trainer with PiSSA: KL 0 on the first update (the reference is the starting model), > 0 after;
     final-merged/ (the rank-2r export merged into a freshly loaded base) gives the trained policy."""

@@ -47,6 +47,9 @@ FACTOR = 5.0
 #: Presets whose layers are all recurrent: Mamba layers only, RWKV's WKV time mixing in every block.
 NO_ATTENTION = ("mamba", "falcon_mamba", "rwkv")
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
+SLOWEST = pytest.mark.slow
+"""The cases that take 10-30 s each on one core (one-token chunks, the KDA kernels' ledger, a second hybrid
+under a budget): `make test` runs them, `make test-fast` runs the same tests on the other cases."""
 
 
 def _check(
@@ -116,7 +119,7 @@ def test_exact_matches_flat_recurrent_families(family: str, dtype: str) -> None:
     [
         ReplayConfig(microbatch=1, order="reverse"),
         ReplayConfig(microbatch=0, order="shuffle", seed=4),
-        ReplayConfig(microbatch=1, chunk_size=1),
+        pytest.param(ReplayConfig(microbatch=1, chunk_size=1), marks=SLOWEST),
         ReplayConfig(microbatch=2, chunk_size=3, order="shuffle", seed=3),
         ReplayConfig(microbatch=0, chunk_size=7, score_microbatch=1),
     ],
@@ -134,7 +137,7 @@ def test_exact_recurrent_invariant_to_order_k_and_chunking(replay: ReplayConfig,
 @pytest.mark.parametrize(
     "replay",
     [
-        ReplayConfig(microbatch=1, chunk_size=1),
+        pytest.param(ReplayConfig(microbatch=1, chunk_size=1), marks=SLOWEST),
         ReplayConfig(microbatch=2, chunk_size=3, order="shuffle", seed=3),
     ],
     ids=lambda r: f"K{r.microbatch}-{r.order}-chunk{r.chunk_size}",
@@ -307,7 +310,7 @@ def test_negative_control_kda_state_not_stopped_at_the_cut_is_rejected(
     _uncut_kind_is_caught(monkeypatch, KIMI_DELTA, uncut, "kimi_linear", "sdpa")
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "zamba2"])
+@pytest.mark.parametrize("family", ["qwen3_5_text", pytest.param("zamba2", marks=SLOWEST)])
 @pytest.mark.parametrize("contract", ["exact", "response_only"])
 def test_recurrent_gradient_unchanged_under_a_retention_budget(contract: str, family: str) -> None:
     """Evicted state is recomputed from the nearest resident ancestor (with the overlap), and the budget
@@ -389,7 +392,7 @@ def test_lora_exact_matches_flat_recurrent(family: str) -> None:
     assert dev.abs <= FACTOR * floor, f"{family}: {dev.abs:.3e} > {FACTOR} x {floor:.3e}"
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "kimi_linear", "zamba2"])
+@pytest.mark.parametrize("family", ["qwen3_5_text", pytest.param("kimi_linear", marks=SLOWEST), "zamba2"])
 @pytest.mark.parametrize("contract", ["exact", "response_only"])
 def test_ledger_books_recurrent_state_exactly(contract: str, family: str) -> None:
     """`treetrain plan`'s ledger books the hybrid's resident bytes (KV, conv and recurrent state, and G in

@@ -127,3 +127,25 @@ def test_a_mixture_of_experts_trains_with_vllm_rollouts(moe: tuple[Path, Any], t
     assert all(m.groups_dropped < m.groups for m in metrics)  # both updates stepped
     for m in metrics:  # sampled with the weights the update trained on, synced after every step
         assert m.sampler_logprob_gap_max is not None and m.sampler_logprob_gap_max < GAP, m
+
+
+def _samples(engine: Any) -> list[GenerationResult]:
+    engine.submit(GenerationRequest(CONTEXT, 1, 8, Sampling(temperature=1.0), ((2,),)))
+    results: list[GenerationResult] = []
+    while engine.busy:
+        results += engine.poll()
+    return results
+
+
+def test_an_moe_engine_starts_and_closes_beside_a_dense_one(
+    vllm_engine: Any, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """vLLM keeps its parallel groups per process: an MoE engine started beside the session's dense engine
+    (whose groups have no expert-parallel one) gets its own, and its close, which destroys the process's
+    groups, leaves the dense engine sampling."""
+    served = _served(tmp_path_factory, "qwen3_moe")
+    directory, engine = next(served)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    assert _gap(engine, model) < GAP
+    next(served, None)  # closes it
+    assert len(_samples(vllm_engine)[0].completions[0].tokens) > 0

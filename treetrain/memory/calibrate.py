@@ -428,7 +428,12 @@ def calibration_key(
     p = next(model.parameters())
     config = model.config.get_text_config(decoder=True)
     attn = str(getattr(config, "_attn_implementation", "eager"))
-    text = f"{CALIBRATION_VERSION}|{model.config.to_json_string()}|{p.dtype}|{attn}|{p.device.type}|{contract}|{with_entropy}|{max_logit_elements}|{probes!r}"
+    # which parameters train is part of the key: a frozen weight saves no input for its gradient, so the
+    # same configuration with adapters or frozen layers has other activation bytes
+    trains = "".join(
+        f"{n}{tuple(getattr(q, 'ds_shape', q.shape))}{q.requires_grad}" for n, q in model.named_parameters()
+    )
+    text = f"{CALIBRATION_VERSION}|{model.config.to_json_string()}|{p.dtype}|{attn}|{p.device.type}|{contract}|{with_entropy}|{max_logit_elements}|{probes!r}|{trains}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -34,6 +34,7 @@ import gc
 import logging
 import os
 import time
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -81,6 +82,36 @@ def _line(exc: BaseException) -> str:
     return text
 
 
+_LIVE: weakref.WeakSet[VLLMEngine] = weakref.WeakSet()
+"""The engines of this process not yet closed: the parallel groups they share are made again for them when
+another one closes (vLLM's shutdown destroys the process's groups with its own engine's)."""
+
+
+def _make_groups(worker: Any) -> None:
+    """Run in a live engine's worker: vLLM's own set-up of the process's groups, for that worker's model."""
+    from vllm.config import set_current_vllm_config
+    from vllm.platforms import current_platform
+    from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
+
+    with set_current_vllm_config(worker.vllm_config):
+        init_worker_distributed_environment(
+            worker.vllm_config, worker.rank, worker.distributed_init_method, worker.local_rank,
+            current_platform.dist_backend,
+        )  # fmt: skip
+
+
+def _drop_shared_groups() -> None:
+    """vLLM keeps its parallel groups per process, and an engine started beside a live one reuses the groups
+    the first made for its own model: a dense model's have no expert-parallel group, so a mixture of experts
+    started beside it would fail vLLM's assertion. The groups are dropped first, and the new engine makes
+    them for its model; with the one-process `uni` executor every group is of size 1, so an engine already
+    running finds the new ones equivalent."""
+    from vllm.distributed import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+
+
 class VLLMEngine:
     """vLLM in this process; see the module docstring."""
 
@@ -123,6 +154,7 @@ class VLLMEngine:
             kwargs.update(enforce_eager=True, block_size=32)
         else:
             kwargs.update(gpu_memory_utilization=settings.gpu_memory_utilization)
+        _drop_shared_groups()
         try:
             self.llm = vllm.LLM(**kwargs)
             warm = self._params(max_tokens=1, detokenize=False)  # the first forward picks the kernels
@@ -132,6 +164,7 @@ class VLLMEngine:
                 f"rollout.engine=vllm: vLLM could not serve {model_dir}: {_line(exc)}"
             ) from None
         self._engine = self.llm.llm_engine
+        _LIVE.add(self)
         self._next_id = 0
         self._pending: dict[str, tuple[int, StopMatcher, int, int]] = {}  # id -> (rid, stops, version, n)
 
@@ -254,6 +287,10 @@ class VLLMEngine:
         self.abort()
         self._engine.engine_core.shutdown()
         self._engine = self.llm = None
+        _LIVE.discard(self)
+        live = sorted(_LIVE, key=lambda e: not e._engine.vllm_config.model_config.is_moe)
+        if live:  # an MoE engine's groups include the expert-parallel one a dense engine's lack
+            live[0].llm.collective_rpc(_make_groups)
         if self._adapters is not None:
             self._adapters.close()
         gc.collect()
