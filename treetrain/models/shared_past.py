@@ -373,8 +373,9 @@ def shared_attention(
     """Causal attention of the rows' queries over the shared past and their own tokens: `[K, T, H, Dv]`.
 
     Past keys sit at positions `0..P-1` and every query comes after them; `form.window` keeps keys with
-    position > query position - window (Hugging Face's sliding window). The rows' own tokens are
-    consecutive, so a query at own index i sees own keys j <= i (and i - j < window). `sinks` (gpt-oss) are
+    position > query position - window (Hugging Face's sliding window), and `form.chunk` those of the
+    query's own chunk, key // chunk == query // chunk (Llama 4). The rows' own tokens are consecutive, so a
+    query at own index i sees own keys j <= i (and i - j < window, in its chunk). `sinks` (gpt-oss) are
     per-head logits in every softmax's denominator with no value; they get their gradient. `form.softcap`
     (Gemma 2) caps every scaled score, `cap * tanh(s / cap)`; the fused kernels take no score modification,
     so a capped layer runs the block-by-block reference for every key set.

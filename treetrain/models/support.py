@@ -239,7 +239,14 @@ def check_supported(
         _guarded(
             mtype,
             "the chunk probe",
-            lambda: _probe(model, mtype, length=2 * chunk + 2, split=chunk // 2 + 1, window=chunk, local="chunks"),
+            lambda: _probe(
+                model,
+                mtype,
+                length=2 * chunk + 2,
+                split=chunk // 2 + 1,
+                window=chunk,
+                local="attention chunks",
+            ),
         )
 
 
@@ -313,7 +320,7 @@ def _probe(
     local: str = "a sliding window",
 ) -> None:
     """Compare a whole forward with the same tokens split in two, and head-only logprobs with the model's own;
-    both must agree to the dtype's precision. `window` is the window (or, with `local="chunks"`, the
+    both must agree to the dtype's precision. `window` is the window (or, with `local="attention chunks"`, the
     attention chunk) the split crosses."""
     param = next(model.parameters())
     vocab = int(model.config.get_text_config(decoder=True).vocab_size)
@@ -336,8 +343,14 @@ def _probe(
             again = _continue(model, ids, pos, split, past, first.recurrent, concatenate=True)
             windowed = active_window(model, length)
             chunked = active_chunk(model, length)
-            if _split_error(whole, first.hidden, again) <= tol and (windowed or chunked) is not None:
-                what = f"a sliding window of {windowed}" if windowed is not None else f"attention chunks of {chunked}"
+            if _split_error(whole, first.hidden, again) <= tol and (
+                windowed is not None or chunked is not None
+            ):
+                what = (
+                    f"a sliding window of {windowed}"
+                    if windowed is not None
+                    else f"attention chunks of {chunked}"
+                )
                 raise UnsupportedModelError(
                     f"model type {mtype!r} uses {what} tokens, and shared-past attention over resident KV changes "
                     f"the hidden states across it (relative error {shared_err:.2e}) where the layer's own attention "
