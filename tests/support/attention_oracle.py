@@ -7,8 +7,9 @@ import torch
 import torch.nn.functional as F
 
 
-def _concatenated(q, k_own, v_own, positions, past, window):
-    """Keys and values [K, H, P + T, D] expanded to every query head, and the mask [K, T, P + T]."""
+def _concatenated(q, k_own, v_own, positions, past, window, chunk=None):
+    """Keys and values [K, H, P + T, D] expanded to every query head, and the mask [K, T, P + T]: causal,
+    within the window, and within the query's chunk (Llama 4: key // chunk == query // chunk)."""
     rows, heads = q.shape[0], q.shape[1]
     group = heads // k_own.shape[1]
     keys = torch.cat([torch.cat([k for k, _ in past], -2).expand(rows, -1, -1, -1), k_own], -2)
@@ -17,12 +18,14 @@ def _concatenated(q, k_own, v_own, positions, past, window):
     mask = kpos[:, None, :] <= positions[:, :, None]
     if window is not None:
         mask &= kpos[:, None, :] > positions[:, :, None] - window
+    if chunk is not None:
+        mask &= kpos[:, None, :] // chunk == positions[:, :, None] // chunk
     return keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1), mask
 
 
-def reference(q, k_own, v_own, positions, past, window):
+def reference(q, k_own, v_own, positions, past, window, chunk=None):
     """Plain SDPA over the concatenated past; output [K, T, H, D]."""
-    keys, values, mask = _concatenated(q, k_own, v_own, positions, past, window)
+    keys, values, mask = _concatenated(q, k_own, v_own, positions, past, window, chunk)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None]).transpose(1, 2)
 
 

@@ -187,15 +187,34 @@ def shared_past_forward(
         past, grads = expanded_past(expand, past, grads, anchor=query)
     _check_past_shapes(module, layer, past, key, value)
     window = kwargs.get("sliding_window") or _mask_window()
+    chunk = layer_chunk(module)
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))  # [H], gpt-oss's learned per-head sink logits
     softcap = kwargs.get("softcap")  # Gemma 2's attention soft-capping
     form = ScoreForm(
         float(scaling if scaling is not None else query.shape[-1] ** -0.5),
         int(window) if window else None,
         float(softcap) if softcap else None,
+        chunk,
     )
     out = shared_attention(query, key, value, active.positions, past, grads, form, sinks=sinks)
     return out, None
+
+
+#: The layer type of chunked attention (Llama 4), whose chunk is the config's `attention_chunk_size`.
+CHUNKED = "chunked_attention"
+
+
+def layer_chunk(module: torch.nn.Module) -> int | None:
+    """The attention chunk of `module`'s layer: the config's `attention_chunk_size` when its layer type is
+    chunked attention (Llama 4's RoPE layers), else None. The layer passes no chunk to its attention
+    function; Hugging Face applies it only through the chunked mask its model builds for those layers."""
+    config = getattr(module, "config", None)
+    types = list(getattr(config, "layer_types", None) or [])
+    layer = getattr(module, "layer_idx", None)
+    if not isinstance(layer, int) or not 0 <= layer < len(types) or types[layer] != CHUNKED:
+        return None
+    size = getattr(config, "attention_chunk_size", None)
+    return int(size) if size else None
 
 
 def kv_source_layer(module: torch.nn.Module) -> int:

@@ -150,6 +150,19 @@ def _anchor(model: PreTrainedModel, device: torch.device) -> torch.Tensor | None
     return torch.zeros((), device=device, requires_grad=True)
 
 
+class PastLengthCache(DynamicCache):
+    """The cache of a forward whose past shared-past attention reads in place: it holds only the rows' own
+    tokens, yet reports the past's length too, as a cache holding that past would. Layers that read their
+    positions off the cache (Llama 4's temperature tuning of its NoPE layers) then see absolute positions."""
+
+    def __init__(self, past_length: int) -> None:
+        super().__init__()
+        self.past_length = past_length
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.past_length + int(super().get_seq_length(layer_idx))
+
+
 def decoder_forward(
     model: PreTrainedModel,
     input_ids: torch.Tensor,  # [B, T]
@@ -186,7 +199,7 @@ def decoder_forward(
         and entry_tensors(past.pieces[0][0])[0].shape[0] == 1
     )
     anchor = _anchor(model, input_ids.device)
-    cache: DynamicCache = DynamicCache()
+    cache: DynamicCache = PastLengthCache(past.length) if shared and past is not None else DynamicCache()
     if recurrent or stateless:
         cache = EngineCache(len(_blocks_of(base)), recurrent, past, bsz, anchor, stateless, hybrid)
     past_len = 0

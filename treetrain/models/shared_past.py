@@ -121,40 +121,65 @@ class _Spec:
     scale: float
     window: int | None
     softcap: float | None = None
+    chunk: int | None = None
 
 
 Visible = torch.Tensor | None | str
 """Per piece: None (every key visible to every query), "none" (no key visible), or a `[M, P]` bool mask."""
 
 
-def _bounds(qpos: torch.Tensor, window: int | None) -> tuple[int, int]:
-    """The queries' lowest and highest positions, read once per call (on CUDA each read synchronises)."""
-    return (0, 0) if window is None else (int(qpos.min()), int(qpos.max()))
+def _lowest_key(spec: _Spec, qpos: torch.Tensor) -> torch.Tensor | None:
+    """Each query's lowest visible key position (`[M]`), or None when every earlier key is visible. A window
+    keeps keys > query - window; a chunk (Llama 4) keeps keys of the query's own chunk, at or after
+    `(query // chunk) * chunk`: both are a lower bound on the key's absolute position."""
+    low: torch.Tensor | None = None
+    if spec.window is not None:
+        low = qpos - spec.window + 1
+    if spec.chunk is not None:
+        start = torch.div(qpos, spec.chunk, rounding_mode="floor") * spec.chunk
+        low = start if low is None else torch.maximum(low, start)
+    return low
 
 
-def _piece_visible(
-    qpos: torch.Tensor, bounds: tuple[int, int], start: int, length: int, window: int | None
-) -> Visible:
-    """Past keys precede every query; a window keeps keys with position > query position - window."""
+def _bounds(low: torch.Tensor | None) -> tuple[int, int]:
+    """The lowest and highest lower bound, read once per call (on CUDA each read synchronises)."""
+    return (0, 0) if low is None else (int(low.min()), int(low.max()))
+
+
+def _piece_visible(low: torch.Tensor | None, bounds: tuple[int, int], start: int, length: int) -> Visible:
+    """Past keys precede every query; of those, a query sees the keys at or above its lowest (`_lowest_key`)."""
     if length == 0:  # a one-token last piece without its overlap position
         return "none"
-    if window is None:
+    if low is None:
         return None
     lo, hi = bounds
-    if start > hi - window:
+    if start >= hi:
         return None
-    if start + length - 1 <= lo - window:
+    if start + length - 1 < lo:
         return "none"
-    kpos = torch.arange(start, start + length, device=qpos.device)
-    return kpos[None, :] > qpos[:, None] - window  # [M, P]
+    kpos = torch.arange(start, start + length, device=low.device)
+    return kpos[None, :] >= low[:, None]  # [M, P]
 
 
-def _own_visible(t: int, window: int | None, device: torch.device) -> torch.Tensor:
+def _own_visible(spec: _Spec, t: int, device: torch.device) -> torch.Tensor:
+    """The rows' own keys each own query sees, `[T, T]`: causal, within the window and the chunk. The rows
+    continue one past, so they share positions (a chunk's bounds are absolute)."""
     i = torch.arange(t, device=device)
     keep = i[None, :] <= i[:, None]
-    if window is not None:
-        keep = keep & (i[:, None] - i[None, :] < window)
+    if spec.window is not None:
+        keep = keep & (i[:, None] - i[None, :] < spec.window)
+    if spec.chunk is not None:
+        pos = spec.positions[0].to(device)
+        if spec.positions.shape[0] > 1 and not bool((spec.positions == pos[None]).all()):
+            raise ValueError("chunked attention over a shared past needs rows at the same positions")
+        chunk = torch.div(pos, spec.chunk, rounding_mode="floor")
+        keep = keep & (chunk[None, :] == chunk[:, None])
     return keep  # [T, T]
+
+
+def _local(spec: _Spec) -> bool:
+    """Whether a window or chunk restricts the keys beyond causality."""
+    return spec.window is not None or spec.chunk is not None
 
 
 class _Layout:
@@ -202,8 +227,9 @@ class _SharedAttention(torch.autograd.Function):
         # Stacked queries: every row's and every head of a group's queries against one copy of the past.
         qs = lay.stacked(q)  # [H_kv, M, D]
         qpos = spec.positions[:, None, :].expand(lay.rows, lay.group, lay.t).reshape(-1)  # [M]
-        bounds = _bounds(qpos, spec.window)
-        own_vis = None if spec.window is None else _own_visible(lay.t, spec.window, q.device)
+        low = _lowest_key(spec, qpos)
+        bounds = _bounds(low)
+        own_vis = _own_visible(spec, lay.t, q.device) if _local(spec) else None
         use_fused = fused(q) and spec.softcap is None  # the fused kernels take no score modification
         if use_fused:  # the rows' own keys are T-sized: expanding them to the query heads is cheap
             ke, ve = k_own.repeat_interleave(lay.group, 1), v_own.repeat_interleave(lay.group, 1)
@@ -213,13 +239,13 @@ class _SharedAttention(torch.autograd.Function):
             o, ls = partial_state(
                 q.reshape(lay.rows * lay.kv_heads, lay.group * lay.t, lay.d),
                 k_own.reshape(lay.rows * lay.kv_heads, lay.t, -1), v_own.reshape(lay.rows * lay.kv_heads, lay.t, -1),
-                spec.scale, block_mask(_own_visible(lay.t, spec.window, q.device).repeat(lay.group, 1)),
+                spec.scale, block_mask(_own_visible(spec, lay.t, q.device).repeat(lay.group, 1)),
                 spec.softcap,
             )  # fmt: skip
             out = lay.stacked(o.reshape(lay.rows, lay.heads, lay.t, -1))
             lse = lay.stacked(ls.reshape(lay.rows, lay.heads, lay.t, 1))[..., 0]
         for (k, v), start in zip(spec.past, spec.starts):
-            vis = _piece_visible(qpos, bounds, start, k.shape[-2], spec.window)
+            vis = _piece_visible(low, bounds, start, k.shape[-2])
             if isinstance(vis, str):
                 continue
             if use_fused:
@@ -245,7 +271,8 @@ class _SharedAttention(torch.autograd.Function):
         do = lay.stacked(d_out.transpose(1, 2))  # [H_kv, M, Dv]
         qs = lay.stacked(q)
         qpos = spec.positions[:, None, :].expand(lay.rows, lay.group, lay.t).reshape(-1)
-        bounds = _bounds(qpos, spec.window)
+        low = _lowest_key(spec, qpos)
+        bounds = _bounds(low)
         d_qs = torch.zeros_like(qs)
         delta = (do.to(lse.dtype) * out).sum(-1)  # [H_kv, M]
         d_sinks = None
@@ -258,7 +285,7 @@ class _SharedAttention(torch.autograd.Function):
         for i, (start, acc) in enumerate(zip(spec.starts, spec.grads)):
             k, v = past[2 * i], past[2 * i + 1]
             wanted = acc is None and (ctx.needs_input_grad[5 + 2 * i] or ctx.needs_input_grad[6 + 2 * i])
-            vis = _piece_visible(qpos, bounds, start, k.shape[-2], spec.window)
+            vis = _piece_visible(low, bounds, start, k.shape[-2])
             if isinstance(vis, str):
                 piece_grads += [torch.zeros_like(k), torch.zeros_like(v)] if wanted else [None, None]
                 continue
@@ -282,7 +309,7 @@ class _SharedAttention(torch.autograd.Function):
                 acc[0].add_(dk)
                 acc[1].add_(dv)
             piece_grads += [dk, dv] if wanted else [None, None]
-        own_vis = None if spec.window is None else _own_visible(lay.t, spec.window, q.device)
+        own_vis = _own_visible(spec, lay.t, q.device) if _local(spec) else None
         if ctx.fused:
             ke, ve = k_own.repeat_interleave(lay.group, 1), v_own.repeat_interleave(lay.group, 1)
             d_q, dke, dve = fused_backward(
@@ -309,7 +336,7 @@ class _SharedAttention(torch.autograd.Function):
             partial_backward(
                 q.reshape(n, g, lay.d), k_own.reshape(n, lay.t, -1), v_own.reshape(n, lay.t, -1),
                 MergedGrad(own(lse[..., None])[..., 0], own(do), own(delta[..., None])[..., 0]), spec.scale,
-                block_mask(_own_visible(lay.t, spec.window, q.device).repeat(lay.group, 1)), d_qo, own_sink,
+                block_mask(_own_visible(spec, lay.t, q.device).repeat(lay.group, 1)), d_qo, own_sink,
                 spec.softcap,
             )  # fmt: skip
             d_q = d_qo.reshape(lay.rows, lay.heads, lay.t, lay.d)
@@ -327,6 +354,9 @@ class ScoreForm:
     """Sliding window: a query sees keys with position > its own - window (None: every earlier key)."""
     softcap: float | None = None
     """Gemma 2's soft-capping of the scaled scores, `cap * tanh(s / cap)` (None: uncapped)."""
+    chunk: int | None = None
+    """Chunked attention (Llama 4's `attention_chunk_size`): a query at absolute position i sees keys j <= i
+    with j // chunk == i // chunk (None: no chunks)."""
 
 
 def shared_attention(
@@ -343,8 +373,9 @@ def shared_attention(
     """Causal attention of the rows' queries over the shared past and their own tokens: `[K, T, H, Dv]`.
 
     Past keys sit at positions `0..P-1` and every query comes after them; `form.window` keeps keys with
-    position > query position - window (Hugging Face's sliding window). The rows' own tokens are
-    consecutive, so a query at own index i sees own keys j <= i (and i - j < window). `sinks` (gpt-oss) are
+    position > query position - window (Hugging Face's sliding window), and `form.chunk` those of the
+    query's own chunk, key // chunk == query // chunk (Llama 4). The rows' own tokens are consecutive, so a
+    query at own index i sees own keys j <= i (and i - j < window, in its chunk). `sinks` (gpt-oss) are
     per-head logits in every softmax's denominator with no value; they get their gradient. `form.softcap`
     (Gemma 2) caps every scaled score, `cap * tanh(s / cap)`; the fused kernels take no score modification,
     so a capped layer runs the block-by-block reference for every key set.
@@ -355,7 +386,7 @@ def shared_attention(
         at += int(k.shape[-2])
     spec = _Spec(
         tuple(past), tuple(grads) or (None,) * len(past), positions, tuple(starts), form.scale, form.window,
-        form.softcap,
+        form.softcap, form.chunk,
     )  # fmt: skip
     flat = [t for kv in past for t in kv]
     out: torch.Tensor = _SharedAttention.apply(q, k_own, v_own, sinks, spec, *flat)

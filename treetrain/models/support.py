@@ -62,6 +62,9 @@ from treetrain.models.recurrent_state import (
 FULL_ATTENTION_TYPES = frozenset({"full_attention"})
 #: Layer types with a sliding window (a hybrid layer's attention may have one: `hybrid_sliding`).
 SLIDING_TYPES = frozenset({"sliding_attention", "hybrid_sliding"})
+#: Layer types of chunked attention (Llama 4): a query sees the earlier keys of its own fixed-size chunk,
+#: which shared-past attention builds from absolute positions (`treetrain.models.attention.layer_chunk`).
+CHUNKED_TYPES = frozenset({"chunked_attention"})
 #: Model types known to keep recurrent or compressed state.
 RECURRENT_MODEL_TYPES = frozenset(
     {
@@ -87,10 +90,6 @@ LAYER_TYPE_REASONS: dict[str, str] = {
         "indexed sparse attention: an indexer scores every earlier position with keys of its own and each query "
         "attends to the top k, so the indexer's keys would be one more resident tensor, which the engine does not "
         "keep"
-    ),
-    "chunked_attention": (
-        "chunked attention: a query sees only the keys of its own fixed-size chunk, a mask shared-past attention "
-        "does not build over resident KV"
     ),
     "conv": "short-convolution layers: their conv window is state the engine does not keep resident",
 }
@@ -135,6 +134,14 @@ def active_window(model: PreTrainedModel, max_sequence_length: int) -> int | Non
     return window if uses_window and window is not None and window < max_sequence_length else None
 
 
+def active_chunk(model: PreTrainedModel, max_sequence_length: int) -> int | None:
+    """The attention chunk, when some layer is chunked with chunks shorter than `max_sequence_length`."""
+    config = model.config.get_text_config(decoder=True)
+    size = getattr(config, "attention_chunk_size", None)
+    chunked = any(t in CHUNKED_TYPES for t in getattr(config, "layer_types", None) or [])
+    return int(size) if chunked and size and int(size) < max_sequence_length else None
+
+
 def check_supported(
     model: PreTrainedModel, max_sequence_length: int, *, probe: bool = True, probe_window: bool | None = None
 ) -> None:
@@ -177,6 +184,7 @@ def check_supported(
         set(declared)
         - FULL_ATTENTION_TYPES
         - SLIDING_TYPES
+        - CHUNKED_TYPES
         - RECURRENT_LAYER_TYPES
         - HYBRID_LAYER_TYPES
         - STATELESS_LAYER_TYPES
@@ -224,6 +232,21 @@ def check_supported(
             mtype,
             "the sliding-window probe",
             lambda: _probe(model, mtype, length=2 * window + 2, split=window // 2 + 1, window=window),
+        )
+    chunk = active_chunk(model, max_sequence_length)
+    if chunk is not None and (probe if probe_window is None else probe_window):
+        # Likewise across a chunk boundary: the split lands inside the first chunk, the second runs past it.
+        _guarded(
+            mtype,
+            "the chunk probe",
+            lambda: _probe(
+                model,
+                mtype,
+                length=2 * chunk + 2,
+                split=chunk // 2 + 1,
+                window=chunk,
+                local="attention chunks",
+            ),
         )
 
 
@@ -288,10 +311,17 @@ def _probe_determinism(model: PreTrainedModel, mtype: str) -> None:
 
 @torch.no_grad()
 def _probe(
-    model: PreTrainedModel, mtype: str, *, length: int = 12, split: int = 5, window: int | None = None
+    model: PreTrainedModel,
+    mtype: str,
+    *,
+    length: int = 12,
+    split: int = 5,
+    window: int | None = None,
+    local: str = "a sliding window",
 ) -> None:
     """Compare a whole forward with the same tokens split in two, and head-only logprobs with the model's own;
-    both must agree to the dtype's precision."""
+    both must agree to the dtype's precision. `window` is the window (or, with `local="attention chunks"`, the
+    attention chunk) the split crosses."""
     param = next(model.parameters())
     vocab = int(model.config.get_text_config(decoder=True).vocab_size)
     gen = torch.Generator().manual_seed(0)
@@ -312,12 +342,20 @@ def _probe(
             # from a past the model cannot continue at all: the layer's own attention over the concatenated past.
             again = _continue(model, ids, pos, split, past, first.recurrent, concatenate=True)
             windowed = active_window(model, length)
-            if _split_error(whole, first.hidden, again) <= tol and windowed is not None:
+            chunked = active_chunk(model, length)
+            if _split_error(whole, first.hidden, again) <= tol and (
+                windowed is not None or chunked is not None
+            ):
+                what = (
+                    f"a sliding window of {windowed}"
+                    if windowed is not None
+                    else f"attention chunks of {chunked}"
+                )
                 raise UnsupportedModelError(
-                    f"model type {mtype!r} uses a sliding window of {windowed} tokens, and shared-past attention "
-                    f"over resident KV changes the hidden states across it (relative error {shared_err:.2e}) where "
-                    "the layer's own attention over the concatenated past does not: its window is not reproduced "
-                    "over resident KV for this model (use sequences no longer than the window)"
+                    f"model type {mtype!r} uses {what} tokens, and shared-past attention over resident KV changes "
+                    f"the hidden states across it (relative error {shared_err:.2e}) where the layer's own attention "
+                    "over the concatenated past does not: it is not reproduced over resident KV for this model "
+                    "(use sequences no longer than it)"
                 )
             if _split_error(whole, first.hidden, again) <= tol:
                 raise UnsupportedModelError(
@@ -344,9 +382,9 @@ def _probe(
     err = _split_error(whole, first.hidden, second)
     if not err <= tol and window is not None:
         raise UnsupportedModelError(
-            f"model type {mtype!r} uses a sliding window of {window} tokens, and continuing from stored KV across "
-            f"it changes the hidden states (relative error {err:.2e}); windowed attention across resident KV "
-            "is not reproduced for this model (use sequences no longer than the window)"
+            f"model type {mtype!r} uses {local} of {window} tokens, and continuing from stored KV across it "
+            f"changes the hidden states (relative error {err:.2e}); it is not reproduced across resident KV for "
+            "this model (use sequences no longer than it)"
         )
     if not err <= tol:
         raise UnsupportedModelError(

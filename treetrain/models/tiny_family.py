@@ -88,6 +88,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "deepseek_v4": dict(q_lora_rank=16, o_groups=2, o_lora_rank=16, index_topk=4, index_head_dim=8, index_n_heads=2),
     # Phi-3.5-MoE and Doge with the sliding window their attention masks by (their configs default to none)
     "phimoe": dict(sliding_window=SHORT),
+    # Llama 4: a chunked RoPE layer and a NoPE full-attention layer, whose temperature tuning (its scale
+    # grows with the position, read off the cache) starts within the probe, not at 8192 positions
+    "llama4_text": dict(no_rope_layers=[1, 0], floor_scale=2),
     "doge": dict(sliding_window=SHORT),
     "qwen4_exp_text": dict(
         indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=4, indexer_compress_ratio=2,
