@@ -28,7 +28,10 @@ SETTINGS = [
     "rollout.episode.max_turn_tokens=12", "optim.lr=0.01", "advantages.zero_variance=keep", "loss.entropy_coef=0.01",
     "measure_memory_every=0", "threads=1", "updates=3",
 ]  # fmt: skip
-TIMING = {"rollout_seconds", "train_seconds", "peak_bytes", "predicted_peak_bytes"}
+TIMING = {
+    "rollout_seconds", "train_seconds", "trainer_idle_seconds", "sampler_idle_seconds", "peak_bytes",
+    "predicted_peak_bytes",
+}  # fmt: skip
 ROUNDING = {"sampler_logprob_gap_mean", "sampler_logprob_gap_max"}
 """Float32 rounding between the sampler and the scoring pass (about 1e-7): the engine batches whatever is
 ready, so the sampler's arithmetic, not its tokens, moves with timing. Compared at 1e-6, not 1e-9."""
@@ -79,6 +82,11 @@ def _resume_and_compare(run: Path, extra: list[str], straight: Path, capsys) -> 
         for key in a:
             if key in ROUNDING and a[key] is not None:
                 assert abs(a[key] - b[key]) < 1e-6 and a[key] < 1e-5, key  # type: ignore[operator]
+            elif key == "sampler_gap_by_lag":  # (lag, mean, max, tokens): the gaps round like the two above
+                pairs = list(zip(a[key], b[key]))  # type: ignore[call-overload]
+                assert len(pairs) == len(a[key]) == len(b[key]), key  # type: ignore[arg-type]
+                for (lag, mean, big, n), (lag_b, mean_b, big_b, n_b) in pairs:
+                    assert (lag, n) == (lag_b, n_b) and abs(mean - mean_b) < 1e-6 and abs(big - big_b) < 1e-6
             elif isinstance(a[key], float):
                 assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), key
             else:
