@@ -76,6 +76,25 @@ def cache_of(model: Any, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> Any
     return cache
 
 
+def adopt(model: Any, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    """A cache of `model` (plain attention layers) holding `layers`' tensors themselves: no copy and no spare
+    room, for KV that is read rather than grown (a kept prefix; the first `update` reserves room).
+
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8,
+    ...     num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1))
+    >>> k = torch.zeros(1, 1, 3, 8)
+    >>> cache = adopt(model, [(k, k)])
+    >>> cache.layers[0].keys is k, cache.get_seq_length(), cache_bytes(cache)
+    (True, 3, 96)
+    """
+    cache = new_cache(model)
+    for layer, (keys, values) in zip(cache.layers, layers, strict=True):
+        layer.lazy_initialization(keys, values)
+        layer.keys, layer.values = keys, values
+    return cache
+
+
 def pad_left(x: torch.Tensor, width: int) -> torch.Tensor:  # [R, H, L, D] -> [R, H, width, D]
     extra = width - x.shape[-2]
     return x if extra == 0 else torch.cat([x.new_zeros(*x.shape[:-2], extra, x.shape[-1]), x], dim=-2)

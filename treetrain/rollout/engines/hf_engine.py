@@ -57,9 +57,9 @@ from typing import Any
 import torch
 
 from treetrain.rollout.engines.batch_cache import (
+    adopt,
     cache_bytes,
     cache_of,
-    compact,
     layers_of,
     mask_left,
     mergeable,
@@ -437,8 +437,9 @@ class HFEngine:
         elif keep:  # keep the KV of context + tokens[:-1] for the branch's next request
             if mergeable(batch.cache):
                 cols = batch.mask[j].bool().nonzero().squeeze(-1).to(self.device)
+                # indexing by `cols` copies exactly the row's KV, which the kept prefix then owns
                 layers = [(k[j : j + 1, :, cols], v[j : j + 1, :, cols]) for k, v in layers_of(batch.cache)]
-                kept = compact(cache_of(self.model, layers))
+                kept = adopt(self.model, layers)
             else:
                 kept = fork_cache(batch.cache, [j])
             self._kept[key] = _Kept(kept, request.children, request.group, cache_bytes(kept))
