@@ -288,7 +288,7 @@ class Trainer:
             stale_tokens_dropped=produced.stale.tokens,
             queue_depth=produced.queue_depth,
             sampler_idle_seconds=produced.sampler_idle,
-            trainer_idle_seconds=produced.seconds if produced.trainer_idle is None else produced.trainer_idle,
+            trainer_idle_seconds=produced.trainer_idle,
         )
 
     # ----- the run ----------------------------------------------------------------------------------

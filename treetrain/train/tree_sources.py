@@ -56,8 +56,8 @@ class Produced:
     """Later updates' rollouts finished and waiting when these trees were taken."""
     sampler_idle: float = 0.0
     """Seconds the sampler waited for the pacing rule before growing these trees."""
-    trainer_idle: float | None = None
-    """Seconds the trainer waited for these trees (None: all of `seconds`, a synchronous rollout)."""
+    trainer_idle: float = 0.0
+    """Seconds the trainer waited for these trees (all of `seconds` in a synchronous rollout)."""
 
     @property
     def trees(self) -> tuple[TrajectoryTree, ...]:
@@ -144,7 +144,7 @@ class RolloutSource:
             model.train(was_training)
         self.stats = result.stats
         produced = gather_update(self.cfg, self.backend, update, result, time.perf_counter() - start)
-        return replace(produced, staleness=lags_of(produced.trees, version))
+        return replace(produced, staleness=lags_of(produced.trees, version), trainer_idle=produced.seconds)
 
     def close(self) -> None:
         if self.engine is not None:
