@@ -293,10 +293,16 @@ class TokenEnv:
         return prompt
 
     def step(
-        self, tokens: Sequence[int], logprobs: Sequence[float] | None = None, version: int | None = None
+        self,
+        tokens: Sequence[int],
+        logprobs: Sequence[float] | None = None,
+        version: int | None = None,
+        runs: Sequence[tuple[int, int]] = (),
     ) -> TurnResult:
         """Feed one sampled assistant turn (its token ids, ending with the stop token when it stopped), and
-        the weight version that sampled it when known (kept on the turn's policy segment)."""
+        the weight version that sampled it when known (kept on the turn's policy segment). A turn whose
+        tokens several versions drew (its request was interrupted for new weights) gives `runs`, the
+        `(tokens, version)` runs in order, and becomes one policy segment per run."""
         if self._seed is None or self.done:
             raise RuntimeError(
                 f"{self.env_name}: step called {'before reset' if self._seed is None else 'after done'}"
@@ -306,9 +312,13 @@ class TokenEnv:
                 f"{self.env_name}: a turn must have 1..{self.turn_budget()} tokens, got {len(tokens)}"
             )
         self.timed_out = False
-        self._segments.append(
-            Segment(Role.POLICY, tuple(tokens), None if logprobs is None else tuple(logprobs), version)
-        )
+        if runs and (any(n < 1 for n, _ in runs) or sum(n for n, _ in runs) != len(tokens)):
+            raise ValueError(f"{self.env_name}: version runs {tuple(runs)} do not cover {len(tokens)} tokens")
+        start = 0
+        for n, v in runs or ((len(tokens), version),):
+            lps = None if logprobs is None else tuple(logprobs[start : start + n])
+            self._segments.append(Segment(Role.POLICY, tuple(tokens[start : start + n]), lps, v))
+            start += n
         self._context.extend(tokens)
         text, closed = self.template.turn_text(tokens)
         stop = tuple(tokens[len(tokens) - self.template.stop_length(tokens) :]) if closed else ()

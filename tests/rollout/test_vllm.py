@@ -11,7 +11,13 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 
 from envs import EpisodeLimits, WrapperConfig, make_env
 from treetrain.rollout import FanOut, RolloutConfig, SamplerConfig, Sampling, rollout_trees
-from treetrain.rollout.engines.generation import GenerationRequest, GenerationResult
+from treetrain.rollout.engines.generation import (
+    Draft,
+    GenerationRequest,
+    GenerationResult,
+    StopMatcher,
+    continued,
+)
 from treetrain.rollout.engines.recording_engine import RecordingEngine
 from treetrain.train.models import WIDE_DEMO_MODEL
 from treetrain.trajectory import Role
@@ -114,3 +120,56 @@ def test_without_vllm_the_engine_says_how_to_install_it(monkeypatch: Any) -> Non
     monkeypatch.setitem(sys.modules, "vllm", None)  # as if it were not installed
     with pytest.raises(EngineError, match=r"^rollout.engine=vllm: vLLM is not installed .*pip install"):
         import_vllm("rollout.engine=vllm")
+
+
+def test_a_sample_interrupted_for_new_weights_goes_on_under_them(vllm_engine: Any) -> None:
+    """Abort and resubmit with the tokens so far: what vLLM drew before the interrupt is the old weights'
+    (scored by the trainer's old model), the rest the new weights', and the stitched sample says which."""
+    model = LlamaForCausalLM.from_pretrained(WIDE_DEMO_MODEL).eval()
+    newer = LlamaForCausalLM.from_pretrained(WIDE_DEMO_MODEL).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in newer.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    context = tuple(AutoTokenizer.from_pretrained(WIDE_DEMO_MODEL).encode("<|im_start|>user\nHi<|im_end|>\n"))
+    version, stop = vllm_engine.version, ((511, 512, 513),)  # vLLM stops on none: samples run to 12
+    rid = vllm_engine.submit(GenerationRequest(context, 2, 12, Sampling(), stop, seed=5))
+    for _ in range(4):
+        assert vllm_engine.poll() == []
+    (stopped,) = vllm_engine.interrupt()
+    assert stopped.request_id == rid and not vllm_engine.busy
+    drafts = stopped.samples
+    assert all(isinstance(d, Draft) and 1 <= len(d.tokens) < 12 for d in drafts), drafts
+    vllm_engine.sync_weights(newer, version + 1)
+    try:
+        whole = []
+        for slot, draft in enumerate(drafts):
+            assert isinstance(draft, Draft)
+            rest = GenerationRequest(
+                (*context, *draft.tokens), 1, 12 - len(draft.tokens), Sampling(), stop, seed=slot
+            )
+            vllm_engine.submit(rest)
+            results: list[GenerationResult] = []
+            while vllm_engine.busy:
+                results += vllm_engine.poll()
+            whole.append(continued(draft, results[0].completions[0], StopMatcher.of(stop)))
+    finally:
+        vllm_engine.sync_weights(model, version + 2)  # the session's engine serves the shipped weights again
+    for sample in whole:
+        assert len(sample.tokens) == 12 and sample.version == version + 1
+        (n_old, v_old), (n_new, v_new) = sample.version_runs
+        assert (v_old, v_new) == (version, version + 1) and n_old + n_new == 12
+        with torch.no_grad():
+            ids = torch.tensor([context + sample.tokens])
+            scored = {
+                v: m(ids).logits.log_softmax(-1)[0, len(context) - 1 : -1]
+                for v, m in ((0, model), (1, newer))
+            }
+        picked = {
+            v: s.gather(-1, torch.tensor(sample.tokens)[:, None]).squeeze(-1) for v, s in scored.items()
+        }
+        recorded = torch.tensor(sample.logprobs)
+        own = torch.cat([picked[0][:n_old], picked[1][n_old:]])
+        assert (own - recorded).abs().max() < LOGPROB_TOLERANCE
+        other = torch.cat([picked[1][:n_old], picked[0][n_old:]])  # negative control: versions swapped
+        assert (other - recorded).abs().max() > 1e-3

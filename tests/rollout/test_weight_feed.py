@@ -21,8 +21,10 @@ from treetrain.loss.loss_config import LossConfig
 from treetrain.replay import FlatReference, ReplayConfig, TreeReplay
 from treetrain.rollout import FanOut, RolloutConfig, SamplerConfig, Sampling, rollout_trees
 from treetrain.rollout.engines.hf_engine import HFEngine
-from treetrain.rollout.weight_feed import WeightFeed
+from treetrain.rollout.weight_feed import WeightFeed, private_copy
+from treetrain.train.staleness import Staleness
 from treetrain.trajectory import Role, Trajectory
+from treetrain.tree.format import load_trees
 
 torch.set_num_threads(1)
 LIMITS = WrapperConfig(EpisodeLimits(max_turns=4, max_turn_tokens=6, max_episode_tokens=1024))
@@ -123,3 +125,82 @@ def test_the_trainers_model_is_never_the_one_sampled_from() -> None:
     assert not torch.equal(next(sampler.parameters()), next(policy.parameters()))  # not until a sync
     feed.sync(HFEngine(sampler))
     assert torch.equal(next(sampler.parameters()), next(policy.parameters()))
+
+
+class PublishesMidTurn(WeightFeed):
+    """A feed whose trainer publishes `newer` as version 1 once the engine has drawn `after` tokens and
+    still has requests in flight: their samples are interrupted halfway through a turn."""
+
+    def __init__(self, model: Any, newer: Any, engine: HFEngine, after: int) -> None:
+        super().__init__(model, version=0, own_model=True)
+        self.newer, self.engine, self.after = newer, engine, after
+
+    def due(self, engine_version: int) -> bool:
+        if self.version == 0 and self.engine.busy and self.engine.stats.sampled_tokens >= self.after:
+            self.publish(self.newer, 1)
+        return super().due(engine_version)
+
+
+def test_a_turn_interrupted_for_new_weights_is_two_policy_segments_each_with_its_version(
+    tmp_path: Path,
+) -> None:
+    old = tiny_model(seed=0).eval()
+    new = copy.deepcopy(old)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    engine = HFEngine(private_copy(old))
+    feed = PublishesMidTurn(old, new, engine, after=3)
+    engine.model = feed.sampling_model
+    config = RolloutConfig(
+        FanOut(root=2, after_tool_result=2, max_depth=2), SamplerConfig(Sampling()), LIMITS
+    )
+    result = rollout_trees(
+        feed.sampling_model, tokenizer(), FixedTurnsEnv, [0, 1], tmp_path, config, engine=engine, weights=feed
+    )
+    assert feed.syncs == 1
+    trajectories = [t for tree in result.trees for t in tree.trajectories()]
+    split = [
+        (a.version, b.version)
+        for t in trajectories
+        for c in t.calls
+        for a, b in zip(c.segments, c.segments[1:])
+        if a.role is b.role is Role.POLICY
+    ]
+    assert split and set(split) == {(0, 1)}  # a turn begun under version 0 and finished under version 1
+    assert [t for p in result.paths for tree in load_trees(p) for t in tree.trajectories()] == trajectories
+    models = {0: old, 1: new}
+    gaps = [g for t in trajectories for g in _gaps(t, models)]
+    assert max(gaps) < FLOOR, max(gaps)
+    swapped = [g for t in trajectories for g in _gaps(t, models, swap=True)]
+    assert max(swapped) > 1e-3  # negative control
+    lags = [Staleness.of(tree, version=1) for tree in result.trees]
+    assert {lag for s in lags for lag, _ in s.histogram} == {0, 1}
+
+
+def test_an_interrupted_greedy_sample_goes_on_exactly_as_if_it_had_not_been(tmp_path: Path) -> None:
+    """Differential: with the same weights published as a new version mid-turn, the resubmitted samples
+    (context plus the tokens so far) finish exactly as the uninterrupted rollout's, token for token; only
+    the recorded versions tell them apart."""
+    policy = tiny_model(seed=3).eval()
+    config = RolloutConfig(
+        FanOut(root=2, after_tool_result=2, max_depth=2), SamplerConfig(Sampling(temperature=0.0)), LIMITS
+    )
+
+    def grow(out: Path, publish: bool) -> list[Trajectory]:
+        engine = HFEngine(private_copy(policy))
+        feed = PublishesMidTurn(policy, policy if publish else None, engine, after=3 if publish else 10**9)
+        engine.model = feed.sampling_model
+        result = rollout_trees(
+            feed.sampling_model, tokenizer(), FixedTurnsEnv, [0, 1], out, config, engine=engine, weights=feed
+        )
+        assert feed.syncs == int(publish)
+        return [t for tree in result.trees for t in tree.trajectories()]
+
+    whole, cut = grow(tmp_path / "whole", publish=False), grow(tmp_path / "cut", publish=True)
+    assert [c.tokens for t in whole for c in t.calls] == [c.tokens for t in cut for c in t.calls]
+    assert [c.roles for t in whole for c in t.calls] == [c.roles for t in cut for c in t.calls]
+    versions = {s.version for t in cut for c in t.calls for s in c.segments if s.role is Role.POLICY}
+    assert versions == {0, 1} and len([s for t in cut for c in t.calls for s in c.segments]) > len(
+        [s for t in whole for c in t.calls for s in c.segments]
+    )  # some turns were split between the two versions

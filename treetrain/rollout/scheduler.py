@@ -21,10 +21,14 @@ traceback); the other tasks go on. Only what is not one task's (the engine faili
 run, and then every request in flight is aborted, so the engine is idle for the next sync.
 
 Weights may change in flight (`rollout.max_staleness` >= 1): given an `InFlightSync`, the scheduler asks it
-before each engine step whether newer weights wait. If so, ready branch points are held back instead of
-submitted; once the engine has no request in flight (tool calls may still run), the engine takes the new
-weights and the held points go out. No sample ever mixes two versions, and an episode's later turns are
-sampled by newer weights than its first: each `Completion` carries its version into its segment.
+before each engine step whether newer weights wait. If so, it interrupts the engine
+(`GenerationEngine.interrupt`): every request in flight stops and says what each sample drew so far. The
+engine takes the new weights at once, and each unfinished sample goes on as a request of its own whose
+context is the branch point's plus the tokens drawn so far, under the new weights (abort and resubmit). The
+sample's tokens then span versions, and its `Completion.runs` say which tokens each version drew; the
+turn's policy tokens become one segment per version. An engine that cannot interrupt (a server whose answers
+are not streamed) finishes what is in flight while new branch points are held back, then syncs. Either way,
+each token records the version that drew it, and an episode's later tokens are never older than its first.
 
 Steps whose environment call missed its deadline (`rollout.episode.step_timeout_s`; the episode goes on
 with a timeout observation) are counted in `Scheduler.step_timeouts`.
@@ -44,10 +48,16 @@ from envs.protocol import Rubric
 from envs.wrapper import TokenEnv, TurnResult
 from treetrain.rollout.engines.generation import (
     Completion,
+    Draft,
     GenerationEngine,
     GenerationRequest,
     GenerationResult,
+    Interrupted,
+    StopMatcher,
     check_versions,
+    continued,
+    cut_at_stop,
+    finished,
 )
 from treetrain.rollout.fanout import FanOut
 from treetrain.rollout.sampling import Sampling
@@ -86,6 +96,32 @@ class _Point:
     path: tuple[int, ...]
     key: Key
     at_root: bool = False
+
+
+@dataclass
+class _Asked:
+    """A branch point's request and its samples as they come back (from several requests once the first
+    was interrupted for new weights)."""
+
+    point: _Point
+    request: GenerationRequest
+    samples: list[Completion | None]
+    abandoned: bool = False
+    """Its task failed while a sample waited to go on: nothing more is sent or delivered for it."""
+
+    @property
+    def stops(self) -> StopMatcher:
+        return StopMatcher.of(self.request.stop)
+
+
+@dataclass(frozen=True)
+class _Sent:
+    """One request the engine holds: the whole of `asked` (`slot` None), or the rest of one of its samples
+    after `draft`."""
+
+    asked: _Asked
+    slot: int | None = None
+    draft: Draft = field(default_factory=Draft)
 
 
 @dataclass
@@ -161,12 +197,15 @@ class Scheduler:
         self.engine, self.config = engine, config
         self.weights = weights
         self._held: list[_Point] = []  # ready branch points waiting for the engine to take new weights
+        self._resume: list[tuple[_Asked, int, Draft]] = []  # interrupted samples, to go on under them
+        self.interrupted = 0
+        """Samples stopped mid-turn for new weights and resubmitted with their tokens so far."""
         self.fanout, self.sampling = config.fanout, config.sampling
         self.model_version = config.model_version
         self.on_finished = on_finished
         self.step_timeouts = 0
         """Steps whose environment call missed its deadline (each became a timeout observation)."""
-        self._points: dict[int, _Point] = {}
+        self._points: dict[int, _Sent] = {}
         self._steps: dict[Future[tuple[TokenEnv, TurnResult, Trajectory | None]], _Fork] = {}
         self._forks_left: dict[int, int] = {}  # id(parent episode) -> forks not yet made
 
@@ -185,7 +224,7 @@ class Scheduler:
             for task in tasks:
                 task.live.add(task.root)
                 self._submit(_Point(task, task.root, 0, (), (), at_root=True))
-            while self.engine.busy or self._steps or self._held:
+            while self.engine.busy or self._steps or self._held or self._resume:
                 self._refresh_weights()
                 if self.engine.busy:
                     self._answered(self.engine.poll())
@@ -207,18 +246,64 @@ class Scheduler:
 
     # ----- generation -------------------------------------------------------------------------------
     def _refresh_weights(self) -> None:
-        """At a safe point (no request in flight) take newer weights, then send what was held for them."""
+        """Between engine steps: when newer weights wait, interrupt the engine (or, if it cannot be, wait
+        until it is idle), sync, and send what was held or interrupted."""
         if self.weights is None:
             return
-        if not self.engine.busy and self.weights.due(self.engine.version):
-            self.weights.sync(self.engine)
-        if self._held and not self.weights.due(self.engine.version):
+        if self.weights.due(self.engine.version):
+            if self.engine.busy:
+                stopped = self.engine.interrupt()
+                if stopped is not None:
+                    self._interrupted(stopped)
+            if not self.engine.busy:
+                self.weights.sync(self.engine)
+        if (self._held or self._resume) and not self.weights.due(self.engine.version):
             held, self._held = self._held, []
             for point in held:
                 if point.task.failure is None:
                     self._send(point)
                 else:  # its task failed meanwhile: the point was released with the task
                     point.task.pending -= 1
+            resume, self._resume = self._resume, []
+            for asked, slot, draft in resume:
+                self._go_on(asked, slot, draft)
+
+    def _interrupted(self, stopped: list[Interrupted]) -> None:
+        """Keep what each stopped request's samples drew: a finished sample is done, the others go on."""
+        for item in stopped:
+            sent = self._points.pop(item.request_id)
+            asked = sent.asked
+            slots = range(len(item.samples)) if sent.slot is None else (sent.slot,)
+            for slot, sample in zip(slots, item.samples, strict=True):
+                if isinstance(sample, Completion):
+                    asked.samples[slot] = continued(sent.draft, sample, asked.stops)
+                else:
+                    self._resume.append(
+                        (asked, slot, sent.draft.then(sample.tokens, sample.logprobs, sample.runs))
+                    )
+                    self.interrupted += 1
+            self._complete(asked)
+
+    def _go_on(self, asked: _Asked, slot: int, draft: Draft) -> None:
+        """Send the rest of an interrupted sample: the branch point's context plus what it drew."""
+        point, request = asked.point, asked.request
+        if asked.abandoned:
+            return
+        if point.task.failure is not None:  # the point was released with its task
+            asked.abandoned = True
+            point.task.pending -= 1
+            return
+        left = request.max_new_tokens - len(draft.tokens)
+        if left < 1 or cut_at_stop(draft.tokens, asked.stops) is not None:
+            asked.samples[slot] = finished(draft, asked.stops, "length")
+            self._complete(asked)
+            return
+        rest = GenerationRequest(
+            context=(*request.context, *draft.tokens), n=1, max_new_tokens=left, sampling=request.sampling,
+            stop=request.stop, group=request.group, children=request.children,
+            seed=request_seed(self.config.base_seed, point.task.seed, (*point.key, (2 + slot, len(draft.tokens)))),
+        )  # fmt: skip
+        self._points[self.engine.submit(rest)] = _Sent(asked, slot, draft)
 
     def _submit(self, point: _Point) -> None:
         point.task.pending += 1
@@ -241,30 +326,43 @@ class Scheduler:
             group=point.task.prefix,
             children=self.fanout.env_factor(point.depth + (n > 1)),
         )
-        self._points[self.engine.submit(request)] = point
+        self._points[self.engine.submit(request)] = _Sent(_Asked(point, request, [None] * n))
 
     def _answered(self, results: list[GenerationResult]) -> None:
         if self.model_version is not None:
             check_versions(results, self.model_version, self.config.engine_name)
         for result in results:
-            point = self._points.pop(result.request_id)
-            task = point.task
-            task.pending -= 1
-            if task.failure is not None:  # the task already failed: drop what its requests bring back
-                self._drop(task, point.episode)
-                continue
-            n = len(result.completions)
-            depth = point.depth + (n > 1)
-            k = self.fanout.env_factor(depth)
-            self._forks_left[id(point.episode)] = n * k
-            for i, sample in enumerate(result.completions):
-                path = (*point.path, i) if n > 1 else point.path
-                for j in range(k):
-                    fork_path = (*path, j) if k > 1 else path
-                    key = (*point.key, (0, i * k + j))
-                    fork = _Fork(task, point.episode, sample, j, depth + (k > 1), fork_path, key)
-                    self._steps[self._pool.submit(self._fork_and_step, fork)] = fork
-                    task.pending += 1
+            sent = self._points.pop(result.request_id)
+            asked = sent.asked
+            if sent.slot is None:
+                asked.samples = list(result.completions)
+            else:
+                asked.samples[sent.slot] = continued(sent.draft, result.completions[0], asked.stops)
+            self._complete(asked)
+
+    def _complete(self, asked: _Asked) -> None:
+        """Fork and step a branch point's samples once all of them are back."""
+        if asked.abandoned or any(c is None for c in asked.samples):
+            return
+        samples = [c for c in asked.samples if c is not None]
+        point = asked.point
+        task = point.task
+        task.pending -= 1
+        if task.failure is not None:  # the task already failed: drop what its requests bring back
+            self._drop(task, point.episode)
+            return
+        n = len(samples)
+        depth = point.depth + (n > 1)
+        k = self.fanout.env_factor(depth)
+        self._forks_left[id(point.episode)] = n * k
+        for i, sample in enumerate(samples):
+            path = (*point.path, i) if n > 1 else point.path
+            for j in range(k):
+                fork_path = (*path, j) if k > 1 else path
+                key = (*point.key, (0, i * k + j))
+                fork = _Fork(task, point.episode, sample, j, depth + (k > 1), fork_path, key)
+                self._steps[self._pool.submit(self._fork_and_step, fork)] = fork
+                task.pending += 1
 
     # ----- environment ------------------------------------------------------------------------------
     def _fork_and_step(self, fork: _Fork) -> tuple[TokenEnv, TurnResult, Trajectory | None]:
@@ -276,7 +374,8 @@ class Scheduler:
         except Exception as exc:
             raise _TaskFailed("fork", exc) from None
         try:
-            result = episode.step(fork.sample.tokens, fork.sample.logprobs, fork.sample.version)
+            sample = fork.sample
+            result = episode.step(sample.tokens, sample.logprobs, sample.version, runs=sample.runs)
             trajectory = None
             if episode.done:
                 tid = f"{fork.task.prefix}/{'.'.join(map(str, fork.path)) or '0'}"

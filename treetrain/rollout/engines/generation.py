@@ -105,15 +105,97 @@ class Completion:
     finish: FinishReason
     """`stop`: a stop sequence ended it; `length`: `max_new_tokens` cut it."""
     version: int
-    """The weight version that sampled it (`GenerationEngine.version` when it was drawn)."""
+    """The weight version that sampled it (`GenerationEngine.version` when it was drawn); of a sample whose
+    request was interrupted for new weights, the version of its last token."""
+    runs: tuple[tuple[int, int], ...] = ()
+    """`(tokens, version)` runs in sample order when the sample spans weight versions (`continued`); empty
+    when every token is of `version`."""
 
     def __post_init__(self) -> None:
         if not self.tokens or len(self.tokens) != len(self.logprobs):
             raise ValueError(f"a completion needs one logprob per token, got {len(self.tokens)} tokens")
+        if self.runs and (
+            sum(n for n, _ in self.runs) != len(self.tokens) or self.runs[-1][1] != self.version
+        ):
+            raise ValueError(
+                f"version runs {self.runs} do not cover {len(self.tokens)} tokens ending at {self.version}"
+            )
 
     @property
     def stopped(self) -> bool:
         return self.finish == "stop"
+
+    @property
+    def version_runs(self) -> tuple[tuple[int, int], ...]:
+        """`(tokens, version)` runs covering every token, in sample order."""
+        return self.runs or ((len(self.tokens), self.version),)
+
+
+@dataclass(frozen=True)
+class Draft:
+    """What one unfinished sample had drawn when its request was interrupted (possibly nothing yet)."""
+
+    tokens: tuple[int, ...] = ()
+    logprobs: tuple[float, ...] = ()
+    runs: tuple[tuple[int, int], ...] = ()
+    """`(tokens, version)` runs of `tokens`, as `Completion.runs` (empty when there are no tokens)."""
+
+    @staticmethod
+    def drawn(tokens: Sequence[int], logprobs: Sequence[float], version: int) -> Draft:
+        """The tokens one sample drew under `version` before it was stopped."""
+        tokens, logprobs = tuple(int(t) for t in tokens), tuple(min(float(x), 0.0) for x in logprobs)
+        return Draft(tokens, logprobs, ((len(tokens), version),) if tokens else ())
+
+    def then(
+        self, tokens: Sequence[int], logprobs: Sequence[float], runs: Sequence[tuple[int, int]]
+    ) -> Draft:
+        """This draft followed by more tokens and their runs (neighbouring runs of one version merge)."""
+        merged = list(self.runs)
+        for n, v in runs:
+            if merged and merged[-1][1] == v:
+                merged[-1] = (merged[-1][0] + n, v)
+            elif n:
+                merged.append((n, v))
+        return Draft((*self.tokens, *tokens), (*self.logprobs, *logprobs), tuple(merged))
+
+
+@dataclass(frozen=True)
+class Interrupted:
+    """A request stopped by `GenerationEngine.interrupt`: per sample, its completion when it had finished,
+    else what it had drawn so far."""
+
+    request_id: int
+    samples: tuple[Completion | Draft, ...]
+
+
+def finished(draft: Draft, stops: StopMatcher, finish: FinishReason) -> Completion:
+    """`draft` as a completion: cut at its first stop (finish `stop`), else ended by `finish`."""
+    end = cut_at_stop(draft.tokens, stops)
+    if end is not None:
+        finish = "stop"
+    end = len(draft.tokens) if end is None else end
+    runs, left = [], end
+    for n, v in draft.runs:
+        if left > 0:
+            runs.append((min(n, left), v))
+            left -= n
+    one = len(runs) == 1
+    return Completion(
+        draft.tokens[:end], draft.logprobs[:end], finish, runs[-1][1], () if one else tuple(runs)
+    )
+
+
+def continued(draft: Draft, completion: Completion, stops: StopMatcher) -> Completion:
+    """The sample `draft` began, finished by `completion` (its continuation under newer weights), cut at the
+    first stop (one may span the two parts).
+
+    >>> head = Draft.drawn((4, 7), (-0.5, -0.25), version=0)
+    >>> whole = continued(head, Completion((8, 9), (-0.1, -0.2), "length", version=1), StopMatcher.of(((7, 8),)))
+    >>> whole.tokens, whole.finish, whole.version_runs
+    ((4, 7, 8), 'stop', ((2, 0), (1, 1)))
+    """
+    joined = draft.then(completion.tokens, completion.logprobs, completion.version_runs)
+    return finished(joined, stops, completion.finish)
 
 
 @dataclass(frozen=True)
@@ -187,6 +269,12 @@ class GenerationEngine(Protocol):
     def abort(self) -> None:
         """Drop every request in flight (a rollout that stopped early): the engine is idle afterwards, so
         `sync_weights` and the next rollout work; answers still on their way are discarded."""
+        ...
+
+    def interrupt(self) -> list[Interrupted] | None:
+        """Stop every request in flight and say what each sample drew so far, so it can go on under new
+        weights (the engine is idle afterwards, as after `abort`); None, with nothing stopped, from an engine
+        that cannot see a request's tokens before it ends."""
         ...
 
     def close(self) -> None:

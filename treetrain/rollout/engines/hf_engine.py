@@ -69,10 +69,12 @@ from treetrain.rollout.engines.batch_cache import (
 )
 from treetrain.rollout.engines.generation import (
     Completion,
+    Draft,
     EngineError,
     EngineStats,
     GenerationRequest,
     GenerationResult,
+    Interrupted,
     StopMatcher,
 )
 from treetrain.rollout.prefix_sampler import fork_cache, sampling_logprobs, select_rows
@@ -224,6 +226,21 @@ class HFEngine:
         self._waiting.clear()
         self._jobs.clear()
         self._batches.clear()
+
+    def interrupt(self) -> list[Interrupted]:
+        """Stop every request in flight; each sample not yet finished comes back as the `Draft` of what its
+        row drew (nothing for a request still waiting to be encoded)."""
+        rows = {(r.request, r.sample): r for b in self._batches for r in b.rows if not r.done}
+        out = []
+        for rid, job in self._jobs.items():
+            drawn = [rows.get((rid, i)) for i in range(job.request.n)]
+            samples = tuple(
+                c if c is not None else Draft.drawn(r.tokens, r.logprobs, job.version) if r else Draft()
+                for c, r in zip(job.results, drawn)
+            )
+            out.append(Interrupted(rid, samples))
+        self.abort()
+        return out
 
     def close(self) -> None:
         self.abort()

@@ -44,10 +44,12 @@ from treetrain.rollout.engines.adapter_sync import AdapterFiles, LoraServing, ad
 from treetrain.rollout.engines.cpu_expert_repack import repack_cpu_experts
 from treetrain.rollout.engines.engine_settings import VLLMSettings
 from treetrain.rollout.engines.generation import (
+    Draft,
     EngineError,
     EngineStats,
     GenerationRequest,
     GenerationResult,
+    Interrupted,
     StopMatcher,
     completion_of,
 )
@@ -139,7 +141,7 @@ class VLLMEngine:
         from vllm.platforms import current_platform
         from vllm.sampling_params import RequestOutputKind
 
-        self._prompt, self._final = TokensPrompt, RequestOutputKind.FINAL_ONLY
+        self._prompt, self._delta = TokensPrompt, RequestOutputKind.DELTA
         self._params = vllm.SamplingParams
         self.version = version
         self.stats = EngineStats()
@@ -167,6 +169,8 @@ class VLLMEngine:
         _LIVE.add(self)
         self._next_id = 0
         self._pending: dict[str, tuple[int, StopMatcher, int, int]] = {}  # id -> (rid, stops, version, n)
+        self._drawn: dict[str, list[tuple[list[int], list[float], str | None]]] = {}
+        """Per request in flight, per sample: the tokens and logprobs drawn so far, and why it ended."""
 
     def submit(self, request: GenerationRequest) -> int:
         rid = self._next_id
@@ -174,7 +178,7 @@ class VLLMEngine:
         params = self._params(
             n=request.n, max_tokens=request.max_new_tokens, temperature=request.sampling.temperature,
             top_p=request.sampling.top_p, seed=request.seed, logprobs=0, stop_token_ids=list(request.stop_ids),
-            ignore_eos=True, detokenize=False, skip_special_tokens=False, output_kind=self._final,
+            ignore_eos=True, detokenize=False, skip_special_tokens=False, output_kind=self._delta,
         )  # fmt: skip
         try:
             self._engine.add_request(
@@ -186,6 +190,7 @@ class VLLMEngine:
         except Exception as exc:  # e.g. a context longer than the engine's max_model_len
             raise EngineError(f"rollout.engine=vllm: vLLM refused a request: {_line(exc)}") from None
         self._pending[str(rid)] = (rid, StopMatcher.of(request.stop), self.version, request.n)
+        self._drawn[str(rid)] = [([], [], None) for _ in range(request.n)]
         self.stats.requests += 1
         self.stats.prompt_tokens += request.prompt_tokens
         return rid
@@ -201,17 +206,25 @@ class VLLMEngine:
         except Exception as exc:
             raise EngineError(f"rollout.engine=vllm: vLLM failed while sampling: {_line(exc)}") from None
         for out in outputs:
-            if not out.finished or out.request_id not in self._pending:
+            if out.request_id not in self._pending:
+                continue
+            drawn = self._drawn[out.request_id]
+            for sample in out.outputs:  # each output holds the tokens drawn since the last step
+                lps = [d[t].logprob for d, t in zip(sample.logprobs or [], sample.token_ids)]
+                if len(lps) != len(sample.token_ids) or not 0 <= sample.index < len(drawn):
+                    raise EngineError(
+                        f"vllm returned sample {sample.index} of a request of n={len(drawn)} with {len(lps)} "
+                        f"logprobs for {len(sample.token_ids)} tokens"
+                    )
+                tokens, logprobs, _ = drawn[sample.index]
+                drawn[sample.index] = (tokens + list(sample.token_ids), logprobs + lps, sample.finish_reason)
+            if not out.finished:
                 continue
             rid, stops, version, n = self._pending.pop(out.request_id)
-            completions = []
-            for sample in sorted(out.outputs, key=lambda o: o.index):
-                lps = [d[t].logprob for d, t in zip(sample.logprobs or [], sample.token_ids)]
-                if len(lps) != len(sample.token_ids):
-                    raise EngineError(f"vllm returned {len(lps)} logprobs for {len(sample.token_ids)} tokens")
-                completions.append(completion_of(sample.token_ids, lps, sample.finish_reason, stops, version))
-            if len(completions) != n:
-                raise EngineError(f"vllm returned {len(completions)} samples for a request of n={n}")
+            del self._drawn[out.request_id]
+            if any(not tokens for tokens, _, _ in drawn):
+                raise EngineError(f"vllm finished a request of n={n} with a sample of no tokens")
+            completions = [completion_of(t, lps, finish, stops, version) for t, lps, finish in drawn]
             cached = int(out.num_cached_tokens or 0)
             self.stats.cached_tokens += cached
             self.stats.sampled_tokens += sum(len(c.tokens) for c in completions)
@@ -278,6 +291,21 @@ class VLLMEngine:
         if self._engine is not None and self._pending:
             self._engine.abort_request(list(self._pending))
         self._pending.clear()
+        self._drawn.clear()
+
+    def interrupt(self) -> list[Interrupted]:
+        """Abort every request in flight; each comes back with what its samples drew so far (a sample
+        that ended is a `Completion`, one still drawing a `Draft`)."""
+        out = []
+        for key, (rid, stops, version, _) in self._pending.items():
+            samples = tuple(
+                completion_of(t, lps, finish, stops, version) if finish is not None
+                else Draft.drawn(t, lps, version)
+                for t, lps, finish in self._drawn[key]
+            )  # fmt: skip
+            out.append(Interrupted(rid, samples))
+        self.abort()
+        return out
 
     def close(self) -> None:
         """Abort what is in flight and shut the engine core down, so its KV cache and weights are freed

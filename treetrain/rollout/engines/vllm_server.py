@@ -353,5 +353,10 @@ class VLLMServerEngine:
         """Forget every request in flight; their answers are dropped when they arrive."""
         self._open.clear()
 
+    def interrupt(self) -> None:
+        """None: an answer comes back whole (not streamed), so nothing is known of a request before it ends;
+        the scheduler lets requests in flight finish and syncs once the engine is idle."""
+        return None
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
