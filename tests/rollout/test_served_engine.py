@@ -5,7 +5,9 @@ stops the rollout."""
 
 from __future__ import annotations
 
+import copy
 import json
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,14 @@ import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from treetrain.rollout.engines.engine_settings import VLLMSettings
-from treetrain.rollout.engines.generation import EngineError, GenerationRequest, GenerationResult
+from treetrain.rollout.engines.generation import (
+    Draft,
+    EngineError,
+    GenerationRequest,
+    GenerationResult,
+    StopMatcher,
+    continued,
+)
 from treetrain.rollout.engines.server_checks import Expected
 from treetrain.rollout.engines.vllm_server import VLLMServerEngine
 from treetrain.rollout.sampling import Sampling
@@ -123,3 +132,61 @@ def test_a_server_started_with_other_flags_is_refused_naming_the_flag(
     assert line.startswith(f"vllm-server {vllm_server} (serving treetrain/assets/demo_model_wide): ")
     assert line.endswith(flag) or f"{flag} " in line, line
     assert "\n" not in line
+
+
+def test_a_streamed_request_interrupted_for_new_weights_goes_on_under_them(
+    vllm_server: str, tmp_path: Path
+) -> None:
+    """Abort and resubmit against the real server: the streamed tokens drawn before the interrupt are the
+    old weights' (scored by the trainer's old model), the rest the new weights'."""
+    old = LlamaForCausalLM.from_pretrained(WIDE_DEMO_MODEL).eval()
+    new = copy.deepcopy(old)
+    context, stop = _context(), ((511, 512, 513),)  # the server stops on none: samples run to their budget
+    want = Expected(path=str(WIDE_DEMO_MODEL), dtype="float32", max_model_len=1024)
+    engine = VLLMServerEngine(
+        VLLMSettings(urls=(vllm_server,)), weights_dir=tmp_path / "engine-weights", expected=want, stream=True
+    )
+    engine.sync_weights(old, 0)
+    engine.submit(GenerationRequest(context, 2, 400, Sampling(), stop, seed=5, group="probe"))
+    started = time.monotonic()
+    while engine.busy and time.monotonic() - started < 0.5:
+        assert engine.poll() == []
+    (stopped,) = engine.interrupt()
+    assert not engine.busy
+    drafts = [d for d in stopped.samples if isinstance(d, Draft) and d.tokens]
+    assert drafts, stopped.samples
+    _step(new, context, drafts[0].tokens)
+    engine.sync_weights(new, 1)
+    try:
+        whole = []
+        for i, draft in enumerate(drafts):
+            rest = GenerationRequest(
+                (*context, *draft.tokens), 1, 400 - len(draft.tokens), Sampling(), stop, seed=i
+            )
+            engine.submit(rest)
+            results: list[GenerationResult] = []
+            while engine.busy:
+                results += engine.poll()
+            whole.append(continued(draft, results[0].completions[0], StopMatcher.of(stop)))
+    finally:
+        engine.sync_weights(old, 2)
+        engine.close()
+    for sample, draft in zip(whole, drafts):
+        assert len(sample.tokens) == 400 and sample.version_runs == (
+            (len(draft.tokens), 0),
+            (400 - len(draft.tokens), 1),
+        )
+        ids = torch.tensor([context + sample.tokens])
+        with torch.no_grad():
+            picked = [
+                m(ids)
+                .logits[0, len(context) - 1 : -1]
+                .log_softmax(-1)
+                .gather(-1, ids[0, len(context) :, None])[:, 0]
+                for m in (old, new)
+            ]
+        recorded, n = torch.tensor(sample.logprobs), len(draft.tokens)
+        own = torch.cat([picked[0][:n], picked[1][n:]])
+        other = torch.cat([picked[1][:n], picked[0][n:]])  # negative control: the versions swapped
+        assert float((own - recorded).abs().max()) < GAP
+        assert float((other - recorded).abs().max()) > SKIPPED

@@ -26,8 +26,9 @@ before each engine step whether newer weights wait. If so, it interrupts the eng
 engine takes the new weights at once, and each unfinished sample goes on as a request of its own whose
 context is the branch point's plus the tokens drawn so far, under the new weights (abort and resubmit). The
 sample's tokens then span versions, and its `Completion.runs` say which tokens each version drew; the
-turn's policy tokens become one segment per version. An engine that cannot interrupt (a server whose answers
-are not streamed) finishes what is in flight while new branch points are held back, then syncs. Either way,
+turn's policy tokens become one segment per version. An engine that cannot interrupt (`interrupt` returns
+None: a server whose answers are not streamed) finishes what is in flight while new branch points are held
+back, then syncs. Either way,
 each token records the version that drew it, and an episode's later tokens are never older than its first.
 
 Steps whose environment call missed its deadline (`rollout.episode.step_timeout_s`; the episode goes on

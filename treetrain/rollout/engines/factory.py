@@ -67,6 +67,9 @@ class EngineSpec:
     """Whether the policy has LoRA adapters and runs under DeepSpeed ZeRO-3."""
     hf_kv_bytes: int | None = None
     """Most bytes of KV the `hf` engine holds (live rows and kept prefixes); None: its own default."""
+    in_flight_weights: bool = False
+    """Whether weights change while requests are in flight (`rollout.max_staleness` >= 1): `vllm-server`
+    then streams its answers, so that a sync can interrupt them and resubmit each with its tokens so far."""
 
     def __post_init__(self) -> None:
         if self.kind not in ENGINES:
@@ -126,7 +129,7 @@ def make_engine(spec: EngineSpec, model: Any) -> GenerationEngine:
         )
         return VLLMServerEngine(
             spec.vllm, weights_dir=Path(spec.run_dir) / "engine-weights", expected=expected, version=-1,
-            lora=lora_serving(model),
+            lora=lora_serving(model), stream=spec.in_flight_weights,
         )  # fmt: skip
     from treetrain.rollout.engines.vllm_engine import VLLMEngine
 

@@ -5,6 +5,10 @@
 nothing is detokenized on the way. Requests run on a thread pool, so every ready branch point of every
 tree is in flight at once and the servers batch them.
 
+**Streaming.** With `stream=True` (asynchronous training, where weights change while requests are in
+flight) answers are read as server-sent events, so the engine knows each sample's tokens so far:
+`interrupt` returns them, and closing an interrupted request's connection makes vLLM abort it.
+
 **Routing.** With several URLs every request of one tree (`GenerationRequest.group`) goes to the same
 server, chosen by a stable hash of the group, so that server's prefix cache holds the whole tree.
 
@@ -41,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -51,14 +56,16 @@ from treetrain.rollout.engines.adapter_sync import AdapterFiles, LoraServing, ad
 from treetrain.rollout.engines.engine_settings import VLLMSettings
 from treetrain.rollout.engines.generation import (
     Completion,
+    Draft,
     EngineError,
     EngineStats,
     GenerationRequest,
     GenerationResult,
+    Interrupted,
     StopMatcher,
     completion_of,
 )
-from treetrain.rollout.engines.server_calls import ServerHTTPError, call_server, short
+from treetrain.rollout.engines.server_calls import ServerHTTPError, call_server, short, stream_server
 from treetrain.rollout.engines.server_checks import (
     Expected,
     ServedConfig,
@@ -96,7 +103,10 @@ class VLLMServerEngine:
         expected: Expected,
         version: int = 0,
         lora: LoraServing | None = None,
+        stream: bool = False,
     ) -> None:
+        """`stream`: read answers as they are sampled (server-sent events), so that `interrupt` knows what
+        each request drew so far; for weights that change while requests are in flight."""
         if not settings.urls:
             raise EngineError("rollout.engine=vllm-server needs rollout.vllm.urls (the servers' base URLs)")
         self.urls = tuple(u.rstrip("/") for u in settings.urls)
@@ -119,6 +129,9 @@ class VLLMServerEngine:
         self._done: queue.Queue[tuple[int, GenerationResult | EngineError]] = queue.Queue()
         self._open: set[int] = set()
         self._next_id = 0
+        self.stream = stream
+        self._lock = threading.Lock()  # guards `_open` and `_drawn` between the pool and `interrupt`
+        self._drawn: dict[int, _Drawn] = {}
 
     def _check_server(self, url: str) -> ServedConfig:
         """What `url` serves, refused in one line when it cannot sample for this run."""
@@ -164,7 +177,10 @@ class VLLMServerEngine:
     def submit(self, request: GenerationRequest) -> int:
         rid = self._next_id
         self._next_id += 1
-        self._open.add(rid)
+        with self._lock:
+            self._open.add(rid)
+            if self.stream:
+                self._drawn[rid] = _Drawn(request, self.version)
         self.stats.requests += 1
         self.stats.prompt_tokens += request.prompt_tokens
         self._pool.submit(self._run, rid, request, self.version, self._adapter)
@@ -184,7 +200,9 @@ class VLLMServerEngine:
                 if rid not in self._open:  # aborted: its answer came back after all
                     item = self._done.get_nowait()
                     continue
-                self._open.discard(rid)
+                with self._lock:
+                    self._open.discard(rid)
+                    self._drawn.pop(rid, None)
                 if isinstance(answer, EngineError):
                     raise answer
                 results.append(answer)
@@ -208,7 +226,19 @@ class VLLMServerEngine:
             "return_token_ids": True, "include_stop_str_in_output": True,
         }  # fmt: skip
         try:
-            answer = call_server(url, "/v1/completions", body, self.timeout)
+            if self.stream:
+                body.update(stream=True, stream_options={"include_usage": True})
+                if not stream_server(
+                    url, "/v1/completions", body, self.timeout, lambda e: self._event(rid, e)
+                ):
+                    return  # interrupted: `interrupt` answered for it
+                with self._lock:  # kept until `poll` takes the answer: an `interrupt` before then returns it
+                    drawn = self._drawn.get(rid) if rid in self._open else None
+                    if drawn is None:
+                        return
+                    answer = drawn.answer()
+            else:
+                answer = call_server(url, "/v1/completions", body, self.timeout)
             result = self._parse(url, rid, answer, request, version)
         except EngineError as exc:
             self._done.put((rid, exc))
@@ -351,12 +381,77 @@ class VLLMServerEngine:
 
     def abort(self) -> None:
         """Forget every request in flight; their answers are dropped when they arrive."""
-        self._open.clear()
+        with self._lock:
+            self._open.clear()
+            self._drawn.clear()
 
-    def interrupt(self) -> None:
-        """None: an answer comes back whole (not streamed), so nothing is known of a request before it ends;
-        the scheduler lets requests in flight finish and syncs once the engine is idle."""
-        return None
+    def _event(self, rid: int, event: Any) -> bool:
+        """Keep one streamed event's tokens; False once `rid` was interrupted or aborted (stop reading)."""
+        with self._lock:
+            drawn = self._drawn.get(rid)
+            if rid not in self._open or drawn is None:
+                return False
+            drawn.add(event)
+            return True
+
+    def interrupt(self) -> list[Interrupted] | None:
+        """With `stream`, stop every request and return what each sample drew (its streamed tokens so far);
+        their connections close at their next event, which makes vLLM abort them. Without it, None: an
+        answer comes back whole, so the scheduler lets requests in flight finish and syncs once idle."""
+        if not self.stream:
+            return None
+        with self._lock:
+            out = [Interrupted(rid, self._drawn.pop(rid).samples()) for rid in sorted(self._open)]
+            self._open.clear()
+        return out
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _Drawn:
+    """A streamed request's samples as its events arrive: per sample the token ids, their logprobs and the
+    finish reason (set by its last event), and the usage the final event reports."""
+
+    def __init__(self, request: GenerationRequest, version: int) -> None:
+        self.request, self.version = request, version
+        self.tokens: list[list[int]] = [[] for _ in range(request.n)]
+        self.logprobs: list[list[float]] = [[] for _ in range(request.n)]
+        self.finish: list[str | None] = [None] * request.n
+        self.usage: Any = None
+
+    def add(self, event: Any) -> None:
+        """One event: a `KeyError`, `TypeError` or `ValueError` when it is outside the protocol."""
+        if event.get("usage"):
+            self.usage = event["usage"]
+        for choice in event.get("choices") or ():
+            i = int(choice["index"])
+            if not 0 <= i < self.request.n:
+                raise ValueError(f"sample index {i} of a request of n={self.request.n}")
+            ids, lps = (
+                choice.get("token_ids") or [],
+                (choice.get("logprobs") or {}).get("token_logprobs") or [],
+            )
+            if len(ids) != len(lps):
+                raise ValueError(f"{len(ids)} token ids but {len(lps)} logprobs in one event")
+            self.tokens[i] += [int(t) for t in ids]
+            self.logprobs[i] += [float(x) for x in lps]
+            self.finish[i] = choice.get("finish_reason") or self.finish[i]
+
+    def answer(self) -> dict[str, Any]:
+        """The whole answer, shaped as the unstreamed `/v1/completions` one (for `VLLMServerEngine._parse`)."""
+        choices = [
+            {"index": i, "token_ids": t, "logprobs": {"token_logprobs": lp}, "finish_reason": f}
+            for i, (t, lp, f) in enumerate(zip(self.tokens, self.logprobs, self.finish))
+        ]
+        return {"choices": choices, "usage": self.usage or {}}
+
+    def samples(self) -> tuple[Completion | Draft, ...]:
+        """Each sample as `interrupt` returns it: a `Completion` when it ended, else the `Draft` so far."""
+        stops = StopMatcher.of(self.request.stop)
+        return tuple(
+            completion_of(t, lp, f, stops, self.version)
+            if f is not None and t
+            else Draft.drawn(t, lp, self.version)
+            for t, lp, f in zip(self.tokens, self.logprobs, self.finish)
+        )
