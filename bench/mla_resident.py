@@ -11,8 +11,9 @@ size. Two tables, markdown to stdout and `--out`:
 
 1. **Measured**, on each MLA family's tiny model (the support check's config, `treetrain.models.support_table`):
    one forward fills a cache, and the bytes per token are read off the tensors it holds; the expanded bytes
-   are read off what each layer's own `expand_kv` returns for them. The ledger's `kv_bytes_per_token` is
-   printed next to them; it must equal the cached bytes.
+   are read off what each layer's own `expand_kv` returns for them (the cached bytes include an indexed
+   sparse attention layer's indexer keys, which the cache holds beside the latents). The ledger's
+   `kv_bytes_per_token` is printed next to them; it must equal the cached bytes.
 2. **At full size**, from each family's default config in transformers (the sizes its config class documents),
    in bfloat16: the same two quantities from the config's dimensions, per token over its MLA layers (a
    hybrid's linear-attention layers keep a constant-size state instead), and for a 32k-token resident prefix.
@@ -95,6 +96,8 @@ def _measure(family: str) -> Measured | str:
             layer = cache.layers[int(module.layer_idx)]
             keys, values = layer.keys, layer.values  # [1, 1, T, r], [1, 1, T, R]
             cached += keys.nbytes + values.nbytes
+            index_keys = getattr(layer, "indexer_keys", None)  # [1, T, D_index]: DSA's indexer, resident too
+            cached += index_keys.nbytes if isinstance(index_keys, torch.Tensor) else 0
             k, v = module.expand_kv(keys, values)  # [1, H, T, Dqk], [1, H, T, Dv]
             expanded += k.nbytes + v.nbytes
     return Measured(family, cached // TOKENS, expanded // TOKENS, kv_bytes_per_token(model))

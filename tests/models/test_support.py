@@ -172,8 +172,7 @@ def test_blocks_under_other_names_are_found_and_checked_by_behaviour(family: str
         ("bert", r"has no decoder stack with its blocks in `.layers`, `.h`, `.blocks`"),
         ("diffllama", "attend over other tensors than they cache"),
         ("minimax", r"runs its recurrence inline in its forward.*MiniMaxCache's linear cache"),
-        ("deepseek_v32", r"\['indexed_attention'\] \(indexed sparse attention: .*indexer's keys"),
-        ("glm_moe_dsa", r"\['indexed_attention'\] \(indexed sparse attention: .*indexer's keys"),
+        ("qwen4_exp_text", r"QSA pools its keys into blocks and reads the past's positions"),
         ("lfm2", r"\['conv'\] \(short-convolution layers"),
     ],
 )
@@ -183,16 +182,25 @@ def test_refusals_give_the_true_reason(family: str, reason: str) -> None:
     assert "looped" not in row.note
 
 
-@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa", "llama4_text"])
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa", "axk2", "llama4_text"])
 def test_indexed_and_chunked_attention_families_are_checked_on_small_models_with_those_layers(
     family: str,
 ) -> None:
-    """Their tiny models are built (under `MAX_PARAMETERS`) with the layers the refusal names: the page
-    says what was checked, not "not checked"."""
+    """Their tiny models are built (under `MAX_PARAMETERS`) with their distinctive layers: the page says
+    what was checked, not "not checked"."""
     model = AutoModelForCausalLM.from_config(tiny_family_config(family))
     kinds = {type(m).__name__ for m in model.modules()}
     assert sum(p.numel() for p in model.parameters()) < MAX_PARAMETERS
     assert any("Indexer" in k for k in kinds) or model.config.get_text_config().attention_chunk_size == 6
+
+
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa", "axk2"])
+def test_indexed_attention_families_are_accepted_with_their_indexer_keys_resident(family: str) -> None:
+    """Their indexers' keys are resident beside the latents (`tests/models/test_indexed_attention.py` holds
+    them to the flat reference); the row says so and that they take the concatenated past."""
+    row = support_row(family)
+    assert row.status == "accepted" and "indexed_attention" in row.tiny, row
+    assert "indexer's keys are resident" in row.note and "concatenated past" in row.note, row
 
 
 def test_llama4_text_is_accepted_with_its_chunked_layers() -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import PreTrainedModel
 
+from treetrain.models.indexer_state import index_key_bytes_per_token
 from treetrain.models.lora import Reference, is_adapter_param, reference_module, unwrap
 from treetrain.models.recurrent_state import state_bytes_per_unit as recurrent_state_bytes
 from treetrain.models.recurrent_state import unkeyed_layers
@@ -204,9 +205,11 @@ def kv_bytes_per_token(model: PreTrainedModel) -> int:
     """Resident KV bytes of one token: what every layer's cache holds, in the model's dtype.
 
     That is keys and values per KV head, except that multi-head latent attention (`kv_lora_rank`) caches one
-    latent and one rotary key per layer, and layers that reuse an earlier layer's KV
-    (`num_kv_shared_layers`, Gemma 3n/4) or keep recurrent state instead (`state_bytes_per_unit`) cache
-    nothing per token.
+    latent and one rotary key per layer, indexed sparse attention (DeepSeek V3.2, GLM-5) adds its indexer's
+    keys (`index_key_bytes_per_token`), and layers that reuse an earlier layer's KV (`num_kv_shared_layers`,
+    Gemma 3n/4) or keep recurrent state instead (`state_bytes_per_unit`) cache nothing per token. The
+    ledger books a unit's G at its resident bytes, so an indexed model's G is booked with the indexer keys'
+    share too, which it does not hold (the indexer takes no gradient): an overestimate by that share.
     """
     config = model.config.get_text_config(decoder=True)
     heads = int(config.num_attention_heads)
@@ -216,4 +219,6 @@ def kv_bytes_per_token(model: PreTrainedModel) -> int:
     layers -= len(unkeyed_layers(unwrap(model)))
     rank = getattr(config, "kv_lora_rank", None)
     per_layer = int(rank) + int(config.qk_rope_head_dim) if rank else 2 * kv_heads * head_dim
-    return layers * per_layer * next(model.parameters()).element_size()
+    return layers * per_layer * next(model.parameters()).element_size() + index_key_bytes_per_token(
+        unwrap(model)
+    )

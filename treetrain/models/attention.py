@@ -44,6 +44,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.utils.import_utils import is_torch_greater_or_equal
 
+from treetrain.models.indexer_state import INDEXED_REASON, indexed_layers
 from treetrain.models.recurrent_state import attending_layer, recurrent_layers, unkeyed_layers
 from treetrain.models.shared_past import ScoreForm, SharedPast, expanded_past, shared_attention
 
@@ -104,6 +105,8 @@ def shared_past_reason(model: PreTrainedModel) -> str | None:
         return f"{type(model).__name__}'s attention does not go through transformers' attention interface"
     if type(model) in _LAYOUT_MISMATCH:
         return _LAYOUT_MISMATCH[type(model)]
+    if indexed_layers(model):
+        return INDEXED_REASON
     return None
 
 
@@ -355,8 +358,13 @@ def engine_attention(
         if positions is None:
             raise ValueError("a shared past needs the rows' positions")
         name = SHARED
-    elif original == "sdpa" and getattr(model, "_supports_attention_backend", False):
-        name = NAME  # a model with attention of its own branches on the name "sdpa": it keeps it
+    elif (
+        original == "sdpa"
+        and getattr(model, "_supports_attention_backend", False)
+        and not indexed_layers(model)
+    ):
+        name = NAME  # a model with attention of its own branches on the name "sdpa": it keeps it (an
+        # indexed layer applies its top-k mask only under "sdpa" or "eager")
     else:
         yield
         return

@@ -23,14 +23,14 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
-from treetrain.models import rwkv_state
+from treetrain.models import indexer_state, rwkv_state
 from treetrain.models.attention import (
     PastLayoutError,
     engine_attention,
     mark_layout_mismatch,
     shared_past_reason,
 )
-from treetrain.models.layer_entry import HybridEntry, LayerEntry, entry_tensors
+from treetrain.models.layer_entry import HybridEntry, IndexedEntry, LayerEntry, entry_tensors
 from treetrain.models.logit_head import output_head
 from treetrain.models.lora import unwrap
 from treetrain.models.recurrent_state import (
@@ -46,6 +46,7 @@ from treetrain.models.shared_past import LayerKV, SharedPast, concatenated
 __all__ = [
     "DecoderOutput",
     "HybridEntry",
+    "IndexedEntry",
     "LayerEntry",
     "LayerKV",
     "SharedPast",
@@ -63,7 +64,8 @@ class DecoderOutput:
 
     An attention layer's entry is its keys and values; a recurrent layer's (index in `recurrent`) is its
     conv window and recurrent state before each row's last real token (`treetrain.models.recurrent_state`);
-    a hybrid layer's (index in `states`) is its keys and values and that state.
+    a hybrid layer's (index in `states`) is its keys and values and that state; an indexed attention
+    layer's (index in `index_keys`) its keys and values and its indexer's keys.
     """
 
     hidden: torch.Tensor  # [B, T, H]
@@ -73,11 +75,16 @@ class DecoderOutput:
     """Layers whose entries are not per-token KV: recurrent state, or empty for a stateless layer."""
     states: Mapping[int, LayerKV] = field(default_factory=dict)
     """The (conv state, recurrent state) of each hybrid layer (KV and a recurrent mixer), by index."""
+    index_keys: Mapping[int, torch.Tensor] = field(default_factory=dict)
+    """The indexer keys `[B, 1, T, D_index]` of each indexed attention layer, by index."""
 
     def entry(self, layer: int) -> LayerEntry:
-        """Layer `layer`'s entry over every row and position: a `HybridEntry` for a hybrid layer."""
+        """Layer `layer`'s entry over every row and position: a `HybridEntry` for a hybrid layer, an
+        `IndexedEntry` for an indexed attention layer."""
         kv = (self.keys[layer], self.values[layer])
         state = self.states.get(layer)
+        if layer in self.index_keys:
+            return IndexedEntry(kv, self.index_keys[layer])
         return kv if state is None else HybridEntry(kv, state)
 
 
@@ -200,6 +207,10 @@ def decoder_forward(
     )
     anchor = _anchor(model, input_ids.device)
     cache: DynamicCache = PastLengthCache(past.length) if shared and past is not None else DynamicCache()
+    indexed = indexer_state.indexed_layers(unwrap(model))
+    if indexed and not shared:  # the past's indexer keys go ahead of the rows' own (`indexer_state`)
+        pieces = past.pieces if past is not None else None
+        cache = indexer_state.indexed_cache(unwrap(model), len(_blocks_of(base)), pieces, bsz)
     if recurrent or stateless:
         cache = EngineCache(len(_blocks_of(base)), recurrent, past, bsz, anchor, stateless, hybrid)
     past_len = 0
@@ -247,7 +258,10 @@ def decoder_forward(
         else:
             keys.append(layer.keys[:, :, past_len:, :])
             values.append(layer.values[:, :, past_len:, :])
-    return DecoderOutput(out.last_hidden_state[:, :width], tuple(keys), tuple(values), unkeyed, states)
+    index_keys = indexer_state.own_index_keys(unwrap(model), returned, past_len) if indexed else {}
+    return DecoderOutput(
+        out.last_hidden_state[:, :width], tuple(keys), tuple(values), unkeyed, states, index_keys
+    )
 
 
 def _blocks_of(base: nn.Module) -> nn.ModuleList:

@@ -4,7 +4,8 @@ The engine splits every sequence at node boundaries and continues from stored KV
 layer's whole state is its per-token keys and values over *all* earlier positions, or a recurrent state the
 engine keeps resident too (Gated DeltaNet, Kimi delta attention, Mamba and RWKV layers,
 `treetrain.models.recurrent_state`), or both in one layer (Zamba, Zamba 2 and Falcon-H1's hybrid layers,
-`treetrain.models.layer_entry.HybridEntry`); other recurrent or linear attention layers carry a running
+`treetrain.models.layer_entry.HybridEntry`), or KV and an indexer's keys (DeepSeek V3.2's, GLM-5's and AXK2's
+indexed sparse attention, `treetrain.models.indexer_state`); other recurrent or linear attention layers carry a running
 state it cannot take (a model that keeps it outside the Cache the engine passes, in a forward argument, a
 cache class of its own or on its modules, is refused saying where: `treetrain.models.foreign_state`), and dynamic RoPE variants choose their frequencies from
 the longest position *in each forward call*, so a prefix evaluated alone rotates differently than inside
@@ -47,6 +48,7 @@ from treetrain.models.decoder import (
     output_head,
 )
 from treetrain.models.foreign_state import forward_state_reason, module_state_reason, state_argument
+from treetrain.models.indexer_state import other_indexer_reason
 from treetrain.models.lora import unwrap
 from treetrain.models.recurrent_state import (
     HYBRID_LAYER_TYPES,
@@ -86,13 +88,12 @@ BIDIRECTIONAL_FLAGS: dict[str, bool] = {"use_bidirectional_attention": True, "is
 #: What a layer type the engine does not run keeps or reads that resident KV does not hold: the refusal
 #: names it.
 LAYER_TYPE_REASONS: dict[str, str] = {
-    "indexed_attention": (
-        "indexed sparse attention: an indexer scores every earlier position with keys of its own and each query "
-        "attends to the top k, so the indexer's keys would be one more resident tensor, which the engine does not "
-        "keep"
-    ),
     "conv": "short-convolution layers: their conv window is state the engine does not keep resident",
 }
+#: Layer types of indexed sparse attention (DeepSeek V3.2, GLM-5, AXK2): each query attends to the top k
+#: earlier positions its indexer picks; the indexer's keys are resident beside the latents
+#: (`treetrain.models.indexer_state`).
+INDEXED_TYPES = frozenset({"indexed_attention"})
 #: RoPE types whose frequencies depend on the longest position of the forward call.
 LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
 
@@ -180,11 +181,15 @@ def check_supported(
         )
     if mixer is not None:
         raise UnsupportedModelError(f"model type {mtype!r}: {mixer}")
+    indexer = other_indexer_reason(unwrap(model))
+    if indexer is not None:
+        raise UnsupportedModelError(f"model type {mtype!r}: {indexer}")
     odd = sorted(
         set(declared)
         - FULL_ATTENTION_TYPES
         - SLIDING_TYPES
         - CHUNKED_TYPES
+        - INDEXED_TYPES
         - RECURRENT_LAYER_TYPES
         - HYBRID_LAYER_TYPES
         - STATELESS_LAYER_TYPES
@@ -193,7 +198,8 @@ def check_supported(
         why = "; ".join(LAYER_TYPE_REASONS[t] for t in odd if t in LAYER_TYPE_REASONS)
         raise UnsupportedModelError(
             f"model type {mtype!r} has layer types {odd}{f' ({why})' if why else ''}; only full (and covered "
-            "sliding) attention, and the recurrent kinds of `treetrain.models.recurrent_kinds`, are supported"
+            "sliding) attention, indexed sparse attention, and the recurrent kinds of "
+            "`treetrain.models.recurrent_kinds`, are supported"
         )
     dynamic = sorted(_rope_types(config) & LENGTH_DEPENDENT_ROPE)
     if dynamic:

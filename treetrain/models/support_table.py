@@ -40,6 +40,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from treetrain.io import atomic_write_bytes
 from treetrain.models.attention import shared_past_kernel_note, shared_past_reason
 from treetrain.models.decoder import cache_layer_indices, decoder_layers
+from treetrain.models.indexer_state import indexed_layers
 from treetrain.models.layer_kinds import describe
 from treetrain.models.logit_head import LogitHead, logit_transform, output_head
 from treetrain.models.presets import RECURRENT_FAMILIES
@@ -105,9 +106,14 @@ def _build(config: PretrainedConfig) -> tuple[PreTrainedModel, str | None]:
 def _notes(model: PreTrainedModel) -> list[str]:
     config = model.config.get_text_config(decoder=True)
     notes = []
+    reason = shared_past_reason(model)
     if any(callable(getattr(m, "expand_kv", None)) for m in model.modules()):
+        per_piece = ", expanded once per piece" if reason is None else ""
+        notes.append(f"multi-head latent attention: resident KV is the compressed latents{per_piece}")
+    if indexed_layers(model):
         notes.append(
-            "multi-head latent attention: resident KV is the compressed latents, expanded once per piece"
+            f"indexed sparse attention in layers {sorted(indexed_layers(model))}: their indexer's keys are "
+            "resident beside the KV"
         )
     blocks = len(decoder_layers(model))
     attention_layers = len(cache_layer_indices(model))
@@ -136,7 +142,6 @@ def _notes(model: PreTrainedModel) -> list[str]:
                 f"hybrid layers {sorted(hybrid)} (attention and a {kinds} mixer): resident state is their KV and "
                 "their (conv state, recurrent state) together"
             )
-    reason = shared_past_reason(model)
     if reason is not None:
         notes.append(f"concatenated past, because {reason}")
     elif (kernel := shared_past_kernel_note(model)) is not None:
@@ -201,8 +206,9 @@ which test. Other families may serve through vLLM; that path is not checked for 
 Measured against the flat reference in the tests (`tests/replay/test_replay_exact.py`, `tests/models/test_attention.py`):
 the five presets (`llama`, `qwen2`, `qwen3`, `mistral`, `qwen3_moe`), `MORE_FAMILIES` in
 `treetrain/models/presets.py` (`deepseek_v3`, `granite`, `cohere`, `gemma2`, `gpt2`, `gemma4_text`),
-`gpt_oss`, and the presets with recurrent layers, `RECURRENT_FAMILIES` ({_RECURRENT};
-`tests/replay/test_replay_recurrent.py`).
+`gpt_oss`, the presets with recurrent layers, `RECURRENT_FAMILIES` ({_RECURRENT};
+`tests/replay/test_replay_recurrent.py`), and indexed sparse attention (`deepseek_v32`, `glm_moe_dsa`, `axk2`;
+`tests/models/test_indexed_attention.py`).
 
 Generated with transformers {{version}} and torch {{torch}}.
 """

@@ -41,6 +41,7 @@ _MLA: dict[str, Any] = dict(
     v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=1,
     n_group=1, topk_group=1,
 )  # fmt: skip
+_INDEXER: dict[str, Any] = dict(index_topk=4, index_head_dim=8, index_n_heads=16)
 _KV_SHARED: dict[str, Any] = dict(
     num_hidden_layers=4, num_kv_shared_layers=2, hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB,
     layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=6, global_head_dim=8,
@@ -82,9 +83,12 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     ),
     "recurrent_gemma": dict(num_hidden_layers=3),  # recurrent, recurrent, (windowed) attention
     "beam": dict(n_group=1, topk_group=1),  # expert groups of the 4 tiny experts
-    # Indexed sparse attention (DeepSeek V3.2, GLM-5): a small indexer over MLA
-    "deepseek_v32": dict(_MLA, index_topk=4, index_head_dim=8, index_n_heads=2),
-    "glm_moe_dsa": dict(_MLA, index_topk=4, index_head_dim=8, index_n_heads=2),
+    # Indexed sparse attention (DeepSeek V3.2, GLM-5, AXK2): a small indexer over MLA whose top 4 is shorter
+    # than the support check's 12-token probe, so the selection matters; GLM-5 with a layer that reuses the
+    # previous layer's selection (`indexer_types` "shared")
+    "deepseek_v32": dict(_MLA, **_INDEXER),
+    "glm_moe_dsa": dict(_MLA, **_INDEXER, num_hidden_layers=3, indexer_types=["full", "shared", "full"]),
+    "axk2": dict(_MLA, **_INDEXER),
     "deepseek_v4": dict(q_lora_rank=16, o_groups=2, o_lora_rank=16, index_topk=4, index_head_dim=8, index_n_heads=2),
     # Phi-3.5-MoE and Doge with the sliding window their attention masks by (their configs default to none)
     "phimoe": dict(sliding_window=SHORT),

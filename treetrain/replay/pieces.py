@@ -18,6 +18,7 @@ from treetrain.loss.targets import TargetTable
 from treetrain.models.decoder import (
     DecoderOutput,
     HybridEntry,
+    IndexedEntry,
     LayerEntry,
     SharedPast,
     decoder_forward,
@@ -67,7 +68,7 @@ def forward_units(
 def own_kv(unit: Unit, out: DecoderOutput, row: int, overlap: bool = True) -> list[LayerEntry]:
     """The unit's own resident state from a batched forward, graph kept: per attention layer its KV (overlap
     and padding cut away), per recurrent layer its row's state before its last token, per hybrid layer
-    both."""
+    both, per indexed attention layer its KV and indexer keys."""
     a = 1 if overlap and unit.overlap is not None else 0
     n = len(unit)
     entries: list[LayerEntry] = []
@@ -77,6 +78,10 @@ def own_kv(unit: Unit, out: DecoderOutput, row: int, overlap: bool = True) -> li
             continue
         kv = (k[row : row + 1, :, a : a + n], v[row : row + 1, :, a : a + n])
         state = out.states.get(i)
+        index_keys = out.index_keys.get(i)
+        if index_keys is not None:
+            entries.append(IndexedEntry(kv, index_keys[row : row + 1, :, a : a + n]))
+            continue
         entries.append(
             kv if state is None else HybridEntry(kv, (state[0][row : row + 1], state[1][row : row + 1]))
         )

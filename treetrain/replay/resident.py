@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import PreTrainedModel
 
-from treetrain.models.layer_entry import LayerEntry, entry_bytes, entry_tensors, map_entry
+from treetrain.models.layer_entry import LayerEntry, entry_bytes, entry_tensors, grad_zeros, map_entry
 from treetrain.models.lora import adapter_state
 
 
@@ -219,13 +219,14 @@ class ResidentStore:
         self, key: ResidentKey, like: Sequence[LayerEntry], identity: ResidentIdentity
     ) -> list[LayerEntry]:
         """The G accumulators of `key`, zero-filled shaped like `like` when absent; backward adds into them.
-        Each has its entry's structure: a hybrid layer's G has a KV part and a state part."""
+        Each has its entry's differentiable structure: a hybrid layer's G has a KV part and a state part, an
+        indexed layer's the KV part only (`grad_zeros`)."""
         entry = self._check(key, identity)
         if entry is None:
             entry = _Entry(identity, None)
             self._entries[key] = entry
         if entry.grad is None:
-            entry.grad = [map_entry(torch.zeros_like, e) for e in like]
+            entry.grad = [grad_zeros(e) for e in like]
             self._notify("grad", key, entry_bytes(entry.grad))
         return entry.grad
 

@@ -53,7 +53,7 @@ from transformers import PreTrainedModel
 from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.objective import Contributions, LossTerms, objective, sampler_logprobs
 from treetrain.loss.sampler_correction import SamplerGap, correction_weights, sampler_terms
-from treetrain.models.layer_entry import entry_tensors, map_entry
+from treetrain.models.layer_entry import entry_tensors, grad_tensors, map_entry
 from treetrain.models.lora import Reference, reference_module
 from treetrain.models.support import SupportGate
 from treetrain.replay.batch import ReplayConfig, ReplayReport, TreeWork, UpdateBatch
@@ -427,7 +427,7 @@ class TreeReplay:
             if grad is None:
                 continue
             for new, g in zip(own_kv(unit, graph.out, row), grad):
-                for t, gt in zip(entry_tensors(new), entry_tensors(g)):
+                for t, gt in zip(grad_tensors(new), entry_tensors(g)):
                     total = total + (t * gt).sum()
         return total
 
