@@ -14,17 +14,11 @@ from typing import Any
 
 import pytest
 import torch
+from support.interrupted import go_on, version_gaps
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from treetrain.rollout.engines.engine_settings import VLLMSettings
-from treetrain.rollout.engines.generation import (
-    Draft,
-    EngineError,
-    GenerationRequest,
-    GenerationResult,
-    StopMatcher,
-    continued,
-)
+from treetrain.rollout.engines.generation import Draft, EngineError, GenerationRequest, GenerationResult
 from treetrain.rollout.engines.server_checks import Expected
 from treetrain.rollout.engines.vllm_server import VLLMServerEngine
 from treetrain.rollout.sampling import Sampling
@@ -158,35 +152,12 @@ def test_a_streamed_request_interrupted_for_new_weights_goes_on_under_them(
     _step(new, context, drafts[0].tokens)
     engine.sync_weights(new, 1)
     try:
-        whole = []
-        for i, draft in enumerate(drafts):
-            rest = GenerationRequest(
-                (*context, *draft.tokens), 1, 400 - len(draft.tokens), Sampling(), stop, seed=i
-            )
-            engine.submit(rest)
-            results: list[GenerationResult] = []
-            while engine.busy:
-                results += engine.poll()
-            whole.append(continued(draft, results[0].completions[0], StopMatcher.of(stop)))
+        whole = go_on(engine, context, drafts, 400, stop)
     finally:
         engine.sync_weights(old, 2)
         engine.close()
     for sample, draft in zip(whole, drafts):
-        assert len(sample.tokens) == 400 and sample.version_runs == (
-            (len(draft.tokens), 0),
-            (400 - len(draft.tokens), 1),
-        )
-        ids = torch.tensor([context + sample.tokens])
-        with torch.no_grad():
-            picked = [
-                m(ids)
-                .logits[0, len(context) - 1 : -1]
-                .log_softmax(-1)
-                .gather(-1, ids[0, len(context) :, None])[:, 0]
-                for m in (old, new)
-            ]
-        recorded, n = torch.tensor(sample.logprobs), len(draft.tokens)
-        own = torch.cat([picked[0][:n], picked[1][n:]])
-        other = torch.cat([picked[1][:n], picked[0][n:]])  # negative control: the versions swapped
-        assert float((own - recorded).abs().max()) < GAP
-        assert float((other - recorded).abs().max()) > SKIPPED
+        assert len(sample.tokens) == 400
+        assert sample.version_runs == ((len(draft.tokens), 0), (400 - len(draft.tokens), 1))
+        own, other = version_gaps(context, sample, old, new)
+        assert own < GAP and other > SKIPPED  # other: the versions swapped (negative control)

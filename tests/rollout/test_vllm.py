@@ -7,17 +7,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from support.interrupted import go_on, version_gaps
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from envs import EpisodeLimits, WrapperConfig, make_env
 from treetrain.rollout import FanOut, RolloutConfig, SamplerConfig, Sampling, rollout_trees
-from treetrain.rollout.engines.generation import (
-    Draft,
-    GenerationRequest,
-    GenerationResult,
-    StopMatcher,
-    continued,
-)
+from treetrain.rollout.engines.generation import Draft, GenerationRequest, GenerationResult
 from treetrain.rollout.engines.recording_engine import RecordingEngine
 from treetrain.train.models import WIDE_DEMO_MODEL
 from treetrain.trajectory import Role
@@ -142,34 +137,12 @@ def test_a_sample_interrupted_for_new_weights_goes_on_under_them(vllm_engine: An
     assert all(isinstance(d, Draft) and 1 <= len(d.tokens) < 12 for d in drafts), drafts
     vllm_engine.sync_weights(newer, version + 1)
     try:
-        whole = []
-        for slot, draft in enumerate(drafts):
-            assert isinstance(draft, Draft)
-            rest = GenerationRequest(
-                (*context, *draft.tokens), 1, 12 - len(draft.tokens), Sampling(), stop, seed=slot
-            )
-            vllm_engine.submit(rest)
-            results: list[GenerationResult] = []
-            while vllm_engine.busy:
-                results += vllm_engine.poll()
-            whole.append(continued(draft, results[0].completions[0], StopMatcher.of(stop)))
+        whole = go_on(vllm_engine, context, [d for d in drafts if isinstance(d, Draft)], 12, stop)
     finally:
         vllm_engine.sync_weights(model, version + 2)  # the session's engine serves the shipped weights again
     for sample in whole:
         assert len(sample.tokens) == 12 and sample.version == version + 1
         (n_old, v_old), (n_new, v_new) = sample.version_runs
         assert (v_old, v_new) == (version, version + 1) and n_old + n_new == 12
-        with torch.no_grad():
-            ids = torch.tensor([context + sample.tokens])
-            scored = {
-                v: m(ids).logits.log_softmax(-1)[0, len(context) - 1 : -1]
-                for v, m in ((0, model), (1, newer))
-            }
-        picked = {
-            v: s.gather(-1, torch.tensor(sample.tokens)[:, None]).squeeze(-1) for v, s in scored.items()
-        }
-        recorded = torch.tensor(sample.logprobs)
-        own = torch.cat([picked[0][:n_old], picked[1][n_old:]])
-        assert (own - recorded).abs().max() < LOGPROB_TOLERANCE
-        other = torch.cat([picked[1][:n_old], picked[0][n_old:]])  # negative control: versions swapped
-        assert (other - recorded).abs().max() > 1e-3
+        own, other = version_gaps(context, sample, model, newer)
+        assert own < LOGPROB_TOLERANCE and other > 1e-3  # other: the versions swapped (negative control)
