@@ -9,6 +9,7 @@ from treetrain.train.async_source import read_queued
 from treetrain.train.metrics import UpdateMetrics
 from treetrain.train.staleness import Staleness
 from treetrain.train.tree_sources import lags_of
+from treetrain.trajectory import Role
 
 
 def queued_lags(run: Path, rows: list[UpdateMetrics]) -> dict[int, Staleness]:
@@ -25,3 +26,18 @@ def within(lags: dict[int, Staleness], bound: int) -> bool:
     return all(
         s.least is not None and s.least >= 0 and s.most is not None and s.most <= bound for s in lags.values()
     )
+
+
+def split_turns(run: Path, update: int) -> int:
+    """Distinct turns of `update`'s queued trees whose tokens two versions drew (an interrupted sample that
+    had drawn tokens): two policy segments in a row, told apart by the token path up to the second one."""
+    seen = set()
+    for tree in read_queued(run, update).trees:
+        for trajectory in tree.trajectories():
+            for call in trajectory.calls:
+                path: tuple[int, ...] = ()
+                for a, b in zip(call.segments, call.segments[1:]):
+                    path += a.tokens
+                    if a.role is b.role is Role.POLICY:
+                        seen.add(path)
+    return len(seen)

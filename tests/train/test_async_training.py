@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 from support.gated_env import wait_for
-from support.staleness_checks import queued_lags, within
+from support.staleness_checks import queued_lags, split_turns, within
 from support.stalling_train import start_stalling
 
 from treetrain.cli.main import main
@@ -77,6 +77,7 @@ def test_the_sampler_runs_ahead_and_every_token_is_within_the_bound(tmp_path: Pa
         assert (row.staleness_min, row.staleness_max) == (lags[row.update].least, lags[row.update].most)
         assert row.staleness_mean == pytest.approx(lags[row.update].mean)
         assert row.stale_tokens_dropped == 0 and row.trajectories == GROUPS * FANOUT
+        assert split_turns(run, row.update) <= row.samples_interrupted  # each split turn was interrupted
     assert sum(r.trajectories for r in rows) == UPDATES * GROUPS * FANOUT
     assert [(e.update, e.version) for e in read_evals(run / "metrics.jsonl")] == [(0, 0), (2, 2), (4, 4)]
 

@@ -79,6 +79,8 @@ class RolloutResult:
     failures: tuple[tuple[int, EnvError], ...] = ()
     step_timeouts: int = 0
     """Steps whose environment call missed `step_timeout_s` (each became a timeout observation)."""
+    interrupted: int = 0
+    """Samples stopped mid-turn for newer weights and resubmitted with their tokens so far."""
 
 
 def rollout_trees(
@@ -127,11 +129,11 @@ def rollout_trees(
             engine.release_group(task.prefix)
         writer.put(tasks.index(task), task.prefix, task.trajectories())
 
-    timeouts = 0
+    timeouts = interrupted = 0
     try:
         if config.concurrent:
             assert engine is not None
-            stats, timeouts = _grow_concurrently(tasks, config, engine, save, weights)
+            stats, timeouts, interrupted = _grow_concurrently(tasks, config, engine, save, weights)
         else:
             stats = _grow_sequentially(model, tasks, config, save)
     finally:
@@ -140,7 +142,7 @@ def rollout_trees(
     paths = tuple(saved[i][1] for i in sorted(saved))
     failures += [(task.seed, task.failure) for task in tasks if task.failure is not None]
     failures.sort(key=lambda f: list(seeds).index(f[0]))
-    return RolloutResult(trees, paths, stats, tuple(failures), timeouts)
+    return RolloutResult(trees, paths, stats, tuple(failures), timeouts, interrupted)
 
 
 def _grow_concurrently(
@@ -149,7 +151,8 @@ def _grow_concurrently(
     engine: GenerationEngine,
     save: Callable[[Task], None],
     weights: InFlightSync | None,
-) -> tuple[EngineStats, int]:
+) -> tuple[EngineStats, int, int]:
+    """Grow `tasks` on `engine`: the engine's work, and the scheduler's step timeouts and interrupted samples."""
     before = copy.copy(engine.stats)
     settings = SchedulerConfig(
         config.fanout, config.sampler.sampling, max_concurrent_steps=config.max_concurrent_steps,
@@ -160,7 +163,7 @@ def _grow_concurrently(
     for task in tasks:  # a finished task's group was released when its tree was saved
         if task.failure is not None:
             engine.release_group(task.prefix)
-    return engine.stats.since(before), scheduler.step_timeouts
+    return engine.stats.since(before), scheduler.step_timeouts, scheduler.interrupted
 
 
 def _grow_sequentially(

@@ -266,6 +266,7 @@ class Trainer:
             contract=cfg.replay.contract,
             failed_episodes=produced.failed_episodes,
             step_timeouts=produced.step_timeouts,
+            samples_interrupted=produced.interrupted,
             graph_tokens=report.graph_tokens,
             nograd_tokens=report.nograd_tokens,
             flat_token_cost=flat_cost // self.backend.world_size,

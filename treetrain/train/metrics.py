@@ -90,6 +90,9 @@ class UpdateMetrics:
     step_timeouts: int = 0
     """Environment steps of this update that missed `rollout.episode.step_timeout_s`, all ranks: each became
     a timeout observation and its episode went on (warned once per update when not 0)."""
+    samples_interrupted: int = 0
+    """Samples of this update's rollout stopped mid-turn when newer weights arrived and resubmitted with the
+    tokens they had drawn, all ranks (`rollout.max_staleness` >= 1; their tokens span versions)."""
     sampler_logprob_gap_mean: float | None = None
     """Mean |logp_trainer - logp_sampler| over the update's policy tokens, all ranks (trainer: the scoring
     pass's old logprob; sampler: the one recorded at rollout). None (`null`) when no token has a sampler

@@ -47,6 +47,8 @@ class Produced:
     failed_episodes: int = 0
     step_timeouts: int = 0
     """Environment steps that missed their deadline (all ranks)."""
+    interrupted: int = 0
+    """Samples stopped mid-turn for newer weights and resubmitted (all ranks; asynchronous runs only)."""
     staleness: Staleness = field(default_factory=Staleness)
     """Version lags of the policy tokens of `groups` (empty for recorded trees: their versions are another
     run's)."""
@@ -200,7 +202,8 @@ def gather_update(
             "timeout observation; step_timeouts in metrics.jsonl)",
             update, timeouts, r.episode.step_timeout_s,
         )  # fmt: skip
-    return Produced(tuple((t,) for t in trees), seconds, len(lost), timeouts)
+    interrupted = share_count(backend, result.interrupted) if r.max_staleness >= 1 else 0
+    return Produced(tuple((t,) for t in trees), seconds, len(lost), timeouts, interrupted=interrupted)
 
 
 def engine_spec(cfg: TrainConfig, model: Any, world_size: int) -> EngineSpec:
