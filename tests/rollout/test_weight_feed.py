@@ -21,6 +21,7 @@ from treetrain.loss.loss_config import LossConfig
 from treetrain.replay import FlatReference, ReplayConfig, TreeReplay
 from treetrain.rollout import FanOut, RolloutConfig, SamplerConfig, Sampling, rollout_trees
 from treetrain.rollout.engines.hf_engine import HFEngine
+from treetrain.rollout.engines.hf_process import HFProcessEngine
 from treetrain.rollout.weight_feed import WeightFeed
 from treetrain.trajectory import Role, Trajectory
 
@@ -34,8 +35,8 @@ class PublishesAt(WeightFeed):
     """A feed whose trainer publishes `newer` as version 1 when the scheduler asks for the `at`-th time:
     mid-rollout, at a point that does not depend on timing."""
 
-    def __init__(self, model: Any, newer: Any, at: int) -> None:
-        super().__init__(model, version=0, own_model=True)
+    def __init__(self, model: Any, newer: Any, at: int, shared: bool = False) -> None:
+        super().__init__(model, version=0, own_model=not shared, shared=shared)
         self.newer, self.at, self.asked = newer, at, 0
 
     def due(self, engine_version: int) -> bool:
@@ -65,20 +66,31 @@ def _gaps(trajectory: Trajectory, models: dict[int, Any], swap: bool = False) ->
     return out
 
 
-def test_an_engine_takes_new_weights_between_turns_and_each_turn_records_its_version(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "own_process", [False, pytest.param(True, marks=pytest.mark.launch, id="hf-process")]
+)  # fmt: skip
+def test_an_engine_takes_new_weights_between_turns_and_each_turn_records_its_version(
+    tmp_path: Path, own_process: bool
+) -> None:
+    """The `hf` engine on this thread over the feed's own model, and in its own process over the shared
+    shadow (an asynchronous run's)."""
     old = tiny_model(seed=0).eval()
     new = copy.deepcopy(old)
     with torch.no_grad():
         for p in new.parameters():
             p.add_(0.3 * torch.randn_like(p))
-    feed = PublishesAt(old, new, at=6)
-    engine = HFEngine(feed.sampling_model)
+    feed = PublishesAt(old, new, at=6, shared=own_process)
+    engine: Any = HFProcessEngine(feed.shadow, version=0) if own_process else HFEngine(feed.sampling_model)
     config = RolloutConfig(
         FanOut(root=2, after_tool_result=2, max_depth=2), SamplerConfig(Sampling()), LIMITS
     )
-    result = rollout_trees(
-        feed.sampling_model, tokenizer(), FixedTurnsEnv, [0, 1], tmp_path, config, engine=engine, weights=feed
-    )
+    try:
+        result = rollout_trees(
+            feed.sampling_model, tokenizer(), FixedTurnsEnv, [0, 1], tmp_path, config, engine=engine,
+            weights=feed,
+        )  # fmt: skip
+    finally:
+        engine.close()
     assert feed.syncs == 1 and engine.version == 1
     trajectories = [t for tree in result.trees for t in tree.trajectories()]
     versions = [

@@ -12,9 +12,11 @@ the other, and neither may see the other's weights change under it:
   weights from its next turn, and each turn records the version that sampled it (`Completion.version`).
 
 One lock guards the shadow, so a sync never reads a half-published version and a publish never writes
-weights a sync is reading. The `hf` engine samples from a model of its own (`sampler_model`), never the
-one being trained halfway through a step, and never the shadow itself, which the trainer rewrites while the
-engine decodes.
+weights a sync is reading. An `hf` engine samples from a model of its own, never the one being trained
+halfway through a step, and never the shadow itself, which the trainer rewrites while the engine decodes:
+with `shared=True` the shadow lives in shared memory and the engine's process copies it into its own model
+at each sync (`treetrain.rollout.engines.hf_process`, what an asynchronous run uses); with `own_model=True`
+the feed keeps that copy in this process (`sampler_model`), for an `HFEngine` on a thread.
 
 Example:
     >>> import torch
@@ -57,13 +59,20 @@ class WeightFeed:
 
     `sampler_model`, when given, is the model the engine samples from (the `hf` engine's own copy): a sync
     copies the shadow into it before the engine is told the new version. Otherwise the engine loads the
-    shadow itself (`GenerationEngine.sync_weights(shadow, version)`: vLLM in process or a server).
+    shadow itself (`GenerationEngine.sync_weights(shadow, version)`: vLLM in process or a server, or the
+    `hf` engine's process, which copies the shadow in shared memory (`shared=True`) before the sync returns).
     """
 
-    def __init__(self, model: Any, version: int, *, own_model: bool = False) -> None:
+    def __init__(self, model: Any, version: int, *, own_model: bool = False, shared: bool = False) -> None:
+        if own_model and shared:
+            raise ValueError(
+                "WeightFeed: own_model (a copy in this process) or shared (a sampler process's), not both"
+            )
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self.shadow = private_copy(model)
+        if shared:
+            self.shadow.share_memory()
         self.version = version
         self.sampler_model = private_copy(model) if own_model else None
         self.syncs = 0

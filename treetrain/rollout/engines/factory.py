@@ -67,6 +67,11 @@ class EngineSpec:
     """Whether the policy has LoRA adapters and runs under DeepSpeed ZeRO-3."""
     hf_kv_bytes: int | None = None
     """Most bytes of KV the `hf` engine holds (live rows and kept prefixes); None: its own default."""
+    hf_process: bool = False
+    """Whether the `hf` engine runs in a process of its own (`HFProcessEngine`, an asynchronous run's
+    sampler); the model given to `make_engine` is then the shared shadow it copies at each sync."""
+    threads: int | None = None
+    """`threads`: torch threads of the `hf` engine's process (None: 1)."""
 
     def __post_init__(self) -> None:
         if self.kind not in ENGINES:
@@ -106,6 +111,10 @@ def check_engine(spec: EngineSpec, model: Any) -> None:
 def make_engine(spec: EngineSpec, model: Any) -> GenerationEngine:
     """The engine `spec.kind` names, serving `model`, at weight version -1 (synced before first use)."""
     check_engine(spec, model)
+    if spec.kind == "hf" and spec.hf_process:
+        from treetrain.rollout.engines.hf_process import HFProcessEngine
+
+        return HFProcessEngine(model, version=-1, threads=spec.threads, max_kv_bytes=spec.hf_kv_bytes)
     if spec.kind == "hf":
         from treetrain.rollout.engines.hf_engine import HFEngine
 
