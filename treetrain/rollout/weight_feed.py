@@ -54,6 +54,14 @@ def private_copy(model: Any) -> Any:
     return twin.eval()
 
 
+def settle(model: Any) -> None:
+    """Wait for the copies queued on `model`'s device: on a GPU a copy only starts when it returns, and
+    another process reads (or rewrites) the shared shadow as soon as the lock is released."""
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class WeightFeed:
     """The newest published weights and their version; see the module docstring.
 
@@ -71,6 +79,7 @@ class WeightFeed:
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self.shadow = private_copy(model)
+        self.shared = shared
         if shared:
             self.shadow.share_memory()
         self.version = version
@@ -83,6 +92,8 @@ class WeightFeed:
         with self._lock, torch.no_grad():
             for mine, theirs in zip(self.shadow.state_dict().values(), model.state_dict().values()):
                 mine.copy_(theirs)
+            if self.shared:
+                settle(self.shadow)
             self.version = version
 
     def due(self, engine_version: int) -> bool:

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 
 from treetrain.rollout.engines.generation import EngineStats, GenerationRequest, GenerationResult
+from treetrain.rollout.engines.hf_engine import HFEngine
+from treetrain.rollout.weight_feed import private_copy, settle
 
 PROCESS_NAME = "treetrain-hf"
 """The child's name in /proc/<pid>/comm (at most 15 characters)."""
@@ -145,9 +147,6 @@ def child_main(shadow: Any, settings: ChildSettings, commands: Any, replies: Any
 
 
 def _serve(shadow: Any, settings: ChildSettings, commands: Any, out: _Sender) -> None:
-    from treetrain.rollout.engines.hf_engine import HFEngine
-    from treetrain.rollout.weight_feed import private_copy
-
     model = private_copy(shadow)  # the engine samples from this copy only, never the shared shadow
     version = settings.version
     engine = HFEngine(model, version=version) if settings.max_kv_bytes is None else HFEngine(
@@ -183,6 +182,7 @@ def _handle(
             for mine, theirs in zip(model.state_dict().values(), shadow.state_dict().values()):
                 mine.copy_(theirs)
                 copied += mine.numel() * mine.element_size()
+        settle(model)  # the parent may rewrite the shadow as soon as it has the answer
         engine.sync_weights(model, command.version)
         engine.stats.sync_seconds += time.perf_counter() - start
         engine.stats.sync_bytes += copied
