@@ -21,7 +21,8 @@ from treetrain.loss.loss_config import LossConfig
 from treetrain.replay import FlatReference, ReplayConfig, TreeReplay
 from treetrain.rollout import FanOut, RolloutConfig, SamplerConfig, Sampling, rollout_trees
 from treetrain.rollout.engines.hf_engine import HFEngine
-from treetrain.rollout.weight_feed import WeightFeed, private_copy
+from treetrain.rollout.engines.hf_process import HFProcessEngine
+from treetrain.rollout.weight_feed import WeightFeed
 from treetrain.train.staleness import Staleness
 from treetrain.trajectory import Role, Trajectory
 from treetrain.tree.format import load_trees
@@ -32,17 +33,18 @@ FLOOR = 2e-6
 """Tree files keep logprobs in float32: measured at most 4.8e-7 (float32 rounding of values near -4)."""
 
 
-class PublishesAt(WeightFeed):
-    """A feed whose trainer publishes `newer` as version 1 when the scheduler asks for the `at`-th time:
-    mid-rollout, at a point that does not depend on timing."""
+class PublishesAfter(WeightFeed):
+    """A feed whose trainer publishes `newer` as version 1 once `engine` (set after the feed is made) has
+    drawn `after` tokens and still has requests in flight: mid-rollout, and, with few tokens drawn, halfway
+    through a turn (the requests in flight are interrupted)."""
 
-    def __init__(self, model: Any, newer: Any, at: int) -> None:
-        super().__init__(model, version=0, own_model=True)
-        self.newer, self.at, self.asked = newer, at, 0
+    def __init__(self, model: Any, newer: Any, after: int, shared: bool = False) -> None:
+        super().__init__(model, version=0, own_model=not shared, shared=shared)
+        self.newer, self.after = newer, after
+        self.engine: Any = None
 
     def due(self, engine_version: int) -> bool:
-        self.asked += 1
-        if self.asked == self.at:
+        if self.version == 0 and self.engine.busy and self.engine.stats.sampled_tokens >= self.after:
             self.publish(self.newer, 1)
         return super().due(engine_version)
 
@@ -67,20 +69,32 @@ def _gaps(trajectory: Trajectory, models: dict[int, Any], swap: bool = False) ->
     return out
 
 
-def test_an_engine_takes_new_weights_between_turns_and_each_turn_records_its_version(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "own_process", [False, pytest.param(True, marks=pytest.mark.launch, id="hf-process")]
+)  # fmt: skip
+def test_an_engine_takes_new_weights_between_turns_and_each_turn_records_its_version(
+    tmp_path: Path, own_process: bool
+) -> None:
+    """The `hf` engine on this thread over the feed's own model, and in its own process over the shared
+    shadow (an asynchronous run's)."""
     old = tiny_model(seed=0).eval()
     new = copy.deepcopy(old)
     with torch.no_grad():
         for p in new.parameters():
             p.add_(0.3 * torch.randn_like(p))
-    feed = PublishesAt(old, new, at=6)
-    engine = HFEngine(feed.sampling_model)
+    feed = PublishesAfter(old, new, after=12, shared=own_process)  # after a first request's 2 x 6 tokens
+    engine: Any = HFProcessEngine(feed.shadow, version=0) if own_process else HFEngine(feed.sampling_model)
+    feed.engine = engine
     config = RolloutConfig(
         FanOut(root=2, after_tool_result=2, max_depth=2), SamplerConfig(Sampling()), LIMITS
     )
-    result = rollout_trees(
-        feed.sampling_model, tokenizer(), FixedTurnsEnv, [0, 1], tmp_path, config, engine=engine, weights=feed
-    )
+    try:
+        result = rollout_trees(
+            feed.sampling_model, tokenizer(), FixedTurnsEnv, [0, 1], tmp_path, config, engine=engine,
+            weights=feed,
+        )  # fmt: skip
+    finally:
+        engine.close()
     assert feed.syncs == 1 and engine.version == 1
     trajectories = [t for tree in result.trees for t in tree.trajectories()]
     versions = [
@@ -127,20 +141,6 @@ def test_the_trainers_model_is_never_the_one_sampled_from() -> None:
     assert torch.equal(next(sampler.parameters()), next(policy.parameters()))
 
 
-class PublishesMidTurn(WeightFeed):
-    """A feed whose trainer publishes `newer` as version 1 once the engine has drawn `after` tokens and
-    still has requests in flight: their samples are interrupted halfway through a turn."""
-
-    def __init__(self, model: Any, newer: Any, engine: HFEngine, after: int) -> None:
-        super().__init__(model, version=0, own_model=True)
-        self.newer, self.engine, self.after = newer, engine, after
-
-    def due(self, engine_version: int) -> bool:
-        if self.version == 0 and self.engine.busy and self.engine.stats.sampled_tokens >= self.after:
-            self.publish(self.newer, 1)
-        return super().due(engine_version)
-
-
 def test_a_turn_interrupted_for_new_weights_is_two_policy_segments_each_with_its_version(
     tmp_path: Path,
 ) -> None:
@@ -149,9 +149,8 @@ def test_a_turn_interrupted_for_new_weights_is_two_policy_segments_each_with_its
     with torch.no_grad():
         for p in new.parameters():
             p.add_(0.3 * torch.randn_like(p))
-    engine = HFEngine(private_copy(old))
-    feed = PublishesMidTurn(old, new, engine, after=3)
-    engine.model = feed.sampling_model
+    feed = PublishesAfter(old, new, after=3)
+    engine = feed.engine = HFEngine(feed.sampling_model)
     config = RolloutConfig(
         FanOut(root=2, after_tool_result=2, max_depth=2), SamplerConfig(Sampling()), LIMITS
     )
@@ -188,9 +187,8 @@ def test_an_interrupted_greedy_sample_goes_on_exactly_as_if_it_had_not_been(tmp_
     )
 
     def grow(out: Path, publish: bool) -> list[Trajectory]:
-        engine = HFEngine(private_copy(policy))
-        feed = PublishesMidTurn(policy, policy if publish else None, engine, after=3 if publish else 10**9)
-        engine.model = feed.sampling_model
+        feed = PublishesAfter(policy, policy, after=3 if publish else 10**9)
+        engine = feed.engine = HFEngine(feed.sampling_model)
         result = rollout_trees(
             feed.sampling_model, tokenizer(), FixedTurnsEnv, [0, 1], out, config, engine=engine, weights=feed
         )

@@ -9,7 +9,6 @@ their tokens instead of training on them."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 from pathlib import Path
 from typing import Any
@@ -17,10 +16,12 @@ from typing import Any
 import pytest
 import torch
 from support.gated_env import wait_for
+from support.processes import alive, descendants, name
 from support.staleness_checks import queued_lags, split_turns, within
 from support.stalling_train import start_stalling
 
 from treetrain.cli.main import main
+from treetrain.rollout.engines.hf_process import PROCESS_NAME
 from treetrain.runfs import UnsafePathError
 from treetrain.train.async_source import MAX_MARKER_BYTES, AsyncRolloutSource, queued_marker, read_queued
 from treetrain.train.config import load_config
@@ -102,29 +103,6 @@ def test_a_sampler_running_past_the_bound_is_caught(tmp_path: Path) -> None:
     assert all(r.staleness_max is None or r.staleness_max <= K for r in rows)  # nothing over K was trained
 
 
-def _children(pid: int) -> set[int]:
-    """Every descendant process of `pid` (environment workers and whatever they started)."""
-    found, todo = set(), [pid]
-    while todo:
-        p = todo.pop()
-        for task in Path(f"/proc/{p}/task").glob("*"):
-            kids = (task / "children").read_text().split() if (task / "children").exists() else []
-            for kid in map(int, kids):
-                if kid not in found:
-                    found.add(kid)
-                    todo.append(kid)
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().split(") ")[-1][:1] != "Z"
-
-
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
     "point", ["rollout-start@2", "rollout-queued@2", "update-start@1", "checkpoint-write@2"]
@@ -132,14 +110,15 @@ def _alive(pid: int) -> bool:
 def test_kill_9_anywhere_then_resume_trains_each_update_once(tmp_path: Path, point: str, capsys) -> None:
     """Mid-rollout, with finished trees queued, once an update took its trees (mid-step), and inside a
     checkpoint write: after --resume every update is trained once, with every token within the bound, and
-    no process of the killed run is left."""
+    no process of the killed run (environment workers, the sampler process) is left."""
     run = tmp_path / "run"
     args = ["train", "--run-dir", str(run), "--no-progress", *(a for kv in SETTINGS for a in ("--set", kv))]
     proc = start_stalling(args, point, tmp_path / "arrived")
-    kids = _children(proc.pid)
+    kids = descendants(proc.pid)
+    assert any(name(k) == PROCESS_NAME for k in kids), "the run has no sampler process"
     proc.send_signal(signal.SIGKILL)
     proc.communicate()
-    assert kids and wait_for(lambda: not any(_alive(k) for k in kids), 30), "a process outlived the run"
+    assert wait_for(lambda: not any(alive(k) for k in kids), 30), "a process outlived the run"
     checkpoints = (
         [int(p.name[7:]) for p in (run / "checkpoints").glob("update-*")]
         if (run / "checkpoints").is_dir()

@@ -6,15 +6,18 @@ the other, and neither may see the other's weights change under it:
 - the trainer never touches the engine. After each optimizer step it copies its weights into the feed's
   *shadow*, a private copy of the policy (`publish`, on the training thread, where a gather of sharded
   weights and any other collective has to happen), and goes on training;
-- the sampler takes the newest published version between its own engine steps, when no request is in flight
-  (`sync`, called by `treetrain.rollout.scheduler.Scheduler` at its safe points): the engine loads the
-  shadow (vLLM), or the `hf` engine's own model copies it. A long episode then continues under the newer
-  weights from its next turn, and each turn records the version that sampled it (`Completion.version`).
+- the sampler takes the newest published version between its own engine steps (`sync`, called by
+  `treetrain.rollout.scheduler.Scheduler` once it has interrupted the requests in flight): the engine loads
+  the shadow (vLLM), or the `hf` engine's own model copies it. The interrupted samples go on under the
+  newer weights with the tokens they had drawn, and each token records the version that drew it
+  (`Completion.runs`).
 
 One lock guards the shadow, so a sync never reads a half-published version and a publish never writes
-weights a sync is reading. The `hf` engine samples from a model of its own (`sampler_model`), never the
-one being trained halfway through a step, and never the shadow itself, which the trainer rewrites while the
-engine decodes.
+weights a sync is reading. An `hf` engine samples from a model of its own, never the one being trained
+halfway through a step, and never the shadow itself, which the trainer rewrites while the engine decodes:
+with `shared=True` the shadow lives in shared memory and the engine's process copies it into its own model
+at each sync (`treetrain.rollout.engines.hf_process`, what an asynchronous run uses); with `own_model=True`
+the feed keeps that copy in this process (`sampler_model`), for an `HFEngine` on a thread.
 
 Example:
     >>> import torch
@@ -52,18 +55,34 @@ def private_copy(model: Any) -> Any:
     return twin.eval()
 
 
+def settle(model: Any) -> None:
+    """Wait for the copies queued on `model`'s device: on a GPU a copy only starts when it returns, and
+    another process reads (or rewrites) the shared shadow as soon as the lock is released."""
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class WeightFeed:
     """The newest published weights and their version; see the module docstring.
 
     `sampler_model`, when given, is the model the engine samples from (the `hf` engine's own copy): a sync
     copies the shadow into it before the engine is told the new version. Otherwise the engine loads the
-    shadow itself (`GenerationEngine.sync_weights(shadow, version)`: vLLM in process or a server).
+    shadow itself (`GenerationEngine.sync_weights(shadow, version)`: vLLM in process or a server, or the
+    `hf` engine's process, which copies the shadow in shared memory (`shared=True`) before the sync returns).
     """
 
-    def __init__(self, model: Any, version: int, *, own_model: bool = False) -> None:
+    def __init__(self, model: Any, version: int, *, own_model: bool = False, shared: bool = False) -> None:
+        if own_model and shared:
+            raise ValueError(
+                "WeightFeed: own_model (a copy in this process) or shared (a sampler process's), not both"
+            )
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self.shadow = private_copy(model)
+        self.shared = shared
+        if shared:
+            self.shadow.share_memory()
         self.version = version
         self.sampler_model = private_copy(model) if own_model else None
         self.syncs = 0
@@ -74,6 +93,8 @@ class WeightFeed:
         with self._lock, torch.no_grad():
             for mine, theirs in zip(self.shadow.state_dict().values(), model.state_dict().values()):
                 mine.copy_(theirs)
+            if self.shared:
+                settle(self.shadow)
             self.version = version
 
     def due(self, engine_version: int) -> bool:

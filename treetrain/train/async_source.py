@@ -5,15 +5,16 @@ turns. The sampler thread owns the inference engine and grows update u's trees a
 rule** allows: the trainer has finished update u - K - 1, so its weights are at most K steps newer than
 any the sampler can hold while update u is sampled. The trainer, after each optimizer step, only publishes
 its weights (`treetrain.rollout.weight_feed.WeightFeed.publish`); the sampler takes them between its own
-engine steps, so an episode in flight goes on under the newer weights from its next turn, and every turn
-records the version that sampled it. When update u takes its trees, `treetrain.train.staleness.split_stale`
+engine steps, interrupting the requests in flight, so a turn in flight goes on under the newer weights
+from its next token, and every token records the version that sampled it. When update u takes its trees, `treetrain.train.staleness.split_stale`
 checks every token's lag against K once more; what breaks the bound (only ever trees kept from before a
 resume that lowered K) is dropped and counted. In steady state nothing is dropped: admission is paced.
 
 Everything that is collective stays on the training thread: the trees of all ranks are shared, failures
-written and counted, and weights gathered when the update takes them (`gather_update`). The `hf` engine
-samples from a model of its own, copied from the published weights at each sync, never from the model being
-trained.
+written and counted, and weights gathered when the update takes them (`gather_update`). The `hf` engine runs
+in a process of its own (`treetrain.rollout.engines.hf_process`), so sampling and training do not share the
+interpreter lock; it samples from a private copy of the policy, which it copies from the published weights
+(the shadow, in shared memory) at each sync, never from the model being trained.
 
 **Exactly once.** Each update's tasks are a function of the update index (`task_seeds`), so a trajectory
 belongs to one update only. A finished rollout is queued on disk: its trees are in
@@ -140,10 +141,10 @@ class AsyncRolloutSource:
                 self.max_staleness,
             )
         model = backend.module
-        self.feed = WeightFeed(model, version=0, own_model=cfg.rollout.engine == "hf")
-        self.engine: GenerationEngine = make_engine(
-            engine_spec(cfg, model, backend.world_size), self.feed.sampling_model
-        )
+        own_process = cfg.rollout.engine == "hf"  # the sampler process copies the shared shadow at each sync
+        self.feed = WeightFeed(model, version=0, shared=own_process)
+        spec = engine_spec(cfg, model, backend.world_size)  # K >= 1: weights change in flight
+        self.engine: GenerationEngine = make_engine(spec, self.feed.sampling_model)
         self._serving = threading.Lock()  # held while the sampler grows an update, or evaluation samples
         self._cond = threading.Condition()
         self._trained = start

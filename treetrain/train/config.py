@@ -196,7 +196,8 @@ class TrainConfig:
     """Also save one when this many seconds have passed since the last (0: not by time), so a run killed
     early loses at most this much work."""
     threads: int | None = None
-    """torch intra-op threads (None: leave torch's default)."""
+    """torch intra-op threads (None: leave torch's default); the `hf` sampler process of an asynchronous run
+    runs as many (None: 1)."""
     model: ModelSection = field(default_factory=ModelSection)
     """The policy, the reference model and the tokenizer."""
     env: EnvSection = field(default_factory=EnvSection)

@@ -232,7 +232,7 @@ def engine_spec(cfg: TrainConfig, model: Any, world_size: int) -> EngineSpec:
         r.engine, r.vllm, run_dir=cfg.run_dir, model_path=str(cfg.model.path),
         checkpoint=str(resolve_model_path(cfg.model.path)), max_tokens=wrapper_config(cfg, model).episode.episode_tokens(),
         dtype=cfg.model.dtype, seed=cfg.seed, world_size=world_size, lora_under_zero3=lora_z3, hf_kv_bytes=kv_bytes,
-        in_flight_weights=r.max_staleness >= 1,
+        in_flight_weights=r.max_staleness >= 1, threads=cfg.threads,
     )  # fmt: skip
 
 

@@ -68,8 +68,12 @@ class EngineSpec:
     hf_kv_bytes: int | None = None
     """Most bytes of KV the `hf` engine holds (live rows and kept prefixes); None: its own default."""
     in_flight_weights: bool = False
-    """Whether weights change while requests are in flight (`rollout.max_staleness` >= 1): `vllm-server`
-    then streams its answers, so that a sync can interrupt them and resubmit each with its tokens so far."""
+    """Whether weights change while requests are in flight (`rollout.max_staleness` >= 1, an asynchronous
+    run's sampler): the `hf` engine then runs in a process of its own (`HFProcessEngine`; the model given to
+    `make_engine` is the shared shadow it copies at each sync), and `vllm-server` streams its answers, so
+    that a sync can interrupt them and resubmit each with its tokens so far."""
+    threads: int | None = None
+    """`threads`: torch threads of the `hf` engine's process (None: 1)."""
 
     def __post_init__(self) -> None:
         if self.kind not in ENGINES:
@@ -109,6 +113,10 @@ def check_engine(spec: EngineSpec, model: Any) -> None:
 def make_engine(spec: EngineSpec, model: Any) -> GenerationEngine:
     """The engine `spec.kind` names, serving `model`, at weight version -1 (synced before first use)."""
     check_engine(spec, model)
+    if spec.kind == "hf" and spec.in_flight_weights:
+        from treetrain.rollout.engines.hf_process import HFProcessEngine
+
+        return HFProcessEngine(model, version=-1, threads=spec.threads, max_kv_bytes=spec.hf_kv_bytes)
     if spec.kind == "hf":
         from treetrain.rollout.engines.hf_engine import HFEngine
 
