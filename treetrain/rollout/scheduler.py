@@ -117,11 +117,11 @@ class _Asked:
 
 @dataclass(frozen=True)
 class _Sent:
-    """One request the engine holds: the whole of `asked` (`slot` None), or the rest of one of its samples
-    after `draft`."""
+    """One request the engine holds: the whole of `asked` (`slots` None), or the rest of those of its samples
+    that had drawn `draft` when they were interrupted (one sample each, in `slots` order)."""
 
     asked: _Asked
-    slot: int | None = None
+    slots: tuple[int, ...] | None = None
     draft: Draft = field(default_factory=Draft)
 
 
@@ -198,7 +198,7 @@ class Scheduler:
         self.engine, self.config = engine, config
         self.weights = weights
         self._held: list[_Point] = []  # ready branch points waiting for the engine to take new weights
-        self._resume: list[tuple[_Asked, int, Draft]] = []  # interrupted samples, to go on under them
+        self._resume: list[tuple[_Asked, tuple[int, ...], Draft]] = []  # interrupted samples, to go on
         self.interrupted = 0
         """Samples stopped mid-turn for new weights and resubmitted with their tokens so far."""
         self.fanout, self.sampling = config.fanout, config.sampling
@@ -266,27 +266,31 @@ class Scheduler:
                 else:  # its task failed meanwhile: the point was released with the task
                     point.task.pending -= 1
             resume, self._resume = self._resume, []
-            for asked, slot, draft in resume:
-                self._go_on(asked, slot, draft)
+            for asked, slots, draft in resume:
+                self._go_on(asked, slots, draft)
 
     def _interrupted(self, stopped: list[Interrupted]) -> None:
-        """Keep what each stopped request's samples drew: a finished sample is done, the others go on."""
+        """Keep what each stopped request's samples drew: a finished sample is done, the others go on, those
+        that drew the same (nothing, mostly: a request still waiting) together as one request."""
         for item in stopped:
             sent = self._points.pop(item.request_id)
             asked = sent.asked
-            slots = range(len(item.samples)) if sent.slot is None else (sent.slot,)
+            slots = range(len(item.samples)) if sent.slots is None else sent.slots
+            same: dict[Draft, list[int]] = {}
             for slot, sample in zip(slots, item.samples, strict=True):
                 if isinstance(sample, Completion):
                     asked.samples[slot] = continued(sent.draft, sample, asked.stops)
                 else:
-                    self._resume.append(
-                        (asked, slot, sent.draft.then(sample.tokens, sample.logprobs, sample.runs))
+                    same.setdefault(sent.draft.then(sample.tokens, sample.logprobs, sample.runs), []).append(
+                        slot
                     )
-                    self.interrupted += 1
+            for draft, group in same.items():
+                self._resume.append((asked, tuple(group), draft))
+                self.interrupted += len(group) if draft.tokens else 0
             self._complete(asked)
 
-    def _go_on(self, asked: _Asked, slot: int, draft: Draft) -> None:
-        """Send the rest of an interrupted sample: the branch point's context plus what it drew."""
+    def _go_on(self, asked: _Asked, slots: tuple[int, ...], draft: Draft) -> None:
+        """Send the rest of interrupted samples that drew `draft`: the branch point's context plus the draft."""
         point, request = asked.point, asked.request
         if asked.abandoned:
             return
@@ -296,15 +300,20 @@ class Scheduler:
             return
         left = request.max_new_tokens - len(draft.tokens)
         if left < 1 or cut_at_stop(draft.tokens, asked.stops) is not None:
-            asked.samples[slot] = finished(draft, asked.stops, "length")
+            for slot in slots:
+                asked.samples[slot] = finished(draft, asked.stops, "length")
             self._complete(asked)
             return
+        if not draft.tokens and len(slots) == request.n:  # nothing was drawn: the request as it was
+            self._points[self.engine.submit(request)] = _Sent(asked)
+            return
+        key = (*point.key, (2 + slots[0], len(draft.tokens)))
         rest = GenerationRequest(
-            context=(*request.context, *draft.tokens), n=1, max_new_tokens=left, sampling=request.sampling,
+            context=(*request.context, *draft.tokens), n=len(slots), max_new_tokens=left, sampling=request.sampling,
             stop=request.stop, group=request.group, children=request.children,
-            seed=request_seed(self.config.base_seed, point.task.seed, (*point.key, (2 + slot, len(draft.tokens)))),
+            seed=request_seed(self.config.base_seed, point.task.seed, key),
         )  # fmt: skip
-        self._points[self.engine.submit(rest)] = _Sent(asked, slot, draft)
+        self._points[self.engine.submit(rest)] = _Sent(asked, slots, draft)
 
     def _submit(self, point: _Point) -> None:
         point.task.pending += 1
@@ -335,10 +344,11 @@ class Scheduler:
         for result in results:
             sent = self._points.pop(result.request_id)
             asked = sent.asked
-            if sent.slot is None:
+            if sent.slots is None:
                 asked.samples = list(result.completions)
             else:
-                asked.samples[sent.slot] = continued(sent.draft, result.completions[0], asked.stops)
+                for slot, completion in zip(sent.slots, result.completions, strict=True):
+                    asked.samples[slot] = continued(sent.draft, completion, asked.stops)
             self._complete(asked)
 
     def _complete(self, asked: _Asked) -> None:
