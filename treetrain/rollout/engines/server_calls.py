@@ -17,7 +17,7 @@ import http.client
 import json
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from treetrain.rollout.engines.generation import EngineError
@@ -40,7 +40,8 @@ def short(text: object, limit: int = 160) -> str:
     return s if len(s) <= limit else s[: limit - 3] + "..."
 
 
-def _request(url: str, path: str, body: dict[str, Any] | None) -> urllib.request.Request:
+def request_of(url: str, path: str, body: dict[str, Any] | None) -> urllib.request.Request:
+    """The HTTP request of a call: `body` POSTed as JSON, or a GET when it is None."""
     data = None if body is None else json.dumps(body).encode()
     return urllib.request.Request(
         url + path,
@@ -51,7 +52,7 @@ def _request(url: str, path: str, body: dict[str, Any] | None) -> urllib.request
 
 
 @contextlib.contextmanager
-def _errors(url: str, path: str, timeout: float) -> Iterator[None]:
+def call_errors(url: str, path: str, timeout: float) -> Iterator[None]:
     """Every way a call can fail, as one `EngineError` line naming the URL and the cause."""
     try:
         yield
@@ -75,8 +76,8 @@ def _errors(url: str, path: str, timeout: float) -> Iterator[None]:
 def call_server(url: str, path: str, body: dict[str, Any] | None, timeout: float) -> Any:
     """POST `body` (GET when None) to `url + path`; the parsed JSON answer (None for an empty one)."""
     with (
-        _errors(url, path, timeout),
-        urllib.request.urlopen(_request(url, path, body), timeout=timeout) as resp,
+        call_errors(url, path, timeout),
+        urllib.request.urlopen(request_of(url, path, body), timeout=timeout) as resp,
     ):
         raw = resp.read(MAX_RESPONSE_BYTES + 1)
     if len(raw) > MAX_RESPONSE_BYTES:
@@ -89,36 +90,3 @@ def call_server(url: str, path: str, body: dict[str, Any] | None, timeout: float
         raise EngineError(
             f"vllm-server {url}{path}: the answer is not JSON ({exc}): {short(raw[:200])}"
         ) from None
-
-
-def stream_server(
-    url: str, path: str, body: dict[str, Any], timeout: float, on_event: Callable[[Any], bool]
-) -> bool:
-    """POST `body` to `url + path` and read its server-sent events, handing each parsed `data:` payload to
-    `on_event` until `[DONE]` (True) or until `on_event` returns False (False): the connection is then
-    closed, which makes vLLM abort the request. The whole stream is bounded like one answer."""
-    read = 0
-    with (
-        _errors(url, path, timeout),
-        urllib.request.urlopen(_request(url, path, body), timeout=timeout) as resp,
-    ):
-        while True:
-            line = resp.readline(MAX_RESPONSE_BYTES + 1)
-            read += len(line)
-            if not line:
-                raise EngineError(f"vllm-server {url}{path}: the stream ended before [DONE]")
-            if read > MAX_RESPONSE_BYTES:
-                raise EngineError(f"vllm-server {url}{path}: a stream over {MAX_RESPONSE_BYTES} bytes")
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                return True
-            try:
-                event = json.loads(data)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise EngineError(
-                    f"vllm-server {url}{path}: an event is not JSON ({exc}): {short(data[:200])}"
-                ) from None
-            if not on_event(event):
-                return False

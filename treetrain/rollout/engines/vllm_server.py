@@ -56,7 +56,6 @@ from treetrain.rollout.engines.adapter_sync import AdapterFiles, LoraServing, ad
 from treetrain.rollout.engines.engine_settings import VLLMSettings
 from treetrain.rollout.engines.generation import (
     Completion,
-    Draft,
     EngineError,
     EngineStats,
     GenerationRequest,
@@ -65,7 +64,7 @@ from treetrain.rollout.engines.generation import (
     StopMatcher,
     completion_of,
 )
-from treetrain.rollout.engines.server_calls import ServerHTTPError, call_server, short, stream_server
+from treetrain.rollout.engines.server_calls import ServerHTTPError, call_server, short
 from treetrain.rollout.engines.server_checks import (
     Expected,
     ServedConfig,
@@ -75,6 +74,7 @@ from treetrain.rollout.engines.server_checks import (
     served_prompt_logprobs,
     trainer_probe,
 )
+from treetrain.rollout.engines.server_stream import StreamedAnswer, stream_server
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class VLLMServerEngine:
         self._next_id = 0
         self.stream = stream
         self._lock = threading.Lock()  # guards `_open` and `_drawn` between the pool and `interrupt`
-        self._drawn: dict[int, _Drawn] = {}
+        self._drawn: dict[int, StreamedAnswer] = {}
 
     def _check_server(self, url: str) -> ServedConfig:
         """What `url` serves, refused in one line when it cannot sample for this run."""
@@ -180,7 +180,7 @@ class VLLMServerEngine:
         with self._lock:
             self._open.add(rid)
             if self.stream:
-                self._drawn[rid] = _Drawn(request, self.version)
+                self._drawn[rid] = StreamedAnswer(request, self.version)
         self.stats.requests += 1
         self.stats.prompt_tokens += request.prompt_tokens
         self._pool.submit(self._run, rid, request, self.version, self._adapter)
@@ -407,51 +407,3 @@ class VLLMServerEngine:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-class _Drawn:
-    """A streamed request's samples as its events arrive: per sample the token ids, their logprobs and the
-    finish reason (set by its last event), and the usage the final event reports."""
-
-    def __init__(self, request: GenerationRequest, version: int) -> None:
-        self.request, self.version = request, version
-        self.tokens: list[list[int]] = [[] for _ in range(request.n)]
-        self.logprobs: list[list[float]] = [[] for _ in range(request.n)]
-        self.finish: list[str | None] = [None] * request.n
-        self.usage: Any = None
-
-    def add(self, event: Any) -> None:
-        """One event: a `KeyError`, `TypeError` or `ValueError` when it is outside the protocol."""
-        if event.get("usage"):
-            self.usage = event["usage"]
-        for choice in event.get("choices") or ():
-            i = int(choice["index"])
-            if not 0 <= i < self.request.n:
-                raise ValueError(f"sample index {i} of a request of n={self.request.n}")
-            ids, lps = (
-                choice.get("token_ids") or [],
-                (choice.get("logprobs") or {}).get("token_logprobs") or [],
-            )
-            if len(ids) != len(lps):
-                raise ValueError(f"{len(ids)} token ids but {len(lps)} logprobs in one event")
-            self.tokens[i] += [int(t) for t in ids]
-            self.logprobs[i] += [float(x) for x in lps]
-            self.finish[i] = choice.get("finish_reason") or self.finish[i]
-
-    def answer(self) -> dict[str, Any]:
-        """The whole answer, shaped as the unstreamed `/v1/completions` one (for `VLLMServerEngine._parse`)."""
-        choices = [
-            {"index": i, "token_ids": t, "logprobs": {"token_logprobs": lp}, "finish_reason": f}
-            for i, (t, lp, f) in enumerate(zip(self.tokens, self.logprobs, self.finish))
-        ]
-        return {"choices": choices, "usage": self.usage or {}}
-
-    def samples(self) -> tuple[Completion | Draft, ...]:
-        """Each sample as `interrupt` returns it: a `Completion` when it ended, else the `Draft` so far."""
-        stops = StopMatcher.of(self.request.stop)
-        return tuple(
-            completion_of(t, lp, f, stops, self.version)
-            if f is not None and t
-            else Draft.drawn(t, lp, self.version)
-            for t, lp, f in zip(self.tokens, self.logprobs, self.finish)
-        )
