@@ -49,9 +49,16 @@ class SamplerStopped(TreetrainError):
 
 
 def private_copy(model: Any) -> Any:
-    """A copy of `model` that shares no tensor with it, in eval mode and without gradients."""
+    """A copy of `model` that shares no tensor with it, in eval mode and without gradients, and without the
+    hooks a training engine put on its modules (DeepSpeed's are closures: the copy must pickle to the `hf`
+    sampler process, and it only ever samples or hands over weights)."""
     twin = copy.deepcopy(model)
     twin.requires_grad_(False)
+    for module in twin.modules():
+        for hooks in (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
+                      module._backward_pre_hooks, getattr(module, "_forward_hooks_with_kwargs", {}),
+                      getattr(module, "_forward_pre_hooks_with_kwargs", {})):  # fmt: skip
+            hooks.clear()
     return twin.eval()
 
 
