@@ -109,10 +109,11 @@ class _Asked:
     samples: list[Completion | None]
     abandoned: bool = False
     """Its task failed while a sample waited to go on: nothing more is sent or delivered for it."""
+    stops: StopMatcher = field(init=False)
+    """The request's stops, which cut a sample joined from its parts."""
 
-    @property
-    def stops(self) -> StopMatcher:
-        return StopMatcher.of(self.request.stop)
+    def __post_init__(self) -> None:
+        self.stops = StopMatcher.of(self.request.stop)
 
 
 @dataclass(frozen=True)

@@ -55,11 +55,26 @@ def private_copy(model: Any) -> Any:
     twin = copy.deepcopy(model)
     twin.requires_grad_(False)
     for module in twin.modules():
-        for hooks in (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
-                      module._backward_pre_hooks, getattr(module, "_forward_hooks_with_kwargs", {}),
-                      getattr(module, "_forward_pre_hooks_with_kwargs", {})):  # fmt: skip
-            hooks.clear()
+        for hooks in _HOOKS:
+            getattr(module, hooks, {}).clear()
     return twin.eval()
+
+
+_HOOKS = (
+    "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+    "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs",
+)  # fmt: skip
+"""The hook tables of a `torch.nn.Module` that `private_copy` empties."""
+
+
+@torch.no_grad()
+def copy_weights(into: Any, source: Any) -> int:
+    """Copy `source`'s state into `into`'s tensors in place (same architecture); the bytes copied."""
+    copied = 0
+    for mine, theirs in zip(into.state_dict().values(), source.state_dict().values(), strict=True):
+        mine.copy_(theirs)
+        copied += mine.numel() * mine.element_size()
+    return copied
 
 
 def settle(model: Any) -> None:
@@ -97,9 +112,8 @@ class WeightFeed:
 
     def publish(self, model: Any, version: int) -> None:
         """Copy `model`'s weights into the shadow as `version` (training thread, after the step)."""
-        with self._lock, torch.no_grad():
-            for mine, theirs in zip(self.shadow.state_dict().values(), model.state_dict().values()):
-                mine.copy_(theirs)
+        with self._lock:
+            copy_weights(self.shadow, model)
             if self.shared:
                 settle(self.shadow)
             self.version = version

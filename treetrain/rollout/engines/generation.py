@@ -170,6 +170,8 @@ class Interrupted:
 
 def finished(draft: Draft, stops: StopMatcher, finish: FinishReason) -> Completion:
     """`draft` as a completion: cut at its first stop (finish `stop`), else ended by `finish`."""
+    if not draft.tokens or len(draft.tokens) != len(draft.logprobs):
+        raise ValueError(f"a completion needs one logprob per token, got {len(draft.tokens)} tokens")
     end = cut_at_stop(draft.tokens, stops)
     if end is not None:
         finish = "stop"
@@ -340,8 +342,5 @@ def completion_of(
     token_ids: Iterable[int], logprobs: list[float], finish: str | None, stops: StopMatcher, version: int
 ) -> Completion:
     """A `Completion` from what an engine returned, cut at the first stop sequence."""
-    tokens, lps = tuple(int(t) for t in token_ids), tuple(min(float(x), 0.0) for x in logprobs)
-    end = cut_at_stop(tokens, stops)
-    if end is not None:
-        return Completion(tokens[:end], lps[:end], "stop", version)
-    return Completion(tokens, lps, "stop" if finish == "stop" else "length", version)
+    drawn = Draft.drawn(tuple(token_ids), logprobs, version)
+    return finished(drawn, stops, "stop" if finish == "stop" else "length")

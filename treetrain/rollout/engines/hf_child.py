@@ -30,7 +30,8 @@ import torch
 
 from treetrain.rollout.engines.generation import EngineStats, GenerationRequest, GenerationResult, Interrupted
 from treetrain.rollout.engines.hf_engine import HFEngine
-from treetrain.rollout.weight_feed import private_copy, settle
+from treetrain.rollout.engines.server_calls import short
+from treetrain.rollout.weight_feed import copy_weights, private_copy, settle
 
 PROCESS_NAME = "treetrain-hf"
 """The child's name in /proc/<pid>/comm (at most 15 characters)."""
@@ -121,8 +122,9 @@ class ChildSettings:
 
 
 def one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__
+    """`exc` as `Name: message` on one line (the message cut to 300 characters)."""
+    text = short(exc, 300)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 # ----- the loop -------------------------------------------------------------------------------------
@@ -176,11 +178,7 @@ def _handle(
         ids[engine.submit(command.request)] = command.rid
     elif isinstance(command, Sync):
         start = time.perf_counter()
-        copied = 0
-        with torch.no_grad():
-            for mine, theirs in zip(model.state_dict().values(), shadow.state_dict().values()):
-                mine.copy_(theirs)
-                copied += mine.numel() * mine.element_size()
+        copied = copy_weights(model, shadow)
         settle(model)  # the parent may rewrite the shadow as soon as it has the answer
         engine.sync_weights(model, command.version)
         engine.stats.sync_seconds += time.perf_counter() - start
