@@ -9,6 +9,7 @@ collective path, and an expected refusal is caught on every rank.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -592,8 +593,8 @@ def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     rank = int(os.environ.get("RANK", "0"))
     for name, run in scenarios().items():
-        if ONLY is not None and name not in ONLY:
-            continue
+        if (ONLY is not None and name not in ONLY) or (OUT / f"{name}.json").exists():
+            continue  # a relaunch after a crash runs only what the crashed launch had not finished
         delta: torch.Tensor | None = None
         started = time.monotonic()
         try:
@@ -603,11 +604,16 @@ def main() -> None:
             (OUT / f"{name}.error.rank{rank}.txt").write_text(traceback.format_exc())
             info = {"error": traceback.format_exc(limit=2)}
         infos: list[Any] = [None] * torch.distributed.get_world_size()
+        gc.collect()  # the scenario's engines and their process groups go now, on both ranks alike
         torch.distributed.all_gather_object(infos, info)  # trusted peers: the ranks of this test
         if rank == 0:
             if delta is not None:
                 save_file({"delta": delta.contiguous()}, str(OUT / f"{name}.safetensors"))
-            (OUT / f"{name}.json").write_text(json.dumps({"ranks": infos}))
+            part = OUT / f"{name}.json.part"
+            part.write_text(json.dumps({"ranks": infos}))
+            part.replace(OUT / f"{name}.json")  # its presence says the scenario is done
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
