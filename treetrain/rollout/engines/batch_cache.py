@@ -76,6 +76,54 @@ def cache_of(model: Any, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> Any
     return cache
 
 
+def with_room(
+    model: Any,
+    parts: list[list[tuple[torch.Tensor, torch.Tensor]]],
+    width: int,
+    index: torch.Tensor | None = None,
+) -> Any:
+    """A cache of `model` (plain attention layers) whose rows are those of `parts` (per part, per layer
+    `(k, v)` `[R_i, H, W_i, D]`) stacked and left-padded with zeros to `width`, then reordered by `index`
+    (rows of the stack) when given: each layer's KV is copied once, straight into a buffer with growth room.
+
+    >>> k = torch.ones(1, 1, 2, 4)
+    >>> cache = with_room(None, [[(k, k)], [(k[:, :, :1], k[:, :, :1])]], 2)
+    >>> cache.layers[0].keys[:, 0, :, 0].tolist(), cache_bytes(cache)
+    ([[1.0, 1.0], [0.0, 1.0]], 4096)
+    """
+    layers = []
+    for layer_parts in zip(*parts, strict=True):
+        rows = sum(k.shape[0] for k, _ in layer_parts)
+        out = []
+        for which in (0, 1):
+            x0 = layer_parts[0][which]
+            n = rows if index is None else len(index)
+            buf = x0.new_empty(n, x0.shape[1], max(2 * width, 64), x0.shape[3])
+            if index is not None and len(layer_parts) == 1 and x0.shape[2] == width:  # a reorder alone
+                torch.index_select(x0, 0, index, out=buf[:, :, :width])
+                out.append(buf)
+                continue
+            stacked = buf if index is None else x0.new_empty(rows, x0.shape[1], width, x0.shape[3])
+            at = 0
+            for kv in layer_parts:
+                x = kv[which]
+                pad = width - x.shape[2]
+                stacked[at : at + x.shape[0], :, :pad] = 0  # padding is masked, but read: never garbage
+                stacked[at : at + x.shape[0], :, pad:width] = x
+                at += x.shape[0]
+            if index is not None:
+                torch.index_select(stacked, 0, index, out=buf[:, :, :width])
+            out.append(buf)
+        layer = GrowingLayer()
+        layer.lazy_initialization(out[0][:, :, :0], out[1][:, :, :0])
+        layer._buf = (out[0], out[1])
+        layer.keys, layer.values = out[0][:, :, :width], out[1][:, :, :width]
+        layers.append(layer)
+    cache = new_cache(model) if model is not None else DynamicCache()
+    cache.layers = layers
+    return cache
+
+
 def adopt(model: Any, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
     """A cache of `model` (plain attention layers) holding `layers`' tensors themselves: no copy and no spare
     room, for KV that is read rather than grown (a kept prefix; the first `update` reserves room).

@@ -7,21 +7,23 @@ it. Rows of different lengths share one cache through padding, with a 2-D attent
 position ids (as `generate` batches prompts), for every model whose cache is plain full-attention KV; other
 caches (sliding windows, recurrent state) are batched per request instead, with no padding at all.
 
-A request's context is encoded once, then repeated for its `n` rows. When a row finishes,
-the KV of its context plus every sampled token but the last is kept, keyed by those token ids: the next
-request whose context extends them (the branch's next turn, after the tool result) encodes only the new
-tokens. That is the engine's prefix cache; `GenerationRequest.children` says how many requests will use a
-kept prefix, and `release_group` drops what a finished tree left behind.
+**Shared pieces.** Where the model's attention is plain (`cascade.cascade_reason`), contexts are not
+copied per row. Requests admitted together whose contexts start alike (a system prompt and tools) encode
+their common prefix once, as a piece; a request with `n > 1` makes its remaining context a piece its `n`
+rows share; the padded per-row cache holds only each row's own tokens, and every layer attends over the
+pieces once per step for all the rows that share them (`cascade`). Other models repeat a request's
+context for its `n` rows. When a row finishes, its pieces and the KV of its own tokens but the last are
+kept, keyed by those token ids: the next request whose context extends them (the branch's next turn,
+after the tool result) encodes only the new tokens. That is the engine's prefix cache;
+`GenerationRequest.children` says how many requests will use a kept prefix, and `release_group` drops what
+a finished tree left behind.
 
-**Memory.** The `n` rows of a request each hold their own copy of the context's KV: transformers' caches
-keep one dense `[rows, heads, length, dim]` tensor per layer and grow every row in place, so rows cannot
-share a prefix (a stride-0 view would be copied by the first decode step). The engine bounds the bytes
-instead: `max_kv_bytes` caps the KV it holds, live rows and kept prefixes together. A request waits
-while the KV its rows and the live rows may reach (context plus turn budget, as wide as the widest row of
-the padded batch, with the growth room a growing layer reserves: `_reserve`) would exceed the cap; kept
-prefixes are dropped oldest first to make room, and one request always runs. `held_bytes` is what it
-holds, counted from the tensors' actual storage (`cache_bytes`), and `peak_kv_bytes` the most it held
-between decode steps. The reservation assumes plain attention KV (`token_kv_bytes`, from the config);
+**Memory.** `max_kv_bytes` caps the KV the engine holds: live rows, kept prefixes and pieces together. A
+request waits while the KV its rows and the live rows may reach (context plus turn budget, as wide as the
+widest row of the padded batch, with a growing layer's room, and a fork's piece: `_reserve`) would exceed
+the cap; kept prefixes are dropped oldest first to make room, and one request always runs. `held_bytes`
+is what it holds, counted from the tensors' storage (`cache_bytes`, a piece once), and `peak_kv_bytes`
+the most it held between decode steps. The reservation assumes plain attention KV (`token_kv_bytes`);
 for recurrent state it is an estimate.
 
 Each request draws from its own `torch.Generator` seeded by `GenerationRequest.seed` (one uniform per row
@@ -50,8 +52,6 @@ Example:
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -59,13 +59,23 @@ import torch
 from treetrain.rollout.engines.batch_cache import (
     adopt,
     cache_bytes,
-    cache_of,
     layers_of,
     mask_left,
     mergeable,
     new_cache,
-    pad_left,
     token_kv_bytes,
+    with_room,
+)
+from treetrain.rollout.engines.cascade import (
+    Chain,
+    Layout,
+    Piece,
+    cascade,
+    cascade_reason,
+    cascade_runs,
+    chain_key,
+    chain_length,
+    groups_of,
 )
 from treetrain.rollout.engines.generation import (
     Completion,
@@ -77,7 +87,18 @@ from treetrain.rollout.engines.generation import (
     Interrupted,
     StopMatcher,
 )
-from treetrain.rollout.prefix_sampler import fork_cache, sampling_logprobs, select_rows
+from treetrain.rollout.engines.hf_batch import (
+    Batch,
+    Job,
+    Kept,
+    KeptPrefixes,
+    Row,
+    common_prefixes,
+    draw_rows,
+    fork_rows,
+    pieces_bytes,
+)
+from treetrain.rollout.prefix_sampler import fork_cache, select_rows
 from treetrain.rollout.sampling import Sampling
 
 MAX_ROWS = 64
@@ -85,52 +106,12 @@ MAX_ROWS = 64
 fits). Finished rows awaiting compaction are not counted."""
 MAX_KEPT = 512
 """Most kept prefixes; the least recently used go first."""
+MIN_PIECE = 32
+"""Fewest tokens worth a shared piece (`cascade`): requests admitted together share a common prefix this
+long, and a fork's rows share their context's own tokens when there are this many (fewer are copied to
+each row, cheaper than one more attention call per step)."""
 MAX_KV_BYTES = 1 << 30
 """Default cap on the KV bytes the engine holds (the trainer passes `rollout.hf_kv_budget`)."""
-
-
-@dataclass
-class _Kept:
-    cache: Any  # batch size 1, no padding
-    uses: int
-    group: str
-    nbytes: int = 0
-
-
-@dataclass
-class _Row:
-    request: int
-    sample: int
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    done: bool = False
-
-
-@dataclass
-class _Job:
-    request: GenerationRequest
-    rid: int
-    stops: StopMatcher
-    generator: torch.Generator
-    results: list[Completion | None]
-    version: int
-    cached: int = 0
-
-
-@dataclass
-class _Batch:
-    """Rows decoded together over one cache of `width` columns; `mask` says which columns hold each row's
-    tokens (the rest is padding), `positions` is each row's next position (its token count)."""
-
-    cache: Any
-    rows: list[_Row]
-    mask: torch.Tensor  # [R, W] long
-    positions: torch.Tensor  # [R] long
-    logits: torch.Tensor  # [R, V]
-
-    @property
-    def dead(self) -> int:
-        return sum(r.done for r in self.rows)
 
 
 class HFEngine:
@@ -145,6 +126,7 @@ class HFEngine:
         max_kept: int = MAX_KEPT,
         max_kv_bytes: int = MAX_KV_BYTES,
         keep_prefixes: bool = True,
+        share_contexts: bool = True,
     ) -> None:
         if isinstance(max_kv_bytes, bool) or not isinstance(max_kv_bytes, int) or max_kv_bytes < 1:
             raise EngineError(
@@ -160,11 +142,13 @@ class HFEngine:
         self.device = next(model.parameters()).device
         self.merge = mergeable(new_cache(model))
         """Whether rows of different requests share one padded batch (plain full-attention caches)."""
+        self.cascade = self.merge and share_contexts and cascade_reason(model) is None and cascade_runs(model)
+        """Whether the rows of a fork read their context from one shared piece (`cascade`)."""
         self._next_id = 0
-        self._waiting: list[_Job] = []
-        self._jobs: dict[int, _Job] = {}
-        self._batches: list[_Batch] = []
-        self._kept: OrderedDict[tuple[int, ...], _Kept] = OrderedDict()
+        self._waiting: list[Job] = []
+        self._jobs: dict[int, Job] = {}
+        self._batches: list[Batch] = []
+        self._kept = KeptPrefixes()
         self._token_bytes: int | None = None
 
     # ----- GenerationEngine -------------------------------------------------------------------------
@@ -172,7 +156,7 @@ class HFEngine:
         rid = self._next_id
         self._next_id += 1
         generator = torch.Generator(device=self.device).manual_seed(request.seed)
-        job = _Job(request, rid, StopMatcher.of(request.stop), generator, [None] * request.n, self.version)
+        job = Job(request, rid, StopMatcher.of(request.stop), generator, [None] * request.n, self.version)
         self._waiting.append(job)
         self._jobs[rid] = job
         self.stats.requests += 1
@@ -185,8 +169,11 @@ class HFEngine:
 
     @property
     def held_bytes(self) -> int:
-        """KV bytes held now: every live batch's cache and every kept prefix (their actual storage)."""
-        return sum(cache_bytes(b.cache) for b in self._batches) + self._kept_bytes()
+        """KV bytes held now: every live batch's cache, every kept prefix and every shared piece they hold
+        (their actual storage, a piece once)."""
+        live = sum(cache_bytes(b.cache) for b in self._batches)
+        chains = [r.chain for b in self._batches for r in b.rows] + [e.chain for e in self._kept.values()]
+        return live + sum(e.nbytes for e in self._kept.values()) + pieces_bytes(chains)
 
     def _held(self) -> int:
         held = self.held_bytes
@@ -218,8 +205,7 @@ class HFEngine:
 
     def release_group(self, group: str) -> None:
         """Drop the kept prefixes of `group` (its tree is finished)."""
-        for key in [k for k, e in self._kept.items() if e.group == group]:
-            del self._kept[key]
+        self._kept.release(group)
 
     def abort(self) -> None:
         """Drop every request in flight and its rows' KV; kept prefixes stay (they are still valid)."""
@@ -256,11 +242,11 @@ class HFEngine:
         """Move waiting requests into the batch while the rows and the KV they would reserve fit."""
         live = self._live()
         rows = sum(r.n for r in live)
-        jobs: list[_Job] = []
+        jobs: list[Job] = []
         while self._waiting:
             request = self._waiting[0].request
             need = self._reserve([*live, *(job.request for job in jobs), request])
-            while need + self._kept_bytes() > self.max_kv_bytes and self._kept:  # oldest kept prefix first
+            while need + self._kept.nbytes() > self.max_kv_bytes and self._kept:  # oldest kept prefix first
                 self._kept.popitem(last=False)
             idle = not live and not jobs
             if not idle and (rows + request.n > self.max_rows or need > self.max_kv_bytes):
@@ -278,66 +264,56 @@ class HFEngine:
 
     def _reserve(self, requests: list[GenerationRequest]) -> int:
         """KV bytes `requests`' rows may hold at their longest, growth room included: a growing layer
-        reserves up to twice its length, and rows in one padded batch are as wide as its widest."""
+        reserves up to twice its length, and rows in one padded batch are as wide as its widest; a fork's
+        shared piece (`cascade`) holds its context once more."""
         if self._token_bytes is None:
             self._token_bytes = token_kv_bytes(self.model)
         spans = [max(r.prompt_tokens + r.max_new_tokens, 32) for r in requests]
         if self.merge:
-            return 2 * self._token_bytes * sum(r.n for r in requests) * max(spans, default=0)
+            pieces = sum(r.prompt_tokens for r in requests if r.n > 1) if self.cascade else 0
+            rows = sum(r.n for r in requests)
+            return self._token_bytes * (2 * rows * max(spans, default=0) + pieces)
         return sum(2 * self._token_bytes * r.n * span for r, span in zip(requests, spans))
-
-    def _kept_bytes(self) -> int:
-        return sum(e.nbytes for e in self._kept.values())
 
     def _trim_kept(self) -> None:
         """Drop kept prefixes, oldest first, beyond `max_kept` or the bytes the live rows leave."""
         live = self._reserve(self._live())
         while self._kept and (
-            len(self._kept) > self.max_kept or live + self._kept_bytes() > self.max_kv_bytes
+            len(self._kept) > self.max_kept or live + self._kept.nbytes() > self.max_kv_bytes
         ):
             self._kept.popitem(last=False)
 
-    def _lookup(self, context: tuple[int, ...]) -> tuple[int, Any]:
-        """The longest kept prefix of `context` (leaving at least one token to encode), as a cache to use."""
-        best, found = 0, None
-        for key in self._kept:
-            if best < len(key) < len(context) and context[: len(key)] == key:
-                best, found = len(key), key
-        if found is None:
-            return 0, None
-        entry = self._kept[found]
-        entry.uses -= 1
-        if entry.uses <= 0:
-            del self._kept[found]
-            return best, entry.cache
-        self._kept.move_to_end(found)
-        return best, fork_cache(entry.cache, [0])
+    def _prefill(self, jobs: list[Job]) -> Batch:
+        """Encode the uncached part of every job's context in one forward, then give each its `n` rows.
 
-    def _prefill(self, jobs: list[_Job]) -> _Batch:
-        """Encode the uncached part of every job's context in one forward, then repeat each row `n` times.
-
-        Row b is [padding | kept prefix b | padding | pending tokens b]: kept prefixes are left-padded to
+        Row b is [padding | kept own tokens b | padding | pending tokens b]: kept tokens are left-padded to
         a common width, pending tokens right-aligned to a common length, so every row's last token is last.
+        A kept prefix's pieces (`cascade`) are read, not copied. With `cascade`, the context of a job with
+        `n > 1` becomes a piece its rows share, and they start with no own tokens.
         """
-        kept = [self._lookup(job.request.context) for job in jobs]
-        pending = [job.request.context[hit:] for job, (hit, _) in zip(jobs, kept)]
-        for job, (hit, _) in zip(jobs, kept):
+        found = [self._kept.lookup(job.request.context) for job in jobs]
+        if self.cascade:  # rows that share pieces side by side: each piece is read once per step
+            found = self._share_common(jobs, found)
+            order = sorted(range(len(jobs)), key=lambda b: chain_key(found[b][2]))
+            jobs, found = [jobs[b] for b in order], [found[b] for b in order]
+        pending = [job.request.context[hit:] for job, (hit, _, _) in zip(jobs, found)]
+        chains = [chain for _, _, chain in found]
+        bases = torch.tensor([chain_length(c) for c in chains])  # [B]
+        owns = torch.tensor([hit for hit, _, _ in found]) - bases  # [B] kept own tokens
+        for job, (hit, _, _) in zip(jobs, found):
             job.cached = hit
             self.stats.cached_tokens += hit
-        width = max(hit for hit, _ in kept)
+        width = int(owns.max())
         if len(jobs) == 1:
-            cache = kept[0][1] if kept[0][1] is not None else new_cache(self.model)
+            cache = found[0][1] if found[0][1] is not None else new_cache(self.model)
         elif width == 0:
             cache = new_cache(self.model)
         else:
-            ref = next(layers_of(c) for _, c in kept if c is not None)
-            layers = []
-            for i, (k0, v0) in enumerate(ref):
-                ks = [pad_left(c.layers[i].keys, width) if c is not None else k0.new_zeros(1, k0.shape[1], width, k0.shape[3]) for _, c in kept]  # fmt: skip
-                vs = [pad_left(c.layers[i].values, width) if c is not None else v0.new_zeros(1, v0.shape[1], width, v0.shape[3]) for _, c in kept]  # fmt: skip
-                layers.append((torch.cat(ks), torch.cat(vs)))
-            cache = cache_of(self.model, layers)
-        hits = torch.tensor([hit for hit, _ in kept])  # [B]
+            ref = next(layers_of(c) for _, c, _ in found if c is not None)
+            empty = [(k[:1, :, :0], v[:1, :, :0]) for k, v in ref]  # a job with nothing kept: all padding
+            cache = with_room(
+                self.model, [layers_of(c) if c is not None else empty for _, c, _ in found], width
+            )
         lengths = torch.tensor([len(p) for p in pending])  # [B]
         span = int(lengths.max())
         ids = torch.zeros(len(jobs), span, dtype=torch.long)  # [B, P]
@@ -346,44 +322,90 @@ class HFEngine:
         cols = torch.arange(width)[None, :]
         mask = torch.cat(
             [
-                (cols >= width - hits[:, None]).long(),
+                (cols >= width - owns[:, None]).long(),
                 (torch.arange(span)[None, :] >= span - lengths[:, None]).long(),
             ],
             dim=1,
         )  # [B, width + P]
-        kwargs: dict[str, Any] = {}
-        if not bool(mask.all()):
-            positions = (hits[:, None] + torch.arange(span)[None, :] - (span - lengths[:, None])).clamp(min=0)
-            kwargs = {"attention_mask": mask.to(self.device), "position_ids": positions.to(self.device)}
-        out = self.model(
-            input_ids=ids.to(self.device), cache=cache, use_cache=True, logits_to_keep=1, **kwargs
-        )
-        self.stats.forward_calls += 1
+        offsets = torch.arange(span)[None, :] - (span - lengths[:, None])  # [B, P]
+        positions = ((bases + owns)[:, None] + offsets).clamp(min=0)  # [B, P]
+        logits = self._forward(ids, cache, mask, positions, chains, pending=span)
         self.stats.encoded_tokens += int(lengths.sum())
-        logits = out.logits[:, -1, :].float()  # [B, V]
-        counts = torch.tensor([job.request.n for job in jobs])
-        index = torch.repeat_interleave(torch.arange(len(jobs)), counts)  # [R]
+        ns = [job.request.n for job in jobs]
+        index = torch.repeat_interleave(torch.arange(len(jobs)), torch.tensor(ns))  # [R]
+        heads = (bases + owns + lengths)[index]  # [R] each row's next position
+        rows = [Row(job.rid, i, chains[b]) for b, job in enumerate(jobs) for i in range(job.request.n)]
+        forked = [b for b, job in enumerate(jobs) if job.request.n > 1 and owns[b] + lengths[b] >= MIN_PIECE]
+        if self.cascade and forked:
+            return fork_rows(self.model, ns, cache, mask, heads, logits[index], rows, forked)
         if len(index) > len(jobs):
             select_rows(cache, index.to(self.device))
-        rows = [_Row(job.rid, i) for job in jobs for i in range(job.request.n)]
-        return _Batch(cache, rows, mask[index], (hits + lengths)[index], logits[index])
+        return Batch(cache, rows, mask[index], heads, logits[index])
 
-    def _join(self, a: _Batch, b: _Batch) -> _Batch:
+    def _share_common(
+        self, jobs: list[Job], found: list[tuple[int, Any, Chain]]
+    ) -> list[tuple[int, Any, Chain]]:
+        """Jobs with nothing kept whose contexts start alike (a system prompt and tools, the same task's
+        prompt): their longest common prefix is encoded once, as a piece they all continue."""
+        out = list(found)
+        fresh = [b for b, (hit, _, _) in enumerate(found) if hit == 0]
+        for group, common in common_prefixes([jobs[b].request.context for b in fresh], MIN_PIECE):
+            group = [fresh[i] for i in group]
+            first = jobs[group[0]].request.context
+            cache = new_cache(self.model)
+            ids = torch.tensor([first[:common]], dtype=torch.long, device=self.device)  # [1, L]
+            self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+            self.stats.forward_calls += 1
+            self.stats.encoded_tokens += common
+            piece = Piece(tuple((k.clone(), v.clone()) for k, v in layers_of(cache)))  # no growth room
+            for b in group:
+                out[b] = (common, None, (piece,))
+        return out
+
+    def _forward(
+        self, ids: torch.Tensor, cache: Any, mask: torch.Tensor, positions: torch.Tensor,
+        chains: list[Chain], *, pending: int,
+    ) -> torch.Tensor:  # fmt: skip
+        """The last position's logits `[R, V]` of one forward of `ids` `[R, P]` over the rows' own cache
+        (`mask` `[R, W + P]` over its columns and the new ones) and, with `cascade`, their pieces."""
+        ids = ids.to(self.device)
+        if self.cascade:
+            width = mask.shape[1] - pending
+            visible = mask.bool()[:, None, :].repeat(1, pending, 1)  # [R, P, W + P]
+            causal = torch.ones(pending, pending, dtype=torch.bool).tril()
+            visible[:, :, width:] &= causal
+            visible[:, :, width:] |= torch.eye(pending, dtype=torch.bool)  # a padding query sees itself
+            layout = Layout(groups_of(chains), visible.to(self.device))
+            with cascade(self.model, layout):
+                out = self.model(
+                    input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1,
+                    position_ids=positions.to(self.device),
+                )  # fmt: skip
+        else:
+            kwargs: dict[str, Any] = {}
+            if not bool(mask.all()):
+                kwargs = {"attention_mask": mask.to(self.device), "position_ids": positions.to(self.device)}
+            out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1, **kwargs)
+        self.stats.forward_calls += 1
+        return out.logits[:, -1, :].float()  # [R, V]
+
+    def _join(self, a: Batch, b: Batch) -> Batch:
         width = max(a.mask.shape[1], b.mask.shape[1])
-        layers = [
-            (torch.cat([pad_left(ka, width), pad_left(kb, width)]), torch.cat([pad_left(va, width), pad_left(vb, width)]))
-            for (ka, va), (kb, vb) in zip(layers_of(a.cache), layers_of(b.cache))
-        ]  # fmt: skip
-        return _Batch(
-            cache_of(self.model, layers),
-            a.rows + b.rows,
-            torch.cat([mask_left(a.mask, width), mask_left(b.mask, width)]),
-            torch.cat([a.positions, b.positions]),
-            torch.cat([a.logits, b.logits]),
-        )
+        rows = a.rows + b.rows
+        mask = torch.cat([mask_left(a.mask, width), mask_left(b.mask, width)])
+        positions, logits = torch.cat([a.positions, b.positions]), torch.cat([a.logits, b.logits])
+        order = sorted(range(len(rows)), key=lambda j: chain_key(rows[j].chain)) if self.cascade else []
+        index = None
+        if order and order != list(range(len(rows))):  # rows that share pieces side by side
+            index = torch.tensor(order, dtype=torch.long)
+            rows = [rows[j] for j in order]
+            mask, positions, logits = mask[index], positions[index], logits[index]
+            index = index.to(self.device)
+        cache = with_room(self.model, [layers_of(a.cache), layers_of(b.cache)], width, index)
+        return Batch(cache, rows, mask, positions, logits)
 
     # ----- decoding ---------------------------------------------------------------------------------
-    def _step(self, batch: _Batch, finished: list[GenerationResult]) -> None:
+    def _step(self, batch: Batch, finished: list[GenerationResult]) -> None:
         tokens = [0] * len(batch.rows)  # a finished row is fed padding, masked out
         live = [j for j, row in enumerate(batch.rows) if not row.done]
         drawn = self._draw(batch, live)
@@ -404,46 +426,28 @@ class HFEngine:
             tokens = [tokens[j] for j in keep]
         fed = torch.tensor([0 if r.done else 1 for r in batch.rows])  # [R]
         batch.mask = torch.cat([batch.mask, fed[:, None]], dim=1)  # [R, W + 1]
-        kwargs: dict[str, Any] = {}
-        if not bool(batch.mask.all()):
-            kwargs = {
-                "attention_mask": batch.mask.to(self.device),
-                "position_ids": batch.positions[:, None].to(self.device),  # [R, 1]
-            }
-        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]  # [R, 1]
-        out = self.model(input_ids=ids, cache=batch.cache, use_cache=True, logits_to_keep=1, **kwargs)
-        self.stats.forward_calls += 1
+        ids = torch.tensor(tokens, dtype=torch.long)[:, None]  # [R, 1]
+        chains = [r.chain for r in batch.rows]
+        batch.logits = self._forward(
+            ids, batch.cache, batch.mask, batch.positions[:, None], chains, pending=1
+        )
         self.stats.encoded_tokens += int(fed.sum())
-        batch.logits = out.logits[:, -1, :].float()  # [R, V]
         batch.positions = batch.positions + fed
 
-    def _draw(self, batch: _Batch, live: list[int]) -> list[tuple[int, float]]:
-        """One token per live row: rows that share sampling settings are drawn together, each from its own
-        request's generator (an inverse-CDF draw of one uniform per row), so a row's draw depends only on
-        its request, never on what shares the batch."""
+    def _draw(self, batch: Batch, live: list[int]) -> list[tuple[int, float]]:
+        """One token per live row: rows that share sampling settings are drawn together (`draw_rows`)."""
         out: dict[int, tuple[int, float]] = {}
         by_sampling: dict[Sampling, list[int]] = {}
         for j in live:
             by_sampling.setdefault(self._jobs[batch.rows[j].request].request.sampling, []).append(j)
         for sampling, rows in by_sampling.items():
-            logits = batch.logits[rows]  # [R, V]
-            if sampling.greedy:
-                out.update((j, (int(t), 0.0)) for j, t in zip(rows, logits.argmax(dim=-1).tolist()))
-                continue
-            logp = sampling_logprobs(logits, sampling)  # [R, V]
             gens = [self._jobs[batch.rows[j].request].generator for j in rows]
-            u = 1 - torch.cat(
-                [torch.rand(1, generator=g, device=logits.device) for g in gens]
-            )  # [R] in (0, 1]
-            cdf = logp.exp().cumsum(dim=-1)  # [R, V]
-            tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).squeeze(-1)  # [R] never a 0-mass token
-            tok = tok.clamp(max=logits.shape[-1] - 1)
-            lp = logp.gather(-1, tok[:, None]).squeeze(-1)  # [R]
+            tok, lp = draw_rows(batch.logits[rows], sampling, gens)
             out.update((j, (int(t), float(x))) for j, t, x in zip(rows, tok.tolist(), lp.tolist()))
         return [out[j] for j in live]
 
     def _finish(
-        self, batch: _Batch, j: int, job: _Job, stopped: bool, finished: list[GenerationResult]
+        self, batch: Batch, j: int, job: Job, stopped: bool, finished: list[GenerationResult]
     ) -> None:
         row, request = batch.rows[j], job.request
         row.done = True
@@ -459,7 +463,7 @@ class HFEngine:
                 kept = adopt(self.model, layers)
             else:
                 kept = fork_cache(batch.cache, [j])
-            self._kept[key] = _Kept(kept, request.children, request.group, cache_bytes(kept))
+            self._kept[key] = Kept(kept, request.children, request.group, cache_bytes(kept), row.chain)
             self._trim_kept()
         job.results[row.sample] = Completion(
             tuple(row.tokens), tuple(row.logprobs), "stop" if stopped else "length", job.version
@@ -469,7 +473,7 @@ class HFEngine:
             completions = tuple(c for c in job.results if c is not None)
             finished.append(GenerationResult(job.rid, completions, job.cached))
 
-    def _compact(self, batch: _Batch) -> list[int]:
+    def _compact(self, batch: Batch) -> list[int]:
         """Drop finished rows, and the columns only padding holds; returns the rows kept."""
         keep = [j for j, r in enumerate(batch.rows) if not r.done]
         index = torch.tensor(keep, dtype=torch.long)
@@ -485,7 +489,6 @@ class HFEngine:
         used = batch.mask.any(dim=0).nonzero()
         first = int(used[0]) if len(used) else batch.mask.shape[1]
         batch.mask = batch.mask[:, first:]
-        dev = index.to(self.device)
-        layers = [(k[dev, :, first:], v[dev, :, first:]) for k, v in layers_of(batch.cache)]
-        batch.cache = cache_of(self.model, layers)
+        layers = [(k[:, :, first:], v[:, :, first:]) for k, v in layers_of(batch.cache)]
+        batch.cache = with_room(self.model, [layers], batch.mask.shape[1], index.to(self.device))
         return keep

@@ -1,0 +1,149 @@
+"""The `hf` engine's shared pieces (`treetrain.rollout.engines.cascade`) against every row holding its own
+KV: a common system prompt encoded once, a fork's context read once by its rows, kept prefixes that continue
+a piece. The samples must be the same to float64 rounding, and a corrupted piece must show."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.env_fixtures import tiny_model, tokenizer
+from transformers import Gemma2Config, Gemma2ForCausalLM
+
+from treetrain.rollout.engines.cascade import Piece, cascade_reason, cascade_runs, groups_of
+from treetrain.rollout.engines.generation import GenerationRequest, GenerationResult
+from treetrain.rollout.engines.hf_engine import MIN_PIECE, HFEngine
+from treetrain.rollout.sampling import Sampling
+
+torch.set_num_threads(1)
+SHARP = tiny_model(init=0.5)  # float64, peaked: a wrong piece or mask visibly changes the tokens
+END = ((tokenizer().convert_tokens_to_ids("<|im_end|>"),),)
+HOT, GREEDY = Sampling(temperature=1.0), Sampling(temperature=0.0)
+SYSTEM = "You are a careful assistant. Answer with one number, show no work, and never guess at all."
+QUESTIONS = [
+    "What is 2 + 2?",
+    "A train leaves at noon going sixty miles an hour and another one leaves an hour later going ninety "
+    "miles an hour on the same track in the same direction; when does the second one catch the first?",
+    "What is 7 * 6?",
+]
+
+
+def _contexts() -> list[tuple[int, ...]]:
+    def chat(q: str) -> str:
+        return f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"
+
+    return [tuple(tokenizer().encode(chat(q))) for q in QUESTIONS]
+
+
+def _run(engine: HFEngine, requests: list[GenerationRequest]) -> dict[int, GenerationResult]:
+    ids = [engine.submit(r) for r in requests]
+    done: dict[int, GenerationResult] = {}
+    while engine.busy:
+        done.update((r.request_id, r) for r in engine.poll())
+    return {i: done[rid] for i, rid in enumerate(ids)}
+
+
+def _requests(sampling: Sampling, n: int = 4) -> list[GenerationRequest]:
+    return [
+        GenerationRequest(c, n, 12, sampling, END, seed=s, group=f"g{s}", children=1)
+        for s, c in enumerate(_contexts())
+    ]
+
+
+def _same(a: dict[int, GenerationResult], b: dict[int, GenerationResult], tol: float = 1e-9) -> None:
+    for i in a:
+        for x, y in zip(a[i].completions, b[i].completions, strict=True):
+            assert x.tokens == y.tokens and x.finish == y.finish
+            assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < tol
+
+
+def test_the_contexts_exercise_every_piece() -> None:
+    contexts = _contexts()
+    common = next(i for i in range(len(contexts[0])) if len({c[i] for c in contexts}) > 1)
+    assert common > MIN_PIECE  # the system prompt is shared as a piece
+    assert (
+        len(contexts[1]) - common > MIN_PIECE > len(contexts[0]) - common
+    )  # one fork has a piece of its own
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, HOT])
+def test_shared_pieces_sample_what_rows_of_their_own_kv_sample(sampling: Sampling) -> None:
+    shared = HFEngine(SHARP)
+    assert shared.cascade
+    got = _run(shared, _requests(sampling))
+    own = HFEngine(SHARP, share_contexts=False)
+    assert not own.cascade
+    want = _run(own, _requests(sampling))
+    _same(got, want)
+    kept = list(shared._kept.values())
+    pieces = {id(p): p for e in kept for p in e.chain}
+    assert len(pieces) == 2  # the common system prompt, and the long question's own context
+    piece_bytes = sum(t.numel() * t.element_size() for p in pieces.values() for kv in p.layers for t in kv)
+    assert shared.held_bytes == sum(e.nbytes for e in kept) + piece_bytes  # a piece counts once
+    assert shared.held_bytes < own.held_bytes  # `own` keeps a copy of the context per sample
+    prompt = sum(len(c) for c in _contexts())
+    assert (
+        shared.stats.encoded_tokens - shared.stats.sampled_tokens
+        < own.stats.encoded_tokens - own.stats.sampled_tokens
+    )
+    assert own.stats.encoded_tokens - own.stats.sampled_tokens < prompt + len(_requests(sampling)) * 4
+
+
+def test_a_next_turn_continues_the_pieces_of_its_kept_prefix() -> None:
+    observation = tuple(
+        tokenizer().encode("<|im_end|>\n<|im_start|>user\nand then?<|im_end|>\n<|im_start|>assistant\n")
+    )
+    results = {}
+    for share in (True, False):
+        engine = HFEngine(SHARP, share_contexts=share)
+        first = _run(engine, _requests(HOT))
+        follow = [
+            GenerationRequest(c + first[i].completions[j].tokens + observation, 2, 10, HOT, END, seed=10 + i)
+            for i, c in enumerate(_contexts())
+            for j in range(2)
+        ]
+        results[share] = _run(engine, follow)
+        contexts = [c for c in _contexts() for _ in range(2)]
+        assert all(r.cached_tokens >= len(c) for r, c in zip(results[share].values(), contexts, strict=True))
+    _same(results[True], results[False])
+
+
+def test_a_corrupted_piece_changes_the_samples() -> None:
+    """Negative control: the pieces are read, so perturbing the common one moves the next turn."""
+    observation = tuple(
+        tokenizer().encode("<|im_end|>\n<|im_start|>user\nwhy?<|im_end|>\n<|im_start|>assistant\n")
+    )
+    outs = []
+    for corrupt in (False, True):
+        engine = HFEngine(SHARP)
+        first = _run(engine, _requests(GREEDY, n=2))
+        if corrupt:
+            for entry in engine._kept.values():
+                k, _ = entry.chain[0].layers[0]
+                k.mul_(-1.0)
+        follow = [GenerationRequest(c + first[i].completions[0].tokens + observation, 1, 10, GREEDY, END)
+                  for i, c in enumerate(_contexts())]  # fmt: skip
+        outs.append(_run(engine, follow))
+    assert any(outs[0][i].completions != outs[1][i].completions for i in outs[0])
+
+
+def test_rows_are_grouped_by_the_pieces_they_share() -> None:
+    a, b, c, d = (Piece(()) for _ in range(4))
+    names = {id(a): "a", id(b): "b", id(c): "c", id(d): "d"}
+    runs = [(s, e, names[id(p)]) for s, e, p in groups_of([(a, b), (a, b), (a, c), (a,), (), (d,), (d,)])]
+    assert sorted(runs) == [(0, 2, "b"), (0, 4, "a"), (2, 3, "c"), (5, 7, "d")]
+
+
+def test_a_model_whose_attention_has_more_terms_keeps_its_own_kv() -> None:
+    """Gemma 2 caps its attention scores: no shared pieces, and the engine still samples."""
+    torch.manual_seed(0)
+    config = Gemma2Config(
+        vocab_size=len(tokenizer()), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=4096,
+        attn_logit_softcapping=50.0, layer_types=["full_attention", "full_attention"],
+    )  # fmt: skip
+    model = Gemma2ForCausalLM(config).eval()
+    assert cascade_reason(model) is not None
+    engine = HFEngine(model)
+    assert not engine.cascade
+    assert len(_run(engine, _requests(HOT, n=2))) == 3
+    assert cascade_reason(SHARP) is None and cascade_runs(SHARP)
