@@ -24,6 +24,7 @@ INTERNAL = {
     "treetrain.train.config_docs.MissingDocstring": "a developer's tool: a config field without a docstring",
     "envs.tools.StepAbandoned": "control flow: injected into a timed-out tool thread to stop it",
     "treetrain.models.attention.PastLayoutError": "control flow: the layer takes the concatenated past instead",
+    "treetrain.rollout.engines.cascade.CascadeError": "control flow: the hf engine's probe keeps each row's full KV",
     "envs.wire.WireError": "control flow: a malformed worker reply, reported as the episode's EnvFailure",
 }
 """Public exception classes that are not bad input, and why."""
