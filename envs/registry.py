@@ -152,6 +152,8 @@ def resolve(name: str) -> type[Environment]:
     """The environment class for a built-in name, an entry-point name or a `module:Class` string."""
     if ":" in name:
         return _import_target(name, "given on the command line")
+    if name in BUILTINS:  # a built-in name wins over an entry point of that name: no scan needed
+        return _import_target(BUILTINS[name], "builtin")
     sources = available()
     source = sources.get(name)
     if source is None:

@@ -80,6 +80,7 @@ class _Host:
         self._envs: dict[int, Environment] = {}
         self._next = 0
         self._lock = threading.Lock()  # requests of different handles run in different threads
+        self._cls: type[Environment] | None = None
 
     def _add(self, env: Environment) -> int:
         with self._lock:
@@ -96,7 +97,10 @@ class _Host:
         return env
 
     def new(self, req: Mapping[str, Any]) -> Any:
-        env = _guard("__init__", lambda: resolve(self.name)(**self.kwargs))
+        if self._cls is None:  # resolved once: a registry scan reads every installed package's metadata
+            self._cls = _guard("__init__", lambda: resolve(self.name))
+        cls = self._cls
+        env = _guard("__init__", lambda: cls(**self.kwargs))
         names = _guard("rubrics", lambda: [str(n) for n in env.rubrics()])
         return {"handle": self._add(env), "rubrics": names, "class": type(env).__name__}
 
