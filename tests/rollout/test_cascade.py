@@ -147,3 +147,69 @@ def test_a_model_whose_attention_has_more_terms_keeps_its_own_kv() -> None:
     assert not engine.cascade
     assert len(_run(engine, _requests(HOT, n=2))) == 3
     assert cascade_reason(SHARP) is None and cascade_runs(SHARP)
+
+
+class _Layer(torch.nn.Module):
+    """What cascade attention reads of a layer: its index."""
+
+    layer_idx = 0
+
+
+def _layer_case(dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Queries of 5 rows (4 heads over 2 KV heads, 3 new tokens each) over padded own keys and two pieces,
+    the first shared by rows 0-3, the second by rows 1-2."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+
+    q, k, v = rand(5, 4, 3, 8), rand(5, 2, 7, 8), rand(5, 2, 7, 8)  # own cache: 4 kept columns + 3 new
+    visible = torch.ones(5, 3, 7, dtype=torch.bool)
+    visible[:, :, 4:] = torch.ones(3, 3, dtype=torch.bool).tril()  # the new tokens are causal
+    visible[3, :, :2] = False  # row 3 has two columns of padding
+    visible[4, :, :4] = False  # row 4 has no kept own tokens
+    return q, k, v, visible, rand(1, 2, 6, 8), rand(1, 2, 6, 8), rand(1, 2, 5, 8), rand(1, 2, 5, 8)
+
+
+def _reference(q, k, v, visible, pk1, pv1, pk2, pv2, scale):  # type: ignore[no-untyped-def]
+    """Plain SDPA per row over its pieces and own keys, concatenated (float64)."""
+    out = []
+    for r in range(q.shape[0]):
+        keys, values = [k[r : r + 1]], [v[r : r + 1]]
+        vis = [visible[r]]
+        for rows, pk, pv in ((range(4), pk1, pv1), (range(1, 3), pk2, pv2)):
+            if r in rows:
+                keys.insert(0, pk)
+                values.insert(0, pv)
+                vis.insert(0, torch.ones(3, pk.shape[2], dtype=torch.bool))
+        kk, vv = torch.cat(keys, 2).double(), torch.cat(values, 2).double()
+        mask = torch.cat(vis, 1)[None, None]  # [1, 1, T, L]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[r : r + 1].double(), kk, vv, attn_mask=mask, scale=scale, enable_gqa=True
+        )
+        out.append(o.transpose(1, 2))
+    return torch.cat(out)  # [R, T, H, D]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "tol"), [(torch.float64, 1e-12), (torch.float32, 2e-6), (torch.bfloat16, 3e-2)]
+)
+def test_cascade_attention_is_attention_over_the_concatenated_keys(dtype: torch.dtype, tol: float) -> None:
+    from treetrain.rollout.engines.cascade import Layout, _ACTIVE, cascade_forward
+
+    q, k, v, visible, pk1, pv1, pk2, pv2 = _layer_case(dtype)
+    first, second = Piece(((pk1, pv1),)), Piece(((pk2, pv2),))
+    layout = Layout(groups_of([(first,), (first, second), (first, second), (first,), ()]), visible)
+    want = _reference(q, k, v, visible, pk1, pv1, pk2, pv2, 0.3)
+    token = _ACTIVE.set(layout)
+    try:
+        got, _ = cascade_forward(_Layer(), q, k, v, None, scaling=0.3)
+        control = Layout(groups_of([(first,), (first,), (first,), (first,), ()]), visible)  # a piece skipped
+        _ACTIVE.set(control)
+        skipped, _ = cascade_forward(_Layer(), q, k, v, None, scaling=0.3)
+    finally:
+        _ACTIVE.reset(token)
+    assert got.dtype == dtype and got.shape == (5, 3, 4, 8)
+    err = float((got.double() - want).abs().max())
+    assert err < tol
+    assert float((skipped.double() - want).abs().max()) > 10 * tol  # negative control: a piece left out
