@@ -195,7 +195,7 @@ def _reference(q, k, v, visible, pk1, pv1, pk2, pv2, scale):  # type: ignore[no-
     ("dtype", "tol"), [(torch.float64, 1e-12), (torch.float32, 2e-6), (torch.bfloat16, 3e-2)]
 )
 def test_cascade_attention_is_attention_over_the_concatenated_keys(dtype: torch.dtype, tol: float) -> None:
-    from treetrain.rollout.engines.cascade import Layout, _ACTIVE, cascade_forward
+    from treetrain.rollout.engines.cascade import _ACTIVE, Layout, cascade_forward
 
     q, k, v, visible, pk1, pv1, pk2, pv2 = _layer_case(dtype)
     first, second = Piece(((pk1, pv1),)), Piece(((pk2, pv2),))
