@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.engine_runs import run_requests
 from support.env_fixtures import tiny_model, tokenizer
 from transformers import Gemma2Config, Gemma2ForCausalLM
 
@@ -32,14 +33,6 @@ def _contexts() -> list[tuple[int, ...]]:
         return f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"
 
     return [tuple(tokenizer().encode(chat(q))) for q in QUESTIONS]
-
-
-def _run(engine: HFEngine, requests: list[GenerationRequest]) -> dict[int, GenerationResult]:
-    ids = [engine.submit(r) for r in requests]
-    done: dict[int, GenerationResult] = {}
-    while engine.busy:
-        done.update((r.request_id, r) for r in engine.poll())
-    return {i: done[rid] for i, rid in enumerate(ids)}
 
 
 def _requests(sampling: Sampling, n: int = 4) -> list[GenerationRequest]:
@@ -69,10 +62,10 @@ def test_the_contexts_exercise_every_piece() -> None:
 def test_shared_pieces_sample_what_rows_of_their_own_kv_sample(sampling: Sampling) -> None:
     shared = HFEngine(SHARP)
     assert shared.cascade
-    got = _run(shared, _requests(sampling))
+    got = run_requests(shared, _requests(sampling))
     own = HFEngine(SHARP, share_contexts=False)
     assert not own.cascade
-    want = _run(own, _requests(sampling))
+    want = run_requests(own, _requests(sampling))
     _same(got, want)
     kept = list(shared._kept.values())
     pieces = {id(p): p for e in kept for p in e.chain}
@@ -95,13 +88,13 @@ def test_a_next_turn_continues_the_pieces_of_its_kept_prefix() -> None:
     results = {}
     for share in (True, False):
         engine = HFEngine(SHARP, share_contexts=share)
-        first = _run(engine, _requests(HOT))
+        first = run_requests(engine, _requests(HOT))
         follow = [
             GenerationRequest(c + first[i].completions[j].tokens + observation, 2, 10, HOT, END, seed=10 + i)
             for i, c in enumerate(_contexts())
             for j in range(2)
         ]
-        results[share] = _run(engine, follow)
+        results[share] = run_requests(engine, follow)
         contexts = [c for c in _contexts() for _ in range(2)]
         assert all(r.cached_tokens >= len(c) for r, c in zip(results[share].values(), contexts, strict=True))
     _same(results[True], results[False])
@@ -115,14 +108,14 @@ def test_a_corrupted_piece_changes_the_samples() -> None:
     outs = []
     for corrupt in (False, True):
         engine = HFEngine(SHARP)
-        first = _run(engine, _requests(GREEDY, n=2))
+        first = run_requests(engine, _requests(GREEDY, n=2))
         if corrupt:
             for entry in engine._kept.values():
                 k, _ = entry.chain[0].layers[0]
                 k.mul_(-1.0)
         follow = [GenerationRequest(c + first[i].completions[0].tokens + observation, 1, 10, GREEDY, END)
                   for i, c in enumerate(_contexts())]  # fmt: skip
-        outs.append(_run(engine, follow))
+        outs.append(run_requests(engine, follow))
     assert any(outs[0][i].completions != outs[1][i].completions for i in outs[0])
 
 
@@ -145,7 +138,7 @@ def test_a_model_whose_attention_has_more_terms_keeps_its_own_kv() -> None:
     assert cascade_reason(model) is not None
     engine = HFEngine(model)
     assert not engine.cascade
-    assert len(_run(engine, _requests(HOT, n=2))) == 3
+    assert len(run_requests(engine, _requests(HOT, n=2))) == 3
     assert cascade_reason(SHARP) is None and cascade_runs(SHARP)
 
 

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.engine_runs import run_requests
 from support.env_fixtures import tiny_model, tokenizer
 
 from treetrain.rollout.engines.batch_cache import cache_bytes
-from treetrain.rollout.engines.generation import EngineError, GenerationRequest, GenerationResult
+from treetrain.rollout.engines.generation import EngineError, GenerationRequest
 from treetrain.rollout.engines.hf_engine import HFEngine
 from treetrain.rollout.prefix_sampler import Sampler, SamplerConfig
 from treetrain.rollout.sampling import Sampling
@@ -28,14 +29,6 @@ def _contexts() -> list[tuple[int, ...]]:
     ]
 
 
-def _run(engine: HFEngine, requests: list[GenerationRequest]) -> dict[int, GenerationResult]:
-    ids = [engine.submit(r) for r in requests]
-    done: dict[int, GenerationResult] = {}
-    while engine.busy:
-        done.update((r.request_id, r) for r in engine.poll())
-    return {i: done[rid] for i, rid in enumerate(ids)}
-
-
 def _requests(sampling: Sampling, n: int = 3, children: int = 1) -> list[GenerationRequest]:
     return [
         GenerationRequest(c, n, 12, sampling, END, seed=s, group=f"g{s}", children=children)
@@ -45,8 +38,10 @@ def _requests(sampling: Sampling, n: int = 3, children: int = 1) -> list[Generat
 
 @pytest.mark.parametrize("sampling", [GREEDY, HOT])
 def test_one_padded_batch_gives_the_samples_of_one_request_at_a_time(sampling: Sampling) -> None:
-    together = _run(HFEngine(SHARP), _requests(sampling))
-    alone = _run(HFEngine(SHARP, max_rows=1), _requests(sampling))  # one request in the batch at a time
+    together = run_requests(HFEngine(SHARP), _requests(sampling))
+    alone = run_requests(
+        HFEngine(SHARP, max_rows=1), _requests(sampling)
+    )  # one request in the batch at a time
     assert HFEngine(SHARP).merge  # a plain Llama cache: rows of different requests share one padded batch
     for i in together:
         for a, b in zip(together[i].completions, alone[i].completions):
@@ -56,7 +51,7 @@ def test_one_padded_batch_gives_the_samples_of_one_request_at_a_time(sampling: S
 
 def test_greedy_matches_the_sequential_sampler() -> None:
     sampler = Sampler(SHARP, SamplerConfig(GREEDY), END)
-    results = _run(HFEngine(SHARP), _requests(GREEDY, n=2))
+    results = run_requests(HFEngine(SHARP), _requests(GREEDY, n=2))
     for i, context in enumerate(_contexts()):
         reference = sampler.sample(None, context, n=2, max_new_tokens=12, keep_state=False)
         assert [c.tokens for c in results[i].completions] == [s.tokens for s in reference]
@@ -68,53 +63,53 @@ def test_a_kept_prefix_serves_the_next_turn_and_a_wrong_one_would_show() -> None
         tokenizer().encode("<|im_end|>\n<|im_start|>user\nmore please<|im_end|>\n<|im_start|>assistant\n")
     )
     engine = HFEngine(SHARP)
-    first = _run(engine, _requests(GREEDY, n=1))
+    first = run_requests(engine, _requests(GREEDY, n=1))
     follow = [
         GenerationRequest(c + first[i].completions[0].tokens + observation, 1, 10, GREEDY, END)
         for i, c in enumerate(_contexts())
     ]
     before = engine.stats.encoded_tokens
-    reused = _run(engine, follow)
+    reused = run_requests(engine, follow)
     for i, c in enumerate(_contexts()):  # everything but the last sampled token came from the kept KV
         assert reused[i].cached_tokens == len(c) + len(first[i].completions[0].tokens) - 1
     fresh_engine = HFEngine(SHARP, keep_prefixes=False)
-    fresh = _run(fresh_engine, follow)
+    fresh = run_requests(fresh_engine, follow)
     assert all(reused[i].completions == fresh[i].completions for i in reused)
     assert all(fresh[i].cached_tokens == 0 for i in fresh)
     saved = sum(r.cached_tokens for r in reused.values())  # exactly the kept tokens were not encoded again
     assert fresh_engine.stats.encoded_tokens - (engine.stats.encoded_tokens - before) == saved > 0
 
     broken = HFEngine(SHARP)  # negative control: a kept prefix missing one token changes the answer
-    _run(broken, _requests(GREEDY, n=1))
+    run_requests(broken, _requests(GREEDY, n=1))
     for entry in broken._kept.values():
         entry.cache.crop(-1)
-    corrupted = _run(broken, follow)
+    corrupted = run_requests(broken, follow)
     assert any(corrupted[i].completions[0].tokens != fresh[i].completions[0].tokens for i in fresh)
 
 
 def test_a_request_samples_the_same_whatever_shares_its_batch() -> None:
-    lone = _run(HFEngine(SHARP), _requests(HOT)[1:2])[0]
-    crowded = _run(HFEngine(SHARP), _requests(HOT))[1]
+    lone = run_requests(HFEngine(SHARP), _requests(HOT)[1:2])[0]
+    crowded = run_requests(HFEngine(SHARP), _requests(HOT))[1]
     assert lone.completions == crowded.completions
     reseeded = GenerationRequest(_contexts()[1], 3, 12, HOT, END, seed=99)
-    assert _run(HFEngine(SHARP), [reseeded])[0].completions != lone.completions
+    assert run_requests(HFEngine(SHARP), [reseeded])[0].completions != lone.completions
 
 
 def test_stops_versions_and_weight_sync() -> None:
     engine = HFEngine(SHARP, version=4)
     context = _contexts()[0]
-    (greedy,) = _run(engine, [GenerationRequest(context, 1, 12, GREEDY, END)]).values()
+    (greedy,) = run_requests(engine, [GenerationRequest(context, 1, 12, GREEDY, END)]).values()
     tokens = greedy.completions[0].tokens
     assert greedy.completions[0].version == 4
     pair = (tokens[1], tokens[2])  # a two-token stop sequence that the greedy sample contains
-    (cut,) = _run(engine, [GenerationRequest(context, 1, 12, GREEDY, (*END, pair))]).values()
+    (cut,) = run_requests(engine, [GenerationRequest(context, 1, 12, GREEDY, (*END, pair))]).values()
     assert cut.completions[0].tokens == tokens[:3] and cut.completions[0].finish == "stop"
-    (short,) = _run(engine, [GenerationRequest(context, 1, 2, GREEDY, END)]).values()
+    (short,) = run_requests(engine, [GenerationRequest(context, 1, 2, GREEDY, END)]).values()
     assert short.completions[0].tokens == tokens[:2] and short.completions[0].finish == "length"
     assert engine._kept
     engine.sync_weights(SHARP, 5)
     assert not engine._kept and engine.version == 5
-    (after,) = _run(engine, [GenerationRequest(context, 1, 3, GREEDY, END)]).values()
+    (after,) = run_requests(engine, [GenerationRequest(context, 1, 3, GREEDY, END)]).values()
     assert after.completions[0].version == 5
     engine.submit(GenerationRequest(context, 1, 3, GREEDY, END))
     with pytest.raises(EngineError, match="in flight"):
@@ -144,14 +139,14 @@ def test_an_engine_that_raised_recovers_and_syncs() -> None:
     failing = _FailingOnce(SHARP, fail_at=3)
     engine = HFEngine(failing)
     with pytest.raises(RuntimeError, match="forward failed"):
-        _run(engine, _requests(HOT))
+        run_requests(engine, _requests(HOT))
     assert engine.busy  # negative control: without an abort the engine still holds the lost requests
     with pytest.raises(EngineError, match="in flight"):
         engine.sync_weights(failing, 1)
     engine.abort()
     engine.sync_weights(failing, 1)
-    again = _run(engine, _requests(HOT))
-    fresh = _run(HFEngine(SHARP, version=1), _requests(HOT))
+    again = run_requests(engine, _requests(HOT))
+    fresh = run_requests(HFEngine(SHARP, version=1), _requests(HOT))
     assert all(again[i].completions == fresh[i].completions for i in fresh)  # nothing of the failure is left
 
 
@@ -175,12 +170,12 @@ def test_a_rollout_the_engine_failed_leaves_it_idle_for_the_next_sync(tmp_path: 
 def test_kv_bytes_stay_under_the_bound_and_are_counted() -> None:
     requests = _requests(HOT, n=4, children=2)
     free = HFEngine(SHARP)
-    unbounded = _run(free, requests)
+    unbounded = run_requests(free, requests)
     one = max(HFEngine(SHARP)._reserve([r]) for r in requests)
     bound = one + one // 2  # room for one request at a time, not for two
     assert free.peak_kv_bytes > bound  # negative control: unbounded, the same requests hold more
     engine = HFEngine(SHARP, max_kv_bytes=bound)
-    bounded = _run(engine, requests)
+    bounded = run_requests(engine, requests)
     assert 0 < engine.peak_kv_bytes <= bound
     assert engine.stats.forward_calls > free.stats.forward_calls  # requests waited for room
     assert all(bounded[i].completions == unbounded[i].completions for i in unbounded)  # same samples
