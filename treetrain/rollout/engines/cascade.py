@@ -1,4 +1,4 @@
-"""Forked rows read their shared context once: the `hf` engine's attention over pieces of KV rows share.
+"""A context several rows continue is read once: the `hf` engine's attention over pieces of shared KV.
 
 Why: decoding a small model on a CPU is bound by the bytes of KV each step reads, not by arithmetic. The
 `n` rows sampled from one context each held a copy of its KV and read it at every step; joining and
@@ -37,6 +37,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from treetrain.models.attention import shared_past_kernel_note, shared_past_reason
 from treetrain.models.attention_states import fused_state, merge_into
 from treetrain.models.recurrent_state import recurrent_layers
+from treetrain.rollout.engines.batch_cache import new_cache
 
 NAME = "treetrain_cascade"
 #: Attention arguments this path does not model: a layer that passes one keeps the plain path.
@@ -121,11 +122,11 @@ def cascade_reason(model: PreTrainedModel) -> str | None:
 def cascade_runs(model: PreTrainedModel) -> bool:
     """Whether `model`'s layers run under cascade attention and agree with their own attention on a short
     input (a probe: a layer may pass its attention what `cascade_reason` cannot see)."""
-    from treetrain.rollout.engines.batch_cache import new_cache
-
     device = next(model.parameters()).device
     ids = torch.tensor([[1, 2, 3]], device=device)  # [1, 3]
     visible = torch.ones(3, 3, dtype=torch.bool, device=device).tril()[None]  # [1, 3, 3]
+    training = model.training
+    model.eval()  # as the engine samples: no dropout
     try:
         with cascade(model, Layout((), visible)):
             got = model(
@@ -134,9 +135,11 @@ def cascade_runs(model: PreTrainedModel) -> bool:
                 use_cache=True,
                 position_ids=torch.arange(3, device=device)[None],
             ).logits.float()
+        want = model(input_ids=ids, use_cache=False).logits.float()
     except CascadeError:
         return False
-    want = model(input_ids=ids, use_cache=False).logits.float()
+    finally:
+        model.train(training)
     tol = (1e-2 if want.dtype == torch.bfloat16 else 1e-4) * float(want.abs().max()) + 1e-6
     return bool((got - want).abs().max() <= tol)
 
