@@ -43,7 +43,7 @@ class KeptPrefixes(OrderedDict[tuple[int, ...], Kept]):
     """Kept prefixes by their token ids, least recently used first."""
 
     def nbytes(self) -> int:
-        """Bytes of the kept prefixes, with the pieces only they hold."""
+        """Bytes of the kept prefixes and of the pieces they hold (each once)."""
         kept = list(self.values())
         return sum(e.nbytes for e in kept) + pieces_bytes([e.chain for e in kept])
 
