@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from treetrain.rollout.engines.batch_cache import cache_of, layers_of
+from treetrain.rollout.engines.batch_cache import layers_of, with_room
 from treetrain.rollout.engines.cascade import Chain, Piece
 from treetrain.rollout.engines.generation import Completion, GenerationRequest, StopMatcher
 from treetrain.rollout.prefix_sampler import fork_cache, sampling_logprobs
@@ -174,13 +174,8 @@ def fork_rows(
         own_mask[alone] = mask[[source[j] for j in alone]]
         width = mask.shape[1] - int(own_mask.any(dim=0).nonzero()[0])  # pending tokens: never empty
         own_mask = own_mask[:, mask.shape[1] - width :]
-    to = torch.tensor(alone, dtype=torch.long, device=device)
-    at = torch.tensor([source[j] for j in alone], dtype=torch.long, device=device)
-    own = []
-    for k, v in layers:
-        ko = k.new_zeros(len(rows), k.shape[1], width, k.shape[3])
-        vo = v.new_zeros(len(rows), v.shape[1], width, v.shape[3])
-        if alone:
-            ko[to], vo[to] = k[at, :, k.shape[2] - width :], v[at, :, v.shape[2] - width :]
-        own.append((ko, vo))
-    return Batch(cache_of(model, own), rows, own_mask, heads, logits)
+    # each row's own tokens: its job's (the last `width` columns), or none (the zero row after the jobs)
+    index = torch.tensor([len(counts) if b in pieces else b for b in source], dtype=torch.long, device=device)
+    own = [(k[:, :, k.shape[2] - width :], v[:, :, v.shape[2] - width :]) for k, v in layers]
+    none = [(k[:1, :, :0], v[:1, :, :0]) for k, v in layers]
+    return Batch(with_room(model, [own, none], width, index), rows, own_mask, heads, logits)
