@@ -43,6 +43,8 @@ import torch
 from torch import nn
 from transformers import Cache, DynamicCache
 
+from treetrain.models.module_modes import evaluating
+
 #: How the engine passes resident state, and so what each refusal says the model would need.
 _ENGINE = (
     "the engine passes resident state in and out only through the Cache it gives the forward (`EngineCache`, "
@@ -174,14 +176,12 @@ def module_state_reason(model: nn.Module) -> str | None:
     if "position_ids" in params:
         kwargs["position_ids"] = torch.arange(4, device=device)[None].expand(_PROBE_ROWS, -1)
     before = _held(model)
-    was_training = model.training
-    model.eval()
     try:
-        model(input_ids=ids, **kwargs)
+        with evaluating(model):
+            model(input_ids=ids, **kwargs)
     except Exception:
         return None
     finally:
-        model.train(was_training)
         after = _held(model)
         modules = dict(model.named_modules())
         for (name, key), value in after.items():

@@ -50,6 +50,7 @@ from treetrain.models.decoder import (
 from treetrain.models.foreign_state import forward_state_reason, module_state_reason, state_argument
 from treetrain.models.indexer_state import other_indexer_reason
 from treetrain.models.lora import unwrap
+from treetrain.models.module_modes import evaluating
 from treetrain.models.recurrent_state import (
     HYBRID_LAYER_TYPES,
     RECURRENT_LAYER_TYPES,
@@ -333,9 +334,7 @@ def _probe(
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (1, length), generator=gen).to(param.device)
     pos = torch.arange(length, device=param.device)[None]
-    was_training = model.training
-    model.eval()
-    try:
+    with evaluating(model):
         whole = decoder_forward(model, ids, pos, None).hidden
         first = decoder_forward(model, ids[:, :split], pos[:, :split], None)
         _check_cache_count(model, mtype, len(first.keys) - len(first.recurrent))
@@ -375,8 +374,6 @@ def _probe(
             reference = model(input_ids=ids, position_ids=pos, use_cache=False).logits.float().log_softmax(-1)
             from_head = output_head(model)(whole).float().log_softmax(-1)
             head_err = (from_head - reference).abs().max().item()
-    finally:
-        model.train(was_training)
     scale = whole.abs().max().clamp_min(1.0)
     prefix_err = ((first.hidden - whole[:, :split]).abs().max() / scale).item()
     if not prefix_err <= tol:

@@ -16,6 +16,7 @@ from typing import Any
 
 from envs.protocol import Environment
 from envs.wrapper import WrapperConfig
+from treetrain.models.module_modes import evaluating
 from treetrain.rollout.engines.generation import GenerationEngine
 from treetrain.rollout.fanout import FanOut
 from treetrain.rollout.prefix_sampler import SamplerConfig
@@ -129,16 +130,11 @@ class Evaluator:
         out_dir = Path(cfg.run_dir) / "eval" / f"update-{update:05d}"
         make_dirs(cfg.run_dir, out_dir / "trees")
         start = time.perf_counter()
-        was_training = model.training
-        model.eval()
-        try:
-            with self.backend.uneven():
-                local = sample_scores(
-                    model, self.tokenizer, self.factory, self.held.seeds[rank::world], out_dir, engine=engine,
-                    config=eval_rollout(cfg, self.wrapper, version), env_name=cfg.env.name,
-                )  # fmt: skip
-        finally:
-            model.train(was_training)
+        with evaluating(model), self.backend.uneven():  # each module back in its own mode afterwards
+            local = sample_scores(
+                model, self.tokenizer, self.factory, self.held.seeds[rank::world], out_dir, engine=engine,
+                config=eval_rollout(cfg, self.wrapper, version), env_name=cfg.env.name,
+            )  # fmt: skip
         scores = gather_scores(self.backend.gather, local)
         return scores.metrics(
             update, version, cfg.eval.pass_threshold, time.perf_counter() - start, cfg.eval.greedy

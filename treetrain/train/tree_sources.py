@@ -23,6 +23,7 @@ from envs.protocol import Environment
 from envs.wrapper import WrapperConfig
 from treetrain.distributed.backend import TrainBackend
 from treetrain.errors import ConfigError
+from treetrain.models.module_modes import evaluating
 from treetrain.rollout.engines.factory import EngineSpec, make_engine
 from treetrain.rollout.engines.generation import GenerationEngine
 from treetrain.rollout.prefix_sampler import SamplerConfig
@@ -132,9 +133,7 @@ class RolloutSource:
         start = time.perf_counter()
         rank, world = self.backend.rank, self.backend.world_size
         out_dir = update_dir(self.cfg, update)
-        was_training = model.training
-        model.eval()
-        try:
+        with evaluating(model):  # each module back in its own mode afterwards, not the wrapper's flag
             engine = self._engine(model, version)
             config = rollout_config(self.cfg, self.wrapper, version)
             with self.backend.uneven():  # ranks generate different lengths (ZeRO-3: fetches rendezvous)
@@ -142,8 +141,6 @@ class RolloutSource:
                     model, self.tokenizer, self.make_env, task_seeds(self.cfg, update)[rank::world], out_dir,
                     config, env_name=self.cfg.env.name, engine=engine,
                 )  # fmt: skip
-        finally:
-            model.train(was_training)
         self.stats = result.stats
         produced = gather_update(self.cfg, self.backend, update, result, time.perf_counter() - start)
         return replace(produced, staleness=lags_of(produced.trees, version), trainer_idle=produced.seconds)

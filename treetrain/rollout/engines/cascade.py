@@ -36,6 +36,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from treetrain.models.attention import shared_past_kernel_note, shared_past_reason
 from treetrain.models.attention_states import fused_state, merge_into
+from treetrain.models.module_modes import evaluating
 from treetrain.models.recurrent_state import recurrent_layers
 from treetrain.rollout.engines.batch_cache import new_cache
 
@@ -125,21 +126,18 @@ def cascade_runs(model: PreTrainedModel) -> bool:
     device = next(model.parameters()).device
     ids = torch.tensor([[1, 2, 3]], device=device)  # [1, 3]
     visible = torch.ones(3, 3, dtype=torch.bool, device=device).tril()[None]  # [1, 3, 3]
-    training = model.training
-    model.eval()  # as the engine samples: no dropout
     try:
-        with cascade(model, Layout((), visible)):
-            got = model(
-                input_ids=ids,
-                cache=new_cache(model),
-                use_cache=True,
-                position_ids=torch.arange(3, device=device)[None],
-            ).logits.float()
-        want = model(input_ids=ids, use_cache=False).logits.float()
+        with evaluating(model):  # as the engine samples: no dropout
+            with cascade(model, Layout((), visible)):
+                got = model(
+                    input_ids=ids,
+                    cache=new_cache(model),
+                    use_cache=True,
+                    position_ids=torch.arange(3, device=device)[None],
+                ).logits.float()
+            want = model(input_ids=ids, use_cache=False).logits.float()
     except CascadeError:
         return False
-    finally:
-        model.train(training)
     tol = (1e-2 if want.dtype == torch.bfloat16 else 1e-4) * float(want.abs().max()) + 1e-6
     return bool((got - want).abs().max() <= tol)
 
