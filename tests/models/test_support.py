@@ -73,15 +73,40 @@ def test_dropout_no_name_reveals_is_caught_by_running_the_same_tokens_twice() ->
     check_supported(model.eval(), 32)
 
 
-def test_a_looped_model_is_refused_not_crashed() -> None:
-    """Dory runs its middle layers several times per forward; resident KV holds one entry per layer."""
-    model = _model(
-        "dory", **SMALL, num_hidden_layers=3, head_dim=8, n_input_layers=1, n_output_layers=1, n_recurrent_loops=2,
-    ).eval()  # fmt: skip
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(num_hidden_layers=3, n_input_layers=1, n_output_layers=1),  # one KV copy per loop
+        dict(num_hidden_layers=3, n_input_layers=1, n_output_layers=1, recurrent_kv_cache_mode="last_loop"),
+        dict(num_hidden_layers=2),  # the default 8 input and 8 output layers: both sections run both layers
+        dict(num_hidden_layers=2, n_input_layers=0, n_output_layers=0),  # every layer in the loop
+    ],
+    ids=["per-loop", "last-loop", "two-layers", "all-looped"],
+)
+def test_a_looped_model_is_refused_as_looped_before_any_probe(layout: dict[str, Any]) -> None:
+    """Dory runs layers several times per forward; resident KV holds one entry per layer. The refusal says
+    so whatever the loop does to the cache (more KV caches, one cache read by earlier loops, or a cache the
+    split probe's mask does not fit), never as a probe's internal error."""
+    model = _model("dory", **SMALL, head_dim=8, n_recurrent_loops=2, **layout).eval()
     with pytest.raises(
-        UnsupportedModelError, match=r"'dory' keeps 4 KV caches for 3 attention layers.*looped"
+        UnsupportedModelError, match=r"'dory' runs decoder block \d 2 times in one forward \(a looped"
     ):
         check_supported(model, 32)
+    with pytest.raises(UnsupportedModelError, match="looped transformer"):  # train mode: the same reason
+        check_supported(model.train(), 32, probe=False)
+
+
+def test_a_loop_of_no_layers_is_accepted() -> None:
+    """Control: with no layers in the loop section Dory runs each layer once, and the check accepts it."""
+    model = _model("dory", **SMALL, head_dim=8, num_hidden_layers=2, n_input_layers=1, n_output_layers=1)
+    check_supported(model.eval(), 32)
+
+
+def test_more_caches_than_attention_layers_still_reads_as_looped() -> None:
+    """The split probe's cache count, behind the block count, names the same reason."""
+    model = _model("dory", **SMALL, head_dim=8, num_hidden_layers=3, n_input_layers=1, n_output_layers=1)
+    with pytest.raises(UnsupportedModelError, match=r"keeps 4 KV caches for 3 attention layers.*looped"):
+        support._check_cache_count(model, "dory", 4)
 
 
 def _bidirectional() -> PreTrainedModel:

@@ -135,9 +135,11 @@ def test_recurrent_and_dropout_models_are_refused() -> None:
     model.config.model_type = "mamba"
     with pytest.raises(UnsupportedModelError, match="recurrent state"):
         check_supported(model, 32, probe=False)
-    model = tiny_model("qwen2", VOCAB)
-    model.config.attention_dropout = 0.1
-    model.train()
+    model = tiny_model("qwen2", VOCAB).train()
+    model.config.attention_dropout = 0.1  # the layers keep the 0.0 they were built with: no dropout runs
+    check_supported(model, 32, probe=False)
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.1
     with pytest.raises(UnsupportedModelError, match="dropout"):
         check_supported(model, 32, probe=False)
 

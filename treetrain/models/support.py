@@ -16,13 +16,16 @@ gradient, such models are refused with the reason; a short probe backs up the st
 split-versus-whole hidden states, and head-only logprobs against the model's own. A sliding window shorter than the sequences is
 accepted once a probe that splits inside the window and runs past it agrees with the whole forward.
 
-Exactness is also checked by behaviour, because names miss things (functional dropout reading a config field
-such as Starcoder2's `residual_dropout`): the same tokens run twice in the model's current mode must agree.
-Bidirectional attention (a prefix that sees later tokens), looped layers (more KV caches than attention
-layers; a layer that reuses an earlier layer's KV, as in Gemma 3n/4, keeps none of its own), a forward
-that returns no cache, and layers that attend over other tensors than they cache are refused with those
-reasons, and any exception inside a probe becomes an `UnsupportedModelError` naming the
-model type and the step.
+Exactness is also checked by behaviour, because names miss things and config fields mislead (a field may
+belong to another head): one watched forward in the modules' own modes (`treetrain.models.observed_forward`)
+finds dropout that runs and decoder blocks that run more than once per forward (a looped transformer, refused
+as such before any probe splits a sequence), and the same tokens run twice must agree (functional dropout
+reading a config field, such as Starcoder2's `residual_dropout`). A PEFT wrapper is judged by the modules
+inside it, and every probe leaves each module in the mode it found it in (`treetrain.models.module_modes`).
+Bidirectional attention (a prefix that sees later tokens), more KV caches than attention layers (a layer
+that reuses an earlier layer's KV, as in Gemma 3n/4, keeps none of its own), a forward that returns no
+cache, and layers that attend over other tensors than they cache are refused with those reasons, and any
+exception inside a probe becomes an `UnsupportedModelError` naming the model type and the step.
 
 Example:
     >>> check_supported(model, max_sequence_length=4096)        # doctest: +SKIP
@@ -50,7 +53,8 @@ from treetrain.models.decoder import (
 from treetrain.models.foreign_state import forward_state_reason, module_state_reason, state_argument
 from treetrain.models.indexer_state import other_indexer_reason
 from treetrain.models.lora import unwrap
-from treetrain.models.module_modes import evaluating
+from treetrain.models.module_modes import evaluating, training
+from treetrain.models.observed_forward import dropout_fields, observe_forward
 from treetrain.models.recurrent_state import (
     HYBRID_LAYER_TYPES,
     RECURRENT_LAYER_TYPES,
@@ -215,17 +219,13 @@ def check_supported(
             f"{BIDIRECTIONAL_FLAGS[bidirectional[0]]}): a position sees later tokens, so a shared prefix "
             "evaluated once cannot stand for it inside each longer sequence"
         )
-    if model.training:
-        where = _named_dropout(model, config)
-        if where is not None:
-            raise UnsupportedModelError(
-                f"model type {mtype!r} has active dropout ({where}) in train mode; a replayed branch would see "
-                "different masks than its scoring pass. Set dropout to 0 for RL training, or call model.eval()"
-            )
-    if probe:
+    if probe or training(model):
         try:
-            _guarded(mtype, "the determinism probe", lambda: _probe_determinism(model, mtype))
-            _guarded(mtype, "the split probe", lambda: _probe(model, mtype))
+            # One forward as the model is (its modules' own modes): looped blocks and dropout that runs, known
+            # before any probe splits a sequence; then (probing) the same tokens again, and the split.
+            _guarded(mtype, "the first forward", lambda: _probe_forward(model, mtype, again=probe))
+            if probe:
+                _guarded(mtype, "the split probe", lambda: _probe(model, mtype))
         except UnsupportedModelError:
             held = module_state_reason(unwrap(model))
             if held is None:
@@ -257,22 +257,6 @@ def check_supported(
         )
 
 
-def _named_dropout(model: PreTrainedModel, config: object) -> str | None:
-    """The first dropout found by name: an `nn.Dropout` module or a `*dropout*` / `*_pdrop` config field
-    above 0 (functional dropout reads those; the determinism probe catches what names miss)."""
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Dropout) and module.p > 0:
-            return name
-    to_dict = getattr(config, "to_dict", None)
-    fields: dict[str, object] = to_dict() if callable(to_dict) else {}
-    for key in sorted(fields):
-        value = fields[key]
-        named = "dropout" in key or key.endswith("_pdrop")
-        if named and isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-            return f"config.{key}={value}"
-    return None
-
-
 def _guarded(mtype: str, step: str, run: Callable[[], None]) -> None:
     """Run a probe; anything it raises other than a refusal becomes a refusal naming the model and the step."""
     try:
@@ -292,28 +276,55 @@ def short_message(exc: BaseException, limit: int = 200) -> str:
 
 
 @torch.no_grad()
-def _probe_determinism(model: PreTrainedModel, mtype: str) -> None:
-    """The same tokens twice in the model's current mode must give the same logits: tree replay scores a
-    prefix once and replays branches later, which is exact only when nothing random happens in between.
-    The random state is restored, so probing does not change what training samples."""
+def _probe_forward(model: PreTrainedModel, mtype: str, *, again: bool) -> None:
+    """One watched forward (`observe_forward`): a block run more than once per forward is a looped transformer,
+    and a dropout that draws masks breaks the contract; with `again`, the same tokens run a second time must
+    give the same logits (tree replay scores a prefix once and replays branches later, exact only when
+    nothing random happens in between). The random state is restored, so probing does not change what
+    training samples."""
     param = next(model.parameters())
     vocab = int(model.config.get_text_config(decoder=True).vocab_size)
     ids = torch.randint(0, vocab, (1, 12), generator=torch.Generator().manual_seed(1)).to(param.device)
     pos = torch.arange(12, device=param.device)[None]
     devices = [param.device.index or 0] if param.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
-        a = model(input_ids=ids, position_ids=pos, use_cache=False).logits  # [1, 12, V]
+        seen = observe_forward(model, ids, pos)
+        if seen.looped is not None:
+            block, runs = seen.looped
+            raise UnsupportedModelError(
+                f"model type {mtype!r} runs decoder block {block} {runs} times in one forward (a looped "
+                "transformer), and resident KV is one entry per layer"
+            )
+        if seen.dropout is not None:
+            raise UnsupportedModelError(
+                f"model type {mtype!r} has active dropout ({seen.dropout}) in {_DROPOUT_FIX}"
+            )
+        if not again:
+            return
+        a = seen.logits  # [1, 12, V]
         b = model(input_ids=ids, position_ids=pos, use_cache=False).logits  # [1, 12, V]
     diff = ((a.float() - b.float()).abs().max() / a.float().abs().max().clamp_min(1.0)).item()
     tol = 1e-3 if a.dtype in (torch.float16, torch.bfloat16) else 1e-5  # kernels may reorder sums
     if not diff <= tol:
-        mode = "train" if model.training else "eval"
+        mode = "train" if training(model) else "eval"
+        fields = ", ".join(f"config.{k}={v:g}" for k, v in dropout_fields(unwrap(model)).items())
+        if fields and mode == "train":  # the likely cause: functional dropout reading one of them
+            raise UnsupportedModelError(
+                f"model type {mtype!r} has active dropout ({fields}; the same tokens twice give different "
+                f"outputs, relative difference {diff:.2e}) in {_DROPOUT_FIX}"
+            )
         raise UnsupportedModelError(
             f"model type {mtype!r} gives different outputs for the same tokens twice in {mode} mode (relative "
             f"difference {diff:.2e}): something random is active, such as dropout called as a function; a "
             "replayed branch would see other randomness than its scoring pass. Set every dropout to 0, or call "
             "model.eval()"
         )
+
+
+_DROPOUT_FIX = (
+    "train mode; a replayed branch would see different masks than its scoring pass. Set dropout to 0 for RL "
+    "training, or call model.eval()"
+)
 
 
 @torch.no_grad()
