@@ -27,7 +27,7 @@ from transformers import PreTrainedModel
 from treetrain.models.decoder import LayerEntry, SharedPast
 from treetrain.models.layer_entry import map_entry
 from treetrain.models.lora import adapter_state, unwrap
-from treetrain.models.recurrent_state import unkeyed_layers
+from treetrain.models.recurrent_state import continues_with_overlap, unkeyed_layers
 from treetrain.replay.pieces import forward_units, gather_targets, own_kv, target_stats
 from treetrain.replay.resident import (
     ResidentIdentity,
@@ -64,6 +64,8 @@ class PathKV:
         self.restored_units = 0
         self.recurrent = unkeyed_layers(unwrap(model))
         """Layers whose resident state is not KV: recurrent (taken before a unit's last token) or none."""
+        self.overlap = continues_with_overlap(unwrap(model))
+        """A recompute feeds the parent's last token again, as every child unit runs (hybrid layers too)."""
 
     def key(self, unit: int) -> ResidentKey:
         u = self.units[unit]
@@ -92,7 +94,7 @@ class PathKV:
         pieces = []
         if parent is not None and parent != ROOT:
             pieces = [self.store.get(self.key(u), self.identity) for u in self.units.path(parent)]
-        overlap = bool(self.recurrent)
+        overlap = self.overlap
         if overlap:
             past = past_before_overlap(pieces, recurrent=self.recurrent)
         else:
