@@ -111,9 +111,9 @@ def test_sliding_window_is_accepted_only_when_the_window_probe_agrees(
     model = tiny_model("mistral", VOCAB)
     assert model.config.sliding_window is not None
     check_supported(model, max_sequence_length=64)  # the mask drops the same keys split or whole
-    import treetrain.models.support as support
+    import treetrain.models.continuation as continuation
 
-    original = support.decoder_forward
+    original = continuation.decoder_forward
 
     def window_lost_across_the_split(model, ids, pos, past, **kwargs):
         if past is None:
@@ -124,7 +124,7 @@ def test_sliding_window_is_accepted_only_when_the_window_probe_agrees(
         finally:
             model.config.sliding_window = window
 
-    monkeypatch.setattr(support, "decoder_forward", window_lost_across_the_split)
+    monkeypatch.setattr(continuation, "decoder_forward", window_lost_across_the_split)
     with pytest.raises(UnsupportedModelError, match="sliding window of 12"):
         check_supported(model, max_sequence_length=64)
     check_supported(model, max_sequence_length=12)  # no longer than the window: nothing to probe
@@ -269,11 +269,11 @@ def test_out_of_memory_in_a_scoring_batch_splits_it(monkeypatch: pytest.MonkeyPa
     expected = tree_gradient(make(), batch, loss, cfg)
     original, widths = scoring._score_batch, []
 
-    def only_single_rows(model, paths, parent, units, *args):
+    def only_single_rows(model, paths, parent, units, **kwargs):
         widths.append(len(units))
         if len(units) > 1:
             raise torch.OutOfMemoryError("simulated: scoring batch too wide")
-        return original(model, paths, parent, units, *args)
+        return original(model, paths, parent, units, **kwargs)
 
     monkeypatch.setattr(scoring, "_score_batch", only_single_rows)
     got = tree_gradient(make(), batch, loss, cfg)

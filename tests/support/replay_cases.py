@@ -75,6 +75,24 @@ def shape_unequal(seed: int = 0) -> list[TrajectoryTree]:
     return [build_tree(trajs)]
 
 
+def shape_multi_call(seed: int = 0) -> list[TrajectoryTree]:
+    """Three levels and two calls per trajectory: the second call drops the first call's reasoning, so it
+    is its own path under the shared prompt, with policy tokens owned by the first call (no loss) and the
+    tool result diverging under a shared tool call."""
+    rng = random.Random(seed)
+    prompt = _seg(rng, Role.PROMPT, 12)
+    thoughts = [_seg(rng, Role.POLICY, 3) for _ in range(2)]
+    tool_call = _seg(rng, Role.POLICY, 4)
+    results = [_seg(rng, Role.OBSERVATION, 3) for _ in range(2)]
+    trajs = []
+    for g in range(5):
+        first = Call((prompt, thoughts[g % 2], tool_call))
+        answer = _seg(rng, Role.POLICY, rng.randrange(2, 6))
+        second = Call((prompt, tool_call, results[g // 3], answer))
+        trajs.append(Trajectory(f"t{g}", (first, second), float(rng.random())))
+    return [build_tree(trajs)]
+
+
 def shape_two_trees(seed: int = 0) -> list[TrajectoryTree]:
     """A group of two trees normalized together."""
     return shape_multi_level(seed) + shape_one_level(seed + 1)
@@ -87,6 +105,7 @@ SHAPES: dict[str, Callable[[int], list[TrajectoryTree]]] = {
     "identical": shape_identical,
     "unequal": shape_unequal,
     "two_trees": shape_two_trees,
+    "multi_call": shape_multi_call,
 }
 
 

@@ -7,15 +7,12 @@ from the tree files (`tests/train/test_async_training.py` has the checks and the
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 from support.staleness_checks import queued_lags, within
+from support.train_cases import kill_after_first_checkpoint, train_process
 
 from treetrain.train.metrics import read_metrics
 
@@ -28,13 +25,7 @@ GAP = 1e-4
 
 
 def _train(run: Path, staleness: int, *extra: str) -> subprocess.Popen[str]:
-    args = [sys.executable, "-m", "treetrain", "train", "--run-dir", str(run), "--no-progress", *extra]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    settings = [*SETTINGS, f"rollout.max_staleness={staleness}"]
-    return subprocess.Popen(
-        [*args, *(a for kv in settings for a in ("--set", kv))],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    return train_process(run, [*SETTINGS, f"rollout.max_staleness={staleness}"], *extra)
 
 
 @pytest.mark.slow
@@ -43,17 +34,7 @@ def _train(run: Path, staleness: int, *extra: str) -> subprocess.Popen[str]:
 def test_vllm_training_survives_a_kill_and_resumes(tmp_path: Path, staleness: int) -> None:
     run = tmp_path / "run"
     proc = _train(run, staleness)
-    try:
-        deadline = time.monotonic() + 600
-        while not (run / "checkpoints").is_dir() or not list((run / "checkpoints").iterdir()):
-            assert proc.poll() is None, proc.communicate()[1][-3000:]
-            assert time.monotonic() < deadline, "no checkpoint within 10 minutes"
-            time.sleep(0.5)
-        proc.send_signal(signal.SIGKILL)  # mid-run, no chance to clean up
-        proc.wait(60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    kill_after_first_checkpoint(proc, run, 600)
     done_before = len(read_metrics(run / "metrics.jsonl")) if (run / "metrics.jsonl").exists() else 0
     assert done_before < 3
 

@@ -138,11 +138,6 @@ class MemoryTracker(TorchDispatchMode):
             if gradients and p.requires_grad:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
-    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Count the optimizer's current state tensors as persistent."""
-        for state in optimizer.state.values():
-            self._claim((v for v in state.values() if isinstance(v, torch.Tensor)), "persistent")
-
     def attach_store(self, store: ObservableStore) -> None:
         """Count whatever `store` holds, now and later, as prompt-group."""
         self._claim(store.tensors(), "prompt_group")

@@ -87,6 +87,32 @@ class DecoderOutput:
             return IndexedEntry(kv, self.index_keys[layer])
         return kv if state is None else HybridEntry(kv, state)
 
+    def entries(self) -> list[LayerEntry]:
+        """Every layer's entry over every row and position (`entry`)."""
+        return [self.entry(i) for i in range(len(self.keys))]
+
+    def own_entries(self, row: int, start: int, length: int) -> list[LayerEntry]:
+        """Row `row`'s resident state for its positions `start .. start + length - 1`, graph kept: per
+        attention layer that span of its KV (an overlap token before `start` and padding after it cut away),
+        per recurrent layer the row's state as it is (taken before the row's last real token), per hybrid
+        layer both, per indexed attention layer the span of its KV and of its indexer's keys."""
+        span = slice(start, start + length)
+        entries: list[LayerEntry] = []
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            if i in self.recurrent:
+                entries.append((k[row : row + 1], v[row : row + 1]))
+                continue
+            kv = (k[row : row + 1, :, span], v[row : row + 1, :, span])
+            state = self.states.get(i)
+            index_keys = self.index_keys.get(i)
+            if index_keys is not None:
+                entries.append(IndexedEntry(kv, index_keys[row : row + 1, :, span]))
+            elif state is None:
+                entries.append(kv)
+            else:
+                entries.append(HybridEntry(kv, (state[0][row : row + 1], state[1][row : row + 1])))
+        return entries
+
 
 #: Attribute names under which a decoder stack keeps its blocks: `layers` (Llama and most), `h` (GPT-2,
 #: GPT-J, Falcon, BLOOM, GPTBigCode, CTRL), `blocks` (MPT).

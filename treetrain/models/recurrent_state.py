@@ -126,6 +126,14 @@ def stateless_layers(model: nn.Module) -> frozenset[int]:
     return frozenset(i for i, t in enumerate(_layer_types(model)) if t in STATELESS_LAYER_TYPES)
 
 
+def continues_with_overlap(model: nn.Module) -> bool:
+    """Whether a unit continues its parent by feeding the parent's last token again (the overlap): any
+    layer's state is taken before a unit's last token, a recurrent layer's or the recurrent half of a hybrid
+    layer's. A model of hybrid layers only (Falcon-H1) has no layer in `unkeyed_layers` and still needs it:
+    without the overlap its Mamba-2 state would skip the parent's last token."""
+    return bool(recurrent_layers(model))
+
+
 def unkeyed_layers(model: nn.Module) -> frozenset[int]:
     """Layers without per-token KV: recurrent ones (their state has no sequence axis) and stateless ones
     (an empty entry). A hybrid layer has KV, so it is not one of them."""

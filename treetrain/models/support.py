@@ -42,9 +42,8 @@ from transformers import PreTrainedModel
 
 from treetrain.errors import TreetrainError
 from treetrain.models.attention import shared_past_reason
+from treetrain.models.continuation import continue_pieces, recompute_error, split_error
 from treetrain.models.decoder import (
-    LayerEntry,
-    SharedPast,
     cache_layer_indices,
     decoder_forward,
     decoder_layers,
@@ -349,17 +348,17 @@ def _probe(
         whole = decoder_forward(model, ids, pos, None).hidden
         first = decoder_forward(model, ids[:, :split], pos[:, :split], None)
         _check_cache_count(model, mtype, len(first.keys) - len(first.recurrent))
-        past = [first.entry(i) for i in range(len(first.keys))]
-        second = _continue(model, ids, pos, split, past, first.recurrent)
+        past = first.entries()
+        second = continue_pieces(model, ids, pos, split, length, [past]).hidden
         tol = {torch.bfloat16: 3e-2, torch.float16: 4e-3}.get(whole.dtype, 1e-5)
-        shared_err = _split_error(whole, first.hidden, second)
+        shared_err = split_error(whole, first.hidden, second)
         if shared_past_reason(unwrap(model)) is None and not shared_err <= tol:
             # Tell a layer that attends over other tensors than it caches (DiffLlama splits its cached values)
             # from a past the model cannot continue at all: the layer's own attention over the concatenated past.
-            again = _continue(model, ids, pos, split, past, first.recurrent, concatenate=True)
+            again = continue_pieces(model, ids, pos, split, length, [past], concatenate=True).hidden
             windowed = active_window(model, length)
             chunked = active_chunk(model, length)
-            if _split_error(whole, first.hidden, again) <= tol and (
+            if split_error(whole, first.hidden, again) <= tol and (
                 windowed is not None or chunked is not None
             ):
                 what = (
@@ -373,7 +372,7 @@ def _probe(
                     "over the concatenated past does not: it is not reproduced over resident KV for this model "
                     "(use sequences no longer than it)"
                 )
-            if _split_error(whole, first.hidden, again) <= tol:
+            if split_error(whole, first.hidden, again) <= tol:
                 raise UnsupportedModelError(
                     f"model type {mtype!r}: shared-past attention over resident KV changes the hidden states "
                     f"(relative error {shared_err:.2e}) where the layer's own attention over the concatenated past "
@@ -381,6 +380,7 @@ def _probe(
                     "which shared-past attention does not reproduce"
                 )
         head_err = None
+        chain_err = recompute_error(model, ids, pos, split, whole) if window is None else 0.0
         if window is None:  # the head check needs `[1, length, V]` logits: only on the short probe
             reference = model(input_ids=ids, position_ids=pos, use_cache=False).logits.float().log_softmax(-1)
             from_head = output_head(model)(whole).float().log_softmax(-1)
@@ -393,7 +393,7 @@ def _probe(
             f"sequence (relative error {prefix_err:.2e}), so its positions see later tokens (attention is not "
             "causal); a shared prefix evaluated once cannot stand for it"
         )
-    err = _split_error(whole, first.hidden, second)
+    err = split_error(whole, first.hidden, second)
     if not err <= tol and window is not None:
         raise UnsupportedModelError(
             f"model type {mtype!r} uses {local} of {window} tokens, and continuing from stored KV across it "
@@ -405,6 +405,12 @@ def _probe(
             f"model type {mtype!r}: continuing from stored KV changes the hidden states (relative error {err:.2e}); "
             "its cache carries state the engine does not reproduce"
         )
+    if not chain_err <= tol:
+        raise UnsupportedModelError(
+            f"model type {mtype!r}: a span recomputed from stored state and continued changes the hidden states "
+            f"(relative error {chain_err:.2e}) where one continuation does not; the engine recomputes units this way "
+            "(ratio_source='sampler', a retention budget) and would train on wrong state"
+        )
     head_tol = 1e-2 if whole.dtype in (torch.float16, torch.bfloat16) else 1e-4
     if head_err is not None and not head_err <= head_tol:
         raise UnsupportedModelError(
@@ -412,34 +418,6 @@ def _probe(
             f"{head_err:.2e}) in a way the engine's head does not reproduce (it applies `logit_scale`, "
             "`logits_scaling` and `final_logit_softcapping`)"
         )
-
-
-def _continue(
-    model: PreTrainedModel,
-    ids: torch.Tensor,  # [1, L]
-    pos: torch.Tensor,  # [1, L]
-    split: int,
-    past: list[LayerEntry],
-    recurrent: frozenset[int],
-    *,
-    concatenate: bool = False,
-) -> torch.Tensor:
-    """Hidden states of positions `split..` continuing `past`, as the engine continues a unit: with recurrent
-    layers (state taken before the prefix's last token) the prefix's last token is fed again and its KV left
-    out of the past, as every child unit runs; otherwise straight on."""
-    if not (recurrent or recurrent_layers(unwrap(model))):  # a hybrid layer's index is not in `recurrent`
-        return decoder_forward(model, ids[:, split:], pos[:, split:], past, concatenate=concatenate).hidden
-    cut = SharedPast.of([past], recurrent=recurrent).without_last_position()
-    hidden = decoder_forward(
-        model, ids[:, split - 1 :], pos[:, split - 1 :], cut, concatenate=concatenate
-    ).hidden
-    return hidden[:, 1:]
-
-
-def _split_error(whole: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> float:
-    """Relative max error of the split forward's hidden states `[1, T, H]` against the whole one's."""
-    joined = torch.cat([first, second], dim=1)
-    return float(((joined - whole).abs().max() / whole.abs().max().clamp_min(1.0)).item())
 
 
 def _check_cache_count(model: PreTrainedModel, mtype: str, caches: int) -> None:

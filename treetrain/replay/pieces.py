@@ -17,8 +17,6 @@ from treetrain.loss.objective import Contributions
 from treetrain.loss.targets import TargetTable
 from treetrain.models.decoder import (
     DecoderOutput,
-    HybridEntry,
-    IndexedEntry,
     LayerEntry,
     SharedPast,
     decoder_forward,
@@ -66,26 +64,9 @@ def forward_units(
 
 
 def own_kv(unit: Unit, out: DecoderOutput, row: int, overlap: bool = True) -> list[LayerEntry]:
-    """The unit's own resident state from a batched forward, graph kept: per attention layer its KV (overlap
-    and padding cut away), per recurrent layer its row's state before its last token, per hybrid layer
-    both, per indexed attention layer its KV and indexer keys."""
-    a = 1 if overlap and unit.overlap is not None else 0
-    n = len(unit)
-    entries: list[LayerEntry] = []
-    for i, (k, v) in enumerate(zip(out.keys, out.values)):
-        if i in out.recurrent:
-            entries.append((k[row : row + 1], v[row : row + 1]))
-            continue
-        kv = (k[row : row + 1, :, a : a + n], v[row : row + 1, :, a : a + n])
-        state = out.states.get(i)
-        index_keys = out.index_keys.get(i)
-        if index_keys is not None:
-            entries.append(IndexedEntry(kv, index_keys[row : row + 1, :, a : a + n]))
-            continue
-        entries.append(
-            kv if state is None else HybridEntry(kv, (state[0][row : row + 1], state[1][row : row + 1]))
-        )
-    return entries
+    """The unit's own resident state from a batched forward, graph kept (`DecoderOutput.own_entries`): the
+    overlap token before the unit and the row's padding cut away."""
+    return out.own_entries(row, 1 if overlap and unit.overlap is not None else 0, len(unit))
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from transformers import PreTrainedModel
@@ -27,7 +28,7 @@ from transformers import PreTrainedModel
 from treetrain.models.decoder import LayerEntry, SharedPast
 from treetrain.models.layer_entry import map_entry
 from treetrain.models.lora import adapter_state, unwrap
-from treetrain.models.recurrent_state import unkeyed_layers
+from treetrain.models.recurrent_state import continues_with_overlap, unkeyed_layers
 from treetrain.replay.pieces import forward_units, gather_targets, own_kv, target_stats
 from treetrain.replay.resident import (
     ResidentIdentity,
@@ -64,6 +65,8 @@ class PathKV:
         self.restored_units = 0
         self.recurrent = unkeyed_layers(unwrap(model))
         """Layers whose resident state is not KV: recurrent (taken before a unit's last token) or none."""
+        self.overlap = continues_with_overlap(unwrap(model))
+        """A recompute feeds the parent's last token again, as every child unit runs (hybrid layers too)."""
 
     def key(self, unit: int) -> ResidentKey:
         u = self.units[unit]
@@ -92,7 +95,7 @@ class PathKV:
         pieces = []
         if parent is not None and parent != ROOT:
             pieces = [self.store.get(self.key(u), self.identity) for u in self.units.path(parent)]
-        overlap = bool(self.recurrent)
+        overlap = self.overlap
         if overlap:
             past = past_before_overlap(pieces, recurrent=self.recurrent)
         else:
@@ -240,51 +243,37 @@ def scoring_pass(
             before_batch(event)
         members = [c for c in event.units if forward_elsewhere is None or not forward_elsewhere(c)]
         if members:
-            tokens += _score_splitting(
-                paths.model,
-                paths,
-                event.parent,
-                [units[c] for c in members],
-                logps,
-                with_entropy,
-                logits,
-            )
+            score = partial(
+                _score_batch, paths.model, paths, event.parent, logps=logps, with_entropy=with_entropy,
+                logits=logits,
+            )  # fmt: skip
+            tokens += _score_splitting(score, [units[c] for c in members])
         elif event.parent != ROOT:  # the path is still made resident, as the retention plan expects
             paths.pieces(event.parent)
         if reference is not None:
             if reference.before_batch is not None:
                 reference.before_batch(event)
             with reference.enter():
-                reference.tokens += _score_splitting(
-                    reference.paths.model, reference.paths, event.parent, [units[c] for c in event.units],
-                    reference.logps, False, logits,
+                score = partial(
+                    _score_batch, reference.paths.model, reference.paths, event.parent, logps=reference.logps,
+                    with_entropy=False, logits=logits,
                 )  # fmt: skip
+                reference.tokens += _score_splitting(score, [units[c] for c in event.units])
     return logps, tokens
 
 
-def _score_splitting(
-    model: PreTrainedModel,
-    paths: PathKV,
-    parent: int,
-    batch: Sequence[Unit],
-    logps: list[torch.Tensor | None],
-    with_entropy: bool,
-    logits: LogitSettings,
-) -> int:
-    """`_score_batch`, split in halves on out-of-memory. Safe to retry: a scoring forward has no graph and
-    its only side effects (logprobs, stored KV) are overwritten by the retry."""
+def _score_splitting(score: Callable[[Sequence[Unit]], int], batch: Sequence[Unit]) -> int:
+    """`score(batch)` (one `_score_batch`), split in halves on out-of-memory. Safe to retry: a scoring
+    forward has no graph and its only side effects (logprobs, stored KV) are overwritten by the retry."""
     try:
-        return _score_batch(model, paths, parent, batch, logps, with_entropy, logits)
+        return score(batch)
     except torch.OutOfMemoryError:
         if len(batch) == 1:
             raise
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         half = len(batch) // 2
-        return sum(
-            _score_splitting(model, paths, parent, part, logps, with_entropy, logits)
-            for part in (batch[:half], batch[half:])
-        )
+        return sum(_score_splitting(score, part) for part in (batch[:half], batch[half:]))
 
 
 def _score_batch(

@@ -1,7 +1,7 @@
 """Every episode of a rollout in flight at once: branch points go to the engine as soon as they are ready.
 
-`grow_concurrently` grows the trees of many tasks together. A branch point becomes a `GenerationRequest` the
-moment its context exists (the prompt after `reset`, or the observation after a tool call), so the engine
+`tree_rollout._grow_concurrently` grows the trees of many tasks together. A branch point becomes a
+`GenerationRequest` the moment its context exists (the prompt after `reset`, or the observation after a tool call), so the engine
 always holds every ready request of every tree and batches them. When a request's samples come back, each
 sample is forked `env_factor` ways and every fork is stepped by the environment in a thread pool of
 `max_concurrent_steps` threads: tool calls run concurrently with generation and with each other, and a slow

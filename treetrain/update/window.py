@@ -313,18 +313,16 @@ class OpenWindow:
 
     def replay_all(self) -> None:
         """Replay every contribution of this rank that is not covered yet (after a reset: all of them)."""
-        while True:
-            pending = [
-                tid for tid, w in self.work.items()
-                if self.group_of[tid] not in self.failures and not self.claims.is_covered(self.keys(w))
-            ]  # fmt: skip
-            if not pending:
-                return
+        while pending := [tid for tid in self.work if self._due(tid)]:
             for tid in pending:
-                if self.group_of[tid] not in self.failures and not self.claims.is_covered(
-                    self.keys(self.work[tid])
-                ):
+                if self._due(tid):  # a failure or a reset during this pass changes what is due
                     self.replay(tid)
+
+    def _due(self, tid: str) -> bool:
+        """The tree still has contributions to replay: its group has not failed and they are not covered."""
+        return self.group_of[tid] not in self.failures and not self.claims.is_covered(
+            self.keys(self.work[tid])
+        )
 
     def _discard(self) -> None:
         """Forget this rank's gradients and coverage (local; the trees are replayed again if needed)."""

@@ -69,13 +69,6 @@ def layers_of(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
-def cache_of(model: Any, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
-    cache = new_cache(model)
-    for i, (k, v) in enumerate(layers):
-        cache.update(k, v, i)
-    return cache
-
-
 def with_room(
     model: Any,
     parts: list[list[tuple[torch.Tensor, torch.Tensor]]],
@@ -141,11 +134,6 @@ def adopt(model: Any, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
         layer.lazy_initialization(keys, values)
         layer.keys, layer.values = keys, values
     return cache
-
-
-def pad_left(x: torch.Tensor, width: int) -> torch.Tensor:  # [R, H, L, D] -> [R, H, width, D]
-    extra = width - x.shape[-2]
-    return x if extra == 0 else torch.cat([x.new_zeros(*x.shape[:-2], extra, x.shape[-1]), x], dim=-2)
 
 
 def mask_left(mask: torch.Tensor, width: int) -> torch.Tensor:  # [R, L] -> [R, width]
