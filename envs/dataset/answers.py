@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -131,4 +132,32 @@ def make_reward(name: str) -> Rubric:
     fn = load_callable(name, "reward")
     if not callable(fn):
         raise ValueError(f"reward: {name!r} is a {type(fn).__name__}, not a function")
+    problem = call_problem(fn, 2)
+    if problem is not None:
+        raise ValueError(f"reward: {name!r} cannot be called as fn(episode, row): {problem}")
     return FunctionReward(fn, name)
+
+
+def call_problem(fn: Callable[..., Any], positional: int) -> str | None:
+    """Why `fn` cannot take `positional` arguments, or None (also when Python cannot tell its signature,
+    as for some built-ins): a wrong function is refused when the environment is made, before any model
+    loads, not at the first rubric call after the first rollout.
+
+    >>> import json
+    >>> call_problem(json.loads, 2)
+    'json.loads(s, *, cls=None, object_hook=None, ...): too many positional arguments'
+    >>> call_problem(lambda episode, row: 1.0, 2) is None
+    True
+    """
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    try:
+        signature.bind(*range(positional))
+    except TypeError as exc:
+        shown = str(signature)
+        shown = shown if len(shown) <= 40 else shown[:36].rsplit(",", 1)[0] + ", ...)"
+        name = f"{getattr(fn, '__module__', '') or ''}.{getattr(fn, '__qualname__', fn)}".lstrip(".")
+        return f"{name}{shown}: {exc}"
+    return None

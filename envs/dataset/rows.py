@@ -20,7 +20,9 @@ Example:
 from __future__ import annotations
 
 import json
+import math
 import os
+import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +31,7 @@ from typing import Any
 
 from envs.protocol import Immutable, Message
 from treetrain.errors import TreetrainError
+from treetrain.io import open_regular
 
 MAX_ROWS = 1 << 22
 """Most rows one task file may hold (about 4 million)."""
@@ -98,6 +101,49 @@ def row_problem(row: object, needs: Sequence[str] = ()) -> str | None:
             return f"{name}: missing (the reward compares the answer against it)"
         if isinstance(value, bool) or not isinstance(value, str | int | float):
             return f"{name}: must be text or a number, got {_shown(value)}"
+    return _non_finite(row)
+
+
+def _non_finite(row: Mapping[Any, Any]) -> str | None:
+    """The first field (nested ones by path) holding NaN or an infinity, in words, or None.
+
+    JSON's `NaN`, `Infinity` and `1e999` (which overflows to infinity) parse as floats, and Parquet holds
+    them natively; an answer of NaN equals nothing, so every task would score 0 in silence.
+
+    >>> _non_finite({"prompt": "x", "answer": float("nan")})
+    'answer: nan is not a finite number (NaN and infinities are refused)'
+    """
+    stack: list[tuple[str, Any]] = [(str(k), v) for k, v in row.items()]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"{where}: {value} is not a finite number (NaN and infinities are refused)"
+        if isinstance(value, Mapping):
+            stack.extend((f"{where}.{k}", v) for k, v in value.items())
+        elif isinstance(value, list | tuple):
+            stack.extend((f"{where}[{i}]", v) for i, v in enumerate(value))
+    return None
+
+
+def special_file(path: Path, limit: int = 100_000) -> Path | None:
+    """`path`, or the first entry below it when it is a directory, that is not a regular file or a directory
+    (a FIFO, a device, a socket, links followed), or None. Opening a FIFO blocks until a writer comes and a
+    device may never end, so they are refused before any reader opens them; at most `limit` entries of a
+    directory are looked at, and more are refused."""
+    stack, seen = [path], 0
+    while stack:
+        current = stack.pop()
+        seen += 1
+        if seen > limit:
+            raise TaskFileError(f"{path}: more than {limit} entries below it; give the task files themselves")
+        try:
+            mode = os.stat(current).st_mode
+        except OSError:
+            continue  # a dangling link: the reader says what it makes of it
+        if stat.S_ISDIR(mode):
+            stack.extend(sorted(Path(current).iterdir(), reverse=True))
+        elif not stat.S_ISREG(mode):
+            return Path(current)
     return None
 
 
@@ -140,6 +186,12 @@ def read_rows(
             f"{field}: {str(path)!r} is not a local file or directory; the dataset environment reads local "
             "files only (save a hub dataset first, e.g. datasets.load_dataset(NAME, split=...).to_json(FILE))"
         )
+    special = special_file(where)
+    if special is not None:
+        raise TaskFileError(
+            f"{field}: {str(special)!r} is not a regular file (a FIFO, device or socket); give a task file "
+            "or a directory of them"
+        )
     raw = _read_jsonl(where) if where.suffix == ".jsonl" else _read_datasets(where, field)
     rows = []
     for number, row in enumerate(raw, start=1):
@@ -154,7 +206,7 @@ def read_rows(
 
 def _read_jsonl(path: Path) -> list[object]:
     rows: list[object] = []
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         for number, line in enumerate(iter(lambda: f.readline(MAX_LINE_BYTES + 1), b""), start=1):
             if len(line) > MAX_LINE_BYTES:
                 raise TaskFileError(f"{path}: row {number}: longer than {MAX_LINE_BYTES} bytes")
@@ -171,6 +223,23 @@ def _read_jsonl(path: Path) -> list[object]:
     return rows
 
 
+def _thread_lock_for_progress() -> None:
+    """Keep tqdm from making its multiprocessing lock in this process.
+
+    `datasets` resolves data files through tqdm's `thread_map`, whose first use makes tqdm's write lock,
+    and with it a `multiprocessing.RLock`: a named POSIX semaphore registered with the resource tracker that
+    the trainer and its spawned environment workers share. A worker ends with `os._exit` (threads of
+    abandoned steps must not keep it alive), which never unregisters the semaphore, so the tracker would warn
+    of a leaked semaphore when the trainer exits, after a refusal and after a successful run alike. The rows
+    are read by threads of one process, for which tqdm's thread lock is enough."""
+    try:
+        from tqdm.std import TqdmDefaultWriteLock  # type: ignore[attr-defined]
+    except ImportError:  # pragma: no cover (datasets depends on tqdm)
+        return
+    if not hasattr(TqdmDefaultWriteLock, "mp_lock"):
+        TqdmDefaultWriteLock.mp_lock = None
+
+
 def _read_datasets(path: Path, field: str) -> list[object]:
     try:
         import datasets
@@ -180,6 +249,7 @@ def _read_datasets(path: Path, field: str) -> list[object]:
             "(or pip install 'treetrain[data]'); JSONL files are read without it"
         ) from None
     datasets.disable_progress_bars()
+    _thread_lock_for_progress()
     try:
         if path.is_dir() and (path / "dataset_info.json").is_file():  # written by Dataset.save_to_disk
             table: Any = datasets.load_from_disk(str(path))

@@ -13,7 +13,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-from support.hostile_corpus import corrupt_tree_files, hostile_jsonl, out_of_range_tree_files
+from support.hostile_corpus import (
+    corrupt_tree_files,
+    hostile_jsonl,
+    hostile_task_files,
+    out_of_range_tree_files,
+)
 from support.tree_samples import TINY_BYTES
 
 from treetrain.cli.main import main
@@ -23,6 +28,7 @@ TRAIN = [
     "--set", "updates=1", "--set", "measure_memory_every=0",
 ]  # fmt: skip
 PLAN = ["--model", "tiny-llama", "--budget", "64MiB"]
+DEMO = str(Path(__file__).resolve().parents[2] / "treetrain" / "assets" / "demo_model")
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], argv: Sequence[str]) -> tuple[int, str, str]:
@@ -173,7 +179,26 @@ def test_fifos_and_devices_are_refused_without_reading(
             assert "not a regular file" in line
         argv = ["train", "--trees", path, "--run-dir", str(tmp_path / "run"), *TRAIN]
         assert_refused(run_cli(capsys, argv), "train", path, f"train {path}")
+        task_file = [f"env.kwargs.path={path}", "env.kwargs.eval_fraction=0.5"]
+        argv = ["eval", "--model", DEMO, "--env", "dataset", *(a for kv in task_file for a in ("--set", kv))]
+        line = assert_refused(run_cli(capsys, argv), "eval", path, f"eval {path}")
+        assert "not a regular file" in line
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.timeout(120)
+def test_eval_refuses_hostile_task_files_naming_file_and_row(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The dataset environment's task file (NaN and infinite numbers, rows of the wrong shape), read when
+    `treetrain eval` makes the environment, before any model loads."""
+    for k, (case, blob) in enumerate(sorted(hostile_task_files().items())):
+        path = tmp_path / f"tasks{k:02d}.jsonl"
+        path.write_bytes(blob)
+        task_file = [f"env.kwargs.path={path}", "env.kwargs.eval_fraction=0.5"]
+        argv = ["eval", "--model", DEMO, "--env", "dataset", *(a for kv in task_file for a in ("--set", kv))]
+        line = assert_refused(run_cli(capsys, argv), "eval", path.name, case)
+        assert "row 2: " in line, (case, line)
 
 
 @pytest.mark.timeout(120)

@@ -193,3 +193,54 @@ def hostile_jsonl() -> dict[str, bytes]:
         ).replace('"token_ids": [2]', '"token_ids": [2], "token_ids": [3]'),
     }
     return {name: text if isinstance(text, bytes) else (text + "\n").encode() for name, text in cases.items()}
+
+
+def hostile_task_files() -> dict[str, bytes]:
+    """JSONL task files the dataset environment must refuse in one line naming the file and the row: each
+    second row is hostile (non-finite numbers anywhere, wrong shapes), the first a good one."""
+    good = json.dumps({"prompt": "What is 1 + 1?", "answer": "2"})
+    rows = {
+        "NaN answer": '{"prompt": "x", "answer": NaN}',
+        "Infinity answer": '{"prompt": "x", "answer": Infinity}',
+        "-Infinity answer": '{"prompt": "x", "answer": -Infinity}',
+        "1e999 answer": '{"prompt": "x", "answer": 1e999}',
+        "-1e999 answer": '{"prompt": "x", "answer": -1e999}',
+        "NaN in another field": '{"prompt": "x", "answer": 1, "weight": NaN}',
+        "Infinity nested in a list": '{"prompt": "x", "answer": 1, "meta": {"w": [1, 2, Infinity]}}',
+        "answer as a list": '{"prompt": "x", "answer": [1]}',
+        "answer as bool": '{"prompt": "x", "answer": true}',
+        "no answer": '{"prompt": "x"}',
+        "empty prompt": '{"prompt": "", "answer": 1}',
+        "prompt as number": '{"prompt": 5, "answer": 1}',
+        "assistant opening": '{"messages": [{"role": "assistant", "content": "x"}], "answer": 1}',
+        "not JSON": '{"prompt": "x", "answer": ',
+        "a JSON list": "[1, 2]",
+    }
+    return {name: f"{good}\n{row}\n".encode() for name, row in rows.items()}
+
+
+def damaged_weights(good: bytes, other: bytes) -> dict[str, bytes]:
+    """Safetensors files that must never be loaded as a checkpoint's weights, made from a good file (`good`)
+    and another model's (`other`): cut anywhere, overwritten, a header that lies about its length or its
+    byte ranges, and the other model's tensors under the same names."""
+    size = int.from_bytes(good[:8], "little")
+    header = json.loads(good[8 : 8 + size])
+    first = next(k for k in header if k != "__metadata__")
+    past_end = copy.deepcopy(header)
+    past_end[first]["data_offsets"][1] += 1 << 20
+    lying = json.dumps(past_end).encode()
+    cases = {
+        f"cut at {k}": good[:k] for k in (0, 7, 8, 8 + size // 2, 8 + size, len(good) // 2, len(good) - 1)
+    }
+    cases.update(
+        {
+            "random bytes": random.Random(2).randbytes(len(good)),
+            "header length 2**63": (1 << 63).to_bytes(8, "little") + good[8:],
+            "header length past the end": (len(good) + 1).to_bytes(8, "little") + good[8:],
+            "header not JSON": len(b"{nope").to_bytes(8, "little") + b"{nope" + good[8 + size :],
+            "offsets past the end": len(lying).to_bytes(8, "little") + lying + good[8 + size :],
+            "one byte more": good + b"\x00",
+            "another model's weights": other,
+        }
+    )
+    return cases

@@ -8,6 +8,7 @@ number that reaches torch or numpy unchecked. The fuzz tests mutate valid YAML a
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -274,6 +275,7 @@ FIELDS = [
     "replay.microbatch", "replay.retention", "replay.max_logit_elements", "replay.keep_graphs",
     "loss.kl_coef", "loss.dual_clip", "optim.lr", "optim.betas", "optim.name", "env.kwargs", "env.name",
     "distributed.zero_stage", "distributed.backend", "advantages.eps", "nonsense", "rollout.nonsense.x",
+    "env.kwargs.eval_fraction", "env.template_kwargs.x",
 ]  # fmt: skip
 VALUES = [
     "0", "-1", "1", "2**70", str(2**63), str(-(2**63) - 1), "9" * 5000, "1e999", "-1e-999", ".nan", "nan",
@@ -365,3 +367,34 @@ def test_env_kwargs_must_be_json_values() -> None:
     with pytest.raises(ConfigError, match=r"env\.kwargs: must be JSON values"):
         load_config(None, ["env.kwargs={when: 2024-01-01}"])
     assert dict(load_config(None, ["env.kwargs={n: 3}"]).env.kwargs) == {"n": 3}
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ("env.kwargs.eval_fraction=.nan", "env.kwargs.eval_fraction"),
+        ("env.kwargs.weights=[1, -.inf]", "env.kwargs.weights[1]"),
+        ("env.kwargs.judge={scale: 1e999}", "env.kwargs.judge.scale"),
+        ("env.template_kwargs.budget=.inf", "env.template_kwargs.budget"),
+        ("optim.lr=.nan", "optim.lr"),
+        ("optim.betas=[0.9, .nan]", "optim.betas[1]"),
+        ("rollout.sampling.temperature=-.inf", "rollout.sampling.temperature"),
+    ],
+)
+def test_a_non_finite_number_is_refused_naming_its_field_wherever_it_is(
+    tmp_path: Path, override: str, field: str
+) -> None:
+    """Typed float fields and free-form values (`env.kwargs`, sent to the worker as JSON) alike."""
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, [override])
+    assert str(caught.value).startswith(f"{field}: expected a finite number, got "), caught.value
+    key, value = override.split("=", 1)
+    *sections, name = key.split(".")
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "".join(f"{'  ' * i}{s}:\n" for i, s in enumerate(sections))
+        + f"{'  ' * len(sections)}{name}: {value}\n"
+    )
+    with pytest.raises(ConfigError, match=rf"^{re.escape(field)}: expected a finite number"):
+        load_config(path)
+    assert load_config(None, ["env.kwargs.eval_fraction=0.25"]).env.kwargs["eval_fraction"] == 0.25

@@ -92,8 +92,11 @@ def test_a_fault_in_every_task_stops_the_run_in_one_line(
     line = _refusal(run, fault, capsys, method, exception)
     log = run / "env-errors" / "update-00000.log"
     assert line.startswith("treetrain train: update 0: every task failed (2 of 2")
-    assert line.endswith(f"traceback in {log}")
+    assert line.endswith(
+        f"traceback in {log}; the run never started; {run} keeps only env-errors/, and a new run there needs no --overwrite"
+    )
     assert log.is_file() and exception in log.read_text()
+    assert sorted(p.name for p in run.iterdir()) == [".treetrain-run", "env-errors"]  # nothing half-made
     if fault == "step":  # the raising line; a NaN was returned, a dead worker reports no traceback
         assert (
             "Traceback (most recent call last)" in log.read_text() and "misbehaving_env.py" in log.read_text()
@@ -116,6 +119,46 @@ def test_a_fault_in_one_task_drops_its_group_and_training_goes_on(
     assert log.startswith(f"== task seed 1: {ENV}: ") and "task seed 0" not in log
     if fault == "long_prompt":  # a trainer-side failure: its traceback too
         assert "PromptTooLongError" in log and "Traceback (most recent call last)" in log
+
+
+@pytest.mark.parametrize("seeds", ["odd", "even"])
+def test_a_long_prompt_fails_its_own_task_wherever_it_is(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], seeds: str
+) -> None:
+    """Task seed 0 is the one the start-up checks open: a long prompt there is one failed task too, as
+    anywhere else, not a run that never starts (the outcome does not depend on the task order)."""
+    run = tmp_path / "run"
+    assert main(_args(run, "long_prompt", seeds)) == 0, capsys.readouterr().err[-3000:]
+    (row,) = read_metrics(run / "metrics.jsonl")
+    assert row.failed_episodes == 1 and row.groups == 2 and row.groups_dropped == 1
+    failed = 0 if seeds == "even" else 1
+    assert (run / "env-errors" / "update-00000.log").read_text().startswith(f"== task seed {failed}: ")
+
+
+def test_a_budget_the_template_alone_fills_is_refused_before_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What every prompt holds (the chat template around empty messages) not fitting is the setup's fault:
+    one line before the first rollout, and nothing left behind."""
+    run = tmp_path / "run"
+    assert main([*_args(run, "none", "all"), "--set", "rollout.episode.max_episode_tokens=3"]) == 2
+    (line,) = _error_lines(capsys.readouterr().err)
+    assert "rollout.episode.max_episode_tokens: the chat template and the tools alone take" in line
+    assert "max_episode_tokens=3" in line and not run.exists()
+
+
+def test_a_run_stopped_at_its_first_update_leaves_a_directory_the_next_run_takes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every task failing at update 0 keeps the traceback the line names and nothing else; a fresh run in
+    the same directory then starts without --overwrite (and removes that traceback)."""
+    run = tmp_path / "run"
+    assert main(_args(run, "step", "all")) == 2
+    (line,) = _error_lines(capsys.readouterr().err)
+    assert line.endswith(f"{run} keeps only env-errors/, and a new run there needs no --overwrite")
+    assert sorted(p.name for p in run.iterdir()) == [".treetrain-run", "env-errors"]
+    assert main(_args(run, "none", "all")) == 0, capsys.readouterr().err[-3000:]
+    assert (run / "final" / "model.safetensors").is_file() and not (run / "env-errors").exists()
 
 
 def test_timeouts_are_counted_and_a_slow_rubric_ends_its_task_alone(

@@ -5,11 +5,13 @@ Each ends in one line naming the directory and the space needed, exit status 2, 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from safetensors import SafetensorError
@@ -37,6 +39,15 @@ def _raise(error: BaseException) -> Callable[..., None]:
     return fail
 
 
+@contextlib.contextmanager
+def _full_file(*args: object) -> Iterator[Any]:
+    class Full:
+        def write(self, data: bytes) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    yield Full()
+
+
 def _patch(monkeypatch: pytest.MonkeyPatch, site: str) -> None:
     import treetrain.distributed.backend as backend
     import treetrain.train.metrics as metrics
@@ -48,10 +59,8 @@ def _patch(monkeypatch: pytest.MonkeyPatch, site: str) -> None:
     elif site == "checkpoint optimizer":
         pos = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 930112 vs 930004")
         monkeypatch.setattr(backend.torch, "save", _raise(pos))
-    elif site == "metrics line":
-        monkeypatch.setattr(
-            metrics.MetricsWriter, "write", _raise(OSError(errno.ENOSPC, "No space left on device"))
-        )
+    elif site == "metrics line":  # the append's file says ENOSPC without naming itself, as os.write does
+        monkeypatch.setattr(metrics, "open_file", _full_file)
     else:
         monkeypatch.setattr(os, "fsync", _raise(OSError(errno.ENOSPC, "No space left on device")))
 

@@ -74,6 +74,35 @@ def test_overwrite_removes_only_what_a_run_wrote(tmp_path: Path) -> None:
     assert all((run / name).read_text() == name for name in users)
 
 
+def test_what_a_run_stopped_at_update_0_keeps_is_taken_as_new_and_nothing_else(tmp_path: Path) -> None:
+    """`abandon_run_dir(keep_env_errors=True)` keeps the marker and env-errors/ only; a fresh claim takes
+    that as a new directory (removing the old logs). A file of the user's in env-errors/, or any other
+    entry, keeps the usual refusal (the negative control)."""
+    from treetrain.train.rundir import abandon_run_dir
+
+    run = tmp_path / "run"
+    lock = claim_run_dir(run, resume=False, overwrite=False)
+    (run / "config.yaml").write_text("x")
+    (run / "rollouts" / "update-00000" / "trees").mkdir(parents=True)
+    (run / "env-errors").mkdir()
+    (run / "env-errors" / "update-00000.log").write_text("traceback")
+    note = abandon_run_dir(run, lock, keep_env_errors=True)
+    assert (
+        note
+        == f"the run never started; {run} keeps only env-errors/, and a new run there needs no --overwrite"
+    )
+    assert sorted(p.name for p in run.iterdir()) == [MARKER, "env-errors"]
+    again = claim_run_dir(run, resume=False, overwrite=False)
+    assert again.fresh and not (run / "env-errors").exists()
+    again.release()
+    (run / "env-errors").mkdir()
+    (run / "env-errors" / "update-00000.log").write_text("traceback")
+    (run / "env-errors" / "notes.txt").write_text("mine")
+    with pytest.raises(RunDirError, match="already holds a run"):
+        claim_run_dir(run, resume=False, overwrite=False)
+    assert (run / "env-errors" / "notes.txt").read_text() == "mine"
+
+
 def test_leftovers_of_interrupted_writes_are_cleaned_up(tmp_path: Path) -> None:
     run = tmp_path / "run"
     claim_run_dir(run, resume=False, overwrite=False).release()

@@ -17,10 +17,15 @@ from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
 
+DEMO_MODEL = _HERE / "demo_model"
+"""The shipped demo checkpoint (`model.path: demo`)."""
+WIDE_DEMO_MODEL = _HERE / "demo_model_wide"
+"""The demo model with 64-dimensional heads, which vLLM's CPU attention serves (`model.path: demo-wide`)."""
+
 
 def tokenizer_path() -> Path:
     """Directory of the shipped tokenizer, loadable with `AutoTokenizer.from_pretrained`."""
     return _HERE / "tokenizer"
 
 
-__all__ = ["tokenizer_path"]
+__all__ = ["DEMO_MODEL", "WIDE_DEMO_MODEL", "tokenizer_path"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING
 from treetrain.errors import ConfigError, TreetrainError
 
 if TYPE_CHECKING:
-    from treetrain.train.config import TrainConfig
+    from treetrain.train.config import ModelSection, TrainConfig
     from treetrain.train.held_out import HeldOut
     from treetrain.train.metrics import EvalMetrics
 
@@ -78,6 +79,7 @@ def _config(args: argparse.Namespace) -> tuple[TrainConfig, Path | None]:
     """The settings, and the checkpoint weights to load over `model.path` (None: DIR is the model)."""
     from treetrain.io import path_problem
     from treetrain.train.config import check_paths, load_config
+    from treetrain.train.eval_weights import check_weight_files
     from treetrain.train.resume import SAVED_CONFIG, saved_config
 
     problem = path_problem(args.model, "directory")
@@ -92,15 +94,17 @@ def _config(args: argparse.Namespace) -> tuple[TrainConfig, Path | None]:
         overrides.append(f"eval.greedy={str(args.greedy).lower()}")
     cfg = load_config(args.config, overrides)
     run = _run_of(directory)
-    if args.config is None and run is not None and saved_config(run).env.name == args.env:
+    if args.config is None and run is not None and saved_config(run, "--model").env.name == args.env:
         # the run's own settings (env.kwargs, rubric, budgets, engine) are the base; --set changes them
         cfg = load_config(run / SAVED_CONFIG, overrides)
     weights: Path | None = None
     if (directory / "config.json").is_file():
         model = replace(cfg.model, path=str(directory), lora=None, reference=None)
-    elif (directory / "model.safetensors").is_file() and directory.parent.name == "checkpoints":
-        trained = saved_config(directory.parent.parent)  # the model the checkpoint's weights belong to
+        check_weight_files(sorted(directory.glob("*.safetensors")), _started_from(run))
+    elif os.path.lexists(directory / "model.safetensors") and directory.parent.name == "checkpoints":
+        trained = saved_config(directory.parent.parent, "--model")  # the model the weights belong to
         model, weights = replace(trained.model, reference=None), directory / "model.safetensors"
+        check_weight_files([weights], trained.model)
     elif (directory / "adapter_config.json").is_file():
         raise ConfigError(
             f"--model: {directory} holds LoRA adapters only; score the run's final-merged/ "
@@ -114,6 +118,19 @@ def _config(args: argparse.Namespace) -> tuple[TrainConfig, Path | None]:
     cfg = replace(cfg, model=model, loss=replace(cfg.loss, kl_coef=0.0))
     check_paths(cfg)
     return cfg, weights
+
+
+def _started_from(run: Path | None) -> ModelSection | None:
+    """The model the run started from, when its saved config can be read (a whole model directory is
+    scored without it; its weights are then compared with its own config.json only when they load)."""
+    from treetrain.train.resume import saved_config
+
+    if run is None:
+        return None
+    try:
+        return saved_config(run, "--model").model
+    except ConfigError:
+        return None
 
 
 def _run_of(directory: Path) -> Path | None:
@@ -168,6 +185,7 @@ def score(cfg: TrainConfig, held: HeldOut, weights: Path | None) -> EvalMetrics:
     """Load the model, sample the held-out tasks on `rollout.engine`, and return the scores."""
     from envs.remote import WorkerEnvFactory
     from treetrain.rollout.engines.factory import make_engine
+    from treetrain.train.eval_weights import load_checkpoint_weights
     from treetrain.train.evaluation import eval_rollout, sample_scores
     from treetrain.train.models import load_models
     from treetrain.train.tree_sources import check_context, check_template, engine_spec, wrapper_config
@@ -182,9 +200,7 @@ def score(cfg: TrainConfig, held: HeldOut, weights: Path | None) -> EvalMetrics:
         models = load_models(cfg.model, lambda tok: check_template(cfg, tok, factory))
         policy = models.policy
         if weights is not None:
-            from safetensors.torch import load_model
-
-            load_model(policy, str(weights))
+            load_checkpoint_weights(policy, weights)
         check_context(cfg, policy)
         policy.eval()
         wrapper = wrapper_config(cfg, policy)

@@ -16,6 +16,7 @@ from collections import Counter
 from typing import Any
 
 from treetrain.cli.option_types import Whole
+from treetrain.diskfull import DiskFullError
 from treetrain.errors import TreetrainError
 from treetrain.io import atomic_write_bytes, output_problem, path_problem
 from treetrain.tree.render import Decoder, RenderOptions, render_trees, to_dot, tokenizer_decoder
@@ -115,6 +116,10 @@ def run(args: argparse.Namespace) -> int:
     if args.dot:
         try:
             atomic_write_bytes(args.dot, to_dot(trees, options).encode("utf-8"))
+        except DiskFullError as e:
+            return _fail(
+                f"cannot write {args.dot}: {e.with_remedy(f'{e.remedy} or give --dot a path elsewhere')}"
+            )
         except OSError as e:
             return _fail(f"cannot write {args.dot}: {e.strerror or e}")
         print(f"wrote {args.dot}", file=sys.stderr)

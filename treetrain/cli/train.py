@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from treetrain.cli.option_types import Whole
-from treetrain.diskfull import DiskFullError, is_disk_full
+from treetrain.diskfull import as_disk_full, is_disk_full
 from treetrain.errors import ConfigError, TreetrainError
 
 MAX_UPDATES = 10**9
@@ -95,10 +95,8 @@ def run(args: argparse.Namespace) -> int:
         trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress)
         summary = trainer.run()
     except Exception as exc:
-        if is_disk_full(exc) and not isinstance(exc, DiskFullError):  # a write no atomic writer wrapped
-            filename = getattr(exc, "filename", None)
-            where = Path(filename).parent if isinstance(filename, str) else Path(cfg.run_dir)
-            exc = _with_notes(DiskFullError(where, None), exc)
+        if is_disk_full(exc):  # the place that was full, advised for (another --run-dir only for the run's)
+            exc = as_disk_full(exc, cfg.run_dir, "use another --run-dir")
         elif not isinstance(exc, (TreetrainError, OSError, FloatingPointError)):  # a bug: its traceback
             raise
         notes = getattr(exc, "__notes__", [])  # e.g. what a run that never started left behind
@@ -119,9 +117,3 @@ def run(args: argparse.Namespace) -> int:
             f"run directory: {cfg.run_dir} (metrics.jsonl, reward.png, summary.txt, rollouts/, final/, checkpoints/)"
         )
     return 0
-
-
-def _with_notes(new: DiskFullError, old: BaseException) -> DiskFullError:
-    for note in getattr(old, "__notes__", []):
-        new.add_note(note)
-    return new

@@ -26,11 +26,15 @@ class OptimizerConfig:
     `-lr * g` (with `grad_clip=0` and `weight_decay=0`), so a wrong gradient *scale* shows in the update.
     AdamW's first step is about `lr * sign(g)` and hides it; the distributed tests therefore compare SGD
     updates. `betas` and `eps` apply to AdamW only.
+
+    These defaults are the trainer's (the `optim` section of `treetrain train`, the demo's learning rate: RL
+    moves a trained policy, far below pre-training rates); the config takes them from here, so a file or
+    `--set` that names one field leaves the others at the documented values.
     """
 
-    lr: float = 1e-6
+    lr: float = 3e-5
     """Learning rate."""
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[float, float] = (0.9, 0.99)
     """Adam's moment decay rates."""
     eps: float = 1e-8
     """Adam's denominator epsilon."""

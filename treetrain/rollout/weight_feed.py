@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from treetrain.diskfull import SHARED_MEMORY, naming_full_disk
 from treetrain.errors import TreetrainError
 from treetrain.rollout.engines.generation import GenerationEngine
 
@@ -104,7 +105,7 @@ class WeightFeed:
         self.shadow = private_copy(model)
         self.shared = shared
         if shared:
-            self.shadow.share_memory()
+            share_memory(self.shadow)
         self.version = version
         self.sampler_model = private_copy(model) if own_model else None
         self.syncs = 0
@@ -147,3 +148,11 @@ class WeightFeed:
     def close(self) -> None:
         """Make every later `due` raise `SamplerStopped` (the sampler thread stops at its next safe point)."""
         self._closing.set()
+
+
+def share_memory(model: Any) -> Any:
+    """`model.share_memory()`, whose tensors go to POSIX shared memory: a `/dev/shm` too small for them is
+    one line naming it and the bytes needed (torch says only `unable to allocate shared memory(shm)`)."""
+    needed = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    with naming_full_disk(SHARED_MEMORY, needed):
+        return model.share_memory()

@@ -210,9 +210,7 @@ class TrainConfig:
     """GRPO or tree-aware advantages, and zero-variance groups (treetrain.loss.advantages.AdvantageConfig)."""
     replay: ReplaySection = field(default_factory=ReplaySection)
     """Contract and the replay choices the planner may make."""
-    optim: OptimizerConfig = field(
-        default_factory=lambda: OptimizerConfig(lr=3e-5, betas=(0.9, 0.99), grad_clip=1.0)
-    )
+    optim: OptimizerConfig = field(default_factory=OptimizerConfig)
     """The optimizer (the demo's learning rate: RL moves a trained policy, far below pre-training rates)."""
     lr_warmup_updates: int = 0
     """Linear learning-rate warm-up over this many updates."""

@@ -140,11 +140,13 @@ class Trainer:
     def abandon_unstarted(self, exc: BaseException, completed: int = 0) -> None:
         """A fresh run in a new or empty directory that ends with `completed == 0` updates removes what it
         wrote (`abandon_run_dir`) and notes on `exc` what is left, so the refusal says it in its one line.
-        A run stopped by its environment keeps its directory: the refusal names the traceback file there."""
-        if self.lock is None or not self.lock.fresh or completed or isinstance(exc, EnvironmentFailedError):
+        A run stopped by its environment keeps only `env-errors/`: the refusal names the traceback file there,
+        and the next run in the directory needs no `--overwrite`."""
+        if self.lock is None or not self.lock.fresh or completed:
             return
+        keep = isinstance(exc, EnvironmentFailedError)
         try:
-            exc.add_note(abandon_run_dir(self.run_dir, self.lock))
+            exc.add_note(abandon_run_dir(self.run_dir, self.lock, keep_env_errors=keep))
         except (OSError, UnsafePathError) as problem:
             exc.add_note(f"the run never started, and cleaning up {self.run_dir} failed: {problem}")
 

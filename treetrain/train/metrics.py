@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from treetrain.diskfull import naming_full_disk
 from treetrain.errors import TreetrainError
 from treetrain.io import atomic_write_text
 from treetrain.runfs import open_file
@@ -276,8 +277,10 @@ class MetricsWriter:
             self._tb = None
 
     def write(self, row: UpdateMetrics) -> None:
-        with open_file(self.path.parent, self.path, "ab") as f:  # a planted link is refused, not followed
-            f.write((json.dumps(row.as_dict()) + "\n").encode())
+        line = (json.dumps(row.as_dict()) + "\n").encode()
+        # an append's OSError names no file; a planted link is refused, not followed
+        with naming_full_disk(self.path.parent, len(line)), open_file(self.path.parent, self.path, "ab") as f:
+            f.write(line)
             f.flush()
         if self._tb is not None:
             for key, value in row.as_dict().items():
@@ -286,8 +289,9 @@ class MetricsWriter:
 
     def write_eval(self, row: EvalMetrics) -> None:
         """Append an evaluation row (TensorBoard: `eval/<name>` against the updates completed)."""
-        with open_file(self.path.parent, self.path, "ab") as f:
-            f.write((json.dumps(row.as_dict()) + "\n").encode())
+        line = (json.dumps(row.as_dict()) + "\n").encode()
+        with naming_full_disk(self.path.parent, len(line)), open_file(self.path.parent, self.path, "ab") as f:
+            f.write(line)
             f.flush()
         if self._tb is not None:
             for key in ("pass_at_1", "pass_at_k", "reward_mean"):

@@ -14,7 +14,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from treetrain.assets import tokenizer_path
+from treetrain.assets import DEMO_MODEL, WIDE_DEMO_MODEL, tokenizer_path
 from treetrain.errors import ConfigError
 from treetrain.io import atomic_directory, path_problem
 from treetrain.models.checkpoint_bounds import checkpoint_config
@@ -22,10 +22,6 @@ from treetrain.models.lora import AdaptersOff, Reference, apply_lora, peft_quiet
 from treetrain.models.presets import load_model, model_config
 from treetrain.models.tokenizer_files import TokenizerFileError, check_tokenizer_dir, load_failure
 from treetrain.train.config import ModelSection
-
-DEMO_MODEL = Path(__file__).resolve().parent.parent / "assets" / "demo_model"
-WIDE_DEMO_MODEL = DEMO_MODEL.with_name("demo_model_wide")
-"""The demo model with 64-dimensional heads, which vLLM's CPU attention serves (`model.path: demo-wide`)."""
 
 
 @dataclass(frozen=True)

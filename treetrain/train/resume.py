@@ -74,35 +74,35 @@ with its own generators, tests/train/test_evaluation.py); `rollout.max_staleness
 sampler may run, and the trees an update takes are checked against the new bound (docs/async-training.md)."""
 
 
-def read_saved_config(run_dir: str | Path) -> dict[str, Any]:
-    """The saved `config.yaml` of a run as a dict; a missing, linked, special or malformed one is refused."""
+def read_saved_config(run_dir: str | Path, flag: str = "--resume") -> dict[str, Any]:
+    """The saved `config.yaml` of a run as a dict; a missing, linked, special or malformed one is refused,
+    in a line that starts with `flag`, the option that led here (`--resume`, or `--model` for eval)."""
     path = Path(run_dir) / SAVED_CONFIG
     try:
         raw = read_bytes(run_dir, path, MAX_CONFIG_BYTES)
     except FileNotFoundError:
+        advice = "; it cannot be resumed (start it again with --overwrite)" if flag == "--resume" else ""
         raise ConfigError(
-            f"--resume: {path} does not exist, so the run's settings are unknown; it cannot be resumed "
-            "(start it again with --overwrite)"
+            f"{flag}: {path} does not exist, so the run's settings (its model among them) are unknown{advice}"
         ) from None
     except UnsafePathError as exc:
-        raise ConfigError(f"--resume: the saved config: {exc}") from None
+        raise ConfigError(f"{flag}: the saved config: {exc}") from None
     try:
         return parse_config_bytes(raw, path.suffix, str(path))
     except ConfigError as exc:
-        raise ConfigError(f"--resume: {exc}") from None
+        raise ConfigError(f"{flag}: {exc}") from None
 
 
-def saved_config(run_dir: str | Path) -> TrainConfig:
+def saved_config(run_dir: str | Path, flag: str = "--resume") -> TrainConfig:
     """The run's saved settings, validated like any config, and held to the same rule as `--set`: they may
-    differ from the settings the newest checkpoint was written under only in `RESUMABLE`."""
+    differ from the settings the newest checkpoint was written under only in `RESUMABLE`. Errors start
+    with `flag` (see `read_saved_config`)."""
     path = Path(run_dir) / SAVED_CONFIG
     try:
-        saved = from_dict(TrainConfig, read_saved_config(run_dir))
+        saved = from_dict(TrainConfig, read_saved_config(run_dir, flag))
     except ConfigError as exc:
         message = str(exc)
-        raise ConfigError(
-            message if message.startswith("--resume") else f"--resume: {path}: {message}"
-        ) from None
+        raise ConfigError(message if message.startswith(flag) else f"{flag}: {path}: {message}") from None
     written = checkpoint_config(run_dir)
     if written is not None:
         checkpoint, under = written
@@ -111,7 +111,7 @@ def saved_config(run_dir: str | Path) -> TrainConfig:
             key = refused[0]
             old, new = _flat(to_dict(under)).get(key), _flat(to_dict(saved)).get(key)
             raise ConfigError(
-                f"--resume: {key} is {_short(new)} in {path} but {_short(old)} in the settings {checkpoint} "
+                f"{flag}: {key} is {_short(new)} in {path} but {_short(old)} in the settings {checkpoint} "
                 f"was written under: the saved config was edited, and {key} cannot change on resume (as with "
                 f"--set); only {', '.join(RESUMABLE)} may; restore it, or start a new run for other settings"
             )

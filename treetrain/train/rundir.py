@@ -201,6 +201,9 @@ def claim_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> RunLock:
     lock.created = not existed
     try:
         found = [name for name in _entries(run_dir) if name not in (MARKER, LOCK)]
+        if not resume and _unstarted(run_dir, found):  # a run that never started: its tracebacks go now
+            remove_run_artifacts(run_dir)
+            found = []
         lock.fresh = not resume and not found
         if not resume and not overwrite and found:
             raise RunDirError(
@@ -212,6 +215,16 @@ def claim_run_dir(run_dir: Path, *, resume: bool, overwrite: bool) -> RunLock:
         lock.release()
         raise
     return lock
+
+
+def _unstarted(run_dir: Path, found: list[str]) -> bool:
+    """Whether all that is in `run_dir` besides the marker and the lock is what a run that never started
+    keeps (`abandon_run_dir(..., keep_env_errors=True)`): `env-errors/` holding only its own logs."""
+    if found != [ENV_ERRORS] or entry_kind(run_dir / ENV_ERRORS) != "dir":
+        return False
+    return all(
+        _ENV_LOG.fullmatch(p.name) and entry_kind(p) == "file" for p in (run_dir / ENV_ERRORS).iterdir()
+    )
 
 
 def clean_leftovers(run_dir: Path) -> None:
@@ -237,8 +250,9 @@ def _update_dirs(parent: Path) -> list[Path]:
     return [p for p in parent.iterdir() if entry_kind(p) == "dir" and _UPDATE_DIR.fullmatch(p.name)]
 
 
-def remove_run_artifacts(run_dir: Path) -> None:
-    """Delete what an earlier run in `run_dir` wrote, and nothing else (the lock must be held).
+def remove_run_artifacts(run_dir: Path, *, keep_env_errors: bool = False) -> None:
+    """Delete what an earlier run in `run_dir` wrote, and nothing else (the lock must be held); with
+    `keep_env_errors`, its environment tracebacks (`env-errors/`) stay.
 
     Nothing is followed: a link or a special file where treetrain keeps one of its entries is refused.
     """
@@ -255,7 +269,7 @@ def remove_run_artifacts(run_dir: Path) -> None:
         with contextlib.suppress(OSError):  # kept when it holds anything else
             parent.rmdir()
     logs = run_dir / ENV_ERRORS
-    if entry_kind(logs) == "dir":
+    if entry_kind(logs) == "dir" and not keep_env_errors:
         for path in logs.iterdir():
             if _ENV_LOG.fullmatch(path.name):
                 remove_file(run_dir, path)
@@ -263,9 +277,18 @@ def remove_run_artifacts(run_dir: Path) -> None:
             logs.rmdir()
 
 
-def abandon_run_dir(run_dir: Path, lock: RunLock) -> str:
+def abandon_run_dir(run_dir: Path, lock: RunLock, *, keep_env_errors: bool = False) -> str:
     """Undo a fresh run that never completed an update: its entries, the marker, the lock, and the directory
-    when claiming created it. Returns what was done, for the one-line refusal."""
+    when claiming created it. Returns what was done, for the one-line refusal.
+
+    With `keep_env_errors` (the run was stopped by its environment, and the refusal names a traceback file
+    in `env-errors/`), that directory and the marker stay and nothing else does: the next fresh run there
+    takes the directory as new, without `--overwrite`, and removes those tracebacks (`claim_run_dir`)."""
+    if keep_env_errors and entry_kind(run_dir / ENV_ERRORS) == "dir":
+        remove_run_artifacts(run_dir, keep_env_errors=True)
+        remove_file(run_dir, run_dir / LOCK)
+        lock.release()
+        return f"the run never started; {run_dir} keeps only {ENV_ERRORS}/, and a new run there needs no --overwrite"
     remove_run_artifacts(run_dir)
     remove_file(run_dir, run_dir / MARKER)
     remove_file(run_dir, run_dir / LOCK)

@@ -274,19 +274,41 @@ def check_first_prompt(
     cfg: TrainConfig, tokenizer: Any, model: Any, make_env: Callable[[], Environment]
 ) -> None:
     """Open the first task through the token wrapper before anything is written: the chat template, the
-    end-of-turn marker, the tool format and the prompt's length against the episode budget all fail here."""
+    end-of-turn marker and the tool format fail here. The prompt's length is judged for the setup, not for
+    this one task: one long task prompt fails its own task in the rollout (counted in `failed_episodes`,
+    wherever it is in the task file), so it only stops the run here when what every prompt holds, the chat
+    template and the tools around empty messages, leaves no room under the episode budget."""
     from envs.template import TemplateError
-    from envs.wrapper import TokenEnv
+    from envs.wrapper import PromptTooLongError, TokenEnv
 
+    seed = task_seeds(cfg, 0)[0]
     try:
-        episode = TokenEnv(make_env(), tokenizer, wrapper_config(cfg, model), env_name=cfg.env.name)
-        episode.reset(task_seeds(cfg, 0)[0])
+        env = make_env()
+        episode = TokenEnv(env, tokenizer, wrapper_config(cfg, model), env_name=cfg.env.name)
+        try:
+            episode.reset(seed)
+        except PromptTooLongError as exc:
+            fixed = setup_prompt_tokens(episode, env.reset(seed), tuple(env.tool_specs()))
+            if fixed >= episode.episode_tokens:
+                raise ConfigError(
+                    f"rollout.episode.max_episode_tokens: the chat template and the tools alone take {fixed} "
+                    f"tokens of every prompt, which leaves no room under max_episode_tokens="
+                    f"{episode.episode_tokens}; raise it (or leave it null for the model's context)"
+                ) from None
+            log.warning("%s; tasks whose prompt does not fit fail and are counted in failed_episodes", exc)
     except TemplateError as exc:
         raise ConfigError(f"env.end_of_turn / model.tokenizer: {exc}") from None
     except EnvFailure as exc:
         raise ConfigError(f"env.name: {exc}") from None
     except ValueError as exc:
         raise ConfigError(f"rollout.episode.max_episode_tokens: {exc}") from None
+
+
+def setup_prompt_tokens(episode: Any, opening: Sequence[Any], tools: Sequence[Any]) -> int:
+    """Tokens of a prompt whose messages are empty: the chat template and the tool schemas, which every
+    task's prompt holds whatever its text (`episode` a `TokenEnv`, `opening` a task's first messages)."""
+    empty = tuple(replace(message, content="") for message in opening)
+    return len(episode.template.encode(episode.template.render(empty, tuple(tools), generation_prompt=True)))
 
 
 def model_context(model: Any) -> int | None:

@@ -57,9 +57,24 @@ def _cut(name: str) -> str:
     return name if len(name) <= 80 else name[:77] + "..."
 
 
+def _finite_within(value: Any, where: str) -> Any:
+    """`value` (any JSON-like data, e.g. `env.kwargs`), refused where it holds NaN or an infinity, naming
+    the path down to it (`env.kwargs.eval_fraction`); a float field's own check says the same words."""
+    stack = [(value, where)]
+    while stack:
+        current, path = stack.pop()
+        if isinstance(current, float) and not math.isfinite(current):
+            raise ConfigError(f"{path}: expected a finite number, got {current!r}")
+        if isinstance(current, Mapping):
+            stack.extend((v, f"{path}.{_cut(str(k))}") for k, v in current.items())
+        elif isinstance(current, list | tuple):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(current))
+    return value
+
+
 def _check_scalar(tp: Any, value: Any, where: str) -> Any:
     if tp is Any:
-        return value
+        return _finite_within(value, where)
     if tp is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{where}: expected true/false, got {_show(value)}")

@@ -1,7 +1,8 @@
 """An environment with one fault at a time, for tests/train/test_env_failures.py (through the CLI).
 
-`fault` picks the misbehaviour; `seeds` says on which tasks: "all", or "odd" (task seeds 1, 3, ...: one
-task of each update with two tasks per update). Without a fault every step ends the episode, and the reward
+`fault` picks the misbehaviour; `seeds` says on which tasks: "all", "odd" (task seeds 1, 3, ...: one
+task of each update with two tasks per update) or "even" (task seeds 0, 2, ...: the other one, the first
+task the trainer's start-up checks open). Without a fault every step ends the episode, and the reward
 is the length of what the agent wrote, so groups have reward variance.
 
 The model is a tiny random one that never writes a valid tool call, so faults that real environments hit
@@ -46,7 +47,7 @@ class Misbehaving(Environment):
         self.lock = threading.Lock() if fault == "nocopy" else None  # a lock cannot be deep-copied
 
     def _hit(self) -> bool:
-        return self.seeds == "all" or self.seed % 2 == 1
+        return self.seeds == "all" or self.seed % 2 == (0 if self.seeds == "even" else 1)
 
     def reset(self, seed: int) -> Sequence[Message]:
         self.seed = seed

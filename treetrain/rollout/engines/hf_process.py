@@ -80,6 +80,7 @@ from treetrain.rollout.engines.hf_child import (
     child_main,
     one_line,
 )
+from treetrain.rollout.weight_feed import share_memory
 
 POLL_WAIT_S = 0.002
 """Longest `poll` waits for an answer when none arrived. The scheduler notices finished tool calls only
@@ -107,7 +108,7 @@ class HFProcessEngine:
         """Spawn, imports and the model copy, from the start of the process to its first answer."""
         self.child_threads: int | None = None
         """The torch threads the child runs (known once it answered)."""
-        self._shadow = shadow.share_memory()
+        self._shadow = share_memory(shadow)
         self._next_id = 0
         self._outstanding: set[int] = set()
         self._done: list[GenerationResult] = []
