@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -87,50 +88,59 @@ _LimitedLoader.add_implicit_resolver(
 
 
 def _check_graph(node: Node) -> None:
-    """Walk the composed graph with aliases expanded, stopping at the first limit exceeded (bounded work)."""
-    stack: list[tuple[Node, int]] = [(node, 1)]
-    count = 0
-    while stack:
-        current, depth = stack.pop()
-        count += 1
-        if count > MAX_NODES:
-            raise ConfigError(f"more than {MAX_NODES} values once aliases are expanded (an alias bomb?)")
-        if depth > MAX_DEPTH:
-            raise ConfigError(f"nested deeper than {MAX_DEPTH} levels once aliases are expanded")
-        if isinstance(current, SequenceNode):
-            stack.extend((child, depth + 1) for child in current.value)
-        elif isinstance(current, MappingNode):
-            for key, value in current.value:
-                stack.append((key, depth + 1))
-                stack.append((value, depth + 1))
+    """The composed YAML graph with aliases expanded, within the limits (an alias bomb stops early)."""
+    _walk(node, _node_children, " once aliases are expanded")
 
 
 def _check_data(data: Any) -> None:
     """Depth, size and string checks on parsed values (TOML's, and YAML's after construction)."""
-    stack: list[tuple[Any, int]] = [(data, 1)]
+    _walk(data, _data_children, "", _check_string)
+
+
+def _walk(
+    root: Any, children: Callable[[Any], list[Any]], where: str, check: Callable[[Any], None] | None = None
+) -> None:
+    """Visit every value under `root`, stopping at the first limit exceeded: the work is bounded by
+    `MAX_NODES` whatever the input claims. `where` ends the limits' messages."""
+    stack: list[tuple[Any, int]] = [(root, 1)]
     count = 0
     while stack:
         value, depth = stack.pop()
         count += 1
         if count > MAX_NODES:
-            raise ConfigError(f"more than {MAX_NODES} values")
+            raise ConfigError(f"more than {MAX_NODES} values{where}")
         if depth > MAX_DEPTH:
-            raise ConfigError(f"nested deeper than {MAX_DEPTH} levels")
-        if isinstance(value, dict):
-            for k, v in value.items():
-                stack.append((k, depth + 1))
-                stack.append((v, depth + 1))
-        elif isinstance(value, list | tuple):
-            stack.extend((v, depth + 1) for v in value)
-        elif isinstance(value, str):
-            if len(value) > MAX_STRING:
-                raise ConfigError(f"a string of {len(value)} characters (the limit is {MAX_STRING})")
-            if "\x00" in value:
-                raise ConfigError(f"a string holds a NUL character: {value[:40]!r}")
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError as exc:
-                raise ConfigError(f"a string is not valid Unicode ({exc.reason}): {value[:40]!r}") from None
+            raise ConfigError(f"nested deeper than {MAX_DEPTH} levels{where}")
+        if check is not None:
+            check(value)
+        stack.extend((child, depth + 1) for child in children(value))
+
+
+def _node_children(node: Any) -> list[Any]:
+    if isinstance(node, SequenceNode):
+        return list(node.value)
+    if isinstance(node, MappingNode):
+        return [part for pair in node.value for part in pair]
+    return []
+
+
+def _data_children(value: Any) -> list[Any]:
+    if isinstance(value, dict):
+        return [part for pair in value.items() for part in pair]
+    return list(value) if isinstance(value, list | tuple) else []
+
+
+def _check_string(value: Any) -> None:
+    if not isinstance(value, str):
+        return
+    if len(value) > MAX_STRING:
+        raise ConfigError(f"a string of {len(value)} characters (the limit is {MAX_STRING})")
+    if "\x00" in value:
+        raise ConfigError(f"a string holds a NUL character: {value[:40]!r}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ConfigError(f"a string is not valid Unicode ({exc.reason}): {value[:40]!r}") from None
 
 
 def _flow_depth(text: str) -> int:
