@@ -88,11 +88,20 @@ def run(args: argparse.Namespace) -> int:
         from treetrain.train.progress import hide_library_bars
 
         hide_library_bars()
-    from treetrain.train.loop import Trainer
+    from treetrain.train.preflight import preflight
     from treetrain.train.rundir import is_run_dir
 
+    try:  # every mistake seen without torch is answered before it loads (seconds, not a minute)
+        checked = preflight(cfg, resume=args.resume, overwrite=args.overwrite)
+    except (TreetrainError, OSError) as exc:
+        print(f"treetrain train: {exc}", file=sys.stderr)
+        return 2
+    from treetrain.train.loop import Trainer
+
     try:
-        trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress)
+        trainer = Trainer(
+            cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress, checked=checked
+        )
         summary = trainer.run()
     except Exception as exc:
         if is_disk_full(exc) and not isinstance(exc, DiskFullError):  # a write no atomic writer wrapped

@@ -33,20 +33,20 @@ from treetrain.memory.planner import Plan
 from treetrain.memory.tracker import MemoryTracker
 from treetrain.replay import ReplayReport
 from treetrain.replay.resident import ResidentIdentity, ResidentStore
-from treetrain.rollout.env_check import check_environment_config
 from treetrain.runfs import UnsafePathError
 from treetrain.train.advice import no_signal_advice
 from treetrain.train.async_source import AsyncRolloutSource
 from treetrain.train.config import TrainConfig, dump_config
 from treetrain.train.env_failures import EnvironmentFailedError
 from treetrain.train.evaluation import Evaluator
-from treetrain.train.held_out import HeldOut, check_disjoint, held_out_tasks
+from treetrain.train.held_out import HeldOut
 from treetrain.train.metrics import MetricsWriter, UpdateMetrics, read_evals, read_metrics
 from treetrain.train.models import export_merged, load_models
+from treetrain.train.preflight import Preflight, preflight
 from treetrain.train.progress import Progress
 from treetrain.train.recorded_source import RecordedSource
-from treetrain.train.resume import SAVED_CONFIG, check_resumable, saved_config
-from treetrain.train.rundir import RunLock, abandon_run_dir, claim_run_dir, remove_run_artifacts
+from treetrain.train.resume import SAVED_CONFIG
+from treetrain.train.rundir import RunLock, abandon_run_dir, remove_run_artifacts
 from treetrain.train.summary import RunSummary, plot_rewards
 from treetrain.train.trainer_state import TrainerState, resume_state, save_trainer_state
 from treetrain.train.tree_sources import (
@@ -55,7 +55,6 @@ from treetrain.train.tree_sources import (
     check_first_prompt,
     check_template,
     config_context,
-    task_seeds,
 )
 from treetrain.train.typed import to_dict
 from treetrain.tree.stats import tree_stats
@@ -89,34 +88,26 @@ class Trainer:
         overwrite: bool = False,
         progress: bool = True,
         on_point: OnPoint | None = None,
+        checked: Preflight | None = None,
     ) -> None:
         """`on_point`, if given, is called once an update has taken its trees (`"update-start"`), after each
         update's metrics row (`"update-end"`), inside each checkpoint write of the torch backend
         (`"checkpoint-write"`) and, with `rollout.max_staleness` >= 1, on the sampler thread as a rollout
-        starts and once it is queued (`"rollout-start"`, `"rollout-queued"`): the interruption tests' seam."""
+        starts and once it is queued (`"rollout-start"`, `"rollout-queued"`): the interruption tests' seam.
+        `checked` is what `preflight(cfg, resume=resume, overwrite=overwrite)` returned, when the caller ran
+        those checks before loading torch (the command line does); without it they run here."""
         self.on_point = on_point
         if cfg.threads is not None:
             torch.set_num_threads(cfg.threads)
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
         self.progress = progress
-        # One process (rank 0, known from the launcher before the backend exists) checks, marks and locks
-        # the run directory before anything is loaded or written; a refusal ends every rank (torchrun).
-        self.lock: RunLock | None = None
-        if not cfg.rollout.trees:
-            e = cfg.env  # before the run directory is touched
-            check_environment_config(
-                e.name, e.kwargs, e.rubric, task_seeds(cfg, 0)[0], cfg.rollout.episode.step_timeout_s
-            )
-        check_disjoint(cfg)
-        self.held: HeldOut | None = (
-            held_out_tasks(cfg.env.name, cfg.env.kwargs, cfg.eval.tasks) if cfg.eval.every else None
-        )
-        if int(os.environ.get("RANK", "0")) == 0:
-            self.lock = claim_run_dir(self.run_dir, resume=resume, overwrite=overwrite)
+        # The environment, the held-out tasks and the servers are checked, and the run directory is marked
+        # and locked by one process (rank 0), before anything is loaded; a refusal ends every rank (torchrun).
+        checked = checked or preflight(cfg, resume=resume, overwrite=overwrite)
+        self.held: HeldOut | None = checked.held
+        self.lock: RunLock | None = checked.lock
         try:
-            if resume:  # the same run: only the settings a resume may change differ
-                check_resumable(saved_config(self.run_dir), cfg, self.run_dir / SAVED_CONFIG)
             self._setup(resume=resume, overwrite=overwrite)
         except BaseException as exc:
             self.abandon_unstarted(exc)

@@ -30,6 +30,7 @@ from treetrain.rollout.tree_rollout import RolloutConfig, RolloutResult, rollout
 from treetrain.runfs import make_dirs
 from treetrain.train.config import TrainConfig
 from treetrain.train.env_failures import EnvironmentFailedError, share_failures, too_many, write_failures
+from treetrain.train.held_out import task_seeds
 from treetrain.train.staleness import Dropped, Staleness
 from treetrain.tree import TrajectoryTree
 from treetrain.tree.format import tree_from_bytes, tree_to_bytes
@@ -64,11 +65,6 @@ class Produced:
     @property
     def trees(self) -> tuple[TrajectoryTree, ...]:
         return tuple(t for g in self.groups for t in g)
-
-
-def task_seeds(cfg: TrainConfig, update: int) -> list[int]:
-    n = cfg.rollout.groups_per_update
-    return [cfg.seed * 1_000_003 + update * n + g for g in range(n)]
 
 
 def share_trees(backend: TrainBackend, local: tuple[TrajectoryTree, ...]) -> tuple[TrajectoryTree, ...]:
