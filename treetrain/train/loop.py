@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -24,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from envs.remote import WorkerEnvFactory
 from treetrain.distributed.backend import OnPoint, TrainBackend
@@ -43,7 +45,7 @@ from treetrain.train.held_out import HeldOut
 from treetrain.train.metrics import MetricsWriter, UpdateMetrics, read_evals, read_metrics
 from treetrain.train.models import export_merged, load_models
 from treetrain.train.preflight import Preflight, preflight
-from treetrain.train.progress import Progress
+from treetrain.train.progress import Phases, Progress, eval_line
 from treetrain.train.recorded_source import RecordedSource
 from treetrain.train.resume import SAVED_CONFIG
 from treetrain.train.rundir import RunLock, abandon_run_dir, remove_run_artifacts
@@ -55,6 +57,7 @@ from treetrain.train.tree_sources import (
     check_first_prompt,
     check_template,
     config_context,
+    task_seeds,
 )
 from treetrain.train.typed import to_dict
 from treetrain.tree.stats import tree_stats
@@ -62,6 +65,13 @@ from treetrain.update.run import run_update
 from treetrain.update.window import UpdateWindow
 
 log = logging.getLogger(__name__)
+
+
+def _console_loggers() -> list[logging.Logger]:
+    """The loggers whose console handlers would write across the bar: the root's (treetrain's, the
+    environments') and vLLM's, which has handlers of its own when it was imported."""
+    vllm = logging.getLogger("vllm")
+    return [logging.getLogger(), *([vllm] if vllm.handlers else [])]
 
 
 def seed_everything(seed: int) -> None:
@@ -97,6 +107,8 @@ class Trainer:
         `checked` is what `preflight(cfg, resume=resume, overwrite=overwrite)` returned, when the caller ran
         those checks before loading torch (the command line does); without it they run here."""
         self.on_point = on_point
+        self.phases: Phases | None = None
+        """What the progress bar says the update is doing (set by `run`)."""
         if cfg.threads is not None:
             torch.set_num_threads(cfg.threads)
         self.cfg = cfg
@@ -192,7 +204,7 @@ class Trainer:
                 cfg, self.tokenizer, make, self.backend, self.state.update, self.on_point
             )
         else:
-            self.source = RolloutSource(cfg, self.tokenizer, make, self.backend)
+            self.source = RolloutSource(cfg, self.tokenizer, make, self.backend, on_episode=self._episode)
         self.evaluator: Evaluator | None = None
         if self.held is not None and not isinstance(self.source, RecordedSource):
             self.evaluator = Evaluator(cfg, self.held, self.tokenizer, self.source.wrapper, self.backend)
@@ -214,6 +226,13 @@ class Trainer:
         """Roll out, run one update (`treetrain.update.run.run_update`), and say what it did."""
         cfg = self.cfg
         trained_at = self.state.version
+        if self.phases is not None:
+            if isinstance(self.source, RolloutSource):
+                self.phases.sampling()
+            else:
+                self.phases.show(
+                    "reading trees" if isinstance(self.source, RecordedSource) else "waiting for rollouts"
+                )
         produced = self.source(self.backend.module, index, trained_at)
         if self.on_point is not None:
             self.on_point("update-start", index)
@@ -222,6 +241,8 @@ class Trainer:
         every = cfg.measure_memory_every
         tracker = MemoryTracker(self.device) if every and index % every == 0 else None
         self.backend.set_learning_rate(self.learning_rate(index))
+        if self.phases is not None:  # the first update also calibrates memory (its own bar, below)
+            self.phases.show(f"training on {len(rewards)} episodes")
         start = time.perf_counter()
         outcome = run_update(self.window, cfg, produced.groups, tracker=tracker)
         self.source.trained(index, self.backend.module, self.window.version)
@@ -297,28 +318,17 @@ class Trainer:
         )
         history = self.read_rows() if self.state.update > 0 and self.backend.rank == 0 else []
         progress = Progress.after(history if not bar.disable else [])
-        last_saved = time.monotonic()
+        self.phases = Phases(
+            bar, cfg.rollout.fanout, len(task_seeds(cfg, 0)[self.backend.rank :: self.backend.world_size])
+        )
+        # log lines (and vLLM's) go above the bar through tqdm.write instead of being glued onto it
+        redirect = logging_redirect_tqdm(_console_loggers()) if not bar.disable else contextlib.nullcontext()
         try:
             try:
-                if self.state.update == 0:
-                    self.evaluate()
-                for index in range(self.state.update, cfg.updates):
-                    row = self.update(index)
-                    if self.metrics is not None:
-                        self.metrics.write(row)
-                        history.append(row)
-                        advice = no_signal_advice(history)
-                        if advice is not None:
-                            log.warning("%s", advice)
-                    self.evaluate()
-                    if self.on_point is not None:
-                        self.on_point("update-end", index)
-                    bar.set_postfix(progress.fields(row), refresh=False)  # shown by the update below
-                    bar.update(1)
-                    if self._checkpoint_due(index, last_saved):
-                        save_trainer_state(self.backend, self.run_dir, self.state, to_dict(cfg))
-                        last_saved = time.monotonic()
+                with redirect:
+                    self._updates(bar, progress, history)
             finally:
+                self.phases = None
                 bar.close()
                 if self.metrics is not None:
                     self.metrics.close()
@@ -335,6 +345,39 @@ class Trainer:
             raise
         finally:
             self.close()
+
+    def _updates(self, bar: tqdm, progress: Progress, history: list[UpdateMetrics]) -> None:
+        """The updates still to run, each written, shown (on the bar, or as a log line without one), evaluated
+        and checkpointed when due."""
+        cfg = self.cfg
+        last_saved = time.monotonic()
+        if self.state.update == 0:
+            self.evaluate()
+        for index in range(self.state.update, cfg.updates):
+            row = self.update(index)
+            if self.metrics is not None:
+                self.metrics.write(row)
+                history.append(row)
+                if bar.disable:  # --no-progress: a line per update
+                    log.info("%s", Progress.line(row, cfg.updates))
+                advice = no_signal_advice(history)
+                if advice is not None:
+                    log.warning("%s", advice)
+            if self.phases is not None:
+                self.phases.show(None)
+            self.evaluate()
+            if self.on_point is not None:
+                self.on_point("update-end", index)
+            bar.set_postfix(progress.fields(row), refresh=False)  # shown by the update below
+            bar.update(1)
+            if self._checkpoint_due(index, last_saved):
+                save_trainer_state(self.backend, self.run_dir, self.state, to_dict(cfg))
+                last_saved = time.monotonic()
+
+    def _episode(self) -> None:
+        """A trajectory of the rollout finished: the bar counts it."""
+        if self.phases is not None:
+            self.phases.episode()
 
     def _checkpoint_due(self, index: int, last_saved: float) -> bool:
         """Checkpoint after update `index`: every `checkpoint_every` updates, or once `checkpoint_every_s`
@@ -357,11 +400,7 @@ class Trainer:
         model = self.backend.module
         with self.source.serving(model, self.state.version) as engine:
             row = self.evaluator(model, engine, self.state.update, self.state.version)
-        log.info(
-            "eval after %d updates: pass@1 %.3f, pass@%d %.3f, mean reward %.3f over %d held-out tasks (%s)",
-            row.update, row.pass_at_1, row.samples, row.pass_at_k, row.reward_mean, row.tasks,
-            self.evaluator.held.source,
-        )  # fmt: skip
+        log.info("%s", eval_line(row, self.evaluator.held.source))
         if self.metrics is not None:
             self.metrics.write_eval(row)
 

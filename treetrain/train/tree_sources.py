@@ -96,8 +96,15 @@ class RolloutSource:
     """
 
     def __init__(
-        self, cfg: TrainConfig, tokenizer: Any, make_env: Callable[[], Environment], backend: TrainBackend
+        self,
+        cfg: TrainConfig,
+        tokenizer: Any,
+        make_env: Callable[[], Environment],
+        backend: TrainBackend,
+        on_episode: Callable[[], None] | None = None,
     ) -> None:
+        """`on_episode` is called as each trajectory of a rollout finishes (the trainer's progress bar)."""
+        self.on_episode = on_episode
         self.cfg = cfg
         self.backend = backend
         self.tokenizer = tokenizer
@@ -132,7 +139,7 @@ class RolloutSource:
         model.eval()
         try:
             engine = self._engine(model, version)
-            config = rollout_config(self.cfg, self.wrapper, version)
+            config = replace(rollout_config(self.cfg, self.wrapper, version), on_episode=self.on_episode)
             with self.backend.uneven():  # ranks generate different lengths (ZeRO-3: fetches rendezvous)
                 result = rollout_trees(
                     model, self.tokenizer, self.make_env, task_seeds(self.cfg, update)[rank::world], out_dir,
