@@ -398,8 +398,12 @@ class Trainer:
             return
         assert not isinstance(self.source, RecordedSource)
         model = self.backend.module
+        if self.phases is not None:
+            self.phases.show(f"evaluating {len(self.evaluator.held.seeds)} held-out tasks")
         with self.source.serving(model, self.state.version) as engine:
             row = self.evaluator(model, engine, self.state.update, self.state.version)
+        if self.phases is not None:
+            self.phases.show(None)
         log.info("%s", eval_line(row, self.evaluator.held.source))
         if self.metrics is not None:
             self.metrics.write_eval(row)
