@@ -186,7 +186,7 @@ def test_no_progress_logs_one_line_per_update(
     rows = read_metrics(run / "metrics.jsonl")
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("update ")]
     assert lines == [Progress.line(r, 2) for r in rows], lines
-    assert lines[0].startswith(f"update 1/2: reward {rows[0].reward_mean:.3f}") and "loss " in lines[0]
+    assert lines[0].startswith(f"update 0 (1/2): reward {rows[0].reward_mean:.3f}") and "loss " in lines[0]
     assert "rollout " in lines[1] and "train " in lines[1] and "tokens " in lines[1]
     assert "%|" not in err  # no bar
     assert out.splitlines()[-1] == (
@@ -201,7 +201,7 @@ def test_line_names_the_lag_and_only_a_measured_peak() -> None:
     assert Progress.line(lagged, 9).endswith("lag 0.50 (max 1), peak 2.0 KiB")
     idle = Progress.line(_row(5, None, dropped=1), 9)
     assert (
-        idle.startswith("update 6/9: reward 0.250 (std 0.400), no step: all 1 groups dropped")
+        idle.startswith("update 5 (6/9): reward 0.250 (std 0.400), no step: all 1 groups dropped")
         and "loss" not in idle
     )
 

@@ -25,7 +25,7 @@ Without the bar (`--no-progress`, a batch job's log) each update is one line ins
 when this update measured it:
 
     >>> Progress().line(row(1, 3 * 2**20), total=60)
-    'update 2/60: reward 0.500 (std 0.500), loss 0.1, tokens 150 (saved 61% of flat), rollout 1.0s, train 2.0s, peak 3.0 MiB'
+    'update 1 (2/60): reward 0.500 (std 0.500), loss 0.1, tokens 150 (saved 61% of flat), rollout 1.0s, train 2.0s, peak 3.0 MiB'
 """
 
 from __future__ import annotations
@@ -77,7 +77,8 @@ class Progress:
 
     @staticmethod
     def line(row: UpdateMetrics, total: int) -> str:
-        """One log line for `row`: the update (counted from 1, of `total`), reward, loss, tokens replayed,
+        """One log line for `row`: the update (its index, as metrics.jsonl and the warnings name it, and how
+        many of `total` are done), reward, loss, tokens replayed,
         rollout and train seconds, the version lag when there is one, and the peak when it was measured."""
         parts = [f"reward {row.reward_mean:.3f} (std {row.reward_std:.3f})"]
         if row.groups and row.groups_dropped >= row.groups:
@@ -93,7 +94,7 @@ class Progress:
             parts.append(f"lag {row.staleness_mean:.2f} (max {row.staleness_max})")
         if row.peak_bytes is not None:
             parts.append(f"peak {format_bytes(row.peak_bytes)}")
-        return f"update {row.update + 1}/{total}: " + ", ".join(parts)
+        return f"update {row.update} ({row.update + 1}/{total}): " + ", ".join(parts)
 
 
 def sampling_phase(done: int, tasks: int, fanout: FanOut) -> str:
