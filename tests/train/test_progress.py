@@ -255,3 +255,20 @@ def test_the_bar_says_what_the_update_is_doing(tmp_path: Path, capsys: pytest.Ca
     )
     assert len(set(counts)) == 9, said  # each episode as it finished
     assert said.index("train (training on 8 episodes)") > said.index(counts[-1]), said
+
+
+@pytest.mark.parametrize("hidden", [False, True])
+def test_no_progress_reaches_the_calibration_bar(monkeypatch: pytest.MonkeyPatch, hidden: bool) -> None:
+    """`hide_library_bars` sets tqdm's own `TQDM_DISABLE`, which the memory calibration's bar (drawn on a
+    terminal otherwise) honours; without it the bar is left to tqdm's terminal check (the control)."""
+    import treetrain.memory.calibrate as calibrate
+    from treetrain.models.presets import tiny_model
+    from treetrain.train.progress import hide_library_bars
+
+    monkeypatch.setenv("TQDM_DISABLE", "")  # recorded: hide_library_bars's change is undone after the test
+    if hidden:
+        hide_library_bars()
+    asked: list[object] = []
+    monkeypatch.setattr(calibrate, "tqdm", lambda probes, **kw: asked.append(kw["disable"]) or [])
+    calibrate.measure(tiny_model("llama", 64), "exact", with_entropy=False, max_logit_elements=1 << 16)
+    assert asked == [True if hidden else None]

@@ -146,6 +146,7 @@ class VLLMEngine:
             "model": model_dir, "skip_tokenizer_init": True, "dtype": dtype, "seed": seed,
             "max_model_len": max_model_len, "enable_prefix_caching": True, "logprobs_mode": "processed_logprobs",
             "distributed_executor_backend": "uni", "max_num_seqs": settings.max_num_seqs,
+            "use_tqdm_on_load": os.environ.get("TQDM_DISABLE", "") in ("", "0"),  # `--no-progress`: no bar
         }  # fmt: skip
         if self._adapters is not None and lora is not None:
             kwargs.update(enable_lora=True, max_lora_rank=lora.rank, max_loras=1)
