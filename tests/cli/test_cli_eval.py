@@ -38,6 +38,11 @@ CASES = {
         "not a local file or directory",
     ),
     "lora adapters": (["--model", "ADAPTERS", "--env", "calculator"], "LoRA adapters only"),
+    "a run directory": (
+        ["--model", "RUN", "--env", "calculator"],
+        "RUN is a run directory, not a model; score its final model (--model RUN/final) or one of its "
+        "checkpoints (--model RUN/checkpoints/update-XXXXX)",
+    ),
 }
 
 PROBE = """
@@ -59,9 +64,13 @@ def test_bad_arguments_are_one_line_before_torch_loads(tmp_path: Path) -> None:
     adapters = tmp_path / "final"
     adapters.mkdir()
     (adapters / "adapter_config.json").write_text("{}")
-    argvs = {
-        name: [str(adapters) if a == "ADAPTERS" else a for a in argv] for name, (argv, _) in CASES.items()
-    }
+    run = tmp_path / "ds"  # a run directory, with its final model
+    (run / "final").mkdir(parents=True)
+    (run / ".treetrain-run").write_text('{"schema": "treetrain.run/1"}\n')
+    (run / "config.yaml").write_text("updates: 1\n")
+    (run / "final" / "config.json").write_text("{}")
+    places = {"ADAPTERS": str(adapters), "RUN": str(run)}
+    argvs = {name: [places.get(a, a) for a in argv] for name, (argv, _) in CASES.items()}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(
         [sys.executable, "-c", PROBE, json.dumps(argvs)], capture_output=True, text=True, timeout=280, env=env,
@@ -74,7 +83,7 @@ def test_bad_arguments_are_one_line_before_torch_loads(tmp_path: Path) -> None:
     assert len(lines) == len(CASES), done.stderr
     for (name, (_, wanted)), line in zip(CASES.items(), lines):
         assert report["codes"][name] == 2, (name, report)
-        assert wanted in line, (name, line)
+        assert wanted.replace("RUN", str(run)) in line, (name, line)
     assert report["torch"] is False
 
 
@@ -88,3 +97,30 @@ def test_the_verb_is_listed_and_its_flags_parse(capsys: pytest.CaptureFixture[st
     with pytest.raises(SystemExit) as caught:
         main(["eval", "--env", "calculator"])  # --model is required
     assert caught.value.code == 2
+
+
+def test_a_checkpoint_is_scored_as_after_its_own_updates(tmp_path: Path) -> None:
+    """`eval --json` on `checkpoints/update-00003/` reports update 3 (its trainer state), `final/` the run's
+    last checkpoint when it was exported after it, and a model that is no run's 0."""
+    import os
+
+    from treetrain.cli.eval import trained_at
+    from treetrain.distributed.checkpoint_io import STATE_FILE, write_client_state
+
+    run = tmp_path / "run"
+    for update in (2, 3):
+        (run / "checkpoints" / f"update-{update:05d}").mkdir(parents=True)
+        write_client_state(
+            run / "checkpoints" / f"update-{update:05d}", {"update": update, "version": update - 1}
+        )
+    (run / "final").mkdir()
+    (run / "final" / "config.json").write_text("{}")
+    assert trained_at(run / "checkpoints" / "update-00003") == (3, 2)
+    assert trained_at(run / "checkpoints" / "update-00002") == (2, 1)
+    assert trained_at(run / "final") == (3, 2)
+    assert trained_at(tmp_path / "elsewhere") == (0, 0)
+    # the control: a checkpoint newer than final/ (a resume that never finished) is not final/'s
+    newest = run / "checkpoints" / "update-00003" / STATE_FILE
+    later = (run / "final" / "config.json").stat().st_mtime + 60
+    os.utime(newest, (later, later))
+    assert trained_at(run / "final") == (0, 0)

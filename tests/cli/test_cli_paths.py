@@ -159,6 +159,65 @@ def test_config_errors_are_answered_before_torch_is_imported(argv: list[str], ne
     assert result["heavy"] == [], f"imported {result['heavy']} before answering {argv}"
 
 
+def _closed_port() -> int:
+    """A local port nothing listens on (bound, then released)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.launch  # each case answers in a fresh interpreter
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("verb", "sets", "needle"),
+    [
+        ("train", ["env.name=nosuch"], "unknown environment 'nosuch'"),
+        ("train", ["env.name=dataset", "env.kwargs.path={tmp}/missing.jsonl"], "is not a local file"),
+        ("train", ["env.name=dataset", "env.kwargs.path={tmp}/bad.jsonl"], "row 2: prompt: must be"),
+        ("train", ["env.rubric=nope"], "env.rubric: CalculatorEnv has no rubric 'nope'"),
+        ("train", ["eval.every=1", "env.name=dataset", "env.kwargs.path={tasks}"], "no held-out rows"),
+        (
+            "train",
+            ["rollout.engine=vllm-server", 'rollout.vllm.urls=["http://127.0.0.1:{port}"]'],
+            "rollout.vllm.urls: no vllm serve answers at http://127.0.0.1:{port} (GET /v1/models: cannot connect",
+        ),
+        ("train", ["run_dir={tmp}/taken"], "already holds a run"),
+        (
+            "eval",
+            ["rollout.engine=vllm-server", 'rollout.vllm.urls=["http://127.0.0.1:{port}"]'],
+            "rollout.vllm.urls: no vllm serve answers at http://127.0.0.1:{port}",
+        ),
+    ],
+)
+def test_input_errors_are_answered_before_torch_is_imported(
+    tmp_path: Path, verb: str, sets: list[str], needle: str
+) -> None:
+    """The environment, its task file, the held-out split, the servers and the run directory are checked before
+    torch loads: each of these took 8-19 s (torch, the model, then the check) and now takes about one."""
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "1 + 1?", "answer": 2}\n{"prompt": 3}\n')
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / ".treetrain-run").write_text('{"schema": "treetrain.run/1"}\n')
+    (taken / "config.yaml").write_text("updates: 1\n")
+    values = {
+        "tmp": str(tmp_path),
+        "tasks": str(REPO / "tests" / "assets" / "tasks.jsonl"),
+        "port": str(_closed_port()),
+    }
+    argv = [verb, *(a for s in sets for a in ("--set", s.format(**values)))]
+    if verb == "eval":
+        argv += ["--model", str(SAFETENSORS.parent), "--env", "calculator"]
+    elif not any(s.startswith("run_dir=") for s in sets):  # --run-dir would win over --set run_dir=
+        argv += ["--run-dir", str(tmp_path / "run")]
+    result = _fresh(PROBE.format(argv=argv, heavy=HEAVY))
+    assert result["code"] == 2 and needle.format(**values) in str(result["err"]), result
+    assert len(str(result["err"]).strip().splitlines()) == 1, result
+    assert result["heavy"] == [], f"imported {result['heavy']} before answering {argv}"
+    assert not (tmp_path / "run").exists()  # refused before the run directory was touched
+
+
 @pytest.mark.launch  # a fresh interpreter
 def test_the_import_probe_sees_torch_when_it_is_imported() -> None:
     """Negative control: the same probe, on a verb that loads a model, does report torch."""

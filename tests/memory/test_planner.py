@@ -7,6 +7,7 @@ import pytest
 import torch
 from support.replay_cases import VOCAB
 
+from treetrain.bytesize import format_bytes
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
 from treetrain.loss.loss_config import LossConfig
 from treetrain.memory.overrides import Overrides
@@ -119,6 +120,24 @@ def test_budget_nothing_fits_in_is_refused_with_the_smallest_peak(model) -> None
         plan_update(batch_of(64, 4, 8), model, budget=1000)
     with pytest.raises(ValueError, match="budget"):
         plan_update(batch_of(64, 4, 8), model, budget=0)
+
+
+@pytest.mark.parametrize("mode", ["tree", "flat"])
+def test_a_forced_mode_over_its_budget_says_so_in_one_line(model, mode: str) -> None:
+    """The planner keeps a forced mode even when it does not fit; `over_budget` names its smallest peak, the
+    budget and what to change (the trainer refuses the plan with it, `treetrain plan` shows it)."""
+    batch = batch_of(64, 4, 8)
+    roomy = plan_update(batch, model, budget=LARGE, overrides=Overrides(mode=mode))  # type: ignore[arg-type]
+    assert roomy.over_budget is None and "refused" not in roomy.explain()  # the control: it fits
+    tight = plan_update(batch, model, budget=1000, overrides=Overrides(mode=mode))  # type: ignore[arg-type]
+    chosen = tight.tree if mode == "tree" else tight.flat
+    line = tight.over_budget
+    assert line is not None and "\n" not in line
+    assert line.startswith(
+        f"mode={mode} was forced, and its smallest predicted peak {format_bytes(chosen.peak)}"
+    )
+    assert "exceeds memory_budget 1000 B" in line and f"at least {format_bytes(chosen.peak)}" in line
+    assert f"refused by train: {line}" in tight.explain()
 
 
 def test_contract_is_planned_as_given(model) -> None:

@@ -285,3 +285,18 @@ def test_builtin_lookup_rollout_shares_the_long_prompt(tmp_path: Path) -> None:
     first = tree.nodes[tree.nodes[0].children[0]]
     assert len(first.trajectories) == 3 and len(first) >= 500 and set(first.roles) == {Role.PROMPT}
     assert all(t.meta.env == "lookup" and 0.0 <= t.reward <= 1.0 for t in tree.trajectories())
+
+
+@pytest.mark.parametrize("concurrent", [True, False])
+def test_on_episode_counts_every_finished_trajectory(tmp_path: Path, concurrent: bool) -> None:
+    """`RolloutConfig.on_episode` (what the trainer's bar counts) is called once per trajectory, on the
+    concurrent scheduler and on the sequential loop alike."""
+    finished: list[int] = []
+    fan = FanOut(root=3, after_tool_result=2, max_depth=3)
+    config = RolloutConfig(
+        wrapper=SHORT, fanout=fan, concurrent=concurrent, on_episode=lambda: finished.append(len(finished))
+    )
+    engine = HFEngine(MODEL) if concurrent else None
+    result = rollout_trees(MODEL, tokenizer(), FixedTurnsEnv, [0, 1], tmp_path, config, "fixed", engine)
+    assert len(finished) == sum(len(t.trajectories()) for t in result.trees) == 2 * 3 * 2 * 2
+    assert RolloutConfig(on_episode=print) == RolloutConfig()  # it shapes nothing

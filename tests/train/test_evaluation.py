@@ -195,6 +195,6 @@ def test_treetrain_eval_agrees_with_the_runs_last_evaluation(
     for model, argv in runs:
         assert main(["eval", "--model", str(model), *argv]) == 0
         out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-        assert (out["tasks"], out["samples"]) == (3, 1), model
+        assert (out["tasks"], out["samples"], out["update"]) == (3, 1, 2), model
         # greedy decoding of the same weights on the same tasks: the same rewards
         assert out["reward_mean"] == last.reward_mean and out["pass_at_1"] == last.pass_at_1, model

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from treetrain.cli.main import main
 from treetrain.train.config import load_config
 from treetrain.train.loop import Trainer
 from treetrain.train.metrics import UpdateMetrics, read_metrics
@@ -150,3 +152,123 @@ def test_plan_no_progress_hides_the_weight_loading_bar_too(tmp_path: Path) -> No
     )
     assert done.returncode == 0 and "speedup" in done.stdout, done.stderr
     assert "Loading weights" not in done.stderr and "%|" not in done.stderr, done.stderr
+
+
+def _recorded(tmp_path: Path, *extra: str):
+    """Two updates on two recorded trees (no environment, no rollout): the cheapest real run."""
+    trees = tmp_path / "trees"
+    trees.mkdir()
+    group = dict(prefix=24, branches=4, suffix=4, depth=1, vocab=64)
+    for seed in (0, 1):
+        save_trees(
+            [synthetic_group(**group, seed=seed, rewards=[1.0, 0.0, 0.0, 1.0])], trees / f"{seed}.msgpack"
+        )
+    sets = [
+        "model.path=tiny-llama", f"rollout.trees={trees}/*.msgpack", "rollout.groups_per_update=1", "updates=2",
+        "measure_memory_every=1", "checkpoint_every=0", f"run_dir={tmp_path / 'run'}", *extra,
+    ]  # fmt: skip
+    return load_config(None, sets)
+
+
+def test_no_progress_logs_one_line_per_update(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """`--no-progress` draws no bar and logs each update in one line instead (a batch job is not silent until
+    its summary); the last line names what the run directory holds."""
+    run = tmp_path / "run"
+    cfg = _recorded(tmp_path)
+    caplog.set_level("INFO", logger="treetrain.train.loop")
+    sets = [f"rollout.trees={cfg.rollout.trees}", "model.path=tiny-llama", "rollout.groups_per_update=1"]
+    sets += ["updates=2", "checkpoint_every=0"]
+    argv = ["train", "--run-dir", str(run), "--no-progress", *(a for kv in sets for a in ("--set", kv))]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    rows = read_metrics(run / "metrics.jsonl")
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("update ")]
+    assert lines == [Progress.line(r, 2) for r in rows], lines
+    assert lines[0].startswith(f"update 0 (1/2): reward {rows[0].reward_mean:.3f}") and "loss " in lines[0]
+    assert "rollout " in lines[1] and "train " in lines[1] and "tokens " in lines[1]
+    assert "%|" not in err  # no bar
+    assert out.splitlines()[-1] == (
+        f"run directory: {run} (metrics.jsonl, reward.png, summary.txt, final/, checkpoints/)"
+    )
+
+
+def test_line_names_the_lag_and_only_a_measured_peak() -> None:
+    row = _row(4, None)
+    assert "peak" not in Progress.line(row, 9) and "lag" not in Progress.line(row, 9)
+    lagged = replace(_row(4, 2048), staleness_mean=0.5, staleness_max=1)
+    assert Progress.line(lagged, 9).endswith("lag 0.50 (max 1), peak 2.0 KiB")
+    idle = Progress.line(_row(5, None, dropped=1), 9)
+    assert (
+        idle.startswith("update 5 (6/9): reward 0.250 (std 0.400), no step: all 1 groups dropped")
+        and "loss" not in idle
+    )
+
+
+@pytest.mark.parametrize("redirected", [True, False])
+def test_log_lines_are_never_glued_onto_the_bar(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, redirected: bool
+) -> None:
+    """A line logged while the bar is drawn is written above it (tqdm's logging redirect), never appended to
+    the bar's last frame; the control (the redirect taken out) shows the line glued, so the check can fail."""
+    import contextlib
+    import logging
+    import sys
+
+    import treetrain.train.loop as loop
+
+    if not redirected:
+        monkeypatch.setattr(loop, "logging_redirect_tqdm", lambda loggers: contextlib.nullcontext())
+    console = logging.StreamHandler(sys.stderr)  # what `treetrain train` installs (logging.basicConfig)
+    logging.getLogger().addHandler(console)
+    note = logging.getLogger("treetrain.test")
+    note.setLevel("INFO")
+    try:
+        trainer = Trainer(
+            _recorded(tmp_path), progress=True, on_point=lambda point, i: note.info("note %d", i)
+        )
+        trainer.run()
+    finally:
+        logging.getLogger().removeHandler(console)
+    err = capsys.readouterr().err
+    segments = [seg for line in err.split("\n") for seg in line.split("\r")]
+    notes = [seg for seg in segments if "note 0" in seg]
+    assert notes, err
+    assert all(seg == "note 0" for seg in notes) == redirected, notes
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.launch  # an end-to-end run: it starts its environment worker processes
+def test_the_bar_says_what_the_update_is_doing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The first update no longer sits at `0/N` without a word: it counts the episodes as they finish, then
+    says it trains."""
+    from support.train_cases import TINY
+
+    cfg = load_config(None, [*TINY, "updates=1", "checkpoint_every=0", f"run_dir={tmp_path / 'run'}"])
+    Trainer(cfg, progress=True).run()
+    frames = [f for f in capsys.readouterr().err.replace("\n", "\r").split("\r") if f.startswith("train")]
+    said = [f.split(":")[0] for f in frames]
+    counts = [s for s in said if s.startswith("train (sampling")]
+    assert counts[0] == "train (sampling 0/8 episodes)" and counts[-1] == "train (sampling 8/8 episodes)", (
+        said
+    )
+    assert len(set(counts)) == 9, said  # each episode as it finished
+    assert said.index("train (training on 8 episodes)") > said.index(counts[-1]), said
+
+
+@pytest.mark.parametrize("hidden", [False, True])
+def test_no_progress_reaches_the_calibration_bar(monkeypatch: pytest.MonkeyPatch, hidden: bool) -> None:
+    """`hide_library_bars` sets tqdm's own `TQDM_DISABLE`, which the memory calibration's bar (drawn on a
+    terminal otherwise) honours; without it the bar is left to tqdm's terminal check (the control)."""
+    import treetrain.memory.calibrate as calibrate
+    from treetrain.models.presets import tiny_model
+    from treetrain.train.progress import hide_library_bars
+
+    monkeypatch.setenv("TQDM_DISABLE", "")  # recorded: hide_library_bars's change is undone after the test
+    if hidden:
+        hide_library_bars()
+    asked: list[object] = []
+    monkeypatch.setattr(calibrate, "tqdm", lambda probes, **kw: asked.append(kw["disable"]) or [])
+    calibrate.measure(tiny_model("llama", 64), "exact", with_entropy=False, max_logit_elements=1 << 16)
+    assert asked == [True if hidden else None]

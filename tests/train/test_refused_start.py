@@ -154,3 +154,16 @@ def test_import_of_a_small_comb_writes_a_file_inspect_reads(tmp_path: Path, caps
     [written] = list(out.iterdir())
     capsys.readouterr()
     assert main(["inspect", str(written)]) == 0
+
+
+def test_a_forced_mode_refuses_a_budget_it_cannot_meet(tmp_path: Path, capsys) -> None:
+    """`mode=tree` with a `memory_budget` below tree's smallest predicted peak is refused at the plan, in one
+    line naming the peak, the budget and what to change, instead of replaying into an out-of-memory error."""
+    trees = _trees_without_logprobs(tmp_path / "trees")
+    run = tmp_path / "run"
+    argv = ["train", "--run-dir", str(run), "--trees", str(trees), *TINY, "--set", "mode=tree"]
+    assert main([*argv, "--set", "memory_budget=4KiB"]) == 2
+    err = _one_line(capsys)
+    assert "mode=tree was forced, and its smallest predicted peak" in err, err
+    assert "exceeds memory_budget 4.0 KiB: raise memory_budget to at least" in err, err
+    assert main([*argv, "--set", "memory_budget=4GiB"]) == 0, capsys.readouterr().err  # the control: it fits

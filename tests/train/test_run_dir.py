@@ -60,8 +60,9 @@ def test_overwrite_removes_only_what_a_run_wrote(tmp_path: Path) -> None:
         "checkpoints/update-00001/model.safetensors", "checkpoints/.update-00002.tmp-0123456789ab/x",
         "rollouts/update-00000/a.msgpack", "tensorboard/events", ".config.yaml.abcd_123.tmp", "final-merged/w",
         "engine-weights/current/model-00000.safetensors", "engine-weights/.current.tmp-0123456789ab/x",
+        "eval/update-00001/trees/a.msgpack", "env-errors/update-00001.log",
     ]  # fmt: skip
-    users = ["checkpoints/my-model.pt", "rollouts/notes.txt", "notes.md", "final-answer/x"]
+    users = ["checkpoints/my-model.pt", "rollouts/notes.txt", "notes.md", "final-answer/x", "eval/mine.txt"]
     for name in written + users:
         (run / name).parent.mkdir(parents=True, exist_ok=True)
         (run / name).write_text(name)
@@ -101,6 +102,23 @@ def test_what_a_run_stopped_at_update_0_keeps_is_taken_as_new_and_nothing_else(t
     with pytest.raises(RunDirError, match="already holds a run"):
         claim_run_dir(run, resume=False, overwrite=False)
     assert (run / "env-errors" / "notes.txt").read_text() == "mine"
+
+
+def test_the_docs_list_everything_overwrite_removes() -> None:
+    """docs/run-directory.md's `--overwrite` bullet names every entry a run owns, `eval/` included."""
+    from treetrain.train.rundir import ENV_ERRORS, OWN_DIRS, OWN_FILES, OWN_PARENTS
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "run-directory.md").read_text()
+    bullet = text[text.index("- `--overwrite` on a treetrain run") :].split("\n- ")[0]
+    named = [
+        *(f"`{f}`" for f in OWN_FILES),
+        *(f"`{d}/`" for d in OWN_DIRS),
+        *(f"`{p}/update-NNNNN/`" for p in OWN_PARENTS),
+        f"`{ENV_ERRORS}/update-NNNNN.log`",
+    ]
+    assert [n for n in named if n not in bullet] == []
+    cut = bullet.replace("`eval/update-NNNNN/`", "")  # the control: the bullet as it was, without eval/
+    assert [n for n in named if n not in cut] == ["`eval/update-NNNNN/`"]
 
 
 def test_leftovers_of_interrupted_writes_are_cleaned_up(tmp_path: Path) -> None:

@@ -81,6 +81,7 @@ def _config(args: argparse.Namespace) -> tuple[TrainConfig, Path | None]:
     from treetrain.train.config import check_paths, load_config
     from treetrain.train.eval_weights import check_weight_files
     from treetrain.train.resume import SAVED_CONFIG, saved_config
+    from treetrain.train.rundir import is_run_dir
 
     problem = path_problem(args.model, "directory")
     if problem is not None:
@@ -109,6 +110,13 @@ def _config(args: argparse.Namespace) -> tuple[TrainConfig, Path | None]:
         raise ConfigError(
             f"--model: {directory} holds LoRA adapters only; score the run's final-merged/ "
             "(model.lora.export_merged=true) or one of its checkpoints/update-XXXXX/"
+        )
+    elif is_run_dir(directory) or (directory / "config.yaml").is_file():
+        scored = [p for p in ("final-merged", "final") if (directory / p / "config.json").is_file()][-1:]
+        raise ConfigError(
+            f"--model: {directory} is a run directory, not a model; score "
+            + (f"its final model (--model {directory / scored[0]}) or " if scored else "")
+            + f"one of its checkpoints (--model {directory / 'checkpoints' / 'update-XXXXX'})"
         )
     else:
         raise ConfigError(
@@ -144,7 +152,39 @@ def _run_of(directory: Path) -> Path | None:
     return run if (run / "config.yaml").is_file() else None
 
 
+def trained_at(directory: Path) -> tuple[int, int]:
+    """(updates completed, model version) of the weights in `directory`, as an evaluation row reports them: a
+    checkpoint's own trainer state; for a run's `final/` (or `final-merged/`), the run's newest checkpoint
+    when `final/` was exported after it (the end of a run writes one, then the other); (0, 0) otherwise."""
+    from treetrain.distributed.checkpoint_io import STATE_FILE, CheckpointError, read_client_state
+
+    if directory.parent.name == "checkpoints":
+        state_dir: Path | None = directory
+    elif directory.name in ("final", "final-merged") and (directory / "config.json").is_file():
+        saved = sorted((directory.parent / "checkpoints").glob("update-[0-9]*"))
+        state_dir = saved[-1] if saved else None
+        if state_dir is not None and _mtime(state_dir / STATE_FILE) > _mtime(directory / "config.json"):
+            state_dir = None  # a later run (a resume) checkpointed without exporting: not these weights
+    else:
+        state_dir = None
+    if state_dir is None:
+        return 0, 0
+    try:
+        state = read_client_state(state_dir)
+        return int(state["update"]), int(state["version"])
+    except (CheckpointError, KeyError, TypeError, ValueError):
+        return 0, 0
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return float("inf")
+
+
 def run(args: argparse.Namespace) -> int:
+    from treetrain.rollout.engines.server_calls import check_reachable
     from treetrain.rollout.env_check import check_environment_config
     from treetrain.train.held_out import held_out_tasks
 
@@ -155,11 +195,13 @@ def run(args: argparse.Namespace) -> int:
         check_environment_config(
             e.name, held.kwargs, e.rubric, held.seeds[0], cfg.rollout.episode.step_timeout_s
         )
+        if cfg.rollout.engine == "vllm-server":  # before the model loads
+            check_reachable(cfg.rollout.vllm.urls)
     except TreetrainError as exc:
         print(f"treetrain eval: {exc}", file=sys.stderr)
         return 2
     try:
-        row = score(cfg, held, weights)
+        row = score(cfg, held, weights, trained_at(Path(args.model)))
     except (TreetrainError, OSError) as exc:
         print(f"treetrain eval: {exc}", file=sys.stderr)
         return 2
@@ -181,8 +223,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def score(cfg: TrainConfig, held: HeldOut, weights: Path | None) -> EvalMetrics:
-    """Load the model, sample the held-out tasks on `rollout.engine`, and return the scores."""
+def score(cfg: TrainConfig, held: HeldOut, weights: Path | None, at: tuple[int, int] = (0, 0)) -> EvalMetrics:
+    """Load the model, sample the held-out tasks on `rollout.engine`, and return the scores, reported as
+    after `at` = (updates, version) (`trained_at`)."""
     from envs.remote import WorkerEnvFactory
     from treetrain.rollout.engines.factory import make_engine
     from treetrain.train.eval_weights import load_checkpoint_weights
@@ -217,4 +260,4 @@ def score(cfg: TrainConfig, held: HeldOut, weights: Path | None) -> EvalMetrics:
         if engine is not None:
             engine.close()
         factory.close()
-    return scores.metrics(0, 0, cfg.eval.pass_threshold, seconds, cfg.eval.greedy)
+    return scores.metrics(*at, cfg.eval.pass_threshold, seconds, cfg.eval.greedy)

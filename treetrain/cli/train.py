@@ -84,15 +84,24 @@ def run(args: argparse.Namespace) -> int:
             print(dump_config(cfg), end="")
             return 0
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from treetrain.train.preflight import preflight
+    from treetrain.train.rundir import is_run_dir
+
+    try:  # every mistake seen without torch is answered before it loads (seconds, not a minute)
+        checked = preflight(cfg, resume=args.resume, overwrite=args.overwrite)
+    except (TreetrainError, OSError) as exc:
+        print(f"treetrain train: {exc}", file=sys.stderr)
+        return 2
     if args.no_progress:
         from treetrain.train.progress import hide_library_bars
 
-        hide_library_bars()
+        hide_library_bars()  # imports transformers
     from treetrain.train.loop import Trainer
-    from treetrain.train.rundir import is_run_dir
 
     try:
-        trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress)
+        trainer = Trainer(
+            cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress, checked=checked
+        )
         summary = trainer.run()
     except Exception as exc:
         if is_disk_full(exc):  # the place that was full, advised for (another --run-dir only for the run's)
@@ -112,8 +121,8 @@ def run(args: argparse.Namespace) -> int:
             print("treetrain train: interrupted before the run started; nothing was kept", file=sys.stderr)
         return 130
     if trainer.backend.rank == 0:
+        from treetrain.train.summary import run_contents
+
         print(summary.text(trainer.read_rows()))
-        print(
-            f"run directory: {cfg.run_dir} (metrics.jsonl, reward.png, summary.txt, rollouts/, final/, checkpoints/)"
-        )
+        print(f"run directory: {cfg.run_dir} ({run_contents(Path(cfg.run_dir))})")
     return 0

@@ -42,6 +42,7 @@ Example:
 from __future__ import annotations
 
 import hashlib
+import os
 import random
 from dataclasses import dataclass
 
@@ -318,7 +319,13 @@ def measure(
     try:
         name = str(getattr(model.config, "model_type", "model"))
         chosen = probes_for(model) if probes is None else probes
-        shown = tqdm(chosen, desc=f"calibrating {name} memory ({contract})", leave=False, disable=None)
+        hidden = os.environ.get("TQDM_DISABLE", "") not in ("", "0")  # `--no-progress`: no bars at all
+        shown = tqdm(
+            chosen,
+            desc=f"calibrating {name} memory ({contract})",
+            leave=False,
+            disable=True if hidden else None,
+        )
         for seed, probe in enumerate(shown):
             for p in model.parameters():  # the ledger books gradients from the window's start
                 # (not a ZeRO-3 parameter: it is partitioned here, its gradient has the full shape)

@@ -125,6 +125,25 @@ class Plan:
         keep = KeptGraphs(self.keep_graph) if self.keep_graph else None
         return ReplayRecipe("tree", config, self.retention, keep_graph=keep, tracker=tracker)
 
+    @property
+    def over_budget(self) -> str | None:
+        """Why this plan cannot run within its budget, in one line naming the smallest predicted peak, the
+        budget and what to change; None when it fits. Only a forced mode gets here (the planner never chooses
+        a mode that does not fit): the trainer refuses such a plan, `treetrain plan` shows this line."""
+        chosen, other = (self.tree, self.flat) if self.mode == "tree" else (self.flat, self.tree)
+        if chosen.fits:
+            return None
+        instead = (
+            f"set mode=auto (or mode={other.mode}, whose peak {format_bytes(other.peak)} fits)"
+            if other.fits
+            else "lower the update's size (rollout.groups_per_update, the episode budgets)"
+        )
+        return (
+            f"mode={self.mode} was forced, and its smallest predicted peak {format_bytes(chosen.peak)} exceeds "
+            f"memory_budget {format_bytes(self.budget)}: raise memory_budget to at least "
+            f"{format_bytes(chosen.peak)}, or {instead}"
+        )
+
     def explain(self) -> str:
         t, f = self.tree, self.flat
         lines = [
@@ -145,6 +164,8 @@ class Plan:
         else:
             lines.append(f"  calls per microbatch={self.microbatch}")
         lines += [f"  because {r}" for r in self.reasons]
+        if self.over_budget is not None:
+            lines.append(f"  refused by train: {self.over_budget}")
         if self.attention:
             lines.append(f"  attention against resident KV: {self.attention}")
         return "\n".join(lines)

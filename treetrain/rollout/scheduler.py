@@ -186,8 +186,9 @@ class SchedulerConfig:
 
 class Scheduler:
     """Grows `tasks` together on `engine`; see the module docstring. `on_finished` is called (in the
-    calling thread) once per task whose tree is complete, as soon as it is; `weights`, when given, brings
-    newer weights into the engine between its steps."""
+    calling thread) once per task whose tree is complete, as soon as it is, and `on_episode` once per
+    finished trajectory (what a progress display counts); `weights`, when given, brings newer weights into
+    the engine between its steps."""
 
     def __init__(
         self,
@@ -195,6 +196,7 @@ class Scheduler:
         config: SchedulerConfig,
         on_finished: Callable[[Task], None] = lambda task: None,
         weights: InFlightSync | None = None,
+        on_episode: Callable[[], None] = lambda: None,
     ) -> None:
         self.engine, self.config = engine, config
         self.weights = weights
@@ -205,6 +207,7 @@ class Scheduler:
         self.fanout, self.sampling = config.fanout, config.sampling
         self.model_version = config.model_version
         self.on_finished = on_finished
+        self.on_episode = on_episode
         self.step_timeouts = 0
         """Steps whose environment call missed its deadline (each became a timeout observation)."""
         self._points: dict[int, _Sent] = {}
@@ -425,6 +428,7 @@ class Scheduler:
         if trajectory is not None:
             task.finished.append((fork.key, trajectory))
             self._release(episode)
+            self.on_episode()
             return
         task.live.add(episode)
         _, child = fork.key[-1]

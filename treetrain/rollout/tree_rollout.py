@@ -65,6 +65,9 @@ class RolloutConfig:
     """Name of the environment rubric that gives rewards; None takes the environment's first."""
     model_version: int | None = None
     """Recorded in every trajectory's metadata (which weights sampled it)."""
+    on_episode: Callable[[], None] | None = field(default=None, compare=False, repr=False)
+    """Called in the rollout's thread as each trajectory finishes: what the trainer's progress bar counts
+    (it shapes nothing)."""
 
 
 @dataclass(frozen=True)
@@ -158,7 +161,9 @@ def _grow_concurrently(
         config.fanout, config.sampler.sampling, max_concurrent_steps=config.max_concurrent_steps,
         model_version=config.model_version, base_seed=config.sampler.seed,
     )  # fmt: skip
-    scheduler = Scheduler(engine, settings, on_finished=save, weights=weights)
+    scheduler = Scheduler(
+        engine, settings, on_finished=save, weights=weights, on_episode=config.on_episode or (lambda: None)
+    )
     scheduler.run(tasks)
     for task in tasks:  # a finished task's group was released when its tree was saved
         if task.failure is not None:
@@ -176,6 +181,9 @@ def _grow_sequentially(
         try:
             grown = grow_sequentially(task.root, sampler, seq, task.prefix, task.rubric)
             task.finished = [(((0, i),), t) for i, t in enumerate(grown)]
+            if config.on_episode is not None:  # the sequential loop finishes a whole tree at once
+                for _ in grown:
+                    config.on_episode()
         except Exception as exc:  # this task alone, as in the concurrent rollout
             release(task.root)
             task.failure = EnvError.raised(task.root.env_name, "step", exc)

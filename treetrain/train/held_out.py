@@ -28,6 +28,13 @@ EVAL_SEED_BASE = 1 << 53
 """First held-out seed of environments without a held-out split (above every training seed)."""
 
 
+def task_seeds(cfg: TrainConfig, update: int) -> list[int]:
+    """The task seeds of update `update`, one per group (torch-free: the command line opens the first task
+    before any model loads)."""
+    n = cfg.rollout.groups_per_update
+    return [cfg.seed * 1_000_003 + update * n + g for g in range(n)]
+
+
 def pass_at_k(n: int, c: int, k: int) -> float:
     """The probability that at least one of `k` samples drawn without replacement from `n`, `c` of which
     pass, passes; computed as a product, so no binomial coefficient overflows."""

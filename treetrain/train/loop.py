@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -24,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from envs.remote import WorkerEnvFactory
 from treetrain.distributed.backend import OnPoint, TrainBackend
@@ -33,20 +35,20 @@ from treetrain.memory.planner import Plan
 from treetrain.memory.tracker import MemoryTracker
 from treetrain.replay import ReplayReport
 from treetrain.replay.resident import ResidentIdentity, ResidentStore
-from treetrain.rollout.env_check import check_environment_config
 from treetrain.runfs import UnsafePathError
 from treetrain.train.advice import no_signal_advice
 from treetrain.train.async_source import AsyncRolloutSource
 from treetrain.train.config import TrainConfig, dump_config
 from treetrain.train.env_failures import EnvironmentFailedError
 from treetrain.train.evaluation import Evaluator
-from treetrain.train.held_out import HeldOut, check_disjoint, held_out_tasks
+from treetrain.train.held_out import HeldOut
 from treetrain.train.metrics import MetricsWriter, UpdateMetrics, read_evals, read_metrics
 from treetrain.train.models import export_merged, load_models
-from treetrain.train.progress import Progress
+from treetrain.train.preflight import Preflight, preflight
+from treetrain.train.progress import Phases, Progress, eval_line
 from treetrain.train.recorded_source import RecordedSource
-from treetrain.train.resume import SAVED_CONFIG, check_resumable, saved_config
-from treetrain.train.rundir import RunLock, abandon_run_dir, claim_run_dir, remove_run_artifacts
+from treetrain.train.resume import SAVED_CONFIG
+from treetrain.train.rundir import RunLock, abandon_run_dir, remove_run_artifacts
 from treetrain.train.summary import RunSummary, plot_rewards
 from treetrain.train.trainer_state import TrainerState, resume_state, save_trainer_state
 from treetrain.train.tree_sources import (
@@ -63,6 +65,13 @@ from treetrain.update.run import run_update
 from treetrain.update.window import UpdateWindow
 
 log = logging.getLogger(__name__)
+
+
+def _console_loggers() -> list[logging.Logger]:
+    """The loggers whose console handlers would write across the bar: the root's (treetrain's, the
+    environments') and vLLM's, which has handlers of its own when it was imported."""
+    vllm = logging.getLogger("vllm")
+    return [logging.getLogger(), *([vllm] if vllm.handlers else [])]
 
 
 def seed_everything(seed: int) -> None:
@@ -89,34 +98,28 @@ class Trainer:
         overwrite: bool = False,
         progress: bool = True,
         on_point: OnPoint | None = None,
+        checked: Preflight | None = None,
     ) -> None:
         """`on_point`, if given, is called once an update has taken its trees (`"update-start"`), after each
         update's metrics row (`"update-end"`), inside each checkpoint write of the torch backend
         (`"checkpoint-write"`) and, with `rollout.max_staleness` >= 1, on the sampler thread as a rollout
-        starts and once it is queued (`"rollout-start"`, `"rollout-queued"`): the interruption tests' seam."""
+        starts and once it is queued (`"rollout-start"`, `"rollout-queued"`): the interruption tests' seam.
+        `checked` is what `preflight(cfg, resume=resume, overwrite=overwrite)` returned, when the caller ran
+        those checks before loading torch (the command line does); without it they run here."""
         self.on_point = on_point
+        self.phases: Phases | None = None
+        """What the progress bar says the update is doing (set by `run`)."""
         if cfg.threads is not None:
             torch.set_num_threads(cfg.threads)
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
         self.progress = progress
-        # One process (rank 0, known from the launcher before the backend exists) checks, marks and locks
-        # the run directory before anything is loaded or written; a refusal ends every rank (torchrun).
-        self.lock: RunLock | None = None
-        if not cfg.rollout.trees:
-            e = cfg.env  # before the run directory is touched
-            check_environment_config(
-                e.name, e.kwargs, e.rubric, task_seeds(cfg, 0)[0], cfg.rollout.episode.step_timeout_s
-            )
-        check_disjoint(cfg)
-        self.held: HeldOut | None = (
-            held_out_tasks(cfg.env.name, cfg.env.kwargs, cfg.eval.tasks) if cfg.eval.every else None
-        )
-        if int(os.environ.get("RANK", "0")) == 0:
-            self.lock = claim_run_dir(self.run_dir, resume=resume, overwrite=overwrite)
+        # The environment, the held-out tasks and the servers are checked, and the run directory is marked
+        # and locked by one process (rank 0), before anything is loaded; a refusal ends every rank (torchrun).
+        checked = checked or preflight(cfg, resume=resume, overwrite=overwrite)
+        self.held: HeldOut | None = checked.held
+        self.lock: RunLock | None = checked.lock
         try:
-            if resume:  # the same run: only the settings a resume may change differ
-                check_resumable(saved_config(self.run_dir), cfg, self.run_dir / SAVED_CONFIG)
             self._setup(resume=resume, overwrite=overwrite)
         except BaseException as exc:
             self.abandon_unstarted(exc)
@@ -203,7 +206,7 @@ class Trainer:
                 cfg, self.tokenizer, make, self.backend, self.state.update, self.on_point
             )
         else:
-            self.source = RolloutSource(cfg, self.tokenizer, make, self.backend)
+            self.source = RolloutSource(cfg, self.tokenizer, make, self.backend, on_episode=self._episode)
         self.evaluator: Evaluator | None = None
         if self.held is not None and not isinstance(self.source, RecordedSource):
             self.evaluator = Evaluator(cfg, self.held, self.tokenizer, self.source.wrapper, self.backend)
@@ -225,6 +228,13 @@ class Trainer:
         """Roll out, run one update (`treetrain.update.run.run_update`), and say what it did."""
         cfg = self.cfg
         trained_at = self.state.version
+        if self.phases is not None:
+            if isinstance(self.source, RolloutSource):
+                self.phases.sampling()
+            else:
+                self.phases.show(
+                    "reading trees" if isinstance(self.source, RecordedSource) else "waiting for rollouts"
+                )
         produced = self.source(self.backend.module, index, trained_at)
         if self.on_point is not None:
             self.on_point("update-start", index)
@@ -233,6 +243,8 @@ class Trainer:
         every = cfg.measure_memory_every
         tracker = MemoryTracker(self.device) if every and index % every == 0 else None
         self.backend.set_learning_rate(self.learning_rate(index))
+        if self.phases is not None:  # the first update also calibrates memory (its own bar, below)
+            self.phases.show(f"training on {len(rewards)} episodes")
         start = time.perf_counter()
         outcome = run_update(self.window, cfg, produced.groups, tracker=tracker)
         self.source.trained(index, self.backend.module, self.window.version)
@@ -308,28 +320,17 @@ class Trainer:
         )
         history = self.read_rows() if self.state.update > 0 and self.backend.rank == 0 else []
         progress = Progress.after(history if not bar.disable else [])
-        last_saved = time.monotonic()
+        self.phases = Phases(
+            bar, cfg.rollout.fanout, len(task_seeds(cfg, 0)[self.backend.rank :: self.backend.world_size])
+        )
+        # log lines (and vLLM's) go above the bar through tqdm.write instead of being glued onto it
+        redirect = logging_redirect_tqdm(_console_loggers()) if not bar.disable else contextlib.nullcontext()
         try:
             try:
-                if self.state.update == 0:
-                    self.evaluate()
-                for index in range(self.state.update, cfg.updates):
-                    row = self.update(index)
-                    if self.metrics is not None:
-                        self.metrics.write(row)
-                        history.append(row)
-                        advice = no_signal_advice(history)
-                        if advice is not None:
-                            log.warning("%s", advice)
-                    self.evaluate()
-                    if self.on_point is not None:
-                        self.on_point("update-end", index)
-                    bar.set_postfix(progress.fields(row), refresh=False)  # shown by the update below
-                    bar.update(1)
-                    if self._checkpoint_due(index, last_saved):
-                        save_trainer_state(self.backend, self.run_dir, self.state, to_dict(cfg))
-                        last_saved = time.monotonic()
+                with redirect:
+                    self._updates(bar, progress, history)
             finally:
+                self.phases = None
                 bar.close()
                 if self.metrics is not None:
                     self.metrics.close()
@@ -346,6 +347,39 @@ class Trainer:
             raise
         finally:
             self.close()
+
+    def _updates(self, bar: tqdm, progress: Progress, history: list[UpdateMetrics]) -> None:
+        """The updates still to run, each written, shown (on the bar, or as a log line without one), evaluated
+        and checkpointed when due."""
+        cfg = self.cfg
+        last_saved = time.monotonic()
+        if self.state.update == 0:
+            self.evaluate()
+        for index in range(self.state.update, cfg.updates):
+            row = self.update(index)
+            if self.metrics is not None:
+                self.metrics.write(row)
+                history.append(row)
+                if bar.disable:  # --no-progress: a line per update
+                    log.info("%s", Progress.line(row, cfg.updates))
+                advice = no_signal_advice(history)
+                if advice is not None:
+                    log.warning("%s", advice)
+            if self.phases is not None:
+                self.phases.show(None)
+            self.evaluate()
+            if self.on_point is not None:
+                self.on_point("update-end", index)
+            bar.set_postfix(progress.fields(row), refresh=False)  # shown by the update below
+            bar.update(1)
+            if self._checkpoint_due(index, last_saved):
+                save_trainer_state(self.backend, self.run_dir, self.state, to_dict(cfg))
+                last_saved = time.monotonic()
+
+    def _episode(self) -> None:
+        """A trajectory of the rollout finished: the bar counts it."""
+        if self.phases is not None:
+            self.phases.episode()
 
     def _checkpoint_due(self, index: int, last_saved: float) -> bool:
         """Checkpoint after update `index`: every `checkpoint_every` updates, or once `checkpoint_every_s`
@@ -366,13 +400,13 @@ class Trainer:
             return
         assert not isinstance(self.source, RecordedSource)
         model = self.backend.module
+        if self.phases is not None:
+            self.phases.show(f"evaluating {len(self.evaluator.held.seeds)} held-out tasks")
         with self.source.serving(model, self.state.version) as engine:
             row = self.evaluator(model, engine, self.state.update, self.state.version)
-        log.info(
-            "eval after %d updates: pass@1 %.3f, pass@%d %.3f, mean reward %.3f over %d held-out tasks (%s)",
-            row.update, row.pass_at_1, row.samples, row.pass_at_k, row.reward_mean, row.tasks,
-            self.evaluator.held.source,
-        )  # fmt: skip
+        if self.phases is not None:
+            self.phases.show(None)
+        log.info("%s", eval_line(row, self.evaluator.held.source))
         if self.metrics is not None:
             self.metrics.write_eval(row)
 

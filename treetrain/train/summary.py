@@ -94,6 +94,32 @@ class RunSummary:
         return "\n".join(lines)
 
 
+SHOWN = (
+    "metrics.jsonl", "reward.png", "summary.txt", "rollouts/", "eval/", "final/", "final-merged/",
+    "checkpoints/", "env-errors/", "tensorboard/",
+)  # fmt: skip
+"""What the end of a run names in its run directory, in this order, when it is there."""
+
+
+def run_contents(run_dir: Path) -> str:
+    """The entries of `SHOWN` that `run_dir` holds (`eval/` only when the run evaluated, `final-merged/` only
+    for a merged LoRA export): what the last line of `treetrain train` lists.
+
+    >>> import tempfile
+    >>> run = Path(tempfile.mkdtemp())
+    >>> (run / "final").mkdir(), (run / "eval").mkdir(), (run / "metrics.jsonl").touch()
+    (None, None, None)
+    >>> run_contents(run)
+    'metrics.jsonl, eval/, final/'
+    """
+    found = []
+    for name in SHOWN:
+        path = run_dir / name.rstrip("/")
+        if path.is_dir() if name.endswith("/") else path.is_file():
+            found.append(name)
+    return ", ".join(found)
+
+
 def plot_rewards(
     rows: Sequence[UpdateMetrics],
     path: str | Path,

@@ -31,6 +31,7 @@ from treetrain.rollout.tree_rollout import RolloutConfig, RolloutResult, rollout
 from treetrain.runfs import make_dirs
 from treetrain.train.config import TrainConfig
 from treetrain.train.env_failures import EnvironmentFailedError, share_failures, too_many, write_failures
+from treetrain.train.held_out import task_seeds
 from treetrain.train.staleness import Dropped, Staleness
 from treetrain.tree import TrajectoryTree
 from treetrain.tree.format import tree_from_bytes, tree_to_bytes
@@ -67,11 +68,6 @@ class Produced:
         return tuple(t for g in self.groups for t in g)
 
 
-def task_seeds(cfg: TrainConfig, update: int) -> list[int]:
-    n = cfg.rollout.groups_per_update
-    return [cfg.seed * 1_000_003 + update * n + g for g in range(n)]
-
-
 def share_trees(backend: TrainBackend, local: tuple[TrajectoryTree, ...]) -> tuple[TrajectoryTree, ...]:
     """Every rank's trees, in task order (rank r sampled tasks r, r + W, ...)."""
     if backend.world_size == 1:
@@ -101,8 +97,15 @@ class RolloutSource:
     """
 
     def __init__(
-        self, cfg: TrainConfig, tokenizer: Any, make_env: Callable[[], Environment], backend: TrainBackend
+        self,
+        cfg: TrainConfig,
+        tokenizer: Any,
+        make_env: Callable[[], Environment],
+        backend: TrainBackend,
+        on_episode: Callable[[], None] | None = None,
     ) -> None:
+        """`on_episode` is called as each trajectory of a rollout finishes (the trainer's progress bar)."""
+        self.on_episode = on_episode
         self.cfg = cfg
         self.backend = backend
         self.tokenizer = tokenizer
@@ -135,7 +138,7 @@ class RolloutSource:
         out_dir = update_dir(self.cfg, update)
         with evaluating(model):  # each module back in its own mode afterwards, not the wrapper's flag
             engine = self._engine(model, version)
-            config = rollout_config(self.cfg, self.wrapper, version)
+            config = replace(rollout_config(self.cfg, self.wrapper, version), on_episode=self.on_episode)
             with self.backend.uneven():  # ranks generate different lengths (ZeRO-3: fetches rendezvous)
                 result = rollout_trees(
                     model, self.tokenizer, self.make_env, task_seeds(self.cfg, update)[rank::world], out_dir,

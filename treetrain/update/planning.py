@@ -4,7 +4,8 @@ The planner (`treetrain.memory.planner`) sees the update's batch, the model and 
 tree or flat mode, K, chunk size, retention and kept graphs; whatever the `replay` section fixes is passed as
 an override. Without `memory_budget`, the budget is the device's memory (total RAM on a CPU). The `Plan` it
 returns is the one plan object of the update: `plan.replay(...)` is the recipe the update window lays out
-over its rank's trees for the replay engine.
+over its rank's trees for the replay engine. A plan over its budget (a forced `mode` whose smallest peak does
+not fit) is refused here in one line (`Plan.over_budget`), before anything is replayed.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from transformers import PreTrainedModel
 
 from treetrain.bytesize import parse_bytes
 from treetrain.memory.persistent import model_persistent_bytes
-from treetrain.memory.planner import Plan, plan_update
+from treetrain.memory.planner import Plan, PlanError, plan_update
 from treetrain.models.lora import Reference
 from treetrain.replay import UpdateBatch
 from treetrain.update.settings import UpdateSettings
@@ -54,7 +55,7 @@ def plan_for(
         world_size=world_size,
         offload_optimizer=offload_optimizer,
     )
-    return plan_update(
+    plan = plan_update(
         batch,
         model,
         budget=budget,
@@ -65,3 +66,6 @@ def plan_for(
         base=cfg.replay.engine_config(cfg.seed),
         min_speedup=cfg.replay.min_speedup,
     )
+    if plan.over_budget is not None:  # a forced mode the budget cannot hold: refused, never run into an OOM
+        raise PlanError(plan.over_budget)
+    return plan

@@ -90,3 +90,23 @@ def call_server(url: str, path: str, body: dict[str, Any] | None, timeout: float
         raise EngineError(
             f"vllm-server {url}{path}: the answer is not JSON ({exc}): {short(raw[:200])}"
         ) from None
+
+
+PROBE_TIMEOUT = 3.0
+"""Seconds the start-up probe waits for each server: a running `vllm serve` lists its models at once."""
+
+
+def check_reachable(urls: tuple[str, ...], timeout: float = PROBE_TIMEOUT) -> None:
+    """Refuse, in one line naming the URL, a server that does not answer `GET /v1/models`: asked before the
+    model loads, so a server that is down or a mistyped URL ends the run in seconds. What the server serves
+    is checked once the model is loaded (`treetrain.rollout.engines.server_checks`)."""
+    for url in urls:
+        base = url.rstrip("/")
+        try:
+            call_server(base, "/v1/models", None, timeout)
+        except EngineError as exc:
+            why = str(exc).removeprefix(f"vllm-server {base}/v1/models: ")
+            raise EngineError(
+                f"rollout.vllm.urls: no vllm serve answers at {base} (GET /v1/models: {why}); start the "
+                "server first or correct the URL"
+            ) from None

