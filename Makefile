@@ -12,10 +12,11 @@ BIN := $(VENV)/bin
 # two xdist workers: the vLLM tests in one group (one worker starts the session's engine and server once),
 # the torchrun launches in another (tests/conftest.py); the rest balance between them (docs/development.md)
 PYTEST_ARGS ?= -n 2 --dist loadgroup --durations=30
-# the inner loop: every test that starts no subprocess launch, torchrun or engine (under 5 min on 2 cores)
+# the inner loop: every test that starts no subprocess launch, torchrun or engine and is not slow
+# (tests/slow_cases.txt lists the cases measured slow; `make durations` rewrites it)
 FAST_ARGS ?= -n 2 -q -m "not slow and not distributed and not launch"
 
-.PHONY: venv test test-fast lint typecheck pytest demo trees bench docs clean
+.PHONY: venv test test-fast durations lint typecheck pytest demo trees bench docs clean
 
 venv: $(VENV)/.installed
 
@@ -43,6 +44,10 @@ test: lint typecheck pytest
 
 test-fast: venv
 	DS_ACCELERATOR=cpu $(BIN)/python -m pytest $(FAST_ARGS)
+
+durations: venv
+	DS_ACCELERATOR=cpu $(BIN)/python -m pytest -n 2 -q -p no:cacheprovider -m "not distributed and not launch" \
+		--durations=0 | $(BIN)/python tests/support/slow_cases.py
 
 demo: venv
 	DS_ACCELERATOR=cpu $(BIN)/treetrain train --run-dir runs/demo --overwrite --set threads=1

@@ -46,17 +46,26 @@ ENGINE_FIXTURES = frozenset({"vllm_engine", "vllm_server"})
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests that start vLLM (the shared fixtures, or an engine of their own in a `*vllm*`/`*served*` file) are
+    """Cases listed in tests/slow_cases.txt are `slow`. Tests that start vLLM (the shared fixtures, or an engine of their own in a `*vllm*`/`*served*` file) are
     `launch` tests and share one xdist group, so under `pytest -n 2 --dist loadgroup` (`make test`) one
     worker runs them all: the session's engine and server start once, and two vLLM engines never compete
     for the machine. The `distributed` launches share a group of their own for the same reason."""
+    slow = _slow_cases()
     for item in items:
+        if item.nodeid in slow:
+            item.add_marker(pytest.mark.slow)
         name = item.path.name
         if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())) or "vllm" in name or "served" in name:
             item.add_marker(pytest.mark.launch)
             _group(config, item, "vllm")
         elif item.get_closest_marker("distributed") is not None:
             _group(config, item, "torchrun")
+
+
+def _slow_cases() -> frozenset[str]:
+    """The test ids in tests/slow_cases.txt: cases measured slow, which `make test-fast` leaves out."""
+    text = Path(__file__).with_name("slow_cases.txt").read_text()
+    return frozenset(line for line in text.splitlines() if line and not line.startswith("#"))
 
 
 def _group(config: pytest.Config, item: pytest.Item, group: str) -> None:
