@@ -4,15 +4,12 @@ point in a fresh interpreter, so that "torch was not imported" means something."
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from support.eval_runs import ROOT, eval_in_one_process
 
-ROOT = Path(__file__).resolve().parents[2]
 ASSET = str(ROOT / "tests" / "assets" / "tasks.jsonl")
 DEMO = str(ROOT / "treetrain" / "assets" / "demo_model")
 
@@ -45,19 +42,6 @@ CASES = {
     ),
 }
 
-PROBE = """
-import json, sys
-from treetrain.cli.main import main
-results = {}
-for name, argv in json.loads(sys.argv[1]).items():
-    try:
-        code = main(["eval", *argv])
-    except SystemExit as exc:
-        code = exc.code
-    results[name] = code
-print(json.dumps({"codes": results, "torch": "torch" in sys.modules}))
-"""
-
 
 @pytest.mark.timeout(300)
 def test_bad_arguments_are_one_line_before_torch_loads(tmp_path: Path) -> None:
@@ -71,20 +55,13 @@ def test_bad_arguments_are_one_line_before_torch_loads(tmp_path: Path) -> None:
     (run / "final" / "config.json").write_text("{}")
     places = {"ADAPTERS": str(adapters), "RUN": str(run)}
     argvs = {name: [places.get(a, a) for a in argv] for name, (argv, _) in CASES.items()}
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(
-        [sys.executable, "-c", PROBE, json.dumps(argvs)], capture_output=True, text=True, timeout=280, env=env,
-        cwd=tmp_path,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert "Traceback" not in done.stderr, done.stderr[-2000:]
-    lines = [line for line in done.stderr.splitlines() if line.startswith("treetrain eval: ")]
-    assert len(lines) == len(CASES), done.stderr
+    runs = eval_in_one_process(argvs, tmp_path)
+    lines = [line for line in runs.stderr.splitlines() if line.startswith("treetrain eval: ")]
+    assert len(lines) == len(CASES), runs.stderr
     for (name, (_, wanted)), line in zip(CASES.items(), lines):
-        assert report["codes"][name] == 2, (name, report)
+        assert runs.codes[name] == 2, (name, runs.codes)
         assert wanted.replace("RUN", str(run)) in line, (name, line)
-    assert report["torch"] is False
+    assert runs.torch is False
 
 
 def test_the_verb_is_listed_and_its_flags_parse(capsys: pytest.CaptureFixture[str]) -> None:
@@ -102,7 +79,6 @@ def test_the_verb_is_listed_and_its_flags_parse(capsys: pytest.CaptureFixture[st
 def test_a_checkpoint_is_scored_as_after_its_own_updates(tmp_path: Path) -> None:
     """`eval --json` on `checkpoints/update-00003/` reports update 3 (its trainer state), `final/` the run's
     last checkpoint when it was exported after it, and a model that is no run's 0."""
-    import os
 
     from treetrain.cli.eval import trained_at
     from treetrain.distributed.checkpoint_io import STATE_FILE, write_client_state

@@ -5,37 +5,19 @@ interpreter through the real entry point."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from support.eval_runs import ROOT, eval_in_one_process
 from support.hostile_corpus import damaged_weights
 
 from treetrain.train.config import dump_config, load_config
 
-ROOT = Path(__file__).resolve().parents[2]
 ASSETS = ROOT / "treetrain" / "assets"
 WEIGHTS = ASSETS / "demo_model" / "model.safetensors"
-
-PROBE = """
-import json, sys, time
-from treetrain.cli.main import main
-results = {}
-for name, argv in json.loads(sys.argv[1]).items():
-    start = time.perf_counter()
-    try:
-        code = main(["eval", *argv])
-    except SystemExit as exc:
-        code = exc.code
-    print(f"--- {name}", file=sys.stderr, flush=True)
-    results[name] = [code, time.perf_counter() - start]
-print(json.dumps({"results": results, "torch": "torch" in sys.modules}))
-"""
 
 
 def _run(root: Path, name: str, config: str | None = None) -> Path:
@@ -91,26 +73,20 @@ def test_a_damaged_checkpoint_is_one_line_before_torch_loads(tmp_path: Path) -> 
     argvs = {
         name: ["--model", str(d), "--env", "calculator", "--tasks", "1"] for name, (d, _) in cases.items()
     }
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     start = time.perf_counter()
-    done = subprocess.run(
-        [sys.executable, "-c", PROBE, json.dumps(argvs)], capture_output=True, text=True, timeout=280, env=env,
-        cwd=tmp_path,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert "Traceback" not in done.stderr, done.stderr[-3000:]
-    blocks = done.stderr.split("--- ")
+    runs = eval_in_one_process(argvs, tmp_path)
+    blocks = runs.stderr.split("--- ")
     for (name, (_, wanted)), block in zip(cases.items(), blocks):
         lines = [line for line in block.splitlines() if line.strip()]
         lines = [line for line in lines if not line.startswith(tuple(cases))]  # the previous block's marker
         assert len(lines) == 1 and lines[0].startswith("treetrain eval: --model: "), (name, block)
         assert all(part in lines[0] for part in wanted), (name, lines[0])
         assert "--resume" not in lines[0], (name, lines[0])
-        assert report["results"][name][0] == 2, (name, report)
-    assert report["torch"] is False  # every case was answered from the headers, before torch loads
-    slowest = max(seconds for _, seconds in report["results"].values())
-    assert slowest < 3.0, report  # each answered in under 3 s (in about 0.1 s once the CLI has imported)
+        assert runs.codes[name] == 2, (name, runs.codes)
+    assert runs.torch is False  # every case was answered from the headers, before torch loads
+    assert max(runs.seconds.values()) < 3.0, (
+        runs.seconds
+    )  # each answered in under 3 s (in about 0.1 s once the CLI has imported)
     assert time.perf_counter() - start < 60 + 3 * len(cases)
 
 
