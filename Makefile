@@ -15,7 +15,7 @@ PYTEST_ARGS ?= -n 2 --dist loadgroup --durations=30
 # the inner loop: every test that starts no subprocess launch, torchrun or engine (under 5 min on 2 cores)
 FAST_ARGS ?= -n 2 -q -m "not slow and not distributed and not launch"
 
-.PHONY: venv test test-fast lint typecheck pytest demo trees bench docs clean
+.PHONY: venv test test-fast lint typecheck pytest demo notebook trees bench docs clean
 
 venv: $(VENV)/.installed
 
@@ -46,6 +46,17 @@ test-fast: venv
 
 demo: venv
 	DS_ACCELERATOR=cpu $(BIN)/treetrain train --run-dir runs/demo --overwrite --set threads=1
+
+# JupyterLab on the notebooks: the `notebook` extra, installed into the venv on first use (it stays out of
+# `dev`, so `make venv` does not fetch it). `make notebook TREES=runs/demo` shows a run's trees
+# (TREETRAIN_TREES; unset: the shipped trees/).
+TREES ?=
+notebook: $(VENV)/.notebook
+	$(if $(TREES),TREETRAIN_TREES=$(abspath $(TREES)) )$(BIN)/jupyter lab notebooks
+
+$(VENV)/.notebook: $(VENV)/.installed
+	$(BIN)/pip install -q -e ".[notebook]"
+	touch $@
 
 trees: venv
 	$(BIN)/python trees/make_examples.py
