@@ -88,11 +88,16 @@ def run(args: argparse.Namespace) -> int:
         from treetrain.train.progress import hide_library_bars
 
         hide_library_bars()
+    from treetrain.train.sampler_start import early_sampler
+
+    sampler = early_sampler(cfg)  # the hf sampler's process imports while this one loads the trainer
     from treetrain.train.loop import Trainer
     from treetrain.train.rundir import is_run_dir
 
     try:
-        trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress)
+        trainer = Trainer(
+            cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress, sampler=sampler
+        )
         summary = trainer.run()
     except Exception as exc:
         if is_disk_full(exc) and not isinstance(exc, DiskFullError):  # a write no atomic writer wrapped

@@ -33,6 +33,7 @@ from treetrain.memory.planner import Plan
 from treetrain.memory.tracker import MemoryTracker
 from treetrain.replay import ReplayReport
 from treetrain.replay.resident import ResidentIdentity, ResidentStore
+from treetrain.rollout.engines.sampler_process import SamplerProcess
 from treetrain.rollout.env_check import check_environment_config
 from treetrain.runfs import UnsafePathError
 from treetrain.train.advice import no_signal_advice
@@ -47,6 +48,7 @@ from treetrain.train.progress import Progress
 from treetrain.train.recorded_source import RecordedSource
 from treetrain.train.resume import SAVED_CONFIG, check_resumable, saved_config
 from treetrain.train.rundir import RunLock, abandon_run_dir, claim_run_dir, remove_run_artifacts
+from treetrain.train.sampler_start import early_sampler
 from treetrain.train.summary import RunSummary, plot_rewards
 from treetrain.train.trainer_state import TrainerState, resume_state, save_trainer_state
 from treetrain.train.tree_sources import (
@@ -89,11 +91,15 @@ class Trainer:
         overwrite: bool = False,
         progress: bool = True,
         on_point: OnPoint | None = None,
+        sampler: SamplerProcess | None = None,
     ) -> None:
         """`on_point`, if given, is called once an update has taken its trees (`"update-start"`), after each
         update's metrics row (`"update-end"`), inside each checkpoint write of the torch backend
         (`"checkpoint-write"`) and, with `rollout.max_staleness` >= 1, on the sampler thread as a rollout
-        starts and once it is queued (`"rollout-start"`, `"rollout-queued"`): the interruption tests' seam."""
+        starts and once it is queued (`"rollout-start"`, `"rollout-queued"`): the interruption tests' seam.
+        `sampler`: the `hf` sampler's process, spawned before this (`treetrain.train.sampler_start`); when
+        the run needs one and none is given, it is spawned first thing here, before the model loads."""
+        self.sampler = sampler if sampler is not None else early_sampler(cfg)
         self.on_point = on_point
         if cfg.threads is not None:
             torch.set_num_threads(cfg.threads)
@@ -133,6 +139,8 @@ class Trainer:
             evaluator.close()  # its environment workers
         if getattr(self, "envs", None) is not None:
             self.envs.close()  # the environment worker process
+        if self.sampler is not None:
+            self.sampler.close()  # one no engine took (a no-op once the engine owns it)
         if self.lock is not None:
             self.lock.release()
             self.lock = None
@@ -198,7 +206,7 @@ class Trainer:
             self.source = recorded[0]
         elif cfg.rollout.max_staleness:
             self.source = AsyncRolloutSource(
-                cfg, self.tokenizer, make, self.backend, self.state.update, self.on_point
+                cfg, self.tokenizer, make, self.backend, self.state.update, self.on_point, self.sampler
             )
         else:
             self.source = RolloutSource(cfg, self.tokenizer, make, self.backend)
