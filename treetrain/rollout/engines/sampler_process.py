@@ -107,4 +107,7 @@ def _entry(parent_pid: int, commands: Any, replies: Any) -> None:
         os._exit(0)
     from treetrain.rollout.engines.hf_child import child_main
 
-    child_main(commands, replies)
+    child_main(commands, replies)  # returns once its last reply is sent
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # nothing left to save: skip the interpreter's teardown of torch (1-2 s the parent waits)
