@@ -216,10 +216,12 @@ def test_a_child_that_raises_or_dies_is_one_engine_error_line(feed_engine) -> No
         second.close()
 
 
-def test_an_engine_takes_a_process_spawned_before_the_policy_existed() -> None:
-    """The process spawned first (as the trainer does before it loads its model) samples what the
-    in-process engine samples once it has the shadow; it can be taken once, and one nobody took ends."""
-    early = SamplerProcess()
+@pytest.mark.parametrize("method", ["spawn", "fork"])
+def test_an_engine_takes_a_process_started_before_the_policy_existed(method: str) -> None:
+    """The process started first (as the trainer does before it loads its model: spawned, or forked from a
+    fresh `treetrain train`) samples what the in-process engine samples once it has the shadow; it can be
+    taken once, and one nobody took ends."""
+    early = SamplerProcess(method)
     policy = tiny(0)  # built after the spawn: the process gets it only from the engine
     feed = WeightFeed(policy, version=0, shared=True)
     engine = HFProcessEngine(feed.shadow, process=early)
@@ -236,7 +238,7 @@ def test_an_engine_takes_a_process_spawned_before_the_policy_existed() -> None:
     finally:
         engine.close()
     assert not alive(early.pid)
-    unused = SamplerProcess()
+    unused = SamplerProcess(method)
     unused.close()
     assert not alive(unused.pid)
     with pytest.raises(EngineError, match="already taken or has ended"):

@@ -5,6 +5,7 @@ and one no engine took is closed with the trainer."""
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -14,11 +15,13 @@ from support.gated_env import wait_for
 from support.processes import alive, descendants
 
 import treetrain.train.loop as loop_module
+import treetrain.train.sampler_start as sampler_start
 from treetrain.rollout.engines.hf_process import HFProcessEngine
+from treetrain.rollout.engines.sampler_process import fork_is_safe
 from treetrain.train.async_source import AsyncRolloutSource
 from treetrain.train.config import load_config
 from treetrain.train.loop import Trainer
-from treetrain.train.sampler_start import needs_sampler_process
+from treetrain.train.sampler_start import early_sampler, needs_sampler_process
 
 SETTINGS = ["model.path=tiny-llama", "rollout.groups_per_update=1", "rollout.fanout.root=2", "threads=1",
             "measure_memory_every=0", "updates=1"]  # fmt: skip
@@ -108,3 +111,32 @@ def test_a_sampler_process_no_engine_took_ends_with_the_trainer(
     assert wait_for(lambda: not any(alive(p) for p in spawned), 30), (
         "the sampler process outlived the trainer"
     )
+
+
+def test_a_fresh_process_without_cuda_forks_its_sampler_and_any_other_spawns_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`treetrain train` (fresh) forks where that is safe: the fork has every module already, no 5 s of
+    imports. The Python API's trainer, which may have computed before, spawns."""
+    cfg = load_config(None, [*SETTINGS, "rollout.max_staleness=1"])
+    monkeypatch.setattr(sampler_start, "SamplerProcess", lambda method: method)
+    monkeypatch.setattr(sampler_start, "fork_is_safe", lambda: True)
+    assert early_sampler(cfg, fresh=True) == "fork" and early_sampler(cfg) == "spawn"
+    monkeypatch.setattr(sampler_start, "fork_is_safe", lambda: False)
+    assert early_sampler(cfg, fresh=True) == "spawn"
+    assert early_sampler(load_config(None, SETTINGS), fresh=True) is None  # K = 0: no sampler process
+
+
+def test_a_fork_is_unsafe_beside_another_thread_or_with_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    try:
+        assert not fork_is_safe()
+    finally:
+        stop.set()
+        other.join()
+    if threading.active_count() == 1:  # the case `treetrain train` is in; under xdist a worker has more
+        assert fork_is_safe()
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        assert not fork_is_safe()

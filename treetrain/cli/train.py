@@ -88,11 +88,11 @@ def run(args: argparse.Namespace) -> int:
         from treetrain.train.progress import hide_library_bars
 
         hide_library_bars()
-    from treetrain.train.sampler_start import early_sampler
-
-    sampler = early_sampler(cfg)  # the hf sampler's process imports while this one loads the trainer
     from treetrain.train.loop import Trainer
     from treetrain.train.rundir import is_run_dir
+    from treetrain.train.sampler_start import early_sampler
+
+    sampler = early_sampler(cfg, fresh=True)  # the hf sampler's process, before anything is computed
 
     try:
         trainer = Trainer(

@@ -5,8 +5,11 @@ Most of that process's start-up is its imports (torch, transformers, the engine:
 machine), none of which needs the policy. `SamplerProcess()` spawns it at once, from a module that imports
 nothing heavy itself: the child sets up its lifetime, imports the engine's modules, and then waits for the
 policy (`hf_child.Start`, sent by the `HFProcessEngine` that adopts it). The trainer starts it before it
-loads its own modules, model and backend (`treetrain.cli.train`, or `Trainer` itself), so the two start-ups
-overlap instead of adding up before the first rollout.
+loads its model and backend (`treetrain.train.sampler_start`), so the two start-ups overlap instead of
+adding up before the first rollout. A process that has imported torch and transformers and computed
+nothing yet (`treetrain train`, right after its imports) forks it instead where that is safe
+(`fork_is_safe`: no CUDA): the copy has every module already, and the 5 s of CPU those imports take are
+not spent twice, which counts on a machine whose cores are all busy.
 
 A process nobody adopted is closed by whoever started it (`close`, a no-op once adopted: the engine owns it
 then); one left behind exits when its command pipe closes, and dies with the thread that started it
@@ -40,19 +43,25 @@ CLOSE_WAIT_S = 5.0
 
 
 class SamplerProcess:
-    """A spawned sampler process waiting for its policy; see the module docstring.
+    """A sampler process waiting for its policy; see the module docstring.
 
     `commands` and `replies` are the parent's ends of the two pipes, `proc` the process, and `started` the
     `time.time()` of the spawn (the engine reports its start-up from there)."""
 
-    def __init__(self) -> None:
-        ctx = multiprocessing.get_context("spawn")
+    def __init__(self, method: str = "spawn") -> None:
+        """`method`: "spawn" (a fresh interpreter, which imports the engine's modules itself), or "fork" (a
+        copy of this process, which has them already) where a fork is safe (`fork_is_safe`)."""
+        if method not in ("spawn", "fork"):
+            raise ValueError(f"SamplerProcess: method must be 'spawn' or 'fork', got {method!r}")
+        ctx: Any = multiprocessing.get_context(method)  # a spawn or a fork context, each with its Process
         commands_in, self.commands = ctx.Pipe(duplex=False)
         self.replies, replies_out = ctx.Pipe(duplex=False)
+        self.method = method
         self.started = time.time()
         self.adopted = False
+        ours = (self.commands, self.replies) if method == "fork" else ()  # a fork inherits them; closes them
         self.proc = ctx.Process(
-            target=_entry, args=(os.getpid(), commands_in, replies_out), name=PROCESS_NAME, daemon=True
+            target=_entry, args=(os.getpid(), commands_in, replies_out, ours), name=PROCESS_NAME, daemon=True
         )
         try:
             self.proc.start()
@@ -97,8 +106,24 @@ class SamplerProcess:
         self.replies.close()
 
 
-def _entry(parent_pid: int, commands: Any, replies: Any) -> None:
-    """The child: die with the parent's thread, name itself, then import the engine and serve it."""
+def fork_is_safe() -> bool:
+    """Whether this process may fork its sampler instead of spawning it: torch is loaded (the modules the
+    copy saves importing), CUDA is not available (a CUDA context does not survive a fork, and a GPU run's
+    shadow travels by CUDA IPC, which needs a spawned child), and only the main Python thread runs. Only a
+    process that has not computed yet should ask (`treetrain train`, right after its imports): OpenMP's
+    threads of earlier work do not carry over into a fork."""
+    import threading
+
+    torch = sys.modules.get("torch")
+    return torch is not None and not torch.cuda.is_available() and threading.active_count() == 1
+
+
+def _entry(parent_pid: int, commands: Any, replies: Any, parents: tuple[Any, ...] = ()) -> None:
+    """The child: die with the parent's thread, name itself, then import the engine and serve it.
+    `parents`: the parent's ends of the pipes, inherited by a fork and closed here, so that the command pipe
+    reports end of file once the parent closes its end."""
+    for end in parents:
+        end.close()
     if sys.platform == "linux":
         libc = ctypes.CDLL(None)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
