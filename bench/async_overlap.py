@@ -10,7 +10,10 @@ weighs on both alike, each in a fresh process, and reports per engine:
   rollout; in an asynchronous one only for what the sampler has not yet finished;
 - the ratio K=1 / K=0 of those wall times (target on the 2-core CPU machine: at most 0.75), beside the
   bound max(rollout, train) / (rollout + train) of the synchronous runs' own split;
-- the process wall time of each run (start-up included) for reference;
+- the **whole run's wall time**, end to end (the `treetrain train` process, start-up and exit included),
+  and its ratio K=1 / K=0: what a user waits for;
+- from how many updates K=1 pays end to end: the whole run's extra fixed cost at K=1 (everything but
+  updates 1..N-1: start-up, update 0, the end) over the loop's saving per update, plus one;
 - the staleness histogram of every trained policy token of the K=1 runs (read from the tree files).
 
     python bench/async_overlap.py                          # hf and vllm (demo-wide), 8 updates, 2 pairs
@@ -20,6 +23,7 @@ weighs on both alike, each in a fresh process, and reports per engine:
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import subprocess
@@ -95,13 +99,33 @@ def _lags(run: Path, rows: list[UpdateMetrics]) -> tuple[tuple[int, int], ...]:
     return lags.histogram
 
 
+def pays_from(sync_loop: float, lagged_loop: float, sync_run: float, lagged_run: float, updates: int) -> str:
+    """From how many updates a K=1 run ends no later than a K=0 one: its extra fixed cost (the whole run
+    less the loop over updates 1..N-1) over the loop's saving per update, plus one (update 0).
+
+    >>> pays_from(10.0, 7.0, 20.0, 21.0, 11)  # 4 s more outside the loop, 0.3 s saved per update
+    '15'
+    >>> pays_from(10.0, 7.0, 20.0, 16.0, 11), pays_from(7.0, 7.0, 20.0, 21.0, 11)
+    ('1', 'never')
+    """
+    saved = (sync_loop - lagged_loop) / (updates - 1)
+    extra = (lagged_run - lagged_loop) - (sync_run - sync_loop)
+    if extra <= 0:
+        return "1"
+    if saved <= 0:
+        return "never"
+    return str(math.ceil(1 + extra / saved))
+
+
 def report(runs: list[Run], updates: int, command: str) -> str:
     lines = [
-        f"`{command}`, {updates} updates per run, wall time of updates 1..{updates - 1} (training thread)",
+        f"`{command}`, {updates} updates per run: the loop is the training thread's wall time over updates "
+        f"1..{updates - 1}, the run the whole `treetrain train` process's",
         "",
-        "| engine | K=0 loop s (median) | K=1 loop s (median) | ratio K=1/K=0 | bound of the K=0 split | "
-        "K=0 rollout / train s | process s K=0 / K=1 | trained-token lags (K=1) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| engine | K=0 loop s (median) | K=1 loop s (median) | loop ratio K=1/K=0 | bound of the K=0 split | "
+        "K=0 rollout / train s | K=0 run s (median) | K=1 run s (median) | run ratio K=1/K=0 | "
+        "K=1 pays from (updates) | trained-token lags (K=1) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for engine in dict.fromkeys(r.engine for r in runs):
         sync = [r for r in runs if r.engine == engine and r.staleness == 0]
@@ -115,10 +139,12 @@ def report(runs: list[Run], updates: int, command: str) -> str:
             counts.update(dict(r.lags))
         total = sum(counts.values())
         hist = ", ".join(f"lag {lag}: {100 * n / total:.1f}%" for lag, n in sorted(counts.items()))
+        whole_a = statistics.median(r.process_seconds for r in sync)
+        whole_b = statistics.median(r.process_seconds for r in lagged)
         lines.append(
             f"| {engine} | {a:.1f} | {b:.1f} | {b / a:.2f} | {max(roll, step) / (roll + step):.2f} | "
-            f"{roll:.1f} / {step:.1f} | {statistics.median(r.process_seconds for r in sync):.0f} / "
-            f"{statistics.median(r.process_seconds for r in lagged):.0f} | {hist} |"
+            f"{roll:.1f} / {step:.1f} | {whole_a:.1f} | {whole_b:.1f} | **{whole_b / whole_a:.2f}** | "
+            f"{pays_from(a, b, whole_a, whole_b, updates)} | {hist} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -143,7 +169,11 @@ def main() -> int:
             for p in range(args.pairs):
                 for k in (0, 1, 1, 0):
                     run = train(engine, k, args.updates, Path(tmp) / f"{engine}-{p}-{k}")
-                    print(f"{engine} K={k}: loop {run.loop_seconds:.1f} s", file=sys.stderr)
+                    print(
+                        f"{engine} K={k}: loop {run.loop_seconds:.1f} s, run {run.process_seconds:.1f} s, "
+                        f"update 0 {run.first_seconds:.1f} s",
+                        file=sys.stderr,
+                    )
                     runs.append(run)
     command = "python bench/async_overlap.py " + " ".join(sys.argv[1:])
     publish(report(runs, args.updates, command.strip()), args.out)

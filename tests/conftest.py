@@ -110,3 +110,9 @@ def vllm_server(request: pytest.FixtureRequest) -> str:
 
         served = request.config.stash[SERVED] = Served(Path(tempfile.mkdtemp()) / "server.log")
     return str(served.url())
+
+
+@pytest.fixture(scope="session")
+def vllm_server_log(vllm_server: str, request: pytest.FixtureRequest) -> Path:
+    """The log file of the session's `vllm serve`, its engine core's lines included (what vLLM warns)."""
+    return Path(request.config.stash[SERVED].log)

@@ -28,6 +28,7 @@ from treetrain.rollout.engines.factory import EngineSpec, make_engine
 from treetrain.rollout.engines.generation import EngineError, GenerationRequest, GenerationResult
 from treetrain.rollout.engines.hf_engine import HFEngine
 from treetrain.rollout.engines.hf_process import PROCESS_NAME, HFProcessEngine
+from treetrain.rollout.engines.sampler_process import SamplerProcess
 from treetrain.rollout.sampling import Sampling
 from treetrain.rollout.weight_feed import WeightFeed
 
@@ -213,6 +214,35 @@ def test_a_child_that_raises_or_dies_is_one_engine_error_line(feed_engine) -> No
         assert str(died.value) == "rollout.engine=hf: the sampler process was killed by SIGKILL"
     finally:
         second.close()
+
+
+@pytest.mark.parametrize("method", ["spawn", "fork"])
+def test_an_engine_takes_a_process_started_before_the_policy_existed(method: str) -> None:
+    """The process started first (as the trainer does before it loads its model: spawned, or forked from a
+    fresh `treetrain train`) samples what the in-process engine samples once it has the shadow; it can be
+    taken once, and one nobody took ends."""
+    early = SamplerProcess(method)
+    policy = tiny(0)  # built after the spawn: the process gets it only from the engine
+    feed = WeightFeed(policy, version=0, shared=True)
+    engine = HFProcessEngine(feed.shadow, process=early)
+    try:
+        feed.sync(engine)
+        assert engine.pid == early.pid and name(engine.pid) == PROCESS_NAME and early.adopted
+        assert 0 < engine.startup_seconds < 60, engine.startup_seconds
+        got = run(engine, requests())
+        assert gap(got, run(HFEngine(copy.deepcopy(policy), version=0), requests())) < FLOOR
+        with pytest.raises(EngineError, match="already taken"):
+            HFProcessEngine(feed.shadow, process=early)
+        early.close()  # the engine's now: closing it from outside does nothing
+        assert alive(engine.pid) and run(engine, requests(seed=3))
+    finally:
+        engine.close()
+    assert not alive(early.pid)
+    unused = SamplerProcess(method)
+    unused.close()
+    assert not alive(unused.pid)
+    with pytest.raises(EngineError, match="already taken or has ended"):
+        HFProcessEngine(feed.shadow, process=unused)
 
 
 PARENT = """

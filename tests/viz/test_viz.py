@@ -239,3 +239,24 @@ def test_notebook_trees_come_from_the_variable_or_the_shipped_examples(
         FileNotFoundError, match=r"no trees to show: \$TREETRAIN_TREES is not set.*set TREETRAIN"
     ):
         notebook_trees({})
+
+
+def test_a_relative_notebook_trees_path_is_read_from_where_jupyter_was_started(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`TREETRAIN_TREES=runs/demo jupyter lab` from the repository root: the kernel runs in notebooks/,
+    and the server hands it the shell's `PWD`; the path is the shell's."""
+    from treetrain.viz.tree_files import notebook_trees
+
+    (tmp_path / "runs" / "demo").mkdir(parents=True)
+    kernel_dir = tmp_path / "notebooks"
+    kernel_dir.mkdir()
+    monkeypatch.chdir(kernel_dir)
+    env = {"TREETRAIN_TREES": "runs/demo", "PWD": str(tmp_path)}
+    assert notebook_trees(env) == tmp_path / "runs" / "demo"
+    assert notebook_trees({"TREETRAIN_TREES": "runs/demo"}) == Path(
+        "runs/demo"
+    )  # no shell directory: as typed
+    (kernel_dir / "runs" / "demo").mkdir(parents=True)  # one beside the kernel wins: it is what cwd names
+    assert notebook_trees(env) == Path("runs/demo")
+    assert notebook_trees({"TREETRAIN_TREES": "elsewhere", "PWD": str(tmp_path)}) == Path("elsewhere")

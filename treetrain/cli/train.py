@@ -97,10 +97,17 @@ def run(args: argparse.Namespace) -> int:
 
         hide_library_bars()  # imports transformers
     from treetrain.train.loop import Trainer
+    from treetrain.train.sampler_start import early_sampler
 
+    sampler = early_sampler(cfg, fresh=True)  # the hf sampler's process, before anything is computed
     try:
         trainer = Trainer(
-            cfg, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress, checked=checked
+            cfg,
+            resume=args.resume,
+            overwrite=args.overwrite,
+            progress=not args.no_progress,
+            checked=checked,
+            sampler=sampler,
         )
         summary = trainer.run()
     except Exception as exc:

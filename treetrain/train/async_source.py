@@ -44,6 +44,7 @@ from treetrain.distributed.backend import OnPoint, TrainBackend
 from treetrain.io import atomic_write_text
 from treetrain.rollout.engines.factory import make_engine
 from treetrain.rollout.engines.generation import EngineStats, GenerationEngine
+from treetrain.rollout.engines.sampler_process import SamplerProcess
 from treetrain.rollout.tree_rollout import RolloutResult, rollout_trees
 from treetrain.rollout.weight_feed import SamplerStopped, WeightFeed
 from treetrain.runfs import UnsafePathError, read_bytes, remove_file
@@ -124,9 +125,11 @@ class AsyncRolloutSource:
         backend: TrainBackend,
         start: int,
         on_point: OnPoint | None = None,
+        sampler: SamplerProcess | None = None,
     ) -> None:
         """`on_point` is called on the sampler thread as an update's rollout starts (`"rollout-start"`) and
-        once it is queued (`"rollout-queued"`): the interruption tests' seam."""
+        once it is queued (`"rollout-queued"`): the interruption tests' seam. `sampler` is the `hf` engine's
+        process if it was spawned earlier (`treetrain.train.sampler_start`), which the engine adopts."""
         self.on_point = on_point
         self.cfg, self.backend, self.tokenizer, self.make_env = cfg, backend, tokenizer, make_env
         self.max_staleness = cfg.rollout.max_staleness
@@ -144,7 +147,7 @@ class AsyncRolloutSource:
         own_process = cfg.rollout.engine == "hf"  # the sampler process copies the shared shadow at each sync
         self.feed = WeightFeed(model, version=0, shared=own_process)
         spec = engine_spec(cfg, model, backend.world_size)  # K >= 1: weights change in flight
-        self.engine: GenerationEngine = make_engine(spec, self.feed.sampling_model)
+        self.engine: GenerationEngine = make_engine(spec, self.feed.sampling_model, process=sampler)
         self._serving = threading.Lock()  # held while the sampler grows an update, or evaluation samples
         self._cond = threading.Condition()
         self._trained = start

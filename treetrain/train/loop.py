@@ -35,6 +35,7 @@ from treetrain.memory.planner import Plan
 from treetrain.memory.tracker import MemoryTracker
 from treetrain.replay import ReplayReport
 from treetrain.replay.resident import ResidentIdentity, ResidentStore
+from treetrain.rollout.engines.sampler_process import SamplerProcess
 from treetrain.runfs import UnsafePathError
 from treetrain.train.advice import no_signal_advice
 from treetrain.train.async_source import AsyncRolloutSource
@@ -49,6 +50,7 @@ from treetrain.train.progress import Phases, Progress, eval_line
 from treetrain.train.recorded_source import RecordedSource
 from treetrain.train.resume import SAVED_CONFIG
 from treetrain.train.rundir import RunLock, abandon_run_dir, remove_run_artifacts
+from treetrain.train.sampler_start import early_sampler
 from treetrain.train.summary import RunSummary, plot_rewards
 from treetrain.train.trainer_state import TrainerState, resume_state, save_trainer_state
 from treetrain.train.tree_sources import (
@@ -99,13 +101,17 @@ class Trainer:
         progress: bool = True,
         on_point: OnPoint | None = None,
         checked: Preflight | None = None,
+        sampler: SamplerProcess | None = None,
     ) -> None:
         """`on_point`, if given, is called once an update has taken its trees (`"update-start"`), after each
         update's metrics row (`"update-end"`), inside each checkpoint write of the torch backend
         (`"checkpoint-write"`) and, with `rollout.max_staleness` >= 1, on the sampler thread as a rollout
         starts and once it is queued (`"rollout-start"`, `"rollout-queued"`): the interruption tests' seam.
         `checked` is what `preflight(cfg, resume=resume, overwrite=overwrite)` returned, when the caller ran
-        those checks before loading torch (the command line does); without it they run here."""
+        those checks before loading torch (the command line does); without it they run here.
+
+        `sampler`: the `hf` sampler's process, spawned before this (`treetrain.train.sampler_start`); when
+        the run needs one and none is given, it is spawned here once the checks pass, before the model loads."""
         self.on_point = on_point
         self.phases: Phases | None = None
         """What the progress bar says the update is doing (set by `run`)."""
@@ -117,6 +123,7 @@ class Trainer:
         # The environment, the held-out tasks and the servers are checked, and the run directory is marked
         # and locked by one process (rank 0), before anything is loaded; a refusal ends every rank (torchrun).
         checked = checked or preflight(cfg, resume=resume, overwrite=overwrite)
+        self.sampler = sampler if sampler is not None else early_sampler(cfg)
         self.held: HeldOut | None = checked.held
         self.lock: RunLock | None = checked.lock
         try:
@@ -136,6 +143,8 @@ class Trainer:
             evaluator.close()  # its environment workers
         if getattr(self, "envs", None) is not None:
             self.envs.close()  # the environment worker process
+        if self.sampler is not None:
+            self.sampler.close()  # one no engine took (a no-op once the engine owns it)
         if self.lock is not None:
             self.lock.release()
             self.lock = None
@@ -203,7 +212,7 @@ class Trainer:
             self.source = recorded[0]
         elif cfg.rollout.max_staleness:
             self.source = AsyncRolloutSource(
-                cfg, self.tokenizer, make, self.backend, self.state.update, self.on_point
+                cfg, self.tokenizer, make, self.backend, self.state.update, self.on_point, self.sampler
             )
         else:
             self.source = RolloutSource(cfg, self.tokenizer, make, self.backend, on_episode=self._episode)

@@ -82,6 +82,11 @@ def notebook_trees(environ: dict[str, str] | None = None) -> Path:
     when it is set, else the shipped examples. Raises `FileNotFoundError` saying both where it looked and
     how to point it elsewhere, never a bare `StopIteration` (a notebook copied out of the repository).
 
+    A relative path is the one the user typed in the shell that started Jupyter
+    (`TREETRAIN_TREES=runs/demo jupyter lab` from the repository's root), while the kernel runs in the
+    notebook's own folder: when it names nothing from there, it is read from `$PWD`, the shell's directory,
+    which the server and its kernels inherit.
+
     Example:
         >>> notebook_trees({"TREETRAIN_TREES": "runs/demo"})
         PosixPath('runs/demo')
@@ -90,7 +95,12 @@ def notebook_trees(environ: dict[str, str] | None = None) -> Path:
     """
     env = os.environ if environ is None else environ
     if env.get(TREES_VARIABLE):
-        return Path(env[TREES_VARIABLE]).expanduser()
+        named = Path(env[TREES_VARIABLE]).expanduser()
+        started_in = env.get("PWD")
+        if named.is_absolute() or os.path.lexists(named) or not started_in:
+            return named
+        from_shell = Path(started_in) / named
+        return from_shell if os.path.lexists(from_shell) else named
     if SHIPPED_TREES.is_dir():
         return SHIPPED_TREES
     raise FileNotFoundError(

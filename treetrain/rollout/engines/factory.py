@@ -39,6 +39,7 @@ from typing import Any
 from treetrain.errors import ConfigError
 from treetrain.rollout.engines.engine_settings import ENGINES, VLLMSettings
 from treetrain.rollout.engines.generation import GenerationEngine
+from treetrain.rollout.engines.sampler_process import SamplerProcess
 
 
 @dataclass(frozen=True)
@@ -110,13 +111,19 @@ def check_engine(spec: EngineSpec, model: Any) -> None:
         )
 
 
-def make_engine(spec: EngineSpec, model: Any) -> GenerationEngine:
-    """The engine `spec.kind` names, serving `model`, at weight version -1 (synced before first use)."""
+def make_engine(spec: EngineSpec, model: Any, *, process: SamplerProcess | None = None) -> GenerationEngine:
+    """The engine `spec.kind` names, serving `model`, at weight version -1 (synced before first use).
+    `process`: the `hf` sampler process, spawned earlier, that the engine of an asynchronous `hf` run takes
+    (closed here for any other engine)."""
     check_engine(spec, model)
     if spec.kind == "hf" and spec.in_flight_weights:
         from treetrain.rollout.engines.hf_process import HFProcessEngine
 
-        return HFProcessEngine(model, version=-1, threads=spec.threads, max_kv_bytes=spec.hf_kv_bytes)
+        return HFProcessEngine(
+            model, version=-1, threads=spec.threads, max_kv_bytes=spec.hf_kv_bytes, process=process
+        )
+    if process is not None:
+        process.close()
     if spec.kind == "hf":
         from treetrain.rollout.engines.hf_engine import HFEngine
 

@@ -1,7 +1,9 @@
 """The child side of `treetrain.rollout.engines.hf_process`: the messages both sides exchange, and the loop
 the sampler process runs.
 
-The child builds a private copy of the shadow it was given (shared memory) and an `HFEngine` over it. While
+The child is spawned before there is a policy (`treetrain.rollout.engines.sampler_process`): its first
+command, `Start`, brings the shadow (shared memory) and the engine's settings. It builds a private copy of
+the shadow and an `HFEngine` over it, and answers `Ready`. While
 the engine has requests it decodes step after step, reading the parent's commands between steps and sending
 each finished `GenerationResult` back at once; when idle it waits for the next command. Replies go out on a
 thread of their own, so a parent busy submitting never finds the child blocked on a full pipe instead of
@@ -16,11 +18,8 @@ Example (the messages are plain frozen dataclasses, pickled through the pipes):
 from __future__ import annotations
 
 import copy
-import ctypes
 import os
 import queue
-import signal
-import sys
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -33,11 +32,16 @@ from treetrain.rollout.engines.hf_engine import HFEngine
 from treetrain.rollout.engines.server_calls import short
 from treetrain.rollout.weight_feed import copy_weights, private_copy, settle
 
-PROCESS_NAME = "treetrain-hf"
-"""The child's name in /proc/<pid>/comm (at most 15 characters)."""
-
 
 # ----- the protocol: parent -> child ---------------------------------------------------------------
+@dataclass(frozen=True)
+class Start:
+    """The first command: the shared shadow to copy and sample from, and how."""
+
+    shadow: Any
+    settings: ChildSettings
+
+
 @dataclass(frozen=True)
 class Submit:
     rid: int
@@ -71,7 +75,7 @@ class Close:
     pass
 
 
-Command = Submit | Sync | ReleaseGroup | Abort | Interrupt | Close
+Command = Start | Submit | Sync | ReleaseGroup | Abort | Interrupt | Close
 
 
 # ----- the protocol: child -> parent ---------------------------------------------------------------
@@ -114,7 +118,6 @@ Reply = Ready | Finished | Synced | Stopped | Failed
 
 @dataclass(frozen=True)
 class ChildSettings:
-    parent_pid: int
     threads: int
     max_kv_bytes: int | None
     version: int
@@ -128,19 +131,18 @@ def one_line(exc: BaseException) -> str:
 
 
 # ----- the loop -------------------------------------------------------------------------------------
-def child_main(shadow: Any, settings: ChildSettings, commands: Any, replies: Any) -> None:
-    """The child process: build the private model and engine, then serve commands until `Close`."""
-    if sys.platform == "linux":
-        libc = ctypes.CDLL(None)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        libc.prctl(15, PROCESS_NAME.encode())  # PR_SET_NAME
-    if os.getppid() != settings.parent_pid:  # the parent died before the request above took hold
-        os._exit(0)
-    torch.set_num_threads(settings.threads)
+def child_main(commands: Any, replies: Any) -> None:
+    """The child process, its modules imported: wait for `Start`, build the private model and engine, then
+    serve commands until `Close` (or the end of the command pipe: nobody adopted it, or the parent is gone)."""
     out = _Sender(replies)
     try:
-        _serve(shadow, settings, commands, out)
-    except EOFError:  # the parent is gone
+        start = commands.recv()
+        if isinstance(start, Start):
+            torch.set_num_threads(start.settings.threads)
+            _serve(start.shadow, start.settings, commands, out)
+        elif not isinstance(start, Close):
+            raise TypeError(f"the first command must be Start, not {type(start).__name__}")
+    except EOFError:  # the parent is gone, or closed the process before giving it a policy
         pass
     except BaseException as exc:
         out.put(Failed(f"the sampler process failed: {one_line(exc)}"))

@@ -14,11 +14,13 @@ reads it, and the child never samples from the shadow, so a request in flight is
 that changes under it.
 
 **Lifetime.** The child dies with its parent: it asks Linux for SIGKILL when the parent thread that started
-it ends (`PR_SET_PDEATHSIG`, so start the engine on a thread that lives as long as it, as the trainer's main
-thread does), and it exits when its command pipe reports end of file. A child that raises or dies gives the
+it ends (`PR_SET_PDEATHSIG`, so start it on a thread that lives as long as it, as the trainer's main thread
+does), and it exits when its command pipe reports end of file. A child that raises or dies gives the
 parent a one-line `EngineError` naming the cause. Start-up (spawn, imports, the model copy: 3.3-3.5 s on the
 demo model, nearly all of it imports) runs while the parent goes on; the first command that needs an answer
-waits for it (`startup_seconds`).
+waits for it (`startup_seconds`). The process may be spawned earlier, before the policy exists
+(`treetrain.rollout.engines.sampler_process.SamplerProcess`, given as `process`): its imports then run while
+the trainer loads, and the engine only sends it the shadow.
 
 **Threads.** The child runs `threads` torch threads; None gives 1: the sampler's decode steps of a small
 model gain little from a second thread, and on a 2-core machine the trainer keeps the other core.
@@ -47,12 +49,11 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import time
 from typing import Any, NoReturn
 
-import torch.multiprocessing as mp
+import torch.multiprocessing  # noqa: F401  # its tensor pickling sends the shadow as shared memory
 
 from treetrain.rollout.engines.generation import (
     EngineError,
@@ -62,7 +63,6 @@ from treetrain.rollout.engines.generation import (
     Interrupted,
 )
 from treetrain.rollout.engines.hf_child import (
-    PROCESS_NAME,
     Abort,
     ChildSettings,
     Close,
@@ -73,14 +73,17 @@ from treetrain.rollout.engines.hf_child import (
     Ready,
     ReleaseGroup,
     Reply,
+    Start,
     Stopped,
     Submit,
     Sync,
     Synced,
-    child_main,
     one_line,
 )
+from treetrain.rollout.engines.sampler_process import PROCESS_NAME, SamplerProcess
 from treetrain.rollout.weight_feed import share_memory
+
+__all__ = ["PROCESS_NAME", "HFProcessEngine"]
 
 POLL_WAIT_S = 0.002
 """Longest `poll` waits for an answer when none arrived. The scheduler notices finished tool calls only
@@ -98,8 +101,15 @@ class HFProcessEngine:
     are at start (the factory's -1 says: sync before the first request)."""
 
     def __init__(
-        self, shadow: Any, *, version: int = -1, threads: int | None = None, max_kv_bytes: int | None = None
+        self,
+        shadow: Any,
+        *,
+        version: int = -1,
+        threads: int | None = None,
+        max_kv_bytes: int | None = None,
+        process: SamplerProcess | None = None,
     ) -> None:
+        """`process`: a sampler process spawned earlier, whose imports ran meanwhile (None: spawn one now)."""
         if threads is not None and threads < 1:
             raise EngineError(f"rollout.engine=hf: the sampler process needs >= 1 thread, got {threads}")
         self.version = version
@@ -114,24 +124,19 @@ class HFProcessEngine:
         self._done: list[GenerationResult] = []
         self._broken: str | None = None
         self._closed = False
-        ctx = mp.get_context("spawn")
-        commands_in, self._commands = ctx.Pipe(duplex=False)
-        self._replies, replies_out = ctx.Pipe(duplex=False)
-        settings = ChildSettings(os.getpid(), threads or 1, max_kv_bytes, version)
-        self._started = time.time()
-        self._proc = ctx.Process(
-            target=child_main, args=(shadow, settings, commands_in, replies_out), name=PROCESS_NAME,
-            daemon=True,
-        )  # fmt: skip
-        try:
-            self._proc.start()
-        except Exception as exc:  # the model does not pickle, or the process cannot start
+        self._process = process if process is not None else SamplerProcess()
+        self._process.adopt()
+        self._commands, self._replies = self._process.commands, self._process.replies
+        self._proc = self._process.proc
+        self._started = self._process.started
+        try:  # the shadow's tensors travel as shared memory, not as copies
+            self._commands.send(Start(self._shadow, ChildSettings(threads or 1, max_kv_bytes, version)))
+        except Exception as exc:  # the model does not pickle, or the process is gone
+            self._process.stop()
+            self._closed = True
             raise EngineError(
                 f"rollout.engine=hf: the sampler process did not start: {one_line(exc)}"
             ) from None
-        finally:
-            commands_in.close()
-            replies_out.close()
 
     @property
     def pid(self) -> int | None:
@@ -204,12 +209,7 @@ class HFProcessEngine:
         if self._broken is None:
             with contextlib.suppress(OSError):  # it died meanwhile: the join below sees it
                 self._commands.send(Close())
-        self._proc.join(5.0)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(5.0)
-        self._commands.close()
-        self._replies.close()
+        self._process.stop()
         self._outstanding.clear()
         self._done.clear()
         if self._broken is None:

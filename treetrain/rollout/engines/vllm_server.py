@@ -36,6 +36,11 @@ and every request names the current adapter as its `model`. The servers must run
 `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True vllm serve ... --enable-lora --max-lora-rank R` (R at least the
 adapter's rank).
 
+**At the end.** `close()` removes what the syncs wrote (`current/`, a full copy of the weights, and
+`adapters/`), and `weights_dir` when that leaves it empty: the servers read the files only while they reload.
+After a sync that failed, when a reload may not have answered and its server may still be reading, they are
+left in place.
+
 **Bad servers.** A server that is down, answers with an HTTP error, stays silent past
 `request_timeout_s`, or returns JSON outside the protocol (or more than `server_calls.MAX_RESPONSE_BYTES`) stops the
 rollout with one `EngineError` line naming the URL and what was wrong; the update's trees are not written.
@@ -43,6 +48,7 @@ rollout with one `EngineError` line naming the URL and what was wrong; the updat
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -75,6 +81,7 @@ from treetrain.rollout.engines.server_checks import (
     trainer_probe,
 )
 from treetrain.rollout.engines.server_stream import StreamedAnswer, stream_server
+from treetrain.runfs import remove_tree
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +139,8 @@ class VLLMServerEngine:
         self.stream = stream
         self._lock = threading.Lock()  # guards `_open` and `_drawn` between the pool and `interrupt`
         self._drawn: dict[int, StreamedAnswer] = {}
+        self._unanswered = False
+        """Whether a server was asked to read the files under `weights_dir` and has not answered."""
 
     def _check_server(self, url: str) -> ServedConfig:
         """What `url` serves, refused in one line when it cannot sample for this run."""
@@ -301,6 +310,7 @@ class VLLMServerEngine:
         for url, served in zip(self.urls, self.served):
             if path is not None:
                 self._reload(url, served, str(path))
+        for url, served in zip(self.urls, self.served):
             answer = call_server(url, "/update_weight_version", {"new_version": label}, self.timeout)
             if not isinstance(answer, dict) or answer.get("new_version") != label:
                 raise EngineError(f"vllm-server {url}/update_weight_version: not confirmed: {short(answer)}")
@@ -314,7 +324,7 @@ class VLLMServerEngine:
     def _reload(self, url: str, served: ServedConfig, path: str) -> None:
         body = {"method": "reload_weights", "kwargs": {"weights_path": path}}
         try:
-            answer = call_server(url, "/collective_rpc", body, self.timeout)
+            answer = self._ask_to_read(url, "/collective_rpc", body)
         except ServerHTTPError as exc:
             raise EngineError(
                 f"{exc}; it serves {served.root}: is that this run's model ({self.expected.path})?"
@@ -331,6 +341,18 @@ class VLLMServerEngine:
                 f"vllm-server {url}/reset_prefix_cache: the reset was not confirmed: {short(reset)}; its "
                 "cache would hold KV of the old weights"
             )
+
+    def _ask_to_read(self, url: str, endpoint: str, body: dict[str, Any]) -> Any:
+        """`call_server` for a call that has the server read files under `weights_dir`: until it answers (an
+        HTTP error is an answer, a timeout is not) the files are marked as possibly being read."""
+        self._unanswered = True
+        try:
+            answer = call_server(url, endpoint, body, self.timeout)
+        except ServerHTTPError:
+            self._unanswered = False
+            raise
+        self._unanswered = False
+        return answer
 
     def _probe(self, url: str, served: ServedConfig, probe: tuple[list[int], list[float]]) -> None:
         """Score the probe prompt on the server against the trainer's logprobs of it."""
@@ -362,9 +384,7 @@ class VLLMServerEngine:
         name = adapter_name(version)
         for url in self.urls:
             try:
-                call_server(
-                    url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}, self.timeout
-                )
+                self._ask_to_read(url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
             except EngineError as exc:
                 raise EngineError(
                     f"{exc} (a server takes LoRA adapters when started with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True "
@@ -406,4 +426,15 @@ class VLLMServerEngine:
         return out
 
     def close(self) -> None:
+        """Stop sending, and remove the weights written for the servers (see the module docstring)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._unanswered:
+            log.warning(
+                "vllm-server: keeping %s: a server may still be reading it (its reload did not answer)",
+                self.weights_dir,
+            )
+            return
+        for written in ("current", "adapters"):
+            remove_tree(self.weights_dir, self.weights_dir / written)
+        with contextlib.suppress(OSError):  # kept when it holds anything else
+            self.weights_dir.rmdir()
