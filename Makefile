@@ -34,8 +34,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 lint: venv
-	$(BIN)/ruff check treetrain envs tests bench trees tools
-	$(BIN)/ruff format --check treetrain envs tests bench trees tools
+	$(BIN)/ruff check treetrain envs tests bench trees
+	$(BIN)/ruff format --check treetrain envs tests bench trees
 
 typecheck: venv
 	$(BIN)/mypy
