@@ -69,12 +69,17 @@ def test_make_notebook_runs_jupyter_lab_with_the_trees_as_an_absolute_path() -> 
     """`make -n` prints the commands without running them: the lab starts on the given run's trees,
     whatever folder the kernel later runs in."""
     shown = subprocess.run(
-        ["make", "-n", "notebook", "TREES=runs/demo"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+        ["make", "--no-print-directory", "-n", "notebook", "TREES=runs/demo"], cwd=ROOT, capture_output=True, text=True, timeout=60,
         check=True,
     ).stdout.splitlines()  # fmt: skip
     assert shown[-1] == f"TREETRAIN_TREES={ROOT}/runs/demo .venv/bin/jupyter lab notebooks", shown[-3:]
     unset = subprocess.run(
-        ["make", "-n", "notebook"], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True
+        ["make", "--no-print-directory", "-n", "notebook"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
     ).stdout.splitlines()
     assert unset[-1] == ".venv/bin/jupyter lab notebooks"  # unset: the shipped trees/
 

@@ -71,9 +71,11 @@ class Served:
         extra, argv = docs_command(port)
         self.log = log
         self.base = f"http://127.0.0.1:{port}"
+        # as from a user's shell: without the log level an in-process vLLM engine set in this process
+        env = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_LEVEL"}
         with open(log, "w") as out:
             self.proc = subprocess.Popen(
-                argv, cwd=ROOT, env={**os.environ, **extra, "OMP_NUM_THREADS": "1"}, stdout=out,
+                argv, cwd=ROOT, env={**env, **extra, "OMP_NUM_THREADS": "1"}, stdout=out,
                 stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
             )  # fmt: skip
 

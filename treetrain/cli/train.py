@@ -90,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
     try:  # every mistake seen without torch is answered before it loads (seconds, not a minute)
         checked = preflight(cfg, resume=args.resume, overwrite=args.overwrite)
     except (TreetrainError, OSError) as exc:
+        if is_disk_full(exc):  # marking the run directory can meet a full disk too
+            exc = as_disk_full(exc, cfg.run_dir, "use another --run-dir")
         print(f"treetrain train: {exc}", file=sys.stderr)
         return 2
     if args.no_progress:
