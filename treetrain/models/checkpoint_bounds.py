@@ -32,10 +32,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 from transformers import PretrainedConfig
 
 from treetrain.jsonfile import read_json_object
+from treetrain.models.weight_headers import directory_shapes
 
 MAX_CONFIG_BYTES = 1 << 20
 """Largest config.json read (real ones are a few KB)."""
@@ -80,19 +80,6 @@ def _check_counts(data: dict[str, Any], path: Path) -> None:
                     raise ValueError(
                         f"{path}: {key} = {value} is above the limit of {limit} (treetrain.models.checkpoint_bounds.{name})"
                     )
-
-
-def _weights(directory: Path) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape over every safetensors file, from the headers (no tensor is read)."""
-    shapes: dict[str, tuple[int, ...]] = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        try:
-            with safe_open(str(file), "pt") as f:
-                for name in f.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
-                    shapes[name] = tuple(f.get_slice(name).get_shape())
-        except (SafetensorError, OSError) as exc:
-            raise ValueError(f"{file}: not a complete safetensors file ({exc})") from None
-    return shapes
 
 
 def checkpoint_config(directory: str | Path) -> PretrainedConfig:
@@ -152,7 +139,7 @@ def check_checkpoint(directory: str | Path) -> None:
     directory = Path(directory)
     path = directory / "config.json"
     config = checkpoint_config(directory)
-    shapes = _weights(directory)
+    shapes = directory_shapes(directory.glob("*.safetensors"))
     model = _meta_model(config, path)
     params = dict(model.named_parameters())  # tied parameters once
     count = sum(p.numel() for p in params.values())

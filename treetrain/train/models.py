@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from treetrain.assets import DEMO_MODEL, WIDE_DEMO_MODEL, tokenizer_path
@@ -21,6 +21,7 @@ from treetrain.models.checkpoint_bounds import checkpoint_config
 from treetrain.models.lora import AdaptersOff, Reference, apply_lora, peft_quiet
 from treetrain.models.presets import load_model, model_config
 from treetrain.models.tokenizer_files import TokenizerFileError, check_tokenizer_dir, load_failure
+from treetrain.models.weight_headers import directory_shapes
 from treetrain.train.config import ModelSection
 
 
@@ -77,12 +78,10 @@ def check_tokenizer_fits(tokenizer_ids: int, model_ids: int) -> None:
 
 def broken_weights(directory: str) -> str:
     """Which safetensors file in `directory` is unreadable (a header check, no tensor is read)."""
-    for file in sorted(Path(directory).glob("*.safetensors")):
-        try:
-            with safe_open(str(file), "pt"):
-                pass
-        except (SafetensorError, OSError) as exc:
-            return f"{file}: not a complete safetensors file ({exc})"
+    try:
+        directory_shapes(Path(directory).glob("*.safetensors"))
+    except ValueError as exc:
+        return str(exc)
     return f"{directory}: its weights cannot be read"
 
 
