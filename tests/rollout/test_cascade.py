@@ -12,7 +12,8 @@ from transformers import Gemma2Config, Gemma2ForCausalLM
 
 from treetrain.rollout.engines.cascade import Piece, cascade_reason, cascade_runs, groups_of
 from treetrain.rollout.engines.generation import GenerationRequest, GenerationResult
-from treetrain.rollout.engines.hf_engine import MIN_PIECE, HFEngine
+from treetrain.rollout.engines.hf_encoder import MIN_PIECE
+from treetrain.rollout.engines.hf_engine import HFEngine
 from treetrain.rollout.sampling import Sampling
 
 torch.set_num_threads(1)

@@ -26,6 +26,9 @@ is what it holds, counted from the tensors' storage (`cache_bytes`, a piece once
 the most it held between decode steps. The reservation assumes plain attention KV (`token_kv_bytes`);
 for recurrent state it is an estimate.
 
+This module decides which requests run and what becomes of a row's tokens; how rows sit in one padded
+cache, and the forwards over it, are `treetrain.rollout.engines.hf_encoder`'s.
+
 Each request draws from its own `torch.Generator` seeded by `GenerationRequest.seed` (one uniform per row
 and step, inverted through the row's CDF), so its samples do not depend on what else shares the batch, up
 to float rounding: the logits of a row in a padded batch can differ from its logits alone in the last bits,
@@ -60,23 +63,11 @@ from treetrain.rollout.engines.batch_cache import (
     adopt,
     cache_bytes,
     layers_of,
-    mask_left,
     mergeable,
     new_cache,
     token_kv_bytes,
-    with_room,
 )
-from treetrain.rollout.engines.cascade import (
-    Chain,
-    Layout,
-    Piece,
-    cascade,
-    cascade_reason,
-    cascade_runs,
-    chain_key,
-    chain_length,
-    groups_of,
-)
+from treetrain.rollout.engines.cascade import cascade_reason, cascade_runs
 from treetrain.rollout.engines.generation import (
     Completion,
     Draft,
@@ -87,18 +78,9 @@ from treetrain.rollout.engines.generation import (
     Interrupted,
     StopMatcher,
 )
-from treetrain.rollout.engines.hf_batch import (
-    Batch,
-    Job,
-    Kept,
-    KeptPrefixes,
-    Row,
-    common_prefixes,
-    draw_rows,
-    fork_rows,
-    pieces_bytes,
-)
-from treetrain.rollout.prefix_sampler import fork_cache, select_rows
+from treetrain.rollout.engines.hf_batch import Batch, Job, Kept, KeptPrefixes, draw_rows, pieces_bytes
+from treetrain.rollout.engines.hf_encoder import BatchEncoder
+from treetrain.rollout.prefix_sampler import fork_cache
 from treetrain.rollout.sampling import Sampling
 
 MAX_ROWS = 64
@@ -106,10 +88,6 @@ MAX_ROWS = 64
 fits). Finished rows awaiting compaction are not counted."""
 MAX_KEPT = 512
 """Most kept prefixes; the least recently used go first."""
-MIN_PIECE = 32
-"""Fewest tokens worth a shared piece (`cascade`): requests admitted together share a common prefix this
-long, and a fork's rows share their context's own tokens when there are this many (fewer are copied to
-each row, cheaper than one more attention call per step)."""
 MAX_KV_BYTES = 1 << 30
 """Default cap on the KV bytes the engine holds (the trainer passes `rollout.hf_kv_budget`)."""
 
@@ -132,7 +110,6 @@ class HFEngine:
             raise EngineError(
                 f"rollout.engine=hf: max_kv_bytes must be a positive integer, got {max_kv_bytes!r}"
             )
-        self.model = model
         self.version = version
         self.stats = EngineStats()
         self.max_rows, self.max_kept, self.keep_prefixes = max_rows, max_kept, keep_prefixes
@@ -144,12 +121,18 @@ class HFEngine:
         """Whether rows of different requests share one padded batch (plain full-attention caches)."""
         self.cascade = self.merge and share_contexts and cascade_reason(model) is None and cascade_runs(model)
         """Whether the rows of a fork read their context from one shared piece (`cascade`)."""
+        self._encoder = BatchEncoder(model, self.stats, cascade=self.cascade)
         self._next_id = 0
         self._waiting: list[Job] = []
         self._jobs: dict[int, Job] = {}
         self._batches: list[Batch] = []
         self._kept = KeptPrefixes()
         self._token_bytes: int | None = None
+
+    @property
+    def model(self) -> Any:
+        """The model sampled from (the trainer's own); its forwards run through `BatchEncoder`."""
+        return self._encoder.model
 
     # ----- GenerationEngine -------------------------------------------------------------------------
     def submit(self, request: GenerationRequest) -> int:
@@ -198,7 +181,7 @@ class HFEngine:
             raise EngineError(
                 "rollout.engine=hf: sync_weights while requests are in flight (abort them first)"
             )
-        self.model = model
+        self._encoder.model = model
         self.version = version
         self._kept.clear()
         self.stats.weight_syncs += 1
@@ -255,12 +238,15 @@ class HFEngine:
             rows += request.n
         if not jobs:
             return
+        encoder = self._encoder
         if not self.merge:
-            self._batches += [self._prefill([job]) for job in jobs]
+            self._batches += [
+                encoder.prefill([job], [self._kept.lookup(job.request.context)]) for job in jobs
+            ]
             return
-        new = self._prefill(jobs)
+        new = encoder.prefill(jobs, [self._kept.lookup(job.request.context) for job in jobs])
         into = self._batches.pop() if self._batches else None
-        self._batches.append(new if into is None else self._join(into, new))
+        self._batches.append(new if into is None else encoder.join(into, new))
 
     def _reserve(self, requests: list[GenerationRequest]) -> int:
         """KV bytes `requests`' rows may hold at their longest, growth room included: a growing layer
@@ -283,127 +269,6 @@ class HFEngine:
         ):
             self._kept.popitem(last=False)
 
-    def _prefill(self, jobs: list[Job]) -> Batch:
-        """Encode the uncached part of every job's context in one forward, then give each its `n` rows.
-
-        Row b is [padding | kept own tokens b | padding | pending tokens b]: kept tokens are left-padded to
-        a common width, pending tokens right-aligned to a common length, so every row's last token is last.
-        A kept prefix's pieces (`cascade`) are read, not copied. With `cascade`, the context of a job with
-        `n > 1` becomes a piece its rows share, and they start with no own tokens.
-        """
-        found = [self._kept.lookup(job.request.context) for job in jobs]
-        if self.cascade:  # rows that share pieces side by side: each piece is read once per step
-            found = self._share_common(jobs, found)
-            order = sorted(range(len(jobs)), key=lambda b: chain_key(found[b][2]))
-            jobs, found = [jobs[b] for b in order], [found[b] for b in order]
-        pending = [job.request.context[hit:] for job, (hit, _, _) in zip(jobs, found)]
-        chains = [chain for _, _, chain in found]
-        bases = torch.tensor([chain_length(c) for c in chains])  # [B]
-        owns = torch.tensor([hit for hit, _, _ in found]) - bases  # [B] kept own tokens
-        for job, (hit, _, _) in zip(jobs, found):
-            job.cached = hit
-            self.stats.cached_tokens += hit
-        width = int(owns.max())
-        if len(jobs) == 1:
-            cache = found[0][1] if found[0][1] is not None else new_cache(self.model)
-        elif width == 0:
-            cache = new_cache(self.model)
-        else:
-            ref = next(layers_of(c) for _, c, _ in found if c is not None)
-            empty = [(k[:1, :, :0], v[:1, :, :0]) for k, v in ref]  # a job with nothing kept: all padding
-            cache = with_room(
-                self.model, [layers_of(c) if c is not None else empty for _, c, _ in found], width
-            )
-        lengths = torch.tensor([len(p) for p in pending])  # [B]
-        span = int(lengths.max())
-        ids = torch.zeros(len(jobs), span, dtype=torch.long)  # [B, P]
-        for b, p in enumerate(pending):
-            ids[b, span - len(p) :] = torch.tensor(p)
-        cols = torch.arange(width)[None, :]
-        mask = torch.cat(
-            [
-                (cols >= width - owns[:, None]).long(),
-                (torch.arange(span)[None, :] >= span - lengths[:, None]).long(),
-            ],
-            dim=1,
-        )  # [B, width + P]
-        offsets = torch.arange(span)[None, :] - (span - lengths[:, None])  # [B, P]
-        positions = ((bases + owns)[:, None] + offsets).clamp(min=0)  # [B, P]
-        logits = self._forward(ids, cache, mask, positions, chains, pending=span)
-        self.stats.encoded_tokens += int(lengths.sum())
-        ns = [job.request.n for job in jobs]
-        index = torch.repeat_interleave(torch.arange(len(jobs)), torch.tensor(ns))  # [R]
-        heads = (bases + owns + lengths)[index]  # [R] each row's next position
-        rows = [Row(job.rid, i, chains[b]) for b, job in enumerate(jobs) for i in range(job.request.n)]
-        forked = [b for b, job in enumerate(jobs) if job.request.n > 1 and owns[b] + lengths[b] >= MIN_PIECE]
-        if self.cascade and forked:
-            return fork_rows(self.model, ns, cache, mask, heads, logits[index], rows, forked)
-        if len(index) > len(jobs):
-            select_rows(cache, index.to(self.device))
-        return Batch(cache, rows, mask[index], heads, logits[index])
-
-    def _share_common(
-        self, jobs: list[Job], found: list[tuple[int, Any, Chain]]
-    ) -> list[tuple[int, Any, Chain]]:
-        """Jobs with nothing kept whose contexts start alike (a system prompt and tools, the same task's
-        prompt): their longest common prefix is encoded once, as a piece they all continue."""
-        out = list(found)
-        fresh = [b for b, (hit, _, _) in enumerate(found) if hit == 0]
-        for group, common in common_prefixes([jobs[b].request.context for b in fresh], MIN_PIECE):
-            group = [fresh[i] for i in group]
-            first = jobs[group[0]].request.context
-            cache = new_cache(self.model)
-            ids = torch.tensor([first[:common]], dtype=torch.long, device=self.device)  # [1, L]
-            self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-            self.stats.forward_calls += 1
-            self.stats.encoded_tokens += common
-            piece = Piece(tuple((k.clone(), v.clone()) for k, v in layers_of(cache)))  # no growth room
-            for b in group:
-                out[b] = (common, None, (piece,))
-        return out
-
-    def _forward(
-        self, ids: torch.Tensor, cache: Any, mask: torch.Tensor, positions: torch.Tensor,
-        chains: list[Chain], *, pending: int,
-    ) -> torch.Tensor:  # fmt: skip
-        """The last position's logits `[R, V]` of one forward of `ids` `[R, P]` over the rows' own cache
-        (`mask` `[R, W + P]` over its columns and the new ones) and, with `cascade`, their pieces."""
-        ids = ids.to(self.device)
-        if self.cascade:
-            width = mask.shape[1] - pending
-            visible = mask.bool()[:, None, :].repeat(1, pending, 1)  # [R, P, W + P]
-            causal = torch.ones(pending, pending, dtype=torch.bool).tril()
-            visible[:, :, width:] &= causal
-            visible[:, :, width:] |= torch.eye(pending, dtype=torch.bool)  # a padding query sees itself
-            layout = Layout(groups_of(chains), visible.to(self.device))
-            with cascade(self.model, layout):
-                out = self.model(
-                    input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1,
-                    position_ids=positions.to(self.device),
-                )  # fmt: skip
-        else:
-            kwargs: dict[str, Any] = {}
-            if not bool(mask.all()):
-                kwargs = {"attention_mask": mask.to(self.device), "position_ids": positions.to(self.device)}
-            out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1, **kwargs)
-        self.stats.forward_calls += 1
-        return out.logits[:, -1, :].float()  # [R, V]
-
-    def _join(self, a: Batch, b: Batch) -> Batch:
-        width = max(a.mask.shape[1], b.mask.shape[1])
-        rows = a.rows + b.rows
-        mask = torch.cat([mask_left(a.mask, width), mask_left(b.mask, width)])
-        positions, logits = torch.cat([a.positions, b.positions]), torch.cat([a.logits, b.logits])
-        order = sorted(range(len(rows)), key=lambda j: chain_key(rows[j].chain)) if self.cascade else []
-        index = None
-        if order and order != list(range(len(rows))):  # rows that share pieces side by side
-            index = torch.tensor(order, dtype=torch.long)
-            rows = [rows[j] for j in order]
-            mask, positions, logits = mask[index], positions[index], logits[index]
-            index = index.to(self.device)
-        cache = with_room(self.model, [layers_of(a.cache), layers_of(b.cache)], width, index)
-        return Batch(cache, rows, mask, positions, logits)
-
     # ----- decoding ---------------------------------------------------------------------------------
     def _step(self, batch: Batch, finished: list[GenerationResult]) -> None:
         tokens = [0] * len(batch.rows)  # a finished row is fed padding, masked out
@@ -422,13 +287,13 @@ class HFEngine:
         if batch.dead == len(batch.rows):
             return
         if batch.dead and (not self.merge or batch.dead * 4 >= len(batch.rows)):
-            keep = self._compact(batch)
+            keep = self._encoder.compact(batch)
             tokens = [tokens[j] for j in keep]
         fed = torch.tensor([0 if r.done else 1 for r in batch.rows])  # [R]
         batch.mask = torch.cat([batch.mask, fed[:, None]], dim=1)  # [R, W + 1]
         ids = torch.tensor(tokens, dtype=torch.long)[:, None]  # [R, 1]
         chains = [r.chain for r in batch.rows]
-        batch.logits = self._forward(
+        batch.logits = self._encoder.forward(
             ids, batch.cache, batch.mask, batch.positions[:, None], chains, pending=1
         )
         self.stats.encoded_tokens += int(fed.sum())
@@ -472,23 +337,3 @@ class HFEngine:
             del self._jobs[job.rid]
             completions = tuple(c for c in job.results if c is not None)
             finished.append(GenerationResult(job.rid, completions, job.cached))
-
-    def _compact(self, batch: Batch) -> list[int]:
-        """Drop finished rows, and the columns only padding holds; returns the rows kept."""
-        keep = [j for j, r in enumerate(batch.rows) if not r.done]
-        index = torch.tensor(keep, dtype=torch.long)
-        batch.rows = [batch.rows[j] for j in keep]
-        batch.mask, batch.positions, batch.logits = (
-            batch.mask[index],
-            batch.positions[index],
-            batch.logits[index],
-        )
-        if not mergeable(batch.cache):
-            select_rows(batch.cache, index.to(self.device))
-            return keep
-        used = batch.mask.any(dim=0).nonzero()
-        first = int(used[0]) if len(used) else batch.mask.shape[1]
-        batch.mask = batch.mask[:, first:]
-        layers = [(k[:, :, first:], v[:, :, first:]) for k, v in layers_of(batch.cache)]
-        batch.cache = with_room(self.model, [layers], batch.mask.shape[1], index.to(self.device))
-        return keep
