@@ -20,7 +20,8 @@ from support.ledger_cases import error, ledger_batch, measured_flat
 from support.ledger_cases import measured_tree as measured_tree_peak
 
 from treetrain.loss.loss_config import LossConfig
-from treetrain.memory.calibrate import LONG_PROBE, PROBES, calibrate, probes_for
+from treetrain.memory.calibrate import calibrate
+from treetrain.memory.calibration_probes import LONG_PROBE, PROBES, probes_for
 from treetrain.memory.flat_cost import predict_flat
 from treetrain.memory.ledger import predict_ledger
 from treetrain.memory.overrides import Overrides

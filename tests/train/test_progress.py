@@ -261,7 +261,7 @@ def test_the_bar_says_what_the_update_is_doing(tmp_path: Path, capsys: pytest.Ca
 def test_no_progress_reaches_the_calibration_bar(monkeypatch: pytest.MonkeyPatch, hidden: bool) -> None:
     """`hide_library_bars` sets tqdm's own `TQDM_DISABLE`, which the memory calibration's bar (drawn on a
     terminal otherwise) honours; without it the bar is left to tqdm's terminal check (the control)."""
-    import treetrain.memory.calibrate as calibrate
+    import treetrain.memory.calibration_probes as probes
     from treetrain.models.presets import tiny_model
     from treetrain.train.progress import hide_library_bars
 
@@ -269,6 +269,6 @@ def test_no_progress_reaches_the_calibration_bar(monkeypatch: pytest.MonkeyPatch
     if hidden:
         hide_library_bars()
     asked: list[object] = []
-    monkeypatch.setattr(calibrate, "tqdm", lambda probes, **kw: asked.append(kw["disable"]) or [])
-    calibrate.measure(tiny_model("llama", 64), "exact", with_entropy=False, max_logit_elements=1 << 16)
+    monkeypatch.setattr(probes, "tqdm", lambda chosen, **kw: asked.append(kw["disable"]) or [])
+    probes.measure(tiny_model("llama", 64), "exact", with_entropy=False, max_logit_elements=1 << 16)
     assert asked == [True if hidden else None]
