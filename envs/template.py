@@ -23,6 +23,9 @@ template that writes nothing after an assistant message (GLM-4.5 and later) has 
 that opens the next message (`<|observation|>`, `<|user|>`) ends the turn, and the observation starts
 after the one the model sampled.
 
+Rendering itself (the text and ids of a conversation, the tool-call format, the extra template variables)
+is `envs.template_text.TemplateText`, which `ChatTemplate` extends with turns and their differences.
+
 Example:
     >>> from transformers import AutoTokenizer
     >>> from treetrain.assets import tokenizer_path
@@ -37,15 +40,13 @@ Example:
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from envs.formats import ToolCallFormat, detect_format, get_format
 from envs.protocol import Message, ToolCall, ToolSpec
-from treetrain.errors import TreetrainError
+from envs.template_text import RenderError, TemplateError, TemplateText
 
 log = logging.getLogger(__name__)
 
@@ -61,14 +62,6 @@ def _warn_once(message: str) -> None:
     if message not in _WARNED:
         _WARNED.add(message)
         log.warning("%s", message)
-
-
-class TemplateError(TreetrainError, ValueError):
-    """The tokenizer's chat template is missing, fails to render, or has no usable end-of-turn marker."""
-
-
-class RenderError(TemplateError):
-    """The chat template refused one conversation (its own `raise_exception`, or a Jinja error)."""
 
 
 @dataclass(frozen=True)
@@ -89,7 +82,7 @@ class Rewrite:
     rendered: str
 
 
-class ChatTemplate:
+class ChatTemplate(TemplateText):
     """Renders messages with a Hugging Face tokenizer's chat template and tokenizes the differences.
 
     `tool_format` is a name from `envs.formats.FORMATS`, or None/"auto" to detect it from the template.
@@ -104,22 +97,7 @@ class ChatTemplate:
         extra_stop_ids: Sequence[int] = (),
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
-        if not getattr(tokenizer, "chat_template", None):
-            raise TemplateError(
-                f"{type(tokenizer).__name__} has no chat_template; give a tokenizer that has one (model.tokenizer)"
-            )
-        self.tokenizer = tokenizer
-        problem = template_kwargs_problem(template_kwargs or {})
-        if problem:
-            raise TemplateError(f"template_kwargs: {problem}")
-        self.template_kwargs = dict(template_kwargs or {})
-        """Extra template variables (`enable_thinking=False`, ...) passed on every rendering."""
-        named = tokenizer.chat_template  # a dict of named templates: `tool_use` renders tool conversations
-        text = named.get("tool_use") or named.get("default") if isinstance(named, dict) else named
-        self.format: ToolCallFormat = (
-            detect_format(str(text or "")) if tool_format in (None, "auto") else get_format(str(tool_format))
-        )
-        self._format_chosen = tool_format not in (None, "auto")
+        super().__init__(tokenizer, tool_format, template_kwargs)
         probe_text = self.render([Message("user", "ping"), Message("assistant", _PROBE)])
         self.openers: dict[str, str] = {}
         """Open turns: the token that opens each next role, which is what ends the assistant's turn."""
@@ -187,13 +165,6 @@ class ChatTemplate:
             )
         return found
 
-    def _special_ids(self) -> set[int]:
-        return set(getattr(self.tokenizer, "all_special_ids", ())) | {
-            i
-            for i, t in getattr(self.tokenizer, "added_tokens_decoder", {}).items()
-            if getattr(t, "special", False)
-        }
-
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
         """The single-token stop sequences (a multi-token end-of-turn is in `stop_sequences` only)."""
@@ -203,48 +174,6 @@ class ChatTemplate:
     def end_of_turn_id(self) -> int:
         """The first token of the end-of-turn sequence (its only one for single-token markers)."""
         return self.end_of_turn_ids[0]
-
-    # ----- rendering --------------------------------------------------------------------------------
-    def _payload(self, message: Message) -> dict[str, Any]:
-        out = message.to_openai()
-        if self.format.arguments_as_string and message.tool_calls:
-            for call in out["tool_calls"]:
-                call["function"]["arguments"] = json_dumps(call["function"]["arguments"])
-        return out
-
-    def render(
-        self, messages: Sequence[Message], tools: Sequence[ToolSpec] = (), generation_prompt: bool = False
-    ) -> str:
-        """The template text of `messages`, with the assistant generation prompt when asked."""
-        try:
-            text = self.tokenizer.apply_chat_template(
-                [self._payload(m) for m in messages],
-                tools=[t.to_openai() for t in tools] or None,
-                tokenize=False,
-                add_generation_prompt=generation_prompt,
-                **self.template_kwargs,
-            )
-        except Exception as exc:  # jinja2 errors and the template's own raise_exception
-            raise RenderError(f"the chat template failed to render: {type(exc).__name__}: {exc}") from None
-        if not isinstance(text, str):
-            raise TemplateError(f"apply_chat_template returned {type(text).__name__}, expected str")
-        return text
-
-    def encode(self, text: str) -> tuple[int, ...]:
-        """Token ids of a piece of template text (special tokens are matched, none are added)."""
-        return tuple(self.tokenizer.encode(text, add_special_tokens=False))
-
-    def decode(self, tokens: Sequence[int]) -> str:
-        return str(self.tokenizer.decode(list(tokens), skip_special_tokens=False))
-
-    def tokens(
-        self, messages: Sequence[Message], tools: Sequence[ToolSpec] = (), generation_prompt: bool = False
-    ) -> tuple[int, ...]:
-        return self.encode(self.render(messages, tools, generation_prompt))
-
-    def prompt_tokens(self, messages: Sequence[Message], tools: Sequence[ToolSpec] = ()) -> tuple[int, ...]:
-        """The prompt segment: opening messages plus the generation prompt."""
-        return self.tokens(messages, tools, generation_prompt=True)
 
     def check_tools(self, tools: Sequence[ToolSpec]) -> None:
         """Refuse a template that cannot carry a tool conversation (once per template).
@@ -308,10 +237,6 @@ class ChatTemplate:
             _warn_once(f"{problem} (env.tool_format is set by name, so it is used as given)")
             return
         raise TemplateError(f"{problem}; set env.tool_format to the model's format (envs.formats.FORMATS)")
-
-    def write_call(self, name: str, arguments: dict[str, Any], call_id: str = "call_0_0") -> str:
-        """The text this model writes to call a tool (for scripted policies and tests)."""
-        return self.format.write(name, arguments, call_id)
 
     # ----- turns ------------------------------------------------------------------------------------
     def stop_length(self, tokens: Sequence[int]) -> int:
@@ -444,34 +369,3 @@ class ChatTemplate:
             "cannot tell how this chat template ends an assistant turn (no special token after the text, and the "
             "tokenizer has no EOS); set env.end_of_turn"
         )
-
-
-_RESERVED = frozenset(
-    {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
-     "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
-)  # fmt: skip
-
-
-def template_kwargs_problem(kwargs: Mapping[str, Any]) -> str | None:
-    """Why `kwargs` cannot be extra chat-template variables (one line), or None when they can.
-
-    >>> template_kwargs_problem({"enable_thinking": False}) is None, template_kwargs_problem({"tools": []})
-    (True, "'tools' is set by treetrain itself; give only the template's own variables")
-    """
-    if not isinstance(kwargs, Mapping):
-        return f"must be a mapping of names to values, got {type(kwargs).__name__}"
-    for key, value in kwargs.items():
-        if not isinstance(key, str) or not key.isidentifier():
-            return f"{key!r} is not a template variable name"
-        if key in _RESERVED:
-            return f"{key!r} is set by treetrain itself; give only the template's own variables"
-        try:
-            json.dumps(value, allow_nan=False)
-        except (TypeError, ValueError) as exc:
-            return f"{key!r}: not a JSON value ({exc})"
-    return None
-
-
-def json_dumps(value: Any) -> str:
-    return value if isinstance(value, str) else json.dumps(value)

@@ -148,6 +148,7 @@ MODULES = [
     "envs.formats",
     "envs.toolcalls",
     "envs.template",
+    "envs.template_text",
     "envs.wrapper",
     "envs.registry",
     "envs.calculator.arith",

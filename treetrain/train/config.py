@@ -95,7 +95,7 @@ class EnvSection:
 
     def __post_init__(self) -> None:
         from envs.formats import FORMATS
-        from envs.template import template_kwargs_problem
+        from envs.template_text import template_kwargs_problem
 
         if self.max_tool_result_chars < 1:
             raise ConfigError(f"env.max_tool_result_chars: must be >= 1, got {self.max_tool_result_chars}")
