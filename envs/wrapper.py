@@ -23,8 +23,9 @@ in its own thread, `envs.step_thread`). State that an in-process environment sha
 one environment in order. `tests/envs/test_wrapper_threads.py` compares threaded episodes with a
 sequential run.
 
-`EpisodeLimits` (turns, tokens, step timeout) is also the trainer's `rollout.episode` config section, as it
-is: its defaults are the demo's and its field names are the config's keys (`--set rollout.episode.max_turns=6`).
+`EpisodeLimits` (turns, tokens, step timeout, `envs.episode_limits`) is also the trainer's `rollout.episode`
+config section, as it is: its defaults are the demo's and its field names are the config's keys
+(`--set rollout.episode.max_turns=6`).
 
 Example (a scripted "policy"; a real one samples from a model):
     >>> from transformers import AutoTokenizer
@@ -40,13 +41,13 @@ Example (a scripted "policy"; a real one samples from a model):
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from envs.episode_limits import EpisodeLimits
 from envs.protocol import Environment, Episode, Message, Rubric, StepResult, ToolSpec, default_rubric
 from envs.step_thread import DeadlineEnvironment, step_within
 from envs.template import ChatTemplate, RenderError, Rewrite
@@ -83,80 +84,6 @@ class Finish(str, Enum):
     TEMPLATE_ERROR = "template_error"
     """The chat template refused to render the conversation (e.g. Mistral's, after a turn whose only tool
     call was malformed); the episode ends here instead of crashing the rollout."""
-
-
-TURN_LIMIT = 1 << 12
-"""Most assistant turns per episode: a typo must not make an episode run (and record) without end."""
-TURN_TOKEN_LIMIT = 1 << 20
-"""Most tokens one turn may sample: the sampler's buffers grow with it."""
-EPISODE_TOKEN_LIMIT = 1 << 24
-"""Most tokens in one model call's context: batches and buffers are sized from it."""
-MAX_STEP_TIMEOUT_S = 7 * 86400.0
-"""Longest environment step timeout (a week); beyond the platform's clocks a deadline overflows."""
-UNKNOWN_CONTEXT_TOKENS = 8192
-"""The episode budget when `max_episode_tokens` is null and the model's context is not known."""
-
-
-@dataclass(frozen=True)
-class EpisodeLimits:
-    """How long one episode may run; the trainer's `rollout.episode` section.
-
-    Errors name the field alone (`max_turns: ...`); the config loader puts the section in front.
-
-    Example:
-        >>> EpisodeLimits().max_turns, EpisodeLimits().for_context(2048).max_episode_tokens
-        (4, 2048)
-    """
-
-    max_turns: int = 4
-    """Assistant turns per episode; after this many the episode ends (finish "max_turns")."""
-    max_turn_tokens: int = 96
-    """Most tokens sampled in one assistant turn. A turn cut here gets its end-of-turn marker supplied as an
-    observation token, and the environment sees the truncated text."""
-    max_episode_tokens: int | None = None
-    """Most tokens in one model call's context, prompt, policy and observations included; when an
-    observation would not leave room for one more policy token, the episode ends (finish "max_tokens").
-    Null: the model's context length (`max_position_embeddings`); the trainer refuses a value above it
-    before any work."""
-    step_timeout_s: float | None = 30.0
-    """Seconds one environment step may take; on timeout each tool call gets an `Error: ... timed out`
-    observation and the environment keeps its pre-step state. Null waits forever (and skips the per-step
-    copy of the environment that a timeout needs)."""
-
-    def __post_init__(self) -> None:
-        limits = {
-            "max_turns": TURN_LIMIT, "max_turn_tokens": TURN_TOKEN_LIMIT, "max_episode_tokens": EPISODE_TOKEN_LIMIT,
-        }  # fmt: skip
-        for name, most in limits.items():
-            value = getattr(self, name)
-            if value is None and name == "max_episode_tokens":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ConfigError(f"must be an integer, got {value!r}", field=name)
-            if not 1 <= value <= most:
-                raise ConfigError(f"must be in [1, {most}], got {value}", field=name)
-        timeout = self.step_timeout_s
-        if timeout is not None and (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, int | float)
-            or not 0 < timeout <= MAX_STEP_TIMEOUT_S
-        ):
-            raise ConfigError(
-                f"must be in (0, {MAX_STEP_TIMEOUT_S:g}] seconds or null (no timeout), got {timeout!r}",
-                field="step_timeout_s",
-            )
-
-    def episode_tokens(self, context: int | None = None) -> int:
-        """The token budget of one model call: `max_episode_tokens`, or when null the model's `context`, or
-        `UNKNOWN_CONTEXT_TOKENS` when that is not known either."""
-        return self.max_episode_tokens or context or UNKNOWN_CONTEXT_TOKENS
-
-    def for_context(self, context: int | None) -> EpisodeLimits:
-        """These limits with `max_episode_tokens` resolved against a model's `context` (see `episode_tokens`),
-        at most `EPISODE_TOKEN_LIMIT` (a model may declare a context longer than any episode is allowed)."""
-        return dataclasses.replace(
-            self, max_episode_tokens=min(self.episode_tokens(context), EPISODE_TOKEN_LIMIT)
-        )
 
 
 @dataclass(frozen=True)

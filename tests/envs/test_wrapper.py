@@ -18,7 +18,7 @@ from envs import (
     format_tool_call,
 )
 from envs.calculator import CalculatorEnv
-from envs.wrapper import UNKNOWN_CONTEXT_TOKENS
+from envs.episode_limits import UNKNOWN_CONTEXT_TOKENS
 from treetrain.errors import ConfigError
 from treetrain.trajectory import Role
 
