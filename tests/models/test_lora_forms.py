@@ -18,7 +18,7 @@ import torch
 from support.lora_cases import GEMMA3N, OTHER_FAMILY, form_factory
 from support.replay_cases import SHAPES, make_batch
 
-import treetrain.models.support as support
+import treetrain.models.support_probes as support_probes
 from treetrain.loss.loss_config import LossConfig
 from treetrain.models.presets import FAMILIES
 from treetrain.replay import ReplayConfig
@@ -85,7 +85,7 @@ def test_negative_control_a_gate_that_restores_the_wrapper_flag_is_caught(
     """With the probes restoring the wrapper's flag, the PeftModel leaves the gate in train mode. Gemma 3n
     without dropout: its train-mode AltUp (clamped coefficients, the `correction_coefs` adapter bypassed)
     moves the gradient far from flat, silently."""
-    monkeypatch.setattr(support, "evaluating", _restoring_the_wrapper_flag)
+    monkeypatch.setattr(support_probes, "evaluating", _restoring_the_wrapper_flag)
     batch = make_batch(SHAPES["multi_level"](0), LOSS)
     make = form_factory(GEMMA3N, "peft_model", DTYPE, dropout=0.0)
     floor = noise_floor(make, batch, LOSS)
@@ -98,7 +98,7 @@ def test_negative_control_the_wrapper_flag_with_attention_dropout_stops_the_repl
 ) -> None:
     """Llama with attention dropout in its config: left in train mode by that gate, its attention passes
     dropout to shared-past attention, which refuses it rather than compute another function."""
-    monkeypatch.setattr(support, "evaluating", _restoring_the_wrapper_flag)
+    monkeypatch.setattr(support_probes, "evaluating", _restoring_the_wrapper_flag)
     batch = make_batch(SHAPES["multi_level"](0), LOSS)
     with pytest.raises(RuntimeError, match=r"passes \['dropout'\] to its attention"):
         tree_gradient(form_factory("llama", "peft_model", DTYPE)(), batch, LOSS, REPLAY)

@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 import treetrain.models.attention as attention
 import treetrain.models.logit_head as logit_head
-import treetrain.models.support as support
+import treetrain.models.support_probes as support_probes
 from treetrain.models.attention import shared_past_reason
 from treetrain.models.foreign_state import forward_state_reason, module_state_reason
 from treetrain.models.presets import EAGER_ONLY, tiny_model
@@ -106,7 +106,7 @@ def test_more_caches_than_attention_layers_still_reads_as_looped() -> None:
     """The split probe's cache count, behind the block count, names the same reason."""
     model = _model("dory", **SMALL, head_dim=8, num_hidden_layers=3, n_input_layers=1, n_output_layers=1)
     with pytest.raises(UnsupportedModelError, match=r"keeps 4 KV caches for 3 attention layers.*looped"):
-        support._check_cache_count(model, "dory", 4)
+        support_probes.check_cache_count(model, "dory", 4)
 
 
 def _bidirectional() -> PreTrainedModel:
@@ -122,7 +122,7 @@ def test_a_bidirectional_config_is_refused_as_bidirectional() -> None:
 def test_the_probe_names_non_causal_attention_by_behaviour() -> None:
     """Past the config flag, the split probe itself tells a prefix that sees later tokens from a bad cache."""
     with pytest.raises(UnsupportedModelError, match="attention is not causal") as info:
-        support._probe(_bidirectional().eval(), "gemma3_text")
+        support_probes.probe_split(_bidirectional().eval(), "gemma3_text")
     assert "cache carries state" not in str(info.value)
 
 
@@ -132,7 +132,7 @@ def test_an_exception_inside_the_probe_becomes_a_refusal_naming_type_and_step(
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("The size of tensor a (4) must match the size of tensor b (8)")
 
-    monkeypatch.setattr(support, "decoder_forward", broken)
+    monkeypatch.setattr(support_probes, "decoder_forward", broken)
     with pytest.raises(
         UnsupportedModelError, match=r"'llama' failed the split probe \(RuntimeError: The size"
     ):

@@ -237,9 +237,9 @@ def test_support_gate_rechecks_longer_batches_and_the_reference(monkeypatch: pyt
 
     model = tiny_model("mistral", VOCAB)
     probes: list[int] = []
-    original = support._probe
+    original = support.probe_split
     monkeypatch.setattr(
-        support, "_probe", lambda m, t, **kw: probes.append(kw.get("length", 12)) or original(m, t, **kw)
+        support, "probe_split", lambda m, t, **kw: probes.append(kw.get("length", 12)) or original(m, t, **kw)
     )
     gate = SupportGate()
     gate.require(model, 8)

@@ -45,7 +45,8 @@ from treetrain.models.layer_kinds import describe
 from treetrain.models.logit_head import LogitHead, logit_transform, output_head
 from treetrain.models.presets import RECURRENT_FAMILIES
 from treetrain.models.recurrent_state import hybrid_layers, mixers
-from treetrain.models.support import UnsupportedModelError, check_supported, short_message
+from treetrain.models.support import UnsupportedModelError, check_supported
+from treetrain.models.support_probes import short_message
 from treetrain.models.tiny_family import SHORT, VOCAB, tiny_family_config
 
 COMMAND = "python -m treetrain.models.support_table docs/model-support.md"
