@@ -31,22 +31,22 @@ None: a server whose answers are not streamed) finishes what is in flight while 
 back, then syncs. Either way,
 each token records the version that drew it, and an episode's later tokens are never older than its first.
 
+The records it keeps (tasks, branch points, requests sent, forks) are `treetrain.rollout.branch_points`.
+
 Steps whose environment call missed its deadline (`rollout.episode.step_timeout_s`; the episode goes on
 with a timeout observation) are counted in `Scheduler.step_timeouts`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from envs.env_error import EnvError
-from envs.protocol import Rubric
 from envs.wrapper import TokenEnv, TurnResult
+from treetrain.rollout.branch_points import Asked, BranchPoint, Fork, Sent, Task, release, request_seed
 from treetrain.rollout.engines.generation import (
     Completion,
     Draft,
@@ -54,7 +54,6 @@ from treetrain.rollout.engines.generation import (
     GenerationRequest,
     GenerationResult,
     Interrupted,
-    StopMatcher,
     check_versions,
     continued,
     cut_at_stop,
@@ -63,97 +62,6 @@ from treetrain.rollout.engines.generation import (
 from treetrain.rollout.fanout import FanOut
 from treetrain.rollout.sampling import Sampling
 from treetrain.trajectory import Trajectory
-
-Key = tuple[tuple[int, int], ...]
-"""Depth-first order of the sequential loop: per level (0 = finished there, 1 = continued; child index)."""
-
-
-@dataclass
-class Task:
-    """One tree being grown: its root episode, how its trajectories are named and rewarded, and its state."""
-
-    seed: int
-    root: TokenEnv
-    prefix: str
-    rubric: Rubric | None
-    finished: list[tuple[Key, Trajectory]] = field(default_factory=list)
-    live: set[TokenEnv] = field(default_factory=set)
-    """Episodes held by a pending request or step: released when the task ends or fails."""
-    failure: EnvError | None = None
-    pending: int = 0
-    """Requests and steps of this task in flight; at 0 the tree is finished."""
-
-    def trajectories(self) -> list[Trajectory]:
-        return [t for _, t in sorted(self.finished, key=lambda kt: kt[0])]
-
-
-@dataclass
-class _Point:
-    """A branch point: an episode whose next turn is being sampled."""
-
-    task: Task
-    episode: TokenEnv
-    depth: int
-    path: tuple[int, ...]
-    key: Key
-    at_root: bool = False
-
-
-@dataclass
-class _Asked:
-    """A branch point's request and its samples as they come back (from several requests once the first
-    was interrupted for new weights)."""
-
-    point: _Point
-    request: GenerationRequest
-    samples: list[Completion | None]
-    abandoned: bool = False
-    """Its task failed while a sample waited to go on: nothing more is sent or delivered for it."""
-    stops: StopMatcher = field(init=False)
-    """The request's stops, which cut a sample joined from its parts."""
-
-    def __post_init__(self) -> None:
-        self.stops = StopMatcher.of(self.request.stop)
-
-
-@dataclass(frozen=True)
-class _Sent:
-    """One request the engine holds: the whole of `asked` (`slots` None), or the rest of those of its samples
-    that had drawn `draft` when they were interrupted (one sample each, in `slots` order)."""
-
-    asked: _Asked
-    slots: tuple[int, ...] | None = None
-    draft: Draft = field(default_factory=Draft)
-
-
-@dataclass
-class _Fork:
-    """One fork of one sample, to be stepped in the pool."""
-
-    task: Task
-    parent: TokenEnv
-    sample: Completion
-    branch: int
-    depth: int
-    path: tuple[int, ...]
-    key: Key
-
-
-def request_seed(base_seed: int, task_seed: int, key: Key) -> int:
-    """The seed of one branch point's samples: the sampler seed, its task seed and its place in the tree.
-
-    >>> request_seed(0, 7, ((1, 0),)) == request_seed(0, 7, ((1, 0),)) != request_seed(0, 7, ((1, 1),))
-    True
-    """
-    digest = hashlib.blake2b(repr((base_seed, task_seed, key)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
-
-
-def release(episode: TokenEnv) -> None:
-    """Free an episode's environment once nothing needs it (best effort: a failed release is the
-    environment's own problem and must not end another task)."""
-    with contextlib.suppress(Exception):  # whatever a release raises, the episode is over
-        episode.release()
 
 
 class InFlightSync(Protocol):
@@ -200,8 +108,8 @@ class Scheduler:
     ) -> None:
         self.engine, self.config = engine, config
         self.weights = weights
-        self._held: list[_Point] = []  # ready branch points waiting for the engine to take new weights
-        self._resume: list[tuple[_Asked, tuple[int, ...], Draft]] = []  # interrupted samples, to go on
+        self._held: list[BranchPoint] = []  # ready branch points waiting for the engine to take new weights
+        self._resume: list[tuple[Asked, tuple[int, ...], Draft]] = []  # interrupted samples, to go on
         self.interrupted = 0
         """Samples stopped mid-turn for new weights and resubmitted with their tokens so far."""
         self.fanout, self.sampling = config.fanout, config.sampling
@@ -209,9 +117,11 @@ class Scheduler:
         self.on_finished = on_finished
         self.on_episode = on_episode
         self.step_timeouts = 0
-        """Steps whose environment call missed its deadline (each became a timeout observation)."""
-        self._points: dict[int, _Sent] = {}
-        self._steps: dict[Future[tuple[TokenEnv, TurnResult, Trajectory | None]], _Fork] = {}
+        """The records it keeps (tasks, branch points, requests sent, forks) are `treetrain.rollout.branch_points`.
+
+Steps whose environment call missed its deadline (each became a timeout observation)."""
+        self._points: dict[int, Sent] = {}
+        self._steps: dict[Future[tuple[TokenEnv, TurnResult, Trajectory | None]], Fork] = {}
         self._forks_left: dict[int, int] = {}  # id(parent episode) -> forks not yet made
 
     def run(self, tasks: Sequence[Task]) -> None:
@@ -228,7 +138,7 @@ class Scheduler:
         try:
             for task in tasks:
                 task.live.add(task.root)
-                self._submit(_Point(task, task.root, 0, (), (), at_root=True))
+                self._submit(BranchPoint(task, task.root, 0, (), (), at_root=True))
             while self.engine.busy or self._steps or self._held or self._resume:
                 self._refresh_weights()
                 if self.engine.busy:
@@ -293,7 +203,7 @@ class Scheduler:
                 self.interrupted += len(group) if draft.tokens else 0
             self._complete(asked)
 
-    def _go_on(self, asked: _Asked, slots: tuple[int, ...], draft: Draft) -> None:
+    def _go_on(self, asked: Asked, slots: tuple[int, ...], draft: Draft) -> None:
         """Send the rest of interrupted samples that drew `draft`: the branch point's context plus the draft."""
         point, request = asked.point, asked.request
         if asked.abandoned:
@@ -309,7 +219,7 @@ class Scheduler:
             self._complete(asked)
             return
         if not draft.tokens and len(slots) == request.n:  # nothing was drawn: the request as it was
-            self._points[self.engine.submit(request)] = _Sent(asked)
+            self._points[self.engine.submit(request)] = Sent(asked)
             return
         key = (*point.key, (2 + slots[0], len(draft.tokens)))
         rest = GenerationRequest(
@@ -317,16 +227,16 @@ class Scheduler:
             stop=request.stop, group=request.group, children=request.children,
             seed=request_seed(self.config.base_seed, point.task.seed, key),
         )  # fmt: skip
-        self._points[self.engine.submit(rest)] = _Sent(asked, slots, draft)
+        self._points[self.engine.submit(rest)] = Sent(asked, slots, draft)
 
-    def _submit(self, point: _Point) -> None:
+    def _submit(self, point: BranchPoint) -> None:
         point.task.pending += 1
         if self.weights is not None and self.weights.due(self.engine.version):
             self._held.append(point)  # sampled under the new weights, once the engine has them
         else:
             self._send(point)
 
-    def _send(self, point: _Point) -> None:
+    def _send(self, point: BranchPoint) -> None:
         n = self.fanout.policy_factor(point.depth, point.at_root)
         episode = point.episode
         stop = (*((t,) for t in episode.stop_token_ids), *episode.stop_sequences)
@@ -340,7 +250,7 @@ class Scheduler:
             group=point.task.prefix,
             children=self.fanout.env_factor(point.depth + (n > 1)),
         )
-        self._points[self.engine.submit(request)] = _Sent(_Asked(point, request, [None] * n))
+        self._points[self.engine.submit(request)] = Sent(Asked(point, request, [None] * n))
 
     def _answered(self, results: list[GenerationResult]) -> None:
         if self.model_version is not None:
@@ -355,7 +265,7 @@ class Scheduler:
                     asked.samples[slot] = continued(sent.draft, completion, asked.stops)
             self._complete(asked)
 
-    def _complete(self, asked: _Asked) -> None:
+    def _complete(self, asked: Asked) -> None:
         """Fork and step a branch point's samples once all of them are back."""
         if asked.abandoned or any(c is None for c in asked.samples):
             return
@@ -375,12 +285,12 @@ class Scheduler:
             for j in range(k):
                 fork_path = (*path, j) if k > 1 else path
                 key = (*point.key, (0, i * k + j))
-                fork = _Fork(task, point.episode, sample, j, depth + (k > 1), fork_path, key)
+                fork = Fork(task, point.episode, sample, j, depth + (k > 1), fork_path, key)
                 self._steps[self._pool.submit(self._fork_and_step, fork)] = fork
                 task.pending += 1
 
     # ----- environment ------------------------------------------------------------------------------
-    def _fork_and_step(self, fork: _Fork) -> tuple[TokenEnv, TurnResult, Trajectory | None]:
+    def _fork_and_step(self, fork: Fork) -> tuple[TokenEnv, TurnResult, Trajectory | None]:
         """In a pool thread: fork the parent, step the copy with the sample, reward it when finished."""
         if fork.task.failure is not None:
             raise _Abandoned
@@ -402,7 +312,7 @@ class Scheduler:
             raise
         return episode, result, trajectory
 
-    def _stepped(self, future: Future[tuple[TokenEnv, TurnResult, Trajectory | None]], fork: _Fork) -> None:
+    def _stepped(self, future: Future[tuple[TokenEnv, TurnResult, Trajectory | None]], fork: Fork) -> None:
         task = fork.task
         task.pending -= 1
         self._parent_done(task, fork.parent)
@@ -411,7 +321,7 @@ class Scheduler:
             self.on_finished(task)
 
     def _handle_step(
-        self, future: Future[tuple[TokenEnv, TurnResult, Trajectory | None]], fork: _Fork
+        self, future: Future[tuple[TokenEnv, TurnResult, Trajectory | None]], fork: Fork
     ) -> None:
         task = fork.task
         try:
@@ -432,7 +342,7 @@ class Scheduler:
             return
         task.live.add(episode)
         _, child = fork.key[-1]
-        self._submit(_Point(task, episode, fork.depth, fork.path, (*fork.key[:-1], (1, child))))
+        self._submit(BranchPoint(task, episode, fork.depth, fork.path, (*fork.key[:-1], (1, child))))
 
     def _parent_done(self, task: Task, parent: TokenEnv) -> None:
         left = self._forks_left[id(parent)] - 1
