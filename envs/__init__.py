@@ -4,6 +4,7 @@ See README.md ("Environments") for writing your own in about 30 lines.
 """
 
 from envs.conformance import ConformanceError, check_environment
+from envs.episode_limits import EpisodeLimits
 from envs.formats import FORMATS, ToolCallFormat, detect_format, get_format
 from envs.protocol import (
     Environment,
@@ -18,12 +19,12 @@ from envs.protocol import (
     default_rubric,
 )
 from envs.registry import BUILTINS, UnknownEnvironmentError, available, make_env, resolve
-from envs.template import ChatTemplate, TemplateError
+from envs.template import ChatTemplate
+from envs.template_text import TemplateError
 from envs.toolcalls import ParsedTurn, ToolCallError, format_tool_call, parse_tool_calls
 from envs.tools import Tool, ToolEnv, execute_tool_call, render_result, tools_from_openai
 from envs.wrapper import (
     EnvStepError,
-    EpisodeLimits,
     Finish,
     PromptTooLongError,
     TokenEnv,
