@@ -4,7 +4,9 @@ Every scenario builds a fresh tiny model and a fresh DeepSpeed engine, runs one 
 fault injected) and rank 0 writes the parameter delta to OUT/<name>.safetensors and what happened to
 OUT/<name>.json. The pytest side compares the deltas with single-process references. A scenario that raises
 writes OUT/<name>.error.rank<r>.txt instead; scenarios are written so that every rank takes the same
-collective path, and an expected refusal is caught on every rank.
+collective path, and an expected refusal is caught on every rank. One update and its backend are
+`support.dist_update`; the fault and refusal scenarios are `support.dist_faults`; resume, export, the
+several-backward pitfalls, LoRA and the weight sync are here.
 """
 
 from __future__ import annotations
@@ -38,314 +40,35 @@ from support.dist_cases import (
     lm_loss,
     make_lora_model,
     make_model,
-    model_factory,
     params_vector,
     pitfall_batches,
     uneven_groups,
-    uneven_owned,
 )
+from support.dist_faults import (
+    MultiUnitOOM,
+    Once,
+    bypass,
+    coverage_controls,
+    drop_group,
+    duplicate,
+    mid_backward,
+    no_rescale,
+    stale_and_version,
+)
+from support.dist_update import Info, backend_for, current, one_update, param_storage, store_at
 
-from treetrain.distributed import (
-    AgreementError,
-    CoverageClaims,
-    DuplicateContributionError,
-    OptimizerConfig,
-    build_placement,
-    round_robin,
-)
+from treetrain.distributed import OptimizerConfig
 from treetrain.distributed.backend_choice import make_backend
 from treetrain.distributed.checkpoint_io import CheckpointError
 from treetrain.distributed.deepspeed_backend import DeepSpeedBackend
-from treetrain.loss.manifest import ManifestError
 from treetrain.memory.persistent import largest_module
 from treetrain.models.lora import AdaptersOff, is_adapter_param
-from treetrain.replay import ReplayConfig, UpdateBatch
-from treetrain.replay.replay_plan import ReplayHooks
-from treetrain.replay.resident import ResidentIdentity, ResidentKey, ResidentStore, StaleResidentStateError
+from treetrain.replay import ReplayConfig
 from treetrain.update.window import UpdateWindow
-from treetrain.update.window_types import WindowConfig
 
 torch.set_num_threads(1)
 OUT = Path(sys.argv[1])
 ONLY = set(sys.argv[2].split(",")) if len(sys.argv) > 2 and sys.argv[2] else None
-Info = dict[str, Any]
-
-
-USER_CONFIG_STAGES = {"z1"}
-"""Stages whose backend is built from a user DeepSpeed config (a mapping) instead of arguments."""
-
-
-def backend_for(
-    stage_name: str, optimizer: OptimizerConfig = OPTIMIZER, *, measure: bool = False, family: str = "llama"
-) -> DeepSpeedBackend:
-    stage, offload = STAGES[stage_name]
-    model = model_factory(family)()
-    if stage_name in USER_CONFIG_STAGES:
-        offload_block = {"device": "cpu" if offload else "none"}
-        user = {"zero_optimization": {"stage": stage, "offload_optimizer": offload_block}}
-        return DeepSpeedBackend(model, ds_config=user, optimizer=optimizer, measure_params=measure)
-    return DeepSpeedBackend(
-        model, zero_stage=stage, offload_optimizer=offload, optimizer=optimizer, measure_params=measure
-    )
-
-
-def current(backend: DeepSpeedBackend) -> torch.Tensor:
-    params = list(backend.module.parameters())
-    gathered = deepspeed.zero.GatheredParameters(params) if backend.zero_stage == 3 else nullcontext()
-    with gathered:
-        return params_vector(backend.module)
-
-
-def param_storage(backend: DeepSpeedBackend) -> int:
-    """Bytes of parameter storage on this rank now: full tensors and, under ZeRO-3, partitions."""
-    total = 0
-    for p in backend.module.parameters():
-        total += p.data.numel() * p.element_size()
-        part = getattr(p, "ds_tensor", None)
-        if part is not None:
-            total += part.numel() * part.element_size()
-    return total
-
-
-def one_update(
-    stage_name: str,
-    replay: ReplayConfig | None = None,
-    *,
-    placement: str = "planner",
-    step_hook: Callable[..., None] | None = None,
-    body: Callable[[Any], None] | None = None,
-    optimizer: OptimizerConfig = OPTIMIZER,
-    update: list[Any] | None = None,
-    measure: bool = False,
-    family: str = "llama",
-    **window_kw: Any,
-) -> tuple[torch.Tensor, Info]:
-    backend = backend_for(stage_name, optimizer, measure=measure, family=family)
-    start = current(backend)
-    update = groups() if update is None else update
-    trees = [t for g in update for t in g.trees]
-    sampled = [0]
-
-    def sample(phase: str, step: Any) -> None:  # parameter storage at every replay phase
-        sampled[0] = max(sampled[0], param_storage(backend))
-        if step_hook is not None:
-            step_hook(phase, step)
-
-    window = UpdateWindow(backend, LOSS, replay, WindowConfig(**window_kw), hooks=ReplayHooks(step=sample))
-    if placement == "round_robin":
-        given = round_robin(trees, backend.world_size)
-    elif placement in ("uneven", "idle"):
-        given = build_placement(
-            trees, uneven_owned(update, backend.world_size, placement), backend.world_size
-        )
-    else:
-        given = None
-    backend.reset_param_peak()
-    opened = window.open(update, given)
-    if body is not None:
-        body(opened)
-    opened.replay_all()
-    report = opened.commit()
-    sync = backend.rendezvous
-    info = {
-        "version": report.version,
-        "tree_retries": report.tree_retries,
-        "window_resets": report.window_resets,
-        "oom_splits": report.local.oom_splits,
-        "dropped": [[d.index, d.reason] for d in report.dropped],
-        "duplicated_tokens": opened.placement.duplicated_tokens,
-        "zero_stage": backend.zero_stage,
-        "offload_optimizer": backend.offload_optimizer,
-        "steps": report.local.steps,
-        "rank_tokens": list(report.rank_tokens),
-        "imbalance": report.imbalance,
-        "rounds": sync.rounds if sync is not None else 0,
-        "served": sync.served if sync is not None else 0,
-        "param_peak_bytes": backend.param_peak_bytes,
-        "param_sampled_bytes": sampled[0],
-        "partition_bytes": sum(
-            p.ds_tensor.numel() * p.ds_tensor.element_size()
-            for p in backend.module.parameters()
-            if getattr(p, "ds_tensor", None) is not None
-        ),
-    }
-    return current(backend) - start, info
-
-
-def no_rescale(stage_name: str) -> tuple[torch.Tensor, Info]:
-    """Negative control: the backend's `x dp_world_size` before DeepSpeed's mean is left out."""
-
-    def body(opened: Any) -> None:
-        opened.backend._scale_local_grads = lambda factor: None
-
-    return one_update(stage_name, body=body)
-
-
-# ----- faults ---------------------------------------------------------------------------------------
-class Once:
-    """Raise `exc` the `nth` time (phase, rank) matches; later calls pass."""
-
-    def __init__(self, rank: int, phase: str, exc: Exception, nth: int = 1, times: int = 1) -> None:
-        self.rank, self.phase, self.exc, self.nth, self.times = rank, phase, exc, nth, times
-        self.seen = 0
-
-    def __call__(self, phase: str, step: Any) -> None:
-        if phase != self.phase or torch.distributed.get_rank() != self.rank:
-            return
-        self.seen += 1
-        if self.nth <= self.seen < self.nth + self.times:
-            raise self.exc
-
-
-class MultiUnitOOM:
-    """Simulated out-of-memory on the first forward of a step with several units, on every rank."""
-
-    def __init__(self) -> None:
-        self.fired = False
-
-    def __call__(self, phase: str, step: Any) -> None:
-        if phase == "forward" and len(step.units) > 1 and not self.fired:
-            self.fired = True
-            raise torch.OutOfMemoryError("simulated out of memory")
-
-
-def mid_backward(stage_name: str) -> tuple[torch.Tensor, Info]:
-    """A hook on an early parameter raises inside autograd on rank 0, after later layers accumulated."""
-    state = {"armed": torch.distributed.get_rank() == 0}
-
-    def body(opened: Any) -> None:
-        first = next(opened.backend.module.parameters())
-
-        def hook(grad: torch.Tensor) -> torch.Tensor:
-            if state["armed"]:
-                state["armed"] = False
-                raise RuntimeError("injected failure in the middle of backward")
-            return grad
-
-        first.register_hook(hook)
-
-    return one_update(stage_name, body=body)
-
-
-def duplicate(stage_name: str) -> tuple[torch.Tensor, Info]:
-    refused: list[str] = []
-
-    def body(opened: Any) -> None:
-        opened.replay_all()
-        for tree_id in opened.work:
-            try:
-                opened.replay(tree_id)
-            except DuplicateContributionError as exc:
-                refused.append(str(exc))
-
-    delta, info = one_update(stage_name, body=body)
-    info["refused"] = refused
-    return delta, info
-
-
-def drop_group(stage_name: str) -> tuple[torch.Tensor, Info]:
-    """Rank 1 can never finish group 1's tree: the group is dropped on every rank, group 0 is trained."""
-    update = groups()
-    victim = update[1].trees[0].id
-
-    def hook(phase: str, step: Any) -> None:
-        if torch.distributed.get_rank() == 1 and phase == "forward" and current_tree.get("id") == victim:
-            raise RuntimeError("injected persistent failure")
-
-    current_tree: dict[str, str] = {}
-
-    def body(opened: Any) -> None:
-        original = opened.replay
-
-        def tracking(tree_id: str) -> None:
-            current_tree["id"] = tree_id
-            original(tree_id)
-
-        opened.replay = tracking
-
-    return one_update(stage_name, step_hook=hook, body=body, placement="round_robin")
-
-
-def store_at(backend: Any, version: int) -> ResidentStore:
-    """A resident store for the backend's model at `version` (a resumed or a deliberately mismatched run)."""
-    return ResidentStore(ResidentIdentity.of(backend.module, version=version))
-
-
-# ----- refusals and negative controls -------------------------------------------------------------
-def stale_and_version(stage_name: str) -> tuple[torch.Tensor, Info]:
-    info: Info = {}
-    backend = backend_for(stage_name)
-    start = current(backend)
-    mismatched = UpdateWindow(backend, LOSS, store=store_at(backend, backend.rank))
-    try:
-        mismatched.open(groups())
-        info["version_mismatch"] = "not refused"
-    except AgreementError as exc:
-        info["version_mismatch"] = str(exc)
-    window = UpdateWindow(backend, LOSS)
-    opened = window.open(groups())
-    opened.replay_all()
-    tree = groups()[0].trees[0]
-    key = ResidentKey(tree.id, 1, tree.nodes[1].id)
-    old = window.identity
-    window.store.put(key, [(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4))], old)
-    opened.commit()
-    for name, identity in (("stale_old_identity", old), ("stale_new_identity", window.identity)):
-        try:
-            window.store.get(key, identity)
-            info[name] = "not refused"
-        except StaleResidentStateError as exc:
-            info[name] = str(exc)
-    return current(backend) - start, info
-
-
-def coverage_controls(stage_name: str) -> tuple[torch.Tensor, Info]:
-    """The collective coverage check refuses a doubled and a missing contribution (rank 1's claims are
-    replaced after its replay, as if it had covered one of rank 0's keys, or lost one of its own)."""
-    info: Info = {}
-    backend = backend_for(stage_name)
-    start = current(backend)
-    for case in ("doubled", "missing"):
-        window = UpdateWindow(backend, LOSS)
-        opened = window.open(groups())
-        opened.replay_all()
-        if backend.rank == 1:
-            mine = sorted(opened.claims.covered)
-            if case == "doubled":
-                other = sorted(set(opened.manifest.keys()) - set(mine))[0]
-                keys = [*mine, other]
-            else:
-                keys = mine[1:]
-            tampered = CoverageClaims(keys)
-            tampered.claim(keys)
-            tampered.commit(keys)
-            opened.claims = tampered
-        try:
-            opened.check()  # the collective check commit() runs before stepping
-            info[case] = "not refused"
-        except ManifestError as exc:
-            info[case] = str(exc)
-        backend.reset_window()
-    return current(backend) - start, info
-
-
-def bypass(stage_name: str, kind: str) -> tuple[torch.Tensor, Info]:
-    """Numeric negative controls: rank 1 doubles or skips a tree behind the claims' back."""
-
-    def body(opened: Any) -> None:
-        if opened.backend.rank != 1:
-            return
-        tree_id = next(iter(opened.work))
-        work = opened.work[tree_id]
-        keys = opened.keys(work)
-        if kind == "double":
-            opened.replay(tree_id)
-            opened.replayer.accumulate(UpdateBatch((work,), opened.manifest))
-        else:
-            opened.claims.claim(keys)
-            opened.claims.commit(keys)
-
-    return one_update(stage_name, body=body, placement="round_robin")
 
 
 # ----- resume and export ----------------------------------------------------------------------------
