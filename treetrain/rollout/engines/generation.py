@@ -210,6 +210,27 @@ class GenerationResult:
     """Context tokens the engine did not have to encode (served from its prefix cache)."""
 
 
+@dataclass(frozen=True)
+class ServerStats:
+    """One `vllm serve` process's share of the work (`vllm-server` with several servers)."""
+
+    url: str
+    requests: int = 0
+    """Requests sent to it (a lost server's resubmitted ones count again where they went)."""
+    samples: int = 0
+    """Samples those requests asked for."""
+    queue_seconds: float = 0.0
+    """Seconds requests waited in its queue, as its metrics say (every client's requests, not only ours)."""
+    queued: int = 0
+    """Requests those seconds are summed over."""
+
+    def minus(self, before: ServerStats) -> ServerStats:
+        return ServerStats(
+            self.url, self.requests - before.requests, self.samples - before.samples,
+            self.queue_seconds - before.queue_seconds, self.queued - before.queued,
+        )  # fmt: skip
+
+
 @dataclass
 class EngineStats:
     """Work done so far, for logs, tests and benchmarks."""
@@ -227,10 +248,18 @@ class EngineStats:
     sync_seconds: float = 0.0
     sync_bytes: int = 0
     """Bytes sent to the engine by the weight syncs (full weights, or a LoRA adapter's files)."""
+    servers_lost: int = 0
+    """`vllm-server`: servers that stopped answering (their requests went on elsewhere)."""
+    servers: tuple[ServerStats, ...] = ()
+    """`vllm-server`: each server's share of the work."""
 
     def since(self, before: EngineStats) -> EngineStats:
         """The work done after `before` was copied."""
-        return EngineStats(**{k: getattr(self, k) - getattr(before, k) for k in vars(self)})
+        earlier = {s.url: s for s in before.servers}
+        return EngineStats(
+            **{k: getattr(self, k) - getattr(before, k) for k in vars(self) if k != "servers"},
+            servers=tuple(s.minus(earlier.get(s.url, ServerStats(s.url))) for s in self.servers),
+        )
 
     @property
     def cache_hit_rate(self) -> float:
