@@ -8,17 +8,15 @@ import dataclasses
 import json
 import re
 import socket
-import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from support.env_fixtures import FixedTurnsEnv, tiny_model, tokenizer
+from support.vllm_standin import EXPECTED, INFO, MODELS, Answer, Standin, good, reload_answer, standins
 
 from envs import EpisodeLimits, WrapperConfig
 from treetrain.cli.main import main
@@ -29,161 +27,11 @@ from treetrain.rollout.engines.generation import EngineError, GenerationRequest
 from treetrain.rollout.engines.server_checks import Expected, ServedConfig, mismatch
 from treetrain.rollout.engines.vllm_server import VLLMServerEngine
 
-MODELS = {
-    "object": "list",
-    "data": [{"id": "demo", "object": "model", "root": "/ckpt/demo", "max_model_len": 4096}],
-}
-INFO: dict[str, Any] = {
-    "model_config": {"dtype": "torch.float32", "logprobs_mode": "processed_logprobs", "max_model_len": 4096},
-    "cache_config": {"enable_prefix_caching": True},
-    "scheduler_config": {
-        "enable_chunked_prefill": False,
-        "max_num_batched_tokens": 8192,
-        "max_num_seqs": 128,
-    },
-    "device_config": {"device": "cpu"},
-}
-EXPECTED = Expected(path="/ckpt/demo", dtype="float32", max_model_len=64)
-Answer = Callable[[dict], tuple[int, bytes]]
-
-
-def _good(body: dict) -> tuple[int, bytes]:
-    end = body["stop_token_ids"][0]
-    choices = [
-        {
-            "index": i,
-            "token_ids": [7, end],
-            "logprobs": {"token_logprobs": [-0.5, -0.25]},
-            "finish_reason": "stop",
-        }
-        for i in range(body["n"])
-    ]
-    usage = {"prompt_tokens": len(body["prompt"]), "prompt_tokens_details": {"cached_tokens": 3}}
-    return 200, json.dumps({"choices": choices, "usage": usage}).encode()
-
-
-def _reload(body: dict) -> tuple[int, bytes]:
-    """vLLM's answer to a well-formed reload of a directory of safetensors; a 400 to anything else."""
-    path = Path((body.get("kwargs") or {}).get("weights_path", "/nonexistent"))
-    if body.get("method") != "reload_weights" or not list(path.glob("*.safetensors")):
-        return 400, json.dumps({"detail": f"bad reload body {body}"}).encode()
-    return 200, json.dumps({"results": [None]}).encode()
-
-
-def as_events(data: bytes) -> bytes:
-    """A whole completions answer as vLLM streams it: an event per sample token, then the usage, then
-    `[DONE]` (an answer that is not one is sent as it is, for the client to refuse)."""
-    try:
-        answer = json.loads(data)
-        events = []
-        for choice in answer["choices"]:
-            ids, lps = choice["token_ids"], choice["logprobs"]["token_logprobs"]
-            for k, (t, lp) in enumerate(zip(ids, lps)):
-                last = k == len(ids) - 1
-                events.append({"choices": [{"index": choice["index"], "token_ids": [t],
-                               "logprobs": {"token_logprobs": [lp]},
-                               "finish_reason": choice["finish_reason"] if last else None}]})  # fmt: skip
-        events.append({"choices": [], "usage": answer.get("usage")})
-    except (ValueError, KeyError, TypeError):
-        return data
-    return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
-
-
-@dataclass
-class Standin:
-    """What a stand-in answers: `completions` for sampling, and vLLM's dev endpoints (each overridable in
-    `posts`). Nothing is answered 200 that vLLM would not: an unknown path is a 404."""
-
-    completions: Answer = _good
-    info: dict = field(default_factory=lambda: INFO)
-    posts: dict[str, Answer] = field(default_factory=dict)
-    models: dict = field(default_factory=lambda: MODELS)
-    model: Any = None
-    """Answers the weight probe (`prompt_logprobs`) with this model's logprobs."""
-    version: str = "default"
-    reloads: list[dict] = field(default_factory=list)
-
-    def post(self, path: str, body: dict) -> tuple[int, bytes]:
-        if path in self.posts:
-            return self.posts[path](body)
-        if path == "/v1/completions":
-            if "prompt_logprobs" in body:
-                return self._probe(body)
-            code, data = self.completions(body)
-            return (code, as_events(data)) if body.get("stream") and code == 200 else (code, data)
-        if path == "/collective_rpc":
-            self.reloads.append(body)
-            return _reload(body)
-        if path == "/reset_prefix_cache":
-            return 200, json.dumps({"success": True}).encode()
-        if path == "/update_weight_version":
-            self.version = body["new_version"]
-            return 200, json.dumps({"success": True, "new_version": self.version}).encode()
-        return 404, b'{"detail": "Not Found"}'
-
-    def get(self, path: str) -> tuple[int, bytes]:
-        if path == "/v1/models":
-            return 200, json.dumps(self.models).encode()
-        if path.startswith("/server_info") and self.info:
-            return 200, json.dumps({"vllm_config": self.info}).encode()
-        if path == "/weight_info":
-            return 200, json.dumps({"weight_version": self.version}).encode()
-        return 404, b'{"detail": "Not Found"}'
-
-    def _probe(self, body: dict) -> tuple[int, bytes]:
-        tokens = body["prompt"]
-        with torch.no_grad():
-            logp = self.model(torch.tensor([tokens])).logits[0].log_softmax(-1)
-        entries = [None] + [{str(t): {"logprob": float(logp[i, t])}} for i, t in enumerate(tokens[1:])]
-        return 200, json.dumps({"choices": [{"index": 0, "prompt_logprobs": entries}]}).encode()
-
-
-class _Server(ThreadingHTTPServer):
-    """Joins its handler threads on close (a slow answer must not outlive its test), and keeps quiet when
-    the client has hung up on one (the timeout test does)."""
-
-    daemon_threads = False
-    block_on_close = True
-
-    def handle_error(self, request: object, client_address: object) -> None:
-        pass
-
 
 @pytest.fixture
 def server() -> Iterator[Callable[..., str]]:
-    """Start a stand-in server (a `Standin`, or one answering /v1/completions with the given function)."""
-    servers: list[ThreadingHTTPServer] = []
-
-    def start(answer: Answer | Standin = _good) -> str:
-        standin = answer if isinstance(answer, Standin) else Standin(completions=answer)
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: object) -> None:
-                pass
-
-            def _send(self, code: int, data: bytes) -> None:
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self) -> None:
-                self._send(*standin.get(self.path))
-
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                self._send(*standin.post(self.path, body))
-
-        srv = _Server(("127.0.0.1", 0), Handler)
-        threading.Thread(target=srv.serve_forever, daemon=True).start()
-        servers.append(srv)
-        return f"http://127.0.0.1:{srv.server_address[1]}"
-
-    yield start
-    for srv in servers:
-        srv.shutdown()
-        srv.server_close()
+    with standins() as start:
+        yield start
 
 
 def _engine(urls: list[str], tmp_path: Path, timeout: float = 5.0) -> VLLMServerEngine:
@@ -206,7 +54,7 @@ def _rollout(engine: VLLMServerEngine, tmp_path: Path) -> object:
 
 
 def test_a_well_behaved_server_grows_the_trees(server: Callable[..., str], tmp_path: Path) -> None:
-    engine = _engine([server(_good)], tmp_path)
+    engine = _engine([server(good)], tmp_path)
     result = _rollout(engine, tmp_path)
     assert len(result.trees) == 2  # type: ignore[attr-defined]
     assert engine.stats.cached_tokens == 3 * engine.stats.requests
@@ -232,7 +80,7 @@ def test_a_server_that_is_down_is_named_at_start(tmp_path: Path) -> None:
         (lambda body: (200, json.dumps({"choices": [{"index": 0}]}).encode()), "outside the protocol"),
         (lambda body: (200, json.dumps({"choices": [{"index": 0, "token_ids": [1, "x"], "logprobs": {"token_logprobs": [0, 0]}}]}).encode()), "outside the protocol"),
         (lambda body: (200, json.dumps({"choices": []}).encode()), "0 samples for a request of n=2"),
-        (lambda body: (time.sleep(2), _good(body))[1], "no answer within 1s"),
+        (lambda body: (time.sleep(2), good(body))[1], "no answer within 1s"),
     ],
 )  # fmt: skip
 def test_a_misbehaving_server_stops_the_rollout_in_one_line(
@@ -255,7 +103,7 @@ def test_every_request_of_a_tree_goes_to_one_server(server: Callable[..., str], 
     def recorder(name: str) -> Answer:
         def answer(body: dict) -> tuple[int, bytes]:
             seen.setdefault(name, []).append(body["prompt"][-1])
-            return _good(body)
+            return good(body)
 
         return answer
 
@@ -302,7 +150,7 @@ def test_weights_a_server_may_still_be_reading_are_kept_at_close(
 
     def slow(body: dict) -> tuple[int, bytes]:
         time.sleep(1.5)
-        return _reload(body)
+        return reload_answer(body)
 
     standin = Standin(model=tiny_model(), posts={"/collective_rpc": slow})
     engine = _engine([server(standin)], tmp_path, timeout=0.5)
@@ -494,7 +342,7 @@ def test_a_lora_sync_sends_the_adapter_and_requests_name_it(
 
     def completions(body: dict) -> tuple[int, bytes]:
         asked.append(body)
-        return _good(body)
+        return good(body)
 
     standin = Standin(completions=completions, model=model.eval(),
                       posts={"/v1/load_lora_adapter": _recording(loads),

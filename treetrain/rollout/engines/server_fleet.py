@@ -49,6 +49,8 @@ GAUGES = {
     "vllm:kv_cache_usage_perc": "kv_usage",
 }
 QUEUE_TIME = "vllm:request_queue_time_seconds"
+MAX_VALUE = 1e12
+"""Largest value kept from a server's metrics (a larger one, or a sum over labels past it, is cut to it)."""
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,8 @@ class ServerLoad:
 
 def read_load(text: str) -> ServerLoad:
     """The load in a Prometheus text exposition (summed over label sets: engines, models); a `ValueError`
-    when it is not one. A value that is not a finite non-negative number is left at 0.
+    when it is not one. A value that is not a finite non-negative number is left out; a sum is cut at
+    `MAX_VALUE`, and the KV use at 1.
 
     >>> read_load('vllm:num_requests_waiting{engine="0"} 3.0\\nvllm:kv_cache_usage_perc{engine="0"} 0.25\\n')
     ServerLoad(running=0.0, waiting=3.0, kv_usage=0.25, queue_seconds=0.0, queued=0.0)
@@ -80,7 +83,7 @@ def read_load(text: str) -> ServerLoad:
                 key = names.get(sample.name)
                 value = float(sample.value)
                 if key is not None and math.isfinite(value) and value >= 0:
-                    found[key] += value
+                    found[key] = min(found[key] + value, MAX_VALUE)
     except (KeyError, IndexError, TypeError) as exc:  # the parser's ways of failing besides ValueError
         raise ValueError(f"not Prometheus text ({type(exc).__name__}: {exc})") from None
     return ServerLoad(**{**found, "kv_usage": min(found["kv_usage"], 1.0)})

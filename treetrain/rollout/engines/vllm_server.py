@@ -184,6 +184,18 @@ class VLLMServerEngine:
         """The requests answered so far (waits up to 50 ms for the first); a failed one raises."""
         results: list[GenerationResult] = []
         try:
+            self._take(results)
+        finally:
+            with self._lock:
+                self.stats.servers, self.stats.servers_lost = self.fleet.stats(), self.fleet.servers_lost
+        self._recover()
+        if results and not self.busy:  # idle: what was sampled so far came from this sync's weights
+            self.check_versions("during the rollout")
+        return results
+
+    def _take(self, results: list[GenerationResult]) -> None:
+        """Add the requests answered so far to `results`; raise the first that failed."""
+        try:
             item = self._done.get(timeout=0.05)
             while True:
                 rid, error = item
@@ -201,12 +213,6 @@ class VLLMServerEngine:
                 item = self._done.get_nowait()
         except queue.Empty:
             pass
-        self._recover()
-        with self._lock:
-            self.stats.servers, self.stats.servers_lost = self.fleet.stats(), self.fleet.servers_lost
-        if results and not self.busy:  # idle: what was sampled so far came from this sync's weights
-            self.check_versions("during the rollout")
-        return results
 
     def _body(self, part: Part, server: int) -> dict[str, object]:
         request = part.request
