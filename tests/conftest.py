@@ -38,9 +38,10 @@ def vllm_engine() -> Iterator[Any]:
 
 
 SERVED = pytest.StashKey[Any]()
+SECOND = pytest.StashKey[Any]()
 
 
-ENGINE_FIXTURES = frozenset({"vllm_engine", "vllm_server"})
+ENGINE_FIXTURES = frozenset({"vllm_engine", "vllm_server", "second_vllm_server"})
 """Fixtures that start an inference engine or a server: their tests are `launch` tests."""
 
 
@@ -81,22 +82,23 @@ def _group(config: pytest.Config, item: pytest.Item, group: str) -> None:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start the real `vllm serve` now when a collected test needs it: its start-up overlaps the tests
-    that run before. Under xdist every worker collects every test, so there the fixture starts it in the
+    """Start the real `vllm serve` now when a collected test needs it (and the second one, beside it, when
+    a test needs that): its start-up overlaps the tests that run before. Under xdist every worker collects every test, so there the fixture starts it in the
     one worker that runs the vLLM group, on first use."""
     if session.config.option.collectonly or os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    if any("vllm_server" in getattr(item, "fixturenames", ()) for item in session.items):
-        from support.vllm_serve import Served
+    for key, name in ((SERVED, "vllm_server"), (SECOND, "second_vllm_server")):
+        if any(name in getattr(item, "fixturenames", ()) for item in session.items):
+            from support.vllm_serve import Served
 
-        log = Path(tempfile.mkdtemp(prefix="vllm-serve-")) / "server.log"
-        session.config.stash[SERVED] = Served(log)
+            session.config.stash[key] = Served(Path(tempfile.mkdtemp(prefix="vllm-serve-")) / "server.log")
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    served = session.config.stash.get(SERVED, None)
-    if served is not None:
-        served.stop()
+    for key in (SERVED, SECOND):
+        served = session.config.stash.get(key, None)
+        if served is not None:
+            served.stop()
 
 
 @pytest.fixture(scope="session")
@@ -116,3 +118,16 @@ def vllm_server(request: pytest.FixtureRequest) -> str:
 def vllm_server_log(vllm_server: str, request: pytest.FixtureRequest) -> Path:
     """The log file of the session's `vllm serve`, its engine core's lines included (what vLLM warns)."""
     return Path(request.config.stash[SERVED].log)
+
+
+@pytest.fixture(scope="session")
+def second_vllm_server(request: pytest.FixtureRequest) -> Any:
+    """A second `vllm serve` like `vllm_server`'s (a `support.vllm_serve.Served`, up), for tests that route
+    across servers and may kill it: started beside the first as collection ends, never shared otherwise."""
+    served = request.config.stash.get(SECOND, None)
+    if served is None:
+        from support.vllm_serve import Served
+
+        served = request.config.stash[SECOND] = Served(Path(tempfile.mkdtemp()) / "server.log")
+    served.url()
+    return served

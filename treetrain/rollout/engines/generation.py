@@ -224,6 +224,15 @@ class ServerStats:
     queued: int = 0
     """Requests those seconds are summed over."""
 
+    def row(self) -> tuple[str, int, int, float]:
+        """`(url, requests, samples, mean seconds queued)`, as `metrics.jsonl` records it."""
+        return (
+            self.url,
+            self.requests,
+            self.samples,
+            self.queue_seconds / self.queued if self.queued else 0.0,
+        )
+
     def minus(self, before: ServerStats) -> ServerStats:
         return ServerStats(
             self.url, self.requests - before.requests, self.samples - before.samples,
