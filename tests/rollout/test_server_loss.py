@@ -6,13 +6,17 @@ servers' metrics steer where new trees go. `test_served_fleet.py` kills a real `
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from support.env_fixtures import tiny_model
-from support.vllm_standin import EXPECTED, INFO, Standin, metrics_text, standins
+import torch
+from support.env_fixtures import tiny_model, tokenizer
+from support.vllm_standin import EXPECTED, INFO, Standin, good, metrics_text, standins
 
+from treetrain.cli.main import main
+from treetrain.models.presets import tiny_model as preset
 from treetrain.rollout.engines import server_fleet
 from treetrain.rollout.engines.engine_settings import VLLMSettings
 from treetrain.rollout.engines.generation import EngineError, GenerationRequest, GenerationResult
@@ -151,3 +155,52 @@ def test_new_trees_go_where_the_metrics_say_there_is_room(server: Callable[..., 
     _drain(engine)
     assert len(full.prompts) == 1
     assert dataclasses.asdict(engine.stats.servers[0])["queued"] == 2
+
+
+@pytest.mark.launch  # the run's environment workers
+@pytest.mark.slow
+def test_a_run_goes_on_without_a_lost_server_and_resumes_after_losing_all(
+    server: Callable[..., str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Update 1 loses the first server and goes on; update 2 loses the other, which stops the run in one
+    line; with both running again, `--resume` finishes it."""
+    run = tmp_path / "run"
+    die_at = {0: 1, 1: 2}  # server -> the rows of metrics.jsonl once which it dies at its next answer
+    standins_: list[Standin] = []
+
+    def answer(i: int) -> Callable[[dict], tuple[int, bytes]]:
+        def completions(body: dict) -> tuple[int, bytes]:
+            rows = (run / "metrics.jsonl").read_text().count("\n") if (run / "metrics.jsonl").exists() else 0
+            if rows >= die_at[i]:
+                standins_[i].cut_after = 0  # its headers, then the connection drops, as a killed server's
+            return good(body)
+
+        return completions
+
+    standins_ += [
+        Standin(
+            completions=answer(i),
+            model=preset("llama", len(tokenizer()), dtype=torch.float32),
+            loads_weights=True,
+        )
+        for i in range(2)
+    ]
+    urls = [server(s) for s in standins_]
+    sets = ["model.path=tiny-llama", "updates=3", "checkpoint_every=1", "rollout.engine=vllm-server",
+            f"rollout.vllm.urls={json.dumps(urls)}", "rollout.groups_per_update=2", "rollout.fanout.root=2",
+            "rollout.episode.max_turn_tokens=4", "rollout.episode.max_episode_tokens=512"]  # fmt: skip
+    argv = ["train", "--run-dir", str(run), "--no-progress", *(a for kv in sets for a in ("--set", kv))]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.endswith("every server of rollout.vllm.urls is lost: start them again and "
+                                            "continue with --resume"), err  # fmt: skip
+    assert all(u in err for u in urls)
+    for s in standins_:  # both started again
+        s.dead, s.cut_after, s.version = False, None, "default"
+    die_at.update({0: 99, 1: 99})
+    assert main([*argv, "--resume"]) == 0, capsys.readouterr().err
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["update"] for r in rows] == [0, 1, 2]
+    assert [r["servers_lost"] for r in rows] == [0, 1, 0]
+    (first, second) = rows[1]["servers"]
+    assert first[0] == urls[0] and second[0] == urls[1] and first[1] >= 1 and second[1] > first[1]

@@ -102,6 +102,9 @@ class Standin:
     """The prompt of every completions request, in order."""
     calls: list[str] = field(default_factory=list)
     """The path of every POST answered, in order."""
+    loads_weights: bool = False
+    """Load each reload's safetensors into `model`, as vLLM does (else `model` keeps its weights, as a
+    server that never received them)."""
 
     def post(self, path: str, body: dict) -> tuple[int, bytes]:
         self.calls.append(path)
@@ -115,7 +118,10 @@ class Standin:
             return (code, as_events(data)) if body.get("stream") and code == 200 else (code, data)
         if path == "/collective_rpc":
             self.reloads.append(body)
-            return reload_answer(body)
+            code, data = reload_answer(body)
+            if code == 200 and self.loads_weights:
+                self._load(Path(body["kwargs"]["weights_path"]))
+            return code, data
         if path == "/reset_prefix_cache":
             return 200, json.dumps({"success": True}).encode()
         if path == "/update_weight_version":
@@ -133,6 +139,13 @@ class Standin:
         if path == "/weight_info":
             return 200, json.dumps({"weight_version": self.version}).encode()
         return 404, b'{"detail": "Not Found"}'
+
+    def _load(self, path: Path) -> None:
+        from safetensors.torch import load_file
+
+        state = {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
+        _, unexpected = self.model.load_state_dict(state, strict=False)  # a tied head is not in the files
+        assert not unexpected, unexpected
 
     def _probe(self, body: dict) -> tuple[int, bytes]:
         tokens = body["prompt"]
