@@ -297,12 +297,14 @@ class VLLMServerEngine:
                     self._done.put((rid, None))
             self.weights.forget(url)
             alive = len(self.fleet.alive)
-        if newly:
+        if newly and alive:
             log.warning(
                 "vllm-server %s is lost (%s); %d of its samples go on at the other servers from the tokens they "
                 "drew, %d of %d servers left (servers_lost in metrics.jsonl)",
                 url, why, sum(p.request.n for p in rest), alive, len(self.urls),
             )  # fmt: skip
+        elif newly:
+            log.warning("vllm-server %s is lost (%s); no server is left", url, why)
         for part in rest:
             self._pool.submit(self._run, part.pid)
 
