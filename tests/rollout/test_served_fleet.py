@@ -27,7 +27,11 @@ from treetrain.train.models import WIDE_DEMO_MODEL
 pytestmark = pytest.mark.slow
 GAP = 1e-4
 """|vLLM - trainer| logprob of a sampled token on the same float32 weights (test_served_engine.py)."""
-BUDGET = 96
+BUDGET = 600
+"""Tokens a sample may draw: long enough that the server is still sampling when the kill lands (the demo
+model ends its answers with <|im_end|> after a few tokens, so the samples stop only at <|im_start|>, which
+it rarely draws)."""
+STOP = 1
 GROUPS = 6
 
 
@@ -66,7 +70,7 @@ def test_a_server_killed_mid_rollout_is_routed_around(
         for g in range(GROUPS):
             prompt = f"<|im_start|>user\nWhat is {17 + g} * {23 + g}?<|im_end|>\n<|im_start|>assistant\n"
             request = GenerationRequest(
-                tuple(tok.encode(prompt)), 2, BUDGET, Sampling(), ((2,),), seed=g, group=f"t{g}"
+                tuple(tok.encode(prompt)), 2, BUDGET, Sampling(), ((STOP,),), seed=g, group=f"t{g}"
             )
             contexts[engine.submit(request)] = request.context
         killed = threading.Event()
@@ -76,7 +80,7 @@ def test_a_server_killed_mid_rollout_is_routed_around(
                 results += engine.poll()
                 with engine._lock:  # a sample on the doomed server has drawn tokens and goes on: kill it now
                     drawing = any(
-                        p.server == 0 and 2 <= max(map(len, p.streamed.tokens)) < BUDGET - 8
+                        p.server == 0 and 2 <= max(map(len, p.streamed.tokens)) < BUDGET // 4
                         for p in engine._ledger.parts.values()
                     )
                 if drawing and not killed.is_set():
@@ -88,7 +92,7 @@ def test_a_server_killed_mid_rollout_is_routed_around(
     assert len(results) == GROUPS and all(len(r.completions) == 2 for r in results)
     for r in results:
         for c in r.completions:
-            assert 1 <= len(c.tokens) <= BUDGET and (c.finish == "stop") == (c.tokens[-1] == 2)
+            assert 1 <= len(c.tokens) <= BUDGET and (c.finish == "stop") == (c.tokens[-1] == STOP)
             assert c.version == 0 and _trainer_gap(model, contexts[r.request_id], c.tokens, c.logprobs) < GAP
     went_on = [p for p in resumed if p.draft.tokens]
     assert went_on, "no sample of the killed server went on from the tokens it drew"
@@ -104,5 +108,6 @@ def test_a_server_killed_mid_rollout_is_routed_around(
     assert line.startswith(f"vllm-server {doomed} is lost (") and "1 of 2 servers left" in line, line
     (gone, kept) = engine.stats.servers
     assert gone.requests >= 1 and kept.requests > len(resumed)
+    assert kept.queued >= kept.requests and kept.queue_seconds >= 0  # read from its histogram once idle
     text = fetch_text(vllm_server, "/metrics", 10.0, 2**22)
     assert text is not None and read_load(text).queued >= kept.requests  # the names the router reads exist

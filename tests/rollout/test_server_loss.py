@@ -204,3 +204,25 @@ def test_a_run_goes_on_without_a_lost_server_and_resumes_after_losing_all(
     assert [r["servers_lost"] for r in rows] == [0, 1, 0]
     (first, second) = rows[1]["servers"]
     assert first[0] == urls[0] and second[0] == urls[1] and first[1] >= 1 and second[1] > first[1]
+
+
+def test_queue_times_are_read_once_the_engine_falls_idle(server: Callable[..., str], tmp_path: Path) -> None:
+    """The histogram grows as requests end, after the reads made as they were sent: the read made when the
+    engine falls idle brings the rollout's last queue times into its stats."""
+    answered = Standin(metrics=metrics_text())
+
+    def completions(body: dict) -> tuple[int, bytes]:
+        done = len(answered.prompts)
+        answered.metrics = metrics_text(queued=done, queue_seconds=0.5 * done)  # as vLLM counts it at the end
+        return good(body)
+
+    answered.completions = completions
+    engine = _engine([server(answered), server(Standin())], tmp_path)
+    for g in range(3):
+        engine.submit(_request(f"g{g}", n=1))
+    _drain(engine)
+    first = engine.stats.servers[0]
+    assert first.requests >= 1 and (first.queued, first.queue_seconds) == (
+        first.requests,
+        0.5 * first.requests,
+    )

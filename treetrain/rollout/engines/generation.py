@@ -65,8 +65,8 @@ class GenerationRequest:
     """Seed of this request's samples: the same request with the same seed draws the same tokens on one
     engine, whatever else is in flight."""
     group: str = ""
-    """Routing key (the tree's task): every request of a group goes to the same server, whose prefix cache
-    then holds the tree."""
+    """Routing key (the tree's task): a group's requests stay on one server while it has room, so that its
+    prefix cache holds the tree (`server_fleet`)."""
     children: int = 1
     """How many later requests are expected to extend each sample (the environment fan-out): a hint for an
     engine that keeps sampled prefixes for reuse; engines with their own prefix cache ignore it."""

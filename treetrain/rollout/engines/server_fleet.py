@@ -160,14 +160,13 @@ class Fleet:
         """The group's tree is finished: forget where it sat."""
         self.affinity.pop(group, None)
 
-    def to_read(self) -> list[int]:
-        """Servers serving whose metrics are older than `METRICS_EVERY_S` and not being read; marked as
-        being read until `observe`."""
-        now = self.clock()
+    def to_read(self, now: bool = False) -> list[int]:
+        """Servers serving whose metrics are older than `METRICS_EVERY_S` (`now`: any age) and not being
+        read; marked as being read until `observe`."""
+        age = 0.0 if now else METRICS_EVERY_S
+        clock = self.clock()
         due = [
-            i
-            for i in self.alive
-            if not self.servers[i].reading and now - self.servers[i].read_at >= METRICS_EVERY_S
+            i for i in self.alive if not self.servers[i].reading and clock - self.servers[i].read_at >= age
         ]
         for i in due:
             self.servers[i].reading = True

@@ -186,12 +186,18 @@ class VLLMServerEngine:
         try:
             self._take(results)
         finally:
-            with self._lock:
-                self.stats.servers, self.stats.servers_lost = self.fleet.stats(), self.fleet.servers_lost
+            self._count()
         self._recover()
         if results and not self.busy:  # idle: what was sampled so far came from this sync's weights
             self.check_versions("during the rollout")
+            self._read_loads(now=True)  # the queue times of what was just answered
+            self._count()
         return results
+
+    def _count(self) -> None:
+        """The fleet's counts into `stats`, where the rollout reads them."""
+        with self._lock:
+            self.stats.servers, self.stats.servers_lost = self.fleet.stats(), self.fleet.servers_lost
 
     def _take(self, results: list[GenerationResult]) -> None:
         """Add the requests answered so far to `results`; raise the first that failed."""
@@ -314,10 +320,11 @@ class VLLMServerEngine:
             f"{whys}; every server of rollout.vllm.urls is lost: start them again and continue with --resume"
         )
 
-    def _read_loads(self) -> None:
-        """Read the metrics of the serving servers whose last read is due (see `server_fleet`)."""
+    def _read_loads(self, now: bool = False) -> None:
+        """Read the metrics of the serving servers whose last read is due (`now`: of every one; see
+        `server_fleet`)."""
         with self._lock:
-            due = self.fleet.to_read()
+            due = self.fleet.to_read(now)
         for i in due:
             load: ServerLoad | None = None
             try:
