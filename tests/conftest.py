@@ -38,9 +38,10 @@ def vllm_engine() -> Iterator[Any]:
 
 
 SERVED = pytest.StashKey[Any]()
+SECOND = pytest.StashKey[Any]()
 
 
-ENGINE_FIXTURES = frozenset({"vllm_engine", "vllm_server"})
+ENGINE_FIXTURES = frozenset({"vllm_engine", "vllm_server", "second_vllm_server"})
 """Fixtures that start an inference engine or a server: their tests are `launch` tests."""
 
 
@@ -81,22 +82,32 @@ def _group(config: pytest.Config, item: pytest.Item, group: str) -> None:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start the real `vllm serve` now when a collected test needs it: its start-up overlaps the tests
-    that run before. Under xdist every worker collects every test, so there the fixture starts it in the
-    one worker that runs the vLLM group, on first use."""
+    """Start the real `vllm serve` now when a collected test needs it (and the second one beside it when a
+    test needs that): its start-up overlaps the tests that run before. Under xdist every worker collects
+    every test, so there the first fixture used starts them, together, in the one worker that runs the
+    vLLM group."""
     if session.config.option.collectonly or os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    if any("vllm_server" in getattr(item, "fixturenames", ()) for item in session.items):
-        from support.vllm_serve import Served
+    _start_servers(session.config, session.items)
 
-        log = Path(tempfile.mkdtemp(prefix="vllm-serve-")) / "server.log"
-        session.config.stash[SERVED] = Served(log)
+
+def _start_servers(config: pytest.Config, items: list[pytest.Item], key: Any = None) -> Any:
+    """Start each session server (`vllm_server`, `second_vllm_server`) that a test of `items` needs, and the
+    one `key` names, unless started already: together, so their start-ups overlap. The one of `key`."""
+    from support.vllm_serve import Served
+
+    for each, name in ((SERVED, "vllm_server"), (SECOND, "second_vllm_server")):
+        needed = each is key or any(name in getattr(i, "fixturenames", ()) for i in items)
+        if needed and each not in config.stash:
+            config.stash[each] = Served(Path(tempfile.mkdtemp(prefix="vllm-serve-")) / "server.log")
+    return config.stash[key] if key is not None else None
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    served = session.config.stash.get(SERVED, None)
-    if served is not None:
-        served.stop()
+    for key in (SERVED, SECOND):
+        served = session.config.stash.get(key, None)
+        if served is not None:
+            served.stop()
 
 
 @pytest.fixture(scope="session")
@@ -104,15 +115,20 @@ def vllm_server(request: pytest.FixtureRequest) -> str:
     """The base URL of one real `vllm serve` (the docs' command, the CPU build in `make test`) on the wide
     demo model, started once for the session as collection ends (`tests/support/vllm_serve.py`). Every use
     starts with a reload, so what an earlier test reloaded into it does not matter."""
-    served = request.config.stash.get(SERVED, None)
-    if served is None:  # under xdist, or collected through a path that skipped the hook
-        from support.vllm_serve import Served
-
-        served = request.config.stash[SERVED] = Served(Path(tempfile.mkdtemp()) / "server.log")
-    return str(served.url())
+    # started here under xdist, or when collected through a path that skipped the hook
+    return str(_start_servers(request.config, request.session.items, SERVED).url())
 
 
 @pytest.fixture(scope="session")
 def vllm_server_log(vllm_server: str, request: pytest.FixtureRequest) -> Path:
     """The log file of the session's `vllm serve`, its engine core's lines included (what vLLM warns)."""
     return Path(request.config.stash[SERVED].log)
+
+
+@pytest.fixture(scope="session")
+def second_vllm_server(request: pytest.FixtureRequest) -> Any:
+    """A second `vllm serve` like `vllm_server`'s (a `support.vllm_serve.Served`, up), for tests that route
+    across servers and may kill it: started beside the first as collection ends, never shared otherwise."""
+    served = _start_servers(request.config, request.session.items, SECOND)
+    served.url()
+    return served

@@ -82,13 +82,13 @@ def test_a_reload_reaches_the_server_and_a_skipped_one_shows(vllm_server: str, t
     _step(model, context, _sample(engine, context).completions[0].tokens)
 
     skipped = _gap(engine, model, context)  # negative control: the step never reached the server
-    original = engine._reload
-    engine._reload = lambda *args: None  # type: ignore[method-assign]  # a reload that does nothing
+    original = engine.weights._reload
+    engine.weights._reload = lambda *args: None  # type: ignore[method-assign]  # a reload that does nothing
     with pytest.raises(
         EngineError, match=r"weight probe\): its logprobs differ .* does not serve the weights"
     ):
         engine.sync_weights(model, 1)
-    engine._reload = original  # type: ignore[method-assign]
+    engine.weights._reload = original  # type: ignore[method-assign]
 
     engine.sync_weights(model, 1)
     resynced = _gap(engine, model, context)

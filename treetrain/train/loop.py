@@ -313,6 +313,8 @@ class Trainer:
             queue_depth=produced.queue_depth,
             sampler_idle_seconds=produced.sampler_idle,
             trainer_idle_seconds=produced.trainer_idle,
+            servers_lost=produced.servers_lost,
+            servers=produced.servers,
         )
 
     # ----- the run ----------------------------------------------------------------------------------

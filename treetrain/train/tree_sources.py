@@ -62,6 +62,10 @@ class Produced:
     """Seconds the sampler waited for the pacing rule before growing these trees."""
     trainer_idle: float = 0.0
     """Seconds the trainer waited for these trees (all of `seconds` in a synchronous rollout)."""
+    servers_lost: int = 0
+    """`vllm-server`: servers lost while these trees grew."""
+    servers: tuple[tuple[str, int, int, float], ...] = ()
+    """`vllm-server`: each server's share (`ServerStats.row`)."""
 
     @property
     def trees(self) -> tuple[TrajectoryTree, ...]:
@@ -203,7 +207,10 @@ def gather_update(
             update, timeouts, r.episode.step_timeout_s,
         )  # fmt: skip
     interrupted = share_count(backend, result.interrupted) if r.max_staleness >= 1 else 0
-    return Produced(tuple((t,) for t in trees), seconds, len(lost), timeouts, interrupted=interrupted)
+    return Produced(
+        tuple((t,) for t in trees), seconds, len(lost), timeouts, interrupted=interrupted,
+        servers_lost=result.stats.servers_lost, servers=tuple(s.row() for s in result.stats.servers),
+    )  # fmt: skip
 
 
 def engine_spec(cfg: TrainConfig, model: Any, world_size: int) -> EngineSpec:

@@ -45,12 +45,15 @@ class VLLMSettings:
 
     urls: tuple[str, ...] = ()
     """Base URLs of running `vllm serve` processes (rollout.engine=vllm-server), e.g.
-    `http://127.0.0.1:8000`; every request of one tree goes to the same server, so its prefix cache holds the
-    tree. The servers must serve this run's model, started with `VLLM_SERVER_DEV_MODE=1` and the flags of
+    `http://127.0.0.1:8000`; a tree's requests stay on one server while it has room, so its prefix cache
+    holds the tree, else go to the least loaded, and a server that stops answering is routed around
+    (docs/rollout-engines.md). The servers must serve this run's model, started with `VLLM_SERVER_DEV_MODE=1` and the flags of
     docs/rollout-engines.md (`--dtype` the trainer's, processed logprobs, prefix caching), which are checked
     before the first rollout."""
     request_timeout_s: float = 600.0
-    """Longest one request to a server may take before the rollout stops, naming the URL."""
+    """Longest a server may stay silent on a request (for a streamed answer: between two events) before it
+    is counted lost and its samples go on at the other servers; with none left the rollout stops, naming
+    the URLs."""
     gpu_memory_utilization: float = 0.3
     """Fraction of GPU memory the in-process engine may take; the trainer needs the rest."""
     cpu_kv_cache_gib: float = 1.0

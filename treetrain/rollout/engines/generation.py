@@ -65,8 +65,8 @@ class GenerationRequest:
     """Seed of this request's samples: the same request with the same seed draws the same tokens on one
     engine, whatever else is in flight."""
     group: str = ""
-    """Routing key (the tree's task): every request of a group goes to the same server, whose prefix cache
-    then holds the tree."""
+    """Routing key (the tree's task): a group's requests stay on one server while it has room, so that its
+    prefix cache holds the tree (`server_fleet`)."""
     children: int = 1
     """How many later requests are expected to extend each sample (the environment fan-out): a hint for an
     engine that keeps sampled prefixes for reuse; engines with their own prefix cache ignore it."""
@@ -210,6 +210,36 @@ class GenerationResult:
     """Context tokens the engine did not have to encode (served from its prefix cache)."""
 
 
+@dataclass(frozen=True)
+class ServerStats:
+    """One `vllm serve` process's share of the work (`vllm-server` with several servers)."""
+
+    url: str
+    requests: int = 0
+    """Requests sent to it (a lost server's resubmitted ones count again where they went)."""
+    samples: int = 0
+    """Samples those requests asked for."""
+    queue_seconds: float = 0.0
+    """Seconds requests waited in its queue, as its metrics say (every client's requests, not only ours)."""
+    queued: int = 0
+    """Requests those seconds are summed over."""
+
+    def row(self) -> tuple[str, int, int, float]:
+        """`(url, requests, samples, mean seconds queued)`, as `metrics.jsonl` records it."""
+        return (
+            self.url,
+            self.requests,
+            self.samples,
+            self.queue_seconds / self.queued if self.queued else 0.0,
+        )
+
+    def minus(self, before: ServerStats) -> ServerStats:
+        return ServerStats(
+            self.url, self.requests - before.requests, self.samples - before.samples,
+            self.queue_seconds - before.queue_seconds, self.queued - before.queued,
+        )  # fmt: skip
+
+
 @dataclass
 class EngineStats:
     """Work done so far, for logs, tests and benchmarks."""
@@ -227,10 +257,18 @@ class EngineStats:
     sync_seconds: float = 0.0
     sync_bytes: int = 0
     """Bytes sent to the engine by the weight syncs (full weights, or a LoRA adapter's files)."""
+    servers_lost: int = 0
+    """`vllm-server`: servers that stopped answering (their requests went on elsewhere)."""
+    servers: tuple[ServerStats, ...] = ()
+    """`vllm-server`: each server's share of the work."""
 
     def since(self, before: EngineStats) -> EngineStats:
         """The work done after `before` was copied."""
-        return EngineStats(**{k: getattr(self, k) - getattr(before, k) for k in vars(self)})
+        earlier = {s.url: s for s in before.servers}
+        return EngineStats(
+            **{k: getattr(self, k) - getattr(before, k) for k in vars(self) if k != "servers"},
+            servers=tuple(s.minus(earlier.get(s.url, ServerStats(s.url))) for s in self.servers),
+        )
 
     @property
     def cache_hit_rate(self) -> float:

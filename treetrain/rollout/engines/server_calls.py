@@ -3,7 +3,9 @@
 Every way a call can go wrong (the server is down, answers with an HTTP error status, stays silent past
 the timeout, resets the connection, answers something that is not JSON, or too much of it) becomes one
 `EngineError` line naming the URL, the path and the fault. An error status is a `ServerHTTPError` that
-carries its code, so a caller can tell an endpoint the server does not have (404) from a failure.
+carries its code, so a caller can tell an endpoint the server does not have (404) from a failure; a server
+that cannot be reached or falls silent is a `ServerLostError`, which the engine routes around
+(`treetrain.rollout.engines.server_fleet`) instead of stopping.
 
 Example:
     >>> short("an   answer\\nover two lines", limit=16)
@@ -34,6 +36,11 @@ class ServerHTTPError(EngineError):
         self.code = code
 
 
+class ServerLostError(EngineError):
+    """A server that did not answer: refused or dropped the connection, stayed silent past the timeout, or
+    ended a stream before its last event (a server killed mid-answer)."""
+
+
 def short(text: object, limit: int = 160) -> str:
     """`text` on one line, cut to `limit` characters."""
     s = " ".join(str(text).split())
@@ -62,14 +69,12 @@ def call_errors(url: str, path: str, timeout: float) -> Iterator[None]:
             f"vllm-server {url}{path}: HTTP {exc.code} {exc.reason}: {detail}", exc.code
         ) from None
     except urllib.error.URLError as exc:
-        raise EngineError(f"vllm-server {url}{path}: cannot connect: {short(exc.reason)}") from None
+        raise ServerLostError(f"vllm-server {url}{path}: cannot connect: {short(exc.reason)}") from None
     except TimeoutError:
-        raise EngineError(f"vllm-server {url}{path}: no answer within {timeout:g}s") from None
-    except (
-        OSError,
-        http.client.HTTPException,
-        ValueError,
-    ) as exc:  # a reset, a bad status line, a short read
+        raise ServerLostError(f"vllm-server {url}{path}: no answer within {timeout:g}s") from None
+    except (OSError, http.client.HTTPException) as exc:  # a reset, a bad status line, a short read
+        raise ServerLostError(f"vllm-server {url}{path}: {type(exc).__name__}: {short(exc)}") from None
+    except ValueError as exc:
         raise EngineError(f"vllm-server {url}{path}: {type(exc).__name__}: {short(exc)}") from None
 
 
@@ -90,6 +95,16 @@ def call_server(url: str, path: str, body: dict[str, Any] | None, timeout: float
         raise EngineError(
             f"vllm-server {url}{path}: the answer is not JSON ({exc}): {short(raw[:200])}"
         ) from None
+
+
+def fetch_text(url: str, path: str, timeout: float, limit: int) -> str | None:
+    """GET `url + path` as text of at most `limit` bytes (None when longer: it is not read further)."""
+    with (
+        call_errors(url, path, timeout),
+        urllib.request.urlopen(request_of(url, path, None), timeout=timeout) as resp,
+    ):
+        raw = resp.read(limit + 1)
+    return None if len(raw) > limit else raw.decode("utf-8", "replace")
 
 
 PROBE_TIMEOUT = 3.0

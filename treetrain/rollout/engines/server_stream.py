@@ -1,4 +1,5 @@
-"""A streamed `/v1/completions` answer: its server-sent events read as they come, and the samples they make.
+"""A `/v1/completions` answer: streamed, its server-sent events read as they come, and the samples they make;
+whole or streamed, the completions it holds (`parse_completions`).
 
 With weights that change while requests are in flight, `VLLMServerEngine` asks for `stream: true`, so that
 it knows each sample's tokens before the answer ends: `StreamedAnswer` keeps them, `interrupt` turns them
@@ -18,7 +19,7 @@ from __future__ import annotations
 import json
 import urllib.request
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from treetrain.rollout.engines.generation import (
     Completion,
@@ -28,7 +29,13 @@ from treetrain.rollout.engines.generation import (
     StopMatcher,
     completion_of,
 )
-from treetrain.rollout.engines.server_calls import MAX_RESPONSE_BYTES, call_errors, request_of, short
+from treetrain.rollout.engines.server_calls import (
+    MAX_RESPONSE_BYTES,
+    ServerLostError,
+    call_errors,
+    request_of,
+    short,
+)
 
 
 def stream_server(
@@ -46,7 +53,7 @@ def stream_server(
             line = resp.readline(MAX_RESPONSE_BYTES + 1)
             read += len(line)
             if not line:
-                raise EngineError(f"vllm-server {url}{path}: the stream ended before [DONE]")
+                raise ServerLostError(f"vllm-server {url}{path}: the stream ended before [DONE]")
             if read > MAX_RESPONSE_BYTES:
                 raise EngineError(f"vllm-server {url}{path}: a stream over {MAX_RESPONSE_BYTES} bytes")
             if not line.startswith(b"data:"):
@@ -110,3 +117,43 @@ class StreamedAnswer:
             else Draft.drawn(t, lp, self.version)
             for t, lp, f in zip(self.tokens, self.logprobs, self.finish)
         )
+
+
+class Parsed(NamedTuple):
+    """A completions answer's samples and the prompt tokens the server had cached."""
+
+    completions: tuple[Completion, ...]
+    cached: int
+
+
+def parse_completions(where: str, answer: Any, request: GenerationRequest, version: int) -> Parsed:
+    """The `request.n` samples of a whole `/v1/completions` answer (or `StreamedAnswer.answer()`), each cut at
+    its first stop; anything outside the protocol is one `EngineError` line starting with `where`."""
+    stops = StopMatcher.of(request.stop)
+    try:
+        choices = sorted(answer["choices"], key=lambda c: int(c["index"]))
+        completions: list[Completion] = []
+        for choice in choices:
+            ids = choice["token_ids"]
+            lps = choice["logprobs"]["token_logprobs"]
+            if (
+                not isinstance(ids, list)
+                or not isinstance(lps, list)
+                or len(ids) != len(lps)
+                or not ids
+                or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+                or not all(isinstance(x, int | float) and not isinstance(x, bool) for x in lps)
+            ):
+                raise ValueError(
+                    "token_ids and logprobs.token_logprobs must be equal-length lists of numbers"
+                )
+            completions.append(completion_of(ids, lps, choice.get("finish_reason"), stops, version))
+        usage = answer.get("usage") or {}
+        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise EngineError(
+            f"{where}: an answer outside the protocol ({short(exc)}): {short(answer)}"
+        ) from None
+    if len(completions) != request.n:
+        raise EngineError(f"{where}: {len(completions)} samples for a request of n={request.n}")
+    return Parsed(tuple(completions), cached)

@@ -6,97 +6,79 @@ nothing is detokenized on the way. Requests run on a thread pool, so every ready
 tree is in flight at once and the servers batch them.
 
 **Streaming.** With `stream=True` (asynchronous training, where weights change while requests are in
-flight) answers are read as server-sent events, so the engine knows each sample's tokens so far:
-`interrupt` returns them, and closing an interrupted request's connection makes vLLM abort it.
+flight), and whenever there are several servers, answers are read as server-sent events, so the engine
+knows each sample's tokens so far: `interrupt` returns them, closing an interrupted request's connection
+makes vLLM abort it, and a lost server's samples go on elsewhere from them.
 
-**Routing.** With several URLs every request of one tree (`GenerationRequest.group`) goes to the same
-server, chosen by a stable hash of the group, so that server's prefix cache holds the whole tree.
+**Routing** (`treetrain.rollout.engines.server_fleet`). A tree's requests (`GenerationRequest.group`) stay
+on the server its first went to while that server has room, so its prefix cache holds the tree; otherwise
+they go to the least loaded server, by the queue depth and KV-cache use its `GET /metrics` reports.
+
+**A lost server.** A server that refuses or drops the connection, stays silent past `request_timeout_s`, or
+ends a stream early is lost: one warning line names it, `servers_lost` counts it, and each sample it held
+goes on at another server from the tokens it drew, their sampler logprobs kept
+(`treetrain.rollout.engines.server_parts`). A lost server is probed every `server_fleet.PROBE_EVERY_S`;
+once it answers, its settings are checked again and it is reloaded to the current weights and version
+before it gets work. When every server is lost the rollout stops with one line, which `--resume` continues.
 
 **What a server is.** At start each server's settings are read (`/v1/models`, `/server_info`) and one
 that would sample something else than the trainer scores (another dtype, raw logprobs, no prefix cache, a
 shorter context, a CPU build that splits prompts) is refused in one line naming the flag
 (`treetrain.rollout.engines.server_checks`).
 
-**Weight sync.** After each optimizer step the trainer's weights are written as safetensors under
-`<run_dir>/engine-weights/current/` (atomically, readable by the server's user; ZeRO-3 gathered module by
-module, a mixture of experts under its checkpoint's per-expert names, LoRA merged where vLLM cannot serve it
-as an adapter), then each server is asked to reload them from that path (so a server on another machine needs
-the run directory on a shared filesystem at the same path; `POST /collective_rpc` with `reload_weights`,
-available when the server runs with `VLLM_SERVER_DEV_MODE=1`) and to reset its prefix cache. Each step must be
-confirmed by its answer (the reload's `{"results": [null]}`, the reset's `{"success": true}`); then the
-server's weight version is set to this sync's label (`POST /update_weight_version`, read back from
-`GET /weight_info`) and a probe prompt is scored on it and compared with the trainer's logprobs. Whenever the
+**Weight sync** (`treetrain.rollout.engines.server_sync`). After each optimizer step the trainer's weights
+are written as safetensors under `<run_dir>/engine-weights/current/` (with LoRA served as an adapter, the
+adapter under `engine-weights/adapters/`, loaded as `treetrain-v{version}`), and each serving server
+reloads them (`VLLM_SERVER_DEV_MODE=1`), resets its prefix cache, is labelled with the sync's weight version
+and scores a probe prompt against the trainer's logprobs, every step confirmed by its answer. Whenever the
 engine falls idle during a rollout the versions are read again, so a server restarted (its version is
 `default` again) or reloaded by another run stops the rollout before its samples are trained on.
 
-**LoRA.** With `lora=LoraServing(as_adapter=True, ...)` (`adapter_sync.lora_serving`) the servers keep the
-base weights they started with; each sync writes the adapter under `<run_dir>/engine-weights/adapters/`,
-each server loads it (`POST /v1/load_lora_adapter` as `treetrain-v{version}`) and unloads the previous one,
-and every request names the current adapter as its `model`. The servers must run with
-`VLLM_ALLOW_RUNTIME_LORA_UPDATING=True vllm serve ... --enable-lora --max-lora-rank R` (R at least the
-adapter's rank).
-
-**At the end.** `close()` removes what the syncs wrote (`current/`, a full copy of the weights, and
-`adapters/`), and `weights_dir` when that leaves it empty: the servers read the files only while they reload.
-After a sync that failed, when a reload may not have answered and its server may still be reading, they are
-left in place.
-
-**Bad servers.** A server that is down, answers with an HTTP error, stays silent past
-`request_timeout_s`, or returns JSON outside the protocol (or more than `server_calls.MAX_RESPONSE_BYTES`) stops the
-rollout with one `EngineError` line naming the URL and what was wrong; the update's trees are not written.
+**Bad servers.** A server that answers with an HTTP error or with JSON outside the protocol (or more than
+`server_calls.MAX_RESPONSE_BYTES`) stops the rollout with one `EngineError` line naming the URL and what
+was wrong; the update's trees are not written. `close()` removes what the syncs wrote, unless a reload did
+not answer and its server may still be reading it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue
 import threading
 import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
-from treetrain.rollout.engines.adapter_sync import AdapterFiles, LoraServing, adapter_name
+from treetrain.rollout.engines.adapter_sync import LoraServing
 from treetrain.rollout.engines.engine_settings import VLLMSettings
 from treetrain.rollout.engines.generation import (
-    Completion,
     EngineError,
     EngineStats,
     GenerationRequest,
     GenerationResult,
     Interrupted,
-    StopMatcher,
-    completion_of,
 )
-from treetrain.rollout.engines.server_calls import ServerHTTPError, call_server, short
-from treetrain.rollout.engines.server_checks import (
-    Expected,
-    ServedConfig,
-    mismatch,
-    probe_tolerance,
-    served_config,
-    served_prompt_logprobs,
-    trainer_probe,
+from treetrain.rollout.engines.server_calls import (
+    PROBE_TIMEOUT,
+    ServerHTTPError,
+    ServerLostError,
+    call_server,
+    fetch_text,
+    short,
 )
-from treetrain.rollout.engines.server_stream import StreamedAnswer, stream_server
-from treetrain.runfs import remove_tree
+from treetrain.rollout.engines.server_checks import Expected, ServedConfig, mismatch, served_config
+from treetrain.rollout.engines.server_fleet import MAX_METRICS_BYTES, Fleet, ServerLoad, read_load
+from treetrain.rollout.engines.server_parts import Ledger, Part
+from treetrain.rollout.engines.server_stream import parse_completions, stream_server
+from treetrain.rollout.engines.server_sync import ServedWeights
 
 log = logging.getLogger(__name__)
 
 MAX_IN_FLIGHT = 64
 """Requests open at once across all servers."""
+METRICS_TIMEOUT_S = 2.0
+"""Longest a `/metrics` read may take (a server that does not answer it is routed by its samples in flight)."""
 DEV_MODE = "start the server with VLLM_SERVER_DEV_MODE=1, which treetrain needs to read its settings and reload weights"
-
-
-def route(group: str, n_servers: int) -> int:
-    """The server of a group: a stable hash, the same in every process and run.
-
-    >>> route("calculator-s7", 3) == route("calculator-s7", 3)
-    True
-    """
-    return zlib.crc32(group.encode()) % n_servers
 
 
 class VLLMServerEngine:
@@ -120,27 +102,25 @@ class VLLMServerEngine:
         self.timeout = settings.request_timeout_s
         self.weights_dir = Path(weights_dir)
         self.expected = expected
-        self._adapters = (
-            AdapterFiles(self.weights_dir / "adapters") if lora is not None and lora.as_adapter else None
-        )
-        self._adapter: str | None = None  # the served name of the current version's adapter
+        self.weights = ServedWeights(self.weights_dir, expected, self.timeout, lora)
         if lora is not None:
             (log.info if lora.as_adapter else log.warning)("rollout.engine=vllm-server: %s", lora.line())
         self.version = version
         self.stats = EngineStats()
-        self.served = tuple(self._check_server(url) for url in self.urls)
-        self.models = tuple(s.model for s in self.served)
-        self.label: str | None = None
-        """The weight version every server was set to at the last sync (None before the first)."""
+        self.served = [self._check_server(url) for url in self.urls]
+        self.fleet = Fleet(self.urls, [s.max_num_seqs for s in self.served])
         self._pool = ThreadPoolExecutor(MAX_IN_FLIGHT, thread_name_prefix="treetrain-vllm")
-        self._done: queue.Queue[tuple[int, GenerationResult | EngineError]] = queue.Queue()
-        self._open: set[int] = set()
+        self._done: queue.Queue[tuple[int, EngineError | None]] = queue.Queue()
+        """Requests answered whole (None) or failed, by id, as the pool threads finish them."""
         self._next_id = 0
-        self.stream = stream
-        self._lock = threading.Lock()  # guards `_open` and `_drawn` between the pool and `interrupt`
-        self._drawn: dict[int, StreamedAnswer] = {}
-        self._unanswered = False
-        """Whether a server was asked to read the files under `weights_dir` and has not answered."""
+        self.stream = stream or len(self.urls) > 1
+        self._lock = threading.Lock()  # guards `_ledger` and `fleet` between the pool and the caller
+        self._ledger = Ledger()
+
+    @property
+    def label(self) -> str | None:
+        """The weight version every serving server was set to at the last sync (None before the first)."""
+        return self.weights.label
 
     def _check_server(self, url: str) -> ServedConfig:
         """What `url` serves, refused in one line when it cannot sample for this run."""
@@ -163,18 +143,21 @@ class VLLMServerEngine:
             raise EngineError(f"vllm-server {url} (serving {served.root}): {problem}")
         return served
 
-    def _weight_version(self, url: str) -> str:
-        answer = call_server(url, "/weight_info", None, min(self.timeout, 30.0))
-        if not isinstance(answer, dict) or not isinstance(answer.get("weight_version"), str):
-            raise EngineError(f"vllm-server {url}/weight_info: no weight_version in {short(answer)}")
-        return str(answer["weight_version"])
-
     def check_versions(self, when: str) -> None:
-        """Every server still holds the weights of the last sync; otherwise one line saying which does not."""
+        """Every serving server still holds the weights of the last sync; otherwise one line saying which
+        does not. One that does not answer is lost."""
         if self.label is None:
             return
-        for url in self.urls:
-            found = self._weight_version(url)
+        for i in self.fleet.alive:
+            url = self.urls[i]
+            try:
+                answer = call_server(url, "/weight_info", None, min(self.timeout, 30.0))
+            except ServerLostError as exc:
+                self._lose(i, exc)
+                continue
+            found = answer.get("weight_version") if isinstance(answer, dict) else None
+            if not isinstance(found, str):
+                raise EngineError(f"vllm-server {url}/weight_info: no weight_version in {short(answer)}")
             if found != self.label:
                 raise EngineError(
                     f"vllm-server {url}: its weights are no longer this run's ({when} its weight version is "
@@ -187,254 +170,243 @@ class VLLMServerEngine:
         rid = self._next_id
         self._next_id += 1
         with self._lock:
-            self._open.add(rid)
-            if self.stream:
-                self._drawn[rid] = StreamedAnswer(request, self.version)
+            part = self._ledger.open(rid, request, self.version, self.weights.adapter)
         self.stats.requests += 1
         self.stats.prompt_tokens += request.prompt_tokens
-        self._pool.submit(self._run, rid, request, self.version, self._adapter)
+        self._pool.submit(self._run, part.pid)
         return rid
 
     @property
     def busy(self) -> bool:
-        return bool(self._open)
+        return bool(self._ledger.held)
 
     def poll(self) -> list[GenerationResult]:
         """The requests answered so far (waits up to 50 ms for the first); a failed one raises."""
         results: list[GenerationResult] = []
         try:
+            self._take(results)
+        finally:
+            self._count()
+        self._recover()
+        if results and not self.busy:  # idle: what was sampled so far came from this sync's weights
+            self.check_versions("during the rollout")
+            self._read_loads(now=True)  # the queue times of what was just answered
+            self._count()
+        return results
+
+    def _count(self) -> None:
+        """The fleet's counts into `stats`, where the rollout reads them."""
+        with self._lock:
+            self.stats.servers, self.stats.servers_lost = self.fleet.stats(), self.fleet.servers_lost
+
+    def _take(self, results: list[GenerationResult]) -> None:
+        """Add the requests answered so far to `results`; raise the first that failed."""
+        try:
             item = self._done.get(timeout=0.05)
             while True:
-                rid, answer = item
-                if rid not in self._open:  # aborted: its answer came back after all
-                    item = self._done.get_nowait()
-                    continue
+                rid, error = item
                 with self._lock:
-                    self._open.discard(rid)
-                    self._drawn.pop(rid, None)
-                if isinstance(answer, EngineError):
-                    raise answer
-                results.append(answer)
-                self.stats.cached_tokens += answer.cached_tokens
-                self.stats.sampled_tokens += sum(len(c.tokens) for c in answer.completions)
+                    held = rid in self._ledger.held
+                    if held and error is not None:
+                        self._ledger.drop(rid)
+                    answer = self._ledger.take(rid) if held and error is None else None
+                if error is not None and held:
+                    raise error
+                if answer is not None:
+                    results.append(answer)
+                    self.stats.cached_tokens += answer.cached_tokens
+                    self.stats.sampled_tokens += sum(len(c.tokens) for c in answer.completions)
                 item = self._done.get_nowait()
         except queue.Empty:
             pass
-        if results and not self._open:  # idle: what was sampled so far came from this sync's weights
-            self.check_versions("during the rollout")
-        return results
 
-    def _run(self, rid: int, request: GenerationRequest, version: int, adapter: str | None) -> None:
-        server = route(request.group, len(self.urls))
-        url = self.urls[server]
-        body = {
-            "model": adapter or self.models[server], "prompt": list(request.context), "n": request.n,
+    def _body(self, part: Part, server: int) -> dict[str, object]:
+        request = part.request
+        body: dict[str, object] = {
+            "model": part.adapter or self.served[server].model, "prompt": list(request.context), "n": request.n,
             "max_tokens": request.max_new_tokens, "temperature": request.sampling.temperature,
             "top_p": request.sampling.top_p, "seed": request.seed, "logprobs": 0,
             "stop_token_ids": list(request.stop_ids), "ignore_eos": True, "skip_special_tokens": False,
             "return_token_ids": True, "include_stop_str_in_output": True,
         }  # fmt: skip
+        if self.stream:
+            body.update(stream=True, stream_options={"include_usage": True})
+        return body
+
+    def _run(self, pid: int) -> None:
+        """Send part `pid` to the server the fleet picks and keep its answer (in a pool thread)."""
+        self._read_loads()
+        with self._lock:
+            part = self._ledger.parts.get(pid)
+            if part is None:  # aborted or interrupted before it was sent
+                return
+            server = self.fleet.pick(
+                part.request.group, part.request.n, self._ledger.in_flight(len(self.urls))
+            )
+            if server is not None:
+                part.server = server
+                self.fleet.sent(server, part.request.n)
+        if server is None:
+            self._done.put((part.rid, self._all_lost()))
+            return
+        url = self.urls[server]
         try:
             if self.stream:
-                body.update(stream=True, stream_options={"include_usage": True})
-                if not stream_server(
-                    url, "/v1/completions", body, self.timeout, lambda e: self._event(rid, e)
-                ):
-                    return  # interrupted: `interrupt` answered for it
+                if not stream_server(url, "/v1/completions", self._body(part, server), self.timeout,
+                                     lambda e: self._event(pid, e)):  # fmt: skip
+                    return  # interrupted or aborted: `interrupt` answered for it
                 with self._lock:  # kept until `poll` takes the answer: an `interrupt` before then returns it
-                    drawn = self._drawn.get(rid) if rid in self._open else None
-                    if drawn is None:
+                    if pid not in self._ledger.parts:
                         return
-                    answer = drawn.answer()
+                    answer = part.streamed.answer()
             else:
-                answer = call_server(url, "/v1/completions", body, self.timeout)
-            result = self._parse(url, rid, answer, request, version)
+                answer = call_server(url, "/v1/completions", self._body(part, server), self.timeout)
+            parsed = parse_completions(
+                f"vllm-server {url}/v1/completions", answer, part.request, part.version
+            )
+        except ServerLostError as exc:
+            self._lose(server, exc)
+            return
         except EngineError as exc:
-            self._done.put((rid, exc))
+            self._done.put((part.rid, exc))
             return
         except Exception as exc:  # a bug here must still reach the rollout, not die in a pool thread
-            self._done.put((rid, EngineError(f"vllm-server {url}: {type(exc).__name__}: {short(exc)}")))
+            self._done.put((part.rid, EngineError(f"vllm-server {url}: {type(exc).__name__}: {short(exc)}")))
             return
-        self._done.put((rid, result))
+        with self._lock:
+            self._ledger.answered(pid, parsed.completions, parsed.cached)
+            if self._ledger.complete(part.rid):
+                self._done.put((part.rid, None))
 
-    def _parse(
-        self, url: str, rid: int, answer: Any, request: GenerationRequest, version: int
-    ) -> GenerationResult:
-        where = f"vllm-server {url}/v1/completions"
-        stops = StopMatcher.of(request.stop)
-        try:
-            choices = sorted(answer["choices"], key=lambda c: int(c["index"]))
-            completions: list[Completion] = []
-            for choice in choices:
-                ids = choice["token_ids"]
-                lps = choice["logprobs"]["token_logprobs"]
-                if (
-                    not isinstance(ids, list)
-                    or not isinstance(lps, list)
-                    or len(ids) != len(lps)
-                    or not ids
-                    or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
-                    or not all(isinstance(x, int | float) and not isinstance(x, bool) for x in lps)
-                ):
-                    raise ValueError(
-                        "token_ids and logprobs.token_logprobs must be equal-length lists of numbers"
-                    )
-                completions.append(completion_of(ids, lps, choice.get("finish_reason"), stops, version))
-            usage = answer.get("usage") or {}
-            cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise EngineError(
-                f"{where}: an answer outside the protocol ({short(exc)}): {short(answer)}"
-            ) from None
-        if len(completions) != request.n:
-            raise EngineError(f"{where}: {len(completions)} samples for a request of n={request.n}")
-        return GenerationResult(rid, tuple(completions), cached)
+    def _event(self, pid: int, event: object) -> bool:
+        """Keep one streamed event's tokens; False once part `pid` was interrupted, aborted or lost (stop
+        reading, which closes the connection)."""
+        with self._lock:
+            part = self._ledger.parts.get(pid)
+            if part is None:
+                return False
+            part.streamed.add(event)
+            return True
+
+    def _lose(self, server: int, why: EngineError) -> None:
+        """`server` did not answer: every part on it goes on elsewhere from what its samples drew."""
+        url = self.urls[server]
+        with self._lock:
+            newly = self.fleet.lost(server, str(why))
+            rest: list[Part] = []
+            affected = set()
+            for pid in self._ledger.on(server):
+                affected.add(self._ledger.parts[pid].rid)
+                rest += self._ledger.lost(pid)
+            for rid in affected:
+                if self._ledger.complete(rid):
+                    self._done.put((rid, None))
+            self.weights.forget(url)
+            alive = len(self.fleet.alive)
+        if newly and alive:
+            log.warning(
+                "vllm-server %s is lost (%s); %d of its samples go on at the other servers from the tokens they "
+                "drew, %d of %d servers left (servers_lost in metrics.jsonl)",
+                url, why, sum(p.request.n for p in rest), alive, len(self.urls),
+            )  # fmt: skip
+        elif newly:
+            log.warning("vllm-server %s is lost (%s); no server is left", url, why)
+        for part in rest:
+            self._pool.submit(self._run, part.pid)
+
+    def _all_lost(self) -> EngineError:
+        whys = "; ".join(str(s.lost) for s in self.fleet.servers)
+        return EngineError(
+            f"{whys}; every server of rollout.vllm.urls is lost: start them again and continue with --resume"
+        )
+
+    def _read_loads(self, now: bool = False) -> None:
+        """Read the metrics of the serving servers whose last read is due (`now`: of every one; see
+        `server_fleet`)."""
+        with self._lock:
+            due = self.fleet.to_read(now)
+        for i in due:
+            load: ServerLoad | None = None
+            try:
+                text = fetch_text(self.urls[i], "/metrics", METRICS_TIMEOUT_S, MAX_METRICS_BYTES)
+                load = read_load(text) if text is not None else None
+            except (EngineError, ValueError) as exc:
+                log.debug("vllm-server %s/metrics: %s", self.urls[i], exc)
+            with self._lock:
+                self.fleet.observe(i, load)
+
+    def _recover(self) -> None:
+        """Probe the lost servers that are due; one that answers is checked, reloaded to the current weights
+        and version, and takes work again."""
+        with self._lock:
+            due = self.fleet.to_probe()
+        for i in due:
+            url = self.urls[i]
+            try:
+                call_server(url, "/v1/models", None, PROBE_TIMEOUT)
+            except EngineError:
+                continue
+            try:
+                served = self._check_server(url)
+                if self.label is not None:
+                    self.weights.load(url, served)
+            except ServerLostError:
+                continue
+            except EngineError as exc:
+                log.warning("vllm-server %s answers again but stays out of this run: %s", url, exc)
+                continue
+            with self._lock:
+                self.served[i] = served
+                self.fleet.back(i)
+            log.warning(
+                "vllm-server %s is back, reloaded to weight version %s; it takes work again", url, self.label
+            )
 
     def sync_weights(self, model: object, version: int) -> None:
         """Write the weights (or, with LoRA served as an adapter, only the adapter) under `weights_dir` and
-        have every server load them, each step confirmed by its answer; then label and probe the served
-        weights (see the module docstring)."""
+        have every serving server load them, each step confirmed by its answer; then label and probe the
+        served weights (`server_sync`). A server lost meanwhile is reloaded when it is back."""
         if self.busy:
             raise EngineError("vllm-server: sync_weights while requests are in flight (abort them first)")
         start = time.perf_counter()
-        label = f"{self.weights_dir.resolve()}@{version}"
-        probe = trainer_probe(model)
-        path: Path | None = None
-        if self._adapters is not None:
-            self.stats.sync_bytes += self._load_adapter(model, version)
-        else:
-            from treetrain.rollout.engines.served_checkpoint import write_weights
-
-            path = write_weights(model, self.weights_dir)
-            self.stats.sync_bytes += sum(p.stat().st_size for p in path.iterdir())
-        for url, served in zip(self.urls, self.served):
-            if path is not None:
-                self._reload(url, served, str(path))
-        for url, served in zip(self.urls, self.served):
-            answer = call_server(url, "/update_weight_version", {"new_version": label}, self.timeout)
-            if not isinstance(answer, dict) or answer.get("new_version") != label:
-                raise EngineError(f"vllm-server {url}/update_weight_version: not confirmed: {short(answer)}")
-            self._probe(url, served, probe)
-        self.label = label
+        self.stats.sync_bytes += self.weights.write(model, version)
+        for i in self.fleet.alive:
+            try:
+                self.weights.load(self.urls[i], self.served[i])
+            except ServerLostError as exc:
+                self._lose(i, exc)
+        if not self.fleet.alive:
+            raise self._all_lost()
+        self.weights.loaded_everywhere()
         self.check_versions("after the reload")
         self.version = version
         self.stats.weight_syncs += 1
         self.stats.sync_seconds += time.perf_counter() - start
 
-    def _reload(self, url: str, served: ServedConfig, path: str) -> None:
-        body = {"method": "reload_weights", "kwargs": {"weights_path": path}}
-        try:
-            answer = self._ask_to_read(url, "/collective_rpc", body)
-        except ServerHTTPError as exc:
-            raise EngineError(
-                f"{exc}; it serves {served.root}: is that this run's model ({self.expected.path})?"
-            ) from None
-        results = answer.get("results") if isinstance(answer, dict) else None
-        if not isinstance(results, list) or not results or any(r is not None for r in results):
-            raise EngineError(
-                f"vllm-server {url}/collective_rpc: the reload of {path} was not confirmed (the answer was "
-                f"{short(answer)!r}, not one null result per worker)"
-            )
-        reset = call_server(url, "/reset_prefix_cache", {}, self.timeout)
-        if not isinstance(reset, dict) or reset.get("success") is not True:
-            raise EngineError(
-                f"vllm-server {url}/reset_prefix_cache: the reset was not confirmed: {short(reset)}; its "
-                "cache would hold KV of the old weights"
-            )
-
-    def _ask_to_read(self, url: str, endpoint: str, body: dict[str, Any]) -> Any:
-        """`call_server` for a call that has the server read files under `weights_dir`: until it answers (an
-        HTTP error is an answer, a timeout is not) the files are marked as possibly being read."""
-        self._unanswered = True
-        try:
-            answer = call_server(url, endpoint, body, self.timeout)
-        except ServerHTTPError:
-            self._unanswered = False
-            raise
-        self._unanswered = False
-        return answer
-
-    def _probe(self, url: str, served: ServedConfig, probe: tuple[list[int], list[float]]) -> None:
-        """Score the probe prompt on the server against the trainer's logprobs of it."""
-        tokens, own = probe
-        body = {"model": self._adapter or served.model, "prompt": tokens, "max_tokens": 1, "temperature": 1.0, "seed": 0,
-                "prompt_logprobs": 0, "logprobs": 0}  # fmt: skip
-        where = f"vllm-server {url}/v1/completions (the weight probe)"
-        try:
-            theirs = served_prompt_logprobs(call_server(url, "/v1/completions", body, self.timeout), tokens)
-        except ServerHTTPError as exc:
-            raise EngineError(f"{exc}; is {served.root} this run's model ({self.expected.path})?") from None
-        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
-            raise EngineError(f"{where}: an answer outside the protocol ({short(exc)})") from None
-        gap = max(abs(a - b) for a, b in zip(own, theirs))
-        tolerance = probe_tolerance(self.expected.dtype)
-        if not gap <= tolerance:
-            raise EngineError(
-                f"{where}: its logprobs differ from the trainer's by up to {gap:.3g} (more than {tolerance:g}) "
-                f"right after the reload: it does not serve the weights written to {self.weights_dir} (another "
-                "copy of the run directory, or another model than model.path)"
-            )
-
-    def _load_adapter(self, model: object, version: int) -> int:
-        """Every server loads the adapter under the version's name (`POST /v1/load_lora_adapter`, which a
-        server offers with `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True` and `--enable-lora`) and drops the
-        previous one; requests name it as their model. Its size in bytes."""
-        assert self._adapters is not None
-        path, size = self._adapters.write(model, version)
-        name = adapter_name(version)
-        for url in self.urls:
-            try:
-                self._ask_to_read(url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
-            except EngineError as exc:
-                raise EngineError(
-                    f"{exc} (a server takes LoRA adapters when started with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True "
-                    "and --enable-lora --max-lora-rank at least the adapter's rank)"
-                ) from None
-            if self._adapter is not None and self._adapter != name:
-                call_server(url, "/v1/unload_lora_adapter", {"lora_name": self._adapter}, self.timeout)
-        self._adapter = name
-        self._adapters.done(path)
-        return size
-
     def release_group(self, group: str) -> None:
-        """vLLM's prefix cache evicts by itself."""
+        """vLLM's prefix cache evicts by itself; the group's server is forgotten."""
+        with self._lock:
+            self.fleet.release(group)
 
     def abort(self) -> None:
         """Forget every request in flight; their answers are dropped when they arrive."""
         with self._lock:
-            self._open.clear()
-            self._drawn.clear()
-
-    def _event(self, rid: int, event: Any) -> bool:
-        """Keep one streamed event's tokens; False once `rid` was interrupted or aborted (stop reading)."""
-        with self._lock:
-            drawn = self._drawn.get(rid)
-            if rid not in self._open or drawn is None:
-                return False
-            drawn.add(event)
-            return True
+            self._ledger.clear()
 
     def interrupt(self) -> list[Interrupted] | None:
-        """With `stream`, stop every request and return what each sample drew (its streamed tokens so far);
-        their connections close at their next event, which makes vLLM abort them. Without it, None: an
-        answer comes back whole, so the scheduler lets requests in flight finish and syncs once idle."""
+        """When streaming, stop every request and return what each sample drew (its streamed tokens so far);
+        their connections close at their next event, which makes vLLM abort them. Otherwise None: an answer
+        comes back whole, so the scheduler lets requests in flight finish and syncs once idle."""
         if not self.stream:
             return None
         with self._lock:
-            out = [Interrupted(rid, self._drawn.pop(rid).samples()) for rid in sorted(self._open)]
-            self._open.clear()
-        return out
+            return self._ledger.interrupt()
 
     def close(self) -> None:
         """Stop sending, and remove the weights written for the servers (see the module docstring)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
-        if self._unanswered:
+        if not self.weights.remove():
             log.warning(
                 "vllm-server: keeping %s: a server may still be reading it (its reload did not answer)",
                 self.weights_dir,
             )
-            return
-        for written in ("current", "adapters"):
-            remove_tree(self.weights_dir, self.weights_dir / written)
-        with contextlib.suppress(OSError):  # kept when it holds anything else
-            self.weights_dir.rmdir()
