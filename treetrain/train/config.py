@@ -30,7 +30,7 @@ from treetrain.loss.advantages import AdvantageConfig
 from treetrain.loss.loss_config import LossConfig
 from treetrain.models.lora_config import LoraSection
 from treetrain.train.config_file import read_config_file
-from treetrain.train.rollout_section import RolloutSection
+from treetrain.rollout.rollout_section import RolloutSection
 from treetrain.train.typed import apply_override, from_dict, to_dict
 from treetrain.update.settings import ReplaySection
 
