@@ -35,10 +35,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from treetrain.benchmark.report import publish
-from treetrain.train.async_source import read_queued
+from treetrain.rollout.sources.produced import lags_of
+from treetrain.rollout.sources.staleness import Staleness
+from treetrain.rollout.sources.tree_queue import read_queued
 from treetrain.train.metrics import UpdateMetrics, read_metrics
-from treetrain.train.staleness import Staleness
-from treetrain.train.tree_sources import lags_of
 
 ENGINE_SETTINGS = {
     "hf": ["model.path=demo"],

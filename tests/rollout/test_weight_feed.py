@@ -22,8 +22,8 @@ from treetrain.replay import FlatReference, ReplayConfig, TreeReplay
 from treetrain.rollout import FanOut, RolloutConfig, SamplerConfig, Sampling, rollout_trees
 from treetrain.rollout.engines.hf_engine import HFEngine
 from treetrain.rollout.engines.hf_process import HFProcessEngine
+from treetrain.rollout.sources.staleness import Staleness
 from treetrain.rollout.weight_feed import WeightFeed
-from treetrain.train.staleness import Staleness
 from treetrain.trajectory import Role, Trajectory
 from treetrain.tree.format import load_trees
 

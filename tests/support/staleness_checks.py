@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from treetrain.train.async_source import read_queued
+from treetrain.rollout.sources.produced import lags_of
+from treetrain.rollout.sources.staleness import Staleness
+from treetrain.rollout.sources.tree_queue import read_queued
 from treetrain.train.metrics import UpdateMetrics
-from treetrain.train.staleness import Staleness
-from treetrain.train.tree_sources import lags_of
 from treetrain.trajectory import Role
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from envs.remote import EnvError
+from treetrain.rollout.sources.env_failures import TaskFailure, too_many
 from treetrain.train.advice import NO_SIGNAL_STREAK, no_signal_advice
-from treetrain.train.env_failures import TaskFailure, too_many
 from treetrain.train.metrics import UpdateMetrics
 
 IDLE = UpdateMetrics(

@@ -18,9 +18,9 @@ from support.staleness_checks import within
 from support.two_nodes import DEMO, close_delta, delta, two_nodes, weights
 
 from treetrain.cli.main import main
-from treetrain.train.async_source import read_queued
+from treetrain.rollout.sources.produced import lags_of
+from treetrain.rollout.sources.tree_queue import read_queued
 from treetrain.train.metrics import read_metrics
-from treetrain.train.tree_sources import lags_of
 
 pytestmark = pytest.mark.distributed
 UPDATES = 3

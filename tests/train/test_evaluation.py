@@ -14,11 +14,11 @@ import pytest
 
 from treetrain.cli.main import main
 from treetrain.errors import ConfigError
+from treetrain.rollout.sources.run_settings import task_seeds
 from treetrain.train.config import SEED_LIMIT, load_config
 from treetrain.train.evaluation import Scores, gather_scores
 from treetrain.train.held_out import EVAL_SEED_BASE, check_disjoint, held_out_tasks, pass_at_k
 from treetrain.train.metrics import EvalMetrics, MetricsWriter, read_evals, read_metrics
-from treetrain.train.tree_sources import task_seeds
 
 pytestmark = pytest.mark.launch  # end-to-end runs: each starts its environment worker processes
 

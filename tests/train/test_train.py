@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,18 +10,12 @@ from safetensors.torch import load_file
 from support.train_cases import TINY
 from transformers import AutoModelForCausalLM
 
-from envs.wrapper import EpisodeLimits, WrapperConfig
 from treetrain.cli.main import main
 from treetrain.errors import ConfigError
-from treetrain.rollout.fanout import FanOut
-from treetrain.rollout.prefix_sampler import Sampling
-from treetrain.rollout.tree_rollout import RolloutConfig
 from treetrain.train.config import dump_config, load_config
 from treetrain.train.loop import Trainer
 from treetrain.train.metrics import read_metrics
-from treetrain.train.tree_sources import wrapper_config
 from treetrain.tree.format import load_trees
-from treetrain.update.run import advantage_groups
 
 pytestmark = pytest.mark.launch  # end-to-end runs: each starts its environment worker processes
 
@@ -97,36 +90,6 @@ def test_bad_config_fails_before_any_work(tmp_path: Path, override: str, field: 
     assert code == 2
     assert field in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
-
-
-def test_the_rollout_section_is_the_schedule_the_rollout_takes() -> None:
-    """One default, defined once: `rollout.fanout` is `FanOut` itself, so the trainer and a bare rollout agree."""
-    assert load_config(None).rollout.fanout == RolloutConfig().fanout == FanOut()
-    assert load_config(None, ["rollout.fanout.after_assistant_turn=2"]).rollout.fanout == FanOut(
-        after_assistant_turn=2
-    )
-    assert load_config(None, ["rollout.fanout.root=3"]).rollout.fanout != FanOut()
-
-
-def test_sampling_and_episode_sections_are_the_objects_the_rollout_takes() -> None:
-    """`rollout.sampling` is `Sampling` and `rollout.episode` is `EpisodeLimits`: one default each, and the
-    trainer hands them to the sampler and the token wrapper unchanged (the episode budget resolved against
-    the model's context)."""
-    cfg = load_config(None)
-    assert cfg.rollout.sampling == RolloutConfig().sampler.sampling == Sampling()
-    assert cfg.rollout.episode == WrapperConfig().episode == EpisodeLimits()
-    assert (cfg.rollout.episode.max_turns, cfg.rollout.episode.max_turn_tokens) == (4, 96)
-    changed = load_config(None, ["rollout.sampling.top_p=0.9", "rollout.episode.max_turns=6"])
-    assert changed.rollout.sampling == Sampling(top_p=0.9) != Sampling()
-    assert changed.rollout.episode == EpisodeLimits(max_turns=6) != EpisodeLimits()
-
-    text = SimpleNamespace(max_position_embeddings=2048)
-    model = SimpleNamespace(
-        config=SimpleNamespace(get_text_config=lambda decoder: text), generation_config=None
-    )
-    assert wrapper_config(changed, model).episode == EpisodeLimits(max_turns=6, max_episode_tokens=2048)
-    fixed = load_config(None, ["rollout.episode.max_episode_tokens=512"])
-    assert wrapper_config(fixed, model).episode.max_episode_tokens == 512
 
 
 def test_config_file_and_print_config(tmp_path: Path, capsys) -> None:
@@ -324,56 +287,3 @@ def test_kl_reference_and_forced_flat_runs(tmp_path: Path, extra: tuple[str, ...
     assert rows[0].mode == ("flat" if "mode=flat" in extra else "tree")
     # The first update's policy is the reference itself (KL 0); after one step the KL term must show.
     assert rows[0].kl == 0.0 and (rows[1].kl > 0) == ("loss.kl_coef=0.05" in extra)
-
-
-def test_recorded_trees_are_trained_at_the_temperature_they_were_sampled_at(tmp_path: Path) -> None:
-    """A tree that says how it was sampled must match rollout.sampling (the loss scores at its temperature);
-    one that says nothing (imported, or an older file) is taken as configured."""
-    from treetrain.train.recorded_source import RecordedSource
-    from treetrain.tree import SamplingRecord, TrajectoryTree
-    from treetrain.tree.format import save_trees
-    from treetrain.tree.synthetic import synthetic_group
-
-    tree = synthetic_group(prefix=6, branches=2, suffix=3, vocab=64, seed=1)
-    hot = TrajectoryTree(tree.nodes, tree.records, SamplingRecord(0.7, 1.0))
-    save_trees([hot], tmp_path / "hot.msgpack")
-    save_trees([tree], tmp_path / "unknown.msgpack")
-    for sets, refused in (
-        ([], "set rollout.sampling.temperature=0.7 to train on it"),
-        (
-            ["rollout.sampling.top_p=0.9"],
-            "set rollout.sampling.temperature=0.7 and rollout.sampling.top_p=1.0 to train on it",
-        ),
-        (["rollout.sampling.temperature=0.7"], None),
-    ):
-        cfg = _cfg(tmp_path / "run", f"rollout.trees={tmp_path / 'hot.msgpack'}", *sets)
-        if refused is None:
-            assert RecordedSource(cfg, vocab_size=64)(None, 0, 0).groups[0][0].sampling == hot.sampling
-            continue
-        with pytest.raises(ConfigError) as info:
-            RecordedSource(cfg, vocab_size=64)
-        message = str(info.value)
-        assert message.startswith(f"rollout.trees: {tmp_path / 'hot.msgpack'}: tree {tree.id[:12]} was sampled "
-                                  "at temperature 0.7, top_p 1.0 (recorded in the file)")  # fmt: skip
-        assert message.endswith(refused) and "\n" not in message
-    for temperature in ("0.7", "1.0"):  # nothing recorded: nothing to hold it to
-        cfg = _cfg(tmp_path / "run", f"rollout.trees={tmp_path / 'unknown.msgpack'}",
-                   f"rollout.sampling.temperature={temperature}")  # fmt: skip
-        assert RecordedSource(cfg, vocab_size=64)(None, 0, 0).groups[0][0].sampling is None
-
-
-def test_a_recorded_file_is_one_group_and_globs_recurse(tmp_path: Path) -> None:
-    """Two trees with rewards [1, 1] and [0, 0] stored as one group have variance; apart, neither would."""
-    from treetrain.train.recorded_source import RecordedSource
-    from treetrain.tree.format import save_trees
-    from treetrain.tree.synthetic import synthetic_group
-
-    ones = synthetic_group(prefix=6, branches=2, suffix=3, vocab=64, seed=1, rewards=[1.0, 1.0])
-    zeros = synthetic_group(prefix=6, branches=2, suffix=3, vocab=64, seed=2, rewards=[0.0, 0.0])
-    (tmp_path / "a" / "b").mkdir(parents=True)
-    save_trees([ones, zeros], tmp_path / "a" / "b" / "group.msgpack")
-    cfg = _cfg(tmp_path / "run", f"rollout.trees={tmp_path}/**/*.msgpack")
-    produced = RecordedSource(cfg, vocab_size=64)(None, 0, 0)
-    assert [len(g) for g in produced.groups] == [2]
-    groups, dropped = advantage_groups(produced.groups, cfg.advantages)
-    assert dropped == 0 and len(groups) == 1 and len(groups[0].trees) == 2

@@ -228,10 +228,11 @@ def score(cfg: TrainConfig, held: HeldOut, weights: Path | None, at: tuple[int, 
     after `at` = (updates, version) (`trained_at`)."""
     from envs.remote import WorkerEnvFactory
     from treetrain.rollout.engines.factory import make_engine
+    from treetrain.rollout.sources.engine_config import engine_spec, wrapper_config
     from treetrain.train.eval_weights import load_checkpoint_weights
     from treetrain.train.evaluation import eval_rollout, sample_scores
-    from treetrain.train.models import load_models
-    from treetrain.train.tree_sources import check_context, check_template, engine_spec, wrapper_config
+    from treetrain.train.models import load_models, resolve_model_path
+    from treetrain.train.preflight import check_context, check_template
 
     if cfg.threads is not None:
         import torch
@@ -247,7 +248,8 @@ def score(cfg: TrainConfig, held: HeldOut, weights: Path | None, at: tuple[int, 
         check_context(cfg, policy)
         policy.eval()
         wrapper = wrapper_config(cfg, policy)
-        engine = make_engine(engine_spec(cfg, policy, world_size=1), policy)
+        spec = engine_spec(cfg, policy, world_size=1, checkpoint=resolve_model_path(cfg.model.path))
+        engine = make_engine(spec, policy)
         engine.sync_weights(policy, 0)
         with tempfile.TemporaryDirectory(prefix="treetrain-eval-") as out:
             start = time.perf_counter()

@@ -98,8 +98,8 @@ def run(args: argparse.Namespace) -> int:
         from treetrain.train.progress import hide_library_bars
 
         hide_library_bars()  # imports transformers
+    from treetrain.rollout.sources.sampler_start import early_sampler
     from treetrain.train.loop import Trainer
-    from treetrain.train.sampler_start import early_sampler
 
     sampler = early_sampler(cfg, fresh=True)  # the hf sampler's process, before anything is computed
     try:

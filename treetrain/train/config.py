@@ -29,8 +29,8 @@ from treetrain.io import path_problem
 from treetrain.loss.advantages import AdvantageConfig
 from treetrain.loss.loss_config import LossConfig
 from treetrain.models.lora_config import LoraSection
+from treetrain.rollout.rollout_section import RolloutSection
 from treetrain.train.config_file import read_config_file
-from treetrain.train.rollout_section import RolloutSection
 from treetrain.train.typed import apply_override, from_dict, to_dict
 from treetrain.update.settings import ReplaySection
 
@@ -45,8 +45,8 @@ class ModelSection:
     """The policy (and reference) model."""
 
     path: str = "demo"
-    """'demo' (the shipped checkpoint), 'demo-wide' (the same policy with heads vLLM serves), a local Hugging
-    Face directory, or a preset 'tiny-<family>'."""
+    """'demo' (the shipped checkpoint), 'demo-wide' (the same policy with head sizes every rollout engine
+    serves), a local Hugging Face directory, or a preset 'tiny-<family>'."""
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"
     """Parameter dtype of the policy."""
     attn: Literal["eager", "sdpa"] = "sdpa"
@@ -196,8 +196,8 @@ class TrainConfig:
     """Also save one when this many seconds have passed since the last (0: not by time), so a run killed
     early loses at most this much work."""
     threads: int | None = None
-    """torch intra-op threads (None: leave torch's default); the `hf` sampler process of an asynchronous run
-    runs as many (None: 1)."""
+    """torch intra-op threads (None: leave torch's default); the rollout's sampler process of an asynchronous
+    run runs as many (None: 1)."""
     model: ModelSection = field(default_factory=ModelSection)
     """The policy, the reference model and the tokenizer."""
     env: EnvSection = field(default_factory=EnvSection)

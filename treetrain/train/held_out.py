@@ -2,8 +2,9 @@
 
 Held-out tasks are the dataset environment's held-out split (`env.kwargs.eval_fraction` or `eval_path`,
 row `i` for seed `i`), or for any other environment the seeds from `EVAL_SEED_BASE` on, which no training
-seed reaches (`task_seeds` gives `seed * 1_000_003 + update * groups_per_update + g`, with `seed < 2^32`;
-`check_disjoint` refuses a run long enough to get there).
+seed reaches (`treetrain.rollout.sources.run_settings.task_seeds` gives
+`seed * 1_000_003 + update * groups_per_update + g`, with `seed < 2^32`; `check_disjoint` refuses a run long
+enough to get there).
 
 pass@k is the unbiased estimator of Chen et al. (2021), `1 - C(n - c, k) / C(n, k)` for `c` passing samples
 out of `n`, averaged over tasks:
@@ -26,13 +27,6 @@ from treetrain.train.config import SEED_LIMIT, TrainConfig
 
 EVAL_SEED_BASE = 1 << 53
 """First held-out seed of environments without a held-out split (above every training seed)."""
-
-
-def task_seeds(cfg: TrainConfig, update: int) -> list[int]:
-    """The task seeds of update `update`, one per group (torch-free: the command line opens the first task
-    before any model loads)."""
-    n = cfg.rollout.groups_per_update
-    return [cfg.seed * 1_000_003 + update * n + g for g in range(n)]
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

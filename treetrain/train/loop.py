@@ -35,32 +35,25 @@ from treetrain.memory.planner import Plan
 from treetrain.memory.tracker import MemoryTracker
 from treetrain.replay import ReplayReport
 from treetrain.replay.resident import ResidentIdentity, ResidentStore
-from treetrain.rollout.engines.sampler_process import SamplerProcess
+from treetrain.rollout.sources.engine_config import config_context, engine_loggers, wrapper_config
+from treetrain.rollout.sources.env_failures import EnvironmentFailedError
+from treetrain.rollout.sources.recorded_source import RecordedSource
+from treetrain.rollout.sources.run_settings import SourceInputs, task_seeds
+from treetrain.rollout.sources.sampler_start import SamplerProcess, early_sampler
+from treetrain.rollout.sources.tree_source import TreeSource, open_source
 from treetrain.runfs import UnsafePathError
 from treetrain.train.advice import no_signal_advice
-from treetrain.train.async_source import AsyncRolloutSource
 from treetrain.train.config import TrainConfig, dump_config
-from treetrain.train.env_failures import EnvironmentFailedError
 from treetrain.train.evaluation import Evaluator
 from treetrain.train.held_out import HeldOut
 from treetrain.train.metrics import MetricsWriter, UpdateMetrics, read_evals, read_metrics
-from treetrain.train.models import export_merged, load_models
-from treetrain.train.preflight import Preflight, preflight
+from treetrain.train.models import export_merged, load_models, resolve_model_path
+from treetrain.train.preflight import Preflight, check_context, check_first_prompt, check_template, preflight
 from treetrain.train.progress import Phases, Progress, eval_line
-from treetrain.train.recorded_source import RecordedSource
 from treetrain.train.resume import SAVED_CONFIG
 from treetrain.train.rundir import RunLock, abandon_run_dir, remove_run_artifacts
-from treetrain.train.sampler_start import early_sampler
 from treetrain.train.summary import RunSummary, plot_rewards
 from treetrain.train.trainer_state import TrainerState, resume_state, save_trainer_state
-from treetrain.train.tree_sources import (
-    RolloutSource,
-    check_context,
-    check_first_prompt,
-    check_template,
-    config_context,
-    task_seeds,
-)
 from treetrain.train.typed import to_dict
 from treetrain.tree.stats import tree_stats
 from treetrain.update.run import run_update
@@ -71,9 +64,8 @@ log = logging.getLogger(__name__)
 
 def _console_loggers() -> list[logging.Logger]:
     """The loggers whose console handlers would write across the bar: the root's (treetrain's, the
-    environments') and vLLM's, which has handlers of its own when it was imported."""
-    vllm = logging.getLogger("vllm")
-    return [logging.getLogger(), *([vllm] if vllm.handlers else [])]
+    environments') and the inference libraries' that have handlers of their own."""
+    return [logging.getLogger(), *engine_loggers()]
 
 
 def seed_everything(seed: int) -> None:
@@ -110,8 +102,8 @@ class Trainer:
         `checked` is what `preflight(cfg, resume=resume, overwrite=overwrite)` returned, when the caller ran
         those checks before loading torch (the command line does); without it they run here.
 
-        `sampler`: the `hf` sampler's process, spawned before this (`treetrain.train.sampler_start`); when
-        the run needs one and none is given, it is spawned here once the checks pass, before the model loads."""
+        `sampler`: the rollout's sampler process, started before this (`early_sampler`); when the run needs
+        one and none is given, it is started here once the checks pass, before the model loads."""
         self.on_point = on_point
         self.phases: Phases | None = None
         """What the progress bar says the update is doing (set by `run`)."""
@@ -135,9 +127,9 @@ class Trainer:
 
     def close(self) -> None:
         """Release the run directory (the end of `run()` does; so does the end of the process)."""
-        source = getattr(self, "source", None)
-        if isinstance(source, RolloutSource | AsyncRolloutSource):
-            source.close()  # the inference engine (and the sampler thread)
+        source: TreeSource | None = getattr(self, "source", None)
+        if source is not None:
+            source.close()  # the inference engine (and the sampler thread), if any
         evaluator = getattr(self, "evaluator", None)
         if evaluator is not None:
             evaluator.close()  # its environment workers
@@ -207,18 +199,15 @@ class Trainer:
         )
         self.device = next(self.backend.module.parameters()).device
         self.last_plan: Plan | None = None
-        self.source: RecordedSource | RolloutSource | AsyncRolloutSource
-        if recorded:
-            self.source = recorded[0]
-        elif cfg.rollout.max_staleness:
-            self.source = AsyncRolloutSource(
-                cfg, self.tokenizer, make, self.backend, self.state.update, self.on_point, self.sampler
-            )
-        else:
-            self.source = RolloutSource(cfg, self.tokenizer, make, self.backend, on_episode=self._episode)
+        inputs = SourceInputs(
+            self.tokenizer, make, self.backend, resolve_model_path(cfg.model.path), start=self.state.update,
+            on_episode=self._episode, on_point=self.on_point, sampler=self.sampler,
+        )  # fmt: skip
+        self.source: TreeSource = recorded[0] if recorded else open_source(cfg, inputs)
         self.evaluator: Evaluator | None = None
-        if self.held is not None and not isinstance(self.source, RecordedSource):
-            self.evaluator = Evaluator(cfg, self.held, self.tokenizer, self.source.wrapper, self.backend)
+        if self.held is not None:  # never with recorded trees: the config refuses eval.every there
+            wrapper = wrapper_config(cfg, self.backend.module)
+            self.evaluator = Evaluator(cfg, self.held, self.tokenizer, wrapper, self.backend)
         if not resume and overwrite and self.lock is not None:
             remove_run_artifacts(self.run_dir)
         if self.backend.rank == 0:
@@ -238,13 +227,12 @@ class Trainer:
         cfg = self.cfg
         trained_at = self.state.version
         if self.phases is not None:
-            if isinstance(self.source, RolloutSource):
-                self.phases.sampling()
+            waiting = self.source.waits_for
+            if waiting is None:
+                self.phases.sampling()  # counts the episodes as the rollout finishes them
             else:
-                self.phases.show(
-                    "reading trees" if isinstance(self.source, RecordedSource) else "waiting for rollouts"
-                )
-        produced = self.source(self.backend.module, index, trained_at)
+                self.phases.show(waiting)
+        produced = self.source.produce(self.backend.module, index, trained_at)
         if self.on_point is not None:
             self.on_point("update-start", index)
         trees = produced.trees
@@ -334,7 +322,7 @@ class Trainer:
         self.phases = Phases(
             bar, cfg.rollout.fanout, len(task_seeds(cfg, 0)[self.backend.rank :: self.backend.world_size])
         )
-        # log lines (and vLLM's) go above the bar through tqdm.write instead of being glued onto it
+        # log lines (and the inference libraries') go above the bar through tqdm.write instead of being glued onto it
         redirect = logging_redirect_tqdm(_console_loggers()) if not bar.disable else contextlib.nullcontext()
         try:
             try:
@@ -409,7 +397,6 @@ class Trainer:
         """The held-out evaluation, when one is due after `state.update` updates, written as an eval row."""
         if self.evaluator is None or not self.evaluator.due(self.state.update):
             return
-        assert not isinstance(self.source, RecordedSource)
         model = self.backend.module
         if self.phases is not None:
             self.phases.show(f"evaluating {len(self.evaluator.held.seeds)} held-out tasks")

@@ -79,14 +79,10 @@ def check_model(cfg: TrainConfig) -> ModelCheck:
     from envs.template import ChatTemplate
     from treetrain.models.support import active_window, check_supported
     from treetrain.rollout.env_check import check_environment_config
+    from treetrain.rollout.sources.engine_config import model_context
+    from treetrain.rollout.sources.run_settings import task_seeds
     from treetrain.train.models import load_models
-    from treetrain.train.tree_sources import (
-        check_context,
-        check_first_prompt,
-        check_template,
-        model_context,
-        task_seeds,
-    )
+    from treetrain.train.preflight import check_context, check_first_prompt, check_template
 
     e = cfg.env
     check_environment_config(

@@ -155,11 +155,11 @@ class Phases:
 
 def hide_library_bars() -> None:
     """Turn off the progress bars of transformers and huggingface_hub (transformers draws one while it loads
-    weights), of memory calibration and of vLLM's weight loading, for `--no-progress`: no bar at all on
-    stderr, so a log holds only lines."""
+    weights), of memory calibration and of the inference engine's weight loading, for `--no-progress`: no bar
+    at all on stderr, so a log holds only lines."""
     import os
 
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # also huggingface_hub's
-    os.environ["TQDM_DISABLE"] = "1"  # tqdm's own switch: memory calibration and vLLM's loading honour it too
+    os.environ["TQDM_DISABLE"] = "1"  # tqdm's own switch: calibration and the engines' loading honour it too

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from treetrain.errors import TreetrainError
 from treetrain.io import atomic_write_text, recover_atomic_leftovers
+from treetrain.rollout.sources.env_failures import ENV_ERRORS
 from treetrain.runfs import UnsafePathError, entry_kind, expect, refuse, remove_file, remove_tree
 
 log = logging.getLogger(__name__)
@@ -48,15 +49,13 @@ MARKER_SCHEMA = "treetrain.run/1"
 
 OWN_FILES = ("config.yaml", "metrics.jsonl", "summary.txt", "reward.png")
 OWN_DIRS = ("final", "final-merged", "tensorboard", "engine-weights")
-"""`engine-weights/` holds the weights a `vllm-server` run hands its servers; rewritten at every sync, so
+"""`engine-weights/` holds the weights the rollout hands an inference server; rewritten at every sync, so
 `--overwrite` and a run that never started remove it like the others."""
 OWN_PARENTS = ("checkpoints", "rollouts", "eval")
 """Directories holding one `update-NNNNN` directory per checkpoint, per update's rollouts, or per held-out
 evaluation (`eval/update-NNNNN/`: after NNNNN updates)."""
 _UPDATE_DIR = re.compile(r"update-\d{5,}")
 _ENV_LOG = re.compile(r"update-\d{5,}(-rank\d+)?\.log")
-ENV_ERRORS = "env-errors"
-"""Environment tracebacks, one `update-NNNNN.log` per update with a failure (`treetrain.train.env_failures`)."""
 
 
 class RunDirError(TreetrainError, RuntimeError):

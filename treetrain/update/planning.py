@@ -10,24 +10,14 @@ not fit) is refused here in one line (`Plan.over_budget`), before anything is re
 
 from __future__ import annotations
 
-import os
-
-import torch
 from transformers import PreTrainedModel
 
-from treetrain.bytesize import parse_bytes
+from treetrain.memory.budget import memory_budget_bytes
 from treetrain.memory.persistent import model_persistent_bytes
 from treetrain.memory.planner import Plan, PlanError, plan_update
 from treetrain.models.lora import Reference
 from treetrain.replay import UpdateBatch
 from treetrain.update.settings import UpdateSettings
-
-
-def device_memory(device: torch.device) -> int:
-    """Bytes of memory on `device` (CUDA: the card's total; CPU: physical RAM)."""
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory)
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
 def plan_for(
@@ -42,11 +32,7 @@ def plan_for(
 ) -> Plan:
     """Plan one update of `batch` (the whole update, every rank's share). `world_size`, `zero_stage` and
     `offload_optimizer` are what the backend really runs with: they size the run-persistent bytes."""
-    budget = (
-        parse_bytes(cfg.memory_budget)
-        if cfg.memory_budget
-        else device_memory(next(model.parameters()).device)
-    )
+    budget = memory_budget_bytes(cfg.memory_budget, next(model.parameters()).device)
     persistent = model_persistent_bytes(
         model,
         ref_model=ref_model,

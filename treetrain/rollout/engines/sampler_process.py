@@ -5,8 +5,8 @@ Most of that process's start-up is its imports (torch, transformers, the engine:
 machine), none of which needs the policy. `SamplerProcess()` spawns it at once, from a module that imports
 nothing heavy itself: the child sets up its lifetime, imports the engine's modules, and then waits for the
 policy (`hf_child.Start`, sent by the `HFProcessEngine` that adopts it). The trainer starts it before it
-loads its model and backend (`treetrain.train.sampler_start`), so the two start-ups overlap instead of
-adding up before the first rollout. A process that has imported torch and transformers and computed
+loads its model and backend (`treetrain.rollout.sources.sampler_start`), so the two start-ups overlap
+instead of adding up before the first rollout. A process that has imported torch and transformers and computed
 nothing yet (`treetrain train`, right after its imports) forks it instead where that is safe
 (`fork_is_safe`: no CUDA): the copy has every module already, and the 5 s of CPU those imports take are
 not spent twice, which counts on a machine whose cores are all busy.

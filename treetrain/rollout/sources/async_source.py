@@ -6,9 +6,9 @@ rule** allows: the trainer has finished update u - K - 1, so its weights are at 
 any the sampler can hold while update u is sampled. The trainer, after each optimizer step, only publishes
 its weights (`treetrain.rollout.weight_feed.WeightFeed.publish`); the sampler takes them between its own
 engine steps, interrupting the requests in flight, so a turn in flight goes on under the newer weights
-from its next token, and every token records the version that sampled it. When update u takes its trees, `treetrain.train.staleness.split_stale`
-checks every token's lag against K once more; what breaks the bound (only ever trees kept from before a
-resume that lowered K) is dropped and counted. In steady state nothing is dropped: admission is paced.
+from its next token, and every token records the version that sampled it. When update u takes its trees,
+`treetrain.rollout.sources.staleness.split_stale` checks every token's lag against K once more; what breaks
+the bound (only ever trees kept from before a resume that lowered K) is dropped and counted. In steady state nothing is dropped: admission is paced.
 
 Everything that is collective stays on the training thread: the trees of all ranks are shared, failures
 written and counted, and weights gathered when the update takes them (`gather_update`). The `hf` engine runs
@@ -17,85 +17,33 @@ interpreter lock; it samples from a private copy of the policy, which it copies 
 (the shadow, in shared memory) at each sync, never from the model being trained.
 
 **Exactly once.** Each update's tasks are a function of the update index (`task_seeds`), so a trajectory
-belongs to one update only. A finished rollout is queued on disk: its trees are in
-`rollouts/update-XXXXX/trees/` and `queued-rank<r>.json` there lists them, written atomically after the last tree.
-A resumed run takes a queued update's trees from disk if its rollout had no failed task and no token from
-weights newer than the resumed trainer's (a run killed between checkpoints had moved on); any other update
-is sampled again from its task seeds. A checkpoint says which updates were trained, so none is trained twice
-and none is lost.
+belongs to one update only. A finished rollout is queued on disk before the trainer may take it, and a
+resumed run takes what was queued and samples the rest again (`treetrain.rollout.sources.tree_queue`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
-import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
-from envs.protocol import Environment
-from treetrain.distributed.backend import OnPoint, TrainBackend
-from treetrain.io import atomic_write_text
 from treetrain.rollout.engines.factory import make_engine
-from treetrain.rollout.engines.generation import EngineStats, GenerationEngine
-from treetrain.rollout.engines.sampler_process import SamplerProcess
+from treetrain.rollout.engines.generation import GenerationEngine
+from treetrain.rollout.sources.engine_config import engine_spec, rollout_config, wrapper_config
+from treetrain.rollout.sources.produced import Produced, lags_of
+from treetrain.rollout.sources.run_settings import RunSettings, SourceInputs, task_seeds, update_dir
+from treetrain.rollout.sources.shared_trees import gather_update
+from treetrain.rollout.sources.staleness import split_stale
+from treetrain.rollout.sources.tree_queue import take_queued, write_queued
 from treetrain.rollout.tree_rollout import RolloutResult, rollout_trees
 from treetrain.rollout.weight_feed import SamplerStopped, WeightFeed
-from treetrain.runfs import UnsafePathError, read_bytes, remove_file
-from treetrain.train.config import TrainConfig
-from treetrain.train.staleness import split_stale
-from treetrain.train.tree_sources import (
-    Produced,
-    engine_spec,
-    gather_update,
-    lags_of,
-    rollout_config,
-    task_seeds,
-    update_dir,
-    wrapper_config,
-)
-from treetrain.tree import TrajectoryTree
-from treetrain.tree.format import load_trees
 
 log = logging.getLogger(__name__)
-
-
-def queued_marker(out_dir: Path, rank: int) -> Path:
-    """The marker of rank `rank`'s finished rollout waiting for its update: the names of its tree files."""
-    return out_dir / f"queued-rank{rank}.json"
-
-
-MAX_MARKER_BYTES = 1 << 20
-"""Largest marker read back (a name per tree of one rank's update: far below this)."""
-
-
-@dataclass(frozen=True)
-class Queued:
-    """A finished rollout as its marker lists it: the tree files, their trees, the steps that timed out."""
-
-    paths: tuple[Path, ...]
-    trees: tuple[TrajectoryTree, ...]
-    step_timeouts: int
-
-
-def read_queued(run_dir: str | Path, update: int, rank: int = 0) -> Queued:
-    """Rank `rank`'s queued rollout of `update` in `run_dir` (an `OSError` or `ValueError` when missing or
-    unreadable): the trees a resumed run takes, and what tests and benchmarks check token by token."""
-    out_dir = Path(run_dir) / "rollouts" / f"update-{update:05d}"
-    raw = read_bytes(run_dir, queued_marker(out_dir, rank), MAX_MARKER_BYTES)  # never through a link
-    if len(raw) > MAX_MARKER_BYTES:
-        raise ValueError(f"{queued_marker(out_dir, rank)}: over {MAX_MARKER_BYTES} bytes")
-    listed = json.loads(raw)
-    if not isinstance(listed, dict) or not isinstance(listed.get("trees"), list):
-        raise ValueError(f"{queued_marker(out_dir, rank)}: not a list of tree files")
-    paths = tuple(out_dir / "trees" / Path(str(name)).name for name in listed["trees"])
-    return Queued(paths, tuple(t for p in paths for t in load_trees(p)), int(listed.get("step_timeouts", 0)))
 
 
 @dataclass(frozen=True)
@@ -112,49 +60,42 @@ class Sampled:
 class AsyncRolloutSource:
     """The trees of each update, grown ahead by a sampler thread; see the module docstring.
 
-    `start` is the first update to train. The first call publishes the trainer's weights and starts the
+    `inputs.start` is the first update to train. The first `produce` publishes the trainer's weights and starts the
     sampler thread; each call takes one update's trees (waiting for them if need be), and `trained` after
     each step publishes the new weights and lets the sampler on.
     """
 
-    def __init__(
-        self,
-        cfg: TrainConfig,
-        tokenizer: Any,
-        make_env: Callable[[], Environment],
-        backend: TrainBackend,
-        start: int,
-        on_point: OnPoint | None = None,
-        sampler: SamplerProcess | None = None,
-    ) -> None:
-        """`on_point` is called on the sampler thread as an update's rollout starts (`"rollout-start"`) and
-        once it is queued (`"rollout-queued"`): the interruption tests' seam. `sampler` is the `hf` engine's
-        process if it was spawned earlier (`treetrain.train.sampler_start`), which the engine adopts."""
-        self.on_point = on_point
-        self.cfg, self.backend, self.tokenizer, self.make_env = cfg, backend, tokenizer, make_env
+    waits_for: str | None = "waiting for rollouts"
+    """The sampler thread grows the trees: the trainer only waits for them."""
+
+    def __init__(self, cfg: RunSettings, inputs: SourceInputs) -> None:
+        """`inputs.start` is the first update to train, `inputs.on_point` the interruption tests' seam, and
+        `inputs.sampler` the `hf` engine's process if it was started early, which the engine adopts."""
+        self.on_point = inputs.on_point
+        self.cfg, self.inputs, self.backend = cfg, inputs, inputs.ranks
         self.max_staleness = cfg.rollout.max_staleness
         self.pace = self.max_staleness
         """How many updates ahead of the trainer the sampler may start one (K; the negative-control tests
         run it further ahead, and the check of every token's lag catches it)."""
-        self.wrapper = wrapper_config(cfg, backend.module)
+        self.wrapper = wrapper_config(cfg, self.backend.module)
         if cfg.loss.sampler_correction == "none" and cfg.loss.ratio_source == "scoring":
             log.warning(
                 "rollout.max_staleness=%d with loss.sampler_correction='none': stale tokens train without a "
                 "correction for the sampler (decoupled PPO is sampler_correction='token_truncate')",
                 self.max_staleness,
             )
-        model = backend.module
+        model = self.backend.module
         own_process = cfg.rollout.engine == "hf"  # the sampler process copies the shared shadow at each sync
         self.feed = WeightFeed(model, version=0, shared=own_process)
-        spec = engine_spec(cfg, model, backend.world_size)  # K >= 1: weights change in flight
-        self.engine: GenerationEngine = make_engine(spec, self.feed.sampling_model, process=sampler)
+        spec = engine_spec(cfg, model, self.backend.world_size, inputs.checkpoint)  # weights change in flight
+        self.engine: GenerationEngine = make_engine(spec, self.feed.sampling_model, process=inputs.sampler)
         self._serving = threading.Lock()  # held while the sampler grows an update, or evaluation samples
         self._cond = threading.Condition()
-        self._trained = start
+        self._trained = inputs.start
         self._ready: dict[int, Sampled] = {}
         self._failed: BaseException | None = None
         self._thread: threading.Thread | None = None
-        self._start = start
+        self._start = inputs.start
 
     def begin(self, version: int) -> None:
         """Publish the starting weights (`version`) and start the sampler thread."""
@@ -163,7 +104,7 @@ class AsyncRolloutSource:
         self._thread.start()
 
     # ----- the training thread ----------------------------------------------------------------------
-    def __call__(self, model: Any, update: int, version: int) -> Produced:
+    def produce(self, model: Any, update: int, version: int) -> Produced:
         if self._thread is None:
             self.begin(version)
         waited = time.perf_counter()
@@ -252,38 +193,21 @@ class AsyncRolloutSource:
             self.on_point("rollout-start", update)
         if self.feed.due(self.engine.version):
             self.feed.sync(self.engine)
+        seeds = task_seeds(self.cfg, update)[rank::world]
         result = rollout_trees(
-            self.feed.sampling_model, self.tokenizer, self.make_env, task_seeds(self.cfg, update)[rank::world],
-            out_dir, rollout_config(self.cfg, self.wrapper, None), env_name=self.cfg.env.name,
-            engine=self.engine, weights=self.feed,
+            self.feed.sampling_model, self.inputs.tokenizer, self.inputs.make_env, seeds, out_dir,
+            rollout_config(self.cfg, self.wrapper, None), env_name=self.cfg.env.name, engine=self.engine,
+            weights=self.feed,
         )  # fmt: skip
         if not result.failures:
-            names = [p.name for p in result.paths]
-            listed = json.dumps({"trees": names, "step_timeouts": result.step_timeouts})
-            atomic_write_text(queued_marker(out_dir, rank), listed)
+            write_queued(out_dir, rank, result.paths, result.step_timeouts)
             if self.on_point is not None:
                 self.on_point("rollout-queued", update)
         return Sampled(result, time.perf_counter() - start, idle)
 
     def _queued(self, update: int) -> Sampled | None:
-        """The trees a killed run left queued for `update`, when they may still be trained (see the module
-        docstring); None to sample the update again."""
-        marker = queued_marker(update_dir(self.cfg, update), self.backend.rank)
-        if not os.path.lexists(marker):
-            return None
-        try:
-            queued = read_queued(self.cfg.run_dir, update, self.backend.rank)
-        except (OSError, ValueError, UnsafePathError) as exc:
-            log.warning("update %d: the queued rollout cannot be read (%s); sampling it again", update, exc)
-            return None
-        trees = queued.trees
-        newest = max((v for t in trees for vs in t.node_versions for v in vs), default=0)
-        if newest > self.feed.version:
-            log.warning(
-                "update %d: the queued rollout holds tokens of version %d, newer than the resumed trainer's "
-                "%d; sampling it again", update, newest, self.feed.version,
-            )  # fmt: skip
-            remove_file(self.cfg.run_dir, marker)
-            return None
-        log.info("update %d: taking its %d queued trees from %s", update, len(trees), marker.parent)
-        return Sampled(RolloutResult(trees, queued.paths, EngineStats(), (), queued.step_timeouts), 0.0, 0.0)
+        """The trees a killed run left queued for `update`, when they may still be trained; None to sample
+        the update again (`treetrain.rollout.sources.tree_queue.take_queued`)."""
+        out_dir = update_dir(self.cfg, update)
+        result = take_queued(self.cfg.run_dir, out_dir, update, self.backend.rank, self.feed.version)
+        return None if result is None else Sampled(result, 0.0, 0.0)

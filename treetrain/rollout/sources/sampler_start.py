@@ -4,7 +4,8 @@ An asynchronous run's `hf` engine samples in a process of its own, whose start-u
 (`treetrain.rollout.engines.sampler_process`). `early_sampler(cfg)` spawns it at once when the run will
 use it, so its imports overlap the trainer's own start (its imports, the model, the backend) instead of
 delaying the first rollout. `treetrain train` calls it right after its imports (`fresh`: a fork where that
-is safe); `Trainer` calls it itself, first thing, when it was given none.
+is safe); `Trainer` calls it itself, first thing, when it was given none, and hands it to its source
+(`SourceInputs.sampler`) without looking inside.
 """
 
 from __future__ import annotations
@@ -14,17 +15,19 @@ from typing import TYPE_CHECKING
 from treetrain.rollout.engines.sampler_process import SamplerProcess, fork_is_safe
 
 if TYPE_CHECKING:
-    from treetrain.train.config import TrainConfig
+    from treetrain.rollout.sources.run_settings import RunSettings
+
+__all__ = ["SamplerProcess", "early_sampler", "needs_sampler_process"]
 
 
-def needs_sampler_process(cfg: TrainConfig) -> bool:
+def needs_sampler_process(cfg: RunSettings) -> bool:
     """Whether the run samples in an `hf` sampler process: `rollout.max_staleness` >= 1 with the `hf` engine,
     growing its own rollouts (recorded trees have no sampler)."""
     r = cfg.rollout
     return r.max_staleness >= 1 and r.engine == "hf" and not r.trees
 
 
-def early_sampler(cfg: TrainConfig, *, fresh: bool = False) -> SamplerProcess | None:
+def early_sampler(cfg: RunSettings, *, fresh: bool = False) -> SamplerProcess | None:
     """A sampler process, started now, when the run will need one; else None. `fresh`: this process has
     imported its modules and computed nothing yet (`treetrain train`), so where that is safe
     (`fork_is_safe`: no CUDA) the sampler is a fork of it, which needs no imports of its own (about 5 s of

@@ -1,4 +1,4 @@
-"""Recorded trees as a run's source: tree files consumed in order instead of rollouts (`rollout.trees`).
+"""The recorded source: tree files consumed in order instead of rollouts (`rollout.trees`).
 
 Every tree is checked before any model loads: its token ids against the model's vocabulary, its calls
 against the model's context, its sampler logprobs and sampling settings against what the loss will do with
@@ -11,18 +11,22 @@ import glob
 import logging
 import os
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from treetrain.errors import ConfigError
 from treetrain.loss.loss_config import LossConfig
 from treetrain.rollout.sampling import Sampling
-from treetrain.train.config import TrainConfig
-from treetrain.train.tree_sources import Produced
+from treetrain.rollout.sources.produced import Produced
+from treetrain.rollout.sources.run_settings import RunSettings
 from treetrain.tree import TrajectoryTree
 from treetrain.tree.checks import check_distinct, check_vocabulary
 from treetrain.tree.format import load_trees
 from treetrain.tree.unpack import short_repr
+
+if TYPE_CHECKING:
+    from treetrain.rollout.engines.generation import GenerationEngine
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +123,9 @@ class RecordedSource:
     before training starts. With fewer trees than `groups_per_update`, each update takes all of them.
     """
 
-    def __init__(self, cfg: TrainConfig, vocab_size: int, context: int | None = None) -> None:
+    waits_for: str | None = "reading trees"
+
+    def __init__(self, cfg: RunSettings, vocab_size: int, context: int | None = None) -> None:
         assert cfg.rollout.trees is not None
         pattern = cfg.rollout.trees
         path = Path(pattern)
@@ -154,7 +160,16 @@ class RecordedSource:
     def trained(self, update: int, model: Any, version: int) -> None:
         """Nothing to do: recorded trees do not depend on the weights."""
 
-    def __call__(self, model: Any, update: int, version: int) -> Produced:
+    def serving(self, model: Any, version: int) -> AbstractContextManager[GenerationEngine]:
+        """Never: a run on recorded trees has no engine (the config refuses `eval.every` with `rollout.trees`)."""
+        raise ConfigError(
+            "eval.every: a run on recorded trees (rollout.trees) has no rollout engine to sample on"
+        )
+
+    def close(self) -> None:
+        """Nothing to release: the trees are in memory."""
+
+    def produce(self, model: Any, update: int, version: int) -> Produced:
         n = len(self.groups)
         start = update * self.per_update
         if start // n != (start + self.per_update - 1) // n:

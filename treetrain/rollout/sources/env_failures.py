@@ -27,11 +27,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from envs.env_error import EnvError
-from treetrain.distributed.backend import TrainBackend
 from treetrain.errors import TreetrainError
 from treetrain.io import atomic_write_text
+from treetrain.rollout.sources.run_settings import Ranks
 from treetrain.runfs import make_dirs
-from treetrain.train.rundir import ENV_ERRORS
+
+ENV_ERRORS = "env-errors"
+"""The run directory's folder of environment tracebacks, one `update-NNNNN.log` per update (and rank) with a
+failure."""
 
 
 class EnvironmentFailedError(TreetrainError, RuntimeError):
@@ -68,7 +71,7 @@ def write_failures(
     return tuple(TaskFailure(seed, error, str(path)) for seed, error in failures)
 
 
-def share_failures(backend: TrainBackend, local: Sequence[TaskFailure]) -> tuple[TaskFailure, ...]:
+def share_failures(backend: Ranks, local: Sequence[TaskFailure]) -> tuple[TaskFailure, ...]:
     """Every rank's failures (tracebacks stay in each rank's file), so all ranks decide alike."""
     if backend.world_size == 1:
         return tuple(local)

@@ -14,14 +14,14 @@ import torch
 from support.gated_env import wait_for
 from support.processes import alive, descendants
 
+import treetrain.rollout.sources.sampler_start as sampler_start
 import treetrain.train.loop as loop_module
-import treetrain.train.sampler_start as sampler_start
 from treetrain.rollout.engines.hf_process import HFProcessEngine
 from treetrain.rollout.engines.sampler_process import fork_is_safe
-from treetrain.train.async_source import AsyncRolloutSource
+from treetrain.rollout.sources.async_source import AsyncRolloutSource
+from treetrain.rollout.sources.sampler_start import early_sampler, needs_sampler_process
 from treetrain.train.config import load_config
 from treetrain.train.loop import Trainer
-from treetrain.train.sampler_start import early_sampler, needs_sampler_process
 
 SETTINGS = ["model.path=tiny-llama", "rollout.groups_per_update=1", "rollout.fanout.root=2", "threads=1",
             "measure_memory_every=0", "updates=1"]  # fmt: skip

@@ -2,7 +2,7 @@
 
 A policy token's *lag* is the trainer's weight version when the update trains on it minus the version that
 sampled it (`Segment.version`). `rollout.max_staleness = K` promises lag <= K for every trained token; the
-pacing of the sampler keeps that true (`treetrain.train.async_source`), and `split_stale` checks it once
+pacing of the sampler keeps that true (`treetrain.rollout.sources.async_source`), and `split_stale` checks it once
 more, token by token, when an update takes its trees: a group with any token over the bound is dropped whole
 (a group is normalized together, so it is kept or dropped whole) and its tokens are counted. Tokens are
 counted per trajectory (a shared prefix counts once for each trajectory through it, as the flat loss sees

@@ -1,7 +1,9 @@
 """The `rollout` section of the training config: how each update's trees are sampled.
 
-Typed and validated at load time, before any model loads (`treetrain.train.config.TrainConfig` holds it);
-every bound here keeps a typo from sizing threads, trees or queues.
+Typed and validated at load time, before any model loads (`treetrain.train.config.TrainConfig` holds it,
+and nothing here imports torch); every bound here keeps a typo from sizing threads, trees or queues. The
+engine settings (`engine`, `vllm`, `hf_kv_budget`) are read by the rollout alone: the tree sources turn
+them into an `EngineSpec` (`treetrain.rollout.sources.engine_config`), and the trainer never looks at them.
 
 Example:
     >>> RolloutSection(max_staleness=1).max_staleness
