@@ -127,10 +127,10 @@ class UpdateMetrics:
     trainer_idle_seconds: float = 0.0
     """Seconds the trainer waited for this update's trees (the whole rollout in a synchronous run)."""
     servers_lost: int = 0
-    """`vllm-server`: servers lost during this update's rollout (each named in a warning line; their samples
+    """Inference servers lost during this update's rollout (each named in a warning line; their samples
     went on at the other servers)."""
     servers: tuple[tuple[str, int, int, float], ...] = ()
-    """`vllm-server`: per server, `(url, requests, samples, mean seconds a request waited in its queue)`, the
+    """Per inference server, `(url, requests, samples, mean seconds a request waited in its queue)`, the
     queue time from the server's own metrics (every client's requests)."""
 
     @property
