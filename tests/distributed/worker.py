@@ -60,7 +60,7 @@ from treetrain.loss.manifest import ManifestError
 from treetrain.memory.persistent import largest_module
 from treetrain.models.lora import AdaptersOff, is_adapter_param
 from treetrain.replay import ReplayConfig, UpdateBatch
-from treetrain.replay.replay_plan import ReplayHooks
+from treetrain.replay.replay_schedule import ReplayHooks
 from treetrain.replay.resident import ResidentIdentity, ResidentKey, ResidentStore, StaleResidentStateError
 from treetrain.update.window import UpdateWindow
 from treetrain.update.window_types import WindowConfig

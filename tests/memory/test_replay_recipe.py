@@ -17,7 +17,7 @@ from support.replay_cases import SHAPES, factory, make_batch
 from treetrain.loss.loss_config import LossConfig
 from treetrain.memory.replay_recipe import ReplayRecipe
 from treetrain.replay import ReplayConfig, ReplayPlan, ReplayReport, TreeReplay, UpdateBatch
-from treetrain.replay.replay_plan import PlanMismatchError
+from treetrain.replay.replay_schedule import PlanMismatchError
 from treetrain.replay.schedule import ReplayStep
 from treetrain.replay.scoring import ScoreBatch
 from treetrain.replay.units import UnitTree

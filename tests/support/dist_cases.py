@@ -25,7 +25,7 @@ from treetrain.loss.advantages import AdvantageConfig
 from treetrain.loss.loss_config import LossConfig
 from treetrain.models.lora import AdaptersOff
 from treetrain.replay import FlatReference, ReplayConfig, TreeReplay, UpdateBatch
-from treetrain.replay.replay_plan import ReplayHooks
+from treetrain.replay.replay_schedule import ReplayHooks
 from treetrain.replay.verify import _perturb
 from treetrain.update.window_types import Group
 

@@ -9,7 +9,7 @@ from support.fake_world import ThreadRankBackend, ThreadWorld
 
 from treetrain.distributed import TorchBackend, round_robin
 from treetrain.replay import ReplayPlan
-from treetrain.replay.replay_plan import Mode
+from treetrain.replay.replay_schedule import Mode
 from treetrain.update.window import UpdateWindow
 from treetrain.update.window_types import WindowReport
 
