@@ -54,7 +54,7 @@ def worker(stage: int, out: Path) -> None:
     from treetrain.distributed.deepspeed_backend import DeepSpeedBackend
     from treetrain.loss.advantages import AdvantageConfig
     from treetrain.loss.loss_config import LossConfig
-    from treetrain.replay.replay_plan import ReplayHooks
+    from treetrain.replay.replay_schedule import ReplayHooks
     from treetrain.tree.synthetic import synthetic_group
     from treetrain.update.window import UpdateWindow
     from treetrain.update.window_types import Group

@@ -13,9 +13,9 @@ from dataclasses import FrozenInstanceError, replace
 import pytest
 import torch
 from support.replay_cases import SHAPES, factory, make_batch
+from treetrain.memory.replay_recipe import ReplayRecipe
 
 from treetrain.loss.loss_config import LossConfig
-from treetrain.memory.replay_recipe import ReplayRecipe
 from treetrain.replay import ReplayConfig, ReplayPlan, ReplayReport, TreeReplay, UpdateBatch
 from treetrain.replay.replay_schedule import PlanMismatchError
 from treetrain.replay.schedule import ReplayStep

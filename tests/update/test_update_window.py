@@ -11,7 +11,18 @@ from typing import Any
 
 import pytest
 import torch
-from support.dist_cases import ADAMW, LOSS, OPTIMIZER, delta_floor, groups, make_model, params_vector
+from support.dist_cases import (
+    ADAMW,
+    LOSS,
+    OPTIMIZER,
+    delta_floor,
+    groups,
+    make_model,
+    params_vector,
+    rollouts,
+    settings,
+    update,
+)
 from support.fake_world import FlakyBackend, ThreadRankBackend, ThreadWorld
 
 from treetrain.distributed import (
@@ -24,7 +35,6 @@ from treetrain.distributed import (
 from treetrain.distributed.backend_choice import make_backend
 from treetrain.distributed.checkpoint_io import CheckpointError
 from treetrain.errors import ConfigError
-from treetrain.loss.advantages import AdvantageConfig
 from treetrain.loss.manifest import ManifestError
 from treetrain.memory.overrides import Mode
 from treetrain.memory.retention import BudgetTooSmallError
@@ -36,32 +46,11 @@ from treetrain.replay.schedule import ReplayStep
 from treetrain.update.faults import is_transient, replay_window
 from treetrain.update.learner import Learner
 from treetrain.update.planning import plan_for
-from treetrain.update.run import UpdateOutcome, run_update
-from treetrain.update.settings import ReplaySection, UpdateConfig
+from treetrain.update.run import run_update
 from treetrain.update.window import open_window
-from treetrain.update.window_types import Group, WindowConfig, WindowReport
+from treetrain.update.window_types import WindowConfig
 
 FACTOR = 5.0
-
-
-def settings(mode: Mode = "tree", microbatch: int | None = 0, seed: int = 0) -> UpdateConfig:
-    """The update's settings with the plan's choices forced (tree mode: every sibling in one step)."""
-    replay = ReplaySection(microbatch=microbatch, chunk_size=0, retention="unbounded", keep_graphs="none")
-    return UpdateConfig(
-        policy_loss=LOSS, advantages=AdvantageConfig(zero_variance="keep"), replay=replay, mode=mode,
-        memory_budget="64GiB", seed=seed,
-    )  # fmt: skip
-
-
-def rollouts(update: list[Group]) -> list[tuple[Any, ...]]:
-    return [g.trees for g in update]
-
-
-def update(learner: Learner, update: list[Group], cfg: UpdateConfig | None = None, **kw: Any) -> WindowReport:
-    """One `run_update` over `update`'s trees; its report."""
-    outcome: UpdateOutcome = run_update(learner, cfg or settings(), rollouts(update), **kw)
-    assert outcome.report is not None
-    return outcome.report
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,6 @@ from transformers import PreTrainedModel
 from treetrain.bytesize import format_bytes
 from treetrain.errors import TreetrainError
 from treetrain.loss.loss_config import LossConfig
-from treetrain.memory.layout import Layout, lay_out
 from treetrain.memory.ledger import Ledger
 from treetrain.memory.overrides import Mode, Overrides
 from treetrain.memory.persistent import PersistentBytes
@@ -48,6 +47,7 @@ from treetrain.memory.plan_search import (
     search_flat,
     search_tree,
 )
+from treetrain.memory.replay_layout import Layout, lay_out
 from treetrain.memory.retention import BudgetTooSmallError
 from treetrain.models.attention import shared_past_kernel_note, shared_past_reason
 from treetrain.models.lora import Reference

@@ -15,7 +15,7 @@ ancestors pinned by kept graphs, and, when the reference is scored in the same w
 KV of the path (`ResidentUse.other`: another store's bytes, counted against the same budget). A budget below that maximum is refused (`BudgetTooSmallError`).
 
 `plan_retention` is a pure function of the uses, so the plan the engine carries out
-(`treetrain.memory.layout.lay_out`) and the ledger (`treetrain.memory.ledger`) make
+(`treetrain.memory.replay_layout.lay_out`) and the ledger (`treetrain.memory.ledger`) make
 the same decisions.
 
 Example:

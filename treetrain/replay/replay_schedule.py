@@ -3,7 +3,7 @@
 The planner (`treetrain.memory.planner`) chooses tree or flat mode, K, chunking, the reference walk, a
 retention budget and which internal units keep their first graph: one `Plan` for the update. When the
 update's window opens, the plan is laid out over this rank's trees (`Plan.lay_out`,
-`treetrain.memory.layout`). Each tree gets a `TreeSchedule`: the replay steps and kept graphs the plan
+`treetrain.memory.replay_layout`). Each tree gets a `TreeSchedule`: the replay steps and kept graphs the plan
 implies, and the evictions (or host offloads) before each scoring batch and step. `TreeReplay` carries the
 schedule out and decides nothing about memory itself: it checks that the walk it builds is the one the
 schedule was made for, and refuses a schedule that does not match (`PlanMismatchError`). Without a
