@@ -15,9 +15,9 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Callable
-from contextlib import nullcontext
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -41,8 +41,12 @@ from support.dist_cases import (
     model_factory,
     params_vector,
     pitfall_batches,
+    settings,
     uneven_groups,
     uneven_owned,
+)
+from support.dist_cases import (
+    update as dist_update,
 )
 
 from treetrain.distributed import (
@@ -59,9 +63,11 @@ from treetrain.distributed.deepspeed_backend import DeepSpeedBackend
 from treetrain.loss.manifest import ManifestError
 from treetrain.memory.persistent import largest_module
 from treetrain.models.lora import AdaptersOff, is_adapter_param
-from treetrain.replay import ReplayConfig, UpdateBatch
+from treetrain.replay import TreeReplay, UpdateBatch
 from treetrain.replay.replay_schedule import ReplayHooks
 from treetrain.replay.resident import ResidentIdentity, ResidentKey, ResidentStore, StaleResidentStateError
+from treetrain.replay.schedule import Contract
+from treetrain.update.learner import Learner
 from treetrain.update.window import UpdateWindow
 from treetrain.update.window_types import WindowConfig
 
@@ -107,13 +113,40 @@ def param_storage(backend: DeepSpeedBackend) -> int:
     return total
 
 
+@contextmanager
+def around_replay(
+    before: Callable[[UpdateWindow, Learner], None] | None = None,
+    after: Callable[[UpdateWindow, Learner], UpdateWindow | None] | None = None,
+) -> Iterator[None]:
+    """`run_update` as it is, with a seam around its step 5 (`replay_window`): `before` sees the opened
+    window, `after` the replayed one and may hand back a changed one (the coverage controls' tampering)."""
+    import treetrain.update.run as run
+
+    real = run.replay_window
+
+    def wrapped(learner: Learner, window: UpdateWindow, loss: Any, tracker: Any = None) -> Any:
+        if before is not None:
+            before(window, learner)
+        window, replayed = real(learner, window, loss, tracker)
+        if after is not None:
+            window = after(window, learner) or window
+        return window, replayed
+
+    run.replay_window = wrapped  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        run.replay_window = real
+
+
 def one_update(
     stage_name: str,
-    replay: ReplayConfig | None = None,
+    contract: Contract = "exact",
     *,
+    microbatch: int = 0,
     placement: str = "planner",
     step_hook: Callable[..., None] | None = None,
-    body: Callable[[Any], None] | None = None,
+    body: Callable[[UpdateWindow, Learner], None] | None = None,
     optimizer: OptimizerConfig = OPTIMIZER,
     update: list[Any] | None = None,
     measure: bool = False,
@@ -131,7 +164,7 @@ def one_update(
         if step_hook is not None:
             step_hook(phase, step)
 
-    window = UpdateWindow(backend, LOSS, replay, WindowConfig(**window_kw), hooks=ReplayHooks(step=sample))
+    learner = Learner(backend, retries=WindowConfig(**window_kw), hooks=ReplayHooks(step=sample))
     if placement == "round_robin":
         given = round_robin(trees, backend.world_size)
     elif placement in ("uneven", "idle"):
@@ -141,11 +174,15 @@ def one_update(
     else:
         given = None
     backend.reset_param_peak()
-    opened = window.open(update, given)
-    if body is not None:
-        body(opened)
-    opened.replay_all()
-    report = opened.commit()
+    seen: dict[str, UpdateWindow] = {}
+
+    def keep(window: UpdateWindow, _: Learner) -> None:
+        seen["window"] = window
+
+    with around_replay(body, keep):
+        report = dist_update(
+            learner, update, settings(microbatch=microbatch, contract=contract), placement=given
+        )
     sync = backend.rendezvous
     info = {
         "version": report.version,
@@ -153,7 +190,7 @@ def one_update(
         "window_resets": report.window_resets,
         "oom_splits": report.local.oom_splits,
         "dropped": [[d.index, d.reason] for d in report.dropped],
-        "duplicated_tokens": opened.placement.duplicated_tokens,
+        "duplicated_tokens": seen["window"].placement.duplicated_tokens,
         "zero_stage": backend.zero_stage,
         "offload_optimizer": backend.offload_optimizer,
         "steps": report.local.steps,
@@ -175,8 +212,8 @@ def one_update(
 def no_rescale(stage_name: str) -> tuple[torch.Tensor, Info]:
     """Negative control: the backend's `x dp_world_size` before DeepSpeed's mean is left out."""
 
-    def body(opened: Any) -> None:
-        opened.backend._scale_local_grads = lambda factor: None
+    def body(window: UpdateWindow, learner: Learner) -> None:
+        learner.backend._scale_local_grads = lambda factor: None  # type: ignore[attr-defined]
 
     return one_update(stage_name, body=body)
 
@@ -213,8 +250,8 @@ def mid_backward(stage_name: str) -> tuple[torch.Tensor, Info]:
     """A hook on an early parameter raises inside autograd on rank 0, after later layers accumulated."""
     state = {"armed": torch.distributed.get_rank() == 0}
 
-    def body(opened: Any) -> None:
-        first = next(opened.backend.module.parameters())
+    def body(window: UpdateWindow, learner: Learner) -> None:
+        first = next(learner.backend.module.parameters())
 
         def hook(grad: torch.Tensor) -> torch.Tensor:
             if state["armed"]:
@@ -230,15 +267,15 @@ def mid_backward(stage_name: str) -> tuple[torch.Tensor, Info]:
 def duplicate(stage_name: str) -> tuple[torch.Tensor, Info]:
     refused: list[str] = []
 
-    def body(opened: Any) -> None:
-        opened.replay_all()
-        for tree_id in opened.work:
+    def after(window: UpdateWindow, learner: Learner) -> None:
+        for work in window.work.values():
             try:
-                opened.replay(tree_id)
+                window.claims.claim(window.keys(work))  # what a second replay of the tree claims first
             except DuplicateContributionError as exc:
                 refused.append(str(exc))
 
-    delta, info = one_update(stage_name, body=body)
+    with around_replay(after=after):
+        delta, info = one_update(stage_name)
     info["refused"] = refused
     return delta, info
 
@@ -248,20 +285,15 @@ def drop_group(stage_name: str) -> tuple[torch.Tensor, Info]:
     update = groups()
     victim = update[1].trees[0].id
 
+    learners: list[Learner] = []
+
     def hook(phase: str, step: Any) -> None:
-        if torch.distributed.get_rank() == 1 and phase == "forward" and current_tree.get("id") == victim:
+        replaying = learners[0].current_tree if learners else None
+        if torch.distributed.get_rank() == 1 and phase == "forward" and replaying == victim:
             raise RuntimeError("injected persistent failure")
 
-    current_tree: dict[str, str] = {}
-
-    def body(opened: Any) -> None:
-        original = opened.replay
-
-        def tracking(tree_id: str) -> None:
-            current_tree["id"] = tree_id
-            original(tree_id)
-
-        opened.replay = tracking
+    def body(window: UpdateWindow, learner: Learner) -> None:
+        learners[:] = [learner]
 
     return one_update(stage_name, step_hook=hook, body=body, placement="round_robin")
 
@@ -276,23 +308,25 @@ def stale_and_version(stage_name: str) -> tuple[torch.Tensor, Info]:
     info: Info = {}
     backend = backend_for(stage_name)
     start = current(backend)
-    mismatched = UpdateWindow(backend, LOSS, store=store_at(backend, backend.rank))
+    mismatched = Learner(backend, store=store_at(backend, backend.rank))
     try:
-        mismatched.open(groups())
+        dist_update(mismatched, groups(), settings())
         info["version_mismatch"] = "not refused"
     except AgreementError as exc:
         info["version_mismatch"] = str(exc)
-    window = UpdateWindow(backend, LOSS)
-    opened = window.open(groups())
-    opened.replay_all()
+    learner = Learner(backend)
     tree = groups()[0].trees[0]
     key = ResidentKey(tree.id, 1, tree.nodes[1].id)
-    old = window.identity
-    window.store.put(key, [(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4))], old)
-    opened.commit()
-    for name, identity in (("stale_old_identity", old), ("stale_new_identity", window.identity)):
+    old = learner.identity
+
+    def after(window: UpdateWindow, learner: Learner) -> None:  # resident state held at the step
+        learner.store.put(key, [(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4))], old)
+
+    with around_replay(after=after):
+        dist_update(learner, groups(), settings())
+    for name, identity in (("stale_old_identity", old), ("stale_new_identity", learner.identity)):
         try:
-            window.store.get(key, identity)
+            learner.store.get(key, identity)
             info[name] = "not refused"
         except StaleResidentStateError as exc:
             info[name] = str(exc)
@@ -306,22 +340,24 @@ def coverage_controls(stage_name: str) -> tuple[torch.Tensor, Info]:
     backend = backend_for(stage_name)
     start = current(backend)
     for case in ("doubled", "missing"):
-        window = UpdateWindow(backend, LOSS)
-        opened = window.open(groups())
-        opened.replay_all()
-        if backend.rank == 1:
-            mine = sorted(opened.claims.covered)
+
+        def tamper(window: UpdateWindow, learner: Learner, case: str = case) -> UpdateWindow | None:
+            if backend.rank != 1:
+                return None
+            mine = sorted(window.claims.covered)
             if case == "doubled":
-                other = sorted(set(opened.manifest.keys()) - set(mine))[0]
+                other = sorted(set(window.manifest.keys()) - set(mine))[0]
                 keys = [*mine, other]
             else:
                 keys = mine[1:]
             tampered = CoverageClaims(keys)
             tampered.claim(keys)
             tampered.commit(keys)
-            opened.claims = tampered
+            return replace(window, claims=tampered)
+
         try:
-            opened.check()  # the collective check commit() runs before stepping
+            with around_replay(after=tamper):  # step 6, the collective check, runs on the tampered claims
+                dist_update(Learner(backend), groups(), settings())
             info[case] = "not refused"
         except ManifestError as exc:
             info[case] = str(exc)
@@ -332,18 +368,18 @@ def coverage_controls(stage_name: str) -> tuple[torch.Tensor, Info]:
 def bypass(stage_name: str, kind: str) -> tuple[torch.Tensor, Info]:
     """Numeric negative controls: rank 1 doubles or skips a tree behind the claims' back."""
 
-    def body(opened: Any) -> None:
-        if opened.backend.rank != 1:
+    def body(window: UpdateWindow, learner: Learner) -> None:
+        if learner.backend.rank != 1:
             return
-        tree_id = next(iter(opened.work))
-        work = opened.work[tree_id]
-        keys = opened.keys(work)
-        if kind == "double":
-            opened.replay(tree_id)
-            opened.replayer.accumulate(UpdateBatch((work,), opened.manifest))
-        else:
-            opened.claims.claim(keys)
-            opened.claims.commit(keys)
+        work = next(iter(window.work.values()))
+        keys = window.keys(work)
+        if kind == "double":  # replayed twice, claimed once: the update's own replay then skips it
+            replayer = learner.replayer(window.plan, LOSS)
+            assert isinstance(replayer, TreeReplay)
+            for _ in range(2):
+                replayer.accumulate(UpdateBatch((work,), window.manifest), window.schedule)
+        window.claims.claim(keys)
+        window.claims.commit(keys)
 
     return one_update(stage_name, body=body, placement="round_robin")
 
@@ -388,12 +424,12 @@ def resume(stage_name: str) -> tuple[torch.Tensor, Info]:
     (built by `make_backend` from trainer-style settings) loads the checkpoint and redoes step 2."""
     ckpt, export = OUT / f"ckpt-{stage_name}", OUT / f"export-{stage_name}"
     backend = backend_for(stage_name, ADAMW)
-    window = UpdateWindow(backend, LOSS)
-    window.run(groups(0))
-    backend.save_checkpoint(ckpt, {"version": window.version, "update": 1})
+    learner = Learner(backend)
+    dist_update(learner, groups(0), settings())
+    backend.save_checkpoint(ckpt, {"version": learner.version, "update": 1})
     backend.export_pretrained(export)
     after_one = current(backend)
-    window.run(groups(1))
+    dist_update(learner, groups(1), settings())
     after_two = current(backend)
 
     stage, offload = STAGES[stage_name]
@@ -401,7 +437,7 @@ def resume(stage_name: str) -> tuple[torch.Tensor, Info]:
     assert isinstance(fresh, DeepSpeedBackend)
     state = fresh.load_checkpoint(ckpt)
     loaded = current(fresh)
-    UpdateWindow(fresh, LOSS, store=store_at(fresh, state["version"])).run(groups(1))
+    dist_update(Learner(fresh, store=store_at(fresh, state["version"])), groups(1), settings())
     info: Info = {
         "loaded_equals_saved": bool(torch.equal(loaded, after_one)),
         "client_state": state,
@@ -443,10 +479,8 @@ def several_backward(stage_name: str, naive: bool = False) -> tuple[torch.Tensor
 
 
 def shuffled(stage_name: str) -> tuple[torch.Tensor, Info]:
-    """Each rank replays in its own shuffled order and microbatching."""
-    rank = torch.distributed.get_rank()
-    replay = ReplayConfig(order="shuffle", seed=11 + 7 * rank, microbatch=1 + rank)
-    return one_update(stage_name, replay, placement="round_robin")
+    """Each rank replays with its own microbatching (K)."""
+    return one_update(stage_name, microbatch=1 + torch.distributed.get_rank(), placement="round_robin")
 
 
 # ----- LoRA: only adapter parameters trainable, KL against the same model with adapters off ---------
@@ -457,16 +491,17 @@ def lora_backend(stage_name: str, optimizer: OptimizerConfig = OPTIMIZER) -> Dee
     )  # fmt: skip
 
 
-def lora_window(backend: DeepSpeedBackend, version: int = 0) -> UpdateWindow:
-    return UpdateWindow(
-        backend, LORA_LOSS, store=store_at(backend, version), ref_model=AdaptersOff(backend.module)
-    )
+def lora_learner(backend: DeepSpeedBackend, version: int = 0) -> Learner:
+    return Learner(backend, store=store_at(backend, version), ref_model=AdaptersOff(backend.module))
+
+
+LORA_SETTINGS = settings(loss=LORA_LOSS)
 
 
 def lora_update(stage_name: str) -> tuple[torch.Tensor, Info]:
     backend = lora_backend(stage_name)
     start = current(backend)
-    report = lora_window(backend).run(groups())
+    report = dist_update(lora_learner(backend), groups(), LORA_SETTINGS)
     named = list(backend.module.named_parameters())
     info = {
         "version": report.version,
@@ -483,12 +518,12 @@ def lora_resume(stage_name: str) -> tuple[torch.Tensor, Info]:
     Rank 0's `export_pretrained` writes the adapter (PEFT `save_pretrained`), checked on a fresh base."""
     ckpt, export = OUT / f"ckpt-lora-{stage_name}", OUT / f"export-lora-{stage_name}"
     backend = lora_backend(stage_name, ADAMW)
-    window = lora_window(backend)
-    window.run(groups(0))
-    backend.save_checkpoint(ckpt, {"version": window.version, "update": 1})
+    learner = lora_learner(backend)
+    dist_update(learner, groups(0), LORA_SETTINGS)
+    backend.save_checkpoint(ckpt, {"version": learner.version, "update": 1})
     backend.export_pretrained(export)
     after_one = current(backend)
-    window.run(groups(1))
+    dist_update(learner, groups(1), LORA_SETTINGS)
     after_two = current(backend)
 
     stage, offload = STAGES[stage_name]
@@ -496,7 +531,7 @@ def lora_resume(stage_name: str) -> tuple[torch.Tensor, Info]:
     assert isinstance(fresh, DeepSpeedBackend)
     state = fresh.load_checkpoint(ckpt)
     loaded = current(fresh)
-    lora_window(fresh, version=state["version"]).run(groups(1))
+    dist_update(lora_learner(fresh, version=state["version"]), groups(1), LORA_SETTINGS)
     info: Info = {
         "loaded_equals_saved": bool(torch.equal(loaded, after_one)),
         "resumed_vs_original": float((current(fresh) - after_two).norm()),
@@ -541,9 +576,7 @@ def scenarios() -> dict[str, Callable[[], tuple[torch.Tensor, Info]]]:
     for s in STAGES:
         placement = "round_robin" if s in ("z1", "z3") else "planner"
         out[f"{s}-exact"] = partial(one_update, s, placement=placement)
-        out[f"{s}-response_only"] = partial(
-            one_update, s, ReplayConfig(contract="response_only"), placement=placement
-        )
+        out[f"{s}-response_only"] = partial(one_update, s, "response_only", placement=placement)
         out[f"{s}-adamw"] = partial(one_update, s, placement=placement, optimizer=ADAMW)
         out[f"{s}-no_rescale"] = partial(no_rescale, s)
     for family in RECURRENT_DIST:  # recurrent resident state; round-robin splits every tree over both ranks
@@ -552,7 +585,7 @@ def scenarios() -> dict[str, Callable[[], tuple[torch.Tensor, Info]]]:
                 one_update, s, placement="round_robin", measure=s == "z3", family=family
             )
         out[f"z3-response_only-{family}"] = partial(
-            one_update, "z3", ReplayConfig(contract="response_only"), placement="round_robin", family=family
+            one_update, "z3", "response_only", placement="round_robin", family=family
         )
     for s in ("z2", "z3"):
         out[f"{s}-fault_before_backward"] = partial(

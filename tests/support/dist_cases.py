@@ -28,6 +28,7 @@ from treetrain.memory.overrides import Mode
 from treetrain.models.lora import AdaptersOff
 from treetrain.replay import FlatReference, ReplayConfig, TreeReplay, UpdateBatch
 from treetrain.replay.replay_schedule import ReplayHooks
+from treetrain.replay.schedule import Contract
 from treetrain.replay.verify import _perturb
 from treetrain.update.learner import Learner
 from treetrain.update.run import UpdateOutcome, run_update
@@ -163,11 +164,19 @@ def uneven_owned(update: Sequence[Group], world_size: int, kind: str) -> list[li
     return owned
 
 
-def settings(mode: Mode = "tree", microbatch: int | None = 0, seed: int = 0) -> UpdateConfig:
+def settings(
+    mode: Mode = "tree",
+    microbatch: int | None = 0,
+    seed: int = 0,
+    loss: LossConfig = LOSS,
+    contract: Contract = "exact",
+) -> UpdateConfig:
     """The update's settings with the plan's choices forced (tree mode: every sibling in one step)."""
-    replay = ReplaySection(microbatch=microbatch, chunk_size=0, retention="unbounded", keep_graphs="none")
+    replay = ReplaySection(
+        contract=contract, microbatch=microbatch, chunk_size=0, retention="unbounded", keep_graphs="none"
+    )
     return UpdateConfig(
-        policy_loss=LOSS, advantages=AdvantageConfig(zero_variance="keep"), replay=replay, mode=mode,
+        policy_loss=loss, advantages=AdvantageConfig(zero_variance="keep"), replay=replay, mode=mode,
         memory_budget="64GiB", seed=seed,
     )  # fmt: skip
 
