@@ -28,8 +28,9 @@ from treetrain.memory.persistent import PersistentBytes, model_persistent_bytes
 from treetrain.memory.tracker import MemoryTracker
 from treetrain.models.lora import AdaptersOff, LoraSection, apply_lora
 from treetrain.models.presets import load_model
-from treetrain.replay import ReplayPlan, TreeReplay
+from treetrain.replay import TreeReplay
 from treetrain.replay.batch import UpdateBatch
+from treetrain.replay.replay_schedule import ReplayHooks
 from treetrain.train.models import resolve_model_path
 from treetrain.tree.synthetic import synthetic_group
 
@@ -67,7 +68,7 @@ def measure(model_path: str, r: int | None, batch_args: dict[str, int], vocab: i
     batch = UpdateBatch.build(trees, adv.trees, LOSS)
     backend = TorchBackend(policy, OptimizerConfig(lr=1e-5))
     tracker = MemoryTracker()
-    engine = TreeReplay(policy, LOSS, ReplayPlan(tracker=tracker), ref_model=reference)  # type: ignore[arg-type]
+    engine = TreeReplay(policy, LOSS, ref_model=reference, hooks=ReplayHooks(tracker=tracker))  # type: ignore[arg-type]
     report = engine.accumulate(batch)
     grads = _bytes([p.grad for p in policy.parameters() if p.grad is not None])
     backend.optimizer.step()

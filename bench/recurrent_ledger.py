@@ -24,8 +24,9 @@ from treetrain.memory.flat_cost import predict_flat
 from treetrain.memory.ledger import predict_ledger
 from treetrain.memory.tracker import MemoryTracker
 from treetrain.models.presets import EAGER_ONLY, tiny_model
-from treetrain.replay import ReplayConfig, ReplayPlan, TreeReplay, UpdateBatch
+from treetrain.replay import ReplayConfig, TreeReplay, UpdateBatch
 from treetrain.replay.flat_reference import FlatReference
+from treetrain.replay.replay_schedule import ReplayHooks
 from treetrain.tree.synthetic import synthetic_group
 
 LOSS = LossConfig()
@@ -76,7 +77,7 @@ def measure(model: PreTrainedModel, batch: UpdateBatch, mode: str) -> tuple[int,
         predicted = predict_flat(batch, model, LOSS)[0].peak.dynamic
         return predicted, tracker.peak.dynamic
     replay = ReplayConfig(contract=mode, microbatch=2)  # type: ignore[arg-type]
-    report = TreeReplay(model, LOSS, ReplayPlan(config=replay, tracker=tracker)).accumulate(batch)
+    report = TreeReplay(model, LOSS, replay, hooks=ReplayHooks(tracker=tracker)).accumulate(batch)
     tracker.detach()
     assert report.measured_peak is not None
     return predict_ledger(batch, model, replay, LOSS).peak.dynamic, report.measured_peak.dynamic

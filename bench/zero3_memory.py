@@ -53,11 +53,11 @@ def worker(stage: int, out: Path) -> None:
     from treetrain.distributed import OptimizerConfig, build_placement
     from treetrain.distributed.deepspeed_backend import DeepSpeedBackend
     from treetrain.loss.advantages import AdvantageConfig
-    from treetrain.loss.loss_config import LossConfig
-    from treetrain.replay.replay_plan import ReplayHooks
+    from treetrain.replay.replay_schedule import ReplayHooks
     from treetrain.tree.synthetic import synthetic_group
-    from treetrain.update.window import UpdateWindow
-    from treetrain.update.window_types import Group
+    from treetrain.update.learner import Learner
+    from treetrain.update.run import run_update
+    from treetrain.update.settings import ReplaySection, UpdateConfig
 
     torch.set_num_threads(1)
     backend = DeepSpeedBackend(
@@ -68,8 +68,7 @@ def worker(stage: int, out: Path) -> None:
     large = [
         synthetic_group(prefix=48, branches=3, suffix=12, depth=2, vocab=VOCAB, seed=s) for s in (1, 2, 3)
     ]
-    groups = [Group.build([t], adv) for t in [small, *large]]
-    trees = [t for g in groups for t in g.trees]
+    trees = [small, *large]
     owned = [
         [set(range(len(t.records))) if r == (0 if i == 0 else WORLD - 1) else set() for r in range(WORLD)]
         for i, t in enumerate(trees)
@@ -79,9 +78,10 @@ def worker(stage: int, out: Path) -> None:
     def sample(phase: str, step: object) -> None:
         sampled[0] = max(sampled[0], storage(backend.module))
 
-    window = UpdateWindow(backend, LossConfig(), hooks=ReplayHooks(step=sample))
+    learner = Learner(backend, hooks=ReplayHooks(step=sample))
+    settings = UpdateConfig(advantages=adv, replay=ReplaySection(microbatch=0), mode="tree")
     backend.reset_param_peak()
-    window.run(groups, build_placement(trees, owned, WORLD))
+    run_update(learner, settings, [[t] for t in trees], placement=build_placement(trees, owned, WORLD))
     peak = max(backend.param_peak_bytes, sampled[0])
     sync = backend.rendezvous
     rows = backend.gather(json.dumps({"peak": peak, "rounds": sync.rounds if sync else 0}))

@@ -4,9 +4,7 @@ Every scenario builds a fresh tiny model and a fresh DeepSpeed engine, runs one 
 fault injected) and rank 0 writes the parameter delta to OUT/<name>.safetensors and what happened to
 OUT/<name>.json. The pytest side compares the deltas with single-process references. A scenario that raises
 writes OUT/<name>.error.rank<r>.txt instead; scenarios are written so that every rank takes the same
-collective path, and an expected refusal is caught on every rank. One update and its backend are
-`support.dist_update`; the fault and refusal scenarios are `support.dist_faults`; resume, export, the
-several-backward pitfalls, LoRA and the weight sync are here.
+collective path, and an expected refusal is caught on every rank.
 """
 
 from __future__ import annotations
@@ -17,9 +15,9 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Callable
-from contextlib import nullcontext
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -40,35 +38,350 @@ from support.dist_cases import (
     lm_loss,
     make_lora_model,
     make_model,
+    model_factory,
     params_vector,
     pitfall_batches,
+    settings,
     uneven_groups,
+    uneven_owned,
 )
-from support.dist_faults import (
-    MultiUnitOOM,
-    Once,
-    bypass,
-    coverage_controls,
-    drop_group,
-    duplicate,
-    mid_backward,
-    no_rescale,
-    stale_and_version,
+from support.dist_cases import (
+    update as dist_update,
 )
-from support.dist_update import Info, backend_for, current, one_update, param_storage, store_at
 
-from treetrain.distributed import OptimizerConfig
+from treetrain.distributed import (
+    AgreementError,
+    CoverageClaims,
+    DuplicateContributionError,
+    OptimizerConfig,
+    build_placement,
+    round_robin,
+)
 from treetrain.distributed.backend_choice import make_backend
 from treetrain.distributed.checkpoint_io import CheckpointError
 from treetrain.distributed.deepspeed_backend import DeepSpeedBackend
+from treetrain.loss.manifest import ManifestError
 from treetrain.memory.persistent import largest_module
 from treetrain.models.lora import AdaptersOff, is_adapter_param
-from treetrain.replay import ReplayConfig
+from treetrain.replay import TreeReplay, UpdateBatch
+from treetrain.replay.replay_schedule import ReplayHooks
+from treetrain.replay.resident import ResidentIdentity, ResidentKey, ResidentStore, StaleResidentStateError
+from treetrain.replay.schedule import Contract
+from treetrain.update.learner import Learner
 from treetrain.update.window import UpdateWindow
+from treetrain.update.window_types import WindowConfig
 
 torch.set_num_threads(1)
 OUT = Path(sys.argv[1])
 ONLY = set(sys.argv[2].split(",")) if len(sys.argv) > 2 and sys.argv[2] else None
+Info = dict[str, Any]
+
+
+USER_CONFIG_STAGES = {"z1"}
+"""Stages whose backend is built from a user DeepSpeed config (a mapping) instead of arguments."""
+
+
+def backend_for(
+    stage_name: str, optimizer: OptimizerConfig = OPTIMIZER, *, measure: bool = False, family: str = "llama"
+) -> DeepSpeedBackend:
+    stage, offload = STAGES[stage_name]
+    model = model_factory(family)()
+    if stage_name in USER_CONFIG_STAGES:
+        offload_block = {"device": "cpu" if offload else "none"}
+        user = {"zero_optimization": {"stage": stage, "offload_optimizer": offload_block}}
+        return DeepSpeedBackend(model, ds_config=user, optimizer=optimizer, measure_params=measure)
+    return DeepSpeedBackend(
+        model, zero_stage=stage, offload_optimizer=offload, optimizer=optimizer, measure_params=measure
+    )
+
+
+def current(backend: DeepSpeedBackend) -> torch.Tensor:
+    params = list(backend.module.parameters())
+    gathered = deepspeed.zero.GatheredParameters(params) if backend.zero_stage == 3 else nullcontext()
+    with gathered:
+        return params_vector(backend.module)
+
+
+def param_storage(backend: DeepSpeedBackend) -> int:
+    """Bytes of parameter storage on this rank now: full tensors and, under ZeRO-3, partitions."""
+    total = 0
+    for p in backend.module.parameters():
+        total += p.data.numel() * p.element_size()
+        part = getattr(p, "ds_tensor", None)
+        if part is not None:
+            total += part.numel() * part.element_size()
+    return total
+
+
+@contextmanager
+def around_replay(
+    before: Callable[[UpdateWindow, Learner], None] | None = None,
+    after: Callable[[UpdateWindow, Learner], UpdateWindow | None] | None = None,
+) -> Iterator[None]:
+    """`run_update` as it is, with a seam around its step 5 (`replay_window`): `before` sees the opened
+    window, `after` the replayed one and may hand back a changed one (the coverage controls' tampering)."""
+    import treetrain.update.run as run
+
+    real = run.replay_window
+
+    def wrapped(learner: Learner, window: UpdateWindow, loss: Any, tracker: Any = None) -> Any:
+        if before is not None:
+            before(window, learner)
+        window, replayed = real(learner, window, loss, tracker)
+        if after is not None:
+            window = after(window, learner) or window
+        return window, replayed
+
+    run.replay_window = wrapped  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        run.replay_window = real
+
+
+def one_update(
+    stage_name: str,
+    contract: Contract = "exact",
+    *,
+    microbatch: int = 0,
+    placement: str = "planner",
+    step_hook: Callable[..., None] | None = None,
+    body: Callable[[UpdateWindow, Learner], None] | None = None,
+    optimizer: OptimizerConfig = OPTIMIZER,
+    update: list[Any] | None = None,
+    measure: bool = False,
+    family: str = "llama",
+    **window_kw: Any,
+) -> tuple[torch.Tensor, Info]:
+    backend = backend_for(stage_name, optimizer, measure=measure, family=family)
+    start = current(backend)
+    update = groups() if update is None else update
+    trees = [t for g in update for t in g.trees]
+    sampled = [0]
+
+    def sample(phase: str, step: Any) -> None:  # parameter storage at every replay phase
+        sampled[0] = max(sampled[0], param_storage(backend))
+        if step_hook is not None:
+            step_hook(phase, step)
+
+    learner = Learner(backend, retries=WindowConfig(**window_kw), hooks=ReplayHooks(step=sample))
+    if placement == "round_robin":
+        given = round_robin(trees, backend.world_size)
+    elif placement in ("uneven", "idle"):
+        given = build_placement(
+            trees, uneven_owned(update, backend.world_size, placement), backend.world_size
+        )
+    else:
+        given = None
+    backend.reset_param_peak()
+    seen: dict[str, UpdateWindow] = {}
+
+    def keep(window: UpdateWindow, _: Learner) -> None:
+        seen["window"] = window
+
+    with around_replay(body, keep):
+        report = dist_update(
+            learner, update, settings(microbatch=microbatch, contract=contract), placement=given
+        )
+    sync = backend.rendezvous
+    info = {
+        "version": report.version,
+        "tree_retries": report.tree_retries,
+        "window_resets": report.window_resets,
+        "oom_splits": report.local.oom_splits,
+        "dropped": [[d.index, d.reason] for d in report.dropped],
+        "duplicated_tokens": seen["window"].placement.duplicated_tokens,
+        "zero_stage": backend.zero_stage,
+        "offload_optimizer": backend.offload_optimizer,
+        "steps": report.local.steps,
+        "rank_tokens": list(report.rank_tokens),
+        "imbalance": report.imbalance,
+        "rounds": sync.rounds if sync is not None else 0,
+        "served": sync.served if sync is not None else 0,
+        "param_peak_bytes": backend.param_peak_bytes,
+        "param_sampled_bytes": sampled[0],
+        "partition_bytes": sum(
+            p.ds_tensor.numel() * p.ds_tensor.element_size()
+            for p in backend.module.parameters()
+            if getattr(p, "ds_tensor", None) is not None
+        ),
+    }
+    return current(backend) - start, info
+
+
+def no_rescale(stage_name: str) -> tuple[torch.Tensor, Info]:
+    """Negative control: the backend's `x dp_world_size` before DeepSpeed's mean is left out."""
+
+    def body(window: UpdateWindow, learner: Learner) -> None:
+        learner.backend._scale_local_grads = lambda factor: None  # type: ignore[attr-defined]
+
+    return one_update(stage_name, body=body)
+
+
+# ----- faults ---------------------------------------------------------------------------------------
+class Once:
+    """Raise `exc` the `nth` time (phase, rank) matches; later calls pass."""
+
+    def __init__(self, rank: int, phase: str, exc: Exception, nth: int = 1, times: int = 1) -> None:
+        self.rank, self.phase, self.exc, self.nth, self.times = rank, phase, exc, nth, times
+        self.seen = 0
+
+    def __call__(self, phase: str, step: Any) -> None:
+        if phase != self.phase or torch.distributed.get_rank() != self.rank:
+            return
+        self.seen += 1
+        if self.nth <= self.seen < self.nth + self.times:
+            raise self.exc
+
+
+class MultiUnitOOM:
+    """Simulated out-of-memory on the first forward of a step with several units, on every rank."""
+
+    def __init__(self) -> None:
+        self.fired = False
+
+    def __call__(self, phase: str, step: Any) -> None:
+        if phase == "forward" and len(step.units) > 1 and not self.fired:
+            self.fired = True
+            raise torch.OutOfMemoryError("simulated out of memory")
+
+
+def mid_backward(stage_name: str) -> tuple[torch.Tensor, Info]:
+    """A hook on an early parameter raises inside autograd on rank 0, after later layers accumulated."""
+    state = {"armed": torch.distributed.get_rank() == 0}
+
+    def body(window: UpdateWindow, learner: Learner) -> None:
+        first = next(learner.backend.module.parameters())
+
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            if state["armed"]:
+                state["armed"] = False
+                raise RuntimeError("injected failure in the middle of backward")
+            return grad
+
+        first.register_hook(hook)
+
+    return one_update(stage_name, body=body)
+
+
+def duplicate(stage_name: str) -> tuple[torch.Tensor, Info]:
+    refused: list[str] = []
+
+    def after(window: UpdateWindow, learner: Learner) -> None:
+        for work in window.work.values():
+            try:
+                window.claims.claim(window.keys(work))  # what a second replay of the tree claims first
+            except DuplicateContributionError as exc:
+                refused.append(str(exc))
+
+    with around_replay(after=after):
+        delta, info = one_update(stage_name)
+    info["refused"] = refused
+    return delta, info
+
+
+def drop_group(stage_name: str) -> tuple[torch.Tensor, Info]:
+    """Rank 1 can never finish group 1's tree: the group is dropped on every rank, group 0 is trained."""
+    update = groups()
+    victim = update[1].trees[0].id
+
+    learners: list[Learner] = []
+
+    def hook(phase: str, step: Any) -> None:
+        replaying = learners[0].current_tree if learners else None
+        if torch.distributed.get_rank() == 1 and phase == "forward" and replaying == victim:
+            raise RuntimeError("injected persistent failure")
+
+    def body(window: UpdateWindow, learner: Learner) -> None:
+        learners[:] = [learner]
+
+    return one_update(stage_name, step_hook=hook, body=body, placement="round_robin")
+
+
+def store_at(backend: Any, version: int) -> ResidentStore:
+    """A resident store for the backend's model at `version` (a resumed or a deliberately mismatched run)."""
+    return ResidentStore(ResidentIdentity.of(backend.module, version=version))
+
+
+# ----- refusals and negative controls -------------------------------------------------------------
+def stale_and_version(stage_name: str) -> tuple[torch.Tensor, Info]:
+    info: Info = {}
+    backend = backend_for(stage_name)
+    start = current(backend)
+    mismatched = Learner(backend, store=store_at(backend, backend.rank))
+    try:
+        dist_update(mismatched, groups(), settings())
+        info["version_mismatch"] = "not refused"
+    except AgreementError as exc:
+        info["version_mismatch"] = str(exc)
+    learner = Learner(backend)
+    tree = groups()[0].trees[0]
+    key = ResidentKey(tree.id, 1, tree.nodes[1].id)
+    old = learner.identity
+
+    def after(window: UpdateWindow, learner: Learner) -> None:  # resident state held at the step
+        learner.store.put(key, [(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4))], old)
+
+    with around_replay(after=after):
+        dist_update(learner, groups(), settings())
+    for name, identity in (("stale_old_identity", old), ("stale_new_identity", learner.identity)):
+        try:
+            learner.store.get(key, identity)
+            info[name] = "not refused"
+        except StaleResidentStateError as exc:
+            info[name] = str(exc)
+    return current(backend) - start, info
+
+
+def coverage_controls(stage_name: str) -> tuple[torch.Tensor, Info]:
+    """The collective coverage check refuses a doubled and a missing contribution (rank 1's claims are
+    replaced after its replay, as if it had covered one of rank 0's keys, or lost one of its own)."""
+    info: Info = {}
+    backend = backend_for(stage_name)
+    start = current(backend)
+    for case in ("doubled", "missing"):
+
+        def tamper(window: UpdateWindow, learner: Learner, case: str = case) -> UpdateWindow | None:
+            if backend.rank != 1:
+                return None
+            mine = sorted(window.claims.covered)
+            if case == "doubled":
+                other = sorted(set(window.manifest.keys()) - set(mine))[0]
+                keys = [*mine, other]
+            else:
+                keys = mine[1:]
+            tampered = CoverageClaims(keys)
+            tampered.claim(keys)
+            tampered.commit(keys)
+            return replace(window, claims=tampered)
+
+        try:
+            with around_replay(after=tamper):  # step 6, the collective check, runs on the tampered claims
+                dist_update(Learner(backend), groups(), settings())
+            info[case] = "not refused"
+        except ManifestError as exc:
+            info[case] = str(exc)
+        backend.reset_window()
+    return current(backend) - start, info
+
+
+def bypass(stage_name: str, kind: str) -> tuple[torch.Tensor, Info]:
+    """Numeric negative controls: rank 1 doubles or skips a tree behind the claims' back."""
+
+    def body(window: UpdateWindow, learner: Learner) -> None:
+        if learner.backend.rank != 1:
+            return
+        work = next(iter(window.work.values()))
+        keys = window.keys(work)
+        if kind == "double":  # replayed twice, claimed once: the update's own replay then skips it
+            replayer = learner.replayer(window.plan, LOSS)
+            assert isinstance(replayer, TreeReplay)
+            for _ in range(2):
+                replayer.accumulate(UpdateBatch((work,), window.manifest), window.schedule)
+        window.claims.claim(keys)
+        window.claims.commit(keys)
+
+    return one_update(stage_name, body=body, placement="round_robin")
 
 
 # ----- resume and export ----------------------------------------------------------------------------
@@ -111,12 +424,12 @@ def resume(stage_name: str) -> tuple[torch.Tensor, Info]:
     (built by `make_backend` from trainer-style settings) loads the checkpoint and redoes step 2."""
     ckpt, export = OUT / f"ckpt-{stage_name}", OUT / f"export-{stage_name}"
     backend = backend_for(stage_name, ADAMW)
-    window = UpdateWindow(backend, LOSS)
-    window.run(groups(0))
-    backend.save_checkpoint(ckpt, {"version": window.version, "update": 1})
+    learner = Learner(backend)
+    dist_update(learner, groups(0), settings())
+    backend.save_checkpoint(ckpt, {"version": learner.version, "update": 1})
     backend.export_pretrained(export)
     after_one = current(backend)
-    window.run(groups(1))
+    dist_update(learner, groups(1), settings())
     after_two = current(backend)
 
     stage, offload = STAGES[stage_name]
@@ -124,7 +437,7 @@ def resume(stage_name: str) -> tuple[torch.Tensor, Info]:
     assert isinstance(fresh, DeepSpeedBackend)
     state = fresh.load_checkpoint(ckpt)
     loaded = current(fresh)
-    UpdateWindow(fresh, LOSS, store=store_at(fresh, state["version"])).run(groups(1))
+    dist_update(Learner(fresh, store=store_at(fresh, state["version"])), groups(1), settings())
     info: Info = {
         "loaded_equals_saved": bool(torch.equal(loaded, after_one)),
         "client_state": state,
@@ -166,10 +479,8 @@ def several_backward(stage_name: str, naive: bool = False) -> tuple[torch.Tensor
 
 
 def shuffled(stage_name: str) -> tuple[torch.Tensor, Info]:
-    """Each rank replays in its own shuffled order and microbatching."""
-    rank = torch.distributed.get_rank()
-    replay = ReplayConfig(order="shuffle", seed=11 + 7 * rank, microbatch=1 + rank)
-    return one_update(stage_name, replay, placement="round_robin")
+    """Each rank replays with its own microbatching (K)."""
+    return one_update(stage_name, microbatch=1 + torch.distributed.get_rank(), placement="round_robin")
 
 
 # ----- LoRA: only adapter parameters trainable, KL against the same model with adapters off ---------
@@ -180,16 +491,17 @@ def lora_backend(stage_name: str, optimizer: OptimizerConfig = OPTIMIZER) -> Dee
     )  # fmt: skip
 
 
-def lora_window(backend: DeepSpeedBackend, version: int = 0) -> UpdateWindow:
-    return UpdateWindow(
-        backend, LORA_LOSS, store=store_at(backend, version), ref_model=AdaptersOff(backend.module)
-    )
+def lora_learner(backend: DeepSpeedBackend, version: int = 0) -> Learner:
+    return Learner(backend, store=store_at(backend, version), ref_model=AdaptersOff(backend.module))
+
+
+LORA_SETTINGS = settings(loss=LORA_LOSS)
 
 
 def lora_update(stage_name: str) -> tuple[torch.Tensor, Info]:
     backend = lora_backend(stage_name)
     start = current(backend)
-    report = lora_window(backend).run(groups())
+    report = dist_update(lora_learner(backend), groups(), LORA_SETTINGS)
     named = list(backend.module.named_parameters())
     info = {
         "version": report.version,
@@ -206,12 +518,12 @@ def lora_resume(stage_name: str) -> tuple[torch.Tensor, Info]:
     Rank 0's `export_pretrained` writes the adapter (PEFT `save_pretrained`), checked on a fresh base."""
     ckpt, export = OUT / f"ckpt-lora-{stage_name}", OUT / f"export-lora-{stage_name}"
     backend = lora_backend(stage_name, ADAMW)
-    window = lora_window(backend)
-    window.run(groups(0))
-    backend.save_checkpoint(ckpt, {"version": window.version, "update": 1})
+    learner = lora_learner(backend)
+    dist_update(learner, groups(0), LORA_SETTINGS)
+    backend.save_checkpoint(ckpt, {"version": learner.version, "update": 1})
     backend.export_pretrained(export)
     after_one = current(backend)
-    window.run(groups(1))
+    dist_update(learner, groups(1), LORA_SETTINGS)
     after_two = current(backend)
 
     stage, offload = STAGES[stage_name]
@@ -219,7 +531,7 @@ def lora_resume(stage_name: str) -> tuple[torch.Tensor, Info]:
     assert isinstance(fresh, DeepSpeedBackend)
     state = fresh.load_checkpoint(ckpt)
     loaded = current(fresh)
-    lora_window(fresh, version=state["version"]).run(groups(1))
+    dist_update(lora_learner(fresh, version=state["version"]), groups(1), LORA_SETTINGS)
     info: Info = {
         "loaded_equals_saved": bool(torch.equal(loaded, after_one)),
         "resumed_vs_original": float((current(fresh) - after_two).norm()),
@@ -264,9 +576,7 @@ def scenarios() -> dict[str, Callable[[], tuple[torch.Tensor, Info]]]:
     for s in STAGES:
         placement = "round_robin" if s in ("z1", "z3") else "planner"
         out[f"{s}-exact"] = partial(one_update, s, placement=placement)
-        out[f"{s}-response_only"] = partial(
-            one_update, s, ReplayConfig(contract="response_only"), placement=placement
-        )
+        out[f"{s}-response_only"] = partial(one_update, s, "response_only", placement=placement)
         out[f"{s}-adamw"] = partial(one_update, s, placement=placement, optimizer=ADAMW)
         out[f"{s}-no_rescale"] = partial(no_rescale, s)
     for family in RECURRENT_DIST:  # recurrent resident state; round-robin splits every tree over both ranks
@@ -275,7 +585,7 @@ def scenarios() -> dict[str, Callable[[], tuple[torch.Tensor, Info]]]:
                 one_update, s, placement="round_robin", measure=s == "z3", family=family
             )
         out[f"z3-response_only-{family}"] = partial(
-            one_update, "z3", ReplayConfig(contract="response_only"), placement="round_robin", family=family
+            one_update, "z3", "response_only", placement="round_robin", family=family
         )
     for s in ("z2", "z3"):
         out[f"{s}-fault_before_backward"] = partial(

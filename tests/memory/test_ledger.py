@@ -17,7 +17,7 @@ from treetrain.loss.loss_config import LossConfig
 from treetrain.memory.calibrate import calibrate
 from treetrain.memory.ledger import Residency, predict_ledger
 from treetrain.memory.persistent import kv_bytes_per_token, model_persistent_bytes, persistent_bytes
-from treetrain.memory.replay_recipe import ReplayRecipe
+from treetrain.memory.replay_layout import lay_out
 from treetrain.memory.tracker import MemoryTracker
 from treetrain.models.presets import tiny_model
 from treetrain.replay import (
@@ -27,6 +27,7 @@ from treetrain.replay import (
     TreeReplay,
     UpdateBatch,
 )
+from treetrain.replay.replay_schedule import ReplayHooks
 from treetrain.replay.resident import ResidentKey
 from treetrain.tree.synthetic import synthetic_group
 
@@ -46,8 +47,9 @@ def measure(model, batch: UpdateBatch, loss: LossConfig, replay: ReplayConfig, r
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     tracker = MemoryTracker()
-    plan = ReplayRecipe(config=replay, tracker=tracker, **plan_kw).lay_out(batch, model, loss, ref_model).plan
-    report = TreeReplay(model, loss, plan, ref_model=ref_model).accumulate(batch)
+    schedule = lay_out(batch, model, loss, replay, ref_model=ref_model, **plan_kw).schedule
+    engine = TreeReplay(model, loss, replay, ref_model=ref_model, hooks=ReplayHooks(tracker=tracker))
+    report = engine.accumulate(batch, schedule)
     tracker.detach()
     return report, tracker
 

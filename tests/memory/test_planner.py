@@ -11,11 +11,12 @@ from treetrain.bytesize import format_bytes
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
 from treetrain.loss.loss_config import LossConfig
 from treetrain.memory.overrides import Overrides
-from treetrain.memory.planner import PlanError, plan_update
+from treetrain.memory.planner import KeptGraphs, PlanError, plan_update
 from treetrain.memory.retention import BudgetTooSmallError
 from treetrain.memory.tracker import MemoryTracker
 from treetrain.models.presets import tiny_model
 from treetrain.replay import ReplayConfig, TreeReplay, UpdateBatch
+from treetrain.replay.replay_schedule import ReplayHooks
 from treetrain.tree.synthetic import synthetic_group
 
 LARGE = 1 << 30
@@ -66,9 +67,9 @@ def test_tight_budget_is_met_and_the_run_stays_within_it(model) -> None:
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     tracker = MemoryTracker()
-    laid = plan.replay(tracker=tracker).lay_out(batch, model, LossConfig())
-    engine = TreeReplay(model, LossConfig(), laid.plan)
-    report = engine.accumulate(batch)
+    laid = plan.lay_out(batch, model, LossConfig())
+    engine = TreeReplay(model, LossConfig(), plan.config, hooks=ReplayHooks(tracker=tracker))
+    report = engine.accumulate(batch, laid.schedule)
     tracker.detach()
     assert report.measured_peak is not None
     assert report.measured_peak.total <= 1.05 * budget
@@ -81,8 +82,7 @@ def test_kept_graphs_are_chosen_when_memory_allows_and_lower_the_cost(model) -> 
     auto = plan_update(batch, model, budget=LARGE, overrides=Overrides(mode="tree"))
     assert auto.keep_graph and not none.keep_graph
     assert auto.tree.token_cost < none.tree.token_cost
-    keep = auto.replay().keep_graph
-    assert keep is not None
+    keep = KeptGraphs(auto.keep_graph)
     from treetrain.replay.units import UnitTree
 
     work = batch.work[0]
@@ -100,7 +100,7 @@ def test_overrides_are_obeyed(model) -> None:
         overrides=Overrides(mode="tree", microbatch=1, chunk_size=64, keep_graphs="none"),
     )
     assert (plan.mode, plan.microbatch, plan.chunk_size, plan.keep_graph) == ("tree", 1, 64, frozenset())
-    assert plan.replay_config().microbatch == 1 and plan.replay_config().chunk_size == 64
+    assert plan.config.microbatch == 1 and plan.config.chunk_size == 64
     with pytest.raises(ValueError, match="keep_graphs"):
         Overrides(keep_graphs="some")  # type: ignore[arg-type]
 
@@ -150,6 +150,6 @@ def test_contract_is_planned_as_given(model) -> None:
         base=ReplayConfig(contract="response_only"),
         overrides=Overrides(mode="tree"),
     )
-    assert detached.contract == "response_only" and detached.replay_config().contract == "response_only"
+    assert detached.contract == "response_only" and detached.config.contract == "response_only"
     assert not detached.keep_graph  # kept graphs are an `exact` optimization
     assert detached.tree.token_cost < exact.tree.token_cost  # no backward into the shared prefix

@@ -17,10 +17,11 @@ from support.replay_cases import SHAPES, factory, make_batch
 
 from treetrain.bytesize import format_bytes
 from treetrain.loss.loss_config import LossConfig
-from treetrain.memory.replay_recipe import ReplayRecipe
+from treetrain.memory.replay_layout import lay_out
 from treetrain.memory.retention import BudgetTooSmallError, ResidentUse, plan_retention
 from treetrain.memory.tracker import MemoryTracker
 from treetrain.replay import ReplayConfig, TreeReplay
+from treetrain.replay.replay_schedule import ReplayHooks
 from treetrain.replay.verify import deviation, flat_grad, flat_gradient, noise_floor
 
 FACTOR = 5.0
@@ -34,10 +35,10 @@ def run(make, batch, loss, replay, budget=None, keep=None):
     model = make()
     model.zero_grad(set_to_none=True)
     tracker = MemoryTracker()
-    layout = ReplayRecipe(config=replay, retention=budget, keep_graph=keep, tracker=tracker).lay_out(
-        batch, model, loss
+    layout = lay_out(batch, model, loss, replay, retention=budget, keep_graph=keep)
+    report = TreeReplay(model, loss, replay, hooks=ReplayHooks(tracker=tracker)).accumulate(
+        batch, layout.schedule
     )
-    report = TreeReplay(model, loss, layout.plan).accumulate(batch)
     tracker.detach()
     return flat_grad(model), report, layout, tracker
 
@@ -78,15 +79,15 @@ def test_budget_below_minimum_fails_cleanly_naming_it() -> None:
     model = make()
     model.zero_grad(set_to_none=True)
     with pytest.raises(BudgetTooSmallError) as info:
-        layout = ReplayRecipe(config=replay, retention=minimum - 1).lay_out(batch, model, loss)
-        TreeReplay(model, loss, layout.plan).accumulate(batch)
+        layout = lay_out(batch, model, loss, replay, retention=minimum - 1)
+        TreeReplay(model, loss, replay).accumulate(batch, layout.schedule)
     assert info.value.minimum == minimum
     assert f"{minimum} B" in str(info.value) and format_bytes(minimum) in str(info.value)
     assert all(p.grad is None for p in model.parameters()), (
         "a refused budget must not leave partial gradients"
     )
     with pytest.raises(ValueError, match=">= 0"):
-        ReplayRecipe(retention=-1)
+        lay_out(batch, model, loss, replay, retention=-1)
 
 
 def test_host_tier_restores_instead_of_recomputing() -> None:
@@ -100,8 +101,8 @@ def test_host_tier_restores_instead_of_recomputing() -> None:
     _, recomputed, _, _ = run(make, batch, loss, replay, budget)
     model = make()
     model.zero_grad(set_to_none=True)
-    tier = ReplayRecipe(config=replay, retention=budget, host_tier=True).lay_out(batch, model, loss)
-    report = TreeReplay(model, loss, tier.plan).accumulate(batch)
+    tier = lay_out(batch, model, loss, replay, retention=budget, host_tier=True)
+    report = TreeReplay(model, loss, replay).accumulate(batch, tier.schedule)
     assert report.restored_units == tier.retention[0].recomputes > 0
     assert report.recomputed_units == 0
     assert report.graph_tokens == recomputed.graph_tokens
@@ -187,8 +188,8 @@ def test_kept_graphs_give_the_same_gradient_for_less_compute(loss: LossConfig) -
         model = make()
         model.zero_grad(set_to_none=True)
         ref = make_ref() if make_ref else None
-        plan = ReplayRecipe(config=replay, keep_graph=keep).lay_out(batch, model, loss, ref).plan
-        report = TreeReplay(model, loss, plan, ref_model=ref).accumulate(batch)
+        schedule = lay_out(batch, model, loss, replay, keep_graph=keep, ref_model=ref).schedule
+        report = TreeReplay(model, loss, replay, ref_model=ref).accumulate(batch, schedule)
         return flat_grad(model), report
 
     recompute, r_report = tree(None)

@@ -21,7 +21,7 @@ import treetrain.models.attention_states as attention_states
 import treetrain.models.decoder as decoder
 import treetrain.models.shared_past as shared_past
 from treetrain.loss.loss_config import LossConfig
-from treetrain.memory.replay_recipe import ReplayRecipe
+from treetrain.memory.replay_layout import lay_out
 from treetrain.models.attention import NAME, engine_attention, shared_past_kernel_note, shared_past_reason
 from treetrain.models.decoder import SharedPast, decoder_forward
 from treetrain.models.presets import TinySize, tiny_model
@@ -276,16 +276,16 @@ def test_gpt_oss_matches_flat_across_k_order_chunking_and_budget() -> None:
     flat = flat_gradient(_gpt_oss(), batch, loss)
     bounded = ReplayConfig(microbatch=1, chunk_size=6, order="reverse")
     model = _gpt_oss()
-    free = ReplayRecipe(config=bounded).lay_out(batch, model, loss)
-    TreeReplay(model, loss, free.plan).accumulate(batch)
+    free = lay_out(batch, model, loss, bounded)
+    TreeReplay(model, loss, bounded).accumulate(batch, free.schedule)
     cases = [
         (ReplayConfig(microbatch=0, order="shuffle", seed=4), None),
         (bounded, max(p.minimum for p in free.retention)),  # the smallest feasible budget: recomputes
     ]
     for replay, budget in cases:
         model = _gpt_oss()
-        plan = ReplayRecipe(config=replay, retention=budget).lay_out(batch, model, loss).plan
-        report = TreeReplay(model, loss, plan).accumulate(batch)
+        schedule = lay_out(batch, model, loss, replay, retention=budget).schedule
+        report = TreeReplay(model, loss, replay).accumulate(batch, schedule)
         assert budget is None or report.recomputed_units > 0
         dev = deviation(flat_grad(model), flat).abs
         assert dev <= 5.0 * floor, f"{replay}, budget {budget}: {dev:.3e} > 5 x {floor:.3e}"

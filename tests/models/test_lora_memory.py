@@ -21,10 +21,11 @@ from treetrain.memory.ledger import Residency, predict_ledger
 from treetrain.memory.overrides import Overrides
 from treetrain.memory.persistent import full_finetune_bytes, model_persistent_bytes
 from treetrain.memory.planner import plan_update
-from treetrain.memory.replay_recipe import ReplayRecipe
+from treetrain.memory.replay_layout import lay_out
 from treetrain.memory.tracker import MemoryTracker
 from treetrain.models.lora import AdaptersOff
 from treetrain.replay import ReplayConfig, TreeReplay
+from treetrain.replay.replay_schedule import ReplayHooks
 from treetrain.replay.verify import deviation, flat_grad, flat_gradient, noise_floor
 from treetrain.train.config import load_config
 
@@ -80,10 +81,11 @@ def test_lora_under_a_retention_budget_with_kept_graphs_and_the_tracker() -> Non
     for p in model.parameters():
         p.grad = torch.zeros_like(p) if p.requires_grad else None
     tracker = MemoryTracker()
-    recipe = ReplayRecipe(config=replay, retention=budget, keep_graph=keep, tracker=tracker)
-    plan = recipe.lay_out(batch, model, KL, AdaptersOff(model)).plan
-    engine = TreeReplay(model, KL, plan, ref_model=AdaptersOff(model))
-    report = engine.accumulate(batch)
+    schedule = lay_out(
+        batch, model, KL, replay, retention=budget, keep_graph=keep, ref_model=AdaptersOff(model)
+    ).schedule
+    engine = TreeReplay(model, KL, replay, ref_model=AdaptersOff(model), hooks=ReplayHooks(tracker=tracker))
+    report = engine.accumulate(batch, schedule)
     tracker.detach()
     assert report.recomputed_units > 0 and report.kept_graphs > 0
     floor = noise_floor(make, batch, KL, adapters_off_reference=True)
@@ -127,12 +129,8 @@ def test_planner_budgets_both_kv_sets_and_falls_back_to_two_walks() -> None:
     tight = Overrides(**forced, retention=mins["separate"])
     plan = plan_update(batch, model, budget=1 << 30, loss=KL, ref_model=ref, overrides=tight)
     assert plan.reference_walk == "separate" and "runs as a second walk" in plan.explain()
-    bounded = (
-        ReplayRecipe(config=plan.replay_config(), retention=plan.retention)
-        .lay_out(batch, model, KL, ref)
-        .plan
-    )
-    report = TreeReplay(model, KL, bounded, ref_model=ref).accumulate(batch)
+    bounded = plan.lay_out(batch, model, KL, ref).schedule
+    report = TreeReplay(model, KL, plan.config, ref_model=ref).accumulate(batch, bounded)
     assert report.reference_walks == len(batch.work) and report.evicted_units > 0
     floor = noise_floor(make, batch, KL, adapters_off_reference=True)
     flat_model = make()

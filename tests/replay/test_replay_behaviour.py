@@ -12,7 +12,7 @@ from treetrain.loss.loss_config import LossConfig
 from treetrain.models.presets import tiny_model
 from treetrain.models.support import SupportGate, UnsupportedModelError, check_supported
 from treetrain.replay import BackwardFailed, ReplayConfig, TreeReplay
-from treetrain.replay.replay_plan import ReplayHooks
+from treetrain.replay.replay_schedule import ReplayHooks
 from treetrain.replay.resident import ResidentIdentity, ResidentKey, ResidentStore, StaleResidentStateError
 from treetrain.replay.verify import flat_grad, tree_gradient
 from treetrain.tree.synthetic import synthetic_group

@@ -26,7 +26,7 @@ from support.replay_cases import SHAPES, factory, make_batch
 from support.sampler_cases import resampled
 
 from treetrain.loss.loss_config import LossConfig
-from treetrain.memory.replay_recipe import ReplayRecipe
+from treetrain.memory.replay_layout import lay_out
 from treetrain.models.presets import EAGER_ONLY, RECURRENT_FAMILIES
 from treetrain.models.support import UnsupportedModelError, check_supported
 from treetrain.replay import ReplayConfig, TreeReplay
@@ -71,13 +71,13 @@ def _kept_deviation(family: str) -> tuple[float, float]:
     batch = make_batch(SHAPES["multi_level"](0), KEPT)
     replay = ReplayConfig(microbatch=1, chunk_size=5)
     model = make()
-    free = ReplayRecipe(config=replay, keep_graph=_keep_all).lay_out(batch, model, KEPT)
+    free = lay_out(batch, model, KEPT, replay, keep_graph=_keep_all)
     minimum = max(p.minimum for p in free.retention)
     assert minimum < max(p.peak for p in free.retention), "the case leaves nothing to evict"
-    laid = ReplayRecipe(config=replay, retention=minimum, keep_graph=_keep_all).lay_out(batch, model, KEPT)
-    assert any(s.kept for s in laid.plan.trees), "the plan keeps no graph"
+    laid = lay_out(batch, model, KEPT, replay, retention=minimum, keep_graph=_keep_all)
+    assert any(s.kept for s in laid.schedule.trees), "the plan keeps no graph"
     model.zero_grad(set_to_none=True)
-    report = TreeReplay(model, KEPT, laid.plan, ref_model=make_ref()).accumulate(batch)
+    report = TreeReplay(model, KEPT, replay, ref_model=make_ref()).accumulate(batch, laid.schedule)
     assert report.recomputed_units > 0, "the smallest budget should force recomputes"
     floor = noise_floor(make, batch, KEPT, make_ref)
     flat = flat_gradient(make(), batch, KEPT, make_ref())

@@ -22,7 +22,7 @@ from support.replay_cases import SHAPES, VOCAB, factory, make_batch
 
 from treetrain.loss.loss_config import LossConfig
 from treetrain.memory.persistent import kv_bytes_per_token, state_bytes_per_unit, unit_resident_bytes
-from treetrain.memory.replay_recipe import ReplayRecipe
+from treetrain.memory.replay_layout import lay_out
 from treetrain.memory.tracker import MemoryTracker
 from treetrain.models.decoder import decoder_forward
 from treetrain.models.layer_entry import entry_bytes
@@ -38,8 +38,9 @@ from treetrain.models.presets import (
 from treetrain.models.recurrent_kinds import Kind
 from treetrain.models.recurrent_state import hybrid_layers, mixers, recurrent_layers
 from treetrain.models.support import SupportGate, UnsupportedModelError, check_supported
-from treetrain.replay import ReplayConfig, ReplayPlan, TreeReplay
+from treetrain.replay import ReplayConfig, TreeReplay
 from treetrain.replay.pieces import own_kv, pad_pieces
+from treetrain.replay.replay_schedule import ReplayHooks
 from treetrain.replay.units import UnitTree
 from treetrain.replay.verify import deviation, flat_grad, flat_gradient, noise_floor, tree_gradient
 
@@ -324,8 +325,10 @@ def test_recurrent_gradient_unchanged_under_a_retention_budget(contract: str, fa
         model = make()
         model.zero_grad(set_to_none=True)
         tracker = MemoryTracker()
-        policy = ReplayRecipe(config=replay, retention=budget, tracker=tracker).lay_out(batch, model, loss)
-        report = TreeReplay(model, loss, policy.plan).accumulate(batch)
+        policy = lay_out(batch, model, loss, replay, retention=budget)
+        report = TreeReplay(model, loss, replay, hooks=ReplayHooks(tracker=tracker)).accumulate(
+            batch, policy.schedule
+        )
         tracker.detach()
         return flat_grad(model), report, policy, tracker
 
@@ -408,7 +411,7 @@ def test_ledger_books_recurrent_state_exactly(contract: str, family: str) -> Non
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     tracker = MemoryTracker()
-    report = TreeReplay(model, loss, ReplayPlan(config=replay, tracker=tracker)).accumulate(batch)
+    report = TreeReplay(model, loss, replay, hooks=ReplayHooks(tracker=tracker)).accumulate(batch)
     tracker.detach()
     assert report.measured_peak is not None
     resident = max(r.bytes.prompt_group for r in ledger.rows)

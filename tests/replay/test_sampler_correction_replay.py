@@ -21,7 +21,7 @@ from support.sampler_cases import resampled, trainer_logprobs, with_sampler_logp
 
 from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.sampler_correction import SamplerGap
-from treetrain.memory.replay_recipe import ReplayRecipe
+from treetrain.memory.replay_layout import lay_out
 from treetrain.replay import FlatReference, ReplayConfig, TreeReplay, UpdateBatch
 from treetrain.replay.verify import deviation, flat_grad, flat_gradient, noise_floor
 from treetrain.trajectory import Role
@@ -56,9 +56,11 @@ def _hand(trees: list[TrajectoryTree]) -> list[tuple[str, int, list[tuple[float,
     return out
 
 
-def _tree_grad(batch: UpdateBatch, loss: LossConfig, plan: ReplayRecipe | ReplayConfig) -> torch.Tensor:
+def _tree_grad(batch: UpdateBatch, loss: LossConfig, plan: tuple[ReplayConfig, Any]) -> torch.Tensor:
     model = make()
-    TreeReplay(model, loss, ReplayRecipe.of(plan).lay_out(batch, model, loss).plan).accumulate(batch)
+    config, keep = plan
+    schedule = lay_out(batch, model, loss, config, keep_graph=keep).schedule
+    TreeReplay(model, loss, config).accumulate(batch, schedule)
     return flat_grad(model)
 
 
@@ -66,13 +68,15 @@ def _keep_all(units):  # every internal unit keeps its first graph
     return frozenset(u.index for u in units.units if u.children)
 
 
-PLANS = {
-    "K2": ReplayConfig(microbatch=2),
-    "K1-chunk3-reverse": ReplayConfig(microbatch=1, chunk_size=3, order="reverse", score_microbatch=1),
-    "K0-shuffle-kept-graphs": ReplayRecipe(
-        config=ReplayConfig(order="shuffle", seed=5), keep_graph=_keep_all
+PLANS: dict[str, tuple[ReplayConfig, Any]] = {
+    "K2": (ReplayConfig(microbatch=2), None),
+    "K1-chunk3-reverse": (
+        ReplayConfig(microbatch=1, chunk_size=3, order="reverse", score_microbatch=1),
+        None,
     ),
+    "K0-shuffle-kept-graphs": (ReplayConfig(order="shuffle", seed=5), _keep_all),
 }
+"""Name -> (replay config, kept graphs)."""
 
 
 @pytest.mark.parametrize("plan", list(PLANS))
@@ -127,7 +131,9 @@ def test_negative_control_a_perturbed_sampler_logprob_moves_the_gradient_only_un
             continue
         floor = noise_floor(make, before, loss)
         assert float((g0 - g1).norm()) > 100 * FACTOR * floor
-        tree_g1 = _tree_grad(after, loss, ReplayConfig(microbatch=2))  # the tree path sees the same change
+        tree_g1 = _tree_grad(
+            after, loss, (ReplayConfig(microbatch=2), None)
+        )  # the tree path sees the same change
         assert deviation(tree_g1, g1).abs <= FACTOR * floor
 
 
@@ -144,7 +150,7 @@ def test_a_weight_over_the_cap_counts_as_the_cap(trees) -> None:
     floor = noise_floor(make, make_batch(far, TRUNCATE), TRUNCATE)
     assert float((g_far - g_cap).norm()) <= FACTOR * floor
     assert (
-        deviation(_tree_grad(make_batch(far, TRUNCATE), TRUNCATE, ReplayConfig()), g_cap).abs
+        deviation(_tree_grad(make_batch(far, TRUNCATE), TRUNCATE, (ReplayConfig(), None)), g_cap).abs
         <= FACTOR * floor
     )
     wide = LossConfig(sampler_correction="token_truncate", sampler_correction_cap=30.0)  # negative control
@@ -167,7 +173,9 @@ def test_sequence_mask_drops_exactly_the_trajectories_outside_the_cap(trees) -> 
     expected = flat_gradient(make(), only_kept, plain)
     floor = noise_floor(make, only_kept, plain)
     assert deviation(flat_gradient(make(), batch, MASK), expected).abs <= FACTOR * floor
-    assert deviation(_tree_grad(batch, MASK, ReplayConfig(microbatch=2)), expected).abs <= FACTOR * floor
+    assert (
+        deviation(_tree_grad(batch, MASK, (ReplayConfig(microbatch=2), None)), expected).abs <= FACTOR * floor
+    )
     renormalized = flat_gradient(
         make(), make_batch([*trees], plain), plain
     )  # negative control: nothing dropped
@@ -269,9 +277,9 @@ def test_exact_matches_flat_at_a_sampling_temperature(hot_trees, name: str, plan
     floor = noise_floor(make, batch, loss, make_ref if ref is not None else None)
     flat = flat_gradient(make(), batch, loss, ref)
     model = make()
-    TreeReplay(
-        model, loss, ReplayRecipe.of(PLANS[plan]).lay_out(batch, model, loss, ref).plan, ref_model=ref
-    ).accumulate(batch)
+    config, keep = PLANS[plan]
+    schedule = lay_out(batch, model, loss, config, keep_graph=keep, ref_model=ref).schedule
+    TreeReplay(model, loss, config, ref_model=ref).accumulate(batch, schedule)
     dev = deviation(flat_grad(model), flat)
     assert float(flat.norm()) > 0
     assert dev.abs <= FACTOR * floor, f"{name}/{plan}: {dev.abs:.3e} > {FACTOR} x {floor:.3e}"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from functools import partial
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -23,11 +24,16 @@ from support.replay_cases import SHAPES, VOCAB, factory
 from treetrain.distributed import OptimizerConfig, TorchBackend
 from treetrain.loss.advantages import AdvantageConfig
 from treetrain.loss.loss_config import LossConfig
+from treetrain.memory.overrides import Mode
 from treetrain.models.lora import AdaptersOff
 from treetrain.replay import FlatReference, ReplayConfig, TreeReplay, UpdateBatch
-from treetrain.replay.replay_plan import ReplayHooks
+from treetrain.replay.replay_schedule import ReplayHooks
+from treetrain.replay.schedule import Contract
 from treetrain.replay.verify import _perturb
-from treetrain.update.window_types import Group
+from treetrain.update.learner import Learner
+from treetrain.update.run import UpdateOutcome, run_update
+from treetrain.update.settings import ReplaySection, UpdateConfig
+from treetrain.update.window_types import Group, WindowReport
 
 LOSS = LossConfig()
 OPTIMIZER = OptimizerConfig(name="sgd", lr=1.0, weight_decay=0.0, grad_clip=0.0)
@@ -156,3 +162,33 @@ def uneven_owned(update: Sequence[Group], world_size: int, kind: str) -> list[li
         per_rank[target] = set(range(len(tree.records)))
         owned.append(per_rank)
     return owned
+
+
+def settings(
+    mode: Mode = "tree",
+    microbatch: int | None = 0,
+    seed: int = 0,
+    loss: LossConfig = LOSS,
+    contract: Contract = "exact",
+) -> UpdateConfig:
+    """The update's settings with the plan's choices forced (tree mode: every sibling in one step)."""
+    replay = ReplaySection(
+        contract=contract, microbatch=microbatch, chunk_size=0, retention="unbounded", keep_graphs="none"
+    )
+    return UpdateConfig(
+        policy_loss=loss, advantages=AdvantageConfig(zero_variance="keep"), replay=replay, mode=mode,
+        memory_budget="64GiB", seed=seed,
+    )  # fmt: skip
+
+
+def rollouts(update: Sequence[Group]) -> list[tuple[Any, ...]]:
+    return [g.trees for g in update]
+
+
+def update(
+    learner: Learner, update: Sequence[Group], cfg: UpdateConfig | None = None, **kw: Any
+) -> WindowReport:
+    """One `run_update` over `update`'s trees; its report."""
+    outcome: UpdateOutcome = run_update(learner, cfg or settings(), rollouts(update), **kw)
+    assert outcome.report is not None
+    return outcome.report

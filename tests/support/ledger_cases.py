@@ -8,8 +8,9 @@ from treetrain.lifetime import ClassBytes
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
 from treetrain.loss.loss_config import LossConfig
 from treetrain.memory.tracker import MemoryTracker
-from treetrain.replay import ReplayConfig, ReplayPlan, TreeReplay, UpdateBatch
+from treetrain.replay import ReplayConfig, TreeReplay, UpdateBatch
 from treetrain.replay.flat_reference import FlatReference
+from treetrain.replay.replay_schedule import ReplayHooks
 from treetrain.tree.synthetic import synthetic_group
 
 
@@ -37,7 +38,7 @@ def measured_tree(
     """The tracker's peak by class of one tree update."""
     zero_grads(model)
     tracker = MemoryTracker()
-    report = TreeReplay(model, loss, ReplayPlan(config=replay, tracker=tracker)).accumulate(batch)
+    report = TreeReplay(model, loss, replay, hooks=ReplayHooks(tracker=tracker)).accumulate(batch)
     tracker.detach()
     assert report.measured_peak is not None
     return report.measured_peak

@@ -32,9 +32,9 @@ def test_every_shared_setting_is_declared_once() -> None:
 
 
 @pytest.mark.parametrize("name", SHARED)
-def test_the_engine_config_carries_each_shared_setting(name: str) -> None:
+def test_the_replay_config_carries_each_shared_setting(name: str) -> None:
     section = ReplaySection(**{name: CHANGED[name]})
-    config = section.engine_config(seed=7)
+    config = section.replay_config(seed=7)
     assert getattr(config, name) == CHANGED[name] and config.seed == 7
     # negative control: a config not derived from the section keeps the default
     assert getattr(ReplayConfig(seed=7), name) != CHANGED[name]

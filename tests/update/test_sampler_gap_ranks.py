@@ -4,19 +4,19 @@
 from __future__ import annotations
 
 import pytest
-from support.dist_cases import LOSS, OPTIMIZER, groups, make_model
+from support.dist_cases import OPTIMIZER, groups, make_model, settings, update
 from support.fake_world import ThreadRankBackend, ThreadWorld
 
 from treetrain.distributed import TorchBackend, round_robin
-from treetrain.replay import ReplayPlan
-from treetrain.replay.replay_plan import Mode
-from treetrain.update.window import UpdateWindow
+from treetrain.memory.overrides import Mode
+from treetrain.update.learner import Learner
 from treetrain.update.window_types import WindowReport
 
 
 @pytest.mark.parametrize("mode", ["tree", "flat"])
 def test_ranks_report_the_gap_of_the_whole_update(mode: Mode) -> None:
-    one = UpdateWindow(TorchBackend(make_model(), OPTIMIZER), LOSS, ReplayPlan(mode)).run(groups())
+    cfg = settings(mode, None if mode == "flat" else 0)
+    one = update(Learner(TorchBackend(make_model(), OPTIMIZER)), groups(), cfg)
     assert one.sampler_gap.tokens > 0 and one.sampler_gap == one.local.sampler_gap
 
     world = ThreadWorld(2)
@@ -28,8 +28,7 @@ def test_ranks_report_the_gap_of_the_whole_update(mode: Mode) -> None:
 
     def rank(r: int):
         def fn() -> WindowReport:
-            window = UpdateWindow(backends[r], LOSS, ReplayPlan(mode))
-            return window.run(groups(), round_robin(trees, world.size))
+            return update(Learner(backends[r]), groups(), cfg, placement=round_robin(trees, world.size))
 
         return fn
 

@@ -1,6 +1,7 @@
-"""The update window without DeepSpeed: exactly-once accounting and fault handling, on one process and on
-ranks simulated by threads (tests/support/fake_world.py). References are the engine run directly (dist_cases),
-compared as SGD deltas (-lr * g), so a gradient of the wrong scale fails as surely as a wrong direction."""
+"""The update (`run_update`, as the trainer calls it) without DeepSpeed: exactly-once accounting and fault
+handling, on one process and on ranks simulated by threads (tests/support/fake_world.py). References are the
+engine run directly (dist_cases), compared as SGD deltas (-lr * g), so a gradient of the wrong scale fails as
+surely as a wrong direction."""
 
 from __future__ import annotations
 
@@ -10,7 +11,18 @@ from typing import Any
 
 import pytest
 import torch
-from support.dist_cases import ADAMW, LOSS, OPTIMIZER, delta_floor, groups, make_model, params_vector
+from support.dist_cases import (
+    ADAMW,
+    LOSS,
+    OPTIMIZER,
+    delta_floor,
+    groups,
+    make_model,
+    params_vector,
+    rollouts,
+    settings,
+    update,
+)
 from support.fake_world import FlakyBackend, ThreadRankBackend, ThreadWorld
 
 from treetrain.distributed import (
@@ -24,14 +36,18 @@ from treetrain.distributed.backend_choice import make_backend
 from treetrain.distributed.checkpoint_io import CheckpointError
 from treetrain.errors import ConfigError
 from treetrain.loss.manifest import ManifestError
+from treetrain.memory.overrides import Mode
 from treetrain.memory.retention import BudgetTooSmallError
 from treetrain.models.support import UnsupportedModelError
-from treetrain.replay import BackwardFailed, ReplayConfig, ReplayPlan, TreeReplay, UpdateBatch
-from treetrain.replay.replay_plan import Mode, ReplayHooks
+from treetrain.replay import BackwardFailed, TreeReplay, UpdateBatch
+from treetrain.replay.replay_schedule import ReplayHooks
 from treetrain.replay.resident import ResidentIdentity, ResidentKey, ResidentStore, StaleResidentStateError
 from treetrain.replay.schedule import ReplayStep
-from treetrain.update.faults import is_transient
-from treetrain.update.window import UpdateWindow
+from treetrain.update.faults import is_transient, replay_window
+from treetrain.update.learner import Learner
+from treetrain.update.planning import plan_for
+from treetrain.update.run import run_update
+from treetrain.update.window import open_window
 from treetrain.update.window_types import WindowConfig
 
 FACTOR = 5.0
@@ -59,8 +75,8 @@ def _run(
 ) -> tuple[torch.Tensor, Any]:
     backend = backend or TorchBackend(make_model(), OPTIMIZER)
     start = params_vector(backend.module)
-    window = UpdateWindow(backend, LOSS, ReplayPlan(mode), hooks=ReplayHooks(step=step_hook))
-    report = window.run(groups())
+    learner = Learner(backend, hooks=ReplayHooks(step=step_hook))
+    report = update(learner, groups(), settings(mode, None if mode == "flat" else 0))
     return params_vector(backend.module) - start, report
 
 
@@ -137,7 +153,7 @@ def test_repeated_out_of_memory_in_backward_narrows_k(
     _close(delta, flat)
     assert not report.dropped and report.window_resets == 1  # two siblings per step, then K = 1
     # Without narrowing, every attempt fails the same way and the groups are dropped.
-    monkeypatch.setattr("treetrain.update.window.OpenWindow._narrow_after_oom", lambda self, exc: None)
+    monkeypatch.setattr("treetrain.update.faults._Replay._narrow_after_oom", lambda self, exc: None)
     backend = WideStepOOMBackend(make_model(), OPTIMIZER)
     with pytest.raises(ManifestError, match="dropped"):
         _run(backend, step_hook=backend.hook)
@@ -146,20 +162,22 @@ def test_repeated_out_of_memory_in_backward_narrows_k(
 def test_out_of_memory_in_backward_lays_out_a_narrower_plan_for_a_fresh_replayer(
     flat: tuple[torch.Tensor, float],
 ) -> None:
-    """The window asks the recipe for half the widest step's rows and builds a new replayer from the plan
-    laid out from it; the first replayer and its plan are left as they were, and the update equals flat."""
+    """The update narrows its plan to half the widest step's rows and builds a new replayer from it; the
+    first replayer and the update's plan are left as they were, and the update equals flat."""
     backend = WideStepOOMBackend(make_model(), OPTIMIZER)
     start = params_vector(backend.module)
-    window = UpdateWindow(backend, LOSS, ReplayConfig(), hooks=ReplayHooks(step=backend.hook))
-    opened = window.open(groups())
-    first, first_plan = opened.replayer, opened.plan
-    opened.replay_all()
-    assert isinstance(first, TreeReplay) and isinstance(opened.replayer, TreeReplay)
-    assert opened.replayer is not first and first.plan is first_plan and first.widest_step == 2
-    assert first_plan.config.microbatch == 0 and opened.recipe.config.microbatch == 1
-    assert opened.plan.config.microbatch == 1 and opened.replayer.widest_step == 1
-    report = opened.commit()
-    assert report.window_resets == 1 and not report.dropped
+    learner = Learner(backend, hooks=ReplayHooks(step=backend.hook))
+    built: list[Any] = []
+    replayer = learner.replayer
+    learner.replayer = lambda plan, loss, tracker=None: (
+        built.append((plan, replayer(plan, loss, tracker))) or built[-1][1]
+    )  # type: ignore[method-assign]
+    outcome = run_update(learner, settings(), rollouts(groups()))
+    assert [p.microbatch for p, _ in built] == [0, 1] and outcome.plan is built[0][0]
+    first, second = built[0][1], built[1][1]
+    assert isinstance(first, TreeReplay) and isinstance(second, TreeReplay) and first is not second
+    assert first.widest_step == 2 and second.widest_step == 1 and first.cfg.microbatch == 0
+    assert outcome.report is not None and outcome.report.window_resets == 1 and not outcome.report.dropped
     _close(params_vector(backend.module) - start, flat)
 
 
@@ -180,13 +198,11 @@ def test_a_permanent_error_is_raised_at_once_without_retry_or_drop(exc: Exceptio
     backend = TorchBackend(make_model(), OPTIMIZER)
     start = params_vector(backend.module)
     hook = Raise("forward", {1}, exc)
-    window = UpdateWindow(backend, LOSS, hooks=ReplayHooks(step=hook))
-    opened = window.open(groups())
+    learner = Learner(backend, hooks=ReplayHooks(step=hook))
     with pytest.raises(type(exc)) as raised:
-        opened.replay_all()
+        update(learner, groups())
     assert raised.value is exc and hook.count == 1, "retried"
-    assert not opened.failures and not opened.dropped and opened.counters.tree_retries == 0
-    assert not opened.claims.covered and window.version == 0
+    assert learner.version == 0 and all(p.grad is None for p in backend.params)
     assert torch.equal(params_vector(backend.module), start)
 
 
@@ -197,13 +213,12 @@ def test_a_permanent_error_after_a_backward_discards_the_partial_gradient(
     backend = TorchBackend(make_model(), OPTIMIZER)
     start = params_vector(backend.module)
     hook = Raise("backward", {2}, ValueError("bad advantage"))
-    window = UpdateWindow(backend, LOSS, hooks=ReplayHooks(step=hook))
-    opened = window.open(groups())
+    learner = Learner(backend, hooks=ReplayHooks(step=hook))
     with pytest.raises(ValueError, match="bad advantage"):
-        opened.replay_all()
-    assert all(p.grad is None for p in backend.params) and not opened.claims.covered
-    assert opened.counters.window_resets == 0 and not opened.failures
-    opened.commit()
+        update(learner, groups())
+    assert all(p.grad is None for p in backend.params) and learner.version == 0
+    report = update(learner, groups())
+    assert report.window_resets == 0 and report.tree_retries == 0
     _close(params_vector(backend.module) - start, flat)
 
 
@@ -215,11 +230,11 @@ class BadInputBackend(TorchBackend):
 
 
 def test_a_backward_failing_on_bad_input_is_not_retried() -> None:
-    opened = UpdateWindow(BadInputBackend(make_model(), OPTIMIZER), LOSS).open(groups())
+    learner = Learner(BadInputBackend(make_model(), OPTIMIZER))
     with pytest.raises(BackwardFailed) as raised:
-        opened.replay_all()
+        update(learner, groups())
     assert isinstance(raised.value.__cause__, ValueError)
-    assert opened.counters.window_resets == 0 and not opened.failures
+    assert learner.backward_calls == 1 and learner.version == 0
 
 
 @pytest.mark.parametrize(
@@ -245,26 +260,25 @@ def test_transient_and_permanent_kinds(exc: Exception, transient: bool) -> None:
 
 
 class TreeFault(Raise):
-    """A hook that always raises while `tree_id` is being replayed by `window` (given once it is built)."""
+    """A hook that always raises while `tree_id` is being replayed by `learner` (given once it is built)."""
 
     def __init__(self, tree_id: str) -> None:
         super().__init__("forward", set(range(1, 1000)), RuntimeError("broken tree"), when=self._in_tree)
         self.tree_id = tree_id
-        self.window: UpdateWindow | None = None
+        self.learner: Learner | None = None
 
     def _in_tree(self, step: ReplayStep) -> bool:
-        w = self.window
-        return w is not None and w.active is not None and w.active.current_tree == self.tree_id
+        return self.learner is not None and self.learner.current_tree == self.tree_id
 
 
 def test_a_group_that_keeps_failing_is_dropped_whole(caplog: pytest.LogCaptureFixture) -> None:
     backend = TorchBackend(make_model(), OPTIMIZER)
     start = params_vector(backend.module)
     fault = TreeFault(groups()[1].trees[0].id)
-    window = UpdateWindow(backend, LOSS, cfg=WindowConfig(tree_attempts=2), hooks=ReplayHooks(step=fault))
-    fault.window = window
+    learner = Learner(backend, retries=WindowConfig(tree_attempts=2), hooks=ReplayHooks(step=fault))
+    fault.learner = learner
     with caplog.at_level(logging.ERROR, logger="treetrain.update"):
-        report = window.run(groups())
+        report = update(learner, groups())
     assert [d.index for d in report.dropped] == [1] and "broken tree" in report.dropped[0].reason
     assert any("dropped from the update" in r.message for r in caplog.records)
     assert report.contributions == 6 and report.tree_retries == 1
@@ -275,54 +289,58 @@ def test_every_group_failing_refuses_the_step() -> None:
     backend = TorchBackend(make_model(), OPTIMIZER)
     start = params_vector(backend.module)
     hooks = ReplayHooks(step=Raise("forward", set(range(1, 99)), RuntimeError("x")))
-    window = UpdateWindow(backend, LOSS, cfg=WindowConfig(tree_attempts=1), hooks=hooks)
+    learner = Learner(backend, retries=WindowConfig(tree_attempts=1), hooks=hooks)
     with pytest.raises(ManifestError, match="every group of the update was dropped"):
-        window.run(groups())
-    assert torch.equal(params_vector(backend.module), start) and window.version == 0
+        update(learner, groups())
+    assert torch.equal(params_vector(backend.module), start) and learner.version == 0
 
 
-def test_duplicate_and_unknown_requests_are_refused(flat: tuple[torch.Tensor, float]) -> None:
+def test_a_replayed_contribution_cannot_be_claimed_again() -> None:
+    """Steps 4 and 5 of `run_update` on their own: after the replay every key of this rank is covered, and
+    a second claim of any of them (a second replay) is refused instead of counted twice."""
     backend = TorchBackend(make_model(), OPTIMIZER)
-    start = params_vector(backend.module)
-    opened = UpdateWindow(backend, LOSS).open(groups())
-    opened.replay_all()
-    for tree_id in opened.work:
-        with pytest.raises(DuplicateContributionError, match="a second replay would count it twice"):
-            opened.replay(tree_id)
-    with pytest.raises(ManifestError, match="has no contributions on rank 0"):
-        opened.replay("f" * 32)
-    opened.commit()
-    with pytest.raises(RuntimeError, match="already committed"):
-        opened.commit()
-    _close(params_vector(backend.module) - start, flat)
-
-
-def test_commit_bumps_the_version_and_invalidates_resident_state() -> None:
-    backend = TorchBackend(make_model(), OPTIMIZER)
-    window = UpdateWindow(
-        backend, LOSS, store=ResidentStore(ResidentIdentity.of(backend.module, tokenizer="tok-1"))
+    learner = Learner(backend)
+    update_groups = groups()
+    trees = [t for g in update_groups for t in g.trees]
+    batch = UpdateBatch.build(trees, [a for g in update_groups for a in g.advantages], LOSS)
+    plan = plan_for(settings(), batch, backend.module, None)
+    window, replayed = replay_window(
+        learner, open_window(learner, update_groups, plan, LOSS, batch=batch), LOSS
     )
+    assert replayed.tree_retries == 0 and window.claims.complete
+    for work in window.work.values():
+        with pytest.raises(DuplicateContributionError, match="a second replay would count it twice"):
+            window.claims.claim(window.keys(work))
+
+
+def test_a_step_bumps_the_version_and_invalidates_resident_state() -> None:
+    backend = TorchBackend(make_model(), OPTIMIZER)
+    learner = Learner(backend, store=ResidentStore(ResidentIdentity.of(backend.module, tokenizer="tok-1")))
     tree = groups()[0].trees[0]
     key = ResidentKey(tree.id, 1, tree.nodes[1].id)
-    old = window.identity
-    opened = window.open(groups())
-    opened.replay_all()
-    window.store.put(key, [(torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2))], old)  # kept across the step
-    opened.commit()
-    assert window.version == 1 and window.identity == old.bumped()
+    old = learner.identity
+    step = backend.step
+
+    def put_then_step() -> bool:  # resident state still held when the optimizer steps
+        learner.store.put(key, [(torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2))], old)
+        return step()
+
+    backend.step = put_then_step  # type: ignore[method-assign]
+    assert update(learner, groups()).version == 1
+    assert learner.version == 1 and learner.identity == old.bumped()
     with pytest.raises(StaleResidentStateError, match="invalidated by an optimizer step"):
-        window.store.get(key, window.identity)
+        learner.store.get(key, learner.identity)
     with pytest.raises(StaleResidentStateError, match="the store holds identity"):
-        window.store.get(key, old)
-    second = window.open(groups(1))
-    assert {k.version for k in second.claims.expected} == {1}
+        learner.store.get(key, old)
+    backend.step = step  # type: ignore[method-assign]
+    assert update(learner, groups(1)).version == 2
 
 
 def _thread_ranks(
     world: ThreadWorld,
     *,
     fail_on: dict[int, list[int]] | None = None,
-    replay: Any = lambda rank: None,
+    microbatch: Any = lambda rank: 0,
     version: Any = lambda rank: 0,
     hook: Any = lambda rank: None,
     mean: bool = False,
@@ -340,10 +358,11 @@ def _thread_ranks(
             start = params_vector(backends[r].module)
             store = ResidentStore(ResidentIdentity.of(backends[r].module, version=version(r)))
             step = hook(r)
-            window = UpdateWindow(backends[r], LOSS, replay(r), store=store, hooks=ReplayHooks(step=step))
+            learner = Learner(backends[r], store=store, hooks=ReplayHooks(step=step))
             if isinstance(step, TreeFault):
-                step.window = window
-            report = window.run(groups(), round_robin(trees, world.size))
+                step.learner = learner
+            cfg = settings(microbatch=microbatch(r), seed=r)
+            report = update(learner, groups(), cfg, placement=round_robin(trees, world.size))
             return params_vector(backends[r].module) - start, report
 
         return fn
@@ -394,24 +413,28 @@ class SkippingBackend(TorchBackend):
 def test_a_skipped_step_still_counts_as_a_committed_window() -> None:
     backend = SkippingBackend(make_model(), OPTIMIZER)
     start = params_vector(backend.module)
-    window = UpdateWindow(backend, LOSS)
+    learner = Learner(backend)
     tree = groups()[0].trees[0]
     key = ResidentKey(tree.id, 1, tree.nodes[1].id)
-    opened = window.open(groups())
-    opened.replay_all()
-    window.store.put(key, [(torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2))], window.identity)
-    report = opened.commit()
-    assert not report.step_applied and report.version == window.version == 1
+    step = backend.step
+
+    def put_then_step() -> bool:  # resident state still held when the optimizer skips its step
+        learner.store.put(key, [(torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2))], learner.identity)
+        return step()
+
+    backend.step = put_then_step  # type: ignore[method-assign]
+    report = update(learner, groups())
+    assert not report.step_applied and report.version == learner.version == 1
     assert torch.equal(params_vector(backend.module), start)
     with pytest.raises(StaleResidentStateError):
-        window.store.get(key, window.identity)
+        learner.store.get(key, learner.identity)
 
 
 def test_thread_ranks_match_one_process_under_faults(flat: tuple[torch.Tensor, float]) -> None:
     results = _thread_ranks(
         ThreadWorld(3),
         fail_on={1: [2]},
-        replay=lambda r: ReplayConfig(order="shuffle", seed=r, microbatch=r),
+        microbatch=lambda r: r,
         hook=lambda r: Raise("forward", {1}, RuntimeError("x")) if r == 2 else None,
     )
     for delta, _ in results:
@@ -436,17 +459,18 @@ def test_thread_ranks_refuse_a_version_mismatch() -> None:
 
 def test_torch_checkpoint_resume_reproduces_the_next_update(tmp_path: Any) -> None:
     backend = TorchBackend(make_model(), OPTIMIZER)
-    window = UpdateWindow(backend, LOSS)
-    window.run(groups(0))
+    learner = Learner(backend)
+    update(learner, groups(0))
     backend.save_checkpoint(tmp_path / "ckpt", {"version": 0})
-    backend.save_checkpoint(tmp_path / "ckpt", {"version": window.version})  # replaces atomically
-    window.run(groups(1))
+    backend.save_checkpoint(tmp_path / "ckpt", {"version": learner.version})  # replaces atomically
+    update(learner, groups(1))
     fresh = TorchBackend(make_model(), OPTIMIZER)
     state = fresh.load_checkpoint(tmp_path / "ckpt")
     assert state == {"version": 1}
-    UpdateWindow(
-        fresh, LOSS, store=ResidentStore(ResidentIdentity.of(fresh.module, version=state["version"]))
-    ).run(groups(1))
+    update(
+        Learner(fresh, store=ResidentStore(ResidentIdentity.of(fresh.module, version=state["version"]))),
+        groups(1),
+    )
     assert torch.equal(params_vector(fresh.module), params_vector(backend.module))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
     with pytest.raises(CheckpointError, match="not JSON-serializable"):
@@ -488,25 +512,39 @@ def test_make_backend_reads_trainer_settings() -> None:
 def test_negative_control_a_tree_counted_twice_is_far_outside_the_tolerance(
     flat: tuple[torch.Tensor, float],
 ) -> None:
+    """A replayer that accumulates its first tree twice, behind the claims' back, moves the update far."""
     backend = TorchBackend(make_model(), OPTIMIZER)
     start = params_vector(backend.module)
-    opened = UpdateWindow(backend, LOSS).open(groups())
-    opened.replay_all()
-    work = next(iter(opened.work.values()))
-    opened.replayer.accumulate(UpdateBatch((work,), opened.manifest))  # behind the claims' back
-    opened.commit()
+    learner = Learner(backend)
+    replayer = learner.replayer
+
+    def twice(plan: Any, loss: Any, tracker: Any = None) -> Any:
+        built = replayer(plan, loss, tracker)
+        once = built.accumulate
+        calls = [0]
+
+        def accumulate(batch: UpdateBatch, schedule: Any = None) -> Any:
+            calls[0] += 1
+            if calls[0] == 1:
+                once(batch, schedule)
+            return once(batch, schedule)
+
+        built.accumulate = accumulate
+        return built
+
+    learner.replayer = twice  # type: ignore[method-assign]
+    update(learner, groups())
     assert float((params_vector(backend.module) - start - flat[0]).norm()) > 100 * FACTOR * flat[1]
 
 
-def test_window_takes_over_a_given_identity_and_store() -> None:
+def test_the_update_takes_over_a_given_identity_and_store() -> None:
     backend = TorchBackend(make_model(), OPTIMIZER)
     identity = ResidentIdentity.of(backend.module, version=7, tokenizer="tok")
     store = ResidentStore(identity)
-    window = UpdateWindow(backend, LOSS, store=store)
-    assert window.identity == identity
-    assert {k.version for k in window.open(groups()).claims.expected} == {7}
-    window.active.commit()  # type: ignore[union-attr]
-    assert window.identity == identity.bumped() and store.identity == identity.bumped()
+    learner = Learner(backend, store=store)
+    assert learner.identity == identity
+    assert update(learner, groups()).version == 8
+    assert learner.identity == identity.bumped() and store.identity == identity.bumped()
 
 
 def test_torch_backend_refuses_a_non_finite_step() -> None:

@@ -153,7 +153,8 @@ def test_ledger_plot_stacks_classes_and_marks_measured_peaks() -> None:
     from treetrain.memory.ledger import predict_ledger
     from treetrain.memory.tracker import MeasuredSegment, MemoryTracker
     from treetrain.models.presets import tiny_model
-    from treetrain.replay import ReplayConfig, ReplayPlan, TreeReplay, UpdateBatch
+    from treetrain.replay import ReplayConfig, TreeReplay, UpdateBatch
+    from treetrain.replay.replay_schedule import ReplayHooks
     from treetrain.viz.ledger_plot import measured_peaks, plot_ledger
 
     segs = [
@@ -172,7 +173,7 @@ def test_ledger_plot_stacks_classes_and_marks_measured_peaks() -> None:
     batch = UpdateBatch.build([tree], adv.trees, loss)
     ledger = predict_ledger(batch, model, replay, loss)
     tracker = MemoryTracker()
-    TreeReplay(model, loss, ReplayPlan(config=replay, tracker=tracker)).accumulate(batch)
+    TreeReplay(model, loss, replay, hooks=ReplayHooks(tracker=tracker)).accumulate(batch)
     tracker.detach()
     ax = plot_ledger(ledger, measured=tracker.segments, limit=ledger.peak.total)
     bars = [p for p in ax.patches]

@@ -26,7 +26,7 @@ from treetrain.models.support import SupportGate
 from treetrain.replay.batch import ReplayConfig, ReplayReport, UpdateBatch
 from treetrain.replay.flat_reference import FlatReference
 from treetrain.replay.protocols import MemoryProbe
-from treetrain.replay.replay_plan import ReplayPlan
+from treetrain.replay.replay_schedule import ReplayHooks
 from treetrain.replay.tree_replay import TreeReplay
 from treetrain.tree.synthetic import synthetic_group
 from treetrain.tree.trajectory_tree import TrajectoryTree
@@ -95,8 +95,9 @@ def make_engine(
     return TreeReplay(
         model,
         LOSS,
-        ReplayPlan(config=replay_config(mode, cfg), tracker=tracker),
+        replay_config(mode, cfg),
         support=SupportGate(trusting=True),
+        hooks=ReplayHooks(tracker=tracker),
     )
 
 

@@ -217,7 +217,7 @@ def _from_config(args: argparse.Namespace, named: NamedTrees) -> int:
     try:
         field = "--chunk-size" if args.chunk_size is not None else "replay.chunk_size"
         check_planning_work(named, cfg.replay.chunk_size, field)
-        batch = _batch(named, cfg.loss, cfg.advantages)
+        batch = _batch(named, cfg.policy_loss, cfg.advantages)
         planned = plan_for(
             cfg, batch, models.policy, models.reference, world_size=args.world_size,
             zero_stage=cfg.distributed.zero_stage if args.zero_stage is None else args.zero_stage,

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from treetrain.loss.manifest import ContributionKey, ManifestError
@@ -140,6 +140,19 @@ def check_coverage(summaries: Sequence[str], manifest_keys: Sequence[Contributio
     for s in summaries:
         total = total.plus(CoverageSummary.decode(s))
     return total == CoverageSummary.of(manifest_keys)
+
+
+def require_coverage(
+    gather: Callable[[str], list[str]], claims: CoverageClaims, manifest_keys: Sequence[ContributionKey]
+) -> None:
+    """Collective (`gather` is the backend's): every manifest key covered exactly once over all ranks, or
+    `ManifestError` naming what is missing or doubled, and the optimizer step is refused."""
+    if check_coverage(gather(claims.summary().encode()), manifest_keys):
+        return
+    per_rank = [decode_keys(t) for t in gather(encode_keys(claims.covered))]
+    raise ManifestError(
+        f"coverage check failed, the optimizer step is refused: {explain_mismatch(per_rank, manifest_keys)}"
+    )
 
 
 def explain_mismatch(

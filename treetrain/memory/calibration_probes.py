@@ -29,7 +29,7 @@ from treetrain.memory.persistent import kv_bytes_per_token, state_bytes_per_unit
 from treetrain.memory.tracker import MeasuredSegment, MemoryTracker
 from treetrain.models.support import SupportGate
 from treetrain.replay.batch import ReplayConfig, UpdateBatch
-from treetrain.replay.replay_plan import ReplayPlan
+from treetrain.replay.replay_schedule import ReplayHooks
 from treetrain.replay.schedule import Contract
 from treetrain.replay.tree_replay import TreeReplay
 from treetrain.trajectory import Call, Role, Segment, Trajectory
@@ -186,7 +186,7 @@ def measure(
             )
             tracker = MemoryTracker(next(model.parameters()).device)
             engine = TreeReplay(
-                model, loss, ReplayPlan(config=cfg, tracker=tracker), support=SupportGate(trusting=True)
+                model, loss, cfg, support=SupportGate(trusting=True), hooks=ReplayHooks(tracker=tracker)
             )
             engine.accumulate(batch)
             tracker.detach()

@@ -20,7 +20,7 @@ from typing import Literal
 
 from treetrain.loss.loss_config import LossConfig
 from treetrain.memory.persistent import unit_resident_bytes
-from treetrain.memory.retention import ResidentUse, RetentionPlan, plan_retention, tree_uses
+from treetrain.memory.retention import ResidentUse, Retention, plan_retention, tree_uses
 from treetrain.replay.batch import ReplayConfig, TreeWork
 from treetrain.replay.protocols import KeepGraph
 from treetrain.replay.schedule import Contract, ReplayStep, active_units, build_schedule
@@ -94,7 +94,7 @@ def recompute_shape(units: UnitTree, unit: int) -> Shape:
 def tree_events(
     units: UnitTree,
     uses: Sequence[ResidentUse],
-    plan: RetentionPlan,
+    plan: Retention,
     *,
     contract: Contract,
     kept_graphs: frozenset[int] = frozenset(),
@@ -180,13 +180,13 @@ def _reference_event(units: UnitTree, ev: ScoreBatch, use: int) -> MemEvent:
 
 
 @dataclass(frozen=True)
-class TreePlan:
+class TreeLayout:
     """Everything the engine will do with one tree, derived exactly as `TreeReplay` derives it."""
 
     units: UnitTree
     steps: tuple[ReplayStep, ...]
     uses: tuple[ResidentUse, ...]
-    plan: RetentionPlan
+    retention: Retention
     events: tuple[MemEvent, ...]
     kept: frozenset[int]
     reference_events: tuple[MemEvent, ...]
@@ -210,7 +210,7 @@ def plan_tree(
     keep_graph: KeepGraph | None = None,
     host_tier: bool = False,
     fused_reference: bool = False,
-) -> TreePlan:
+) -> TreeLayout:
     """The schedule, retention plan and forward events of one tree (see `TreeReplay._tree`).
 
     `fused_reference` (`treetrain.replay.tree_replay.fused_reference`): the reference is scored in the scoring
@@ -241,12 +241,12 @@ def plan_tree(
         fused_reference=fused,
     )  # fmt: skip
     kv = tuple(unit_resident_bytes(len(u), kv_bytes_per_token, state_bytes_per_unit) for u in units.units)
-    plan = plan_retention(uses, kv, budget)
+    retention = plan_retention(uses, kv, budget)
     events = tree_events(
-        units, uses, plan, contract=replay.contract, kept_graphs=kept, host_tier=host_tier,
+        units, uses, retention, contract=replay.contract, kept_graphs=kept, host_tier=host_tier,
         fused_reference=fused,
     )  # fmt: skip
     separate = loss.needs_reference and not fused
     ref_schedule = scoring_schedule(units, reference_need(units), replay.score_microbatch) if separate else ()
     reference = tuple(_reference_event(units, ev, -1) for ev in ref_schedule if isinstance(ev, ScoreBatch))
-    return TreePlan(units, steps, uses, plan, events, kept, reference, ref_schedule, kv, fused)
+    return TreeLayout(units, steps, uses, retention, events, kept, reference, ref_schedule, kv, fused)

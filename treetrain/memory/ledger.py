@@ -31,7 +31,7 @@ from treetrain.lifetime import CLASSES, ClassBytes
 from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.manifest import Manifest
 from treetrain.memory.calibrate import MemoryModel, calibrate
-from treetrain.memory.events import MemEvent, Shape, TreePlan, plan_tree
+from treetrain.memory.events import MemEvent, Shape, TreeLayout, plan_tree
 from treetrain.memory.persistent import PersistentBytes, model_persistent_bytes
 from treetrain.models.lora import Reference, reference_module
 from treetrain.replay.batch import ReplayConfig, UpdateBatch
@@ -208,8 +208,8 @@ def predict_ledger(
             state_bytes_per_unit=mm.state_bytes_per_unit, budget=residency.budget,
             keep_graph=residency.keep_graph, host_tier=residency.host_tier, fused_reference=fused,
         )  # fmt: skip
-        minimum = max(minimum, tp.plan.minimum)
-        recomputes += tp.plan.recomputes
+        minimum = max(minimum, tp.retention.minimum)
+        recomputes += tp.retention.recomputes
         walk = _TreeWalk(tp, mm, ref_mm, fixed, lp_size, t)
         rows.extend(walk.run(len(rows), reference=loss.needs_reference and not tp.fused_reference))
     if not rows:
@@ -242,7 +242,7 @@ class _TreeWalk:
     """Replays one tree's events on paper, keeping the resident set as the engine will."""
 
     def __init__(
-        self, tp: TreePlan, mm: MemoryModel, ref_mm: MemoryModel, fixed: ClassBytes, lp_size: int, tree: int
+        self, tp: TreeLayout, mm: MemoryModel, ref_mm: MemoryModel, fixed: ClassBytes, lp_size: int, tree: int
     ) -> None:
         self.tp, self.mm, self.ref_mm, self.fixed, self.lp_size, self.tree = (
             tp,
@@ -290,7 +290,7 @@ class _TreeWalk:
         for i, use in enumerate(self.tp.uses):
             if reference and i == first_step:
                 self._reference()
-            self._drop(self.tp.plan.evict[i], self.resident)
+            self._drop(self.tp.retention.evict[i], self.resident)
             for ev in by_use[i]:
                 self._event(ev, use.store, use.new_grads)
             self._drop(use.release, self.resident)

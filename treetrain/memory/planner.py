@@ -47,13 +47,13 @@ from treetrain.memory.plan_search import (
     search_flat,
     search_tree,
 )
-from treetrain.memory.replay_recipe import ReplayRecipe
+from treetrain.memory.replay_layout import Layout, lay_out
 from treetrain.memory.retention import BudgetTooSmallError
 from treetrain.models.attention import shared_past_kernel_note, shared_past_reason
 from treetrain.models.lora import Reference
 from treetrain.replay.batch import ReplayConfig, UpdateBatch
-from treetrain.replay.protocols import MemoryProbe
 from treetrain.replay.reference import fused_reference
+from treetrain.replay.replay_schedule import ReplaySchedule
 from treetrain.replay.schedule import Contract
 from treetrain.replay.units import UnitTree
 
@@ -78,12 +78,12 @@ class ModeCost:
 
 @dataclass(frozen=True)
 class Plan:
-    """The planner's decision for one update."""
+    """The planner's decision for one update: the one plan of the update, from settings to replayer."""
 
     mode: Mode
-    contract: Contract
-    microbatch: int
-    chunk_size: int | None
+    config: ReplayConfig
+    """How to replay: the run's fixed settings (contract, scoring microbatch, logits chunk) and the chosen K
+    (tree mode: sibling units per step; flat mode: calls per microbatch), chunk size and reference walk."""
     retention: int | None
     """Retention budget in bytes (None = unbounded)."""
     keep_graph: frozenset[tuple[str, int]]
@@ -98,32 +98,46 @@ class Plan:
     forced: tuple[str, ...] = ()
     attention: str = ""
     """How tree mode attends over resident KV (shared-past attention, or why the past is concatenated)."""
-    reference_walk: Literal["fused", "separate"] = "fused"
-    """Tree mode with KL: the reference scored in the scoring walk, or in a second walk (see module doc)."""
+
+    @property
+    def contract(self) -> Contract:
+        return self.config.contract
+
+    @property
+    def microbatch(self) -> int:
+        """K in tree mode (0 = all siblings), calls per microbatch in flat mode."""
+        return self.config.microbatch
+
+    @property
+    def chunk_size(self) -> int | None:
+        return self.config.chunk_size
+
+    @property
+    def reference_walk(self) -> Literal["fused", "separate"]:
+        """Tree mode with KL: the reference scored in the scoring walk, or in a second walk (module doc)."""
+        return self.config.reference_walk
 
     @property
     def speedup(self) -> float:
         """Token-ceiling speedup of tree mode over flat."""
         return self.flat.token_cost / max(1, self.tree.token_cost)
 
-    def replay_config(self, base: ReplayConfig | None = None) -> ReplayConfig:
-        """A `ReplayConfig` with the planned K and chunk size (contract included)."""
-        return replace(
-            base or ReplayConfig(),
-            contract=self.contract,
-            microbatch=self.microbatch,
-            chunk_size=self.chunk_size,
-            reference_walk=self.reference_walk,
-        )
+    def narrower(self, k: int) -> Plan:
+        """The same decision with at most `k` sibling rows per replay step (after an out-of-memory error in
+        backward, which a split inside the step cannot undo)."""
+        return replace(self, config=replace(self.config, microbatch=k))
 
-    def replay(self, base: ReplayConfig | None = None, tracker: MemoryProbe | None = None) -> ReplayRecipe:
-        """This plan as the update window lays it out over a rank's trees: mode, K, chunking and reference
-        walk, the retention budget and the kept graphs. `tracker`, if given, measures the replay."""
-        config = self.replay_config(base)
+    def lay_out(
+        self, batch: UpdateBatch, model: PreTrainedModel, loss: LossConfig, ref_model: Reference | None = None
+    ) -> Layout:
+        """This plan over `batch` (one rank's share): each tree's steps, kept graphs and evictions. Flat mode
+        has nothing to lay out."""
         if self.mode == "flat":
-            return ReplayRecipe("flat", replace(config, microbatch=max(1, self.microbatch)), tracker=tracker)
+            return Layout(ReplaySchedule())
         keep = KeptGraphs(self.keep_graph) if self.keep_graph else None
-        return ReplayRecipe("tree", config, self.retention, keep_graph=keep, tracker=tracker)
+        return lay_out(
+            batch, model, loss, self.config, retention=self.retention, keep_graph=keep, ref_model=ref_model
+        )
 
     @property
     def over_budget(self) -> str | None:
@@ -203,8 +217,9 @@ def plan_update(
 ) -> Plan:
     """Choose mode, K, chunk size, retention and kept graphs for `batch` within `budget` bytes.
 
-    `base` is the engine config the run fixes (`ReplaySection.engine_config`: the contract, the scoring
-    microbatch, the logits chunk); the plan fills in the rest.
+    `base` is the replay config the run fixes (`ReplaySection.replay_config`: the contract, the scoring
+    microbatch, the logits chunk, the seed); the plan's `config` is it with K, chunk size and the reference
+    walk filled in.
 
     Raises `PlanError` (naming the smallest peak found) when neither mode fits, and `BudgetTooSmallError`
     when a forced retention budget (with K and chunk size forced too) is below the minimum.
@@ -308,14 +323,16 @@ def plan_update(
             reasons.append(f"{len(c.keep)} internal unit(s) keep their first graph: no recompute for them")
         if walk_note:
             reasons.append(walk_note)
+        walk: Literal["fused", "separate"] = "fused" if fused else "separate"
+        config = replace(base, microbatch=c.microbatch, chunk_size=c.chunk, reference_walk=walk)
         return Plan(
-            "tree", contract, c.microbatch, c.chunk, c.retention, c.keep, budget, tree, flat, c.ledger,
-            min_speedup, tuple(reasons), ov.forced(), attention_note(model),
-            "fused" if fused else "separate",
+            "tree", config, c.retention, c.keep, budget, tree, flat, c.ledger, min_speedup, tuple(reasons),
+            ov.forced(), attention_note(model),
         )  # fmt: skip
+    config = replace(base, microbatch=flat_mb, chunk_size=None, reference_walk="fused")
     return Plan(
-        "flat", contract, flat_mb, None, None, frozenset(), budget, tree, flat, flat_ledger, min_speedup,
-        tuple(reasons), ov.forced(), attention_note(model),
+        "flat", config, None, frozenset(), budget, tree, flat, flat_ledger, min_speedup, tuple(reasons),
+        ov.forced(), attention_note(model),
     )  # fmt: skip
 
 

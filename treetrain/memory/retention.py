@@ -15,7 +15,7 @@ ancestors pinned by kept graphs, and, when the reference is scored in the same w
 KV of the path (`ResidentUse.other`: another store's bytes, counted against the same budget). A budget below that maximum is refused (`BudgetTooSmallError`).
 
 `plan_retention` is a pure function of the uses, so the plan the engine carries out
-(`treetrain.memory.replay_recipe.ReplayRecipe.lay_out`) and the ledger (`treetrain.memory.ledger`) make
+(`treetrain.memory.replay_layout.lay_out`) and the ledger (`treetrain.memory.ledger`) make
 the same decisions.
 
 Example:
@@ -137,7 +137,7 @@ def tree_uses(
 
 
 @dataclass(frozen=True)
-class RetentionPlan:
+class Retention:
     """What retention does at every use, and what it costs."""
 
     budget: int | None
@@ -159,7 +159,7 @@ class RetentionPlan:
         return max(self.resident, default=0)
 
 
-def plan_retention(uses: Sequence[ResidentUse], kv_bytes: Sequence[int], budget: int | None) -> RetentionPlan:
+def plan_retention(uses: Sequence[ResidentUse], kv_bytes: Sequence[int], budget: int | None) -> Retention:
     """Decide evictions for `uses` under `budget` bytes (None = unbounded). `kv_bytes[u]` is u's KV size;
     an accumulator has the same size. Raises `BudgetTooSmallError` below the minimum."""
     next_use = _NextUse(uses)
@@ -202,7 +202,7 @@ def plan_retention(uses: Sequence[ResidentUse], kv_bytes: Sequence[int], budget:
         for u in use.release:
             resident.discard(u)
             grads.discard(u)
-    return RetentionPlan(
+    return Retention(
         budget, minimum, minimum_at, tuple(evict_log), tuple(compute_log), tuple(resident_log), recomputes
     )
 

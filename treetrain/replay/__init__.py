@@ -13,7 +13,7 @@ from treetrain.lazy import lazy_names
 if TYPE_CHECKING:
     from treetrain.replay.batch import ReplayConfig, ReplayReport, TreeWork, UpdateBatch
     from treetrain.replay.flat_reference import FlatReference
-    from treetrain.replay.replay_plan import ReplayPlan
+    from treetrain.replay.replay_schedule import ReplaySchedule
     from treetrain.replay.resident import ResidentIdentity, ResidentStore, StaleResidentStateError
     from treetrain.replay.tree_replay import BackwardFailed, TreeReplay
 
@@ -25,7 +25,7 @@ _LAZY = {
     "FlatReference": "treetrain.replay.flat_reference",
     "BackwardFailed": "treetrain.replay.tree_replay",
     "TreeReplay": "treetrain.replay.tree_replay",
-    "ReplayPlan": "treetrain.replay.replay_plan",
+    "ReplaySchedule": "treetrain.replay.replay_schedule",
     "ResidentIdentity": "treetrain.replay.resident",
     "ResidentStore": "treetrain.replay.resident",
     "StaleResidentStateError": "treetrain.replay.resident",
@@ -38,8 +38,8 @@ __all__ = [
     "BackwardFailed",
     "FlatReference",
     "ReplayConfig",
-    "ReplayPlan",
     "ReplayReport",
+    "ReplaySchedule",
     "ResidentIdentity",
     "ResidentStore",
     "StaleResidentStateError",

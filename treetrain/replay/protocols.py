@@ -2,7 +2,7 @@
 
 The engine depends only on these; `treetrain.memory` implements them (`MemoryTracker`) and the planner
 produces `KeepGraph` functions. Retention is not a collaborator: the planner hands the engine each tree's
-evictions as data (`treetrain.replay.replay_plan.TreeSchedule`).
+evictions as data (`treetrain.replay.replay_schedule.TreeSchedule`).
 """
 
 from __future__ import annotations

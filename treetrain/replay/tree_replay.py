@@ -16,13 +16,13 @@ For one tree, the three steps of the exact algorithm (`TreeReplay._tree`):
 Normalization comes from the manifest through the target coefficients; how units are batched or ordered
 only changes the summation order.
 
-The plan (`ReplayPlan`) changes memory and cost, never the gradient, and the engine carries it out
-without deciding anything about memory: each tree's `TreeSchedule` lists the resident KV to evict (or
+The schedule (`ReplaySchedule`, given to `accumulate`) changes memory and cost, never the gradient, and
+the replayer carries it out without deciding anything about memory: each tree's `TreeSchedule` lists the resident KV to evict (or
 offload to host memory) before each scoring batch and step, so that resident bytes stay within the
 planner's budget (evicted KV is recomputed from the nearest resident ancestor), and the internal units (in
 `exact` mode) whose first forward keeps its graph until their own step, which then needs no recompute (3
 token-costs instead of 4, for a graph held longer). A schedule made for another walk is refused
-(`PlanMismatchError`). A `tracker` measures live bytes by lifetime class
+(`PlanMismatchError`). A `hooks.tracker` measures live bytes by lifetime class
 (`treetrain.memory.tracker.MemoryTracker`) and the report carries its peak.
 
 Example (the same sequence as `treetrain.tree_update`, spelled out):
@@ -69,7 +69,7 @@ from treetrain.replay.reference import (
     fused_reference_walk,
     separate_reference_logprobs,
 )
-from treetrain.replay.replay_plan import ReplayHooks, ReplayPlan, ScheduleRun, TreeSchedule
+from treetrain.replay.replay_schedule import ReplayHooks, ReplaySchedule, ScheduleRun, TreeSchedule
 from treetrain.replay.resident import ResidentIdentity, ResidentStore
 from treetrain.replay.schedule import ReplayStep
 from treetrain.replay.scoring import (
@@ -97,7 +97,8 @@ def _default_backward(loss: torch.Tensor) -> None:
 class TreeReplay:
     """Accumulates parameter gradients for an update by tree replay. `optimizer.step()` is the caller's.
 
-    `plan` is the planner's `ReplayPlan` (or a bare `ReplayConfig`). `store` holds resident state under its
+    `config` is how to replay (contract, K, chunking, order); `accumulate` takes this rank's `ReplaySchedule`
+    when the plan bounds memory or keeps graphs. `store` holds resident state under its
     identity (a fresh one for the model if omitted); `support` remembers which models were checked (pass
     `SupportGate(trusting=True)` for a model known to split exactly); `hooks` are called at fixed points
     (tests inject faults through them), and `hooks.backward` runs each step's backward (the update window
@@ -108,7 +109,7 @@ class TreeReplay:
         self,
         model: PreTrainedModel,
         loss: LossConfig,
-        plan: ReplayPlan | ReplayConfig | None = None,
+        config: ReplayConfig | None = None,
         *,
         ref_model: Reference | None = None,
         store: ResidentStore | None = None,
@@ -120,9 +121,8 @@ class TreeReplay:
         self.model = model
         self.ref_model = ref_model
         self.loss_cfg = loss
-        self.plan = ReplayPlan.of(plan)
-        if self.plan.mode != "tree":
-            raise ValueError("TreeReplay runs tree-mode plans; flat mode is treetrain.replay.FlatReference")
+        self.cfg = config or ReplayConfig()
+        """Contract, K, chunking, order, reference walk."""
         self.store = store or ResidentStore(ResidentIdentity.of(model))
         self.support = support or SupportGate()
         """Refuses models the engine cannot split exactly (policy and reference)."""
@@ -131,19 +131,15 @@ class TreeReplay:
         self.backward: Backward = self.hooks.backward or _default_backward
         self._widest = 0
         self._evictions: ScheduleRun | None = None
+        self._schedule: ReplaySchedule | None = None
         self._label = ""
-        tracker = self.plan.tracker
+        tracker = self.hooks.tracker
         if tracker is not None:
             tracker.attach_model(model)
             ref_own = reference_module(ref_model)
             if ref_own is not None:
                 tracker.attach_model(ref_own)
             tracker.attach_store(self.store)
-
-    @property
-    def cfg(self) -> ReplayConfig:
-        """The plan's replay config: contract, K, chunking, order, reference walk."""
-        return self.plan.config
 
     @property
     def widest_step(self) -> int:
@@ -157,15 +153,17 @@ class TreeReplay:
         return self.store.identity
 
     # ----- public -----------------------------------------------------------------------------------
-    def accumulate(self, batch: UpdateBatch) -> ReplayReport:
-        """Run every tree of the batch; parameter `.grad`s accumulate the update's gradient."""
+    def accumulate(self, batch: UpdateBatch, schedule: ReplaySchedule | None = None) -> ReplayReport:
+        """Run every tree of the batch; parameter `.grad`s accumulate the update's gradient. `schedule`, if
+        given, has each tree's evictions and kept graphs (None: nothing bounded or kept)."""
+        self._schedule = schedule
         longest = max((tree_stats(t.tree).max_sequence_length for t in batch.work), default=0)
         self.support.require(self.model, longest)
         ref_own = reference_module(self.ref_model)
         if ref_own is not None:
             self.support.require(ref_own, longest)
         report = ReplayReport()
-        tracker = self.plan.tracker
+        tracker = self.hooks.tracker
         tracking: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         if tracker is not None:
             tracker.reset_peak()
@@ -179,12 +177,12 @@ class TreeReplay:
         return report
 
     def _mark(self, label: str) -> None:
-        if self.plan.tracker is not None:
-            self.plan.tracker.mark(label)
+        if self.hooks.tracker is not None:
+            self.hooks.tracker.mark(label)
 
     # ----- one tree: the three steps ----------------------------------------------------------------
     def _tree(self, work: TreeWork) -> ReplayReport:
-        schedule = self.plan.schedule(work.tree.id)
+        schedule = None if self._schedule is None else self._schedule.for_tree(work.tree.id)
         walk = self._walk(work, schedule)
         evictions = None
         if schedule is not None:
@@ -304,7 +302,7 @@ class TreeReplay:
             self.cfg.score_microbatch,
             self.cfg.max_logit_elements,
             self.loss_cfg.logit_temperature,
-            self.plan.tracker,
+            self.hooks.tracker,
             lambda b: self._mark(f"reference {b.parent}:{b.units[0]}"),
         )
 

@@ -16,7 +16,7 @@ import torch
 from treetrain.models.decoder import DecoderOutput
 from treetrain.replay.batch import ReplayConfig, TreeWork
 from treetrain.replay.pieces import GatheredTargets, PieceBatch
-from treetrain.replay.replay_plan import TreeSchedule
+from treetrain.replay.replay_schedule import TreeSchedule
 from treetrain.replay.schedule import ReplayStep, active_units, build_schedule
 from treetrain.replay.scoring import PathKV, ReferenceWalk
 from treetrain.replay.units import Unit, UnitTree

@@ -33,7 +33,6 @@ from treetrain.distributed.backend_choice import make_backend
 from treetrain.io import atomic_write_text
 from treetrain.memory.planner import Plan
 from treetrain.memory.tracker import MemoryTracker
-from treetrain.replay import ReplayReport
 from treetrain.replay.resident import ResidentIdentity, ResidentStore
 from treetrain.rollout.sources.engine_config import config_context, engine_loggers, wrapper_config
 from treetrain.rollout.sources.env_failures import EnvironmentFailedError
@@ -55,9 +54,8 @@ from treetrain.train.rundir import RunLock, abandon_run_dir, remove_run_artifact
 from treetrain.train.summary import RunSummary, plot_rewards
 from treetrain.train.trainer_state import TrainerState, resume_state, save_trainer_state
 from treetrain.train.typed import to_dict
-from treetrain.tree.stats import tree_stats
+from treetrain.update.learner import Learner
 from treetrain.update.run import run_update
-from treetrain.update.window import UpdateWindow
 
 log = logging.getLogger(__name__)
 
@@ -194,9 +192,7 @@ class Trainer:
                     "--resume: the run has completed %d updates (updates=%d); nothing to train, raise --updates "
                     "to continue it", self.state.update, cfg.updates,
                 )  # fmt: skip
-        self.window = UpdateWindow(
-            self.backend, cfg.policy_loss, store=ResidentStore(self.identity), ref_model=self.reference
-        )
+        self.learner = Learner(self.backend, store=ResidentStore(self.identity), ref_model=self.reference)
         self.device = next(self.backend.module.parameters()).device
         self.last_plan: Plan | None = None
         inputs = SourceInputs(
@@ -235,75 +231,24 @@ class Trainer:
         produced = self.source.produce(self.backend.module, index, trained_at)
         if self.on_point is not None:
             self.on_point("update-start", index)
-        trees = produced.trees
-        rewards = [r.reward for t in trees for r in t.records]
         every = cfg.measure_memory_every
         tracker = MemoryTracker(self.device) if every and index % every == 0 else None
         self.backend.set_learning_rate(self.learning_rate(index))
         if self.phases is not None:  # the first update also calibrates memory (its own bar, below)
-            self.phases.show(f"training on {len(rewards)} episodes")
+            self.phases.show(f"training on {sum(len(t.records) for t in produced.trees)} episodes")
         start = time.perf_counter()
-        outcome = run_update(self.window, cfg, produced.groups, tracker=tracker)
-        self.source.trained(index, self.backend.module, self.window.version)
-        plan, result = outcome.plan, outcome.report
-        if plan is not None:
-            self.last_plan = plan
+        outcome = run_update(self.learner, cfg, produced.groups, tracker=tracker)
+        self.source.trained(index, self.backend.module, self.learner.version)
+        if outcome.plan is not None:
+            self.last_plan = outcome.plan
         else:
             log.warning("update %d: every group had zero reward variance; no optimizer step", index)
-        report = result.local if result is not None else ReplayReport()
-        kept = [t for g in outcome.groups for t in g.trees]
-        balance = result.rank_tokens if result is not None else ()
         train_seconds = time.perf_counter() - start
-        self.state = TrainerState(update=index + 1, version=self.window.version)
-        flat_cost = sum(tree_stats(t).cost_flat(scoring=cfg.loss.ratio_source == "scoring") for t in kept)
-        gap = result.sampler_gap if result is not None else None
-        return UpdateMetrics(
-            update=index,
-            version=self.state.version,
-            reward_mean=float(np.mean(rewards)) if rewards else 0.0,
-            reward_std=float(np.std(rewards)) if rewards else 0.0,
-            trajectories=len(rewards),
-            groups=len(trees) + produced.failed_episodes + produced.stale.groups,
-            groups_dropped=produced.failed_episodes
-            + produced.stale.groups
-            + outcome.zero_variance
-            + (len(result.dropped) if result is not None else 0),
-            loss=report.loss,
-            pg=report.pg,
-            kl=report.kl,
-            entropy=report.entropy,
-            clipped=report.clipped,
-            mode=plan.mode if plan else "none",
-            contract=cfg.replay.contract,
-            failed_episodes=produced.failed_episodes,
-            step_timeouts=produced.step_timeouts,
-            samples_interrupted=produced.interrupted,
-            graph_tokens=report.graph_tokens,
-            nograd_tokens=report.nograd_tokens,
-            flat_token_cost=flat_cost // self.backend.world_size,
-            token_cost=report.token_cost,
-            rollout_seconds=produced.seconds,
-            train_seconds=train_seconds,
-            peak_bytes=report.measured_peak.dynamic if report.measured_peak else None,
-            predicted_peak_bytes=int(plan.ledger.peak.dynamic) if plan and report.measured_peak else 0,
-            replay_tokens_max=max(balance, default=0),
-            replay_tokens_mean=sum(balance) / len(balance) if balance else 0.0,
-            sampler_logprob_gap_mean=gap.mean if gap is not None else None,
-            sampler_logprob_gap_max=gap.max if gap is not None else None,
-            sampler_corrected_fraction=gap.corrected_fraction
-            if gap is not None and cfg.loss.corrects_sampler
-            else None,
-            sampler_gap_by_lag=gap.by_lag(trained_at) if gap is not None else (),
-            staleness_min=produced.staleness.least,
-            staleness_mean=produced.staleness.mean,
-            staleness_max=produced.staleness.most,
-            stale_tokens_dropped=produced.stale.tokens,
-            queue_depth=produced.queue_depth,
-            sampler_idle_seconds=produced.sampler_idle,
-            trainer_idle_seconds=produced.trainer_idle,
-            servers_lost=produced.servers_lost,
-            servers=produced.servers,
-        )
+        self.state = TrainerState(update=index + 1, version=self.learner.version)
+        return UpdateMetrics.of(
+            index, produced, outcome, cfg, trained_at=trained_at, train_seconds=train_seconds,
+            world_size=self.backend.world_size,
+        )  # fmt: skip
 
     # ----- the run ----------------------------------------------------------------------------------
     def run(self) -> RunSummary:

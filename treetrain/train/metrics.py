@@ -21,14 +21,52 @@ import logging
 import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
 
 from treetrain.diskfull import naming_full_disk
 from treetrain.errors import TreetrainError
 from treetrain.io import atomic_write_text
 from treetrain.runfs import open_file
+from treetrain.rollout.sources.staleness import Dropped, Staleness
+from treetrain.tree.stats import tree_stats
+from treetrain.tree.trajectory_tree import TrajectoryTree
+
+if TYPE_CHECKING:
+    from treetrain.train.config import TrainConfig
+    from treetrain.update.run import UpdateOutcome
 
 log = logging.getLogger(__name__)
+
+
+class Rollout(Protocol):
+    """What one update's rollout produced (the trainer's tree sources return it)."""
+
+    @property
+    def trees(self) -> tuple[TrajectoryTree, ...]: ...
+    @property
+    def seconds(self) -> float: ...
+    @property
+    def failed_episodes(self) -> int: ...
+    @property
+    def step_timeouts(self) -> int: ...
+    @property
+    def interrupted(self) -> int: ...
+    @property
+    def staleness(self) -> Staleness: ...
+    @property
+    def stale(self) -> Dropped: ...
+    @property
+    def queue_depth(self) -> int: ...
+    @property
+    def sampler_idle(self) -> float: ...
+    @property
+    def trainer_idle(self) -> float: ...
+    @property
+    def servers_lost(self) -> int: ...
+    @property
+    def servers(self) -> tuple[tuple[str, int, int, float], ...]: ...
 
 
 @dataclass(frozen=True)
@@ -107,7 +145,7 @@ class UpdateMetrics:
     (`token_truncate`), or in a dropped trajectory (`sequence_mask`); None without a correction."""
     staleness_min: int | None = None
     """Smallest version lag of the policy tokens this update trained on, per trajectory: the trainer's version
-    before the step minus the version that sampled the token (`treetrain.train.staleness`); 0 in a synchronous
+    before the step minus the version that sampled the token (`treetrain.rollout.sources.staleness`); 0 in a synchronous
     run. None when no trained token records its version (recorded trees without versions)."""
     staleness_mean: float | None = None
     """Their mean lag."""
@@ -147,6 +185,76 @@ class UpdateMetrics:
     def tokens_per_second(self) -> float:
         return (
             (self.graph_tokens + self.nograd_tokens) / self.train_seconds if self.train_seconds > 0 else 0.0
+        )
+
+    @staticmethod
+    def of(
+        update: int,
+        rollout: Rollout,
+        outcome: UpdateOutcome,
+        cfg: TrainConfig,
+        *,
+        trained_at: int,
+        train_seconds: float,
+        world_size: int,
+    ) -> UpdateMetrics:
+        """The row of update `update`: from its rollout and what `run_update` reported (`trained_at` is the
+        model version the update trained, `world_size` the ranks the flat cost is shared by). The one
+        place a field is filled in: a new metric is a field here and the report it comes from."""
+        from treetrain.replay import ReplayReport  # the replay engine loads torch; reading rows must not
+
+        plan, result = outcome.plan, outcome.report
+        report = result.local if result is not None else ReplayReport()
+        rewards = [r.reward for t in rollout.trees for r in t.records]
+        kept = [t for g in outcome.groups for t in g.trees]
+        scoring = cfg.loss.ratio_source == "scoring"
+        flat_cost = sum(tree_stats(t).cost_flat(scoring=scoring) for t in kept)
+        balance = result.rank_tokens if result is not None else ()
+        gap = result.sampler_gap if result is not None else None
+        dropped = len(result.dropped) if result is not None else 0
+        return UpdateMetrics(
+            update=update,
+            version=result.version if result is not None else trained_at,
+            reward_mean=float(np.mean(rewards)) if rewards else 0.0,
+            reward_std=float(np.std(rewards)) if rewards else 0.0,
+            trajectories=len(rewards),
+            groups=len(rollout.trees) + rollout.failed_episodes + rollout.stale.groups,
+            groups_dropped=rollout.failed_episodes + rollout.stale.groups + outcome.zero_variance + dropped,
+            loss=report.loss,
+            pg=report.pg,
+            kl=report.kl,
+            entropy=report.entropy,
+            clipped=report.clipped,
+            mode=plan.mode if plan else "none",
+            contract=cfg.replay.contract,
+            failed_episodes=rollout.failed_episodes,
+            step_timeouts=rollout.step_timeouts,
+            samples_interrupted=rollout.interrupted,
+            graph_tokens=report.graph_tokens,
+            nograd_tokens=report.nograd_tokens,
+            flat_token_cost=flat_cost // world_size,
+            token_cost=report.token_cost,
+            rollout_seconds=rollout.seconds,
+            train_seconds=train_seconds,
+            peak_bytes=report.measured_peak.dynamic if report.measured_peak else None,
+            predicted_peak_bytes=int(plan.ledger.peak.dynamic) if plan and report.measured_peak else 0,
+            replay_tokens_max=max(balance, default=0),
+            replay_tokens_mean=sum(balance) / len(balance) if balance else 0.0,
+            sampler_logprob_gap_mean=gap.mean if gap is not None else None,
+            sampler_logprob_gap_max=gap.max if gap is not None else None,
+            sampler_corrected_fraction=gap.corrected_fraction
+            if gap is not None and cfg.loss.corrects_sampler
+            else None,
+            sampler_gap_by_lag=gap.by_lag(trained_at) if gap is not None else (),
+            staleness_min=rollout.staleness.least,
+            staleness_mean=rollout.staleness.mean,
+            staleness_max=rollout.staleness.most,
+            stale_tokens_dropped=rollout.stale.tokens,
+            queue_depth=rollout.queue_depth,
+            sampler_idle_seconds=rollout.sampler_idle,
+            trainer_idle_seconds=rollout.trainer_idle,
+            servers_lost=rollout.servers_lost,
+            servers=rollout.servers,
         )
 
     def as_dict(self) -> dict[str, Any]:

@@ -3,8 +3,8 @@
 The planner (`treetrain.memory.planner`) sees the update's batch, the model and a memory budget, and chooses
 tree or flat mode, K, chunk size, retention and kept graphs; whatever the `replay` section fixes is passed as
 an override. Without `memory_budget`, the budget is the device's memory (total RAM on a CPU). The `Plan` it
-returns is the one plan object of the update: `plan.replay(...)` is the recipe the update window lays out
-over its rank's trees for the replay engine. A plan over its budget (a forced `mode` whose smallest peak does
+returns is the one plan object of the update, from here to the replayer: the update's window lays it out
+over its rank's trees (`Plan.lay_out`), and the replayer is built from it (`treetrain.update.learner`). A plan over its budget (a forced `mode` whose smallest peak does
 not fit) is refused here in one line (`Plan.over_budget`), before anything is replayed.
 """
 
@@ -45,11 +45,11 @@ def plan_for(
         batch,
         model,
         budget=budget,
-        loss=cfg.loss,
+        loss=cfg.policy_loss,
         overrides=cfg.replay.overrides(cfg.mode),
         ref_model=ref_model,
         persistent=persistent,
-        base=cfg.replay.engine_config(cfg.seed),
+        base=cfg.replay.replay_config(cfg.seed),
         min_speedup=cfg.replay.min_speedup,
     )
     if plan.over_budget is not None:  # a forced mode the budget cannot hold: refused, never run into an OOM

@@ -1,23 +1,27 @@
 """One update, top to bottom: the steps of docs/design.md § One update, each done by the module it names.
 
 `run_update` is the whole of an update; the trainer (`treetrain.train.loop`) calls it once per optimizer
-step and keeps only the run around it (rollouts, metrics, checkpoints). The Python API and `treetrain plan`
-run a prefix of the same steps through the same modules:
+step and keeps only the run around it (rollouts, metrics, checkpoints), and the tests drive it as it is.
+The Python API and `treetrain plan` run a prefix of the same steps through the same modules:
 
 1. **Advantages** per group (`treetrain.loss.advantages`). A group whose rewards are all equal carries no
    policy gradient; it is left out before anything is built, so it never dilutes a denominator.
 2. **Manifest and batch, once** (`treetrain.loss.manifest`, `treetrain.replay.batch`): the exact set of
    contributions of this step, and each node's loss targets normalized by that manifest alone.
 3. **Plan** (`treetrain.update.planning` → `treetrain.memory.planner`): tree or flat, K, chunking, retention,
-   kept graphs and the reference walk, priced by the memory ledger against the budget.
-4. **Place** the trees over ranks (`treetrain.distributed.placement`) and open the window
-   (`treetrain.update.window`): every rank agrees on identity, manifest and placement first.
+   kept graphs and the reference walk, priced by the memory ledger against the budget: one `Plan`.
+4. **Open the window** (`treetrain.update.window`): the trees placed over ranks
+   (`treetrain.distributed.placement`), identity, manifest and placement agreed by every rank, and the plan
+   laid out over this rank's trees; a frozen `UpdateWindow`.
 5. **Score and replay** each tree of this rank (`treetrain.replay.tree_replay`, or the flat reference
-   `treetrain.replay.flat_reference`), retrying what failed (`treetrain.update.faults`).
-6. **Check coverage** (`treetrain.distributed.coverage`): groups that failed are dropped whole, then every
-   manifest key must be covered exactly once over all ranks, or the step is refused.
-7. **Step and advance** (the backend's optimizer, `treetrain.distributed.backend`): the model version goes
-   up, and resident state of the old version becomes unreadable (`treetrain.replay.resident`).
+   `treetrain.replay.flat_reference`), retrying, narrowing and dropping what failed (`treetrain.update.faults`).
+6. **Check coverage** (`treetrain.distributed.coverage`): every manifest key covered exactly once over all
+   ranks, or the step is refused.
+7. **Step and advance** (`treetrain.update.learner`, the backend's optimizer): the model version goes up,
+   and resident state of the old version becomes unreadable (`treetrain.replay.resident`).
+
+The loss is resolved once (`UpdateSettings.policy_loss`) and the same object builds the batch, prices the
+plan and drives the replay.
 """
 
 from __future__ import annotations
@@ -25,14 +29,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from treetrain.distributed.coverage import require_coverage
+from treetrain.distributed.placement import Placement
 from treetrain.loss.advantages import AdvantageConfig, compute_advantages
 from treetrain.memory.planner import Plan
 from treetrain.replay import UpdateBatch
 from treetrain.replay.protocols import MemoryProbe
 from treetrain.tree.trajectory_tree import TrajectoryTree
+from treetrain.update.faults import replay_window
+from treetrain.update.learner import Learner
 from treetrain.update.planning import plan_for
 from treetrain.update.settings import UpdateSettings
-from treetrain.update.window import UpdateWindow
+from treetrain.update.window import IDENTITY, open_window
 from treetrain.update.window_types import Group, WindowReport
 
 
@@ -47,7 +55,7 @@ class UpdateOutcome:
     plan: Plan | None = None
     """The planner's decision; None when no group was left to train on (and no step was taken)."""
     report: WindowReport | None = None
-    """The committed window: version, contributions, this rank's replay sums, dropped groups."""
+    """The step: version, contributions, this rank's replay sums, dropped groups."""
 
 
 def advantage_groups(
@@ -66,17 +74,19 @@ def advantage_groups(
 
 
 def run_update(
-    window: UpdateWindow,
+    learner: Learner,
     cfg: UpdateSettings,
     rollouts: Sequence[Sequence[TrajectoryTree]],
     *,
     tracker: MemoryProbe | None = None,
+    placement: Placement | None = None,
 ) -> UpdateOutcome:
-    """One optimizer step over `rollouts` (one tuple of trees per advantage group) on `window`'s backend.
+    """One optimizer step over `rollouts` (one tuple of trees per advantage group) on `learner`'s backend.
 
-    `tracker`, if given, measures this update's replay by lifetime class against the ledger's prediction.
+    `tracker`, if given, measures this update's replay by lifetime class against the ledger's prediction;
+    `placement`, if given, says which rank replays which trajectories (otherwise it is computed).
     """
-    backend = window.backend
+    backend, loss = learner.backend, cfg.policy_loss
 
     # 1. Advantages per group; groups without reward variance are left out (treetrain.loss.advantages).
     groups, zero_variance = advantage_groups(rollouts, cfg.advantages)
@@ -86,24 +96,26 @@ def run_update(
     # 2. The manifest and the batch, once: normalization comes from the manifest alone.
     trees = [t for g in groups for t in g.trees]
     advantages = [a for g in groups for a in g.advantages]
-    batch = UpdateBatch.build(trees, advantages, cfg.loss, version=window.version)
+    batch = UpdateBatch.build(trees, advantages, loss, version=learner.version)
 
     # 3. Plan: mode, K, chunking, retention, kept graphs, reference walk (priced by the memory ledger).
     with backend.scratch():  # planning may calibrate with real backward passes
         plan = plan_for(
-            cfg, batch, backend.module, window.ref_model, world_size=backend.world_size,
+            cfg, batch, backend.module, learner.ref_model, world_size=backend.world_size,
             zero_stage=backend.zero_stage, offload_optimizer=backend.offload_optimizer,
         )  # fmt: skip
 
-    # 4. Place the trees over ranks and open the window (identity, manifest and placement agreed).
-    opened = window.open(groups, plan=plan.replay(cfg.replay.engine_config(cfg.seed), tracker), batch=batch)
+    # 4. Open the window: placement, identity, manifest and placement agreed, the plan laid out for this rank.
+    window = open_window(learner, groups, plan, loss, batch=batch, placement=placement)
 
-    # 5. Score and replay every tree this rank owns, retrying transient faults.
-    opened.replay_all()
+    # 5. Score and replay every tree this rank owns: retry, narrow after out-of-memory, drop failed groups.
+    window, replayed = replay_window(learner, window, loss, tracker)
 
-    # 6. Drop groups that failed on any rank, then check coverage: every contribution exactly once.
-    opened.settle()
-    opened.check()
+    # 6. Coverage, collectively: the same identity and manifest everywhere, every contribution exactly once.
+    backend.agree(repr(learner.identity), IDENTITY)
+    backend.agree(window.manifest.digest, "manifest digest")
+    require_coverage(backend.gather, window.claims, window.manifest.keys())
 
     # 7. The optimizer step, and the next model version (old resident state becomes unreadable).
-    return UpdateOutcome(zero_variance, tuple(groups), plan, opened.step())
+    report = learner.step(window.manifest, window.placement, replayed)
+    return UpdateOutcome(zero_variance, tuple(groups), plan, report)

@@ -1,17 +1,18 @@
 """What an update is configured by: the replay section, and the run settings the update reads.
 
-`ReplaySection` is the `replay` section of the run's config file, and the update consumes it as it is:
-it fixes the engine settings (`engine_config`) and forces whichever planner choices it names
-(`overrides`). The settings it shares with the engine are `ReplaySettings`' (declared and checked once,
+`ReplaySection` is the `replay` section of the run's config file, and the planner consumes it as it is
+(`treetrain.update.planning.plan_for`): it fixes the replay settings (`replay_config`) and forces whichever
+planner choices it names (`overrides`); the planner's `Plan` is the next and last form of those settings. The settings it shares with the engine are `ReplaySettings`' (declared and checked once,
 `treetrain.replay.replay_settings`), and its forced choices are checked by the `Overrides` it builds, as
 every other caller's are. `UpdateSettings` is the part of the trainer's config that one update reads; the trainer's
-`TrainConfig` satisfies it, so this layer never imports the trainer's. Nothing here imports torch: the
-command line validates a config before torch loads.
+`TrainConfig` satisfies it, so this layer never imports the trainer's; `UpdateConfig` is the same settings
+as a record, for the Python API and tests. Nothing here imports torch: the command line validates a config
+before torch loads.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol
 
 from treetrain.bytesize import parse_bytes
@@ -47,10 +48,10 @@ class ReplaySection(ReplaySettings):
         if not self.min_speedup > 0:
             raise ConfigError(f"replay.min_speedup: must be > 0, got {self.min_speedup}")
 
-    def engine_config(self, seed: int) -> ReplayConfig:
-        """The engine settings this section fixes (`ReplayConfig.of`); the planner fills in K, chunk size
+    def replay_config(self, seed: int) -> ReplayConfig:
+        """The replay settings this section fixes (`ReplayConfig.of`); the planner fills in K, chunk size
         and the reference walk."""
-        from treetrain.replay.batch import ReplayConfig  # the engine loads torch; the config must not
+        from treetrain.replay.batch import ReplayConfig  # the replayer loads torch; the config must not
 
         return ReplayConfig.of(self, seed=seed)
 
@@ -81,8 +82,24 @@ class UpdateSettings(Protocol):
     @property
     def memory_budget(self) -> str | None: ...
     @property
-    def loss(self) -> LossConfig: ...
+    def policy_loss(self) -> LossConfig:
+        """The loss as the update scores it (its temperature resolved): one for batch, plan and replay."""
+        ...
+
     @property
     def advantages(self) -> AdvantageConfig: ...
     @property
     def replay(self) -> ReplaySection: ...
+
+
+@dataclass(frozen=True)
+class UpdateConfig:
+    """`UpdateSettings` as a record: what `run_update` reads, for callers without a trainer's config."""
+
+    policy_loss: LossConfig = field(default_factory=LossConfig)
+    advantages: AdvantageConfig = field(default_factory=AdvantageConfig)
+    replay: ReplaySection = field(default_factory=ReplaySection)
+    mode: Literal["auto", "tree", "flat"] = "auto"
+    memory_budget: str | None = None
+    """Bytes the planner may plan for ('8GiB'); None: the device's memory."""
+    seed: int = 0

@@ -1,4 +1,4 @@
-"""The data of an update window: its configuration, its input (groups) and its report."""
+"""The data of an update: its retry bounds, its input (groups), what its replay did, and its report."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from treetrain.tree.trajectory_tree import TrajectoryTree
 
 @dataclass(frozen=True)
 class WindowConfig:
-    """Fault handling of an update window."""
+    """Fault handling of an update: how often a tree is retried and a failing backward reset."""
 
     tree_attempts: int = 3
     """Tries of one tree that fails before any backward, before its group is marked failed."""
@@ -48,12 +48,23 @@ class DroppedGroup:
 
 
 @dataclass(frozen=True)
+class Replayed:
+    """What this rank's replay of an update did, retries and drops included (`treetrain.update.faults`)."""
+
+    local: ReplayReport = field(default_factory=ReplayReport)
+    """This rank's replay counters (the last, successful pass)."""
+    tree_retries: int = 0
+    window_resets: int = 0
+    dropped: tuple[DroppedGroup, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
 class WindowReport:
     """What one committed update window did."""
 
     version: int
     """Model version after the commit: the number of committed windows. Bumped also when the step was
-    skipped (`step_applied` False), so it always equals `UpdateWindow.version` afterwards."""
+    skipped (`step_applied` False), so it always equals `Learner.version` afterwards."""
     manifest_digest: str
     contributions: int
     """Contribution keys in the final manifest (all ranks together)."""
@@ -74,7 +85,8 @@ class WindowReport:
     def imbalance(self) -> float:
         """Cross-rank balance: max over mean of `rank_tokens` (1.0 is perfect; W when one rank does all).
 
-        >>> WindowReport(1, "", 0, ReplayReport(), 0, 0, (), True, (30, 10)).imbalance
+        >>> WindowReport(version=1, manifest_digest="", contributions=0, local=ReplayReport(), tree_retries=0,
+        ...              window_resets=0, dropped=(), step_applied=True, rank_tokens=(30, 10)).imbalance
         1.5
         """
         total = sum(self.rank_tokens)

@@ -1,4 +1,4 @@
-"""The planner's per-rank plan is immutable and complete, and the replay engine carries it out as given.
+"""The plan laid out for one rank is immutable and complete, and the replayer carries it out as given.
 
 Laid out under a retention budget with kept graphs, the plan names every tree of the batch and an eviction
 entry for each scoring batch and step; replaying it evicts exactly what it lists and equals the flat
@@ -15,9 +15,11 @@ import torch
 from support.replay_cases import SHAPES, factory, make_batch
 
 from treetrain.loss.loss_config import LossConfig
-from treetrain.memory.replay_recipe import ReplayRecipe
-from treetrain.replay import ReplayConfig, ReplayPlan, ReplayReport, TreeReplay, UpdateBatch
-from treetrain.replay.replay_plan import PlanMismatchError
+from treetrain.memory.overrides import Overrides
+from treetrain.memory.planner import plan_update
+from treetrain.memory.replay_layout import lay_out
+from treetrain.replay import ReplayConfig, ReplayReport, TreeReplay, UpdateBatch
+from treetrain.replay.replay_schedule import PlanMismatchError, ReplaySchedule
 from treetrain.replay.schedule import ReplayStep
 from treetrain.replay.scoring import ScoreBatch
 from treetrain.replay.units import UnitTree
@@ -38,25 +40,26 @@ def batch() -> UpdateBatch:
     return make_batch(SHAPES["multi_level"](0), LOSS)
 
 
-def _replay(batch: UpdateBatch, plan: ReplayPlan) -> tuple[torch.Tensor, ReplayReport, torch.nn.Module]:
+def _replay(
+    batch: UpdateBatch, schedule: ReplaySchedule | None
+) -> tuple[torch.Tensor, ReplayReport, torch.nn.Module]:
     model = MAKE()
     model.zero_grad(set_to_none=True)
-    report = TreeReplay(model, LOSS, plan).accumulate(batch)
+    report = TreeReplay(model, LOSS, REPLAY).accumulate(batch, schedule)
     return flat_grad(model), report, model
 
 
 def test_the_plan_is_immutable_and_complete_and_the_engine_carries_it_out(batch: UpdateBatch) -> None:
     model = MAKE()
-    free = ReplayRecipe(config=REPLAY, keep_graph=keep_all).lay_out(batch, model, LOSS)
+    free = lay_out(batch, model, LOSS, REPLAY, keep_graph=keep_all)
     minimum = max(p.minimum for p in free.retention)
-    layout = ReplayRecipe(config=REPLAY, retention=minimum, keep_graph=keep_all).lay_out(batch, model, LOSS)
-    plan = layout.plan
-    assert plan.trees is not None
+    layout = lay_out(batch, model, LOSS, REPLAY, retention=minimum, keep_graph=keep_all)
+    plan = layout.schedule
     assert [s.tree_id for s in plan.trees] == [w.tree.id for w in batch.work]
     for schedule, tree in zip(plan.trees, layout.trees):
         listed = [
             (use.event, evicted)
-            for use, evicted in zip(tree.uses, tree.plan.evict)
+            for use, evicted in zip(tree.uses, tree.retention.evict)
             if isinstance(use.event, (ScoreBatch, ReplayStep))
         ]
         assert [(e.before, e.units) for e in schedule.evictions] == listed
@@ -73,43 +76,47 @@ def test_the_plan_is_immutable_and_complete_and_the_engine_carries_it_out(batch:
     assert deviation(grad, flat_gradient(MAKE(), batch, LOSS)).abs <= FACTOR * floor
 
 
-def _refused(batch: UpdateBatch, plan: ReplayPlan, match: str) -> None:
+def _refused(batch: UpdateBatch, schedule: ReplaySchedule, match: str) -> None:
     model = MAKE()
     model.zero_grad(set_to_none=True)
     with pytest.raises(PlanMismatchError, match=match):
-        TreeReplay(model, LOSS, plan).accumulate(batch)
+        TreeReplay(model, LOSS, REPLAY).accumulate(batch, schedule)
     assert all(p.grad is None for p in model.parameters()), "a refused plan must not leave gradients"
 
 
 def test_negative_control_a_plan_for_another_walk_is_refused(batch: UpdateBatch) -> None:
     model = MAKE()
-    good = ReplayRecipe(config=REPLAY, keep_graph=keep_all).lay_out(batch, model, LOSS)
-    assert good.plan.trees is not None
-    schedule, units = good.plan.trees[0], good.trees[0].units
-    wide = ReplayRecipe(config=replace(REPLAY, microbatch=2)).lay_out(batch, model, LOSS).plan
-    _refused(batch, replace(wide, config=REPLAY), "the plan was made for")
+    good = lay_out(batch, model, LOSS, REPLAY, keep_graph=keep_all)
+    schedule, units = good.schedule.trees[0], good.trees[0].units
+    wide = lay_out(batch, model, LOSS, replace(REPLAY, microbatch=2)).schedule
+    _refused(batch, wide, "the plan was made for")
     other = make_batch(SHAPES["one_level"](3), LOSS)
-    _refused(batch, ReplayRecipe(config=REPLAY).lay_out(other, model, LOSS).plan, "no schedule for tree")
+    _refused(batch, lay_out(other, model, LOSS, REPLAY).schedule, "no schedule for tree")
     leaf = next(u.index for u in units.units if not u.children)
     leafy = replace(schedule, kept=schedule.kept | {leaf})
-    _refused(batch, replace(good.plan, trees=(leafy,)), f"units \\[{leaf}\\]")
+    _refused(batch, replace(good.schedule, trees=(leafy,)), f"units \\[{leaf}\\]")
     short = replace(schedule, evictions=schedule.evictions[:1])
-    _refused(batch, replace(good.plan, trees=(short,)), "which the plan does not list")
+    _refused(batch, replace(good.schedule, trees=(short,)), "which the plan does not list")
 
 
 def test_a_bare_config_bounds_nothing(batch: UpdateBatch) -> None:
     """The positive control of the refusals: the same walk without a schedule runs, evicting nothing."""
-    grad, report, _ = _replay(batch, ReplayPlan.of(REPLAY))
-    laid, laid_report, _ = _replay(batch, ReplayRecipe(config=REPLAY).lay_out(batch, MAKE(), LOSS).plan)
+    grad, report, _ = _replay(batch, None)
+    laid, laid_report, _ = _replay(batch, lay_out(batch, MAKE(), LOSS, REPLAY).schedule)
     assert report.evicted_units == laid_report.evicted_units == 0
     assert torch.equal(grad, laid) and report.token_cost == laid_report.token_cost
 
 
-def test_narrower_is_a_new_recipe_and_a_laid_out_plan_is_not_a_recipe(batch: UpdateBatch) -> None:
-    recipe = ReplayRecipe(config=ReplayConfig(microbatch=4), retention=1 << 20)
-    narrow = recipe.narrower(2)
-    assert (narrow.config.microbatch, recipe.config.microbatch, narrow.retention) == (2, 4, 1 << 20)
-    plan = ReplayRecipe(config=REPLAY).lay_out(batch, MAKE(), LOSS).plan
-    with pytest.raises(ValueError, match="pass its ReplayRecipe"):
-        ReplayRecipe.of(plan)
-    assert ReplayRecipe.of(ReplayPlan("flat")).mode == "flat"
+def test_narrower_is_a_new_plan_laid_out_afresh(batch: UpdateBatch) -> None:
+    """After an out-of-memory error the update narrows its plan: a new `Plan` with the smaller K and every
+    other choice kept, whose layout has the narrower steps; the first plan and its layout are unchanged."""
+    model = MAKE()
+    forced = Overrides(mode="tree", microbatch=4, chunk_size=3, keep_graphs="none")
+    plan = plan_update(batch, model, budget=1 << 34, overrides=forced)
+    narrow = plan.narrower(1)
+    assert (narrow.microbatch, plan.microbatch) == (1, 4)
+    assert (narrow.retention, narrow.chunk_size, narrow.keep_graph) == (plan.retention, 3, plan.keep_graph)
+    wide_steps = [len(s.steps) for s in plan.lay_out(batch, model, LOSS).schedule.trees]
+    narrow_steps = [len(s.steps) for s in narrow.lay_out(batch, model, LOSS).schedule.trees]
+    assert all(n >= w for n, w in zip(narrow_steps, wide_steps)) and sum(narrow_steps) > sum(wide_steps)
+    assert narrow_steps == [len(s.steps) for s in lay_out(batch, model, LOSS, REPLAY).schedule.trees]

@@ -1,39 +1,36 @@
-"""How one rank replays one update, as data: what the planner decided, laid out tree by tree.
+"""How one rank replays its share of an update, as data: the plan laid out tree by tree.
 
 The planner (`treetrain.memory.planner`) chooses tree or flat mode, K, chunking, the reference walk, a
-retention budget and which internal units keep their first graph; when the update window opens, it lays
-that decision out over this rank's trees (`treetrain.memory.replay_recipe.ReplayRecipe.lay_out`). Each
-tree gets a `TreeSchedule`: the replay steps and kept graphs the decision implies, and the evictions (or
-host offloads) before each scoring batch and step. `TreeReplay` carries the schedule out and decides
-nothing about memory itself: it checks that the walk it builds is the one the schedule was made for, and
-refuses a plan that does not match (`PlanMismatchError`). A bare `ReplayConfig` is a plan with nothing
-bounded or kept.
+retention budget and which internal units keep their first graph: one `Plan` for the update. When the
+update's window opens, the plan is laid out over this rank's trees (`Plan.lay_out`,
+`treetrain.memory.replay_layout`). Each tree gets a `TreeSchedule`: the replay steps and kept graphs the plan
+implies, and the evictions (or host offloads) before each scoring batch and step. `TreeReplay` carries the
+schedule out and decides nothing about memory itself: it checks that the walk it builds is the one the
+schedule was made for, and refuses a schedule that does not match (`PlanMismatchError`). Without a
+schedule, nothing is bounded or kept.
 
 Example:
-    >>> plan = ReplayPlan.of(ReplayConfig(contract="exact", microbatch=2))
-    >>> plan.mode, plan.config.microbatch, plan.trees is None
-    ('tree', 2, True)
     >>> step = ReplayStep(0, (1, 2))
     >>> run = ScheduleRun(TreeSchedule("t", (step,), frozenset(), (Eviction(step, (3,)),)), print)
     >>> run.before(step)
     3
     >>> run.evicted
     1
+    >>> ReplaySchedule((TreeSchedule("t", (step,), frozenset()),)).for_tree("t").steps == (step,)
+    True
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from treetrain.errors import ConfigError, TreetrainError
-from treetrain.replay.batch import ReplayConfig
+from treetrain.errors import TreetrainError
 from treetrain.replay.protocols import MemoryProbe
 from treetrain.replay.schedule import ReplayStep
 from treetrain.replay.scoring import ScoreBatch
 
-Mode = Literal["tree", "flat"]
 if TYPE_CHECKING:
     import torch
 
@@ -84,41 +81,15 @@ class TreeSchedule:
 
 
 @dataclass(frozen=True)
-class ReplayPlan:
-    """Everything that decides how one rank replays one update. None of it changes the gradient, only its
-    cost."""
+class ReplaySchedule:
+    """One rank's share of the update's plan, laid out tree by tree: what the replayer carries out. None of
+    it changes the gradient, only its cost."""
 
-    mode: Mode = "tree"
-    """tree: `TreeReplay` (contract from `config`); flat: the conventional per-call `FlatReference`."""
-    config: ReplayConfig = field(default_factory=ReplayConfig)
-    """Contract, K (`microbatch`: the rows of one forward and backward under autograd, sibling units in
-    tree mode, whole calls in flat mode), chunk size, order and reference walk."""
-    trees: tuple[TreeSchedule, ...] | None = None
-    """One schedule per tree this rank replays; None bounds nothing and keeps no graph for any tree."""
-    tracker: MemoryProbe | None = None
-    """Measures live bytes by lifetime class while this plan runs (the report carries the peak)."""
+    trees: tuple[TreeSchedule, ...] = ()
+    """One schedule per tree this rank replays."""
 
-    def __post_init__(self) -> None:
-        if self.mode not in ("tree", "flat"):
-            raise ConfigError(f"mode must be 'tree' or 'flat', got {self.mode!r}")
-
-    @staticmethod
-    def of(plan: ReplayPlan | ReplayConfig | None) -> ReplayPlan:
-        """`plan` as a `ReplayPlan`: a bare config is tree mode with nothing bounded or kept."""
-        if isinstance(plan, ReplayPlan):
-            return plan
-        if plan is not None and not isinstance(plan, ReplayConfig):
-            raise TypeError(
-                f"the replay engine takes a ReplayPlan or a ReplayConfig, not a {type(plan).__name__}: lay a "
-                "ReplayRecipe out over the batch first (ReplayRecipe.lay_out)"
-            )
-        return ReplayPlan(config=plan or ReplayConfig())
-
-    def schedule(self, tree_id: str) -> TreeSchedule | None:
-        """The schedule of `tree_id`; None when the plan has none at all. A plan laid out over other trees
-        is refused."""
-        if self.trees is None:
-            return None
+    def for_tree(self, tree_id: str) -> TreeSchedule:
+        """The schedule of `tree_id`; a schedule laid out over other trees is refused."""
         for s in self.trees:
             if s.tree_id == tree_id:
                 return s
@@ -136,6 +107,8 @@ class ReplayHooks:
     backward: Callable[[torch.Tensor], None] | None = None
     """Turns a step's loss into gradients: `loss.backward()` when None, the DeepSpeed engine's `backward`
     under ZeRO (so its gradient partitioning sees every call)."""
+    tracker: MemoryProbe | None = None
+    """Measures live bytes by lifetime class while the replayer runs (the report carries the peak)."""
 
 
 class ScheduleRun:
