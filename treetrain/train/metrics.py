@@ -28,8 +28,8 @@ import numpy as np
 from treetrain.diskfull import naming_full_disk
 from treetrain.errors import TreetrainError
 from treetrain.io import atomic_write_text
-from treetrain.runfs import open_file
 from treetrain.rollout.sources.staleness import Dropped, Staleness
+from treetrain.runfs import open_file
 from treetrain.tree.stats import tree_stats
 from treetrain.tree.trajectory_tree import TrajectoryTree
 
