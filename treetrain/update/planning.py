@@ -11,6 +11,7 @@ not fit) is refused here in one line (`Plan.over_budget`), before anything is re
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import torch
 from transformers import PreTrainedModel
@@ -39,9 +40,11 @@ def plan_for(
     world_size: int = 1,
     zero_stage: int = 0,
     offload_optimizer: bool = False,
+    context_parallel: int = 1,
 ) -> Plan:
     """Plan one update of `batch` (the whole update, every rank's share). `world_size`, `zero_stage` and
-    `offload_optimizer` are what the backend really runs with: they size the run-persistent bytes."""
+    `offload_optimizer` are what the backend really runs with: they size the run-persistent bytes.
+    `context_parallel` > 1 prices one rank of a context group of that many (`ReplayConfig.context_parallel`)."""
     budget = (
         parse_bytes(cfg.memory_budget)
         if cfg.memory_budget
@@ -63,7 +66,7 @@ def plan_for(
         overrides=cfg.replay.overrides(cfg.mode),
         ref_model=ref_model,
         persistent=persistent,
-        base=cfg.replay.engine_config(cfg.seed),
+        base=replace(cfg.replay.engine_config(cfg.seed), context_parallel=context_parallel),
         min_speedup=cfg.replay.min_speedup,
     )
     if plan.over_budget is not None:  # a forced mode the budget cannot hold: refused, never run into an OOM
