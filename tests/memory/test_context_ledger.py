@@ -110,6 +110,22 @@ def test_transfer_buffers_follow_the_queries_not_the_prefix(model: PreTrainedMod
     assert ContextShare(1, 0, 0, query_bytes(model)).sent(event("step", 64)) == 0
 
 
+def test_each_rank_attends_to_its_own_pieces_and_together_to_the_whole_past(model: PreTrainedModel) -> None:
+    config = ReplayConfig(contract="exact", microbatch=2, chunk_size=64)
+    tp = plan_tree(batch_of(700, branches=4).work[0], config, LOSS, kv_bytes_per_token=1)
+    with_past = [ev for ev in tp.events if ev.shape.past]
+    assert with_past
+    for size in (2, 3):
+        shares = [ContextShare(size, r, 64, query_bytes(model)) for r in range(size)]
+        for ev in with_past:
+            local = [share.local(tp.units, ev) for share in shares]
+            assert sum(s.past for s in local) == ev.shape.past
+            assert sum(s.pieces for s in local) == ev.shape.pieces
+            assert all(s.rows == ev.shape.rows and s.width == ev.shape.width for s in local)
+            if ev.shape.path_tokens:
+                assert sum(s.path_tokens for s in local) == ev.shape.path_tokens
+
+
 def test_context_chunks_cut_the_longest_node_evenly() -> None:
     batch = batch_of(1000)
     for size in (2, 3, 4):

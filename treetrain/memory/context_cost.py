@@ -3,12 +3,14 @@
 Why: with `ReplayConfig.context_parallel` = C > 1, C ranks hold one tree's resident state between them
 (docs/long-context.md). Every rank runs the same steps; the query side is computed identically on each,
 a resident piece (unit) is kept only on its owner (`treetrain.replay.context_shards`: zigzag position
-blocks of the chunk size), and at each attention layer the partial (out, lse) of the queries over each
-rank's own pieces are gathered over the group and merged. The ledger books one rank's bytes, so it asks
-this module three questions, each answered from the same ownership rule the engine uses:
+blocks of the chunk size), each rank attends the queries to its own pieces, and at each attention layer
+the partial (out, lse) of the queries over each rank's own pieces are gathered over the group and merged. The ledger books one rank's bytes, so it asks
+this module four questions, each answered from the same ownership rule the engine uses:
 
 - which units' KV (and so which G accumulators) this rank holds: `ContextShare.unit_bytes`; recurrent
   state is constant-size and kept on every rank;
+- what its activations attend to: the queries of every event against the pieces it owns only
+  (`ContextShare.local`), the rest arriving as partial outputs;
 - the transfer buffers an event adds to the replay-temporary class: `ContextShare.buffers`;
 - the bytes this rank sends to the others for an event: `ContextShare.sent`.
 
@@ -30,11 +32,11 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from transformers import PreTrainedModel
 
-from treetrain.memory.events import MemEvent
+from treetrain.memory.events import MemEvent, Shape
 from treetrain.models.lora import unwrap
 from treetrain.models.recurrent_state import unkeyed_layers
 from treetrain.replay.context_shards import ContextGroup
@@ -108,6 +110,21 @@ class ContextShare:
         return tuple(
             (len(u) * kv_per_token if group.owns(u.offset) else 0) + state_per_unit for u in units.units
         )
+
+    def local(self, units: UnitTree, ev: MemEvent) -> Shape:
+        """`ev`'s shape as this rank computes it: its queries attend to (and, in `exact`, take dK/dV of) only
+        the pieces of the past it owns; the other ranks' partial outputs arrive in the transfer buffers."""
+        s = ev.shape
+        if self.size == 1 or s.past == 0 or not ev.units:
+            return s
+        parent = units[ev.units[0]].parent
+        path = units.path(parent) if parent is not None else ()
+        total = sum(len(units[p]) for p in path)
+        mine = [p for p in path if self.group.owns(units[p].offset)]
+        owned = sum(len(units[p]) for p in mine)
+        path_tokens = owned if s.path_tokens else 0
+        fed = total - s.past if mine and mine[-1] == path[-1] else 0  # the overlap token is input, not past
+        return replace(s, past=owned - fed, pieces=len(mine), path_tokens=path_tokens)
 
     def _per_layer(self, ev: MemEvent) -> tuple[int, int]:
         """(forward gather bytes, backward all_reduce bytes) of one attention layer of `ev`, 0 without a past."""

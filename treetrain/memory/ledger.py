@@ -364,6 +364,11 @@ class _TreeWalk:
                 src.discard(u)
                 self.prompt -= self.tp.kv_bytes[u]
 
+    def _local(self, ev: MemEvent) -> Shape:
+        """The shape this rank's activations follow: on a rank of a context group, the queries attend to its
+        own pieces of the past only (`ContextShare.local`)."""
+        return ev.shape if self.share is None else self.share.local(self.tp.units, ev)
+
     def _row(self, ev: MemEvent, temporary: int, extra_prompt: int = 0) -> None:
         if self.share is not None:
             temporary += self.share.buffers(ev)
@@ -396,7 +401,7 @@ class _TreeWalk:
         return self.rows
 
     def _event(self, ev: MemEvent, stored: Sequence[int], new_grads: Sequence[int]) -> None:
-        mm, s = self.mm, ev.shape
+        mm, s = self.mm, self._local(ev)
         if ev.kind == "recompute":
             self._row(ev, mm.nograd_peak(s))
             self._add(ev.units, self.resident)
@@ -440,6 +445,6 @@ class _TreeWalk:
                 continue
             assert isinstance(ev, ScoreBatch)
             mev = next(events)
-            self._row(mev, self.ref_mm.nograd_peak(mev.shape), extra_prompt=sum(kv[u] for u in held))
+            self._row(mev, self.ref_mm.nograd_peak(self._local(mev)), extra_prompt=sum(kv[u] for u in held))
             held.update(c for c in ev.units if units[c].children)
             self.held += mev.shape.targets * self.lp_size
