@@ -26,8 +26,8 @@ pads them):
 
 Example:
     >>> share = ContextShare(size=2, rank=1, block=4, sizes=QueryBytes(layers=1, out=8, lse=1, query=8))
-    >>> share.owns(5), share.owns(9)
-    (True, False)
+    >>> share.owns(5), share.owns(9), share.owns(12)
+    (True, True, False)
 """
 
 from __future__ import annotations
