@@ -27,7 +27,7 @@ from envs import (
 )
 
 TASKS = str(Path(__file__).resolve().parents[1] / "assets" / "tasks.jsonl")
-SMALL = {
+SMALL: dict[str, dict[str, object]] = {
     "calculator": {},
     "lookup": {"num_rows": 12, "num_warehouses": 4},
     "dataset": {"path": TASKS},
