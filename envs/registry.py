@@ -52,6 +52,7 @@ BUILTINS: Mapping[str, str] = MappingProxyType(
     {
         "calculator": "envs.calculator:CalculatorEnv",
         "dataset": "envs.dataset:DatasetEnv",
+        "longdoc": "envs.longdoc:LongDocEnv",
         "lookup": "envs.lookup:LookupEnv",
     }
 )

@@ -358,6 +358,7 @@ def test_every_numeric_option_is_checked_like_a_config_field() -> None:
     bare = [(verb, opt) for verb, opt, kind in _numeric_options() if kind in (int, float)]
     assert bare == [("plan", "--zero-stage")], bare  # the one with choices (0, 1, 2, 3)
     assert {("plan", "--min-speedup"), ("plan", "--world-size"), ("inspect", "--max-tokens")} <= set(typed)
+    assert ("plan", "--context-parallel") in typed
     assert ("train", "--updates") in typed and len(typed) >= 7
 
 
@@ -412,3 +413,5 @@ def test_every_numeric_option_refuses_out_of_range_and_non_finite_values(
         assert code == 2 and "argument --min-speedup" in err
     code, _, err = run_cli(capsys, ["plan", "t.msgpack", *PLAN, "--world-size", str(2**63)])
     assert code == 2 and "argument --world-size: must be in [1, 65536]" in err
+    code, _, err = run_cli(capsys, ["plan", "t.msgpack", *PLAN, "--context-parallel", "0"])
+    assert code == 2 and "argument --context-parallel: must be in [1, 1024]" in err

@@ -27,7 +27,12 @@ from envs import (
 )
 
 TASKS = str(Path(__file__).resolve().parents[1] / "assets" / "tasks.jsonl")
-SMALL = {"calculator": {}, "lookup": {"num_rows": 12, "num_warehouses": 4}, "dataset": {"path": TASKS}}
+SMALL: dict[str, dict[str, object]] = {
+    "calculator": {},
+    "lookup": {"num_rows": 12, "num_warehouses": 4},
+    "dataset": {"path": TASKS},
+    "longdoc": {"num_tokens": 1024},
+}
 
 
 @pytest.mark.parametrize("name", sorted(BUILTINS))
@@ -153,6 +158,7 @@ MODULES = [
     "envs.registry",
     "envs.calculator.arith",
     "envs.lookup.table",
+    "envs.longdoc.document",
     "treetrain.assets",
     "treetrain.rollout.fanout",
     "treetrain.rollout.prefix_sampler",

@@ -56,6 +56,8 @@ MAX_MICROBATCH = 1 << 20
 """Largest `--microbatch` (siblings or calls per microbatch; more than any tree file can hold)."""
 MAX_CHUNK = 1 << 24
 """Largest `--chunk-size` (longer than any context a model takes)."""
+MAX_CONTEXT_PARALLEL = 1 << 10
+"""Largest `--context-parallel` (ranks sharing one tree's resident state; the ledger walks each one)."""
 MAX_MIN_SPEEDUP = 1e6
 """Largest `--min-speedup` (a token-ceiling speedup is a ratio of token counts, far below this)."""
 
@@ -144,6 +146,14 @@ def add_parser(sub: Any) -> None:
         help="data-parallel processes (per-rank bytes; default 1)",
     )
     p.add_argument(
+        "--context-parallel",
+        type=Whole(1, MAX_CONTEXT_PARALLEL),
+        default=1,
+        metavar="C",
+        help="ranks of a context group holding each tree's resident state between them: the ledger is one "
+        "rank's, and the bytes each rank sends per update are printed (default 1; docs/long-context.md)",
+    )
+    p.add_argument(
         "--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
         help="DeepSpeed ZeRO stage the update runs under (default 0, or the config's)",
     )  # fmt: skip
@@ -221,7 +231,7 @@ def _from_config(args: argparse.Namespace, named: NamedTrees) -> int:
         planned = plan_for(
             cfg, batch, models.policy, models.reference, world_size=args.world_size,
             zero_stage=cfg.distributed.zero_stage if args.zero_stage is None else args.zero_stage,
-            offload_optimizer=cfg.distributed.offload_optimizer,
+            offload_optimizer=cfg.distributed.offload_optimizer, context_parallel=args.context_parallel,
         )  # fmt: skip
     except TreetrainError as e:
         return _fail(str(e))
@@ -326,7 +336,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         plan = plan_update(
             _batch(named, LossConfig(), AdvantageConfig(zero_variance="keep")), model, budget=args.budget,
-            base=ReplayConfig(contract=args.contract or "exact"), overrides=overrides,
+            base=ReplayConfig(contract=args.contract or "exact", context_parallel=args.context_parallel),
+            overrides=overrides,
             min_speedup=args.min_speedup, persistent=persistent,
         )  # fmt: skip
     except TreetrainError as e:

@@ -15,7 +15,7 @@ gradient, and the tokens of new G accumulators.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from treetrain.loss.loss_config import LossConfig
@@ -250,3 +250,16 @@ def plan_tree(
     ref_schedule = scoring_schedule(units, reference_need(units), replay.score_microbatch) if separate else ()
     reference = tuple(_reference_event(units, ev, -1) for ev in ref_schedule if isinstance(ev, ScoreBatch))
     return TreeLayout(units, steps, uses, retention, events, kept, reference, ref_schedule, kv, fused)
+
+
+def with_resident_bytes(
+    tp: TreeLayout, kv: tuple[int, ...], budget: int | None, *, contract: Contract, host_tier: bool = False
+) -> TreeLayout:
+    """`tp` with other resident bytes per unit (one rank's share in a context group,
+    `treetrain.memory.context_cost`): the retention and its events redone over them under `budget`."""
+    retention = plan_retention(tp.uses, kv, budget)
+    events = tree_events(
+        tp.units, tp.uses, retention, contract=contract, kept_graphs=tp.kept, host_tier=host_tier,
+        fused_reference=tp.fused_reference,
+    )  # fmt: skip
+    return replace(tp, retention=retention, events=events, kv_bytes=kv)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import sys
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from transformers import PreTrainedModel
 
@@ -31,7 +31,8 @@ from treetrain.lifetime import CLASSES, ClassBytes
 from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.manifest import Manifest
 from treetrain.memory.calibrate import MemoryModel, calibrate
-from treetrain.memory.events import MemEvent, Shape, TreeLayout, plan_tree
+from treetrain.memory.context_cost import ContextShare, QueryBytes, query_bytes
+from treetrain.memory.events import MemEvent, Shape, TreeLayout, plan_tree, with_resident_bytes
 from treetrain.memory.persistent import PersistentBytes, model_persistent_bytes
 from treetrain.models.lora import Reference, reference_module
 from treetrain.replay.batch import ReplayConfig, UpdateBatch
@@ -57,6 +58,32 @@ class LedgerRow:
 
 
 @dataclass(frozen=True)
+class RankShare:
+    """One rank of a context group in a ledger: which, of how many, and the bytes it exchanges per update."""
+
+    size: int
+    """C, the ranks of the group."""
+    rank: int
+    """The rank whose timeline the ledger's rows are: the one with the highest peak."""
+    sent_bytes: int
+    """Bytes this rank sends to the rest of its group over the update (`ContextShare.sent`); each rank sends
+    the same, every rank running the same steps."""
+    resident_bytes: int
+    """Resident KV of every unit of the update, over the whole group (what one device would hold at C = 1
+    with nothing evicted): the scale `sent_bytes` is compared with."""
+    rank_peaks: tuple[int, ...]
+    """Each rank's predicted peak, bytes."""
+
+    def line(self) -> str:
+        ratio = self.sent_bytes / self.resident_bytes if self.resident_bytes else 0.0
+        return (
+            f"context group of {self.size}: per-rank peak {format_bytes(max(self.rank_peaks))} (rank {self.rank}); "
+            f"each rank sends {format_bytes(self.sent_bytes)} per update, {ratio:.1%} of the update's resident "
+            f"KV ({format_bytes(self.resident_bytes)})"
+        )
+
+
+@dataclass(frozen=True)
 class Ledger:
     """A predicted memory timeline and its peak."""
 
@@ -79,6 +106,8 @@ class Ledger:
     state_bytes_per_unit: int = 0
     """Resident recurrent state of one unit, whatever its length: conv and recurrent state of every
     linear-attention, Mamba or Gated DeltaNet layer (0 for a model without any)."""
+    context: RankShare | None = None
+    """With `ReplayConfig.context_parallel` > 1: the rank of the group these rows are, and what it sends."""
 
     def resident_line(self) -> str:
         """What one resident unit holds, as `treetrain plan` prints it."""
@@ -112,10 +141,14 @@ class Ledger:
         lines.append(f"peak {format_bytes(self.peak.total)} at row {self.peak_step}: {self.peak_cause}")
         if self.kv_bytes_per_token or self.state_bytes_per_unit:
             lines.append(self.resident_line())
+        if self.context is not None:
+            lines.append(self.context.line())
         return "\n".join(lines)
 
     def as_dict(self) -> dict[str, object]:
+        context = None if self.context is None else asdict(self.context)
         return {
+            "context": context,
             "peak": self.peak.as_dict(),
             "peak_step": self.peak_step,
             "peak_cause": self.peak_cause,
@@ -199,26 +232,81 @@ def predict_ledger(
     pers = persistent or model_persistent_bytes(model, ref_model=ref_model)
     fixed = ClassBytes(persistent=pers.run_persistent, boundary=pers.update_boundary)
     lp_size = max(4, next(model.parameters()).element_size())
-    rows: list[LedgerRow] = []
-    minimum, recomputes = 0, 0
     fused = fused_reference(loss, replay, ref_model)
-    for t, work in enumerate(batch.work):
-        tp = plan_tree(
+    sharded = replay.context_parallel > 1
+    plans = [
+        plan_tree(
             work, replay, loss, kv_bytes_per_token=mm.kv_bytes_per_token,
-            state_bytes_per_unit=mm.state_bytes_per_unit, budget=residency.budget,
+            state_bytes_per_unit=mm.state_bytes_per_unit, budget=None if sharded else residency.budget,
             keep_graph=residency.keep_graph, host_tier=residency.host_tier, fused_reference=fused,
-        )  # fmt: skip
-        minimum = max(minimum, tp.retention.minimum)
-        recomputes += tp.retention.recomputes
-        walk = _TreeWalk(tp, mm, ref_mm, fixed, lp_size, t)
-        rows.extend(walk.run(len(rows), reference=loss.needs_reference and not tp.fused_reference))
-    if not rows:
-        rows.append(LedgerRow(0, -1, "idle", "idle", fixed))
+        )
+        for work in batch.work
+    ]  # fmt: skip
+    walk = _Walk(mm, ref_mm, fixed, lp_size, reference=loss.needs_reference)
+    context = None
+    if sharded:
+        rows, minimum, recomputes, context = walk.sharded(plans, replay, residency, query_bytes(model))
+    else:
+        rows, minimum, recomputes = walk.rows(plans)
     peak_row = max(rows, key=lambda r: r.bytes.total)
     return Ledger(
         tuple(rows), peak_row.bytes, peak_row.index, _cause(peak_row), pers, residency.budget, minimum, recomputes,
-        manifest_host_bytes(batch.manifest), mm.kv_bytes_per_token, mm.state_bytes_per_unit,
+        manifest_host_bytes(batch.manifest), mm.kv_bytes_per_token, mm.state_bytes_per_unit, context,
     )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Walk:
+    """What every tree's walk of one ledger shares: the memory models, the fixed bytes, the logprob size."""
+
+    mm: MemoryModel
+    ref_mm: MemoryModel
+    fixed: ClassBytes
+    lp_size: int
+    reference: bool
+    """The loss needs reference logprobs (scored in a walk of their own unless fused)."""
+
+    def rows(
+        self, plans: Sequence[TreeLayout], share: ContextShare | None = None
+    ) -> tuple[list[LedgerRow], int, int]:
+        """(rows, minimum retention budget, recomputes) of walking `plans` in order, on one rank of a
+        context group when `share` is given (its transfer buffers added to each event's temporary bytes)."""
+        rows: list[LedgerRow] = []
+        minimum, recomputes = 0, 0
+        for t, tp in enumerate(plans):
+            minimum = max(minimum, tp.retention.minimum)
+            recomputes += tp.retention.recomputes
+            walk = _TreeWalk(tp, self.mm, self.ref_mm, self.fixed, self.lp_size, t)
+            walk.share = share
+            rows.extend(walk.run(len(rows), reference=self.reference and not tp.fused_reference))
+        if not rows:
+            rows.append(LedgerRow(0, -1, "idle", "idle", self.fixed))
+        return rows, minimum, recomputes
+
+    def sharded(
+        self, plans: Sequence[TreeLayout], replay: ReplayConfig, residency: Residency, sizes: QueryBytes
+    ) -> tuple[list[LedgerRow], int, int, RankShare]:
+        """`rows` on every rank of a context group of `replay.context_parallel`, each holding the units it
+        owns (`ContextShare`) under `residency`'s budget: the rows of the rank with the highest peak."""
+        size, kv, state = replay.context_parallel, self.mm.kv_bytes_per_token, self.mm.state_bytes_per_unit
+        ranks = []
+        for rank in range(size):
+            share = ContextShare(size, rank, replay.chunk_size or 0, sizes)
+            mine = []
+            for tp in plans:
+                owned = share.unit_bytes(tp.units, kv, state)
+                mine.append(
+                    with_resident_bytes(
+                        tp, owned, residency.budget, contract=replay.contract, host_tier=residency.host_tier
+                    )
+                )
+            ranks.append((self.rows(mine, share), share, mine))
+        peaks = tuple(max(r.bytes.total for r in walked[0]) for walked, _, _ in ranks)
+        top = max(range(size), key=lambda r: peaks[r])
+        (rows, minimum, recomputes), share, mine = ranks[top]
+        sent = sum(share.sent(ev) for tp in mine for ev in (*tp.events, *tp.reference_events))
+        resident = sum(len(u) * kv for tp in plans for u in tp.units.units)
+        return rows, minimum, recomputes, RankShare(size, top, sent, resident, peaks)
 
 
 def _cause(row: LedgerRow) -> str:
@@ -261,6 +349,8 @@ class _TreeWalk:
         self.held = 0  # scores and kept graphs
         self.rows: list[LedgerRow] = []
         self.start = 0
+        self.share: ContextShare | None = None
+        """One rank of a context group: only its pieces are resident, and its transfer buffers are temporary."""
 
     def _add(self, units: Sequence[int], into: set[int]) -> None:
         for u in units:
@@ -274,7 +364,14 @@ class _TreeWalk:
                 src.discard(u)
                 self.prompt -= self.tp.kv_bytes[u]
 
+    def _local(self, ev: MemEvent) -> Shape:
+        """The shape this rank's activations follow: on a rank of a context group, the queries attend to its
+        own pieces of the past only (`ContextShare.local`)."""
+        return ev.shape if self.share is None else self.share.local(self.tp.units, ev)
+
     def _row(self, ev: MemEvent, temporary: int, extra_prompt: int = 0) -> None:
+        if self.share is not None:
+            temporary += self.share.buffers(ev)
         bytes_ = self.fixed + ClassBytes(
             prompt_group=self.prompt + self.ref_prompt + extra_prompt, temporary=self.held + temporary
         )
@@ -304,7 +401,7 @@ class _TreeWalk:
         return self.rows
 
     def _event(self, ev: MemEvent, stored: Sequence[int], new_grads: Sequence[int]) -> None:
-        mm, s = self.mm, ev.shape
+        mm, s = self.mm, self._local(ev)
         if ev.kind == "recompute":
             self._row(ev, mm.nograd_peak(s))
             self._add(ev.units, self.resident)
@@ -348,6 +445,6 @@ class _TreeWalk:
                 continue
             assert isinstance(ev, ScoreBatch)
             mev = next(events)
-            self._row(mev, self.ref_mm.nograd_peak(mev.shape), extra_prompt=sum(kv[u] for u in held))
+            self._row(mev, self.ref_mm.nograd_peak(self._local(mev)), extra_prompt=sum(kv[u] for u in held))
             held.update(c for c in ev.units if units[c].children)
             self.held += mev.shape.targets * self.lp_size

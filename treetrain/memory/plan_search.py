@@ -145,9 +145,16 @@ def k_candidates(batch: UpdateBatch) -> list[int]:
     return [ks[0], *sorted(ks[1:], reverse=True)]
 
 
-def chunk_candidates(batch: UpdateBatch) -> list[int | None]:
-    """Chunk candidates: none, then halving the longest node down to 16 tokens."""
+def chunk_candidates(batch: UpdateBatch, context: int = 1) -> list[int | None]:
+    """Chunk candidates: none, then halving the longest node down to 16 tokens. In a context group of
+    `context` ranks the chunk is also the ownership block, so the candidates are the ones that cut the longest
+    node into 2 x context x 2^m blocks (zigzag: each rank holds 1/context of it), down to 16 tokens."""
     longest = max((len(n) for w in batch.work for n in w.tree.nodes), default=0)
+    if context > 1:
+        sizes = [max(1, -(-longest // (2 * context)))]
+        while sizes[-1] // 2 >= 16:
+            sizes.append(-(-sizes[-1] // 2))
+        return list(dict.fromkeys(sizes))
     out: list[int | None] = [None]
     c = 1 << max(0, (longest - 1).bit_length() - 1)
     while c >= 16:

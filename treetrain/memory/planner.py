@@ -36,6 +36,7 @@ from transformers import PreTrainedModel
 from treetrain.bytesize import format_bytes
 from treetrain.errors import TreetrainError
 from treetrain.loss.loss_config import LossConfig
+from treetrain.memory.context_need import context_needed, needed_line
 from treetrain.memory.ledger import Ledger
 from treetrain.memory.overrides import Mode, Overrides
 from treetrain.memory.persistent import PersistentBytes
@@ -182,6 +183,8 @@ class Plan:
             lines.append(f"  refused by train: {self.over_budget}")
         if self.attention:
             lines.append(f"  attention against resident KV: {self.attention}")
+        if self.ledger.context is not None:
+            lines.append(f"  {self.ledger.context.line()}")
         return "\n".join(lines)
 
 
@@ -238,7 +241,7 @@ def plan_update(
     walk_note = ""
     if ov.mode != "flat":
         ks = [ov.microbatch] if ov.microbatch is not None else k_candidates(batch)
-        chunks = [ov.chunk] if ov.chunk_size is not None else chunk_candidates(batch)
+        chunks = [ov.chunk] if ov.chunk_size is not None else chunk_candidates(batch, base.context_parallel)
 
         def search(walk: Literal["fused", "separate"]) -> tuple[TreeSearch, Candidate | None]:
             s = TreeSearch(
@@ -310,9 +313,15 @@ def plan_update(
         else:
             reasons.append(f"tree's smallest peak {format_bytes(tree.peak)} exceeds the budget; flat fits")
     else:
+        needed = (
+            None
+            if ov.mode == "flat"
+            else context_needed(batch, model, loss, base, budget, persistent, ref_model)
+        )
         raise PlanError(
             f"nothing fits the {format_bytes(budget)} budget: the smallest predicted peak is "
             f"{format_bytes(tree.peak)} in tree mode and {format_bytes(flat.peak)} in flat mode"
+            + ("" if needed is None else f"; the tree {needed_line(needed)}")
         )
     if mode == "tree":
         assert tree_cand is not None

@@ -34,6 +34,9 @@ class ReplayConfig(ReplaySettings):
     reference_walk: Literal["fused", "separate"] = "fused"
     """With KL and a reference that is the policy with its adapters off: 'fused' scores it in the scoring
     walk (both KV sets resident during it), 'separate' in a second walk after it (less resident at once)."""
+    context_parallel: int = 1
+    """C, the ranks of a context group that hold each tree's resident state between them, one piece per rank
+    by position block of `chunk_size` (`treetrain.replay.context_shards`); the ledger prices one rank."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -45,6 +48,12 @@ class ReplayConfig(ReplaySettings):
             raise ConfigError(
                 f"must be >= 1 or None (never split), got {self.chunk_size!r}", field="chunk_size"
             )
+        if isinstance(self.context_parallel, bool) or not isinstance(self.context_parallel, int):
+            raise ConfigError(
+                f"must be a whole number, got {self.context_parallel!r}", field="context_parallel"
+            )
+        if self.context_parallel < 1:
+            raise ConfigError(f"must be >= 1, got {self.context_parallel}", field="context_parallel")
         if self.reference_walk not in ("fused", "separate"):
             raise ConfigError(
                 f"must be 'fused' or 'separate', got {self.reference_walk!r}", field="reference_walk"

@@ -10,6 +10,8 @@ not fit) is refused here in one line (`Plan.over_budget`), before anything is re
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from transformers import PreTrainedModel
 
 from treetrain.memory.budget import memory_budget_bytes
@@ -29,9 +31,11 @@ def plan_for(
     world_size: int = 1,
     zero_stage: int = 0,
     offload_optimizer: bool = False,
+    context_parallel: int = 1,
 ) -> Plan:
     """Plan one update of `batch` (the whole update, every rank's share). `world_size`, `zero_stage` and
-    `offload_optimizer` are what the backend really runs with: they size the run-persistent bytes."""
+    `offload_optimizer` are what the backend really runs with: they size the run-persistent bytes.
+    `context_parallel` > 1 prices one rank of a context group of that many (`ReplayConfig.context_parallel`)."""
     budget = memory_budget_bytes(cfg.memory_budget, next(model.parameters()).device)
     persistent = model_persistent_bytes(
         model,
@@ -49,7 +53,7 @@ def plan_for(
         overrides=cfg.replay.overrides(cfg.mode),
         ref_model=ref_model,
         persistent=persistent,
-        base=cfg.replay.replay_config(cfg.seed),
+        base=replace(cfg.replay.replay_config(cfg.seed), context_parallel=context_parallel),
         min_speedup=cfg.replay.min_speedup,
     )
     if plan.over_budget is not None:  # a forced mode the budget cannot hold: refused, never run into an OOM

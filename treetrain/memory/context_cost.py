@@ -1,0 +1,148 @@
+"""What one rank of a context group holds and sends: the per-rank share of resident state, and the transfers.
+
+Why: with `ReplayConfig.context_parallel` = C > 1, C ranks hold one tree's resident state between them
+(docs/long-context.md). Every rank runs the same steps; the query side is computed identically on each,
+a resident piece (unit) is kept only on its owner (`treetrain.replay.context_shards`: zigzag position
+blocks of the chunk size), each rank attends the queries to its own pieces, and at each attention layer
+the partial (out, lse) of the queries over each rank's own pieces are gathered over the group and merged. The ledger books one rank's bytes, so it asks
+this module four questions, each answered from the same ownership rule the engine uses:
+
+- which units' KV (and so which G accumulators) this rank holds: `ContextShare.unit_bytes`; recurrent
+  state is constant-size and kept on every rank;
+- what its activations attend to: the queries of every event against the pieces it owns only
+  (`ContextShare.local`), the rest arriving as partial outputs;
+- the transfer buffers an event adds to the replay-temporary class: `ContextShare.buffers`;
+- the bytes this rank sends to the others for an event: `ContextShare.sent`.
+
+The transfer model, per attention layer and query token (the step's rows x width, padded as the engine
+pads them):
+
+- forward, whenever the queries have a resident past: an all_gather of (out, lse), one partial per rank:
+  C x (out + lse) bytes received into a buffer, (C - 1) x (out + lse) sent in a ring all_gather;
+- a forward with a graph (a replay step, a kept graph) keeps every layer's gathered partials for its
+  backward (`SAVED_FOR_BACKWARD`); a forward without one holds a single layer's buffer at a time;
+- backward of a step: all_reduce of dO and dQ (`BACKWARD_ALL_REDUCE`), one layer at a time:
+  out + q bytes of buffer, 2 (C - 1) / C of them sent in a ring all_reduce.
+
+Example:
+    >>> share = ContextShare(size=2, rank=1, block=4, sizes=QueryBytes(layers=1, out=8, lse=1, query=8))
+    >>> share.owns(5), share.owns(9), share.owns(12)
+    (True, True, False)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from transformers import PreTrainedModel
+
+from treetrain.memory.events import MemEvent, Shape
+from treetrain.models.lora import unwrap
+from treetrain.models.recurrent_state import unkeyed_layers
+from treetrain.replay.context_shards import ContextGroup
+from treetrain.replay.units import UnitTree
+
+LSE_BYTES = 4
+"""The log-sum-exp travels in fp32 whatever the model's dtype (the merge is done in fp32)."""
+SAVED_FOR_BACKWARD = True
+"""A forward with a graph keeps every attention layer's gathered (out, lse) partials until its backward (the
+merge's autograd saves them); an upper bound if the engine recomputes them instead."""
+BACKWARD_ALL_REDUCE = ("dO", "dQ")
+"""What a step's backward all_reduces over the group at each attention layer, both query-sized."""
+GRAPH_KINDS = ("step", "keep")
+WHOLE = 1 << 62
+"""The ownership block of an unchunked plan: one block spans every position, so rank 0 owns every piece."""
+
+
+@dataclass(frozen=True)
+class QueryBytes:
+    """Bytes of one query token's attention tensors, per attention layer, in the model's dtype."""
+
+    layers: int
+    """Attention layers (those that keep KV per token; recurrent layers keep their small state everywhere)."""
+    out: int
+    """The attention output of one token: heads x value head size."""
+    lse: int
+    """Its log-sum-exp: one fp32 per head."""
+    query: int
+    """Its query (the size of dQ): heads x query/key head size."""
+
+
+def query_bytes(model: PreTrainedModel) -> QueryBytes:
+    """`QueryBytes` of `model`, read off its config as `persistent.kv_bytes_per_token` reads the KV side."""
+    config = model.config.get_text_config(decoder=True)
+    heads = int(config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    value_dim = int(getattr(config, "v_head_dim", None) or head_dim)
+    query_dim = head_dim
+    if getattr(config, "kv_lora_rank", None):  # multi-head latent attention: a no-rope and a rope part
+        query_dim = int(config.qk_nope_head_dim) + int(config.qk_rope_head_dim)
+    layers = int(config.num_hidden_layers) - int(getattr(config, "num_kv_shared_layers", None) or 0)
+    layers -= len(unkeyed_layers(unwrap(model)))
+    size = next(model.parameters()).element_size()
+    return QueryBytes(max(0, layers), heads * value_dim * size, heads * LSE_BYTES, heads * query_dim * size)
+
+
+@dataclass(frozen=True)
+class ContextShare:
+    """One rank's share of a context group's resident state, and its transfers (see module docstring)."""
+
+    size: int
+    rank: int
+    block: int
+    """Tokens per ownership block: the plan's chunk size (0 with no chunking: every piece on rank 0)."""
+    sizes: QueryBytes
+
+    @property
+    def group(self) -> ContextGroup:
+        """The engine's `ContextGroup`; with no chunking one block spans every position."""
+        if self.size == 1:
+            return ContextGroup()
+        return ContextGroup(self.size, self.rank, self.block or WHOLE)
+
+    def owns(self, position: int) -> bool:
+        return self.group.owns(position)
+
+    def unit_bytes(self, units: UnitTree, kv_per_token: int, state_per_unit: int) -> tuple[int, ...]:
+        """Resident bytes of each unit on this rank: its KV where it owns the unit's first token, and the
+        constant recurrent state everywhere."""
+        group = self.group
+        return tuple(
+            (len(u) * kv_per_token if group.owns(u.offset) else 0) + state_per_unit for u in units.units
+        )
+
+    def local(self, units: UnitTree, ev: MemEvent) -> Shape:
+        """`ev`'s shape as this rank computes it: its queries attend to (and, in `exact`, take dK/dV of) only
+        the pieces of the past it owns; the other ranks' partial outputs arrive in the transfer buffers."""
+        s = ev.shape
+        if self.size == 1 or s.past == 0 or not ev.units:
+            return s
+        parent = units[ev.units[0]].parent
+        path = units.path(parent) if parent is not None else ()
+        total = sum(len(units[p]) for p in path)
+        mine = [p for p in path if self.group.owns(units[p].offset)]
+        owned = sum(len(units[p]) for p in mine)
+        path_tokens = owned if s.path_tokens else 0
+        fed = total - s.past if mine and mine[-1] == path[-1] else 0  # the overlap token is input, not past
+        return replace(s, past=owned - fed, pieces=len(mine), path_tokens=path_tokens)
+
+    def _per_layer(self, ev: MemEvent) -> tuple[int, int]:
+        """(forward gather bytes, backward all_reduce bytes) of one attention layer of `ev`, 0 without a past."""
+        s = ev.shape
+        if self.size == 1 or s.past == 0 or s.rows == 0:
+            return 0, 0
+        tokens = s.rows * s.width
+        backward = (self.sizes.out + self.sizes.query) * tokens if ev.kind == "step" else 0
+        return (self.sizes.out + self.sizes.lse) * tokens, backward
+
+    def buffers(self, ev: MemEvent) -> int:
+        """Replay-temporary bytes of `ev`'s transfer buffers at its peak."""
+        gather, backward = self._per_layer(ev)
+        held = self.sizes.layers if SAVED_FOR_BACKWARD and ev.kind in GRAPH_KINDS else 1
+        return self.size * gather * held + backward
+
+    def sent(self, ev: MemEvent) -> int:
+        """Bytes this rank sends to the rest of its group for `ev` (ring all_gather and all_reduce)."""
+        gather, backward = self._per_layer(ev)
+        per_layer = (self.size - 1) * gather + (2 * (self.size - 1) * backward) // self.size
+        return per_layer * self.sizes.layers
