@@ -111,7 +111,7 @@ def test_max_logit_elements_changes_prediction_plan_and_measured_peak() -> None:
         plan = plans[base.max_logit_elements]
         if plan is None:
             continue
-        replay = plan.replay_config(base)
+        replay = plan.config
         assert replay.max_logit_elements == base.max_logit_elements
         measured = measured_tree(model, batch, replay)
         err = error(plan.ledger.peak.dynamic, measured.dynamic)
