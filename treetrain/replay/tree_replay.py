@@ -57,6 +57,7 @@ from treetrain.models.layer_entry import entry_tensors, grad_tensors, map_entry
 from treetrain.models.lora import Reference, reference_module
 from treetrain.models.support import SupportGate
 from treetrain.replay.batch import ReplayConfig, ReplayReport, TreeWork, UpdateBatch
+from treetrain.replay.context_replay import ContextShardingError, ContextShards, refusal
 from treetrain.replay.pieces import (
     forward_units,
     gather_targets,
@@ -129,6 +130,13 @@ class TreeReplay:
         self.device = next(model.parameters()).device
         self.hooks = hooks or ReplayHooks()
         self.backward: Backward = self.hooks.backward or _default_backward
+        exchange = self.store.exchange
+        self.shards = (
+            ContextShards.of(exchange, self.cfg.chunk_size) if exchange and exchange.sharded else None
+        )
+        """This rank's context group (`context_replay`): it keeps only the resident KV it owns."""
+        if self.shards is not None and (why := refusal(model)) is not None:
+            raise ContextShardingError(why)
         self._widest = 0
         self._evictions: ScheduleRun | None = None
         self._label = ""
@@ -228,7 +236,7 @@ class TreeReplay:
         walk = TreeWalk.build(work, self.cfg, schedule, skip_inert=self._skip_inert)
         walk.paths = PathKV(
             self.model, walk.units, self.store, self.identity, self.device,
-            produce=partial(self._first_forward, walk) if walk.kept else None,
+            produce=partial(self._first_forward, walk) if walk.kept else None, shards=self.shards,
         )  # fmt: skip
         return walk
 
@@ -320,8 +328,9 @@ class TreeReplay:
         units = walk.units
         with torch.enable_grad():
             graph = self._forward(walk, units[u].parent or 0, [units[u]])
-        kv = [map_entry(lambda t: t.detach().clone(), e) for e in own_kv(units[u], graph.out, 0)]
-        self.store.put(walk.paths.key(u), kv, self.identity)
+        walk.paths.put(
+            u, [map_entry(lambda t: t.detach().clone(), e) for e in own_kv(units[u], graph.out, 0)]
+        )
         walk.old_lp[u] = graph.logp.detach()
         walk.graphs[u] = graph
         return True
@@ -337,7 +346,7 @@ class TreeReplay:
         try:
             return self._step(walk, step)
         except torch.OutOfMemoryError:
-            if len(step.units) == 1:
+            if len(step.units) == 1 or self.shards is not None:  # a group's ranks split alike or not at all
                 raise
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -355,7 +364,7 @@ class TreeReplay:
         grads = None
         if self.cfg.contract == "exact":
             grads = [self.store.grad_buffers(paths.key(u), p, self.identity) for u, p in zip(path, pieces)]
-        past = past_before_overlap(pieces, grads, recurrent=paths.recurrent)
+        past = past_before_overlap(pieces, grads, recurrent=paths.recurrent, exchange=paths.exchange)
         padded, out = forward_units(self.model, batch_units, past, self.device)
         gathered = gather_targets([u.targets for u in batch_units], padded.input_ids.shape[1], self.device)
         logp, entropy = target_stats(
@@ -413,7 +422,7 @@ class TreeReplay:
             kept = walk.sequence_kept[torch.as_tensor(rows, device=walk.sequence_kept.device)]
         weight = correction_weights(lcfg, old, given.old_logprob, kept)
         terms = objective(lcfg, logp, contrib, entropy=graph.entropy, ref_logprob=ref, pg_weight=weight)
-        total = terms.loss
+        total = terms.loss if self.shards is None else terms.loss * self.shards.loss_share
         if self.cfg.contract == "exact":
             total = self._close(walk, graph, total)
         return terms, total
@@ -428,7 +437,9 @@ class TreeReplay:
                 continue
             for new, g in zip(own_kv(unit, graph.out, row), grad):
                 for t, gt in zip(grad_tensors(new), entry_tensors(g)):
-                    total = total + (t * gt).sum()
+                    # A G part on `meta` is held by another rank of the context group: a zero term here keeps
+                    # this rank's backward through the same attention layers (their collectives match).
+                    total = total + (t.sum() * 0.0 if gt.is_meta else (t * gt).sum())
         return total
 
     def _old_logprobs(

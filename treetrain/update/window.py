@@ -107,6 +107,7 @@ class UpdateWindow:
         self.cfg = cfg or WindowConfig()
         self.ref_model = ref_model
         self.store = store if store is not None else ResidentStore(ResidentIdentity.of(backend.module))
+        self.store.exchange = backend.context  # a context group shares each tree's resident state
         self.hooks = hooks or ReplayHooks()
         self.support = SupportGate()
         """Remembers which models and lengths tree replay has already checked."""
@@ -224,14 +225,16 @@ class OpenWindow:
             advantages = [a for gi in alive for a in self.groups[gi].advantages]
             whole = UpdateBatch.build(trees, advantages, self.owner.loss, version=self.owner.version)
         self.manifest = whole.manifest
-        ws = self.backend.world_size
-        given = self._given_placement
-        self.placement = place(trees, ws) if given is None else given.restricted_to(trees)
-        if self.placement.world_size != ws:
-            raise ValueError(f"placement is for {self.placement.world_size} ranks, the backend has {ws}")
+        ws, ctx = self.backend.world_size, self.backend.context_size
+        given = self._given_placement  # over data-parallel groups: a context group replays the same trees
+        self.placement = place(trees, ws // ctx) if given is None else given.restricted_to(trees)
+        if self.placement.world_size != ws // ctx:
+            raise ValueError(
+                f"placement is for {self.placement.world_size} ranks, the backend has {ws // ctx} data groups"
+            )
         self.backend.agree(self.manifest.digest, "manifest digest")
         self.backend.agree(self.placement.digest, "placement")
-        mine = self.placement.for_rank(self.backend.rank)
+        mine = self.placement.for_rank(self.backend.rank // ctx)
         batch = whole.restricted(dict(zip(self.placement.tree_ids, mine)))
         self.local_batch = batch
         """This rank's share of the update."""
@@ -254,9 +257,12 @@ class OpenWindow:
             flat = ReplayConfig(
                 microbatch=max(1, plan.config.microbatch), max_logit_elements=plan.config.max_logit_elements
             )
-            return FlatReference(
-                self.backend.module, o.loss, flat, ref_model=o.ref_model, backward=self._backward
-            )
+            share = 1.0 / self.backend.context_size  # a context group's ranks replay the same calls
+
+            def backward(loss: torch.Tensor) -> None:
+                self._backward(loss if share == 1.0 else loss * share)
+
+            return FlatReference(self.backend.module, o.loss, flat, ref_model=o.ref_model, backward=backward)
         return TreeReplay(
             self.backend.module, o.loss, plan, ref_model=o.ref_model, store=o.store, support=o.support,
             hooks=dataclasses.replace(o.hooks, backward=self._backward),
@@ -426,9 +432,23 @@ class OpenWindow:
         )
         self.backend.agree(self.manifest.digest, "manifest digest")
         expected = self.manifest.keys()
-        if check_coverage(self.backend.gather(self.claims.summary().encode()), expected):
+        if check_coverage(self._group_leads(self.backend.gather(self.claims.summary().encode())), expected):
             return
-        per_rank = [decode_keys(t) for t in self.backend.gather(encode_keys(self.claims.covered))]
+        per_rank = [
+            decode_keys(t) for t in self._group_leads(self.backend.gather(encode_keys(self.claims.covered)))
+        ]
         raise ManifestError(
             f"coverage check failed, the optimizer step is refused: {explain_mismatch(per_rank, expected)}"
         )
+
+    def _group_leads(self, per_rank: list[str]) -> list[str]:
+        """The first rank's entry of each context group, after checking that the group's other ranks, which
+        replay the same trees in lockstep, covered the same contributions."""
+        ctx = self.backend.context_size
+        odd = [r for r, text in enumerate(per_rank) if text != per_rank[r - r % ctx]]
+        if odd:
+            raise ManifestError(
+                f"coverage check failed, the optimizer step is refused: ranks {odd} covered other contributions "
+                "than the first rank of their context group"
+            )
+        return per_rank[::ctx]
