@@ -25,7 +25,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
-from support.context_cases import DropRemote, NoReduce
+from support.context_cases import CONTROLS, SCENARIOS
 from support.dist_cases import LOSS, OPTIMIZER, groups, model_factory, params_vector
 
 from treetrain.distributed.context_groups import join_context_group
@@ -37,22 +37,6 @@ from treetrain.update.window import UpdateWindow
 torch.set_num_threads(1)
 OUT = Path(sys.argv[1])
 ONLY = set(sys.argv[2].split(",")) if len(sys.argv) > 2 and sys.argv[2] else None
-
-SCENARIOS: dict[str, dict[str, Any]] = {
-    # name: family, contract, ZeRO stage, C, chunk size, K
-    "llama_exact_z0_c2": dict(family="llama", contract="exact", stage=0, size=2, chunk=4, k=0),
-    "llama_exact_z3_c4": dict(family="llama", contract="exact", stage=3, size=4, chunk=3, k=1),
-    "llama_ro_z0_c2": dict(family="llama", contract="response_only", stage=0, size=2, chunk=5, k=2),
-    "llama_ro_z3_c4": dict(family="llama", contract="response_only", stage=3, size=4, chunk=4, k=0),
-    "mla_exact_z0_c2": dict(family="deepseek_v3", contract="exact", stage=0, size=2, chunk=4, k=0),
-    "mla_ro_z3_c4": dict(family="deepseek_v3", contract="response_only", stage=3, size=4, chunk=4, k=1),
-    "window_exact_z3_c2": dict(family="mistral", contract="exact", stage=3, size=2, chunk=4, k=1),
-    "window_ro_z0_c4": dict(family="mistral", contract="response_only", stage=0, size=4, chunk=6, k=0),
-    "hybrid_exact_z0_c2": dict(family="qwen3_5_text", contract="exact", stage=0, size=2, chunk=4, k=0),
-    "hybrid_ro_z3_c4": dict(family="qwen3_5_text", contract="response_only", stage=3, size=4, chunk=5, k=0),
-    "control_drop_remote": dict(family="llama", contract="exact", stage=0, size=2, chunk=4, k=0, kind=DropRemote),
-    "control_no_reduce": dict(family="llama", contract="exact", stage=0, size=2, chunk=4, k=0, kind=NoReduce),
-}
 
 
 def current(backend: DeepSpeedBackend) -> torch.Tensor:
@@ -66,10 +50,10 @@ def scenario(name: str, spec: dict[str, Any]) -> None:
     model = model_factory(spec["family"])()
     backend = DeepSpeedBackend(model, zero_stage=spec["stage"], optimizer=OPTIMIZER)
     join_context_group(backend, spec["size"])
-    kind = spec.get("kind")
-    if kind is not None:
+    control = spec.get("control")
+    if control is not None:
         assert backend.context is not None
-        backend.context = kind(backend.context.size, backend.context.rank, backend.context.group)
+        backend.context = CONTROLS[control](backend.context.size, backend.context.rank, backend.context.group)
     start = current(backend)
     store = ResidentStore(ResidentIdentity.of(backend.module))
     peak = [0]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -152,3 +153,22 @@ if __name__ == "__main__":
     import sys
 
     main(sys.argv[1])
+
+
+CONTROLS: dict[str, type[ContextExchange]] = {"drop_remote": DropRemote, "no_reduce": NoReduce}
+"""The negative controls' exchanges, by the name a scenario gives as its `control`."""
+SCENARIOS: dict[str, dict[str, Any]] = {
+    # name: family, contract, ZeRO stage, C, chunk size, K (tests/distributed/context_worker.py runs them)
+    "llama_exact_z0_c2": dict(family="llama", contract="exact", stage=0, size=2, chunk=4, k=0),
+    "llama_exact_z3_c4": dict(family="llama", contract="exact", stage=3, size=4, chunk=3, k=1),
+    "llama_ro_z0_c2": dict(family="llama", contract="response_only", stage=0, size=2, chunk=5, k=2),
+    "llama_ro_z3_c4": dict(family="llama", contract="response_only", stage=3, size=4, chunk=4, k=0),
+    "mla_exact_z0_c2": dict(family="deepseek_v3", contract="exact", stage=0, size=2, chunk=4, k=0),
+    "mla_ro_z3_c4": dict(family="deepseek_v3", contract="response_only", stage=3, size=4, chunk=4, k=1),
+    "window_exact_z3_c2": dict(family="mistral", contract="exact", stage=3, size=2, chunk=4, k=1),
+    "window_ro_z0_c4": dict(family="mistral", contract="response_only", stage=0, size=4, chunk=6, k=0),
+    "hybrid_exact_z0_c2": dict(family="qwen3_5_text", contract="exact", stage=0, size=2, chunk=4, k=0),
+    "hybrid_ro_z3_c4": dict(family="qwen3_5_text", contract="response_only", stage=3, size=4, chunk=5, k=0),
+    "control_drop_remote": dict(family="llama", contract="exact", stage=0, size=2, chunk=4, k=0, control="drop_remote"),
+    "control_no_reduce": dict(family="llama", contract="exact", stage=0, size=2, chunk=4, k=0, control="no_reduce"),
+}  # fmt: skip
