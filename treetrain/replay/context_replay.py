@@ -36,6 +36,7 @@ from treetrain.models.indexer_state import INDEXED_REASON
 from treetrain.models.layer_entry import HybridEntry, IndexedEntry, LayerEntry
 from treetrain.models.lora import unwrap
 from treetrain.replay.context_shards import ContextGroup
+from treetrain.replay.resident import ResidentStore
 
 
 class ContextShardingError(TreetrainError, ValueError):
@@ -58,6 +59,24 @@ class ContextShards:
         """The shards of `exchange`'s group, blocks of `chunk_size` positions (the plan's chunk size: each
         chunk of a long node is one block; 1 when nodes are never split)."""
         return ContextShards(ContextGroup(exchange.size, exchange.rank, max(1, chunk_size or 1)), exchange)
+
+    @staticmethod
+    def of_store(
+        store: ResidentStore, chunk_size: int | None, model: PreTrainedModel
+    ) -> ContextShards | None:
+        """The shards of `store`'s context group for a replay of `model` (None without a sharded group);
+        `ContextShardingError` with the reason for a model whose past cannot be split by key set."""
+        exchange = store.exchange
+        if exchange is None or not exchange.sharded:
+            return None
+        why = refusal(model)
+        if why is not None:
+            raise ContextShardingError(why)
+        return ContextShards.of(exchange, chunk_size)
+
+    def crossed(self) -> int:
+        """Bytes this rank has put into its group's collectives so far."""
+        return self.exchange.counts.total_bytes
 
     @property
     def loss_share(self) -> float:

@@ -57,7 +57,7 @@ from treetrain.models.layer_entry import entry_tensors, grad_tensors, map_entry
 from treetrain.models.lora import Reference, reference_module
 from treetrain.models.support import SupportGate
 from treetrain.replay.batch import ReplayConfig, ReplayReport, TreeWork, UpdateBatch
-from treetrain.replay.context_replay import ContextShardingError, ContextShards, refusal
+from treetrain.replay.context_replay import ContextShards
 from treetrain.replay.pieces import (
     forward_units,
     gather_targets,
@@ -130,13 +130,8 @@ class TreeReplay:
         self.device = next(model.parameters()).device
         self.hooks = hooks or ReplayHooks()
         self.backward: Backward = self.hooks.backward or _default_backward
-        exchange = self.store.exchange
-        self.shards = (
-            ContextShards.of(exchange, self.cfg.chunk_size) if exchange and exchange.sharded else None
-        )
+        self.shards = ContextShards.of_store(self.store, self.cfg.chunk_size, model)
         """This rank's context group (`context_replay`): it keeps only the resident KV it owns."""
-        if self.shards is not None and (why := refusal(model)) is not None:
-            raise ContextShardingError(why)
         self._widest = 0
         self._evictions: ScheduleRun | None = None
         self._label = ""
@@ -179,9 +174,12 @@ class TreeReplay:
             tracker.reset_peak()
             if not tracker.active:
                 tracking = tracker
+        crossed = self.shards.crossed() if self.shards is not None else 0
         with tracking:
             for work in batch.work:
                 report = report.merged(self._tree(work))
+        if self.shards is not None:
+            report = report.merged(ReplayReport(crossed_bytes=self.shards.crossed() - crossed))
         if tracker is not None:
             report = report.merged(ReplayReport(measured_peak=tracker.peak))
         return report
