@@ -54,6 +54,34 @@ def expanded_past(
     return tuple(out), (None,) * len(out)
 
 
+def expanded_in_one_call(
+    expand: Callable[[torch.Tensor, torch.Tensor], LayerKV],
+    past: Sequence[LayerKV],  # this rank's pieces of a context group's past, latents as in `expanded_past`
+    grads: Sequence[LayerKV | None],
+    anchor: torch.Tensor,
+    like: LayerKV,  # any piece of the past (held here or not): the latents' shapes and dtype
+) -> tuple[tuple[LayerKV, ...], tuple[None, ...], torch.Tensor]:
+    """`expanded_past` for a context group: the held pieces and one zero position, expanded in one call.
+
+    Why: under ZeRO-3 every call of the expansion gathers its weights in a collective of all ranks, forward
+    and backward, so the ranks of a group, which hold different numbers of pieces, must call it alike. The
+    returned tie (zero, but computed from the extra position's expansion) is to be added to the layer's
+    output: it keeps that call's backward on every rank, whether its pieces reach the attention or not.
+    """
+    ks, vs = [], []
+    for (k, v), acc in zip(past, grads):
+        if acc is not None and anchor.requires_grad:
+            k, v = _Into.apply(k, acc[0], anchor), _Into.apply(v, acc[1], anchor)
+        ks.append(k)
+        vs.append(v)
+    zk, zv = (torch.zeros((*t.shape[:-2], 1, t.shape[-1]), dtype=t.dtype, device=anchor.device) for t in like)
+    keys, values = expand(torch.cat([*ks, zk], dim=-2), torch.cat([*vs, zv], dim=-2))
+    sizes = [int(k.shape[-2]) for k in ks] + [1]
+    split = list(zip(keys.split(sizes, dim=-2), values.split(sizes, dim=-2)))
+    extra_k, extra_v = split.pop()
+    return tuple(split), (None,) * len(split), (extra_k.sum() + extra_v.sum()) * 0.0
+
+
 def concatenated(past: SharedPast, rows: int, anchor: torch.Tensor | None) -> list[LayerKV | None]:
     """The past as one `[rows, H_kv, P, D]` tensor per layer (the path for attention that cannot be split);
     None for a recurrent layer, which reads its state from the last piece itself.
