@@ -162,7 +162,6 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "llama_exact_z0_c2": dict(family="llama", contract="exact", stage=0, size=2, chunk=4, k=0),
     "llama_exact_z3_c4": dict(family="llama", contract="exact", stage=3, size=4, chunk=3, k=1),
     "llama_ro_z0_c2": dict(family="llama", contract="response_only", stage=0, size=2, chunk=5, k=2),
-    "llama_ro_z3_c4": dict(family="llama", contract="response_only", stage=3, size=4, chunk=4, k=0),
     "mla_exact_z0_c2": dict(family="deepseek_v3", contract="exact", stage=0, size=2, chunk=4, k=0),
     "mla_ro_z3_c4": dict(family="deepseek_v3", contract="response_only", stage=3, size=4, chunk=4, k=1),
     "window_exact_z3_c2": dict(family="mistral", contract="exact", stage=3, size=2, chunk=4, k=1),
