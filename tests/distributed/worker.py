@@ -391,6 +391,7 @@ class Distributed:
     zero_stage: int
     offload_optimizer: bool
     deepspeed_config: str | None = None
+    context_parallel: int = 1
 
 
 class Payload:

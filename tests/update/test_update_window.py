@@ -490,6 +490,7 @@ def test_make_backend_reads_trainer_settings() -> None:
         zero_stage: int = 0
         offload_optimizer: bool = False
         deepspeed_config: str | None = None
+        context_parallel: int = 1
 
     optim = OptimizerConfig(lr=1e-3, betas=(0.9, 0.99), grad_clip=0.0)
     backend = make_backend(make_model(), optim, Distributed())
@@ -502,6 +503,8 @@ def test_make_backend_reads_trainer_settings() -> None:
     assert (backend.zero_stage, backend.offload_optimizer) == (0, False)
     with pytest.raises(ConfigError, match=r"distributed\.backend must be 'torch' or 'deepspeed'"):
         make_backend(make_model(), optim, Distributed(backend="horovod"))
+    with pytest.raises(ConfigError, match=r"context_parallel > 1 needs distributed\.backend: deepspeed"):
+        make_backend(make_model(), optim, Distributed(context_parallel=2))
 
     sgd = make_backend(make_model(), OptimizerConfig(name="sgd"), Distributed())
     assert isinstance(sgd, TorchBackend) and type(sgd.optimizer) is torch.optim.SGD

@@ -37,6 +37,7 @@ from treetrain.distributed.checkpoint_io import read_client_state, write_client_
 from treetrain.distributed.optim_config import OptimizerConfig
 from treetrain.errors import TreetrainError
 from treetrain.io import atomic_directory
+from treetrain.models.context_exchange import ContextExchange
 from treetrain.models.lora import is_peft, save_adapter
 
 OnPoint = Callable[[str, int | None], None]
@@ -75,6 +76,14 @@ class TrainBackend(ABC):
     module: PreTrainedModel
     rank: int
     world_size: int
+    context: ContextExchange | None = None
+    """This rank's context group (`distributed.context_parallel` ranks sharing each tree's resident state;
+    `treetrain.distributed.context_groups`), or None: every rank its own."""
+
+    @property
+    def context_size(self) -> int:
+        """C, the ranks of a context group (1 without one); the world is data groups x C."""
+        return 1 if self.context is None else self.context.size
 
     @property
     def zero_stage(self) -> int:

@@ -26,6 +26,8 @@ class DistributedSettings(Protocol):
     def offload_optimizer(self) -> bool: ...
     @property
     def deepspeed_config(self) -> str | None: ...
+    @property
+    def context_parallel(self) -> int: ...
 
 
 def make_backend(
@@ -38,21 +40,26 @@ def make_backend(
     offload (and the optimizer, if it has an optimizer section); DeepSpeed is imported only here.
     `on_point` reaches the torch backend's checkpoint write (`TorchBackend`); DeepSpeed's has no point."""
     if distributed.backend == "torch":
+        if distributed.context_parallel != 1:
+            raise ConfigError("distributed.context_parallel > 1 needs distributed.backend: deepspeed")
         return TorchBackend(model, opt, on_point=on_point)
     if distributed.backend != "deepspeed":
         raise ConfigError(f"distributed.backend must be 'torch' or 'deepspeed', got {distributed.backend!r}")
+    from treetrain.distributed.context_groups import join_context_group
     from treetrain.distributed.deepspeed_backend import DeepSpeedBackend
     from treetrain.distributed.deepspeed_config import read_config
 
     if distributed.deepspeed_config is None:
-        return DeepSpeedBackend(
+        backend = DeepSpeedBackend(
             model,
             zero_stage=distributed.zero_stage,
             offload_optimizer=distributed.offload_optimizer,
             optimizer=opt,
             dtype=next(model.parameters()).dtype,
         )
-    has_optimizer = "optimizer" in read_config(distributed.deepspeed_config)
-    return DeepSpeedBackend(
-        model, ds_config=distributed.deepspeed_config, optimizer=None if has_optimizer else opt
-    )
+    else:
+        has_optimizer = "optimizer" in read_config(distributed.deepspeed_config)
+        backend = DeepSpeedBackend(
+            model, ds_config=distributed.deepspeed_config, optimizer=None if has_optimizer else opt
+        )
+    return join_context_group(backend, distributed.context_parallel)

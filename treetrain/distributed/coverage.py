@@ -143,16 +143,34 @@ def check_coverage(summaries: Sequence[str], manifest_keys: Sequence[Contributio
 
 
 def require_coverage(
-    gather: Callable[[str], list[str]], claims: CoverageClaims, manifest_keys: Sequence[ContributionKey]
+    gather: Callable[[str], list[str]],
+    claims: CoverageClaims,
+    manifest_keys: Sequence[ContributionKey],
+    *,
+    context: int = 1,
 ) -> None:
     """Collective (`gather` is the backend's): every manifest key covered exactly once over all ranks, or
-    `ManifestError` naming what is missing or doubled, and the optimizer step is refused."""
-    if check_coverage(gather(claims.summary().encode()), manifest_keys):
+    `ManifestError` naming what is missing or doubled, and the optimizer step is refused. With context groups
+    of `context` consecutive ranks, which replay the same trees in lockstep, each group counts once, after
+    its ranks are checked to have covered the same contributions."""
+    if check_coverage(group_leads(gather(claims.summary().encode()), context), manifest_keys):
         return
-    per_rank = [decode_keys(t) for t in gather(encode_keys(claims.covered))]
+    per_rank = [decode_keys(t) for t in group_leads(gather(encode_keys(claims.covered)), context)]
     raise ManifestError(
         f"coverage check failed, the optimizer step is refused: {explain_mismatch(per_rank, manifest_keys)}"
     )
+
+
+def group_leads(per_rank: list[str], context: int) -> list[str]:
+    """The first rank's entry of each context group of `context` consecutive ranks, after checking that the
+    group's other ranks covered the same contributions."""
+    odd = [r for r, text in enumerate(per_rank) if text != per_rank[r - r % context]]
+    if odd:
+        raise ManifestError(
+            f"coverage check failed, the optimizer step is refused: ranks {odd} covered other contributions "
+            "than the first rank of their context group"
+        )
+    return per_rank[::context]
 
 
 def explain_mismatch(

@@ -45,8 +45,9 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.utils.import_utils import is_torch_greater_or_equal
 
 from treetrain.models.indexer_state import INDEXED_REASON, indexed_layers
+from treetrain.models.past_routes import expanded_in_one_call, expanded_past
 from treetrain.models.recurrent_state import attending_layer, recurrent_layers, unkeyed_layers
-from treetrain.models.shared_past import ScoreForm, SharedPast, expanded_past, shared_attention
+from treetrain.models.shared_past import HeldPieces, ScoreForm, SharedPast, shared_attention
 
 NAME = "treetrain_sdpa"
 SHARED = "treetrain_shared_past"
@@ -184,9 +185,14 @@ def shared_past_forward(
     if attention_mask is not None:  # the model's own masks are `_no_mask`'s None: the layer made this one
         raise PastLayoutError(f"{type(module).__name__} attends under a mask of its own making", OWN_MASK)
     layer = kv_source_layer(module)
-    past, grads = active.past.layer(layer)
+    past, grads, starts = active.past.held(layer)  # a context group's other pieces are attended elsewhere
     expand = getattr(module, "expand_kv", None)
-    if callable(expand):  # MLA: the cache holds latents, which the layer expands to keys and values
+    tie = None
+    grouped = active.past.exchange is not None and active.past.exchange.sharded
+    if callable(expand) and grouped:  # as below, in one call of the same shape on every rank of the group
+        like = active.past.layer(layer)[0][0]
+        past, grads, tie = expanded_in_one_call(expand, past, grads, query, like)
+    elif callable(expand):  # MLA: the cache holds latents, which the layer expands to keys and values
         past, grads = expanded_past(expand, past, grads, anchor=query)
     _check_past_shapes(module, layer, past, key, value)
     window = kwargs.get("sliding_window") or _mask_window()
@@ -199,7 +205,12 @@ def shared_past_forward(
         float(softcap) if softcap else None,
         chunk,
     )
-    out = shared_attention(query, key, value, active.positions, past, grads, form, sinks=sinks)
+    out = shared_attention(
+        query, key, value, active.positions, past, grads, form, sinks=sinks,
+        held=HeldPieces(starts, active.past.exchange),
+    )  # fmt: skip
+    if tie is not None:
+        out = out + tie
     return out, None
 
 

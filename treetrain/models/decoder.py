@@ -33,6 +33,7 @@ from treetrain.models.attention import (
 from treetrain.models.layer_entry import HybridEntry, IndexedEntry, LayerEntry, entry_tensors
 from treetrain.models.logit_head import output_head
 from treetrain.models.lora import unwrap
+from treetrain.models.past_routes import concatenated
 from treetrain.models.recurrent_state import (
     EngineCache,
     argument_state_mixers,
@@ -41,7 +42,7 @@ from treetrain.models.recurrent_state import (
     recurrent_layers,
     stateless_layers,
 )
-from treetrain.models.shared_past import LayerKV, SharedPast, concatenated
+from treetrain.models.shared_past import LayerKV, SharedPast
 
 __all__ = [
     "DecoderOutput",
@@ -231,6 +232,11 @@ def decoder_forward(
         and shared_past_reason(unwrap(model)) is None
         and entry_tensors(past.pieces[0][0])[0].shape[0] == 1
     )
+    if past is not None and past.exchange is not None and past.exchange.sharded and not shared:
+        raise ValueError(
+            f"a context group's past is read piece by piece, but {type(unwrap(model)).__name__} takes the "
+            f"concatenated past ({shared_past_reason(unwrap(model)) or 'rows of several pasts'})"
+        )
     anchor = _anchor(model, input_ids.device)
     cache: DynamicCache = PastLengthCache(past.length) if shared and past is not None else DynamicCache()
     indexed = indexer_state.indexed_layers(unwrap(model))

@@ -109,5 +109,6 @@ def state_part(entry: LayerEntry) -> LayerKV:
 
 
 def entry_bytes(entries: Iterable[LayerEntry]) -> int:
-    """Bytes of the tensors of `entries`, every part counted."""
-    return sum(t.numel() * t.element_size() for e in entries for t in entry_tensors(e))
+    """Bytes of the tensors of `entries`, every part counted; a part on the `meta` device (KV another rank
+    of a context group holds: `treetrain.replay.context_replay`) has no storage and counts nothing."""
+    return sum(t.numel() * t.element_size() for e in entries for t in entry_tensors(e) if not t.is_meta)

@@ -50,8 +50,9 @@ from transformers.cache_utils import DummyLayer, DynamicLayer
 
 from treetrain.models.foreign_state import state_argument
 from treetrain.models.layer_entry import LayerKV, state_part
+from treetrain.models.past_routes import _Into
 from treetrain.models.recurrent_kinds import CAPTURE, KINDS, NO_KIND, WKV, Capture, Kind, kind_of
-from treetrain.models.shared_past import SharedPast, _Into
+from treetrain.models.shared_past import SharedPast
 
 #: Layer types of transformers' configs whose layer carries recurrent state instead of KV.
 RECURRENT_LAYER_TYPES = frozenset({"linear_attention"})

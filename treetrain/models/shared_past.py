@@ -32,7 +32,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,9 +45,11 @@ from treetrain.models.attention_states import (
     fused_backward,
     fused_state,
     merge_into,
+    merge_states,
     partial_backward,
     partial_state,
 )
+from treetrain.models.context_exchange import ContextExchange, merge_group
 from treetrain.models.layer_entry import LayerEntry, LayerKV, kv_part, map_kv
 
 
@@ -65,6 +67,9 @@ class SharedPast:
     pieces: tuple[tuple[LayerEntry, ...], ...]
     grads: tuple[tuple[LayerEntry, ...] | None, ...] = ()
     recurrent: frozenset[int] = frozenset()
+    exchange: ContextExchange | None = None
+    """With a context group, the pieces held on other ranks have KV on the `meta` device (shape only, no
+    storage) and attention over them runs there (`treetrain.models.context_exchange`)."""
 
     @staticmethod
     def of(
@@ -72,11 +77,13 @@ class SharedPast:
         grads: Sequence[Sequence[LayerEntry] | None] | None = None,
         *,
         recurrent: frozenset[int] = frozenset(),
+        exchange: ContextExchange | None = None,
     ) -> SharedPast:
         return SharedPast(
             tuple(tuple(p) for p in pieces),
             tuple(None if g is None else tuple(g) for g in grads) if grads is not None else (),
             recurrent,
+            exchange,
         )
 
     @property
@@ -95,6 +102,20 @@ class SharedPast:
         grads = self.grads or (None,) * len(self.pieces)
         return kv, tuple(None if g is None else kv_part(g[index]) for g in grads)
 
+    def held(self, index: int) -> tuple[tuple[LayerKV, ...], tuple[LayerKV | None, ...], tuple[int, ...]]:
+        """Layer `index`'s non-empty pieces held on this rank, their G accumulators and first positions
+        (pieces held elsewhere, on the `meta` device, are attended there)."""
+        kv, grads = self.layer(index)
+        starts, at = [], 0
+        for k, _ in kv:
+            starts.append(at)
+            at += int(k.shape[-2])
+        alone = self.exchange is None or not self.exchange.sharded
+        if alone and any(k.is_meta for k, _ in kv):  # never drop a piece held elsewhere without its group
+            raise RuntimeError("a past with pieces held on other ranks was read without their context group")
+        keep = [i for i, (k, _) in enumerate(kv) if not k.is_meta and k.shape[-2] > 0]
+        return tuple(kv[i] for i in keep), tuple(grads[i] for i in keep), tuple(starts[i] for i in keep)
+
     def without_last_position(self) -> SharedPast:
         """The same past minus its final position (the children recompute it as their overlap). Recurrent
         state (a hybrid's state part too) is already taken before that position, so it stays as it is."""
@@ -109,7 +130,9 @@ class SharedPast:
         grads = list(self.grads)
         if grads and grads[-1] is not None:
             grads[-1] = cut(grads[-1])
-        return SharedPast((*self.pieces[:-1], cut(self.pieces[-1])), tuple(grads), self.recurrent)
+        return SharedPast(
+            (*self.pieces[:-1], cut(self.pieces[-1])), tuple(grads), self.recurrent, self.exchange
+        )
 
 
 @dataclass(frozen=True)
@@ -122,6 +145,12 @@ class _Spec:
     window: int | None
     softcap: float | None = None
     chunk: int | None = None
+    exchange: ContextExchange | None = None
+
+    @property
+    def grouped(self) -> bool:
+        """Whether other ranks hold pieces of this past (a sharded context group)."""
+        return self.exchange is not None and self.exchange.sharded
 
 
 Visible = torch.Tensor | None | str
@@ -244,17 +273,23 @@ class _SharedAttention(torch.autograd.Function):
             )  # fmt: skip
             out = lay.stacked(o.reshape(lay.rows, lay.heads, lay.t, -1))
             lse = lay.stacked(ls.reshape(lay.rows, lay.heads, lay.t, 1))[..., 0]
+        held: tuple[torch.Tensor, torch.Tensor] | None = None  # a group's state over this rank's pieces
         for (k, v), start in zip(spec.past, spec.starts):
             vis = _piece_visible(low, bounds, start, k.shape[-2])
             if isinstance(vis, str):
                 continue
             if use_fused:
                 po, pl = fused_state(qs[None], k, v, spec.scale, visible=vis)
-                po, pl = po[0], pl[0].to(stat)
+                po, pl = po[0].to(stat), pl[0].to(stat)
             else:
                 po, pl = partial_state(qs, k[0], v[0], spec.scale, block_mask(vis), spec.softcap)
-            # The running state has seen each row's own token, so its lse is finite: merge in place.
-            out, lse = merge_into(out, lse, po, pl)
+            if spec.grouped:
+                held = (po, pl) if held is None else merge_states(*held, po, pl)
+            else:  # the running state has seen each row's own token, so its lse is finite: merge in place
+                out, lse = merge_into(out, lse, po, pl)
+        if spec.grouped:
+            assert spec.exchange is not None
+            out, lse = merge_group(spec.exchange, out, lse, held)
         if sinks is not None:  # a sink is one more logit with a zero value: it only enlarges the denominator
             total = torch.logaddexp(lse, _sink_logits(sinks, lay, stat))
             out, lse = out * torch.exp(lse - total)[..., None], total
@@ -275,6 +310,11 @@ class _SharedAttention(torch.autograd.Function):
         bounds = _bounds(low)
         d_qs = torch.zeros_like(qs)
         delta = (do.to(lse.dtype) * out).sum(-1)  # [H_kv, M]
+        do_past, delta_past = do, delta  # a group's pieces take the group's summed output gradient
+        if spec.grouped:
+            assert spec.exchange is not None
+            do_past = spec.exchange.all_reduce(do)
+            delta_past = (do_past.to(lse.dtype) * out).sum(-1)
         d_sinks = None
         if sinks is not None and ctx.needs_input_grad[3]:  # dL/d(sink) = -p(sink) * delta, summed per head
             p_sink = torch.exp(_sink_logits(sinks, lay, lse.dtype) - lse)
@@ -291,7 +331,7 @@ class _SharedAttention(torch.autograd.Function):
                 continue
             if ctx.fused:
                 dq, dk, dv = fused_backward(
-                    qs[None], k, v, out_q[None], lse[None], do[None], spec.scale, visible=vis
+                    qs[None], k, v, out_q[None], lse[None], do_past[None], spec.scale, visible=vis
                 )
                 d_qs.add_(dq[0])
             else:
@@ -301,7 +341,7 @@ class _SharedAttention(torch.autograd.Function):
                     dk[0, :, a:b] = gk
                     dv[0, :, a:b] = gv
 
-                merged = MergedGrad(lse, do, delta)
+                merged = MergedGrad(lse, do_past, delta_past)
                 partial_backward(
                     qs, k[0], v[0], merged, spec.scale, block_mask(vis), d_qs, sink, spec.softcap
                 )
@@ -345,6 +385,15 @@ class _SharedAttention(torch.autograd.Function):
 
 
 @dataclass(frozen=True)
+class HeldPieces:
+    """Where the pieces passed to `shared_attention` sit, and who holds the others."""
+
+    starts: tuple[int, ...]  # each piece's first position
+    exchange: ContextExchange | None = None
+    """The context group whose other ranks hold the rest of the past (None: the pieces are all of it)."""
+
+
+@dataclass(frozen=True)
 class ScoreForm:
     """How a layer turns query-key products into attention scores, as its module's forward says."""
 
@@ -369,6 +418,7 @@ def shared_attention(
     form: ScoreForm,
     *,
     sinks: torch.Tensor | None = None,  # [H]
+    held: HeldPieces | None = None,
 ) -> torch.Tensor:
     """Causal attention of the rows' queries over the shared past and their own tokens: `[K, T, H, Dv]`.
 
@@ -379,78 +429,22 @@ def shared_attention(
     per-head logits in every softmax's denominator with no value; they get their gradient. `form.softcap`
     (Gemma 2) caps every scaled score, `cap * tanh(s / cap)`; the fused kernels take no score modification,
     so a capped layer runs the block-by-block reference for every key set.
+
+    `held` says where the pieces sit (consecutive from position 0 if omitted) and, with a sharded context
+    group, that `past` is this rank's share of them: the other ranks of the group attend the rest in the
+    same call (`treetrain.models.context_exchange`), and the output is the whole past's on every rank.
     """
-    starts, at = [], 0
-    for k, _ in past:
-        starts.append(at)
-        at += int(k.shape[-2])
+    starts: Sequence[int] = () if held is None else held.starts
+    if held is None:
+        at, starts = 0, []
+        for k, _ in past:
+            starts.append(at)
+            at += int(k.shape[-2])
+    exchange = None if held is None else held.exchange
     spec = _Spec(
         tuple(past), tuple(grads) or (None,) * len(past), positions, tuple(starts), form.scale, form.window,
-        form.softcap, form.chunk,
+        form.softcap, form.chunk, exchange,
     )  # fmt: skip
     flat = [t for kv in past for t in kv]
     out: torch.Tensor = _SharedAttention.apply(q, k_own, v_own, sinks, spec, *flat)
-    return out
-
-
-class _Into(torch.autograd.Function):
-    """Identity whose backward adds the incoming gradient into an accumulator instead of passing it on."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, acc: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
-        ctx.acc = acc
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
-        ctx.acc.add_(grad)
-        return None, None, None
-
-
-def expanded_past(
-    expand: Callable[[torch.Tensor, torch.Tensor], LayerKV],
-    past: Sequence[LayerKV],  # per piece, the cached latents `[1, 1, P_i, r]`, `[1, 1, P_i, R]`
-    grads: Sequence[LayerKV | None],
-    anchor: torch.Tensor,
-) -> tuple[tuple[LayerKV, ...], tuple[None, ...]]:
-    """Each piece's keys and values, `expand(cached_k, cached_v)` once per piece (never per row), for a layer
-    whose cache holds compressed latents (multi-head latent attention: DeepSeek V2/V3, GLM-4-MoE-Lite,
-    MiniCPM3, ...). The expansion runs under autograd, so its projection gets the past's share of the
-    gradient; a piece's latent gradient goes into its G accumulator (`anchor`, any tensor under autograd,
-    keeps that routing in the graph), so the expanded pieces are passed on without accumulators.
-    """
-    out = []
-    for (k, v), acc in zip(past, grads):
-        if k.shape[-2] == 0:  # a one-token last piece without its overlap position: no keys to expand
-            continue
-        if acc is not None and anchor.requires_grad:
-            k, v = _Into.apply(k, acc[0], anchor), _Into.apply(v, acc[1], anchor)
-        out.append(expand(k, v))
-    return tuple(out), (None,) * len(out)
-
-
-def concatenated(past: SharedPast, rows: int, anchor: torch.Tensor | None) -> list[LayerKV | None]:
-    """The past as one `[rows, H_kv, P, D]` tensor per layer (the path for attention that cannot be split);
-    None for a recurrent layer, which reads its state from the last piece itself.
-
-    Gradients reaching a piece with an accumulator are added into it; `anchor` (any tensor under autograd)
-    keeps that routing in the graph.
-    """
-    n_layers = len(past.pieces[0])
-    grads = past.grads or (None,) * len(past.pieces)
-    out: list[LayerKV | None] = []
-    for layer in range(n_layers):
-        if layer in past.recurrent:
-            out.append(None)
-            continue
-        ks, vs = [], []
-        for piece, acc in zip(past.pieces, grads):
-            k, v = kv_part(piece[layer])
-            if acc is not None and anchor is not None and anchor.requires_grad:
-                gk, gv = kv_part(acc[layer])
-                k, v = _Into.apply(k, gk, anchor), _Into.apply(v, gv, anchor)
-            ks.append(k)
-            vs.append(v)
-        k, v = (ks[0], vs[0]) if len(ks) == 1 else (torch.cat(ks, dim=-2), torch.cat(vs, dim=-2))
-        out.append((k.expand(rows, *k.shape[1:]), v.expand(rows, *v.shape[1:])))
     return out

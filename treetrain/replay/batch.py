@@ -192,6 +192,8 @@ class ReplayReport:
     """Internal units whose first forward kept its graph for their own step (no recompute)."""
     reference_walks: int = 0
     """Trees whose reference logprobs took a walk of their own (0 with KL: scored in the scoring walk)."""
+    crossed_bytes: int = 0
+    """Bytes this rank put into its context group's collectives (`ExchangeCounts`; 0 without a group)."""
     measured_peak: ClassBytes | None = None
     """Peak live bytes by lifetime class, when a memory tracker was attached (the larger of two on merge)."""
     sampler_gap: SamplerGap = field(default_factory=SamplerGap)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import PreTrainedModel
 
+from treetrain.models.context_exchange import ContextExchange
 from treetrain.models.layer_entry import LayerEntry, entry_bytes, entry_tensors, grad_zeros, map_entry
 from treetrain.models.lora import adapter_state
 
@@ -88,6 +89,10 @@ def _to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
     return out
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t if t.is_meta else t.to(device, non_blocking=True)  # meta: held on another rank, no storage
+
+
 @dataclass
 class _Entry:
     identity: ResidentIdentity
@@ -115,6 +120,9 @@ class ResidentStore:
             self._listeners.append(on_change)
         self.kv_bytes = 0
         self.grad_bytes = 0
+        self.exchange: ContextExchange | None = None
+        """The context group's collectives when this rank shares trees' resident state with other ranks
+        (`distributed.context_parallel`); set by the update window from its backend."""
 
     def add_listener(self, on_change: Callable[[str, ResidentKey, int], None]) -> None:
         """Also call `on_change(kind, key, delta_bytes)` on every change (a memory tracker, a ledger)."""
@@ -200,7 +208,7 @@ class ResidentStore:
         if entry is None or entry.host is None:
             raise KeyError(f"node {key.node_id[:12]} (unit {key.unit}) has no offloaded KV")
         host, entry.host = entry.host, None
-        self.put(key, [map_entry(lambda t: t.to(device, non_blocking=True), e) for e in host], identity)
+        self.put(key, [map_entry(lambda t: _to_device(t, device), e) for e in host], identity)
 
     def add_grad(self, key: ResidentKey, grads: Sequence[LayerEntry], identity: ResidentIdentity) -> None:
         entry = self._check(key, identity)
@@ -271,7 +279,7 @@ class ResidentStore:
             for part in (entry.kv, entry.grad):
                 if part is not None:
                     for e in part:
-                        out.extend(entry_tensors(e))
+                        out.extend(t for t in entry_tensors(e) if not t.is_meta)
         return out
 
     def tensors(self) -> list[torch.Tensor]:

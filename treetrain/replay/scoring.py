@@ -25,10 +25,12 @@ from functools import partial
 import torch
 from transformers import PreTrainedModel
 
+from treetrain.models.context_exchange import ContextExchange
 from treetrain.models.decoder import LayerEntry, SharedPast
 from treetrain.models.layer_entry import map_entry
 from treetrain.models.lora import adapter_state, unwrap
 from treetrain.models.recurrent_state import continues_with_overlap, unkeyed_layers
+from treetrain.replay.context_replay import ContextShards
 from treetrain.replay.pieces import forward_units, gather_targets, own_kv, target_stats
 from treetrain.replay.resident import (
     ResidentIdentity,
@@ -51,6 +53,7 @@ class PathKV:
         identity: ResidentIdentity,
         device: torch.device,
         produce: Callable[[int], bool] | None = None,
+        shards: ContextShards | None = None,
     ) -> None:
         self.model = model
         self.units = units
@@ -67,6 +70,18 @@ class PathKV:
         """Layers whose resident state is not KV: recurrent (taken before a unit's last token) or none."""
         self.overlap = continues_with_overlap(unwrap(model))
         """A recompute feeds the parent's last token again, as every child unit runs (hybrid layers too)."""
+        self.shards = shards
+        """With a context group, this rank keeps the KV of the units it owns only (`context_replay`)."""
+
+    @property
+    def exchange(self) -> ContextExchange | None:
+        return None if self.shards is None else self.shards.exchange
+
+    def put(self, unit: int, kv: Sequence[LayerEntry]) -> None:
+        """Store `unit`'s resident state: with a context group, what this rank keeps of it."""
+        if self.shards is not None:
+            kv = self.shards.kept(kv, self.units[unit].offset, self.recurrent)
+        self.store.put(self.key(unit), kv, self.identity)
 
     def key(self, unit: int) -> ResidentKey:
         u = self.units[unit]
@@ -97,14 +112,14 @@ class PathKV:
             pieces = [self.store.get(self.key(u), self.identity) for u in self.units.path(parent)]
         overlap = self.overlap
         if overlap:
-            past = past_before_overlap(pieces, recurrent=self.recurrent)
+            past = past_before_overlap(pieces, recurrent=self.recurrent, exchange=self.exchange)
         else:
-            past = SharedPast.of(pieces) if pieces else None
+            past = SharedPast.of(pieces, exchange=self.exchange) if pieces else None
         _, out = forward_units(self.model, [self.units[unit]], past, self.device, overlap=overlap)
         # Clone: the new KV is a view into a cache that also holds the whole past.
         kv = [map_entry(torch.Tensor.clone, e) for e in own_kv(self.units[unit], out, 0, overlap=overlap)]
         del out
-        self.store.put(self.key(unit), kv, self.identity)
+        self.put(unit, kv)
         self.recomputed_units += 1
         self.recomputed_tokens += len(self.units[unit])
 
@@ -112,7 +127,7 @@ class PathKV:
         """The past that `unit`'s children run against (None under the empty root)."""
         if unit == ROOT:
             return None
-        return past_before_overlap(self.pieces(unit), recurrent=self.recurrent)
+        return past_before_overlap(self.pieces(unit), recurrent=self.recurrent, exchange=self.exchange)
 
 
 def past_before_overlap(
@@ -120,13 +135,15 @@ def past_before_overlap(
     grads: Sequence[Sequence[LayerEntry] | None] | None = None,
     *,
     recurrent: frozenset[int] = frozenset(),
+    exchange: ContextExchange | None = None,
 ) -> SharedPast | None:
     """The path pieces as one shared past (never concatenated), leaving out the last position: the children
     recompute it as their overlap. `grads` are the pieces' G accumulators (`exact` replay); layers in
-    `recurrent` hold state taken before that position already."""
+    `recurrent` hold state taken before that position already; `exchange` is the context group's, whose
+    other ranks hold the pieces whose KV is on the `meta` device here."""
     if not pieces:
         return None
-    return SharedPast.of(pieces, grads, recurrent=recurrent).without_last_position()
+    return SharedPast.of(pieces, grads, recurrent=recurrent, exchange=exchange).without_last_position()
 
 
 def reference_need(units: UnitTree) -> list[bool]:
@@ -306,5 +323,5 @@ def _score_batch(
         logps[unit.index] = lp[a:b].detach()
         if unit.children:
             kv = [map_entry(torch.Tensor.clone, e) for e in own_kv(unit, out, row)]
-            paths.store.put(paths.key(unit.index), kv, paths.identity)
+            paths.put(unit.index, kv)
     return sum(batch_ids.lengths)

@@ -57,6 +57,7 @@ from treetrain.models.layer_entry import entry_tensors, grad_tensors, map_entry
 from treetrain.models.lora import Reference, reference_module
 from treetrain.models.support import SupportGate
 from treetrain.replay.batch import ReplayConfig, ReplayReport, TreeWork, UpdateBatch
+from treetrain.replay.context_replay import ContextShards
 from treetrain.replay.pieces import (
     forward_units,
     gather_targets,
@@ -129,6 +130,8 @@ class TreeReplay:
         self.device = next(model.parameters()).device
         self.hooks = hooks or ReplayHooks()
         self.backward: Backward = self.hooks.backward or _default_backward
+        self.shards = ContextShards.of_store(self.store, self.cfg.chunk_size, model)
+        """This rank's context group (`context_replay`): it keeps only the resident KV it owns."""
         self._widest = 0
         self._evictions: ScheduleRun | None = None
         self._schedule: ReplaySchedule | None = None
@@ -169,9 +172,12 @@ class TreeReplay:
             tracker.reset_peak()
             if not tracker.active:
                 tracking = tracker
+        crossed = self.shards.crossed() if self.shards is not None else 0
         with tracking:
             for work in batch.work:
                 report = report.merged(self._tree(work))
+        if self.shards is not None:
+            report = report.merged(ReplayReport(crossed_bytes=self.shards.crossed() - crossed))
         if tracker is not None:
             report = report.merged(ReplayReport(measured_peak=tracker.peak))
         return report
@@ -226,7 +232,7 @@ class TreeReplay:
         walk = TreeWalk.build(work, self.cfg, schedule, skip_inert=self._skip_inert)
         walk.paths = PathKV(
             self.model, walk.units, self.store, self.identity, self.device,
-            produce=partial(self._first_forward, walk) if walk.kept else None,
+            produce=partial(self._first_forward, walk) if walk.kept else None, shards=self.shards,
         )  # fmt: skip
         return walk
 
@@ -318,8 +324,9 @@ class TreeReplay:
         units = walk.units
         with torch.enable_grad():
             graph = self._forward(walk, units[u].parent or 0, [units[u]])
-        kv = [map_entry(lambda t: t.detach().clone(), e) for e in own_kv(units[u], graph.out, 0)]
-        self.store.put(walk.paths.key(u), kv, self.identity)
+        walk.paths.put(
+            u, [map_entry(lambda t: t.detach().clone(), e) for e in own_kv(units[u], graph.out, 0)]
+        )
         walk.old_lp[u] = graph.logp.detach()
         walk.graphs[u] = graph
         return True
@@ -335,7 +342,7 @@ class TreeReplay:
         try:
             return self._step(walk, step)
         except torch.OutOfMemoryError:
-            if len(step.units) == 1:
+            if len(step.units) == 1 or self.shards is not None:  # a group's ranks split alike or not at all
                 raise
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -353,7 +360,7 @@ class TreeReplay:
         grads = None
         if self.cfg.contract == "exact":
             grads = [self.store.grad_buffers(paths.key(u), p, self.identity) for u, p in zip(path, pieces)]
-        past = past_before_overlap(pieces, grads, recurrent=paths.recurrent)
+        past = past_before_overlap(pieces, grads, recurrent=paths.recurrent, exchange=paths.exchange)
         padded, out = forward_units(self.model, batch_units, past, self.device)
         gathered = gather_targets([u.targets for u in batch_units], padded.input_ids.shape[1], self.device)
         logp, entropy = target_stats(
@@ -411,7 +418,7 @@ class TreeReplay:
             kept = walk.sequence_kept[torch.as_tensor(rows, device=walk.sequence_kept.device)]
         weight = correction_weights(lcfg, old, given.old_logprob, kept)
         terms = objective(lcfg, logp, contrib, entropy=graph.entropy, ref_logprob=ref, pg_weight=weight)
-        total = terms.loss
+        total = terms.loss if self.shards is None else terms.loss * self.shards.loss_share
         if self.cfg.contract == "exact":
             total = self._close(walk, graph, total)
         return terms, total
@@ -426,7 +433,9 @@ class TreeReplay:
                 continue
             for new, g in zip(own_kv(unit, graph.out, row), grad):
                 for t, gt in zip(grad_tensors(new), entry_tensors(g)):
-                    total = total + (t * gt).sum()
+                    # A G part on `meta` is held by another rank of the context group: a zero term here keeps
+                    # this rank's backward through the same attention layers (their collectives match).
+                    total = total + (t.sum() * 0.0 if gt.is_meta else (t * gt).sum())
         return total
 
     def _old_logprobs(

@@ -171,6 +171,20 @@ class DistributedSection:
     """Keep optimizer state on the CPU (DeepSpeed)."""
     deepspeed_config: str | None = None
     """A DeepSpeed JSON passed through as is (overrides zero_stage and offload_optimizer)."""
+    context_parallel: int = 1
+    """C, the ranks of a context group: they hold each tree's resident state between them, each unit's KV
+    on one of them, for prompts whose state does not fit one device (1: every rank holds its own). Must
+    divide the number of ranks; needs the deepspeed backend. The world is data-parallel groups x C."""
+
+    def __post_init__(self) -> None:
+        c = self.context_parallel
+        if isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= 4096:
+            raise ConfigError(f"distributed.context_parallel: must be an integer in [1, 4096], got {c!r:.40}")
+        if c > 1 and self.backend != "deepspeed":
+            raise ConfigError(
+                f"distributed.context_parallel: {c} ranks per context group need distributed.backend: deepspeed "
+                "(the torch backend runs one process)"
+            )
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,7 @@ class Learner:
         self.backend = backend
         self.ref_model = ref_model
         self.store = store if store is not None else ResidentStore(ResidentIdentity.of(backend.module))
+        self.store.exchange = backend.context  # a context group shares each tree's resident state
         self.hooks = hooks or ReplayHooks()
         self.retries = retries or WindowConfig()
         self.support = SupportGate()
@@ -82,9 +83,12 @@ class Learner:
         """A fresh replayer for `plan`. `tracker`, if given, measures the replay by lifetime class."""
         if plan.mode == "flat":
             flat = dataclasses.replace(plan.config, microbatch=max(1, plan.microbatch))
-            return FlatReference(
-                self.backend.module, loss, flat, ref_model=self.ref_model, backward=self._backward
-            )
+            share = 1.0 / self.backend.context_size  # a context group's ranks replay the same calls
+
+            def backward(loss: torch.Tensor) -> None:
+                self._backward(loss if share == 1.0 else loss * share)
+
+            return FlatReference(self.backend.module, loss, flat, ref_model=self.ref_model, backward=backward)
         hooks = dataclasses.replace(
             self.hooks, backward=self._backward, tracker=tracker or self.hooks.tracker
         )

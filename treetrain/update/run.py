@@ -103,6 +103,7 @@ def run_update(
         plan = plan_for(
             cfg, batch, backend.module, learner.ref_model, world_size=backend.world_size,
             zero_stage=backend.zero_stage, offload_optimizer=backend.offload_optimizer,
+            context_parallel=backend.context_size,
         )  # fmt: skip
 
     # 4. Open the window: placement, identity, manifest and placement agreed, the plan laid out for this rank.
@@ -114,7 +115,7 @@ def run_update(
     # 6. Coverage, collectively: the same identity and manifest everywhere, every contribution exactly once.
     backend.agree(repr(learner.identity), IDENTITY)
     backend.agree(window.manifest.digest, "manifest digest")
-    require_coverage(backend.gather, window.claims, window.manifest.keys())
+    require_coverage(backend.gather, window.claims, window.manifest.keys(), context=backend.context_size)
 
     # 7. The optimizer step, and the next model version (old resident state becomes unreadable).
     report = learner.step(window.manifest, window.placement, replayed)

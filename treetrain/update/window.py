@@ -83,13 +83,16 @@ def open_window(
         batch = UpdateBatch.build(trees, advantages, loss, version=version)
     if batch.manifest.version != version:
         raise ManifestError(f"the batch is for version {batch.manifest.version}, the model is at {version}")
-    ws = backend.world_size
-    placed = place(trees, ws) if placement is None else placement.restricted_to(trees)
-    if placed.world_size != ws:
-        raise ValueError(f"placement is for {placed.world_size} ranks, the backend has {ws}")
+    ctx = backend.context_size  # placed over data-parallel groups: a context group replays the same trees
+    data_groups = backend.world_size // ctx
+    placed = place(trees, data_groups) if placement is None else placement.restricted_to(trees)
+    if placed.world_size != data_groups:
+        raise ValueError(
+            f"placement is for {placed.world_size} ranks, the backend has {data_groups} data groups"
+        )
     backend.agree(batch.manifest.digest, "manifest digest")
     backend.agree(placed.digest, "placement")
-    share = batch.restricted(dict(zip(placed.tree_ids, placed.for_rank(backend.rank))))
+    share = batch.restricted(dict(zip(placed.tree_ids, placed.for_rank(backend.rank // ctx))))
     claims = CoverageClaims(k for w in share.work for k in w.contribution_keys(version))
     layout = plan.lay_out(share, backend.module, loss, learner.ref_model)
     backend.begin_window()
