@@ -2,7 +2,7 @@
 context_worker.py OUT`.
 
 Each scenario builds a fresh tiny model and DeepSpeed engine, joins context groups of C ranks (C = 2: two
-data groups of 2; C = 4: one group of all four) and runs one update window over the same two groups of
+data groups of 2; C = 4: one group of all four) and runs one update (`run_update`) over the same two groups of
 trees as the single-process references. Rank 0 writes the parameter delta to OUT/<name>.safetensors and
 per-rank facts (peak resident bytes, bytes that crossed ranks) to OUT/<name>.json; a scenario that raises
 writes OUT/<name>.error.rank<r>.txt. Negative controls swap the group's exchange for one that leaves the
@@ -26,13 +26,14 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 from support.context_cases import CONTROLS, SCENARIOS
-from support.dist_cases import LOSS, OPTIMIZER, groups, model_factory, params_vector
+from support.dist_cases import LOSS, OPTIMIZER, groups, model_factory, params_vector, update
 
 from treetrain.distributed.context_groups import join_context_group
 from treetrain.distributed.deepspeed_backend import DeepSpeedBackend
-from treetrain.replay import ReplayConfig
+from treetrain.loss.advantages import AdvantageConfig
 from treetrain.replay.resident import ResidentIdentity, ResidentStore
-from treetrain.update.window import UpdateWindow
+from treetrain.update.learner import Learner
+from treetrain.update.settings import ReplaySection, UpdateConfig
 
 torch.set_num_threads(1)
 OUT = Path(sys.argv[1])
@@ -62,9 +63,15 @@ def scenario(name: str, spec: dict[str, Any]) -> None:
         peak[0] = max(peak[0], store.kv_bytes + store.grad_bytes)
 
     store.add_listener(listen)
-    replay = ReplayConfig(contract=spec["contract"], chunk_size=spec["chunk"], microbatch=spec["k"])
-    window = UpdateWindow(backend, LOSS, replay, store=store)
-    window.run(groups())
+    replay = ReplaySection(
+        contract=spec["contract"], microbatch=spec["k"], chunk_size=spec["chunk"], retention="unbounded",
+        keep_graphs="none",
+    )  # fmt: skip
+    cfg = UpdateConfig(
+        policy_loss=LOSS, advantages=AdvantageConfig(zero_variance="keep"), replay=replay, mode="tree",
+        memory_budget="64GiB",
+    )  # fmt: skip
+    update(Learner(backend, store=store), groups(), cfg)
     delta = current(backend) - start
     assert backend.context is not None
     info = dict(peak_resident_bytes=peak[0], crossed_bytes=backend.context.counts.total_bytes)
