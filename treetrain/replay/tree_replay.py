@@ -52,7 +52,7 @@ from transformers import PreTrainedModel
 
 from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.objective import Contributions, LossTerms, objective, sampler_logprobs
-from treetrain.loss.sampler_correction import SamplerGap, correction_weights, sampler_terms
+from treetrain.loss.sampler_correction import correction_weights
 from treetrain.models.layer_entry import entry_tensors, grad_tensors, map_entry
 from treetrain.models.lora import Reference, reference_module
 from treetrain.models.support import SupportGate
@@ -199,7 +199,7 @@ class TreeReplay:
         try:
             # 1. Score: every needed unit once, without a graph (old and reference logprobs, resident KV).
             report = report.merged(self._score(walk))
-            report = report.merged(ReplayReport(sampler_gap=self._sampler_terms(walk, work)))
+            report = report.merged(ReplayReport(sampler_gap=walk.sampler_terms(self.loss_cfg, work)))
             # 2 and 3. Replay post-order: K siblings under autograd against resident KV (G accumulates on
             # every ancestor); a unit with children closes with <KV, G> in its own step.
             for i, step in enumerate(walk.steps):
@@ -274,32 +274,6 @@ class TreeReplay:
         else:
             walk.ref_lp = [None] * len(walk.units)
         return report
-
-    def _sampler_terms(self, walk: TreeWalk, work: TreeWork) -> SamplerGap:
-        """The sampler gap over the contributions of every scored target, once the scoring pass has run, and
-        under `sequence_mask` each trajectory's verdict (`walk.sequence_kept`), which needs all of its tokens
-        before any of its terms is replayed. Nothing without a scoring pass: no trainer logprobs to compare.
-
-        A branch skipped as inert (every advantage zero, no KL or entropy term: `ReplayConfig.skip_inert`)
-        is not scored, so its tokens are not in the gap; `sequence_mask` never skips one
-        (`LossConfig.zero_advantage_is_inert`), so every trajectory's ratio has all of its tokens."""
-        lcfg = self.loss_cfg
-        if lcfg.ratio_source != "scoring":
-            return SamplerGap()
-        tables, old, missing = [], [], []
-        for unit in walk.units.units:
-            lp = walk.old_lp[unit.index]
-            if unit.targets.num_targets and lp is None:
-                missing.append(unit.index)
-            elif unit.targets.num_targets and lp is not None:
-                tables.append(unit.targets)
-                old.append(lp)
-        if missing and lcfg.sampler_correction == "sequence_mask":
-            raise ValueError(f"units {missing} of tree {work.tree.id[:12]} were not scored")
-        trajectory = [torch.as_tensor(t.trajectory) for t in tables]
-        terms = sampler_terms(lcfg, tables, old, trajectory, len(work.tree.records))
-        walk.sequence_kept = terms.kept
-        return terms.gap
 
     def _reference_view(self) -> ReferenceView:
         return ReferenceView(

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from treetrain.loss.loss_config import LossConfig
+from treetrain.loss.sampler_correction import SamplerGap, sampler_terms
 from treetrain.models.decoder import DecoderOutput
 from treetrain.replay.batch import ReplayConfig, TreeWork
 from treetrain.replay.pieces import GatheredTargets, PieceBatch
@@ -89,3 +91,28 @@ class TreeWalk:
         scored = [u.targets.num_targets > 0 or needs_kv[u.index] for u in units.units]
         skipped = sum(1 for u in units.units[1:] if not active[u.index])
         return TreeWalk(units, steps, needs_kv, kept, scored, skipped, old_lp=[None] * len(units))
+
+    def sampler_terms(self, lcfg: LossConfig, work: TreeWork) -> SamplerGap:
+        """The sampler gap over the contributions of every scored target, once the scoring pass has run, and
+        under `sequence_mask` each trajectory's verdict (`sequence_kept`), which needs all of its tokens
+        before any of its terms is replayed. Nothing without a scoring pass: no trainer logprobs to compare.
+
+        A branch skipped as inert (every advantage zero, no KL or entropy term: `ReplayConfig.skip_inert`)
+        is not scored, so its tokens are not in the gap; `sequence_mask` never skips one
+        (`LossConfig.zero_advantage_is_inert`), so every trajectory's ratio has all of its tokens."""
+        if lcfg.ratio_source != "scoring":
+            return SamplerGap()
+        tables, old, missing = [], [], []
+        for unit in self.units.units:
+            lp = self.old_lp[unit.index]
+            if unit.targets.num_targets and lp is None:
+                missing.append(unit.index)
+            elif unit.targets.num_targets and lp is not None:
+                tables.append(unit.targets)
+                old.append(lp)
+        if missing and lcfg.sampler_correction == "sequence_mask":
+            raise ValueError(f"units {missing} of tree {work.tree.id[:12]} were not scored")
+        trajectory = [torch.as_tensor(t.trajectory) for t in tables]
+        terms = sampler_terms(lcfg, tables, old, trajectory, len(work.tree.records))
+        self.sequence_kept = terms.kept
+        return terms.gap
