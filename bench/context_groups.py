@@ -5,7 +5,7 @@ bytes a rank sends per update against the prefix's resident KV.
     python bench/context_groups.py --quick             # the smoke test's tiny model (seconds)
     python bench/context_groups.py --out bench/out/context_groups.md
 
-Both tables are the ledger's (`treetrain.benchmark.context_groups`): the engine side of context groups is
+Both tables are the ledger's (`treetrain.benchmark.context_scaling`): the engine side of context groups is
 priced as docs/long-context.md specifies it, and the measured per-rank check (`measure_rank_peak`) waits
 for the engine. Targets (issue 36): the longest prefix at C = 2 and 4 is at least 1.9x and 3.6x C = 1's,
 in both contracts; a rank sends at most 5 % of the prefix's resident bytes per update at P = 32K, G = 8,
@@ -22,7 +22,7 @@ import torch
 from transformers import PreTrainedModel
 
 from treetrain.benchmark.bench_config import FULL, QUICK, BenchConfig, GridPoint, ModelSpec
-from treetrain.benchmark.context_groups import (
+from treetrain.benchmark.context_scaling import (
     BRANCHES,
     Geometry,
     Search,

@@ -10,7 +10,7 @@ import pytest
 from transformers import PreTrainedModel
 
 from treetrain.benchmark.bench_config import QUICK, GridPoint
-from treetrain.benchmark.context_groups import (
+from treetrain.benchmark.context_scaling import (
     BRANCHES,
     SHARED,
     Geometry,
