@@ -247,7 +247,7 @@ class Trainer:
         self.state = TrainerState(update=index + 1, version=self.learner.version)
         return UpdateMetrics.of(
             index, produced, outcome, cfg, trained_at=trained_at, train_seconds=train_seconds,
-            world_size=self.backend.world_size,
+            data_groups=self.backend.world_size // self.backend.context_size,
         )  # fmt: skip
 
     # ----- the run ----------------------------------------------------------------------------------

@@ -167,6 +167,10 @@ class UpdateMetrics:
     servers_lost: int = 0
     """Inference servers lost during this update's rollout (each named in a warning line; their samples
     went on at the other servers)."""
+    context_bytes: int = 0
+    """Bytes this rank put into its context group's collectives in this update (the partial attention
+    states gathered forward, the output gradients reduced backward; 0 without a context group,
+    `distributed.context_parallel`)."""
     servers: tuple[tuple[str, int, int, float], ...] = ()
     """Per inference server, `(url, requests, samples, mean seconds a request waited in its queue)`, the
     queue time from the server's own metrics (every client's requests)."""
@@ -196,10 +200,10 @@ class UpdateMetrics:
         *,
         trained_at: int,
         train_seconds: float,
-        world_size: int,
+        data_groups: int,
     ) -> UpdateMetrics:
         """The row of update `update`: from its rollout and what `run_update` reported (`trained_at` is the
-        model version the update trained, `world_size` the ranks the flat cost is shared by). The one
+        model version the update trained, `data_groups` the rank groups the flat cost is shared by: the world over the context group's size). The one
         place a field is filled in: a new metric is a field here and the report it comes from."""
         from treetrain.replay import ReplayReport  # the replay engine loads torch; reading rows must not
 
@@ -232,7 +236,7 @@ class UpdateMetrics:
             samples_interrupted=rollout.interrupted,
             graph_tokens=report.graph_tokens,
             nograd_tokens=report.nograd_tokens,
-            flat_token_cost=flat_cost // world_size,
+            flat_token_cost=flat_cost // data_groups,
             token_cost=report.token_cost,
             rollout_seconds=rollout.seconds,
             train_seconds=train_seconds,
@@ -254,6 +258,7 @@ class UpdateMetrics:
             sampler_idle_seconds=rollout.sampler_idle,
             trainer_idle_seconds=rollout.trainer_idle,
             servers_lost=rollout.servers_lost,
+            context_bytes=report.crossed_bytes,
             servers=rollout.servers,
         )
 
