@@ -40,12 +40,10 @@ def write_long_rollouts(path: Path, *, prompt_tokens: int, seed: int = 0) -> Pat
     """One group of four trajectories (6 to 9 response tokens) under one prompt, as import JSONL."""
     rng = random.Random(seed)
     prompt = [rng.randrange(3, 250) for _ in range(prompt_tokens)]
-    lines = [
-        json.dumps({
-            "trajectory_id": f"t{i}", "group_id": "g0", "prompt_token_ids": prompt,
-            "response_token_ids": [rng.randrange(3, 250) for _ in range(6 + i)], "reward": float(i % 2),
-        })  # fmt: skip
-        for i in range(4)
-    ]
+    lines = []
+    for i in range(4):
+        response = [rng.randrange(3, 250) for _ in range(6 + i)]
+        record = {"trajectory_id": f"t{i}", "group_id": "g0", "prompt_token_ids": prompt}
+        lines.append(json.dumps({**record, "response_token_ids": response, "reward": float(i % 2)}))
     path.write_text("\n".join(lines) + "\n")
     return path

@@ -68,7 +68,9 @@ def test_a_prompt_one_rank_cannot_hold_trains_in_a_group_of_two(tmp_path: Path, 
     assert "needs distributed.context_parallel >= 2" in err, err
 
     assert main([*one, "--run-dir", str(tmp_path / "one")]) == 0
-    _torchrun(tmp_path / "two", [*settings, BUDGET, "distributed.zero_stage=2", "measure_memory_every=1"], *trees)
+    _torchrun(
+        tmp_path / "two", [*settings, BUDGET, "distributed.zero_stage=2", "measure_memory_every=1"], *trees
+    )
 
     start = load_file(model / "model.safetensors")
     a, b = _update(tmp_path / "one", start), _update(tmp_path / "two", start)
@@ -80,7 +82,10 @@ def test_a_prompt_one_rank_cannot_hold_trains_in_a_group_of_two(tmp_path: Path, 
     assert row.flat_token_cost == row_one.flat_token_cost  # one data group: the whole update's flat cost
     assert row.peak_bytes is not None and row.predicted_peak_bytes > 0
     assert row.peak_bytes <= 32 * 2**20
-    assert abs(row.peak_bytes / row.predicted_peak_bytes - 1) <= 0.10, (row.peak_bytes, row.predicted_peak_bytes)
+    assert abs(row.peak_bytes / row.predicted_peak_bytes - 1) <= 0.10, (
+        row.peak_bytes,
+        row.predicted_peak_bytes,
+    )
 
 
 def test_longdoc_samples_and_trains_in_a_group_of_two(tmp_path: Path) -> None:
