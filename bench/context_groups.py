@@ -5,9 +5,8 @@ bytes a rank sends per update against the prefix's resident KV.
     python bench/context_groups.py --quick             # the smoke test's tiny model (seconds)
     python bench/context_groups.py --out bench/out/context_groups.md
 
-Both tables are the ledger's (`treetrain.benchmark.context_scaling`): the engine side of context groups is
-priced as docs/long-context.md specifies it, and the measured per-rank check (`measure_rank_peak`) waits
-for the engine. Targets (issue 36): the longest prefix at C = 2 and 4 is at least 1.9x and 3.6x C = 1's,
+Both tables are the ledger's (`treetrain.benchmark.context_scaling`); bench/context_runs.py trains in real
+groups and sets each rank's measured peak beside the ledger. Targets (issue 36): the longest prefix at C = 2 and 4 is at least 1.9x and 3.6x C = 1's,
 in both contracts; a rank sends at most 5 % of the prefix's resident bytes per update at P = 32K, G = 8,
 S = 256. Each is printed met or missed, by the numbers this run produced.
 """

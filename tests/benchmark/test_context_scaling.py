@@ -1,6 +1,5 @@
 """The context-group benchmark's library: longer prefixes fit one rank's budget as the group grows, the
-bytes-sent breakdown adds up to the ledger's own total, and the measured check refuses until the engine
-shards resident state."""
+bytes-sent breakdown adds up to the ledger's own total."""
 
 from __future__ import annotations
 
@@ -16,7 +15,6 @@ from treetrain.benchmark.context_scaling import (
     Geometry,
     Search,
     longest_prefix_per_rank,
-    measure_rank_peak,
     replay_for,
     transfer_breakdown,
 )
@@ -52,8 +50,3 @@ def test_the_breakdown_adds_up_to_the_ledgers_bytes_sent(model: PreTrainedModel)
         assert ledger.context is not None and t.total == ledger.context.sent_bytes
         assert t.sent[BRANCHES] > 0 and t.sent[SHARED] > 0
     assert transfer_breakdown(model, point, "exact", SEARCH, 1, QUICK).total == 0
-
-
-def test_the_measured_check_is_refused_until_the_engine_shards(model: PreTrainedModel) -> None:
-    with pytest.raises(NotImplementedError, match="does not shard resident state"):
-        measure_rank_peak(model, GridPoint(256, 2, 8, 1), "exact", 2)

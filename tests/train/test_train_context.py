@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from support.long_prompt import write_long_model, write_long_rollouts
 from support.ports import free_port
 from support.ports import run as launch
 
+from treetrain.benchmark.long_prompt import write_long_model, write_long_rollouts
 from treetrain.cli.main import main
 from treetrain.train.config import load_config
 from treetrain.train.loop import Trainer

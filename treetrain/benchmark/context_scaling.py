@@ -2,9 +2,9 @@
 sends per update against the prefix's resident bytes.
 
 Both come from the per-rank ledger (`treetrain.memory.ledger.predict_ledger` with
-`ReplayConfig.context_parallel`, priced by `treetrain.memory.context_cost`), not from a run: the engine side
-of context groups is priced here as it is specified in docs/long-context.md. `measure_rank_peak` is the hook
-for the measured check; it refuses to run until the engine holds only its own pieces.
+`ReplayConfig.context_parallel`, priced by `treetrain.memory.context_cost`), so a grid of prefix lengths
+costs seconds rather than a torchrun per point. bench/context_runs.py is the measured check:
+it trains in real groups and sets each rank's measured peak beside this ledger's.
 
 - `longest_prefix_per_rank`: galloping then bisection over prefixes (multiples of `search_step`, as
   `treetrain.benchmark.longest_prefix` does), with the chunk size fixed for every C so that only the
@@ -139,13 +139,3 @@ def transfer_breakdown(
             leaves = ev.kind == "step" and all(tp.units[u].is_leaf for u in ev.units)
             sent[BRANCHES if leaves else SHARED] += share.sent(ev)
     return Transfer(size, contract, point.prefix * per_token, dict(sent))
-
-
-def measure_rank_peak(model: PreTrainedModel, point: GridPoint, contract: Contract, size: int) -> ClassBytes:
-    """The measured per-rank peak of one update in a context group of `size` (torchrun, one tracker per rank):
-    the check of `longest_prefix_per_rank`'s answers. It needs the engine to keep only a rank's own pieces,
-    which it does not yet: refused until it does."""
-    raise NotImplementedError(
-        "measure_rank_peak: the replay engine does not shard resident state over a context group yet "
-        "(docs/long-context.md); the longest prefixes here are the per-rank ledger's"
-    )

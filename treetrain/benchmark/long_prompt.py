@@ -15,7 +15,7 @@ import random
 import shutil
 from pathlib import Path
 
-TOKENIZER = Path(__file__).resolve().parents[2] / "treetrain" / "assets" / "tokenizer"
+TOKENIZER = Path(__file__).resolve().parents[1] / "assets" / "tokenizer"
 
 
 def write_long_model(out: Path, *, seed: int = 0) -> Path:

@@ -1,0 +1,209 @@
+"""Context groups measured with `treetrain train`: time per update at C = 2 against C = 1 where both fit,
+2 data x 2 context on 4 ranks, and a budget one rank cannot meet, each rank-0 peak against the per-rank
+ledger and each step against the one-process step.
+
+    python bench/context_runs.py                          # P = 8000, two groups; a few minutes on 2 cores
+    python bench/context_runs.py --out bench/out/context_runs.md
+
+The model and trees are `treetrain.benchmark.long_prompt`'s (a 4-layer Llama with 2 KiB of KV per token,
+groups of four short answers under one prompt). Each case is one update (SGD, fp32) from the same
+checkpoint with the run's memory measured (`measure_memory_every=1`); a row reads rank 0's metrics row (time
+per update, its measured live peak and the per-rank ledger's prediction of it, the bytes it put into its
+group's collectives) and the final weights, whose step is compared with the one-process step. A case the
+budget refuses is a row with the refusal's line. On a machine of 2 cores the 4-rank case runs 2 processes
+per core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from treetrain.benchmark.long_prompt import write_long_model, write_long_rollouts
+from treetrain.bytesize import format_bytes
+from treetrain.io import atomic_write_text
+from treetrain.train.metrics import read_metrics
+
+LAUNCH_TIMEOUT_S = 1200
+
+
+@dataclass(frozen=True)
+class Case:
+    """One way to run the update."""
+
+    name: str
+    ranks: int = 1
+    """Processes (1: `treetrain train` with the one-process backend; more: torchrun and DeepSpeed)."""
+    context: int = 1
+    """`distributed.context_parallel`."""
+    zero: int = 0
+    """`distributed.zero_stage` (ignored in one process)."""
+    budget: str | None = None
+    """`memory_budget` (None: the device's memory)."""
+
+    def settings(self) -> list[str]:
+        out = [] if self.budget is None else [f"memory_budget={self.budget}"]
+        if self.ranks > 1:
+            out += ["distributed.backend=deepspeed", f"distributed.zero_stage={self.zero}"]
+            out += [f"distributed.context_parallel={self.context}"]
+        return out
+
+
+@dataclass(frozen=True)
+class Row:
+    """What one case did."""
+
+    case: Case
+    refused: str | None
+    """The one-line refusal (None: it trained)."""
+    train_seconds: float = 0.0
+    peak_bytes: int = 0
+    """Rank 0's measured live peak beyond parameters and optimizer state."""
+    predicted_bytes: int = 0
+    """The per-rank ledger's prediction of it."""
+    context_bytes: int = 0
+    step_error: float = 0.0
+    """|step - one-process step| / |one-process step| (0 for the one-process case itself)."""
+
+
+def prepare(work: Path, prompt_tokens: int, groups: int) -> tuple[Path, Path]:
+    """The checkpoint and the imported trees (`groups` files of one long prompt each)."""
+    model = write_long_model(work / "model")
+    trees = work / "trees"
+    for g in range(groups):
+        jsonl = write_long_rollouts(work / f"group{g}.jsonl", prompt_tokens=prompt_tokens, seed=g)
+        cmd = [sys.executable, "-m", "treetrain", "import", str(jsonl), "--out", str(trees / f"g{g}")]
+        subprocess.run(cmd, check=True, capture_output=True)
+    return model, trees
+
+
+def run_case(
+    case: Case, work: Path, model: Path, trees: Path, groups: int
+) -> tuple[Row, torch.Tensor | None]:
+    """Train one update of `case`; its row and its step (None when refused)."""
+    run_dir = work / case.name.replace(" ", "_").replace(",", "").replace("=", "")
+    settings = [
+        f"model.path={model}", f"rollout.groups_per_update={groups}", "updates=1", "checkpoint_every=0",
+        "measure_memory_every=1", "optim.name=sgd", "optim.lr=0.5", "optim.grad_clip=0", *case.settings(),
+    ]  # fmt: skip
+    args = ["train", "--run-dir", str(run_dir), "--overwrite", "--no-progress", "--trees", str(trees)]
+    args += [a for kv in settings for a in ("--set", kv)]
+    if case.ranks == 1:
+        cmd = [sys.executable, "-m", "treetrain", *args]
+    else:
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={case.ranks}",
+            "--master_addr=127.0.0.1", f"--master_port={_free_port()}", "-m", "treetrain", *args,
+        ]  # fmt: skip
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    if done.returncode != 0:
+        lines = [ln for ln in done.stderr.splitlines() if ln.startswith("treetrain train:")]
+        if not lines:
+            raise RuntimeError(f"{case.name} failed:\n{done.stderr[-3000:]}")
+        return Row(case, refused=lines[0].removeprefix("treetrain train: ")), None
+    (row, *_) = read_metrics(run_dir / "metrics.jsonl")
+    start, end = load_file(model / "model.safetensors"), load_file(run_dir / "final" / "model.safetensors")
+    step = torch.cat([(end[k].double() - start[k].double()).flatten() for k in sorted(start)])
+    measured = Row(
+        case, None, row.train_seconds, row.peak_bytes or 0, row.predicted_peak_bytes, row.context_bytes
+    )
+    return measured, step
+
+
+def run_cases(cases: list[Case], work: Path, prompt_tokens: int, groups: int) -> list[Row]:
+    """Every case on the same checkpoint and trees; the first must train (it is the reference step)."""
+    model, trees = prepare(work, prompt_tokens, groups)
+    rows: list[Row] = []
+    reference: torch.Tensor | None = None
+    for case in cases:
+        row, step = run_case(case, work, model, trees, groups)
+        if step is not None:
+            if reference is None:
+                reference = step
+            row = replace(row, step_error=float((step - reference).norm() / reference.norm()))
+        rows.append(row)
+    return rows
+
+
+def table(rows: list[Row]) -> list[str]:
+    """The markdown table of `rows`, times as ratios to the first row's."""
+    base = rows[0].train_seconds
+    out = [
+        "| case | ranks | C | ZeRO | budget | train s | vs first | rank-0 peak | ledger | measured/ledger "
+        "| group bytes | step vs one process |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        c = r.case
+        head = f"| {c.name} | {c.ranks} | {c.context} | {c.zero if c.ranks > 1 else '-'} | {c.budget or '-'} "
+        if r.refused is not None:
+            out.append(head + f"| refused: {r.refused} |||||||")
+            continue
+        ratio = r.peak_bytes / r.predicted_bytes if r.predicted_bytes else float("nan")
+        out.append(
+            head + f"| {r.train_seconds:.1f} | {r.train_seconds / base:.2f}x | {format_bytes(r.peak_bytes)} "
+            f"| {format_bytes(r.predicted_bytes)} | {ratio:.2f} | {format_bytes(r.context_bytes)} "
+            f"| {r.step_error:.1e} |"
+        )
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+BUDGET = (
+    "32MiB"  # one rank's smallest peak at P = 8000 is about 37 MiB; a rank of a group of 2 needs about 30
+)
+
+CASES = [
+    Case("one process"),
+    Case("2 ranks, C=1", ranks=2, context=1, zero=0),
+    Case("2 ranks, C=2", ranks=2, context=2, zero=0),
+    Case("2 ranks, C=1, ZeRO-3", ranks=2, context=1, zero=3),
+    Case("2 ranks, C=2, ZeRO-3", ranks=2, context=2, zero=3),
+    Case("4 ranks, 2x2", ranks=4, context=2, zero=0),
+    Case("2 ranks, C=1, budget", ranks=2, context=1, zero=0, budget=BUDGET),
+    Case("2 ranks, C=2, budget", ranks=2, context=2, zero=0, budget=BUDGET),
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("bench/out/context_runs.md"))
+    parser.add_argument("--prompt-tokens", type=int, default=8000)
+    parser.add_argument("--groups", type=int, default=2)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as scratch:
+        rows = run_cases(CASES, Path(scratch), args.prompt_tokens, args.groups)
+    lines = [
+        f"# Context groups measured (`python bench/context_runs.py`), P = {args.prompt_tokens}, "
+        f"{args.groups} groups of 4",
+        "",
+        f"{platform.machine()}, {os.cpu_count()} cores, fp32, SGD, one update per case, one thread per rank. "
+        "`train s` is the update's planning, replay and step (metrics.jsonl `train_seconds`, rank 0); "
+        "peaks are rank 0's live bytes beyond parameters and optimizer state.",
+        "",
+        *table(rows),
+        "",
+    ]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(args.out, "\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

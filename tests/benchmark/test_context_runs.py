@@ -1,0 +1,39 @@
+"""The measured context-group benchmark (`bench/context_runs.py`): each case's settings, and the table that sets a rank's
+measured peak beside its ledger and a refusal on a row of its own (the runs themselves are
+`tests/train/test_train_context.py`'s)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "context_runs.py"
+_spec = importlib.util.spec_from_file_location("bench_context_runs", SCRIPT)
+assert _spec is not None and _spec.loader is not None
+bench = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = bench  # its dataclasses resolve their module by name
+_spec.loader.exec_module(bench)
+Case, Row, table = bench.Case, bench.Row, bench.table
+
+
+def test_a_case_sets_the_group_only_under_torchrun() -> None:
+    assert Case("one process", budget="32MiB").settings() == ["memory_budget=32MiB"]
+    assert Case("c2", ranks=4, context=2, zero=3).settings() == [
+        "distributed.backend=deepspeed",
+        "distributed.zero_stage=3",
+        "distributed.context_parallel=2",
+    ]
+
+
+def test_the_table_gives_ratios_to_the_first_row_and_a_refusal_its_own_line() -> None:
+    rows = [
+        Row(Case("one process"), None, 4.0, 3 << 20, 2 << 20),
+        Row(Case("c2", ranks=2, context=2), None, 6.0, 1 << 20, 1 << 20, 5 << 10, 2.5e-7),
+        Row(Case("refused", ranks=2, budget="1MiB"), "nothing fits the 1.0 MiB budget"),
+    ]
+    head, rule, one, two, refused = table(rows)
+    assert head.count("|") == rule.count("|") == one.count("|") == two.count("|")
+    assert "| 4.0 | 1.00x | 3.0 MiB | 2.0 MiB | 1.50 | 0 B | 0.0e+00 |" in one
+    assert "| 6.0 | 1.50x | 1.0 MiB | 1.0 MiB | 1.00 | 5.0 KiB | 2.5e-07 |" in two
+    assert "| 1MiB | refused: nothing fits the 1.0 MiB budget |" in refused
