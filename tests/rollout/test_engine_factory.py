@@ -14,6 +14,7 @@ from treetrain.errors import ConfigError
 from treetrain.rollout.engines.engine_settings import VLLMSettings
 from treetrain.rollout.engines.factory import EngineSpec, check_engine, make_engine
 from treetrain.rollout.engines.hf_engine import HFEngine
+from treetrain.rollout.engines.server_ranks import TrainerRanks
 
 MODEL = tiny_model()
 SPEC = EngineSpec(
@@ -29,13 +30,17 @@ class _Fused(torch.nn.Module):
         self.experts = torch.nn.Parameter(torch.zeros(2, 3, 3))
 
 
-def test_vllm_server_is_refused_beside_a_second_trainer_process() -> None:
-    spec = replace(SPEC, kind="vllm-server", world_size=2)
+def test_vllm_server_takes_several_trainer_processes_only_when_synchronous() -> None:
+    ranks = TrainerRanks(0, 2, lambda text: [text, ""])
+    spec = replace(SPEC, kind="vllm-server", world_size=2, ranks=ranks)
+    check_engine(spec, MODEL)  # synchronous: rank 0 leads each sync
     with pytest.raises(
-        ConfigError, match=r"^rollout.engine: 'vllm-server' runs with one trainer process .* has 2"
+        ConfigError, match=r"^rollout.engine: 'vllm-server' with rollout.max_staleness >= 1 .* has 2"
     ):
-        check_engine(spec, MODEL)
-    check_engine(replace(spec, world_size=1), MODEL)  # control
+        check_engine(replace(spec, in_flight_weights=True), MODEL)
+    with pytest.raises(ConfigError, match=r"needs the ranks' gather"):
+        check_engine(replace(spec, ranks=None), MODEL)
+    check_engine(replace(spec, world_size=1, ranks=None, in_flight_weights=True), MODEL)  # one process
 
 
 @pytest.mark.parametrize("kind", ["vllm", "vllm-server"])

@@ -186,7 +186,9 @@ def trainer_probe(model: Any) -> tuple[list[int], list[float]]:
 
     module = getattr(model, "module", model) if type(model).__name__ == "DeepSpeedEngine" else model
     embeddings = module.get_input_embeddings()
-    tokens = probe_tokens(int(embeddings.weight.shape[0]))
+    tokens = probe_tokens(
+        int(getattr(embeddings.weight, "ds_shape", embeddings.weight.shape)[0])
+    )  # ZeRO-3: a partition
     device = embeddings.weight.device
     with torch.no_grad():
         logits = module(input_ids=torch.tensor([tokens], device=device)).logits[0].float()

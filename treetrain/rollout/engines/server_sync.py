@@ -33,9 +33,16 @@ class ServedWeights:
     """What the last sync wrote, and how a server takes it; see the module docstring."""
 
     def __init__(
-        self, weights_dir: Path, expected: Expected, timeout: float, lora: LoraServing | None
+        self,
+        weights_dir: Path,
+        expected: Expected,
+        timeout: float,
+        lora: LoraServing | None,
+        writes: bool = True,
     ) -> None:
-        self.weights_dir, self.expected, self.timeout = weights_dir, expected, timeout
+        """`writes`: whether this process writes the files (False: another trainer rank does, and this one
+        loads them into a server that comes back, `follow` and `adopt`)."""
+        self.weights_dir, self.expected, self.timeout, self.writes = weights_dir, expected, timeout, writes
         self.adapters = (
             AdapterFiles(weights_dir / "adapters") if lora is not None and lora.as_adapter else None
         )
@@ -63,6 +70,20 @@ class ServedWeights:
 
         self.path = write_weights(model, self.weights_dir)
         return sum(p.stat().st_size for p in self.path.iterdir())
+
+    def follow(self, model: Any) -> None:
+        """What `write` runs on the model, without writing: the probe forward and each bucket's gather (under
+        ZeRO-3 both are collectives that the writing rank runs too)."""
+        from treetrain.rollout.engines.weight_buckets import weight_buckets
+
+        self.probe = trainer_probe(model)
+        if self.adapters is None:
+            for _ in weight_buckets(model):
+                pass
+
+    def adopt(self, path: str | None, label: str | None, adapter: str | None) -> None:
+        """The writing rank's sync: the servers hold `path` under `label` (and `adapter`)."""
+        self.path, self.label, self.adapter = (None if path is None else Path(path)), label, adapter
 
     def load(self, url: str, served: ServedConfig) -> None:
         """Server `url` takes the written weights, is labelled with their version, and passes the probe."""
@@ -159,7 +180,9 @@ class ServedWeights:
 
     def remove(self) -> bool:
         """Remove what the syncs wrote (and `weights_dir` when that empties it); False, removing nothing,
-        while a server may still be reading it."""
+        while a server may still be reading it. A process that does not write removes nothing."""
+        if not self.writes:
+            return True
         if self.unanswered:
             return False
         for written in ("current", "adapters"):

@@ -69,6 +69,7 @@ from treetrain.rollout.engines.server_calls import (
 from treetrain.rollout.engines.server_checks import Expected, ServedConfig, mismatch, served_config
 from treetrain.rollout.engines.server_fleet import MAX_METRICS_BYTES, Fleet, ServerLoad, read_load
 from treetrain.rollout.engines.server_parts import Ledger, Part
+from treetrain.rollout.engines.server_ranks import SyncOutcome, TrainerRanks, share_outcome
 from treetrain.rollout.engines.server_stream import parse_completions, stream_server
 from treetrain.rollout.engines.server_sync import ServedWeights
 
@@ -93,16 +94,21 @@ class VLLMServerEngine:
         version: int = 0,
         lora: LoraServing | None = None,
         stream: bool = False,
+        ranks: TrainerRanks | None = None,
     ) -> None:
         """`stream`: read answers as they are sampled (server-sent events), so that `interrupt` knows what
-        each request drew so far; for weights that change while requests are in flight."""
+        each request drew so far; for weights that change while requests are in flight. `ranks`: the trainer's
+        processes when there are several, each with an engine of its own (`server_ranks`)."""
         if not settings.urls:
             raise EngineError("rollout.engine=vllm-server needs rollout.vllm.urls (the servers' base URLs)")
         self.urls = tuple(u.rstrip("/") for u in settings.urls)
         self.timeout = settings.request_timeout_s
         self.weights_dir = Path(weights_dir)
         self.expected = expected
-        self.weights = ServedWeights(self.weights_dir, expected, self.timeout, lora)
+        self.ranks = ranks
+        self.weights = ServedWeights(
+            self.weights_dir, expected, self.timeout, lora, writes=ranks is None or ranks.leads
+        )
         if lora is not None:
             (log.info if lora.as_adapter else log.warning)("rollout.engine=vllm-server: %s", lora.line())
         self.version = version
@@ -365,10 +371,34 @@ class VLLMServerEngine:
     def sync_weights(self, model: object, version: int) -> None:
         """Write the weights (or, with LoRA served as an adapter, only the adapter) under `weights_dir` and
         have every serving server load them, each step confirmed by its answer; then label and probe the
-        served weights (`server_sync`). A server lost meanwhile is reloaded when it is back."""
+        served weights (`server_sync`). A server lost meanwhile is reloaded when it is back. With several
+        trainer ranks, rank 0 writes and loads, and the others follow (`server_ranks`)."""
         if self.busy:
             raise EngineError("vllm-server: sync_weights while requests are in flight (abort them first)")
         start = time.perf_counter()
+        if self.ranks is None:
+            self._load_everywhere(model, version)
+        elif self.ranks.leads:
+            failure: EngineError | None = None
+            try:
+                self._load_everywhere(model, version)
+            except EngineError as exc:
+                failure = exc
+            w = self.weights
+            path = None if w.path is None else str(w.path)
+            done = SyncOutcome(
+                path, w.label, self.fleet.alive, w.adapter, None if failure is None else str(failure)
+            )
+            share_outcome(self.ranks, done)
+            if failure is not None:
+                raise failure
+        else:
+            self._follow(model)
+        self.version = version
+        self.stats.weight_syncs += 1
+        self.stats.sync_seconds += time.perf_counter() - start
+
+    def _load_everywhere(self, model: object, version: int) -> None:
         self.stats.sync_bytes += self.weights.write(model, version)
         for i in self.fleet.alive:
             try:
@@ -379,9 +409,21 @@ class VLLMServerEngine:
             raise self._all_lost()
         self.weights.loaded_everywhere()
         self.check_versions("after the reload")
-        self.version = version
-        self.stats.weight_syncs += 1
-        self.stats.sync_seconds += time.perf_counter() - start
+
+    def _follow(self, model: object) -> None:
+        """Run the collectives of rank 0's write, then take what its sync left on the servers."""
+        assert self.ranks is not None
+        self.weights.follow(model)
+        outcome = share_outcome(self.ranks, None)
+        if outcome.error is not None:
+            raise EngineError(f"rank 0's weight sync stopped: {outcome.error}")
+        self.weights.adopt(outcome.path, outcome.label, outcome.adapter)
+        for i in self.fleet.alive:
+            if i not in outcome.alive:
+                self._lose(i, EngineError(f"vllm-server {self.urls[i]}: lost at rank 0's weight sync"))
+        if not self.fleet.alive:
+            raise self._all_lost()
+        self.check_versions("after rank 0's reload")
 
     def release_group(self, group: str) -> None:
         """vLLM's prefix cache evicts by itself; the group's server is forgotten."""

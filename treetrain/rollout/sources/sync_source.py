@@ -16,6 +16,7 @@ from typing import Any
 from treetrain.models.module_modes import evaluating
 from treetrain.rollout.engines.factory import make_engine
 from treetrain.rollout.engines.generation import GenerationEngine
+from treetrain.rollout.engines.server_ranks import TrainerRanks
 from treetrain.rollout.sources.engine_config import engine_spec, rollout_config, wrapper_config
 from treetrain.rollout.sources.produced import Produced, lags_of
 from treetrain.rollout.sources.run_settings import RunSettings, SourceInputs, task_seeds, update_dir
@@ -38,7 +39,10 @@ class RolloutSource:
         self.cfg, self.inputs = cfg, inputs
         ranks = inputs.ranks
         self.wrapper = wrapper_config(cfg, ranks.module)
-        self.spec = engine_spec(cfg, ranks.module, ranks.world_size, inputs.checkpoint)
+        spec = engine_spec(cfg, ranks.module, ranks.world_size, inputs.checkpoint)
+        if ranks.world_size > 1:  # every rank samples its share; one leads the weight syncs of a shared fleet
+            spec = replace(spec, ranks=TrainerRanks(ranks.rank, ranks.world_size, ranks.gather))
+        self.spec = spec
         self.engine: GenerationEngine | None = make_engine(self.spec, ranks.module)
         """Made before the first update, so that a server that is down or a model vLLM cannot load stops the
         run before anything is sampled."""
