@@ -5,6 +5,7 @@ rank 0's files. The real fleet under torchrun and ZeRO-3 is `tests/train/test_se
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +19,7 @@ from treetrain.rollout.engines.engine_settings import VLLMSettings
 from treetrain.rollout.engines.generation import EngineError
 from treetrain.rollout.engines.server_ranks import TrainerRanks
 from treetrain.rollout.engines.vllm_server import VLLMServerEngine
+from treetrain.rollout.sources.shared_trees import share_servers
 
 
 @pytest.fixture
@@ -109,3 +111,22 @@ def test_a_server_rank_zero_lost_at_its_sync_is_lost_for_the_follower(
     assert dropped.version == "default" and kept.version == follow.label
     lead.close()
     follow.close()
+
+
+class _TwoRanks:
+    """Rank 0's view of a gather where rank 1 posts `other`."""
+
+    world_size, rank = 2, 0
+
+    def __init__(self, other: str) -> None:
+        self.other = other
+
+    def gather(self, text: str) -> list[str]:
+        return [text, self.other]
+
+
+def test_every_ranks_requests_are_counted_per_server() -> None:
+    mine = (("http://a", 3, 12, 0.5), ("http://b", 1, 4, 0.25))
+    theirs = json.dumps([["http://b", 2, 8, 9.0], ["http://c", 1, 4, 1.0]])
+    merged = share_servers(_TwoRanks(theirs), mine)  # type: ignore[arg-type]
+    assert merged == (("http://a", 3, 12, 0.5), ("http://b", 3, 12, 0.25), ("http://c", 1, 4, 1.0))

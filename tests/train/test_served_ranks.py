@@ -19,6 +19,8 @@ from support.ports import run as launch
 
 from treetrain.train.metrics import read_metrics
 
+ASSETS = Path(__file__).resolve().parents[2] / "treetrain" / "assets"
+
 SETTINGS = [
     "rollout.engine=vllm-server", "model.path=demo-wide", "updates=2", "checkpoint_every=0", "threads=1",
     "rollout.groups_per_update=2", "rollout.fanout.root=4", "measure_memory_every=0",
@@ -48,6 +50,10 @@ def test_two_zero3_ranks_sample_from_one_server_and_train(vllm_server: str, tmp_
         assert (
             m.trajectories == 8 and m.sampler_logprob_gap_max is not None and m.sampler_logprob_gap_max < GAP
         ), m
+    one_copy = (ASSETS / "demo_model_wide" / "model.safetensors").stat().st_size
+    for m in metrics:  # written once per sync, by rank 0 (two writers would be twice a copy)
+        assert one_copy * 0.9 <= m.weight_sync_bytes < one_copy * 1.5, (m.weight_sync_bytes, one_copy)
+    assert [url for url, *_ in metrics[0].servers] == [vllm_server]  # both ranks' requests, summed per server
     for update in (0, 1):  # rank 0 sampled task 0 and rank 1 task 1, each through the server
         assert len(list((run / "rollouts" / f"update-{update:05d}").rglob("*.msgpack"))) == 2
     with urllib.request.urlopen(vllm_server + "/weight_info", timeout=30) as resp:

@@ -67,6 +67,10 @@ class Rollout(Protocol):
     def servers_lost(self) -> int: ...
     @property
     def servers(self) -> tuple[tuple[str, int, int, float], ...]: ...
+    @property
+    def weight_sync_bytes(self) -> int: ...
+    @property
+    def weight_sync_seconds(self) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -172,8 +176,14 @@ class UpdateMetrics:
     states gathered forward, the output gradients reduced backward; 0 without a context group,
     `distributed.context_parallel`)."""
     servers: tuple[tuple[str, int, int, float], ...] = ()
-    """Per inference server, `(url, requests, samples, mean seconds a request waited in its queue)`, the
-    queue time from the server's own metrics (every client's requests)."""
+    """Per inference server, `(url, requests, samples, mean seconds a request waited in its queue)`: every
+    trainer rank's requests, the queue time from the server's own metrics (every client's requests)."""
+    weight_sync_bytes: int = 0
+    """Bytes the weight syncs for this update's rollout sent to the inference engines, over all ranks
+    (`vllm-server`: the files rank 0 wrote once; `vllm`: each rank's copy into its own engine; 0 with `hf`
+    in the trainer's process, which samples from the model itself)."""
+    weight_sync_seconds: float = 0.0
+    """Seconds those syncs took on rank 0."""
 
     @property
     def replay_imbalance(self) -> float:
@@ -260,6 +270,8 @@ class UpdateMetrics:
             servers_lost=rollout.servers_lost,
             context_bytes=report.crossed_bytes,
             servers=rollout.servers,
+            weight_sync_bytes=rollout.weight_sync_bytes,
+            weight_sync_seconds=rollout.weight_sync_seconds,
         )
 
     def as_dict(self) -> dict[str, Any]:

@@ -35,7 +35,12 @@ class Produced:
     servers_lost: int = 0
     """`vllm-server`: servers lost while these trees grew."""
     servers: tuple[tuple[str, int, int, float], ...] = ()
-    """`vllm-server`: each server's share (`ServerStats.row`)."""
+    """`vllm-server`: each server's share (`ServerStats.row`), every rank's requests summed."""
+    weight_sync_bytes: int = 0
+    """Bytes the weight syncs of this rollout (the one before it, and an asynchronous run's during it) sent
+    to the engines, summed over ranks: a fleet's files are written once, by rank 0."""
+    weight_sync_seconds: float = 0.0
+    """Seconds those syncs took on rank 0."""
 
     @property
     def trees(self) -> tuple[TrajectoryTree, ...]:

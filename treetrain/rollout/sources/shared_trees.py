@@ -46,6 +46,23 @@ def share_count(ranks: Ranks, local: int) -> int:
     return sum(int(part) for part in ranks.gather(str(int(local))))
 
 
+def share_servers(
+    ranks: Ranks, rows: tuple[tuple[str, int, int, float], ...]
+) -> tuple[tuple[str, int, int, float], ...]:
+    """Each server's `(url, requests, samples, mean seconds queued)` over every rank's client: requests and
+    samples summed, the queue time rank 0's (the server's own metrics count every client's requests)."""
+    if ranks.world_size == 1:
+        return rows
+    queued = {url: q for url, _, _, q in rows}
+    sent: dict[str, tuple[int, int]] = {}
+    for part in ranks.gather(json.dumps(rows)):
+        for url, requests, samples, q in json.loads(part):
+            before = sent.get(url, (0, 0))
+            sent[url] = (before[0] + int(requests), before[1] + int(samples))
+            queued.setdefault(url, float(q))
+    return tuple((url, n[0], n[1], queued[url]) for url, n in sent.items())
+
+
 def gather_update(
     cfg: RunSettings, ranks: Ranks, update: int, result: RolloutResult, seconds: float
 ) -> Produced:
@@ -70,7 +87,11 @@ def gather_update(
             update, timeouts, r.episode.step_timeout_s,
         )  # fmt: skip
     interrupted = share_count(ranks, result.interrupted) if r.max_staleness >= 1 else 0
+    stats = result.stats
+    lost_servers = max(int(n) for n in ranks.gather(str(stats.servers_lost))) if ranks.world_size > 1 else 0
     return Produced(
         tuple((t,) for t in trees), seconds, len(lost), timeouts, interrupted=interrupted,
-        servers_lost=result.stats.servers_lost, servers=tuple(s.row() for s in result.stats.servers),
+        servers_lost=max(stats.servers_lost, lost_servers),
+        servers=share_servers(ranks, tuple(s.row() for s in stats.servers)),
+        weight_sync_bytes=share_count(ranks, stats.sync_bytes), weight_sync_seconds=stats.sync_seconds,
     )  # fmt: skip

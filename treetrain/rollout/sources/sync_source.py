@@ -15,7 +15,7 @@ from typing import Any
 
 from treetrain.models.module_modes import evaluating
 from treetrain.rollout.engines.factory import make_engine
-from treetrain.rollout.engines.generation import GenerationEngine
+from treetrain.rollout.engines.generation import EngineStats, GenerationEngine
 from treetrain.rollout.engines.server_ranks import TrainerRanks
 from treetrain.rollout.sources.engine_config import engine_spec, rollout_config, wrapper_config
 from treetrain.rollout.sources.produced import Produced, lags_of
@@ -68,7 +68,9 @@ class RolloutSource:
         ranks, cfg = self.inputs.ranks, self.cfg
         out_dir = update_dir(cfg, update)
         with evaluating(model):  # each module back in its own mode afterwards, not the wrapper's flag
+            before = replace(self.engine.stats) if self.engine is not None else EngineStats()
             engine = self._engine(model, version)
+            synced = engine.stats.since(before)
             config = replace(rollout_config(cfg, self.wrapper, version), on_episode=self.inputs.on_episode)
             with ranks.uneven():  # ranks generate different lengths (ZeRO-3: fetches rendezvous)
                 result = rollout_trees(
@@ -76,6 +78,7 @@ class RolloutSource:
                     task_seeds(cfg, update)[ranks.rank :: ranks.world_size], out_dir, config,
                     env_name=cfg.env.name, engine=engine,
                 )  # fmt: skip
+        result = replace(result, stats=_with_sync(result.stats, synced))
         self.stats = result.stats
         produced = gather_update(cfg, ranks, update, result, time.perf_counter() - start)
         return replace(produced, staleness=lags_of(produced.trees, version), trainer_idle=produced.seconds)
@@ -84,3 +87,11 @@ class RolloutSource:
         if self.engine is not None:
             self.engine.close()
             self.engine = None
+
+
+def _with_sync(stats: EngineStats, synced: EngineStats) -> EngineStats:
+    """The rollout's work with the weight sync before it, which `rollout_trees` does not see."""
+    return replace(
+        stats, weight_syncs=stats.weight_syncs + synced.weight_syncs,
+        sync_seconds=stats.sync_seconds + synced.sync_seconds, sync_bytes=stats.sync_bytes + synced.sync_bytes,
+    )  # fmt: skip
