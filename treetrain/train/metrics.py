@@ -179,9 +179,9 @@ class UpdateMetrics:
     """Per inference server, `(url, requests, samples, mean seconds a request waited in its queue)`: every
     trainer rank's requests, the queue time from the server's own metrics (every client's requests)."""
     weight_sync_bytes: int = 0
-    """Bytes the weight syncs for this update's rollout sent to the inference engines, over all ranks
-    (`vllm-server`: the files rank 0 wrote once; `vllm`: each rank's copy into its own engine; 0 with `hf`
-    in the trainer's process, which samples from the model itself)."""
+    """Bytes the weight syncs for this update's rollout sent to the inference engines, over all ranks (a
+    shared fleet of servers: the files rank 0 wrote once; an engine per rank: each rank's copy; 0 for an
+    engine that samples from the trained model itself)."""
     weight_sync_seconds: float = 0.0
     """Seconds those syncs took on rank 0."""
 

@@ -186,9 +186,8 @@ def trainer_probe(model: Any) -> tuple[list[int], list[float]]:
 
     module = getattr(model, "module", model) if type(model).__name__ == "DeepSpeedEngine" else model
     embeddings = module.get_input_embeddings()
-    tokens = probe_tokens(
-        int(getattr(embeddings.weight, "ds_shape", embeddings.weight.shape)[0])
-    )  # ZeRO-3: a partition
+    rows = getattr(embeddings.weight, "ds_shape", embeddings.weight.shape)  # ZeRO-3 holds a partition
+    tokens = probe_tokens(int(rows[0]))
     device = embeddings.weight.device
     with torch.no_grad():
         logits = module(input_ids=torch.tensor([tokens], device=device)).logits[0].float()
