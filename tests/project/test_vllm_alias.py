@@ -5,7 +5,6 @@ detects its CPU platform through the alias (its version carries `+cpu`)."""
 from __future__ import annotations
 
 import importlib.metadata as metadata
-import importlib.util
 import os
 import subprocess
 import sys
@@ -19,10 +18,8 @@ from treetrain.rollout.engines.vllm_alias import MARK
 ROOT = Path(__file__).resolve().parents[2]
 VLLM = Path(sys.executable).parent / "vllm"
 
-pytestmark = [
-    pytest.mark.launch,  # runs vLLM's command line and a script in subprocesses
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
-]
+# Runs vLLM's command line and a script in subprocesses; `make venv` installs vLLM, so it never skips.
+pytestmark = pytest.mark.launch
 
 
 def _installed(name: str) -> bool:

@@ -10,8 +10,10 @@ waits for another one.
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -76,3 +78,16 @@ def kill_tree(pid: int) -> None:
 
 def run(cmd: Sequence[str], env: dict[str, str], timeout: float) -> Launched:
     return run_all([cmd], env, timeout)[0]
+
+
+def train_ranks(
+    run_dir: object, settings: Sequence[str], *extra: str, timeout: float, ranks: int = 2
+) -> Launched:
+    """`treetrain train --run-dir RUN --no-progress EXTRA --set ...` on `ranks` processes under torchrun
+    (loopback, a free port, DeepSpeed on CPU, one thread per rank)."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}", "-m", "treetrain", "train", "--run-dir", str(run_dir), "--no-progress",
+        *extra, *(a for kv in settings for a in ("--set", kv)),
+    ]  # fmt: skip
+    return run(cmd, {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}, timeout)

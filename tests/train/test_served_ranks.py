@@ -8,14 +8,11 @@ update's samples come from the trainer's current weights: the sampler/trainer ga
 from __future__ import annotations
 
 import json
-import os
-import sys
 import urllib.request
 from pathlib import Path
 
 import pytest
-from support.ports import free_port
-from support.ports import run as launch
+from support.ports import train_ranks
 
 from treetrain.train.metrics import read_metrics
 
@@ -36,12 +33,7 @@ GAP = 1e-4
 def test_two_zero3_ranks_sample_from_one_server_and_train(vllm_server: str, tmp_path: Path) -> None:
     run = tmp_path / "run"
     settings = [*SETTINGS, f"rollout.vllm.urls=[{json.dumps(vllm_server)}]"]
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}", "-m", "treetrain", "train", "--run-dir", str(run), "--no-progress",
-        *(a for kv in settings for a in ("--set", kv)),
-    ]  # fmt: skip
-    done = launch(cmd, {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}, 800)
+    done = train_ranks(run, settings, timeout=800)
     assert done.returncode == 0, done.output[-4000:]
 
     metrics = read_metrics(run / "metrics.jsonl")

@@ -10,15 +10,12 @@
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from support.ports import free_port
-from support.ports import run as launch
+from support.ports import train_ranks
 
 from treetrain.benchmark.long_prompt import write_long_model, write_long_rollouts
 from treetrain.cli.main import main
@@ -38,12 +35,8 @@ def _sets(settings: list[str]) -> list[str]:
 
 
 def _torchrun(run_dir: Path, settings: list[str], *extra: str) -> None:
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}", "-m", "treetrain", "train", "--run-dir", str(run_dir), "--no-progress",
-        *extra, *_sets([*settings, "distributed.backend=deepspeed", "distributed.context_parallel=2"]),
-    ]  # fmt: skip
-    done = launch(cmd, {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}, 600)
+    group = [*settings, "distributed.backend=deepspeed", "distributed.context_parallel=2"]
+    done = train_ranks(run_dir, group, *extra, timeout=600)
     assert done.returncode == 0, done.output[-3000:]
 
 
