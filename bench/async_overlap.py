@@ -18,11 +18,17 @@ weighs on both alike, each in a fresh process, and reports per engine:
 
     python bench/async_overlap.py                          # hf and vllm (demo-wide), 8 updates, 2 pairs
     python bench/async_overlap.py --engines hf --updates 6 --pairs 1 --out bench/out/async_overlap.md
+
+`fleet` is two trainer ranks (`torchrun`, DeepSpeed ZeRO-3) on `vllm-server`, fed by the servers `--urls`
+names, started first with the command of docs/rollout-engines.md (one per port):
+
+    python bench/async_overlap.py --engines fleet --urls http://127.0.0.1:8000,http://127.0.0.1:8001
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import statistics
@@ -45,6 +51,11 @@ ENGINE_SETTINGS = {
     "vllm": ["model.path=demo-wide", "rollout.engine=vllm"],
 }
 """The demo as each engine runs it (vLLM on CPU serves the 64-wide-head `demo-wide`)."""
+FLEET = [
+    "model.path=demo-wide", "rollout.engine=vllm-server", "distributed.backend=deepspeed",
+    "distributed.zero_stage=3",
+]  # fmt: skip
+"""`fleet`: two ZeRO-3 ranks on the servers of `--urls`."""
 
 
 @dataclass(frozen=True)
@@ -63,12 +74,23 @@ class Run:
     lags: tuple[tuple[int, int], ...]
 
 
-def train(engine: str, k: int, updates: int, run: Path) -> Run:
+def train(engine: str, k: int, updates: int, run: Path, urls: list[str]) -> Run:
+    engine_settings = (
+        [*FLEET, f"rollout.vllm.urls={json.dumps(urls)}"] if engine == "fleet" else ENGINE_SETTINGS[engine]
+    )
     settings = [
-        *ENGINE_SETTINGS[engine], f"updates={updates}", f"rollout.max_staleness={k}", "threads=1",
+        *engine_settings, f"updates={updates}", f"rollout.max_staleness={k}", "threads=1",
         "measure_memory_every=0", "checkpoint_every=0", "checkpoint_every_s=0",
     ]  # fmt: skip
-    args = [sys.executable, "-m", "treetrain", "train", "--run-dir", str(run), "--overwrite", "--no-progress"]
+    launch = [sys.executable, "-m"]
+    if engine == "fleet":
+        launch += [
+            "torch.distributed.run",
+            "--standalone",  # a free port of its own
+            "--nproc_per_node=2",
+            "-m",
+        ]
+    args = [*launch, "treetrain", "train", "--run-dir", str(run), "--overwrite", "--no-progress"]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     start = time.perf_counter()
     proc = subprocess.run(
@@ -151,24 +173,27 @@ def report(runs: list[Run], updates: int, command: str) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--engines", default="hf,vllm", help="comma-separated: hf, vllm")
+    parser.add_argument("--engines", default="hf,vllm", help="comma-separated: hf, vllm, fleet")
+    parser.add_argument("--urls", default="", help="fleet: the servers' base URLs, comma-separated")
     parser.add_argument("--updates", type=int, default=8)
     parser.add_argument("--pairs", type=int, default=2, help="A B B A blocks per engine")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     engines = [e for e in args.engines.split(",") if e]
-    if not engines or any(e not in ENGINE_SETTINGS for e in engines) or args.updates < 2 or args.pairs < 1:
-        print(
-            f"async_overlap: engines from {sorted(ENGINE_SETTINGS)}, --updates >= 2, --pairs >= 1",
-            file=sys.stderr,
-        )
+    urls = [u for u in args.urls.split(",") if u]
+    known = {*ENGINE_SETTINGS, "fleet"}
+    if not engines or any(e not in known for e in engines) or args.updates < 2 or args.pairs < 1:
+        print(f"async_overlap: engines from {sorted(known)}, --updates >= 2, --pairs >= 1", file=sys.stderr)
+        return 2
+    if "fleet" in engines and not urls:
+        print("async_overlap: fleet needs --urls (the servers' base URLs, started first)", file=sys.stderr)
         return 2
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for engine in engines:
             for p in range(args.pairs):
                 for k in (0, 1, 1, 0):
-                    run = train(engine, k, args.updates, Path(tmp) / f"{engine}-{p}-{k}")
+                    run = train(engine, k, args.updates, Path(tmp) / f"{engine}-{p}-{k}", urls)
                     print(
                         f"{engine} K={k}: loop {run.loop_seconds:.1f} s, run {run.process_seconds:.1f} s, "
                         f"update 0 {run.first_seconds:.1f} s",

@@ -125,10 +125,17 @@ def vllm_server_log(vllm_server: str, request: pytest.FixtureRequest) -> Path:
     return Path(request.config.stash[SERVED].log)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def second_vllm_server(request: pytest.FixtureRequest) -> Any:
     """A second `vllm serve` like `vllm_server`'s (a `support.vllm_serve.Served`, up), for tests that route
-    across servers and may kill it: started beside the first as collection ends, never shared otherwise."""
+    across servers and may kill it: started beside the first as collection ends, and started again (on
+    another port) for the next test that needs it when a test killed it."""
+    from support.vllm_serve import Served
+
     served = _start_servers(request.config, request.session.items, SECOND)
+    if served.proc.poll() is not None:  # killed by an earlier test
+        served.stop()  # what is left below it (vLLM's engine core)
+        served = Served(Path(tempfile.mkdtemp(prefix="vllm-serve-")) / "server.log")
+        request.config.stash[SECOND] = served
     served.url()
     return served

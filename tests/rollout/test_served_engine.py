@@ -161,3 +161,37 @@ def test_a_streamed_request_interrupted_for_new_weights_goes_on_under_them(
         assert sample.version_runs == ((len(draft.tokens), 0), (400 - len(draft.tokens), 1))
         own, other = version_gaps(context, sample, old, new)
         assert own < GAP and other > SKIPPED  # other: the versions swapped (negative control)
+
+
+def test_published_versions_reach_the_server_and_the_ones_it_no_longer_needs_go(
+    vllm_server: str, tmp_path: Path
+) -> None:
+    """An asynchronous run's feed (`treetrain.rollout.served_feed`): the training thread publishes each
+    version to disk, the sampler's thread has the server load the newest, and nothing else is kept."""
+    from treetrain.rollout.served_feed import ServedFeed
+
+    model = LlamaForCausalLM.from_pretrained(WIDE_DEMO_MODEL).eval()
+    context = _context()
+    engine = _engine(vllm_server, tmp_path)
+    published = tmp_path / "engine-weights" / "published"
+    feed = ServedFeed(tmp_path / "engine-weights", None, version=0, writes=True)
+    feed.publish(model, 0)
+    feed.sync(engine)
+    first = _gap(engine, model, context)
+    _step(model, context, _sample(engine, context).completions[0].tokens)
+    feed.publish(model, 1)
+    assert feed.due(engine.version) and sorted(p.name for p in published.iterdir()) == ["v0", "v1"]
+    unloaded = _gap(engine, model, context)  # negative control: published, not yet loaded
+    _step(model, context, _sample(engine, context).completions[0].tokens)
+    feed.publish(model, 2)  # version 1 was never taken: it goes; version 0 is what the server holds
+    assert sorted(p.name for p in published.iterdir()) == ["v0", "v2"]
+    feed.sync(engine)
+    assert engine.version == 2 and sorted(p.name for p in published.iterdir()) == ["v2"]
+    second = _gap(engine, model, context)
+    assert first < GAP and second < GAP and unloaded > SKIPPED, (first, second, unloaded)
+    assert engine.stats.weight_syncs == 2 and engine.stats.sync_bytes == 2 * feed.newest.size
+    follower = ServedFeed(tmp_path / "follower", None, version=0, writes=False)
+    follower.publish(model, 3)  # runs what the write runs, writes nothing
+    assert follower.version == 3 and not (tmp_path / "follower").exists()
+    engine.close()
+    assert not (tmp_path / "engine-weights").exists()

@@ -20,6 +20,7 @@ from support.staleness_checks import queued_lags, split_turns, within
 from support.stalling_train import start_stalling
 
 from treetrain.cli.main import main
+from treetrain.errors import ConfigError
 from treetrain.rollout.engines.hf_process import PROCESS_NAME
 from treetrain.rollout.sources.async_source import AsyncRolloutSource
 from treetrain.rollout.sources.tree_queue import queued_marker, read_queued
@@ -160,3 +161,17 @@ def test_time_is_reported_for_both_sides(tmp_path: Path) -> None:
     (row,) = read_metrics(run / "metrics.jsonl")
     assert row.trainer_idle_seconds == row.rollout_seconds > 0 and row.sampler_idle_seconds == 0
     assert (row.staleness_min, row.staleness_max, row.queue_depth) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_zero3_is_refused_asynchronously_where_a_sampler_would_hold_the_whole_model(engine: str) -> None:
+    """Under ZeRO-3 no rank holds the whole policy: an asynchronous sampler that samples from a copy of its
+    own is refused in one line naming the engine that needs none; `vllm-server` is taken (its servers hold
+    the weights; `test_served_fleet_async.py` trains it)."""
+    zero3 = ["distributed.backend=deepspeed", "distributed.zero_stage=3", "rollout.max_staleness=1"]
+    with pytest.raises(
+        ConfigError, match=rf"^rollout.max_staleness: with rollout.engine='{engine}' .*'vllm-server'"
+    ):
+        load_config(None, [*zero3, f"rollout.engine={engine}"])
+    load_config(None, [*zero3, "rollout.engine=vllm-server", "rollout.vllm.urls=['http://127.0.0.1:1']"])
+    load_config(None, [*zero3[:1], "distributed.zero_stage=2", zero3[2], f"rollout.engine={engine}"])

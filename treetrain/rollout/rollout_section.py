@@ -142,3 +142,14 @@ class RolloutSection:
             raise ConfigError(
                 f"rollout.max_concurrent_steps: must be an integer in [1, {MAX_CONCURRENT_STEPS}], got {steps!r}"
             )
+
+    def check_sharded_weights(self) -> None:
+        """Refuse, in one line, an asynchronous run whose sampler would keep a whole copy of the policy on a
+        rank whose weights ZeRO-3 shards (every engine but `vllm-server`, whose servers hold the weights)."""
+        if self.max_staleness and self.engine != "vllm-server":
+            raise ConfigError(
+                f"rollout.max_staleness: with rollout.engine={self.engine!r} each rank's sampler keeps a whole "
+                "copy of the policy's weights, which ZeRO-3 shards so that no rank holds them; use "
+                "rollout.engine='vllm-server' (the servers hold the weights), distributed.zero_stage <= 2, "
+                "or rollout.max_staleness=0"
+            )

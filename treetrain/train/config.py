@@ -257,15 +257,8 @@ class TrainConfig:
                 "rollout.max_staleness: recorded trees (rollout.trees) are consumed as they are, with no "
                 "sampler to run ahead of the trainer; set rollout.max_staleness=0"
             )
-        if (
-            self.rollout.max_staleness
-            and self.distributed.backend == "deepspeed"
-            and self.distributed.zero_stage == 3
-        ):
-            raise ConfigError(
-                "rollout.max_staleness: the sampler keeps its own copy of the policy's weights, which ZeRO-3 "
-                "shards across ranks; use distributed.zero_stage <= 2 or rollout.max_staleness=0"
-            )
+        if self.distributed.backend == "deepspeed" and self.distributed.zero_stage == 3:
+            self.rollout.check_sharded_weights()
         if self.eval.every and self.rollout.trees is not None:
             raise ConfigError(
                 "eval.every: evaluation samples the policy on env.name's held-out tasks, and a run on recorded "

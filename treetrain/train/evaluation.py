@@ -123,18 +123,30 @@ class Evaluator:
         every = self.cfg.eval.every
         return bool(every) and (completed % every == 0 or completed == self.cfg.updates)
 
-    def __call__(self, model: Any, engine: GenerationEngine | None, update: int, version: int) -> EvalMetrics:
+    def __call__(
+        self,
+        model: Any,
+        engine: GenerationEngine | None,
+        update: int,
+        version: int,
+        one_sampler: bool = False,
+    ) -> EvalMetrics:
+        """Sample this rank's share of the held-out tasks on `engine` and gather every rank's scores;
+        `one_sampler`: rank 0 samples every task (the run's `TreeSource.one_sampler`)."""
         from treetrain.runfs import make_dirs
 
         cfg, rank, world = self.cfg, self.backend.rank, self.backend.world_size
+        seeds = self.held.seeds[rank::world] if not one_sampler else self.held.seeds if rank == 0 else ()
         out_dir = Path(cfg.run_dir) / "eval" / f"update-{update:05d}"
         make_dirs(cfg.run_dir, out_dir / "trees")
         start = time.perf_counter()
         with evaluating(model), self.backend.uneven():  # each module back in its own mode afterwards
-            local = sample_scores(
-                model, self.tokenizer, self.factory, self.held.seeds[rank::world], out_dir, engine=engine,
-                config=eval_rollout(cfg, self.wrapper, version), env_name=cfg.env.name,
-            )  # fmt: skip
+            local = Scores((), 0)
+            if seeds:  # leaving `uneven` is a collective: a rank with no share enters it all the same
+                local = sample_scores(
+                    model, self.tokenizer, self.factory, seeds, out_dir, engine=engine,
+                    config=eval_rollout(cfg, self.wrapper, version), env_name=cfg.env.name,
+                )  # fmt: skip
         scores = gather_scores(self.backend.gather, local)
         return scores.metrics(
             update, version, cfg.eval.pass_threshold, time.perf_counter() - start, cfg.eval.greedy

@@ -346,7 +346,9 @@ class Trainer:
         if self.phases is not None:
             self.phases.show(f"evaluating {len(self.evaluator.held.seeds)} held-out tasks")
         with self.source.serving(model, self.state.version) as engine:
-            row = self.evaluator(model, engine, self.state.update, self.state.version)
+            row = self.evaluator(
+                model, engine, self.state.update, self.state.version, self.source.one_sampler
+            )
         if self.phases is not None:
             self.phases.show(None)
         log.info("%s", eval_line(row, self.evaluator.held.source))

@@ -71,6 +71,8 @@ class Rollout(Protocol):
     def weight_sync_bytes(self) -> int: ...
     @property
     def weight_sync_seconds(self) -> float: ...
+    @property
+    def weight_publish_seconds(self) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -184,6 +186,9 @@ class UpdateMetrics:
     engine that samples from the trained model itself)."""
     weight_sync_seconds: float = 0.0
     """Seconds those syncs took on rank 0."""
+    weight_publish_seconds: float = 0.0
+    """Seconds rank 0's training thread spent handing the weights of the previous step to the sampler (an
+    asynchronous run: the copy into the sampler's shadow, or the files every server loads; 0 otherwise)."""
 
     @property
     def replay_imbalance(self) -> float:
@@ -272,6 +277,7 @@ class UpdateMetrics:
             servers=rollout.servers,
             weight_sync_bytes=rollout.weight_sync_bytes,
             weight_sync_seconds=rollout.weight_sync_seconds,
+            weight_publish_seconds=rollout.weight_publish_seconds,
         )
 
     def as_dict(self) -> dict[str, Any]:

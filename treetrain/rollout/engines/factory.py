@@ -5,9 +5,10 @@ the model was loaded from, how it is distributed) and calls `make_engine(spec, m
 class and imports no engine module, and every engine-specific refusal lives here, next to the engines it
 protects. Each refusal is one `ConfigError` line naming the setting to change:
 
-- `vllm-server` with more than one trainer process when weights change while requests are in flight
-  (`rollout.max_staleness` >= 1: its syncs would be collectives on the sampler's thread), or without the
-  ranks' gather (`ranks`); synchronous runs of any number of ranks share the fleet (`server_ranks`);
+- `vllm-server` with more than one trainer process in a synchronous run without the ranks' gather (`ranks`):
+  every rank samples its share and rank 0 leads each weight sync (`server_ranks`). An asynchronous run
+  (`in_flight_weights`) makes this engine on rank 0 alone, the fleet's one client, which loads what every
+  rank published (`treetrain.rollout.served_feed`);
 - `vllm` or `vllm-server` with experts that stay fused even in the checkpoint layout (transformers' own
   conversion, reversed, gives no per-expert names for them: `expert_export`), or with LoRA under ZeRO-3 (adapters would have to be merged
   into partitioned weights);
@@ -26,10 +27,10 @@ Example:
     ...     max_tokens=256)
     >>> type(make_engine(spec, model)).__name__
     'HFEngine'
-    >>> make_engine(replace(spec, kind="vllm-server", world_size=2, in_flight_weights=True), model)
+    >>> make_engine(replace(spec, kind="vllm-server", world_size=2), model)
     Traceback (most recent call last):
     ...
-    treetrain.errors.ConfigError: rollout.engine: 'vllm-server' with rollout.max_staleness >= 1 runs with one trainer process (weights change while requests are in flight, and rank 0 would have to lead each sync from the sampler's thread); this run has 2: use rollout.max_staleness=0, or 'vllm' (one engine per rank)
+    treetrain.errors.ConfigError: rollout.engine: 'vllm-server' with 2 trainer processes needs the ranks' gather (EngineSpec.ranks), which leads each weight sync from rank 0
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ class EngineSpec:
     threads: int | None = None
     """`threads`: torch threads of the `hf` engine's process (None: 1)."""
     ranks: TrainerRanks | None = None
-    """The trainer's processes, when there are several: `vllm-server`'s rank 0 leads each weight sync."""
+    """The trainer's processes, when there are several and each samples its share (a synchronous run):
+    `vllm-server`'s rank 0 leads each weight sync."""
 
     def __post_init__(self) -> None:
         if self.kind not in ENGINES:
@@ -89,14 +91,7 @@ class EngineSpec:
 def check_engine(spec: EngineSpec, model: Any) -> None:
     """Refuse, in one line naming the setting, an engine this run cannot use (see the module docstring)."""
     kind = spec.kind
-    if kind == "vllm-server" and spec.world_size > 1 and spec.in_flight_weights:
-        raise ConfigError(
-            "rollout.engine: 'vllm-server' with rollout.max_staleness >= 1 runs with one trainer process "
-            "(weights change while requests are in flight, and rank 0 would have to lead each sync from the "
-            f"sampler's thread); this run has {spec.world_size}: use rollout.max_staleness=0, or 'vllm' "
-            "(one engine per rank)"
-        )
-    if kind == "vllm-server" and spec.world_size > 1 and spec.ranks is None:
+    if kind == "vllm-server" and spec.world_size > 1 and spec.ranks is None and not spec.in_flight_weights:
         raise ConfigError(
             f"rollout.engine: 'vllm-server' with {spec.world_size} trainer processes needs the ranks' gather "
             "(EngineSpec.ranks), which leads each weight sync from rank 0"

@@ -28,7 +28,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol
 
 from treetrain.errors import TreetrainError
@@ -269,6 +269,14 @@ class EngineStats:
             **{k: getattr(self, k) - getattr(before, k) for k in vars(self) if k != "servers"},
             servers=tuple(s.minus(earlier.get(s.url, ServerStats(s.url))) for s in self.servers),
         )
+
+    def with_syncs(self, synced: EngineStats) -> EngineStats:
+        """This work with the weight syncs of `synced` added (the sync before a rollout, which the rollout's
+        own count does not see)."""
+        return replace(
+            self, weight_syncs=self.weight_syncs + synced.weight_syncs,
+            sync_seconds=self.sync_seconds + synced.sync_seconds, sync_bytes=self.sync_bytes + synced.sync_bytes,
+        )  # fmt: skip
 
     @property
     def cache_hit_rate(self) -> float:

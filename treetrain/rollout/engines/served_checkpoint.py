@@ -26,15 +26,17 @@ from treetrain.io import atomic_directory
 from treetrain.rollout.engines.weight_buckets import weight_buckets
 
 
-def write_weights(model: Any, root: str | Path) -> Path:
-    """Write the weights under `root/current/` and return that directory."""
-    final = Path(root) / "current"
+def write_weights(model: Any, root: str | Path, name: str = "current") -> Path:
+    """Write the weights under `root/name/` (`name` may have folders of its own) and return that
+    directory."""
+    final = Path(root) / name
     final.parent.mkdir(parents=True, exist_ok=True)
-    final.parent.chmod(0o755)
+    for folder in {Path(root), final.parent}:  # the servers may run as another user
+        folder.chmod(0o755)
     with atomic_directory(final) as tmp:
         tmp.chmod(0o755)
         for i, bucket in enumerate(weight_buckets(model)):
-            tensors = {name: t.detach().cpu().clone() for name, t in bucket}  # tied weights share storage
+            tensors = {key: t.detach().cpu().clone() for key, t in bucket}  # tied weights share storage
             file = Path(tmp) / f"model-{i:05d}.safetensors"
             save_file(tensors, str(file), metadata={"format": "pt"})
             file.chmod(0o644)

@@ -1,6 +1,6 @@
 """The weights `vllm serve` processes sample with: written once per sync, then loaded by each server.
 
-`ServedWeights.write` writes the trainer's weights as safetensors under `<weights_dir>/current/` (or, with
+`write_version` writes the trainer's weights as safetensors under `<weights_dir>/current/` (or, with
 LoRA served as an adapter, the adapter under `<weights_dir>/adapters/`) and scores the probe prompt on the
 trainer; `load(url, served)` has one server take them: `POST /collective_rpc` with `reload_weights` and
 `POST /reset_prefix_cache` (or `POST /v1/load_lora_adapter` and the previous adapter's unload), each
@@ -8,11 +8,17 @@ confirmed by its answer, then its weight version set to the sync's label (`POST 
 and the probe scored on it against the trainer's logprobs. A sync loads every serving server; a lost server
 that answers again is loaded the same way before it gets work. Until a server answers a call that has it
 read the files, they are marked as possibly being read (`unanswered`), and kept at the end.
+
+The write and the load are apart (`write_version` returns a `Written`, `ServedWeights.take` makes it the one
+the servers load), so that another thread may write while a rollout samples: an asynchronous run writes
+each version on the training thread under `<weights_dir>/published/v<version>/` and its sampler thread has
+the servers load the newest (`treetrain.rollout.served_feed`).
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +33,60 @@ from treetrain.rollout.engines.server_checks import (
     trainer_probe,
 )
 from treetrain.runfs import remove_tree
+
+PUBLISHED = "published"
+"""Where an asynchronous run's feed writes each version, `<weights_dir>/published/v<version>/`."""
+
+
+@dataclass(frozen=True)
+class Written:
+    """One version of the weights on disk, ready for the servers to load."""
+
+    version: int
+    path: Path
+    """The directory a server loads: the full weights, or the version's adapter."""
+    label: str
+    """The weight version label the servers are set to: `<weights_dir>@<version>`."""
+    probe: tuple[tuple[int, ...], tuple[float, ...]]
+    """The probe prompt and the trainer's logprob of each of its tokens after the first, at this version."""
+    adapter: str | None
+    """The served adapter's name, when LoRA is served as an adapter."""
+    size: int
+    """Bytes written."""
+
+
+def write_version(
+    model: Any, version: int, weights_dir: Path, adapters: AdapterFiles | None, name: str = "current"
+) -> Written:
+    """Write `model`'s weights as `version` under `weights_dir/name` (a complete directory replaces the
+    old), or its adapter under `adapters`, and score the probe prompt on it."""
+    tokens, own = trainer_probe(model)
+    label = f"{weights_dir.resolve()}@{version}"
+    if adapters is not None:
+        path, size = adapters.write(model, version)
+        return Written(version, path, label, (tuple(tokens), tuple(own)), adapter_name(version), size)
+    from treetrain.rollout.engines.served_checkpoint import write_weights
+
+    path = write_weights(model, weights_dir, name)
+    size = sum(p.stat().st_size for p in path.iterdir())
+    return Written(version, path, label, (tuple(tokens), tuple(own)), None, size)
+
+
+def served_adapters(weights_dir: Path, lora: LoraServing | None) -> AdapterFiles | None:
+    """Where each version's adapter is written when LoRA is served as an adapter (None: the full weights)."""
+    return AdapterFiles(weights_dir / "adapters") if lora is not None and lora.as_adapter else None
+
+
+def follow_write(model: Any, adapters: bool) -> tuple[list[int], list[float]]:
+    """What `write_version` runs on the model, without writing: the probe forward and each bucket's gather
+    (under ZeRO-3 both are collectives that the writing rank runs too); the probe."""
+    from treetrain.rollout.engines.weight_buckets import weight_buckets
+
+    probe = trainer_probe(model)
+    if not adapters:
+        for _ in weight_buckets(model):
+            pass
+    return probe
 
 
 class ServedWeights:
@@ -43,9 +103,7 @@ class ServedWeights:
         """`writes`: whether this process writes the files (False: another trainer rank does, and this one
         loads them into a server that comes back, `follow` and `adopt`)."""
         self.weights_dir, self.expected, self.timeout, self.writes = weights_dir, expected, timeout, writes
-        self.adapters = (
-            AdapterFiles(weights_dir / "adapters") if lora is not None and lora.as_adapter else None
-        )
+        self.adapters = served_adapters(weights_dir, lora)
         self.adapter: str | None = None
         """The served name of the current version's adapter, which requests name as their model."""
         self.path: Path | None = None
@@ -57,29 +115,22 @@ class ServedWeights:
         """Whether a server was asked to read the files and has not answered."""
         self.loaded: dict[str, str] = {}
         """The adapter each server holds (dropped when it takes the next)."""
+        self.previous: Path | None = None
+        """The directory the servers loaded before `path` (a published version's goes once all hold `path`)."""
 
-    def write(self, model: Any, version: int) -> int:
-        """Write `model`'s weights as `version`, to be loaded; their size in bytes."""
-        self.probe = trainer_probe(model)
-        self.label = f"{self.weights_dir.resolve()}@{version}"
-        if self.adapters is not None:
-            self.path, size = self.adapters.write(model, version)
-            self.adapter = adapter_name(version)
-            return size
-        from treetrain.rollout.engines.served_checkpoint import write_weights
-
-        self.path = write_weights(model, self.weights_dir)
-        return sum(p.stat().st_size for p in self.path.iterdir())
+    def take(self, written: Written) -> None:
+        """`written` is what the servers load next (and what a server that comes back is reloaded to)."""
+        self.previous = self.path
+        self.path, self.label, self.probe, self.adapter = (
+            written.path,
+            written.label,
+            (list(written.probe[0]), list(written.probe[1])),
+            written.adapter,
+        )
 
     def follow(self, model: Any) -> None:
-        """What `write` runs on the model, without writing: the probe forward and each bucket's gather (under
-        ZeRO-3 both are collectives that the writing rank runs too)."""
-        from treetrain.rollout.engines.weight_buckets import weight_buckets
-
-        self.probe = trainer_probe(model)
-        if self.adapters is None:
-            for _ in weight_buckets(model):
-                pass
+        """What `write_version` runs on the model, without writing (another rank writes: `follow_write`)."""
+        self.probe = follow_write(model, self.adapters is not None)
 
     def adopt(self, path: str | None, label: str | None, adapter: str | None) -> None:
         """The writing rank's sync: the servers hold `path` under `label` (and `adapter`)."""
@@ -98,9 +149,19 @@ class ServedWeights:
         self._probe(url, served)
 
     def loaded_everywhere(self) -> None:
-        """Every server holds the written weights: the previous adapter's files go."""
+        """Every server holds the written weights: the previous adapter's files go, and the previous
+        published version's (`served_feed`)."""
         if self.adapters is not None and self.path is not None:
             self.adapters.done(self.path)
+        old = self.previous
+        if (
+            self.writes
+            and old is not None
+            and old != self.path
+            and old.parent == self.weights_dir / PUBLISHED
+        ):
+            remove_tree(self.weights_dir, old)
+        self.previous = None
 
     def forget(self, url: str) -> None:
         """Server `url` was lost: whatever it held is gone (a restarted server holds no adapter)."""
@@ -185,7 +246,7 @@ class ServedWeights:
             return True
         if self.unanswered:
             return False
-        for written in ("current", "adapters"):
+        for written in ("current", "adapters", PUBLISHED):
             remove_tree(self.weights_dir, self.weights_dir / written)
         with contextlib.suppress(OSError):  # kept when it holds anything else
             self.weights_dir.rmdir()

@@ -71,7 +71,7 @@ from treetrain.rollout.engines.server_fleet import MAX_METRICS_BYTES, Fleet, Ser
 from treetrain.rollout.engines.server_parts import Ledger, Part
 from treetrain.rollout.engines.server_ranks import SyncOutcome, TrainerRanks, share_outcome
 from treetrain.rollout.engines.server_stream import parse_completions, stream_server
-from treetrain.rollout.engines.server_sync import ServedWeights
+from treetrain.rollout.engines.server_sync import ServedWeights, Written, write_version
 
 log = logging.getLogger(__name__)
 
@@ -373,15 +373,14 @@ class VLLMServerEngine:
         have every serving server load them, each step confirmed by its answer; then label and probe the
         served weights (`server_sync`). A server lost meanwhile is reloaded when it is back. With several
         trainer ranks, rank 0 writes and loads, and the others follow (`server_ranks`)."""
-        if self.busy:
-            raise EngineError("vllm-server: sync_weights while requests are in flight (abort them first)")
+        self._idle("sync_weights")
         start = time.perf_counter()
         if self.ranks is None:
-            self._load_everywhere(model, version)
+            self._load_everywhere(self._write(model, version))
         elif self.ranks.leads:
             failure: EngineError | None = None
             try:
-                self._load_everywhere(model, version)
+                self._load_everywhere(self._write(model, version))
             except EngineError as exc:
                 failure = exc
             w = self.weights
@@ -394,12 +393,31 @@ class VLLMServerEngine:
                 raise failure
         else:
             self._follow(model)
+        self._synced(version, start)
+
+    def load_written(self, written: Written) -> None:
+        """Have every serving server load `written`, which another thread wrote (an asynchronous run's
+        training thread, `served_feed`): nothing here touches the model, so this runs beside training."""
+        self._idle("load_written")
+        start = time.perf_counter()
+        self._load_everywhere(written)
+        self._synced(written.version, start)
+
+    def _idle(self, what: str) -> None:
+        if self.busy:
+            raise EngineError(f"vllm-server: {what} while requests are in flight (abort them first)")
+
+    def _synced(self, version: int, start: float) -> None:
         self.version = version
         self.stats.weight_syncs += 1
         self.stats.sync_seconds += time.perf_counter() - start
 
-    def _load_everywhere(self, model: object, version: int) -> None:
-        self.stats.sync_bytes += self.weights.write(model, version)
+    def _write(self, model: object, version: int) -> Written:
+        return write_version(model, version, self.weights_dir, self.weights.adapters)
+
+    def _load_everywhere(self, written: Written) -> None:
+        self.weights.take(written)
+        self.stats.sync_bytes += written.size
         for i in self.fleet.alive:
             try:
                 self.weights.load(self.urls[i], self.served[i])

@@ -11,7 +11,15 @@ from its next token, and every token records the version that sampled it. When u
 the bound (only ever trees kept from before a resume that lowered K) is dropped and counted. In steady state nothing is dropped: admission is paced.
 
 Everything that is collective stays on the training thread: the trees of all ranks are shared, failures
-written and counted, and weights gathered when the update takes them (`gather_update`). The `hf` engine runs
+written and counted, and weights gathered when the update takes them (`gather_update`).
+
+**Where the weights go.** On `vllm` and `hf` every rank samples its share of the tasks from a shadow of its
+own (`WeightFeed`), which ZeRO-3 could not hold. On `vllm-server` the servers hold the weights: every rank
+publishes each version on the training thread (`treetrain.rollout.served_feed.ServedFeed`: the gathers run on
+every rank and rank 0 writes the files), and rank 0's sampler thread alone is the fleet's client. It samples
+every task of the update and has the servers load each published version between its engine steps, and the
+trees reach the other ranks through the update's gather. So an asynchronous run on servers takes any number
+of ranks under any ZeRO stage, and no rank ever holds the whole model. The `hf` engine runs
 in a process of its own (`treetrain.rollout.engines.hf_process`), so sampling and training do not share the
 interpreter lock; it samples from a private copy of the policy, which it copies from the published weights
 (the shadow, in shared memory) at each sync, never from the model being trained.
@@ -30,10 +38,13 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from treetrain.rollout.engines.factory import make_engine
-from treetrain.rollout.engines.generation import GenerationEngine
+from treetrain.rollout.engines.generation import EngineStats, GenerationEngine
+from treetrain.rollout.engines.server_sync import served_adapters
+from treetrain.rollout.served_feed import ServedFeed
 from treetrain.rollout.sources.engine_config import engine_spec, rollout_config, wrapper_config
 from treetrain.rollout.sources.produced import Produced, lags_of
 from treetrain.rollout.sources.run_settings import RunSettings, SourceInputs, task_seeds, update_dir
@@ -85,37 +96,55 @@ class AsyncRolloutSource:
                 self.max_staleness,
             )
         model = self.backend.module
-        own_process = cfg.rollout.engine == "hf"  # the sampler process copies the shared shadow at each sync
-        self.feed = WeightFeed(model, version=0, shared=own_process)
         spec = engine_spec(cfg, model, self.backend.world_size, inputs.checkpoint)  # weights change in flight
-        self.engine: GenerationEngine = make_engine(spec, self.feed.sampling_model, process=inputs.sampler)
+        self.one_sampler = cfg.rollout.engine == "vllm-server"
+        """Whether rank 0's sampler samples every task from a shared fleet (the other ranks sample none)."""
+        self.samples = not self.one_sampler or self.backend.rank == 0
+        """Whether this rank has a sampler thread and an engine."""
+        self.feed: WeightFeed | ServedFeed
+        if self.one_sampler:
+            from treetrain.rollout.engines.adapter_sync import lora_serving
+
+            weights_dir = Path(cfg.run_dir) / "engine-weights"
+            adapters = served_adapters(weights_dir, lora_serving(model))
+            self.feed = ServedFeed(weights_dir, adapters, version=0, writes=self.samples)
+        else:  # an `hf` sampler process copies the shared shadow at each sync
+            self.feed = WeightFeed(model, version=0, shared=cfg.rollout.engine == "hf")
+        self.engine: GenerationEngine | None = None
+        if self.samples:
+            sampling = self.feed.sampling_model
+            self.engine = make_engine(spec, model if sampling is None else sampling, process=inputs.sampler)
+        elif inputs.sampler is not None:
+            inputs.sampler.close()
         self._serving = threading.Lock()  # held while the sampler grows an update, or evaluation samples
         self._cond = threading.Condition()
         self._trained = inputs.start
         self._ready: dict[int, Sampled] = {}
         self._failed: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._begun = False
+        self._publish_seconds = 0.0
+        """How long the last publish took (after the previous step)."""
         self._start = inputs.start
 
     def begin(self, version: int) -> None:
         """Publish the starting weights (`version`) and start the sampler thread."""
         self.feed.publish(self.backend.module, version)
-        self._thread = threading.Thread(target=self._run, name="treetrain-sampler", daemon=True)
-        self._thread.start()
+        self._begun = True
+        if self.samples:
+            self._thread = threading.Thread(target=self._run, name="treetrain-sampler", daemon=True)
+            self._thread.start()
 
     # ----- the training thread ----------------------------------------------------------------------
     def produce(self, model: Any, update: int, version: int) -> Produced:
-        if self._thread is None:
+        if not self._begun:
             self.begin(version)
         waited = time.perf_counter()
-        with self._cond:
-            self._cond.wait_for(lambda: update in self._ready or self._failed is not None)
-            if self._failed is not None and update not in self._ready:
-                raise self._failed
-            sampled = self._ready.pop(update)
-            depth = len(self._ready)
+        sampled, depth = self._take(update)
         idle = time.perf_counter() - waited
-        produced = gather_update(self.cfg, self.backend, update, sampled.result, sampled.seconds)
+        produced = gather_update(
+            self.cfg, self.backend, update, sampled.result, sampled.seconds, led=self.one_sampler
+        )
         groups, stale = split_stale(produced.groups, version, self.max_staleness)
         if stale.groups:
             log.warning(
@@ -126,13 +155,27 @@ class AsyncRolloutSource:
         trees = tuple(t for g in groups for t in g)
         return replace(
             produced, groups=groups, staleness=lags_of(trees, version), stale=stale, queue_depth=depth,
-            sampler_idle=sampled.idle, trainer_idle=idle,
+            sampler_idle=sampled.idle, trainer_idle=idle, weight_publish_seconds=self._publish_seconds,
         )  # fmt: skip
+
+    def _take(self, update: int) -> tuple[Sampled, int]:
+        """This rank's rollout of `update` (waiting for the sampler), and how many later ones wait; a rank
+        with no sampler has none (rank 0's trees reach it in the gather)."""
+        if not self.samples:
+            return Sampled(RolloutResult((), (), EngineStats(), ()), 0.0, 0.0), 0
+        with self._cond:
+            self._cond.wait_for(lambda: update in self._ready or self._failed is not None)
+            if self._failed is not None and update not in self._ready:
+                raise self._failed
+            sampled = self._ready.pop(update)
+            return sampled, len(self._ready)
 
     def trained(self, update: int, model: Any, version: int) -> None:
         """Update `update` is done and the trainer is at `version`: publish the weights, let the sampler on."""
-        if version != self.feed.version:
+        start = time.perf_counter()
+        if version != self.feed.version:  # an update that took no step publishes nothing
             self.feed.publish(model, version)
+        self._publish_seconds = time.perf_counter() - start
         with self._cond:
             self._trained = update + 1
             self._cond.notify_all()
@@ -142,9 +185,9 @@ class AsyncRolloutSource:
         """The engine at the trainer's published weights, between two of the sampler's updates (held-out
         evaluation samples on it while the sampler waits)."""
         with self._serving:
-            if self.feed.due(self.engine.version):
+            if self.engine is not None and self.feed.due(self.engine.version):
                 self.feed.sync(self.engine)
-            yield self.engine
+            yield self.engine  # type: ignore[misc]  # None on a rank with no sampler, which samples nothing
 
     def close(self) -> None:
         """Stop the sampler at its next safe point and free the engine."""
@@ -157,7 +200,8 @@ class AsyncRolloutSource:
                 log.warning("the sampler thread is still in a rollout step after 60 s; leaving it")
                 return
         with self._serving:
-            self.engine.close()
+            if self.engine is not None:
+                self.engine.close()
 
     # ----- the sampler thread -----------------------------------------------------------------------
     def _run(self) -> None:
@@ -188,17 +232,23 @@ class AsyncRolloutSource:
     def _grow(self, update: int, idle: float) -> Sampled:
         start = time.perf_counter()
         rank, world = self.backend.rank, self.backend.world_size
+        assert self.engine is not None
         out_dir = update_dir(self.cfg, update)
         if self.on_point is not None:
             self.on_point("rollout-start", update)
+        before = replace(self.engine.stats)
         if self.feed.due(self.engine.version):
             self.feed.sync(self.engine)
-        seeds = task_seeds(self.cfg, update)[rank::world]
+        synced = self.engine.stats.since(before)
+        seeds = task_seeds(self.cfg, update)
+        if not self.one_sampler:
+            seeds = seeds[rank::world]
         result = rollout_trees(
             self.feed.sampling_model, self.inputs.tokenizer, self.inputs.make_env, seeds, out_dir,
             rollout_config(self.cfg, self.wrapper, None), env_name=self.cfg.env.name, engine=self.engine,
             weights=self.feed,
         )  # fmt: skip
+        result = replace(result, stats=result.stats.with_syncs(synced))
         if not result.failures:
             write_queued(out_dir, rank, result.paths, result.step_timeouts)
             if self.on_point is not None:

@@ -41,6 +41,9 @@ class Produced:
     to the engines, summed over ranks: a fleet's files are written once, by rank 0."""
     weight_sync_seconds: float = 0.0
     """Seconds those syncs took on rank 0."""
+    weight_publish_seconds: float = 0.0
+    """Seconds the training thread spent publishing the weights after the previous step (an asynchronous
+    run's `WeightFeed` or `ServedFeed`)."""
 
     @property
     def trees(self) -> tuple[TrajectoryTree, ...]:

@@ -124,6 +124,8 @@ class RecordedSource:
     """
 
     waits_for: str | None = "reading trees"
+    one_sampler = False
+    """Nothing samples (a run on recorded trees has no evaluation)."""
 
     def __init__(self, cfg: RunSettings, vocab_size: int, context: int | None = None) -> None:
         assert cfg.rollout.trees is not None

@@ -28,12 +28,17 @@ from treetrain.tree.format import tree_from_bytes, tree_to_bytes
 log = logging.getLogger(__name__)
 
 
-def share_trees(ranks: Ranks, local: tuple[TrajectoryTree, ...]) -> tuple[TrajectoryTree, ...]:
-    """Every rank's trees, in task order (rank r sampled tasks r, r + W, ...)."""
+def share_trees(
+    ranks: Ranks, local: tuple[TrajectoryTree, ...], led: bool = False
+) -> tuple[TrajectoryTree, ...]:
+    """Every rank's trees, in task order (rank r sampled tasks r, r + W, ...); `led`: rank 0 sampled every
+    task and the others none (an asynchronous run on a shared fleet of servers)."""
     if ranks.world_size == 1:
         return local
     payload = json.dumps([base64.b64encode(tree_to_bytes(t)).decode("ascii") for t in local])
     per_rank = [[tree_from_bytes(base64.b64decode(x)) for x in json.loads(p)] for p in ranks.gather(payload)]
+    if led:
+        return tuple(per_rank[0])
     total = sum(len(p) for p in per_rank)
     w = ranks.world_size
     return tuple(per_rank[i % w][i // w] for i in range(total))
@@ -64,12 +69,12 @@ def share_servers(
 
 
 def gather_update(
-    cfg: RunSettings, ranks: Ranks, update: int, result: RolloutResult, seconds: float
+    cfg: RunSettings, ranks: Ranks, update: int, result: RolloutResult, seconds: float, led: bool = False
 ) -> Produced:
     """Every rank's trees of `update` (a collective), its failures logged and written, and the run stopped
-    when too many tasks failed (`rollout.max_failed_fraction`)."""
+    when too many tasks failed (`rollout.max_failed_fraction`); `led`: rank 0 sampled every task."""
     r = cfg.rollout
-    trees = share_trees(ranks, result.trees)
+    trees = share_trees(ranks, result.trees, led)
     lost = share_failures(ranks, write_failures(cfg.run_dir, update, ranks.rank, list(result.failures)))
     line = too_many(lost, len(task_seeds(cfg, update)), r.max_failed_fraction)
     if line is not None:

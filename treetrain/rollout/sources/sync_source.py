@@ -34,6 +34,8 @@ class RolloutSource:
 
     waits_for: str | None = None
     """The trainer samples in `produce` itself: the progress bar counts its episodes."""
+    one_sampler = False
+    """Every rank samples its own share of the tasks."""
 
     def __init__(self, cfg: RunSettings, inputs: SourceInputs) -> None:
         self.cfg, self.inputs = cfg, inputs
@@ -78,7 +80,7 @@ class RolloutSource:
                     task_seeds(cfg, update)[ranks.rank :: ranks.world_size], out_dir, config,
                     env_name=cfg.env.name, engine=engine,
                 )  # fmt: skip
-        result = replace(result, stats=_with_sync(result.stats, synced))
+        result = replace(result, stats=result.stats.with_syncs(synced))
         self.stats = result.stats
         produced = gather_update(cfg, ranks, update, result, time.perf_counter() - start)
         return replace(produced, staleness=lags_of(produced.trees, version), trainer_idle=produced.seconds)
@@ -87,11 +89,3 @@ class RolloutSource:
         if self.engine is not None:
             self.engine.close()
             self.engine = None
-
-
-def _with_sync(stats: EngineStats, synced: EngineStats) -> EngineStats:
-    """The rollout's work with the weight sync before it, which `rollout_trees` does not see."""
-    return replace(
-        stats, weight_syncs=stats.weight_syncs + synced.weight_syncs,
-        sync_seconds=stats.sync_seconds + synced.sync_seconds, sync_bytes=stats.sync_bytes + synced.sync_bytes,
-    )  # fmt: skip

@@ -37,6 +37,11 @@ class TreeSource(Protocol):
         """What the trainer waits for while `produce` runs, as its progress bar says it; None when the
         rollout samples in `produce` itself (the bar then counts its episodes)."""
 
+    @property
+    def one_sampler(self) -> bool:
+        """Whether rank 0 samples every task, training's and evaluation's, and the other ranks none (an
+        asynchronous run on a shared fleet of servers, whose `serving` has no engine on those ranks)."""
+
     def produce(self, model: Any, update: int, version: int) -> Produced:
         """Update `update`'s trees, every rank's, for a trainer whose weights are at `version` (a collective
         in a run of several ranks)."""

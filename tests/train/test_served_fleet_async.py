@@ -1,0 +1,92 @@
+"""A fleet of two real `vllm serve` processes (the docs' command) feeding two trainer ranks (`torchrun`, gloo,
+DeepSpeed ZeRO-3) asynchronously (`rollout.max_staleness=1`), one server killed with SIGKILL once the first
+update is trained.
+
+Every rank publishes each version on its training thread (the gathers of ZeRO-3, one bucket at a time), rank
+0 writes it, and rank 0's sampler thread has the servers load it while the trainer steps
+(`treetrain.rollout.served_feed`). The kill is routed around: the run goes on at the other server, counts
+the loss and names it in one line. Every update is trained once, every token is within one version of its
+update's (read from the tree files), and the lag-0 part of the sampler/trainer gap is float32 rounding, so
+the server held the weights it said it held (`tests/rollout/test_served_engine.py` holds the negative
+control, weights published and not loaded, whose gap is large)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support.ports import kill_tree, train_ranks
+from support.staleness_checks import queued_lags, within
+
+from treetrain.rollout.sources.tree_queue import queued_marker
+from treetrain.train.metrics import read_metrics
+
+SETTINGS = [
+    "rollout.engine=vllm-server", "model.path=demo-wide", "updates=4", "checkpoint_every=0", "threads=1",
+    "rollout.groups_per_update=2", "rollout.fanout.root=4", "measure_memory_every=0", "rollout.max_staleness=1",
+    "distributed.backend=deepspeed", "distributed.zero_stage=3",
+]  # fmt: skip
+ASSETS = Path(__file__).resolve().parents[2] / "treetrain" / "assets"
+GAP = 1e-4
+"""Largest |logp_trainer - logp_vllm| on a policy token when both hold the same float32 weights."""
+
+
+def _kill_after_first_update(run: Path, served: Any, killed: threading.Event, stop: threading.Event) -> None:
+    """SIGKILL `served` (the server and its engine core) once `metrics.jsonl` has its first row."""
+    metrics = run / "metrics.jsonl"
+    while not stop.is_set():
+        if metrics.exists() and metrics.read_text().count('"update"') >= 1:
+            kill_tree(served.proc.pid)
+            killed.set()
+            return
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(1200)
+def test_two_zero3_ranks_train_asynchronously_from_two_servers_one_killed(
+    vllm_server: str, second_vllm_server: Any, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    urls = [second_vllm_server.base, vllm_server]
+    killed, stop = threading.Event(), threading.Event()
+    killer = threading.Thread(target=_kill_after_first_update, args=(run, second_vllm_server, killed, stop))
+    killer.start()
+    try:
+        done = train_ranks(run, [*SETTINGS, f"rollout.vllm.urls={json.dumps(urls)}"], timeout=1000)
+    finally:
+        stop.set()
+        killer.join()
+    assert done.returncode == 0, done.output[-4000:]
+    assert killed.is_set()
+
+    metrics = read_metrics(run / "metrics.jsonl")
+    versions = [m.version for m in metrics]  # an update whose groups all had equal rewards takes no step
+    assert [m.update for m in metrics] == [0, 1, 2, 3] and versions == sorted(versions) and versions[-1] >= 2
+    assert all(m.trajectories == 8 for m in metrics)
+    assert within(queued_lags(run, metrics), 1)
+    fresh = [row for m in metrics for row in m.sampler_gap_by_lag if row[0] == 0]
+    assert fresh and all(largest < GAP for _, _, largest, _ in fresh), fresh
+    assert any(lag == 1 for m in metrics for lag, *_ in m.sampler_gap_by_lag)  # it did run ahead
+
+    assert sum(m.servers_lost for m in metrics) == 1, [m.servers_lost for m in metrics]
+    assert f"vllm-server {second_vllm_server.base} is lost" in done.output
+    last = {url: requests for url, requests, *_ in metrics[-1].servers}
+    assert last.get(vllm_server, 0) > 0 and last.get(second_vllm_server.base, 0) == 0  # routed around
+    one_copy = (ASSETS / "demo_model_wide" / "model.safetensors").stat().st_size
+    assert one_copy * 0.9 <= metrics[0].weight_sync_bytes < one_copy * 1.5  # rank 0's files, one copy a sync
+    assert all(m.weight_sync_bytes < one_copy * 3.5 for m in metrics)  # a sync before and during a rollout
+    trained_at = [0, *versions[:-1]]
+    for i, m in enumerate(
+        metrics[1:], start=1
+    ):  # the publish after the previous update's step, if it took one
+        assert (m.weight_publish_seconds > 0.01) == (versions[i - 1] > trained_at[i - 1]), m
+    for update in range(4):  # rank 0 sampled every task; the trees reached rank 1 through the gather
+        out = run / "rollouts" / f"update-{update:05d}"
+        assert queued_marker(out, 0).exists() and not queued_marker(out, 1).exists()
+    assert not (run / "engine-weights").exists()  # what rank 0 published went with the run's end
