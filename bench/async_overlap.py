@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,7 +75,7 @@ class Run:
     lags: tuple[tuple[int, int], ...]
 
 
-def train(engine: str, k: int, updates: int, run: Path, urls: list[str]) -> Run:
+def train(engine: str, k: int, updates: int, run: Path, urls: Sequence[str] = ()) -> Run:
     engine_settings = (
         [*FLEET, f"rollout.vllm.urls={json.dumps(urls)}"] if engine == "fleet" else ENGINE_SETTINGS[engine]
     )
