@@ -7,7 +7,8 @@ Every rank publishes each version on its training thread (the gathers of ZeRO-3,
 (`treetrain.rollout.served_feed`). The kill is routed around: the run goes on at the other server, counts
 the loss and names it in one line. Every update is trained once, every token is within one version of its
 update's (read from the tree files), and the lag-0 part of the sampler/trainer gap is float32 rounding, so
-the server held the weights it said it held (`tests/rollout/test_served_engine.py` holds the negative
+the server held the weights it said it held; the held-out evaluations run on rank 0 alone, the other rank
+sampling none (`tests/rollout/test_served_engine.py` holds the negative
 control, weights published and not loaded, whose gap is large)."""
 
 from __future__ import annotations
@@ -23,12 +24,12 @@ from support.ports import kill_tree, train_ranks
 from support.staleness_checks import queued_lags, within
 
 from treetrain.rollout.sources.tree_queue import queued_marker
-from treetrain.train.metrics import read_metrics
+from treetrain.train.metrics import read_evals, read_metrics
 
 SETTINGS = [
     "rollout.engine=vllm-server", "model.path=demo-wide", "updates=4", "checkpoint_every=0", "threads=1",
     "rollout.groups_per_update=2", "rollout.fanout.root=4", "measure_memory_every=0", "rollout.max_staleness=1",
-    "distributed.backend=deepspeed", "distributed.zero_stage=3",
+    "distributed.backend=deepspeed", "distributed.zero_stage=3", "eval.every=2", "eval.tasks=3",
 ]  # fmt: skip
 ASSETS = Path(__file__).resolve().parents[2] / "treetrain" / "assets"
 GAP = 1e-4
@@ -39,7 +40,7 @@ def _kill_after_first_update(run: Path, served: Any, killed: threading.Event, st
     """SIGKILL `served` (the server and its engine core) once `metrics.jsonl` has its first row."""
     metrics = run / "metrics.jsonl"
     while not stop.is_set():
-        if metrics.exists() and metrics.read_text().count('"update"') >= 1:
+        if metrics.exists() and read_metrics(metrics):  # an update's row, not the evaluation's before it
             kill_tree(served.proc.pid)
             killed.set()
             return
@@ -89,4 +90,6 @@ def test_two_zero3_ranks_train_asynchronously_from_two_servers_one_killed(
     for update in range(4):  # rank 0 sampled every task; the trees reached rank 1 through the gather
         out = run / "rollouts" / f"update-{update:05d}"
         assert queued_marker(out, 0).exists() and not queued_marker(out, 1).exists()
+    evals = read_evals(run / "metrics.jsonl")  # rank 0 sampled every held-out task, on the live server
+    assert [e.update for e in evals] == [0, 2, 4] and all(e.tasks == 3 and not e.failed_tasks for e in evals)
     assert not (run / "engine-weights").exists()  # what rank 0 published went with the run's end

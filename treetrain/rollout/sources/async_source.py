@@ -184,6 +184,8 @@ class AsyncRolloutSource:
     def serving(self, model: Any, version: int) -> Iterator[GenerationEngine]:
         """The engine at the trainer's published weights, between two of the sampler's updates (held-out
         evaluation samples on it while the sampler waits)."""
+        if not self._begun:  # an evaluation before the first update: the weights are published first
+            self.begin(version)
         with self._serving:
             if self.engine is not None and self.feed.due(self.engine.version):
                 self.feed.sync(self.engine)
