@@ -10,6 +10,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from support.scripts import load_script
 
 from treetrain.benchmark.bench_config import MODES, QUICK, BenchConfig, GridPoint, Mode
 from treetrain.benchmark.longest_prefix import PrefixFit
@@ -34,16 +35,11 @@ from treetrain.lifetime import ClassBytes
 from treetrain.replay.units import UnitTree
 from treetrain.tree.stats import tree_stats
 
-REPO = Path(__file__).resolve().parents[2]
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def _script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_geometry", REPO / "bench" / "geometry.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench/geometry.py", "bench_geometry")
 
 
 @pytest.mark.parametrize(

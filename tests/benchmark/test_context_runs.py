@@ -4,16 +4,9 @@ measured peak beside its ledger and a refusal on a row of its own (the runs them
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
+from support.scripts import load_script
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "context_runs.py"
-_spec = importlib.util.spec_from_file_location("bench_context_runs", SCRIPT)
-assert _spec is not None and _spec.loader is not None
-bench = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = bench  # its dataclasses resolve their module by name
-_spec.loader.exec_module(bench)
+bench = load_script("bench/context_runs.py", "bench_context_runs")
 Case, Row, table = bench.Case, bench.Row, bench.table
 
 

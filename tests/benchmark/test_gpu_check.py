@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
-
-REPO = Path(__file__).resolve().parents[2]
+from support.scripts import load_script
 
 
 def _script():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("bench_gpu_check", REPO / "bench" / "gpu_check.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench/gpu_check.py", "bench_gpu_check")
 
 
 def test_dry_run_writes_every_table(tmp_path: Path) -> None:

@@ -8,18 +8,12 @@ off, so the sync did change the weights they were drawn with."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+from support.scripts import load_script
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "keep_sync.py"
-_spec = importlib.util.spec_from_file_location("bench_keep_sync", SCRIPT)
-assert _spec is not None and _spec.loader is not None
-bench = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = bench  # its dataclasses resolve their module by name
-_spec.loader.exec_module(bench)
+bench = load_script("bench/keep_sync.py", "bench_keep_sync")
 
 GAP = 1e-4
 """|vLLM - trainer| logprob of a sampled token on the same float32 weights (measured 4e-6 to 2e-5)."""

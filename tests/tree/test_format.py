@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support.scripts import load_script
 from support.tree_samples import TINY_BYTES, tiny_tree
 
 from treetrain.trajectory import Call, Role, Segment, Trajectory
@@ -47,11 +47,7 @@ def test_bad_parent_asset() -> None:
 
 
 def _load_make_examples() -> Any:
-    spec = importlib.util.spec_from_file_location("make_examples", REPO / "trees" / "make_examples.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("trees/make_examples.py", "make_examples")
 
 
 def test_checked_in_examples_match_the_script() -> None:
