@@ -75,6 +75,16 @@ def test_a_server_without_room_by_its_metrics_loses_the_group(metrics: dict, why
     assert fleet.pick("g", 2, in_flight=(0, 0)) == 1
 
 
+def test_clients_that_start_at_once_spread_over_idle_servers() -> None:
+    """Each trainer rank is a client of its own: on an idle fleet, rank r takes server r (mod the fleet)
+    first, where every client would otherwise take server 0; load still decides over the rank."""
+    urls, caps = [f"http://s{i}" for i in range(3)], [8] * 3
+    firsts = [Fleet(urls, caps, first=rank).pick("g", 2, in_flight=(0, 0, 0)) for rank in range(4)]
+    assert firsts == [0, 1, 2, 0]
+    assert Fleet(urls, caps).pick("g", 2, in_flight=(0, 0, 0)) == 0  # the control: one order for all
+    assert Fleet(urls, caps, first=1).pick("g", 2, in_flight=(0, 2, 0)) == 2  # a loaded server is passed
+
+
 def test_a_new_group_goes_to_the_least_loaded_server() -> None:
     fleet, _ = _fleet()
     fleet.observe(0, read_load(metrics_text(running=6, kv=0.1)))

@@ -167,7 +167,7 @@ def test_time_is_reported_for_both_sides(tmp_path: Path) -> None:
 def test_zero3_is_refused_asynchronously_where_a_sampler_would_hold_the_whole_model(engine: str) -> None:
     """Under ZeRO-3 no rank holds the whole policy: an asynchronous sampler that samples from a copy of its
     own is refused in one line naming the engine that needs none; `vllm-server` is taken (its servers hold
-    the weights; `test_served_fleet_async.py` trains it)."""
+    the weights; `test_served_fleet_ranks.py` trains it)."""
     zero3 = ["distributed.backend=deepspeed", "distributed.zero_stage=3", "rollout.max_staleness=1"]
     with pytest.raises(
         ConfigError, match=rf"^rollout.max_staleness: with rollout.engine='{engine}' .*'vllm-server'"

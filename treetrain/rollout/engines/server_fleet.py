@@ -5,7 +5,10 @@ A tree's requests share its context, so they go where the first went (its server
 it) while that server has room: nothing waits in its queue, its KV cache is under `KV_FULL`, and the
 samples in flight there (ours as counted here, or all of them as its metrics say) leave room for the new
 ones within its `--max-num-seqs`. Otherwise the group moves to the least loaded server: the fewest
-sequences running or waiting per slot, plus the fraction of its KV cache in use. The load is read from
+sequences running or waiting per slot, plus the fraction of its KV cache in use. Servers equally loaded
+(idle ones, at the start) are taken in an order that starts at the client's own (`first`: the trainer
+rank, when each rank is a client of the fleet), so clients that start at once spread over the fleet rather
+than all choosing the first server. The load is read from
 each server's Prometheus endpoint (`GET /metrics`: `vllm:num_requests_running`, `vllm:num_requests_waiting`,
 `vllm:kv_cache_usage_perc`, and the queue-time histogram `vllm:request_queue_time_seconds` for the
 statistics), at most every `METRICS_EVERY_S`; between reads, and for a server whose metrics cannot be read,
@@ -24,6 +27,8 @@ Example:
     0
     >>> fleet.lost(0, "cannot connect"), fleet.pick("task-1", 2, in_flight=(0, 2))
     (True, 1)
+    >>> Fleet(("http://a", "http://b"), capacities=(8, 8), first=1).pick("task-1", 2, in_flight=(0, 0))
+    1
 """
 
 from __future__ import annotations
@@ -109,12 +114,18 @@ class Fleet:
     """The servers, their loads, which group sits where, and which are lost; see the module docstring."""
 
     def __init__(
-        self, urls: Sequence[str], capacities: Sequence[int], clock: Callable[[], float] = time.monotonic
+        self,
+        urls: Sequence[str],
+        capacities: Sequence[int],
+        clock: Callable[[], float] = time.monotonic,
+        first: int = 0,
     ) -> None:
         self.servers = [
             _Server(u, max(1, c), stats=ServerStats(u)) for u, c in zip(urls, capacities, strict=True)
         ]
         self.clock = clock
+        self.first = first % len(self.servers)
+        """The server this client takes first among equally loaded ones (its trainer rank, modulo the fleet)."""
         self.affinity: dict[str, int] = {}
         self.servers_lost = 0
         """Servers lost so far (a server lost twice counts twice)."""
@@ -145,7 +156,8 @@ class Fleet:
         def key(i: int) -> tuple[float, int, int]:
             s = self.servers[i]
             load = s.load or ServerLoad()
-            return ((self.pending(i, in_flight[i]) + n) / s.capacity + load.kv_usage, in_flight[i], i)
+            turn = (i - self.first) % len(self.servers)
+            return ((self.pending(i, in_flight[i]) + n) / s.capacity + load.kv_usage, in_flight[i], turn)
 
         chosen = min(alive, key=key)
         self.affinity[group] = chosen

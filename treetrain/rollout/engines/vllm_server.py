@@ -114,7 +114,7 @@ class VLLMServerEngine:
         self.version = version
         self.stats = EngineStats()
         self.served = [self._check_server(url) for url in self.urls]
-        self.fleet = Fleet(self.urls, [s.max_num_seqs for s in self.served])
+        self.fleet = Fleet(self.urls, [s.max_num_seqs for s in self.served], first=ranks.rank if ranks else 0)
         self._pool = ThreadPoolExecutor(MAX_IN_FLIGHT, thread_name_prefix="treetrain-vllm")
         self._done: queue.Queue[tuple[int, EngineError | None]] = queue.Queue()
         """Requests answered whole (None) or failed, by id, as the pool threads finish them."""
