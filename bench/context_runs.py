@@ -6,10 +6,11 @@ ledger and each step against the one-process step.
     python bench/context_runs.py --out bench/out/context_runs.md
 
 The model and trees are `treetrain.benchmark.long_prompt`'s (a 4-layer Llama with 2 KiB of KV per token,
-groups of four short answers under one prompt). Each case is one update (SGD, fp32) from the same
-checkpoint with the run's memory measured (`measure_memory_every=1`); a row reads rank 0's metrics row (time
+groups of four short answers under one prompt). Each case is one update (SGD, fp32 unless the case says
+float64) from the same checkpoint with the run's memory measured (`measure_memory_every=1`); a row reads rank 0's metrics row (time
 per update, its measured live peak and the per-rank ledger's prediction of it, the bytes it put into its
-group's collectives) and the final weights, whose step is compared with the one-process step. A case the
+group's collectives) and the final weights, whose step is compared with the one-process step of its dtype
+(a float64 case with the float64 one-process case, which Hugging Face's float32 islands bound). A case the
 budget refuses is a row with the refusal's line. On a machine of 2 cores the 4-rank case runs 2 processes
 per core.
 """
@@ -50,9 +51,13 @@ class Case:
     """`distributed.zero_stage` (ignored in one process)."""
     budget: str | None = None
     """`memory_budget` (None: the device's memory)."""
+    dtype: str = "float32"
+    """`model.dtype` (float64 runs at ZeRO 0, where treetrain reduces the gradients itself)."""
 
     def settings(self) -> list[str]:
         out = [] if self.budget is None else [f"memory_budget={self.budget}"]
+        if self.dtype != "float32":
+            out.append(f"model.dtype={self.dtype}")
         if self.ranks > 1:
             out += ["distributed.backend=deepspeed", f"distributed.zero_stage={self.zero}"]
             out += [f"distributed.context_parallel={self.context}"]
@@ -73,7 +78,7 @@ class Row:
     """The per-rank ledger's prediction of it."""
     context_bytes: int = 0
     step_error: float = 0.0
-    """|step - one-process step| / |one-process step| (0 for the one-process case itself)."""
+    """|step - one-process step| / |one-process step|, against the first case of its dtype (0 for that one)."""
 
 
 def prepare(work: Path, prompt_tokens: int, groups: int) -> tuple[Path, Path]:
@@ -111,7 +116,10 @@ def run_case(
         lines = [ln for ln in done.stderr.splitlines() if ln.startswith("treetrain train:")]
         if not lines:
             raise RuntimeError(f"{case.name} failed:\n{done.stderr[-3000:]}")
-        return Row(case, refused=lines[0].removeprefix("treetrain train: ")), None
+        refused = (
+            lines[0].removeprefix("treetrain train: ").split("; the run never started")[0]
+        )  # not the path
+        return Row(case, refused=refused), None
     (row, *_) = read_metrics(run_dir / "metrics.jsonl")
     start, end = load_file(model / "model.safetensors"), load_file(run_dir / "final" / "model.safetensors")
     step = torch.cat([(end[k].double() - start[k].double()).flatten() for k in sorted(start)])
@@ -122,15 +130,15 @@ def run_case(
 
 
 def run_cases(cases: list[Case], work: Path, prompt_tokens: int, groups: int) -> list[Row]:
-    """Every case on the same checkpoint and trees; the first must train (it is the reference step)."""
+    """Every case on the same checkpoint and trees; the first of each dtype must train (it is the reference
+    step for that dtype)."""
     model, trees = prepare(work, prompt_tokens, groups)
     rows: list[Row] = []
-    reference: torch.Tensor | None = None
+    references: dict[str, torch.Tensor] = {}
     for case in cases:
         row, step = run_case(case, work, model, trees, groups)
         if step is not None:
-            if reference is None:
-                reference = step
+            reference = references.setdefault(case.dtype, step)
             row = replace(row, step_error=float((step - reference).norm() / reference.norm()))
         rows.append(row)
     return rows
@@ -168,6 +176,7 @@ def _free_port() -> int:
 BUDGET = (
     "32MiB"  # one rank's smallest peak at P = 8000 is about 37 MiB; a rank of a group of 2 needs about 30
 )
+BUDGET_FLOAT64 = "64MiB"  # twice the bytes of every tensor
 
 CASES = [
     Case("one process"),
@@ -178,6 +187,9 @@ CASES = [
     Case("4 ranks, 2x2", ranks=4, context=2, zero=0),
     Case("2 ranks, C=1, budget", ranks=2, context=1, zero=0, budget=BUDGET),
     Case("2 ranks, C=2, budget", ranks=2, context=2, zero=0, budget=BUDGET),
+    Case("one process, float64", dtype="float64"),
+    Case("2 ranks, C=1, budget, float64", ranks=2, context=1, zero=0, budget=BUDGET_FLOAT64, dtype="float64"),
+    Case("2 ranks, C=2, budget, float64", ranks=2, context=2, zero=0, budget=BUDGET_FLOAT64, dtype="float64"),
 ]
 
 
@@ -193,7 +205,7 @@ def main() -> None:
         f"# Context groups measured (`python bench/context_runs.py`), P = {args.prompt_tokens}, "
         f"{args.groups} groups of 4",
         "",
-        f"{platform.machine()}, {os.cpu_count()} cores, fp32, SGD, one update per case, one thread per rank. "
+        f"{platform.machine()}, {os.cpu_count()} cores, fp32 unless the case says float64, SGD, one update per case, one thread per rank. "
         "`train s` is the update's planning, replay and step (metrics.jsonl `train_seconds`, rank 0); "
         "peaks are rank 0's live bytes beyond parameters and optimizer state.",
         "",

@@ -33,3 +33,13 @@ def test_size_must_divide_the_world() -> None:
     check_context_size(2, 8)
     with pytest.raises(ConfigError, match="does not divide the world of 6"):
         check_context_size(4, 6)
+
+
+def test_float64_under_deepspeed_is_refused_above_zero_0_at_load() -> None:
+    """DeepSpeed reduces float64 gradients in float32 at ZeRO 1-2 and refuses them at ZeRO-3; at ZeRO 0
+    treetrain reduces them itself, so a group's update can be checked in float64."""
+    float64 = ["distributed.backend=deepspeed", "model.dtype=float64", "distributed.context_parallel=2"]
+    for stage in (1, 2, 3):
+        with pytest.raises(ConfigError, match=f"distributed.zero_stage: {stage} with model.dtype float64"):
+            load_config(None, [*float64, f"distributed.zero_stage={stage}"])
+    assert load_config(None, [*float64, "distributed.zero_stage=0"]).model.dtype == "float64"

@@ -73,6 +73,11 @@ def test_stage_and_offload_read_from_a_user_config(cfg: dict, stage: int, offloa
         ({"zero_stage": 4}, "zero_stage must be 0, 1, 2 or 3"),
         ({"zero_stage": 0, "offload_optimizer": True}, "offload_optimizer needs ZeRO stage 1, 2 or 3"),
         ({"dtype": torch.float16}, "dtype must be one of"),
+        (
+            {"dtype": torch.float64, "zero_stage": 1},
+            "float64 at ZeRO-1: DeepSpeed reduces gradients in float32",
+        ),
+        ({"dtype": torch.float64, "zero_stage": 3}, "float64 at ZeRO-3: .*distributed.zero_stage=0"),
     ],
 )
 def test_generated_default_refuses_bad_arguments(kwargs: dict, message: str) -> None:
@@ -147,3 +152,26 @@ def test_user_config_takes_the_optimizer_arguments_clipping() -> None:
         with_optimizer({"gradient_clipping": 1.0}, sgd, torch_adam=True, offload=False, source="ds")
     with pytest.raises(ConfigError, match="either as an argument or in ds, not both"):
         with_optimizer({"optimizer": {"type": "SGD"}}, sgd, torch_adam=True, offload=False, source="ds")
+
+
+def test_float64_runs_at_zero_0_where_treetrain_reduces_it() -> None:
+    """DeepSpeed's own reduction takes no float64 gradient, so treetrain sums them itself at ZeRO 0
+    (`DeepSpeedBackend._sum_grads`); the config is a plain one, with no half-precision section."""
+    cfg = default_config(
+        zero_stage=0,
+        offload_optimizer=False,
+        optimizer=OptimizerConfig(),
+        dtype=torch.float64,
+        torch_adam=True,
+    )
+    assert cfg["zero_optimization"] == {"stage": 0} and "bf16" not in cfg and "fp16" not in cfg
+
+
+def test_a_float64_model_under_a_user_config_of_zero_2_is_refused_before_deepspeed_starts() -> None:
+    from treetrain.distributed.deepspeed_backend import DeepSpeedBackend
+    from treetrain.models.presets import tiny_model
+
+    model = tiny_model("llama", 64, dtype=torch.float64)
+    with pytest.raises(ConfigError, match=r"float64 at ZeRO-2 \(DeepSpeed config \(mapping\)\)") as caught:
+        DeepSpeedBackend(model, ds_config={"zero_optimization": {"stage": 2}}, optimizer=OptimizerConfig())
+    assert "\n" not in str(caught.value)

@@ -21,6 +21,9 @@ So this backend:
   (`gradient_allreduce_op='sum'` is not available under ZeRO-3). The loss itself is never scaled: in
   `exact` mode the tree engine reads the gradient of its own resident-KV leaves after each backward, and
   a scaled loss would scale that too (which is also why fp16 loss scaling is refused);
+- in float64 (ZeRO 0 only: DeepSpeed's reduction takes no float64 gradient, and ZeRO 1-2 would reduce
+  them in float32), sums the gradients over the ranks itself, one flat float64 all-reduce, and leaves
+  DeepSpeed the step;
 - under ZeRO-3, keeps the parameters partitioned through the window: DeepSpeed's own per-module
   fetch/release hooks gather each module's parameters when it runs and release them after, and a
   `FetchRendezvous` (`treetrain.distributed.zero3_sync`) makes every one of those all-gathers a
@@ -64,6 +67,7 @@ from treetrain.distributed.checkpoint_io import (
     write_client_state,
 )
 from treetrain.distributed.deepspeed_config import (
+    FLOAT64_STAGES,
     config_offload,
     config_zero_stage,
     default_config,
@@ -145,9 +149,15 @@ class DeepSpeedBackend(TrainBackend):
             if optimizer is not None:
                 cfg = with_optimizer(cfg, optimizer, torch_adam=torch_adam, offload=offloaded, source=source)
         self.config = own_boundary(cfg, source)
+        params = [p for p in model.parameters() if p.requires_grad]
+        self._sums_float64 = any(p.dtype == torch.float64 for p in params)
+        """Whether this backend reduces the gradients itself (float64, which DeepSpeed does not reduce)."""
+        if self._sums_float64 and config_zero_stage(self.config) != 0:
+            raise ConfigError(
+                f"model.dtype float64 at ZeRO-{config_zero_stage(self.config)} ({source}): {FLOAT64_STAGES}"
+            )
         if not dist.is_initialized():
             deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
-        params = [p for p in model.parameters() if p.requires_grad]
         engine, *_ = deepspeed.initialize(model=model, config=self.config, model_parameters=params)
         self.engine = engine
         self.module = engine.module
@@ -201,11 +211,14 @@ class DeepSpeedBackend(TrainBackend):
             self.rendezvous.drain()
             self.rendezvous.uninstall()
         self._give_every_param_a_grad()  # every rank reduces every param
-        self._scale_local_grads(float(self.engine.dp_world_size))  # DeepSpeed's mean becomes the sum
+        if not self._sums_float64:
+            self._scale_local_grads(float(self.engine.dp_world_size))  # DeepSpeed's mean becomes the sum
         assert self._window is not None
         self._window.__exit__(None, None, None)
         self._window = None
-        if self._stage == 0:
+        if self._sums_float64:
+            self._sum_grads()
+        elif self._stage == 0:
             self.engine.allreduce_gradients()
         self.engine.step()
         return bool(self.engine.was_step_applied())
@@ -280,6 +293,18 @@ class DeepSpeedBackend(TrainBackend):
     def set_learning_rate(self, lr: float) -> None:
         for group in self.engine.optimizer.param_groups:
             group["lr"] = lr
+
+    def _sum_grads(self) -> None:
+        """Every rank's gradients summed, in the parameters' dtype: one flat all-reduce over the group
+        DeepSpeed's own stage-0 reduction uses (the whole world: a context group's ranks hold partial sums)."""
+        grads = [p.grad for p in self.module.parameters() if p.requires_grad and p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.engine.seq_data_parallel_group)
+        with torch.no_grad():
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
 
     def _scale_local_grads(self, factor: float) -> None:
         """Scale what this rank accumulated, wherever DeepSpeed parks it inside the window."""

@@ -26,7 +26,12 @@ from treetrain.jsonfile import read_json_object
 
 MAX_CONFIG_BYTES = 1 << 20
 """A DeepSpeed config file larger than this is refused before it is parsed."""
-_DTYPES = {torch.float32: None, torch.bfloat16: "bf16"}
+_DTYPES = {torch.float32: None, torch.bfloat16: "bf16", torch.float64: None}
+FLOAT64_STAGES = (
+    "DeepSpeed reduces gradients in float32 at ZeRO 1-2 and has no float64 parameters at ZeRO-3; "
+    "float64 runs at ZeRO 0 (distributed.zero_stage=0), where treetrain reduces the gradients itself"
+)
+"""Why a float64 model is refused at ZeRO 1-3 (a silent float32 reduction, or DeepSpeed's assertion)."""
 
 
 def optimizer_section(optimizer: OptimizerConfig, *, torch_adam: bool) -> dict[str, Any]:
@@ -83,6 +88,8 @@ def default_config(
         raise ConfigError("offload_optimizer needs ZeRO stage 1, 2 or 3")
     if dtype not in _DTYPES:
         raise ConfigError(f"dtype must be one of {[str(d) for d in _DTYPES]}, got {dtype}")
+    if dtype == torch.float64 and zero_stage != 0:
+        raise ConfigError(f"model.dtype float64 at ZeRO-{zero_stage}: {FLOAT64_STAGES}")
     zero: dict[str, Any] = {"stage": zero_stage}
     if offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}

@@ -166,7 +166,8 @@ class DistributedSection:
     backend: Literal["torch", "deepspeed"] = "torch"
     """'torch': one process, plain AdamW. 'deepspeed': a DeepSpeed engine (launch with deepspeed or torchrun)."""
     zero_stage: Literal[0, 1, 2, 3] = 0
-    """ZeRO stage for the generated DeepSpeed config."""
+    """ZeRO stage for the generated DeepSpeed config. A float64 model runs at 0 only, where treetrain reduces
+    the gradients itself (DeepSpeed reduces them in float32 at 1 and 2 and refuses them at 3)."""
     offload_optimizer: bool = False
     """Keep optimizer state on the CPU (DeepSpeed)."""
     deepspeed_config: str | None = None
@@ -259,6 +260,7 @@ class TrainConfig:
             )
         if self.distributed.backend == "deepspeed" and self.distributed.zero_stage == 3:
             self.rollout.check_sharded_weights()
+        self._check_float64_reduces()
         if self.eval.every and self.rollout.trees is not None:
             raise ConfigError(
                 "eval.every: evaluation samples the policy on env.name's held-out tasks, and a run on recorded "
@@ -277,6 +279,19 @@ class TrainConfig:
         """`loss` as the engines take it: a null `loss.temperature` resolved to the sampling temperature, so
         the loss scores the distribution the rollouts were drawn from."""
         return self.loss.at_temperature(self.rollout.sampling.temperature)
+
+    def _check_float64_reduces(self) -> None:
+        """A float64 model under DeepSpeed runs at ZeRO 0 only (`FLOAT64_STAGES`); a DeepSpeed JSON's stage
+        is checked when the engine is built."""
+        dist = self.distributed
+        if self.model.dtype != "float64" or dist.backend != "deepspeed" or dist.deepspeed_config is not None:
+            return
+        if dist.zero_stage != 0:
+            from treetrain.distributed.deepspeed_config import FLOAT64_STAGES
+
+            raise ConfigError(
+                f"distributed.zero_stage: {dist.zero_stage} with model.dtype float64: {FLOAT64_STAGES}"
+            )
 
     def _check_sampler_logprobs_are_the_policys(self) -> None:
         """`ratio_source='sampler'` and a sampler correction compare the sampler's logprobs with the policy's,

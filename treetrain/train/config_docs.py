@@ -10,8 +10,8 @@ Regenerate the page (the test `tests/project/test_docs.py` says when it is stale
 
 Example:
     >>> from treetrain.train.config import DistributedSection
-    >>> print(section_table(DistributedSection, DistributedSection(), "distributed.").splitlines()[3])
-    | `distributed.zero_stage` | 0 \\| 1 \\| 2 \\| 3 | `0` | ZeRO stage for the generated DeepSpeed config. |
+    >>> print(section_table(DistributedSection, DistributedSection(), "distributed.").splitlines()[4])
+    | `distributed.offload_optimizer` | bool | `false` | Keep optimizer state on the CPU (DeepSpeed). |
 """
 
 from __future__ import annotations
