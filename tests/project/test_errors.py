@@ -26,6 +26,7 @@ INTERNAL = {
     "treetrain.models.attention.PastLayoutError": "control flow: the layer takes the concatenated past instead",
     "treetrain.rollout.engines.cascade.CascadeError": "control flow: the hf engine's probe keeps each row's full KV",
     "envs.wire.WireError": "control flow: a malformed worker reply, reported as the episode's EnvFailure",
+    "treetrain.cli.termination.Terminated": "control flow: SIGTERM, taken as an interrupt (a KeyboardInterrupt)",
 }
 """Public exception classes that are not bad input, and why."""
 

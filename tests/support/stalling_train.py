@@ -1,12 +1,12 @@
 """`treetrain` (the command line) whose trainer stands still at one named point: the entry the
 interruption tests (tests/train/test_interrupt.py) start in a process of their own, to kill it there.
 
-    python tests/support/stalling_train.py POINT[@UPDATE] ARRIVED_FILE train --run-dir ... --set ...
+    python tests/support/stalling_train.py POINT[@UPDATE][#RANK] ARRIVED_FILE train --run-dir ... --set ...
 
 The trainer and its torch backend call their `on_point` hook at named points (`"update-end"`,
 `"checkpoint-write"`); this script builds every trainer with a hook that, at `POINT` (of update `UPDATE`
-when given), writes the process id to `ARRIVED_FILE`, so the test knows it arrived, and sleeps until
-killed. Production code reads no test setting: the seam is this script's constructor argument.
+when given; on rank `RANK` alone when given, the others going on, under torchrun) writes the process id to
+`ARRIVED_FILE`, so the test knows it arrived, and sleeps until killed. Production code reads no test setting: the seam is this script's constructor argument.
 """
 
 from __future__ import annotations
@@ -25,19 +25,24 @@ from treetrain.train import loop
 
 @dataclass(frozen=True)
 class StallAt:
-    """An `on_point` hook that stops the process at `point` (of update `update`, or of any when None)."""
+    """An `on_point` hook that stops the process at `point` (of update `update`, or of any when None; on
+    torchrun rank `rank` alone, or on every process when None)."""
 
     point: str
     update: int | None
     arrived: Path
+    rank: int | None = None
 
     @staticmethod
     def parse(spec: str, arrived: Path) -> StallAt:
+        spec, _, rank = spec.partition("#")
         name, _, at = spec.partition("@")
-        return StallAt(name, int(at) if at else None, arrived)
+        return StallAt(name, int(at) if at else None, arrived, int(rank) if rank else None)
 
     def __call__(self, point: str, update: int | None) -> None:
         if point != self.point or (self.update is not None and update != self.update):
+            return
+        if self.rank is not None and int(os.environ.get("RANK", "0")) != self.rank:
             return
         self.arrived.write_text(str(os.getpid()))
         while True:

@@ -117,17 +117,25 @@ def test_kill_9_during_a_checkpoint_write_then_resume(straight: Path, tmp_path: 
     _resume_and_compare(run, extra, straight, capsys)
 
 
-def test_sigint_before_the_first_checkpoint_then_resume(straight: Path, tmp_path: Path, capsys) -> None:
-    """Ctrl-C ends with one line and no traceback; with no checkpoint yet, --resume starts the same run over."""
+@pytest.mark.parametrize(
+    ("stop", "code", "said"),
+    [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "stopped by SIGTERM")],
+    ids=["sigint", "sigterm"],
+)
+def test_a_stop_signal_before_the_first_checkpoint_then_resume(
+    stop: signal.Signals, code: int, said: str, straight: Path, tmp_path: Path, capsys
+) -> None:
+    """Ctrl-C, or SIGTERM (a scheduler's stop, torchrun stopping the ranks), ends with one line and no
+    traceback; with no checkpoint yet, --resume starts the same run over."""
     run = tmp_path / "run"
     extra = ["checkpoint_every=0", "checkpoint_every_s=0"]
     proc = _start(run, extra, "update-end@0", tmp_path)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(stop)
     _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 130
+    assert proc.returncode == code
     lines = [line for line in err.splitlines() if line.strip() and not line.startswith(("INFO", "WARNING"))]
     assert "Traceback" not in err and len(lines) == 1, err[-3000:]
-    assert "interrupted" in lines[0] and "--resume" in lines[0]
+    assert said in lines[0] and "--resume" in lines[0]
     assert not (run / "checkpoints").exists() and len(read_metrics(run / "metrics.jsonl")) == 1
     _resume_and_compare(run, extra, straight, capsys)
 

@@ -6,18 +6,26 @@
   update made without a budget, within FACTOR times the one-process noise floor: its tree update against
   its flat one (Hugging Face models keep float32 islands in float64, so the floor is theirs). The group's
   rank measures its live peak against the per-rank ledger.
+- A rank killed with SIGKILL in the middle of an update stops the group: torchrun stops the other rank,
+  which says so in one line; `--resume` redoes the update, and the run ends with every update once and the
+  one-process weights.
 - The built-in long-context environment (`longdoc`) samples and trains in the group, and its first update
   is the one-process update.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from support.ports import train_ranks
+from support.ports import free_port, kill_tree, train_ranks
 
 from treetrain.benchmark.long_prompt import write_long_model, write_long_rollouts
 from treetrain.cli.main import main
@@ -90,6 +98,70 @@ def test_a_prompt_one_rank_cannot_hold_trains_in_a_group_of_two(tmp_path: Path, 
         row.peak_bytes,
         row.predicted_peak_bytes,
     )
+
+
+STALLING = Path(__file__).parents[1] / "support" / "stalling_train.py"
+
+
+def _stall_and_kill(run_dir: Path, group: list[str], trees: Path, tmp_path: Path) -> tuple[int | None, str]:
+    """Start the group under torchrun with rank 1 standing still once update 1 has taken its trees (rank 0
+    goes on into the update's collectives), SIGKILL rank 1 there, and return torchrun's exit code and
+    output."""
+    arrived, log = tmp_path / "arrived", tmp_path / "torchrun.log"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}", str(STALLING), "update-start@1#1", str(arrived), "train", "--run-dir",
+        str(run_dir), "--no-progress", "--trees", str(trees), *_sets(group),
+    ]  # fmt: skip
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 300
+            while not arrived.exists() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert arrived.exists(), f"rank 1 never reached update 1:\n{log.read_text()[-3000:]}"
+            time.sleep(1.0)  # rank 0 waits in the update's first collective
+            os.kill(int(arrived.read_text()), signal.SIGKILL)
+            code: int | None = proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:
+            kill_tree(proc.pid)
+            proc.wait()
+    return code, log.read_text()
+
+
+def test_a_rank_killed_mid_update_stops_the_group_and_resume_redoes_it(tmp_path: Path) -> None:
+    model = write_long_model(tmp_path / "model")
+    trees = tmp_path / "trees"
+    for g in range(3):  # one group of a 2000-token prompt per update
+        jsonl = write_long_rollouts(tmp_path / f"g{g}.jsonl", prompt_tokens=2000, seed=g)
+        assert main(["import", str(jsonl), "--out", str(trees / f"g{g}")]) == 0
+    settings = [f"model.path={model}", "rollout.groups_per_update=1", "updates=3", "checkpoint_every=1",
+                "measure_memory_every=0", *SGD]  # fmt: skip
+    assert main(["train", "--no-progress", "--trees", str(trees), "--run-dir", str(tmp_path / "one"),
+                 *_sets(settings)]) == 0  # fmt: skip
+
+    group = [*settings, "distributed.backend=deepspeed", "distributed.context_parallel=2"]
+    run = tmp_path / "two"
+    code, output = _stall_and_kill(run, group, trees, tmp_path)
+    assert code not in (0, None), output[-3000:]  # stopped, and not hung
+    said = [line for line in output.splitlines() if line.startswith("treetrain train:")]
+    assert len(said) == 1 and "--resume" in said[0], output[-3000:]  # rank 0's one line
+    assert (
+        "site-packages/treetrain" not in output and "treetrain/train/" not in output
+    )  # no traceback of ours
+    assert [r.update for r in read_metrics(run / "metrics.jsonl")] == [0]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["update-00001"]
+
+    _torchrun(run, group, "--trees", str(trees), "--resume")
+    assert [r.update for r in read_metrics(run / "metrics.jsonl")] == [0, 1, 2]  # none lost, none doubled
+    start = load_file(model / "model.safetensors")
+    a, b = _update(tmp_path / "one", start), _update(run, start)
+    assert float(a.norm()) > 1e-2
+    assert float((a - b).norm()) <= 1e-5 * float(a.norm())  # fp32: one update at C = 2 measured 5.4e-7
+    assert float((a - 0.9 * b).norm()) > 1e-5 * float(a.norm())  # the control: a step 10% short is caught
 
 
 def test_longdoc_samples_and_trains_in_a_group_of_two(tmp_path: Path) -> None:
