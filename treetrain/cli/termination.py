@@ -6,14 +6,17 @@ stopping, and `torchrun` stopping the other ranks when one of them fails. Python
 process at once, with no line from treetrain and its environment workers and sampler left to the reaper.
 Inside `sigterm_interrupts()` the first SIGTERM raises `Terminated` (a `KeyboardInterrupt`) in the main
 thread, so every `except KeyboardInterrupt`/`finally` that tidies up after Ctrl-C runs for it too; a
-second one while that runs is ignored (a launcher that cannot wait sends SIGKILL).
+second one while that runs is ignored (a launcher that cannot wait sends SIGKILL). A caller that is
+already stopping for another reason (another rank's failed collective, which torchrun follows with
+SIGTERM a moment later) calls `Stops.ignore()` first, so that its one line is not cut short.
 
 Example:
     >>> import os, signal
-    >>> with sigterm_interrupts():
+    >>> with sigterm_interrupts() as stops:
     ...     try:
     ...         os.kill(os.getpid(), signal.SIGTERM)
     ...     except Terminated:
+    ...         stops.ignore()
     ...         print("stopped")
     stopped
 """
@@ -34,12 +37,24 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM arrived."""
 
 
+class Stops:
+    """The handle `sigterm_interrupts` yields."""
+
+    def __init__(self, installed: bool) -> None:
+        self.installed = installed
+
+    def ignore(self) -> None:
+        """SIGTERM is ignored from now until the region ends: the caller is stopping already."""
+        if self.installed:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 @contextmanager
-def sigterm_interrupts() -> Iterator[None]:
+def sigterm_interrupts() -> Iterator[Stops]:
     """Within: the first SIGTERM raises `Terminated` in the main thread, later ones are ignored. Outside the
     main thread (where Python cannot install a handler) it changes nothing."""
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield Stops(installed=False)
         return
 
     def handler(signum: int, frame: FrameType | None) -> None:
@@ -48,6 +63,6 @@ def sigterm_interrupts() -> Iterator[None]:
 
     previous = signal.signal(signal.SIGTERM, handler)
     try:
-        yield
+        yield Stops(installed=True)
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -99,13 +99,12 @@ def run(args: argparse.Namespace) -> int:
 
         hide_library_bars()  # imports transformers
     from treetrain.cli.termination import EXIT_CODE, Terminated, sigterm_interrupts
-    from treetrain.distributed.lost_rank import lost_rank, lost_rank_line
     from treetrain.rollout.sources.sampler_start import early_sampler
     from treetrain.train.loop import Trainer
 
     sampler = early_sampler(cfg, fresh=True)  # the hf sampler's process, before anything is computed
-    try:
-        with sigterm_interrupts():  # a scheduler's stop, or torchrun stopping the ranks when one failed
+    with sigterm_interrupts() as stops:  # a scheduler's stop, or torchrun stopping the ranks when one failed
+        try:
             trainer = Trainer(
                 cfg,
                 resume=args.resume,
@@ -115,30 +114,43 @@ def run(args: argparse.Namespace) -> int:
                 sampler=sampler,
             )
             summary = trainer.run()
-    except Exception as exc:
-        collective = lost_rank(exc)
-        if collective is not None:  # another rank died mid-collective: this one stops with it
-            print(f"treetrain train: {lost_rank_line(collective, cfg.run_dir)}", file=sys.stderr)
-            return 2
-        if is_disk_full(exc):  # the place that was full, advised for (another --run-dir only for the run's)
-            exc = as_disk_full(exc, cfg.run_dir, "use another --run-dir")
-        elif not isinstance(exc, (TreetrainError, OSError, FloatingPointError)):  # a bug: its traceback
-            raise
-        notes = getattr(exc, "__notes__", [])  # e.g. what a run that never started left behind
-        print("; ".join([f"treetrain train: {exc}", *notes]), file=sys.stderr)
-        return 2  # bad input, the disk, a non-finite step
-    except KeyboardInterrupt as stop:
-        what, code = (
-            ("stopped by SIGTERM", EXIT_CODE) if isinstance(stop, Terminated) else ("interrupted", 130)
-        )
-        if is_run_dir(Path(cfg.run_dir)):
-            print(f"treetrain train: {what}; continue with --resume --run-dir {cfg.run_dir}", file=sys.stderr)
-        else:
-            print(f"treetrain train: {what} before the run started; nothing was kept", file=sys.stderr)
-        return code
+        except Exception as exc:
+            stops.ignore()  # stopping already: torchrun's SIGTERM after a lost rank must not cut the line
+            return _failed(exc, cfg.run_dir)
+        except KeyboardInterrupt as stop:
+            stops.ignore()
+            what, code = (
+                ("stopped by SIGTERM", EXIT_CODE) if isinstance(stop, Terminated) else ("interrupted", 130)
+            )
+            if is_run_dir(Path(cfg.run_dir)):
+                print(
+                    f"treetrain train: {what}; continue with --resume --run-dir {cfg.run_dir}",
+                    file=sys.stderr,
+                )
+            else:
+                print(f"treetrain train: {what} before the run started; nothing was kept", file=sys.stderr)
+            return code
     if trainer.backend.rank == 0:
         from treetrain.train.summary import run_contents
 
         print(summary.text(trainer.read_rows()))
         print(f"run directory: {cfg.run_dir} ({run_contents(Path(cfg.run_dir))})")
     return 0
+
+
+def _failed(exc: Exception, run_dir: str) -> int:
+    """The one line for a run that raised: another rank lost, bad input, the disk, a non-finite step; a bug
+    (any other exception) is raised again, with its traceback."""
+    from treetrain.distributed.lost_rank import lost_rank, lost_rank_line
+
+    collective = lost_rank(exc)
+    if collective is not None:  # another rank died mid-collective: this one stops with it
+        print(f"treetrain train: {lost_rank_line(collective, run_dir)}", file=sys.stderr)
+        return 2
+    if is_disk_full(exc):  # the place that was full, advised for (another --run-dir only for the run's)
+        exc = as_disk_full(exc, run_dir, "use another --run-dir")
+    elif not isinstance(exc, (TreetrainError, OSError, FloatingPointError)):
+        raise exc
+    notes = getattr(exc, "__notes__", [])  # e.g. what a run that never started left behind
+    print("; ".join([f"treetrain train: {exc}", *notes]), file=sys.stderr)
+    return 2
