@@ -6,6 +6,7 @@
   update made without a budget, within FACTOR times the one-process noise floor: its tree update against
   its flat one (Hugging Face models keep float32 islands in float64, so the floor is theirs). The group's
   rank measures its live peak against the per-rank ledger.
+- `mode=flat` in a group (nothing resident to shard) is the one-process flat update.
 - A rank killed with SIGKILL in the middle of an update stops the group: torchrun stops the other rank,
   which says so in one line; `--resume` redoes the update, and the run ends with every update once and the
   one-process weights.
@@ -132,12 +133,41 @@ def _stall_and_kill(run_dir: Path, group: list[str], trees: Path, tmp_path: Path
     return code, log.read_text()
 
 
-def test_a_rank_killed_mid_update_stops_the_group_and_resume_redoes_it(tmp_path: Path) -> None:
-    model = write_long_model(tmp_path / "model")
-    trees = tmp_path / "trees"
-    for g in range(3):  # one group of a 2000-token prompt per update
-        jsonl = write_long_rollouts(tmp_path / f"g{g}.jsonl", prompt_tokens=2000, seed=g)
+@pytest.fixture(scope="module")
+def three_groups(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A checkpoint and three imported groups, each of one 2000-token prompt (one group per update)."""
+    work = tmp_path_factory.mktemp("three_groups")
+    model, trees = write_long_model(work / "model"), work / "trees"
+    for g in range(3):
+        jsonl = write_long_rollouts(work / f"g{g}.jsonl", prompt_tokens=2000, seed=g)
         assert main(["import", str(jsonl), "--out", str(trees / f"g{g}")]) == 0
+    return model, trees
+
+
+def test_flat_mode_in_a_group_is_the_one_process_update(
+    three_groups: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """`mode=flat` replays every trajectory whole: there is no resident state to shard, so the group sends
+    nothing, and its update is the one-process flat update."""
+    model, trees = three_groups
+    settings = [f"model.path={model}", "rollout.groups_per_update=1", "updates=1", "checkpoint_every=0",
+                "measure_memory_every=0", "mode=flat", *SGD]  # fmt: skip
+    assert main(["train", "--no-progress", "--trees", str(trees), "--run-dir", str(tmp_path / "one"),
+                 *_sets(settings)]) == 0  # fmt: skip
+    _torchrun(tmp_path / "two", settings, "--trees", str(trees))
+    rows = [read_metrics(tmp_path / run / "metrics.jsonl")[0] for run in ("one", "two")]
+    assert [r.mode for r in rows] == ["flat", "flat"] and [r.context_bytes for r in rows] == [0, 0]
+    start = load_file(model / "model.safetensors")
+    a, b = _update(tmp_path / "one", start), _update(tmp_path / "two", start)
+    assert float(a.norm()) > 1e-2
+    assert float((a - b).norm()) <= 1e-5 * float(a.norm())  # fp32: measured 1.8e-7
+    assert float((a - 0.9 * b).norm()) > 1e-5 * float(a.norm())  # the control: a step 10% short is caught
+
+
+def test_a_rank_killed_mid_update_stops_the_group_and_resume_redoes_it(
+    three_groups: tuple[Path, Path], tmp_path: Path
+) -> None:
+    model, trees = three_groups
     settings = [f"model.path={model}", "rollout.groups_per_update=1", "updates=3", "checkpoint_every=1",
                 "measure_memory_every=0", *SGD]  # fmt: skip
     assert main(["train", "--no-progress", "--trees", str(trees), "--run-dir", str(tmp_path / "one"),
