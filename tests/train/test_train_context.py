@@ -6,7 +6,8 @@
   update made without a budget, within FACTOR times the one-process noise floor: its tree update against
   its flat one (Hugging Face models keep float32 islands in float64, so the floor is theirs). The group's
   rank measures its live peak against the per-rank ledger.
-- `mode=flat` in a group (nothing resident to shard) is the one-process flat update.
+- `mode=flat` in a group (nothing resident to shard) is the one-process flat update, and LoRA with a KL
+  term against the adapters-off policy gives the one-process adapters.
 - A rank killed with SIGKILL in the middle of an update stops the group: torchrun stops the other rank,
   which says so in one line; `--resume` redoes the update, and the run ends with every update once and the
   one-process weights.
@@ -162,6 +163,30 @@ def test_flat_mode_in_a_group_is_the_one_process_update(
     assert float(a.norm()) > 1e-2
     assert float((a - b).norm()) <= 1e-5 * float(a.norm())  # fp32: measured 1.8e-7
     assert float((a - 0.9 * b).norm()) > 1e-5 * float(a.norm())  # the control: a step 10% short is caught
+
+
+def test_lora_with_a_kl_reference_in_a_group_is_the_one_process_update(
+    three_groups: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """LoRA adapters with the KL term against the policy with its adapters off (`model.reference=base`):
+    the reference is scored through the same sharded state, and two updates (the second one with a nonzero
+    KL) give the one-process adapters."""
+    model, trees = three_groups
+    settings = [f"model.path={model}", "rollout.groups_per_update=1", "updates=2", "checkpoint_every=0",
+                "measure_memory_every=0", "model.lora.r=8", "loss.kl_coef=0.1", "model.reference=base",
+                *SGD]  # fmt: skip
+    assert main(["train", "--no-progress", "--trees", str(trees), "--run-dir", str(tmp_path / "one"),
+                 *_sets(settings)]) == 0  # fmt: skip
+    _torchrun(tmp_path / "two", settings, "--trees", str(trees))
+    one, two = (read_metrics(tmp_path / run / "metrics.jsonl") for run in ("one", "two"))
+    assert one[1].kl > 0 and two[1].kl == pytest.approx(one[1].kl, rel=1e-4)  # the KL term is live
+    assert two[0].context_bytes > 0  # the group's own path, not a replicated one
+    a, b = (load_file(tmp_path / run / "final" / "adapter_model.safetensors") for run in ("one", "two"))
+    keys = sorted(k for k in a if "lora_B" in k)  # B starts at zero: its weights are the two steps
+    da, db = (torch.cat([w[k].double().flatten() for k in keys]) for w in (a, b))
+    assert keys and float(da.norm()) > 1e-2
+    assert float((da - db).norm()) <= 1e-5 * float(da.norm())  # fp32: measured 4.1e-7
+    assert float((da - 0.9 * db).norm()) > 1e-5 * float(da.norm())  # the control: 10% short is caught
 
 
 def test_a_rank_killed_mid_update_stops_the_group_and_resume_redoes_it(
