@@ -24,6 +24,17 @@ settings.register_profile("explore", deadline=None)
 settings.load_profile("reproducible")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def calibration_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One memory-calibration store for the whole run (`treetrain.memory.calibration_store`), shared by the
+    xdist workers and every process a test starts: a model is calibrated once per run, as a user's machine
+    does across runs, and nothing is read from or left in the user's own cache."""
+    base = tmp_path_factory.getbasetemp()
+    where = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "calibrations"
+    os.environ.setdefault("TREETRAIN_CACHE_DIR", str(where))
+    return Path(os.environ["TREETRAIN_CACHE_DIR"])
+
+
 @pytest.fixture(scope="session")
 def vllm_engine() -> Iterator[Any]:
     """One real vLLM engine (the CPU build in `make test`) on the wide demo model, for the whole session:

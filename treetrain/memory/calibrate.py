@@ -32,8 +32,9 @@ alive when backward starts (`graph`, also what a kept graph holds), the forward'
 peak above the graph, and a no-grad forward's peak.
 
 The probes and their measurement are `treetrain.memory.calibration_probes`; this module fits and predicts.
-Calibrations are cached per (model config, dtype, attention implementation, device, contract, entropy,
-logits chunk, probes), in this process.
+Calibrations are cached per (model config, trainable parameters, dtype, attention implementation, device,
+contract, entropy, logits chunk, probes, ZeRO-3 partitioning, library versions and treetrain's code), in this
+process and on disk for later ones (`treetrain.memory.calibration_store`).
 
 Example:
     >>> model = tiny_model("llama", 64)                                          # doctest: +SKIP
@@ -47,8 +48,11 @@ import hashlib
 from dataclasses import dataclass
 
 import numpy as np
+import torch
+import transformers
 from transformers import PreTrainedModel
 
+from treetrain.memory import calibration_store
 from treetrain.memory.calibration_probes import Probe, StepSample, head_grad_bytes, measure
 from treetrain.memory.events import Shape
 from treetrain.memory.fit import Affine, MaxAffine, fit_affine, fit_max_affine
@@ -231,7 +235,12 @@ def calibration_key(
     trains = "".join(
         f"{n}{tuple(getattr(q, 'ds_shape', q.shape))}{q.requires_grad}" for n, q in model.named_parameters()
     )
-    text = f"{CALIBRATION_VERSION}|{model.config.to_json_string()}|{p.dtype}|{attn}|{p.device.type}|{contract}|{with_entropy}|{max_logit_elements}|{probes!r}|{trains}"
+    # ZeRO-3's fetched parameters are alive during a forward, and the versions and code set what is measured
+    partitioned = any(hasattr(q, "ds_id") for q in model.parameters())
+    versions = f"{torch.__version__}|{transformers.__version__}|{calibration_store.code_digest()}"
+    if p.device.type == "cuda":  # kernels, and so their scratch tensors, are chosen per GPU
+        versions += f"|{torch.cuda.get_device_name(p.device)}"
+    text = f"{CALIBRATION_VERSION}|{model.config.to_json_string()}|{p.dtype}|{attn}|{p.device.type}|{contract}|{with_entropy}|{max_logit_elements}|{probes!r}|{trains}|{partitioned}|{versions}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -248,8 +257,11 @@ def calibrate(
 
     `probes` replaces the default set (`probes_for(model)`), e.g. to see what short probes alone predict."""
     key = calibration_key(model, contract, with_entropy, max_logit_elements, probes)
-    if cache and key in _CACHE:
-        return _CACHE[key]
+    if cache:
+        kept = _CACHE.get(key) or _usable(calibration_store.load(key))
+        if kept is not None:
+            _CACHE[key] = kept
+            return kept
     steps, nograd = measure(
         model, contract, with_entropy=with_entropy, max_logit_elements=max_logit_elements, probes=probes
     )
@@ -277,4 +289,18 @@ def calibrate(
     )
     if cache:
         _CACHE[key] = out
+        calibration_store.save(out)
     return out
+
+
+def _usable(kept: MemoryModel | None) -> MemoryModel | None:
+    """`kept` if it predicts (its fitted costs have the lengths this code's features have), else None."""
+    if kept is None:
+        return None
+    try:
+        for past in (0, 8):
+            shape = Shape(rows=2, width=4, past=past, pieces=1, targets=8)
+            kept.step_peak(shape), kept.nograd_peak(shape), kept.graph_bytes(shape)
+    except ValueError:
+        return None
+    return kept
