@@ -76,7 +76,7 @@ from treetrain.distributed.deepspeed_config import (
     with_optimizer,
 )
 from treetrain.distributed.optim_config import OptimizerConfig
-from treetrain.distributed.zero3_sync import FetchRendezvous
+from treetrain.distributed.zero3_sync import DirectReads, FetchRendezvous
 from treetrain.errors import ConfigError
 from treetrain.io import atomic_directory
 from treetrain.models.lora import is_peft, save_adapter
@@ -171,6 +171,10 @@ class DeepSpeedBackend(TrainBackend):
             else None
         )
         """Under ZeRO-3 on several ranks: the all-gather rendezvous (see `zero3_sync`), else None."""
+        direct = DirectReads(self.module)
+        self._direct = direct if self._stage == 3 and direct.params else None
+        """Under ZeRO-3, for a model with any: the weights read outside their module's forward, held
+        gathered while a window or an uneven region is open (see `zero3_sync.DirectReads`)."""
 
     @property
     def zero_stage(self) -> int:
@@ -192,6 +196,8 @@ class DeepSpeedBackend(TrainBackend):
             return
         if self.rendezvous is not None:
             self.rendezvous.install()
+        if self._direct is not None:
+            self._direct.hold()
         window = self.engine.no_sync() if self._stage == 0 else self.engine.coalesce_grad_reduction()
         window.__enter__()
         self._window = window
@@ -210,6 +216,8 @@ class DeepSpeedBackend(TrainBackend):
         if self.rendezvous is not None:
             self.rendezvous.drain()
             self.rendezvous.uninstall()
+        if self._direct is not None:
+            self._direct.release()
         self._give_every_param_a_grad()  # every rank reduces every param
         if not self._sums_float64:
             self._scale_local_grads(float(self.engine.dp_world_size))  # DeepSpeed's mean becomes the sum
@@ -231,16 +239,22 @@ class DeepSpeedBackend(TrainBackend):
         region waits for every rank (a collective). Elsewhere it does nothing. Inside an update window the
         rendezvous is already on.
         """
-        sync = self.rendezvous
-        if sync is None or sync.active:
+        sync, direct = self.rendezvous, self._direct
+        if (sync is None or sync.active) and (direct is None or direct.held):
             yield
             return
-        sync.install()
+        if sync is not None:
+            sync.install()
+        if direct is not None:
+            direct.hold()  # after the rendezvous: every rank is here, at the region's collective start
         try:
             yield
         finally:
-            sync.drain()
-            sync.uninstall()
+            if sync is not None:
+                sync.drain()
+                sync.uninstall()
+            if direct is not None:
+                direct.release()
             self._settle_zero3()
 
     def _settle_zero3(self) -> None:

@@ -53,6 +53,47 @@ IDLE = -1
 """A round's entry from a rank that needs nothing."""
 
 
+class DirectReads:
+    """The ZeRO-3 parameters a module reads in its own forward without calling their module, held gathered
+    from the opening of an update window (or an uneven region) until it closes.
+
+    A recurrent mixer (Gated DeltaNet, Mamba, Mamba-2, Kimi delta attention) passes `self.conv1d.weight`
+    to its one-token step without calling `conv1d`, so DeepSpeed's fetch for `conv1d` never runs: the
+    forward would read the empty partition, and its backward too. These weights are a few kilobytes per
+    layer, so they are gathered once per window (a collective, at the window's collective start) and kept
+    (`ds_persist`, which DeepSpeed's release honours); their gradients reduce as every other's. `release`
+    partitions them again before the optimizer step and before DeepSpeed's own collectives.
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.params: list[Any] = [
+            p
+            for parent in module.modules()
+            for child in parent.children()
+            if isinstance(child, torch.nn.Conv1d)
+            for p in child.parameters(recurse=False)
+        ]
+        self.held = False
+
+    def hold(self) -> None:
+        if self.held or not self.params:
+            return
+        missing = [p for p in self.params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+        if missing:
+            missing[0].all_gather(param_list=missing)
+        for p in self.params:
+            p.ds_persist = True
+        self.held = True
+
+    def release(self) -> None:
+        if not self.held:
+            return
+        for p in self.params:
+            p.ds_persist = False
+        self.params[0].partition(param_list=self.params, has_been_updated=False)
+        self.held = False
+
+
 class FetchRendezvous:
     """Makes DeepSpeed's ZeRO-3 parameter all-gathers collective-safe under uneven work (see module)."""
 

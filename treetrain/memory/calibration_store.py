@@ -17,7 +17,7 @@ Example:
     >>> import os, tempfile
     >>> from unittest import mock
     >>> from treetrain.memory.fit import Affine, MaxAffine
-    >>> from treetrain.memory.calibrate import MemoryModel, RegimeModel
+    >>> from treetrain.memory.memory_model import MemoryModel, RegimeModel
     >>> a = Affine((1.0, 2.5)); m = MaxAffine(a, a)
     >>> model = MemoryModel("0123abcd", "exact", 64, 32, RegimeModel(a, a, m, m), RegimeModel(a, a, m, m), 9, 0.01)
     >>> with mock.patch.dict(os.environ, {"TREETRAIN_CACHE_DIR": tempfile.mkdtemp()}):
@@ -35,14 +35,12 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from treetrain.io import atomic_write_text
 from treetrain.jsonfile import read_json_object
 from treetrain.memory.fit import Affine, MaxAffine
-
-if TYPE_CHECKING:
-    from treetrain.memory.calibrate import MemoryModel, RegimeModel
+from treetrain.memory.memory_model import MemoryModel, RegimeModel
 
 log = logging.getLogger(__name__)
 
@@ -129,8 +127,6 @@ def _plain(model: MemoryModel) -> dict[str, Any]:
 
 
 def _model(d: dict[str, Any]) -> MemoryModel:
-    from treetrain.memory.calibrate import MemoryModel, RegimeModel
-
     def coef(x: Any) -> Affine:
         if not isinstance(x, list) or not all(
             isinstance(v, float | int) and not isinstance(v, bool) for v in x

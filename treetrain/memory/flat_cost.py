@@ -17,9 +17,10 @@ from transformers import PreTrainedModel
 
 from treetrain.lifetime import ClassBytes
 from treetrain.loss.loss_config import LossConfig
-from treetrain.memory.calibrate import MemoryModel, calibrate
+from treetrain.memory.calibrate import calibrate
 from treetrain.memory.events import Shape
 from treetrain.memory.ledger import Ledger, LedgerRow, manifest_host_bytes
+from treetrain.memory.memory_model import MemoryModel
 from treetrain.memory.persistent import PersistentBytes, model_persistent_bytes
 from treetrain.models.logprobs import DEFAULT_MAX_LOGIT_ELEMENTS
 from treetrain.models.lora import Reference

@@ -30,9 +30,10 @@ from treetrain.bytesize import format_bytes
 from treetrain.lifetime import CLASSES, ClassBytes
 from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.manifest import Manifest
-from treetrain.memory.calibrate import MemoryModel, calibrate
+from treetrain.memory.calibrate import calibrate
 from treetrain.memory.context_cost import ContextShare, QueryBytes, query_bytes
 from treetrain.memory.events import MemEvent, Shape, TreeLayout, plan_tree, with_resident_bytes
+from treetrain.memory.memory_model import MemoryModel
 from treetrain.memory.persistent import PersistentBytes, model_persistent_bytes
 from treetrain.models.lora import Reference, reference_module
 from treetrain.replay.batch import ReplayConfig, UpdateBatch
