@@ -407,6 +407,18 @@ def test_recurrent_zero3_stays_partitioned(run: Path, family: str) -> None:
         assert r["param_peak_bytes"] < full, "the whole model was gathered"
 
 
+def test_recurrent_zero3_calibrates_with_its_convolution_weights_held(run: Path) -> None:
+    """A recurrent mixer's one-token step reads `conv1d.weight` without calling `conv1d`; under ZeRO-3 that
+    read the empty partition (an IndexError in the calibration's probes, whose single-token steps follow a
+    recurrent past) until the backend held those weights gathered through the window (`DirectReads`).
+    Gated DeltaNet here; Mamba-2's mixer (Nemotron-H) reads its weight the same way."""
+    name = "z3-calibrate-qwen3_5_text"
+    errors = sorted(run.glob(f"{name}.error.rank*.txt"))
+    assert not errors, errors[0].read_text()[-3000:]
+    info = json.loads((run / f"{name}.json").read_text())["ranks"]
+    assert all(r["samples"] > 0 and r["held"] > 0 for r in info), info
+
+
 @pytest.mark.parametrize("family", RECURRENT_DIST)
 def test_recurrent_response_only_under_zero3_detaches_the_resident_state(run: Path, family: str) -> None:
     """It matches its own single-process reference and, as a negative control, is far from flat's: the

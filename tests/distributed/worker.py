@@ -61,6 +61,7 @@ from treetrain.distributed.backend_choice import make_backend
 from treetrain.distributed.checkpoint_io import CheckpointError
 from treetrain.distributed.deepspeed_backend import DeepSpeedBackend
 from treetrain.loss.manifest import ManifestError
+from treetrain.memory.calibrate import calibrate
 from treetrain.memory.persistent import largest_module
 from treetrain.models.lora import AdaptersOff, is_adapter_param
 from treetrain.replay import TreeReplay, UpdateBatch
@@ -588,6 +589,7 @@ def scenarios() -> dict[str, Callable[[], tuple[torch.Tensor, Info]]]:
         out[f"z3-response_only-{family}"] = partial(
             one_update, "z3", "response_only", placement="round_robin", family=family
         )
+    out["z3-calibrate-qwen3_5_text"] = partial(fresh_calibration, "qwen3_5_text")  # Mamba-2's: 48 s, once
     for s in ("z2", "z3"):
         out[f"{s}-fault_before_backward"] = partial(
             one_update, s, step_hook=Once(0, "forward", RuntimeError("injected before backward")),
@@ -621,6 +623,15 @@ def scenarios() -> dict[str, Callable[[], tuple[torch.Tensor, Info]]]:
         out[f"{s}-uneven"] = partial(one_update, s, placement="uneven", update=uneven_groups(), measure=True)
         out[f"{s}-idle"] = partial(one_update, s, placement="idle", measure=True)
     return out
+
+
+def fresh_calibration(family: str) -> tuple[None, Info]:
+    """The memory calibration measured under ZeRO-3 itself (not lent from an unpartitioned twin): its probes
+    step single tokens after a recurrent past, where a mixer reads its convolution weight directly."""
+    backend = backend_for("z3", family=family)
+    with backend.scratch():
+        model = calibrate(backend.module, "exact", cache=False)
+    return None, {"samples": model.samples, "held": len(backend._direct.params) if backend._direct else 0}
 
 
 def main() -> None:

@@ -33,7 +33,7 @@ peak above the graph, and a no-grad forward's peak.
 
 The probes and their measurement are `treetrain.memory.calibration_probes`; this module fits and predicts.
 Calibrations are cached per (model config, trainable parameters, dtype, attention implementation, device,
-contract, entropy, logits chunk, probes, ZeRO-3 partitioning, library versions and treetrain's code), in this
+contract, entropy, logits chunk, probes, library versions and treetrain's code), in this
 process and on disk for later ones (`treetrain.memory.calibration_store`).
 
 Example:
@@ -120,12 +120,12 @@ def calibration_key(
     trains = "".join(
         f"{n}{tuple(getattr(q, 'ds_shape', q.shape))}{q.requires_grad}" for n, q in model.named_parameters()
     )
-    # ZeRO-3's fetched parameters are alive during a forward, and the versions and code set what is measured
-    partitioned = any(hasattr(q, "ds_id") for q in model.parameters())
+    # the versions and the code set what is measured (ZeRO-3 does not: the ledger books fetched parameters
+    # apart, so a partitioned model and its unpartitioned twin share one calibration)
     versions = f"{torch.__version__}|{transformers.__version__}|{calibration_store.code_digest()}"
     if p.device.type == "cuda":  # kernels, and so their scratch tensors, are chosen per GPU
         versions += f"|{torch.cuda.get_device_name(p.device)}"
-    text = f"{CALIBRATION_VERSION}|{model.config.to_json_string()}|{p.dtype}|{attn}|{p.device.type}|{contract}|{with_entropy}|{max_logit_elements}|{probes!r}|{trains}|{partitioned}|{versions}"
+    text = f"{CALIBRATION_VERSION}|{model.config.to_json_string()}|{p.dtype}|{attn}|{p.device.type}|{contract}|{with_entropy}|{max_logit_elements}|{probes!r}|{trains}|{versions}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

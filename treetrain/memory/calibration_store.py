@@ -5,8 +5,7 @@ seconds on one process and a minute under ZeRO-3, where every forward's paramete
 other ranks, and it is the same answer every time for the same model, dtype, device and code. So each one
 is kept as a small JSON file, `<dir>/<key>.json`, named by the calibration's key, which covers everything
 the measurement depends on: the model's configuration and trainable parameters, dtype, attention
-implementation, device, contract, probes, whether ZeRO-3 partitions the parameters, the torch and
-transformers versions, and a digest of treetrain's own source (any change to the engine is a new key).
+implementation, device, contract, probes, the torch and transformers versions, and a digest of treetrain's own source (any change to the engine is a new key).
 
 `<dir>` is `$TREETRAIN_CACHE_DIR`, else `$XDG_CACHE_HOME/treetrain/calibration`, else
 `~/.cache/treetrain/calibration`; `TREETRAIN_CACHE_DIR=` (empty) turns the store off. The files are
