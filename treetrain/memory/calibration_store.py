@@ -54,7 +54,12 @@ def store_dir() -> Path | None:
     chosen = os.environ.get(ENV)
     if chosen is not None:
         return Path(chosen).expanduser() if chosen.strip() else None
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    base = os.environ.get("XDG_CACHE_HOME")
+    if not base:
+        try:
+            base = str(Path.home() / ".cache")
+        except RuntimeError:  # no home directory to be found (a bare container): no store
+            return None
     return Path(base) / "treetrain" / "calibration"
 
 
