@@ -24,7 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from support.context_cases import SCENARIOS
-from support.dist_cases import delta_floor, groups, model_factory, reference_delta
+from support.dist_cases import calibrate_first, delta_floor, groups, model_factory, reference_delta
 from support.ports import free_port
 from support.ports import run as launch
 
@@ -42,6 +42,7 @@ TIMEOUT_S = 1500
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("context_groups")
+    calibrate_first((model_factory(spec["family"]), spec["contract"]) for spec in SCENARIOS.values())
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false")
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--master_addr=127.0.0.1",

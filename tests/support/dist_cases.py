@@ -12,7 +12,7 @@ the AdamW path (and its optimizer state across a resume) works too.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import Any
 
@@ -24,6 +24,7 @@ from support.replay_cases import SHAPES, VOCAB, factory
 from treetrain.distributed import OptimizerConfig, TorchBackend
 from treetrain.loss.advantages import AdvantageConfig
 from treetrain.loss.loss_config import LossConfig
+from treetrain.memory.calibrate import calibrate
 from treetrain.memory.overrides import Mode
 from treetrain.models.lora import AdaptersOff
 from treetrain.replay import FlatReference, ReplayConfig, TreeReplay, UpdateBatch
@@ -54,6 +55,15 @@ STAGES = {"z0": (0, False), "z1": (1, False), "z2": (2, False), "z3": (3, False)
 def model_factory(family: str = "llama") -> Callable[[], PreTrainedModel]:
     """The float32 tiny model of `family` that a scenario and its reference both build (llama by default)."""
     return make_model if family == "llama" else factory(family, torch.float32)
+
+
+def calibrate_first(cases: Iterable[tuple[Callable[[], PreTrainedModel], Contract]]) -> None:
+    """Calibrate each (model factory, contract) here, in one process, into the run's calibration store
+    (`tests/conftest.py`) before a launch reads it: otherwise every rank of the launch measures the same
+    model (four ranks on two cores), and a ZeRO-3 rank fetches each probe's parameters from the others. A
+    repeated case is a hit of the in-process cache."""
+    for make, contract in cases:
+        calibrate(make(), contract, with_entropy=LOSS.needs_entropy)
 
 
 def groups(seed: int = 0) -> list[Group]:
