@@ -180,6 +180,9 @@ def test_missing_and_wrong_kind_of_config_file(tmp_path: Path, capsys) -> None:
         ("run_dir=", "run_dir: must not be empty"),
         ("rollout.trees=''", "rollout.trees: must not be empty"),
         ("model.reference=", "model.reference: must not be empty"),
+        ("rollout.vllm.weight_sync=ftp", "rollout.vllm.weight_sync: must be one of ('files', 'gloo')"),
+        ("rollout.vllm.transfer_host='a b'", "rollout.vllm.transfer_host: must be a host name"),
+        ("rollout.vllm.transfer_host=http://x", "rollout.vllm.transfer_host: must be a host name"),
     ],
 )
 def test_hostile_set_values_are_one_line_errors(capsys, override: str, needle: str) -> None:
@@ -189,6 +192,19 @@ def test_hostile_set_values_are_one_line_errors(capsys, override: str, needle: s
     _one_line_error(capsys.readouterr().err, needle)
     assert main(["plan", TREE, "--budget", "1GiB", "--set", override]) == 2
     _one_line_error(capsys.readouterr().err, needle)
+
+
+def test_streamed_weights_are_refused_for_an_asynchronous_run() -> None:
+    sets = [
+        "rollout.engine=vllm-server",
+        'rollout.vllm.urls=["http://127.0.0.1:8000"]',
+        "rollout.vllm.weight_sync=gloo",
+    ]
+    load_config(None, sets)  # synchronous: accepted
+    with pytest.raises(
+        ConfigError, match=r"^rollout.vllm.weight_sync: gloo streams .*set rollout.vllm.weight_sync=files"
+    ):
+        load_config(None, [*sets, "rollout.max_staleness=1"])
 
 
 @pytest.mark.parametrize(("old", "new"), sorted(RolloutSection.RENAMED_FIELDS.items()))

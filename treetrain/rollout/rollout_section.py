@@ -137,6 +137,12 @@ class RolloutSection:
         k = self.max_staleness
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_STALENESS:
             raise ConfigError(f"rollout.max_staleness: must be an integer in [0, {MAX_STALENESS}], got {k!r}")
+        if k and self.engine == "vllm-server" and self.vllm.weight_sync == "gloo":
+            raise ConfigError(
+                "rollout.vllm.weight_sync: gloo streams the live weights between updates, and with "
+                "rollout.max_staleness >= 1 the servers take each version while the trainer steps on, from "
+                "the files it published; set rollout.vllm.weight_sync=files (or rollout.max_staleness=0)"
+            )
         steps = self.max_concurrent_steps
         if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_CONCURRENT_STEPS:
             raise ConfigError(

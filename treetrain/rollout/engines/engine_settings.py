@@ -21,6 +21,8 @@ from treetrain.errors import ConfigError
 
 ENGINES: tuple[str, ...] = ("hf", "vllm", "vllm-server")
 """`rollout.engine`: the trainer's own model, vLLM in this process, or `vllm serve` processes."""
+WEIGHT_SYNCS: tuple[str, ...] = ("files", "gloo")
+"""`rollout.vllm.weight_sync`: how `vllm serve` processes take new weights."""
 
 
 def url_problem(url: object) -> str | None:
@@ -60,6 +62,16 @@ class VLLMSettings:
     """KV-cache size of the in-process engine on a machine without a GPU, in GiB."""
     max_num_seqs: int = 256
     """Most sequences the in-process engine decodes at once."""
+    weight_sync: str = "files"
+    """How the servers take each version (docs/rollout-engines.md): `files`, safetensors under the run
+    directory that each server reads (a filesystem the servers share, at the same path); or `gloo`, streamed
+    by rank 0 into each server through vLLM's weight-transfer API (`/update_weights`) over a gloo group, no
+    disk, for servers started with `--weight-transfer-config '{"backend": "treetrain_gloo"}'` and treetrain
+    installed beside vLLM. `gloo` sends the full weights (LoRA merged) and is for synchronous runs
+    (`rollout.max_staleness: 0`)."""
+    transfer_host: str = "127.0.0.1"
+    """With `weight_sync: gloo`: the address of rank 0 that the servers' workers connect to (it listens on a
+    free port there), e.g. the trainer machine's address on the network the servers share with it."""
 
     def __post_init__(self) -> None:
         urls = self.urls
@@ -86,6 +98,17 @@ class VLLMSettings:
             or self.max_num_seqs < 1
         ):
             raise ConfigError(f"must be a positive integer, got {self.max_num_seqs!r}", field="max_num_seqs")
+        if self.weight_sync not in WEIGHT_SYNCS:
+            raise ConfigError(
+                f"must be one of {WEIGHT_SYNCS}, got {self.weight_sync!r:.80}", field="weight_sync"
+            )
+        host = self.transfer_host
+        if (
+            not isinstance(host, str)
+            or not 0 < len(host) <= 253
+            or any(c.isspace() or c in "/:@?#[]" for c in host)
+        ):
+            raise ConfigError(f"must be a host name or IPv4 address, got {host!r:.80}", field="transfer_host")
 
 
 def check_engine_choice(engine: object, settings: VLLMSettings) -> None:

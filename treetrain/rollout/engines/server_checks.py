@@ -25,8 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from treetrain.rollout.engines.generation import EngineError
+from treetrain.rollout.engines.server_calls import ServerHTTPError, call_server, short
+
 LOGPROBS_MODE = "processed_logprobs"
 """The sampled distribution after temperature and top-p, as the other engines record it."""
+DEV_MODE = "start the server with VLLM_SERVER_DEV_MODE=1, which treetrain needs to read its settings and reload weights"
 PROBE_LENGTH = 32
 """Tokens of the probe prompt scored after every reload."""
 PROBE_TOLERANCE = {"float32": 1e-3}
@@ -83,6 +87,8 @@ class ServedConfig:
     max_num_batched_tokens: int
     max_num_seqs: int
     device: str
+    weight_transfer: str = ""
+    """The backend of its `--weight-transfer-config` ("" without one)."""
 
 
 def served_config(models: Any, info: Any) -> ServedConfig:
@@ -91,6 +97,7 @@ def served_config(models: Any, info: Any) -> ServedConfig:
     config = info["vllm_config"]
     model, cache, scheduler = config["model_config"], config["cache_config"], config["scheduler_config"]
     device = config.get("device_config", {}).get("device", "")
+    transfer = config.get("weight_transfer_config") or {}
     return ServedConfig(
         model=str(card["id"]), root=str(card.get("root") or card["id"]),
         max_model_len=int(card.get("max_model_len") or model["max_model_len"]),
@@ -98,7 +105,52 @@ def served_config(models: Any, info: Any) -> ServedConfig:
         logprobs_mode=str(model["logprobs_mode"]), chunked_prefill=bool(scheduler["enable_chunked_prefill"]),
         max_num_batched_tokens=int(scheduler["max_num_batched_tokens"]),
         max_num_seqs=int(scheduler["max_num_seqs"]), device=str(device),
+        weight_transfer=str(transfer.get("backend", "")) if isinstance(transfer, dict) else "",
     )  # fmt: skip
+
+
+def check_server(url: str, expected: Expected, timeout: float, transfer: str | None = None) -> ServedConfig:
+    """What `url` serves (`/v1/models`, `/server_info`), refused in one `EngineError` line when it cannot
+    sample for the run, or cannot take weights over `transfer` (a `--weight-transfer-config` backend)."""
+    models = call_server(url, "/v1/models", None, timeout)
+    try:
+        info = call_server(url, "/server_info?config_format=json", None, timeout)
+    except ServerHTTPError as exc:
+        if exc.code != 404:
+            raise
+        raise EngineError(f"vllm-server {url}/server_info: not found: {DEV_MODE}") from None
+    try:
+        served = served_config(models, info)
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+        raise EngineError(
+            f"vllm-server {url}: /v1/models or /server_info answered outside vLLM's protocol ({short(exc)})"
+        ) from None
+    problem = mismatch(served, expected)
+    if problem is None and transfer is not None and served.weight_transfer != transfer:
+        problem = (
+            f"rollout.vllm.weight_sync=gloo streams weights into it, and it was started "
+            f"{'without --weight-transfer-config' if not served.weight_transfer else 'with the weight transfer backend ' + repr(served.weight_transfer)}: "
+            f'start it with --weight-transfer-config \'{{"backend": "{transfer}"}}\' (treetrain installed beside '
+            "vLLM), or set rollout.vllm.weight_sync=files"
+        )
+    if problem is not None:
+        raise EngineError(f"vllm-server {url} (serving {served.root}): {problem}")
+    return served
+
+
+def check_held(url: str, label: str, when: str, timeout: float) -> None:
+    """Server `url` still holds weight version `label` (`GET /weight_info`); otherwise one `EngineError` line
+    saying what it holds instead (a `ServerLostError` when it does not answer)."""
+    answer = call_server(url, "/weight_info", None, timeout)
+    found = answer.get("weight_version") if isinstance(answer, dict) else None
+    if not isinstance(found, str):
+        raise EngineError(f"vllm-server {url}/weight_info: no weight_version in {short(answer)}")
+    if found != label:
+        raise EngineError(
+            f"vllm-server {url}: its weights are no longer this run's ({when} its weight version is "
+            f"{found!r}, expected {label!r}): it was restarted or reloaded by someone else; "
+            "continue with --resume, which reloads it"
+        )
 
 
 def model_mismatch(root: str, expected: Expected) -> str | None:

@@ -136,6 +136,11 @@ class ServedWeights:
         """The writing rank's sync: the servers hold `path` under `label` (and `adapter`)."""
         self.path, self.label, self.adapter = (None if path is None else Path(path)), label, adapter
 
+    def streamed(self, label: str, probe: tuple[list[int], list[float]]) -> None:
+        """The servers take version `label` streamed, not from files (`served_stream`); `probe` is the
+        trainer's at that version."""
+        self.previous, self.path, self.label, self.probe, self.adapter = None, None, label, probe, None
+
     def load(self, url: str, served: ServedConfig) -> None:
         """Server `url` takes the written weights, is labelled with their version, and passes the probe."""
         assert self.path is not None and self.label is not None
@@ -143,6 +148,11 @@ class ServedWeights:
             self._load_adapter(url)
         else:
             self._reload(url, served, str(self.path))
+        self.confirm(url, served)
+
+    def confirm(self, url: str, served: ServedConfig) -> None:
+        """Server `url`, which holds the new weights, is labelled with their version and passes the probe."""
+        assert self.label is not None
         answer = call_server(url, "/update_weight_version", {"new_version": self.label}, self.timeout)
         if not isinstance(answer, dict) or answer.get("new_version") != self.label:
             raise EngineError(f"vllm-server {url}/update_weight_version: not confirmed: {short(answer)}")

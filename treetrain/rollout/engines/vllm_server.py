@@ -19,20 +19,22 @@ ends a stream early is lost: one warning line names it, `servers_lost` counts it
 goes on at another server from the tokens it drew, their sampler logprobs kept
 (`treetrain.rollout.engines.server_parts`). A lost server is probed every `server_fleet.PROBE_EVERY_S`;
 once it answers, its settings are checked again and it is reloaded to the current weights and version
-before it gets work. When every server is lost the rollout stops with one line, which `--resume` continues.
+(streamed weights: at the next sync) before it gets work. When every server is lost the rollout stops
+with one line, which `--resume` continues.
 
 **What a server is.** At start each server's settings are read (`/v1/models`, `/server_info`) and one
 that would sample something else than the trainer scores (another dtype, raw logprobs, no prefix cache, a
 shorter context, a CPU build that splits prompts) is refused in one line naming the flag
 (`treetrain.rollout.engines.server_checks`).
 
-**Weight sync** (`treetrain.rollout.engines.server_sync`). After each optimizer step the trainer's weights
-are written as safetensors under `<run_dir>/engine-weights/current/` (with LoRA served as an adapter, the
-adapter under `engine-weights/adapters/`, loaded as `treetrain-v{version}`), and each serving server
-reloads them (`VLLM_SERVER_DEV_MODE=1`), resets its prefix cache, is labelled with the sync's weight version
-and scores a probe prompt against the trainer's logprobs, every step confirmed by its answer. Whenever the
-engine falls idle during a rollout the versions are read again, so a server restarted (its version is
-`default` again) or reloaded by another run stops the rollout before its samples are trained on.
+**Weight sync.** After each optimizer step every serving server takes the new weights, resets its prefix
+cache, is labelled with the sync's weight version and scores a probe prompt against the trainer's logprobs,
+every step confirmed by its answer. With `rollout.vllm.weight_sync: files` (`server_sync`) they are written
+as safetensors under `<run_dir>/engine-weights/` (with LoRA served as an adapter, the adapter) and each
+server reloads them (`VLLM_SERVER_DEV_MODE=1`); with `gloo` (`served_stream`) rank 0 streams them into each
+server through vLLM's weight-transfer API. Whenever the engine falls idle during a rollout the versions are
+read again, so a server restarted or reloaded by another run stops the rollout before its samples are
+trained on.
 
 **Bad servers.** A server that answers with an HTTP error or with JSON outside the protocol (or more than
 `server_calls.MAX_RESPONSE_BYTES`) stops the rollout with one `EngineError` line naming the URL and what
@@ -58,15 +60,16 @@ from treetrain.rollout.engines.generation import (
     GenerationResult,
     Interrupted,
 )
+from treetrain.rollout.engines.gloo_sender import BACKEND
+from treetrain.rollout.engines.served_stream import StreamedWeights
 from treetrain.rollout.engines.server_calls import (
     PROBE_TIMEOUT,
-    ServerHTTPError,
     ServerLostError,
     call_server,
     fetch_text,
     short,
 )
-from treetrain.rollout.engines.server_checks import Expected, ServedConfig, mismatch, served_config
+from treetrain.rollout.engines.server_checks import Expected, ServedConfig, check_held, check_server
 from treetrain.rollout.engines.server_fleet import MAX_METRICS_BYTES, Fleet, ServerLoad, read_load
 from treetrain.rollout.engines.server_parts import Ledger, Part
 from treetrain.rollout.engines.server_ranks import SyncOutcome, TrainerRanks, share_outcome
@@ -79,7 +82,6 @@ MAX_IN_FLIGHT = 64
 """Requests open at once across all servers."""
 METRICS_TIMEOUT_S = 2.0
 """Longest a `/metrics` read may take (a server that does not answer it is routed by its samples in flight)."""
-DEV_MODE = "start the server with VLLM_SERVER_DEV_MODE=1, which treetrain needs to read its settings and reload weights"
 
 
 class VLLMServerEngine:
@@ -106,6 +108,11 @@ class VLLMServerEngine:
         self.weights_dir = Path(weights_dir)
         self.expected = expected
         self.ranks = ranks
+        self.streamed = (
+            StreamedWeights(settings.transfer_host, self.timeout) if settings.weight_sync == "gloo" else None
+        )
+        if self.streamed is not None and lora is not None:  # streamed weights are full ones
+            lora = LoraServing(False, lora.rank, "rollout.vllm.weight_sync=gloo streams full weights")
         self.weights = ServedWeights(
             self.weights_dir, expected, self.timeout, lora, writes=ranks is None or ranks.leads
         )
@@ -130,24 +137,8 @@ class VLLMServerEngine:
 
     def _check_server(self, url: str) -> ServedConfig:
         """What `url` serves, refused in one line when it cannot sample for this run."""
-        quick = min(self.timeout, 30.0)
-        models = call_server(url, "/v1/models", None, quick)
-        try:
-            info = call_server(url, "/server_info?config_format=json", None, quick)
-        except ServerHTTPError as exc:
-            if exc.code != 404:
-                raise
-            raise EngineError(f"vllm-server {url}/server_info: not found: {DEV_MODE}") from None
-        try:
-            served = served_config(models, info)
-        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
-            raise EngineError(
-                f"vllm-server {url}: /v1/models or /server_info answered outside vLLM's protocol ({short(exc)})"
-            ) from None
-        problem = mismatch(served, self.expected)
-        if problem is not None:
-            raise EngineError(f"vllm-server {url} (serving {served.root}): {problem}")
-        return served
+        transfer = None if self.streamed is None else BACKEND
+        return check_server(url, self.expected, min(self.timeout, 30.0), transfer)
 
     def check_versions(self, when: str) -> None:
         """Every serving server still holds the weights of the last sync; otherwise one line saying which
@@ -155,21 +146,10 @@ class VLLMServerEngine:
         if self.label is None:
             return
         for i in self.fleet.alive:
-            url = self.urls[i]
             try:
-                answer = call_server(url, "/weight_info", None, min(self.timeout, 30.0))
+                check_held(self.urls[i], self.label, when, min(self.timeout, 30.0))
             except ServerLostError as exc:
                 self._lose(i, exc)
-                continue
-            found = answer.get("weight_version") if isinstance(answer, dict) else None
-            if not isinstance(found, str):
-                raise EngineError(f"vllm-server {url}/weight_info: no weight_version in {short(answer)}")
-            if found != self.label:
-                raise EngineError(
-                    f"vllm-server {url}: its weights are no longer this run's ({when} its weight version is "
-                    f"{found!r}, expected {self.label!r}): it was restarted or reloaded by someone else; "
-                    "continue with --resume, which reloads it"
-                )
 
     # ----- GenerationEngine -------------------------------------------------------------------------
     def submit(self, request: GenerationRequest) -> int:
@@ -308,6 +288,8 @@ class VLLMServerEngine:
                 if self._ledger.complete(rid):
                     self._done.put((rid, None))
             self.weights.forget(url)
+            if self.streamed is not None:
+                self.streamed.forget(server)
             alive = len(self.fleet.alive)
         if newly and alive:
             log.warning(
@@ -354,6 +336,11 @@ class VLLMServerEngine:
                 continue
             try:
                 served = self._check_server(url)
+                if self.streamed is not None and self.label is not None:
+                    self.served[i] = served
+                    self.streamed.returning.add(i)
+                    log.warning("vllm-server %s answers again; it takes work after the next weight sync", url)
+                    continue
                 if self.label is not None:
                     self.weights.load(url, served)
             except ServerLostError:
@@ -376,11 +363,11 @@ class VLLMServerEngine:
         self._idle("sync_weights")
         start = time.perf_counter()
         if self.ranks is None:
-            self._load_everywhere(self._write(model, version))
+            self._sync_everywhere(model, version)
         elif self.ranks.leads:
             failure: EngineError | None = None
             try:
-                self._load_everywhere(self._write(model, version))
+                self._sync_everywhere(model, version)
             except EngineError as exc:
                 failure = exc
             w = self.weights
@@ -415,6 +402,33 @@ class VLLMServerEngine:
     def _write(self, model: object, version: int) -> Written:
         return write_version(model, version, self.weights_dir, self.weights.adapters)
 
+    def _sync_everywhere(self, model: object, version: int) -> None:
+        if self.streamed is None:
+            self._load_everywhere(self._write(model, version))
+            return
+        servers = {
+            i: (self.urls[i], self.served[i]) for i in (*self.fleet.alive, *sorted(self.streamed.returning))
+        }
+        label = f"{self.weights_dir.resolve()}@{version}"
+        failed, sent = self.streamed.send(model, label, self.weights, servers)
+        self.stats.sync_bytes += sent
+        for i, exc in failed.items():
+            if isinstance(exc, ServerLostError):
+                self._lose(i, exc)
+            elif i in self.fleet.alive:
+                raise exc
+            else:  # a server that came back, as a file reload that fails there
+                log.warning("vllm-server %s answers again but stays out of this run: %s", self.urls[i], exc)
+        for i in servers:
+            if i not in failed and i not in self.fleet.alive:
+                self.fleet.back(i)
+                log.warning(
+                    "vllm-server %s is back at weight version %s; it takes work again", self.urls[i], label
+                )
+        if not self.fleet.alive:
+            raise self._all_lost()
+        self.check_versions("after the transfer")
+
     def _load_everywhere(self, written: Written) -> None:
         self.weights.take(written)
         self.stats.sync_bytes += written.size
@@ -439,6 +453,10 @@ class VLLMServerEngine:
         for i in self.fleet.alive:
             if i not in outcome.alive:
                 self._lose(i, EngineError(f"vllm-server {self.urls[i]}: lost at rank 0's weight sync"))
+        if self.streamed is not None:  # a server rank 0 streamed to holds this sync's weights
+            for i in set(outcome.alive) - set(self.fleet.alive):
+                self.fleet.back(i)
+                self.streamed.returning.discard(i)
         if not self.fleet.alive:
             raise self._all_lost()
         self.check_versions("after rank 0's reload")
@@ -465,6 +483,8 @@ class VLLMServerEngine:
     def close(self) -> None:
         """Stop sending, and remove the weights written for the servers (see the module docstring)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.streamed is not None:
+            self.streamed.close()
         if not self.weights.remove():
             log.warning(
                 "vllm-server: keeping %s: a server may still be reading it (its reload did not answer)",
