@@ -1,7 +1,8 @@
 """Two trainer ranks on one fleet (`treetrain.rollout.engines.server_ranks`), on stand-in servers, each rank
 an engine on a thread of its own with a gather between them: rank 0 writes and loads once per sync, the
 follower takes its outcome (its version, the servers it lost, the line that stopped it) and never removes
-rank 0's files. The real fleet under torchrun and ZeRO-3 is `tests/train/test_served_fleet_ranks.py`'s."""
+rank 0's files. The real fleet under torchrun and ZeRO-3 is `tests/train/test_served_fleet_ranks.py`'s
+(streamed weights at K = 0, files at K = 1)."""
 
 from __future__ import annotations
 

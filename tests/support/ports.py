@@ -80,11 +80,38 @@ def run(cmd: Sequence[str], env: dict[str, str], timeout: float) -> Launched:
     return run_all([cmd], env, timeout)[0]
 
 
+def calibrate_run(settings: Sequence[str]) -> None:
+    """Measure, in this process, the memory calibrations a `treetrain train --set SETTINGS` run's planner asks
+    for (both contracts: the planner prices flat against tree), into the run's calibration store
+    (`tests/conftest.py`). Every rank of a launch would otherwise measure them itself, and under ZeRO-3 each
+    probe fetches its parameters from the other ranks (about 45 s of a 2-rank run's first update). Settings
+    whose model this cannot build as the trainer does (LoRA adapters, a file config) are left to the run."""
+    from treetrain.errors import TreetrainError
+    from treetrain.memory.calibrate import calibrate
+    from treetrain.train.config import load_config
+    from treetrain.train.models import load_models
+
+    try:
+        config = load_config(None, list(settings))
+        if config.model.lora is not None:
+            return
+        policy = load_models(config.model).policy
+    except TreetrainError:  # settings a test launches to see refused: the run says what is wrong
+        return
+    loss, replay = config.policy_loss, config.replay
+    for contract in ("exact", "response_only"):
+        calibrate(
+            policy, contract, with_entropy=loss.needs_entropy, max_logit_elements=replay.max_logit_elements
+        )
+
+
 def train_ranks(
     run_dir: object, settings: Sequence[str], *extra: str, timeout: float, ranks: int = 2
 ) -> Launched:
     """`treetrain train --run-dir RUN --no-progress EXTRA --set ...` on `ranks` processes under torchrun
-    (loopback, a free port, DeepSpeed on CPU, one thread per rank)."""
+    (loopback, a free port, DeepSpeed on CPU, one thread per rank), its model's memory calibrations measured
+    here first (`calibrate_run`)."""
+    calibrate_run(settings)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--master_addr=127.0.0.1",
         f"--master_port={free_port()}", "-m", "treetrain", "train", "--run-dir", str(run_dir), "--no-progress",

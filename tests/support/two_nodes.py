@@ -6,6 +6,7 @@ Two `torchrun --nnodes=2 --nproc_per_node=1` launchers (one per "node") meet thr
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from support.ports import free_port, run_all
+from support.ports import calibrate_run, free_port, run_all
 
 TIMEOUT_S = 600
 DEMO = Path(__file__).parents[2] / "treetrain" / "assets" / "demo_model" / "model.safetensors"
@@ -33,7 +34,9 @@ def delta(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> to
 
 def two_nodes(run_dir: Path, *args: str) -> None:
     """Run `treetrain train --run-dir RUN_DIR ARGS` as 2 nodes x 1 process: two launchers, one rendezvous
-    endpoint, one run directory; a launcher that fails or hangs fails the test with its output."""
+    endpoint, one run directory; a launcher that fails or hangs fails the test with its output. The model's
+    memory calibrations are measured here first (`support.ports.calibrate_run`)."""
+    calibrate_run([value for flag, value in itertools.pairwise(args) if flag == "--set"])
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false")
     port = free_port()
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1"]

@@ -70,8 +70,9 @@ class VLLMSettings:
     installed beside vLLM. `gloo` sends the full weights (LoRA merged) and is for synchronous runs
     (`rollout.max_staleness: 0`)."""
     transfer_host: str = "127.0.0.1"
-    """With `weight_sync: gloo`: the address of rank 0 that the servers' workers connect to (it listens on a
-    free port there), e.g. the trainer machine's address on the network the servers share with it."""
+    """With `weight_sync: gloo`: the address of rank 0 that the servers' workers connect to, on a free port
+    (torch's TCP store listens on every interface), e.g. the trainer machine's address on the network the
+    servers share with it."""
 
     def __post_init__(self) -> None:
         urls = self.urls

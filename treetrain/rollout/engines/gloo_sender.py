@@ -48,7 +48,9 @@ DTYPES = ("float32", "float16", "bfloat16", "float64")
 MAX_WORKERS = 4096
 """Most workers a server may report (its tensor, pipeline and data parallel ranks)."""
 TIMEOUT_S = 300.0
-"""How long a rendezvous, a broadcast or a route may take."""
+"""How long a broadcast or a route may take, unless the caller says."""
+JOIN_S = 60.0
+"""How long a server's workers may take to join the group."""
 
 
 def chunk_layout(shapes: Sequence[Sequence[int]], dtype_names: Sequence[str]) -> tuple[list[int], int]:
@@ -126,7 +128,9 @@ class GlooSender:
             raise EngineError(
                 f"rollout.vllm.transfer_host {host!r}: no port to listen on there ({exc})"
             ) from None
-        info = dict(master_address=host, master_port=port, rank_offset=1, world_size=workers + 1)
+        info = dict(
+            master_address=host, master_port=port, rank_offset=1, world_size=workers + 1, timeout_s=timeout_s
+        )
         failed: list[BaseException] = []
         joined: list[Any] = []
 
@@ -144,14 +148,17 @@ class GlooSender:
             target=self._call, args=("/init_weight_transfer_engine", {"init_info": info}, failed), daemon=True
         )
         caller.start()
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + min(timeout_s, JOIN_S)
         while (opener.is_alive() or caller.is_alive()) and not failed and time.monotonic() < deadline:
             opener.join(0.05)
         if failed and isinstance(failed[0], EngineError):
             raise failed[0]
         if failed or not joined:
-            why = short(failed[0]) if failed else f"no answer in {timeout_s:g} s"
-            raise ServerLostError(f"vllm-server {url}: the weight transfer group did not form ({why})")
+            why = short(failed[0]) if failed else f"its workers did not join in {min(timeout_s, JOIN_S):g} s"
+            raise ServerLostError(
+                f"vllm-server {url}: the weight transfer group did not form ({why}; do the servers reach "
+                f"rollout.vllm.transfer_host {host!r}?)"
+            )
         self.group = joined[0]
 
     def _call(self, path: str, body: dict[str, Any], failed: list[BaseException]) -> None:
@@ -164,20 +171,25 @@ class GlooSender:
         call_server(self.url, "/start_weight_update", {}, self.timeout_s)
 
     def chunk(self, chunk: SentChunk, buf: torch.Tensor) -> None:
-        """One `/update_weights` call, answered by the broadcast of `buf` (the chunk's packed bytes)."""
+        """One `/update_weights` call, answered by the broadcast of `buf` (the chunk's packed bytes). A call
+        the server refuses ends the wait for the broadcast at once, with the server's answer."""
         failed: list[BaseException] = []
-        thread = threading.Thread(
-            target=self._call, args=("/update_weights", {"update_info": chunk.__dict__}, failed)
-        )
+        body = {"update_info": chunk.__dict__}
+        thread = threading.Thread(target=self._call, args=("/update_weights", body, failed), daemon=True)
         thread.start()
+        deadline = time.monotonic() + self.timeout_s
         try:
-            self.group.broadcast(buf, 0).wait(timedelta(seconds=self.timeout_s))
-        except RuntimeError as exc:
+            work = self.group.broadcast(buf, 0)
+            while not work.is_completed() and not failed and time.monotonic() < deadline:
+                thread.join(0.01)
+            if work.is_completed():
+                work.wait()
+        except RuntimeError as exc:  # the server's end of the group went away
             raise ServerLostError(
                 f"vllm-server {self.url}: the weight broadcast failed: {short(exc)}"
             ) from None
-        finally:
-            thread.join(self.timeout_s)
+        if not failed and work.is_completed():
+            thread.join(max(0.0, deadline - time.monotonic()))
         if failed:
             why = failed[0]
             raise (
@@ -185,24 +197,28 @@ class GlooSender:
                 if isinstance(why, EngineError)
                 else ServerLostError(f"vllm-server {self.url}: {short(why)}")
             )
+        if not work.is_completed() or thread.is_alive():
+            raise ServerLostError(
+                f"vllm-server {self.url}: a weight chunk was not taken in {self.timeout_s:g} s"
+            )
         self.sent_bytes += buf.numel()
 
-    def finish(self, label: str) -> None:
-        call_server(self.url, "/finish_weight_update", {"weight_version": label}, self.timeout_s)
+    def finish(self) -> None:
+        call_server(self.url, "/finish_weight_update", {}, self.timeout_s)
 
     def close(self) -> None:
-        """End the transfer group on both sides (the server keeps serving)."""
+        """Have the server drop its end of the group (it keeps serving), and drop this end."""
         with contextlib.suppress(EngineError):  # a lost server has nothing to shut down
             call_server(self.url, "/shutdown_weight_transfer_engine", {}, self.timeout_s)
         self.group = None
 
 
 def stream(
-    senders: dict[int, GlooSender], buckets: Iterable[list[tuple[str, torch.Tensor]]], label: str
+    senders: dict[int, GlooSender], buckets: Iterable[list[tuple[str, torch.Tensor]]]
 ) -> dict[int, EngineError]:
-    """Stream `buckets` into every server of `senders` as one weight update labelled `label`, each bucket
-    packed once; the servers that failed, by key. `buckets` is consumed whole even when every server has
-    failed: under ZeRO-3 each bucket's gather is a collective that the other ranks run too."""
+    """Stream `buckets` into every server of `senders` as one weight update, each bucket packed once; the
+    servers that failed, by key. `buckets` is consumed whole even when every server has failed: under ZeRO-3
+    each bucket's gather is a collective that the other ranks run too."""
     failed: dict[int, EngineError] = {}
 
     def each(step: Callable[[GlooSender], None]) -> None:
@@ -212,17 +228,23 @@ def stream(
                     step(sender)
                 except EngineError as exc:
                     failed[key] = exc
+                except Exception as exc:  # any other fault is this server's too: the stream goes on
+                    failed[key] = EngineError(f"vllm-server {sender.url}: {type(exc).__name__}: {short(exc)}")
 
     each(GlooSender.start)
     for bucket in buckets:
+        if len(failed) == len(senders):
+            continue
         tensors = [t for _, t in bucket]
-        chunk = SentChunk(
-            [n for n, _ in bucket], [str(t.dtype).removeprefix("torch.") for t in tensors],
-            [list(t.shape) for t in tensors],
-        )  # fmt: skip
-        buf = pack(tensors)
+        try:
+            buf = pack(tensors)
+        except ValueError as exc:  # a tensor this wire does not carry: no server gets the version
+            failed |= {key: EngineError(f"weight transfer: {exc}") for key in senders if key not in failed}
+            continue
+        dtypes = [str(t.dtype).removeprefix("torch.") for t in tensors]
+        chunk = SentChunk([n for n, _ in bucket], dtypes, [list(t.shape) for t in tensors])
         each(partial(GlooSender.chunk, chunk=chunk, buf=buf))
-    each(lambda sender: sender.finish(label))
+    each(GlooSender.finish)
     return failed
 
 

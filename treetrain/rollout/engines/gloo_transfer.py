@@ -11,6 +11,7 @@ loaded by the model's `load_weights` inside vLLM's layerwise reload (`/start_wei
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -21,7 +22,14 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from treetrain.rollout.engines.gloo_sender import BACKEND, TIMEOUT_S, chunk_layout, open_group, unpack
+from treetrain.rollout.engines.gloo_sender import (
+    BACKEND,
+    MAX_WORKERS,
+    TIMEOUT_S,
+    chunk_layout,
+    open_group,
+    unpack,
+)
 
 
 @dataclass
@@ -32,6 +40,12 @@ class GlooInitInfo(WeightTransferInitInfo):
     master_port: int
     rank_offset: int
     world_size: int
+    timeout_s: float = TIMEOUT_S
+    """How long a broadcast may take: the trainer's `rollout.vllm.request_timeout_s`."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.timeout_s <= 86400 or not 1 <= self.rank_offset < self.world_size <= MAX_WORKERS + 1:
+            raise ValueError("weight transfer: timeout_s, rank_offset or world_size out of range")
 
 
 @dataclass
@@ -57,12 +71,14 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.group: object | None = None
+        self.timeout_s = TIMEOUT_S
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         parallel = self.parallel_config
         rank = parallel.data_parallel_index * parallel.world_size + parallel.rank + init_info.rank_offset
+        self.timeout_s = init_info.timeout_s
         self.group = open_group(
-            init_info.master_address, init_info.master_port, rank, init_info.world_size, TIMEOUT_S
+            init_info.master_address, init_info.master_port, rank, init_info.world_size, self.timeout_s
         )
 
     def start_weight_update(self) -> None:
@@ -85,7 +101,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             raise RuntimeError("weight transfer: /init_weight_transfer_engine was not called")
         _, size = chunk_layout(update_info.shapes, update_info.dtype_names)
         buf = torch.empty(size, dtype=torch.uint8)
-        self.group.broadcast(buf, 0).wait(timedelta(seconds=TIMEOUT_S))  # type: ignore[attr-defined]
+        self.group.broadcast(buf, 0).wait(timedelta(seconds=self.timeout_s))  # type: ignore[attr-defined]
         tensors = unpack(buf, update_info.shapes, update_info.dtype_names)
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
@@ -100,5 +116,5 @@ def register() -> None:
     """vLLM's plugin hook (`vllm.general_plugins`): make `treetrain_gloo` a weight transfer backend."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    if BACKEND not in WeightTransferEngineFactory._registry:
+    with contextlib.suppress(ValueError):  # registered already, by an earlier load of the plugins here
         WeightTransferEngineFactory.register_engine(BACKEND, GlooWeightTransferEngine)

@@ -17,6 +17,7 @@ may have moved on, and under ZeRO-3 gathering them is a collective of every rank
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from treetrain.rollout.engines.generation import EngineError
@@ -27,13 +28,23 @@ from treetrain.rollout.engines.server_sync import ServedWeights
 
 
 class StreamedWeights:
-    """This rank's transfer groups, one per server it has streamed to; see the module docstring."""
+    """This rank's transfer groups, one per server; see the module docstring. `forget` may come from another
+    thread (a request's thread that lost its server), so the groups are kept under a lock."""
 
     def __init__(self, host: str, timeout: float) -> None:
         self.host, self.timeout = host, timeout
         self.senders: dict[int, GlooSender] = {}
         self.returning: set[int] = set()
         """Servers that answer again after being lost, waiting for the next sync."""
+        self._lock = threading.Lock()
+
+    def connect(self, servers: dict[int, str]) -> None:
+        """Form the group with each server now (at start: a server its workers cannot reach from, a wrong
+        `transfer_host`, is refused in one line before any update)."""
+        for i, url in servers.items():
+            sender = GlooSender(url, self.host, self.timeout)
+            with self._lock:
+                self.senders[i] = sender
 
     def send(
         self, model: Any, label: str, weights: ServedWeights, servers: dict[int, tuple[str, ServedConfig]]
@@ -45,36 +56,42 @@ class StreamedWeights:
 
         weights.streamed(label, trainer_probe(model))
         failed: dict[int, EngineError] = {}
+        live: dict[int, GlooSender] = {}
         for i, (url, _) in servers.items():
-            if i not in self.senders:
-                try:
-                    self.senders[i] = GlooSender(url, self.host, self.timeout)
-                except EngineError as exc:
-                    failed[i] = exc
-        live = {i: self.senders[i] for i in servers if i not in failed}
-        before = sum(s.sent_bytes for s in live.values())
-        failed |= stream(live, weight_buckets(model), label)
-        sent = sum(s.sent_bytes for s in live.values()) - before
-        for i, (url, served) in servers.items():
-            if i in failed:
-                self.senders.pop(i, None)
-                continue
+            with self._lock:
+                sender = self.senders.get(i)
             try:
-                reset = call_server(url, "/reset_prefix_cache", {}, self.timeout)
-                if not isinstance(reset, dict) or reset.get("success") is not True:
-                    raise EngineError(f"vllm-server {url}/reset_prefix_cache: not confirmed: {short(reset)}")
-                weights.confirm(url, served)
+                live[i] = sender or GlooSender(url, self.host, self.timeout)
             except EngineError as exc:
                 failed[i] = exc
-                self.senders.pop(i, None)
+        with self._lock:
+            self.senders.update(live)
+        before = sum(s.sent_bytes for s in live.values())
+        failed |= stream(live, weight_buckets(model))
+        sent = sum(s.sent_bytes for s in live.values()) - before
+        for i, (url, served) in servers.items():
+            if i not in failed:
+                try:
+                    reset = call_server(url, "/reset_prefix_cache", {}, self.timeout)
+                    if not isinstance(reset, dict) or reset.get("success") is not True:
+                        raise EngineError(
+                            f"vllm-server {url}/reset_prefix_cache: not confirmed: {short(reset)}"
+                        )
+                    weights.confirm(url, served)
+                except EngineError as exc:
+                    failed[i] = exc
+            if i in failed:  # its end of the group is in an unknown state: a new one forms next time
+                self.forget(i)
         self.returning -= set(servers)
         return failed, sent
 
     def forget(self, i: int) -> None:
         """Server `i` was lost: its group is gone with it."""
-        self.senders.pop(i, None)
+        with self._lock:
+            self.senders.pop(i, None)
 
     def close(self) -> None:
-        for sender in self.senders.values():
+        with self._lock:
+            senders, self.senders = list(self.senders.values()), {}
+        for sender in senders:
             sender.close()
-        self.senders.clear()

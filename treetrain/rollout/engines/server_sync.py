@@ -55,13 +55,19 @@ class Written:
     """Bytes written."""
 
 
+def version_label(weights_dir: Path, version: int) -> str:
+    """The weight version label the servers are set to for `version` of the run whose weights go to
+    `weights_dir` (whether or not anything is written there)."""
+    return f"{weights_dir.resolve()}@{version}"
+
+
 def write_version(
     model: Any, version: int, weights_dir: Path, adapters: AdapterFiles | None, name: str = "current"
 ) -> Written:
     """Write `model`'s weights as `version` under `weights_dir/name` (a complete directory replaces the
     old), or its adapter under `adapters`, and score the probe prompt on it."""
     tokens, own = trainer_probe(model)
-    label = f"{weights_dir.resolve()}@{version}"
+    label = version_label(weights_dir, version)
     if adapters is not None:
         path, size = adapters.write(model, version)
         return Written(version, path, label, (tuple(tokens), tuple(own)), adapter_name(version), size)

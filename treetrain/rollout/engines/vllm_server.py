@@ -74,7 +74,7 @@ from treetrain.rollout.engines.server_fleet import MAX_METRICS_BYTES, Fleet, Ser
 from treetrain.rollout.engines.server_parts import Ledger, Part
 from treetrain.rollout.engines.server_ranks import SyncOutcome, TrainerRanks, share_outcome
 from treetrain.rollout.engines.server_stream import parse_completions, stream_server
-from treetrain.rollout.engines.server_sync import ServedWeights, Written, write_version
+from treetrain.rollout.engines.server_sync import ServedWeights, Written, version_label, write_version
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +122,8 @@ class VLLMServerEngine:
         self.stats = EngineStats()
         self.served = [self._check_server(url) for url in self.urls]
         self.fleet = Fleet(self.urls, [s.max_num_seqs for s in self.served], first=ranks.rank if ranks else 0)
+        if self.streamed is not None and self.weights.writes:  # the rank that sends forms the groups now
+            self.streamed.connect(dict(enumerate(self.urls)))
         self._pool = ThreadPoolExecutor(MAX_IN_FLIGHT, thread_name_prefix="treetrain-vllm")
         self._done: queue.Queue[tuple[int, EngineError | None]] = queue.Queue()
         """Requests answered whole (None) or failed, by id, as the pool threads finish them."""
@@ -337,7 +339,8 @@ class VLLMServerEngine:
             try:
                 served = self._check_server(url)
                 if self.streamed is not None and self.label is not None:
-                    self.served[i] = served
+                    with self._lock:
+                        self.served[i] = served
                     self.streamed.returning.add(i)
                     log.warning("vllm-server %s answers again; it takes work after the next weight sync", url)
                     continue
@@ -409,7 +412,7 @@ class VLLMServerEngine:
         servers = {
             i: (self.urls[i], self.served[i]) for i in (*self.fleet.alive, *sorted(self.streamed.returning))
         }
-        label = f"{self.weights_dir.resolve()}@{version}"
+        label = version_label(self.weights_dir, version)
         failed, sent = self.streamed.send(model, label, self.weights, servers)
         self.stats.sync_bytes += sent
         for i, exc in failed.items():
@@ -421,7 +424,8 @@ class VLLMServerEngine:
                 log.warning("vllm-server %s answers again but stays out of this run: %s", self.urls[i], exc)
         for i in servers:
             if i not in failed and i not in self.fleet.alive:
-                self.fleet.back(i)
+                with self._lock:
+                    self.fleet.back(i)
                 log.warning(
                     "vllm-server %s is back at weight version %s; it takes work again", self.urls[i], label
                 )
@@ -455,7 +459,8 @@ class VLLMServerEngine:
                 self._lose(i, EngineError(f"vllm-server {self.urls[i]}: lost at rank 0's weight sync"))
         if self.streamed is not None:  # a server rank 0 streamed to holds this sync's weights
             for i in set(outcome.alive) - set(self.fleet.alive):
-                self.fleet.back(i)
+                with self._lock:
+                    self.fleet.back(i)
                 self.streamed.returning.discard(i)
         if not self.fleet.alive:
             raise self._all_lost()
