@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 import torch
-from support.ports import kill_tree
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from treetrain.rollout.engines.engine_settings import VLLMSettings
@@ -84,7 +83,7 @@ def test_a_server_killed_mid_rollout_is_routed_around(
                         for p in engine._ledger.parts.values()
                     )
                 if drawing and not killed.is_set():
-                    kill_tree(second_vllm_server.proc.pid)
+                    second_vllm_server.kill()
                     killed.set()
     finally:
         engine.close()

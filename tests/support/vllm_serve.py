@@ -15,6 +15,7 @@ import os
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -70,7 +71,9 @@ class Served:
         port = free_port()
         extra, argv = docs_command(port)
         self.log = log
+        self.port = port
         self.base = f"http://127.0.0.1:{port}"
+        self._held: socket.socket | None = None
         # as from a user's shell: without the log level an in-process vLLM engine set in this process
         env = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_LEVEL"}
         with open(log, "w") as out:
@@ -93,6 +96,29 @@ class Served:
             time.sleep(1.0)
         return self.base
 
+    def kill(self) -> None:
+        """SIGKILL the server and its engine core, as a lost machine, and keep its port bound (not listening)
+        until `stop`: a port freed mid-test is soon handed to a concurrent test's `free_port()`, and a
+        client of the killed server would then reach that test's listener instead of a refused connection."""
+        kill_tree(self.proc.pid)
+        self.proc.wait()
+        deadline = (
+            time.monotonic() + 10.0
+        )  # the engine core's copy of the listening socket dies a moment later
+        while self._held is None:
+            held = socket.socket()
+            held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                held.bind(("127.0.0.1", self.port))
+                self._held = held
+            except OSError:
+                held.close()
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"port {self.port} of the killed server is still taken") from None
+                time.sleep(0.1)
+
     def stop(self) -> None:
         kill_tree(self.proc.pid)
         self.proc.wait()
+        if self._held is not None:
+            self._held.close()

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.ports import kill_tree, train_ranks
+from support.ports import train_ranks
 from support.staleness_checks import queued_lags, within
 from support.two_nodes import close_delta, delta, weights
 
@@ -53,7 +53,7 @@ def _kill_after_first_update(run: Path, served: Any, killed: threading.Event, st
     metrics = run / "metrics.jsonl"
     while not stop.is_set():
         if metrics.exists() and read_metrics(metrics):  # an update's row, not the evaluation's before it
-            kill_tree(served.proc.pid)
+            served.kill()
             killed.set()
             return
         time.sleep(0.2)
