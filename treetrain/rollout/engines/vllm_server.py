@@ -27,7 +27,7 @@ that would sample something else than the trainer scores (another dtype, raw log
 shorter context, a CPU build that splits prompts) is refused in one line naming the flag
 (`treetrain.rollout.engines.server_checks`).
 
-**Weight sync.** After each optimizer step every serving server takes the new weights, resets its prefix
+**Weight sync** (`treetrain.rollout.engines.fleet_sync`). After each optimizer step every serving server takes the new weights, resets its prefix
 cache, is labelled with the sync's weight version and scores a probe prompt against the trainer's logprobs,
 every step confirmed by its answer. With `rollout.vllm.weight_sync: files` (`server_sync`) they are written
 as safetensors under `<run_dir>/engine-weights/` (with LoRA served as an adapter, the adapter) and each
@@ -47,12 +47,12 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from treetrain.rollout.engines.adapter_sync import LoraServing
 from treetrain.rollout.engines.engine_settings import VLLMSettings
+from treetrain.rollout.engines.fleet_sync import FleetSync
 from treetrain.rollout.engines.generation import (
     EngineError,
     EngineStats,
@@ -60,21 +60,19 @@ from treetrain.rollout.engines.generation import (
     GenerationResult,
     Interrupted,
 )
-from treetrain.rollout.engines.gloo_sender import BACKEND
 from treetrain.rollout.engines.served_stream import StreamedWeights
 from treetrain.rollout.engines.server_calls import (
-    PROBE_TIMEOUT,
     ServerLostError,
     call_server,
     fetch_text,
     short,
 )
-from treetrain.rollout.engines.server_checks import Expected, ServedConfig, check_held, check_server
+from treetrain.rollout.engines.server_checks import Expected
 from treetrain.rollout.engines.server_fleet import MAX_METRICS_BYTES, Fleet, ServerLoad, read_load
 from treetrain.rollout.engines.server_parts import Ledger, Part
-from treetrain.rollout.engines.server_ranks import SyncOutcome, TrainerRanks, share_outcome
+from treetrain.rollout.engines.server_ranks import TrainerRanks
 from treetrain.rollout.engines.server_stream import parse_completions, stream_server
-from treetrain.rollout.engines.server_sync import ServedWeights, Written, version_label, write_version
+from treetrain.rollout.engines.server_sync import ServedWeights
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +82,7 @@ METRICS_TIMEOUT_S = 2.0
 """Longest a `/metrics` read may take (a server that does not answer it is routed by its samples in flight)."""
 
 
-class VLLMServerEngine:
+class VLLMServerEngine(FleetSync):
     """Requests to `vllm serve` processes; see the module docstring."""
 
     def __init__(
@@ -131,27 +129,6 @@ class VLLMServerEngine:
         self.stream = stream or len(self.urls) > 1
         self._lock = threading.Lock()  # guards `_ledger` and `fleet` between the pool and the caller
         self._ledger = Ledger()
-
-    @property
-    def label(self) -> str | None:
-        """The weight version every serving server was set to at the last sync (None before the first)."""
-        return self.weights.label
-
-    def _check_server(self, url: str) -> ServedConfig:
-        """What `url` serves, refused in one line when it cannot sample for this run."""
-        transfer = None if self.streamed is None else BACKEND
-        return check_server(url, self.expected, min(self.timeout, 30.0), transfer)
-
-    def check_versions(self, when: str) -> None:
-        """Every serving server still holds the weights of the last sync; otherwise one line saying which
-        does not. One that does not answer is lost."""
-        if self.label is None:
-            return
-        for i in self.fleet.alive:
-            try:
-                check_held(self.urls[i], self.label, when, min(self.timeout, 30.0))
-            except ServerLostError as exc:
-                self._lose(i, exc)
 
     # ----- GenerationEngine -------------------------------------------------------------------------
     def submit(self, request: GenerationRequest) -> int:
@@ -304,12 +281,6 @@ class VLLMServerEngine:
         for part in rest:
             self._pool.submit(self._run, part.pid)
 
-    def _all_lost(self) -> EngineError:
-        whys = "; ".join(str(s.lost) for s in self.fleet.servers)
-        return EngineError(
-            f"{whys}; every server of rollout.vllm.urls is lost: start them again and continue with --resume"
-        )
-
     def _read_loads(self, now: bool = False) -> None:
         """Read the metrics of the serving servers whose last read is due (`now`: of every one; see
         `server_fleet`)."""
@@ -324,147 +295,6 @@ class VLLMServerEngine:
                 log.debug("vllm-server %s/metrics: %s", self.urls[i], exc)
             with self._lock:
                 self.fleet.observe(i, load)
-
-    def _recover(self) -> None:
-        """Probe the lost servers that are due; one that answers is checked, reloaded to the current weights
-        and version, and takes work again."""
-        with self._lock:
-            due = self.fleet.to_probe()
-        for i in due:
-            url = self.urls[i]
-            try:
-                call_server(url, "/v1/models", None, PROBE_TIMEOUT)
-            except EngineError:
-                continue
-            try:
-                served = self._check_server(url)
-                if self.streamed is not None and self.label is not None:
-                    with self._lock:
-                        self.served[i] = served
-                    self.streamed.returning.add(i)
-                    log.warning("vllm-server %s answers again; it takes work after the next weight sync", url)
-                    continue
-                if self.label is not None:
-                    self.weights.load(url, served)
-            except ServerLostError:
-                continue
-            except EngineError as exc:
-                log.warning("vllm-server %s answers again but stays out of this run: %s", url, exc)
-                continue
-            with self._lock:
-                self.served[i] = served
-                self.fleet.back(i)
-            log.warning(
-                "vllm-server %s is back, reloaded to weight version %s; it takes work again", url, self.label
-            )
-
-    def sync_weights(self, model: object, version: int) -> None:
-        """Write the weights (or, with LoRA served as an adapter, only the adapter) under `weights_dir` and
-        have every serving server load them, each step confirmed by its answer; then label and probe the
-        served weights (`server_sync`). A server lost meanwhile is reloaded when it is back. With several
-        trainer ranks, rank 0 writes and loads, and the others follow (`server_ranks`)."""
-        self._idle("sync_weights")
-        start = time.perf_counter()
-        if self.ranks is None:
-            self._sync_everywhere(model, version)
-        elif self.ranks.leads:
-            failure: EngineError | None = None
-            try:
-                self._sync_everywhere(model, version)
-            except EngineError as exc:
-                failure = exc
-            w = self.weights
-            path = None if w.path is None else str(w.path)
-            done = SyncOutcome(
-                path, w.label, self.fleet.alive, w.adapter, None if failure is None else str(failure)
-            )
-            share_outcome(self.ranks, done)
-            if failure is not None:
-                raise failure
-        else:
-            self._follow(model)
-        self._synced(version, start)
-
-    def load_written(self, written: Written) -> None:
-        """Have every serving server load `written`, which another thread wrote (an asynchronous run's
-        training thread, `served_feed`): nothing here touches the model, so this runs beside training."""
-        self._idle("load_written")
-        start = time.perf_counter()
-        self._load_everywhere(written)
-        self._synced(written.version, start)
-
-    def _idle(self, what: str) -> None:
-        if self.busy:
-            raise EngineError(f"vllm-server: {what} while requests are in flight (abort them first)")
-
-    def _synced(self, version: int, start: float) -> None:
-        self.version = version
-        self.stats.weight_syncs += 1
-        self.stats.sync_seconds += time.perf_counter() - start
-
-    def _write(self, model: object, version: int) -> Written:
-        return write_version(model, version, self.weights_dir, self.weights.adapters)
-
-    def _sync_everywhere(self, model: object, version: int) -> None:
-        if self.streamed is None:
-            self._load_everywhere(self._write(model, version))
-            return
-        servers = {
-            i: (self.urls[i], self.served[i]) for i in (*self.fleet.alive, *sorted(self.streamed.returning))
-        }
-        label = version_label(self.weights_dir, version)
-        failed, sent = self.streamed.send(model, label, self.weights, servers)
-        self.stats.sync_bytes += sent
-        for i, exc in failed.items():
-            if isinstance(exc, ServerLostError):
-                self._lose(i, exc)
-            elif i in self.fleet.alive:
-                raise exc
-            else:  # a server that came back, as a file reload that fails there
-                log.warning("vllm-server %s answers again but stays out of this run: %s", self.urls[i], exc)
-        for i in servers:
-            if i not in failed and i not in self.fleet.alive:
-                with self._lock:
-                    self.fleet.back(i)
-                log.warning(
-                    "vllm-server %s is back at weight version %s; it takes work again", self.urls[i], label
-                )
-        if not self.fleet.alive:
-            raise self._all_lost()
-        self.check_versions("after the transfer")
-
-    def _load_everywhere(self, written: Written) -> None:
-        self.weights.take(written)
-        self.stats.sync_bytes += written.size
-        for i in self.fleet.alive:
-            try:
-                self.weights.load(self.urls[i], self.served[i])
-            except ServerLostError as exc:
-                self._lose(i, exc)
-        if not self.fleet.alive:
-            raise self._all_lost()
-        self.weights.loaded_everywhere()
-        self.check_versions("after the reload")
-
-    def _follow(self, model: object) -> None:
-        """Run the collectives of rank 0's write, then take what its sync left on the servers."""
-        assert self.ranks is not None
-        self.weights.follow(model)
-        outcome = share_outcome(self.ranks, None)
-        if outcome.error is not None:
-            raise EngineError(f"rank 0's weight sync stopped: {outcome.error}")
-        self.weights.adopt(outcome.path, outcome.label, outcome.adapter)
-        for i in self.fleet.alive:
-            if i not in outcome.alive:
-                self._lose(i, EngineError(f"vllm-server {self.urls[i]}: lost at rank 0's weight sync"))
-        if self.streamed is not None:  # a server rank 0 streamed to holds this sync's weights
-            for i in set(outcome.alive) - set(self.fleet.alive):
-                with self._lock:
-                    self.fleet.back(i)
-                self.streamed.returning.discard(i)
-        if not self.fleet.alive:
-            raise self._all_lost()
-        self.check_versions("after rank 0's reload")
 
     def release_group(self, group: str) -> None:
         """vLLM's prefix cache evicts by itself; the group's server is forgotten."""
