@@ -15,7 +15,7 @@ from treetrain.loss.advantages import AdvantageConfig, compute_advantages
 from treetrain.loss.loss_config import LossConfig
 from treetrain.memory.context_cost import ContextShare, query_bytes
 from treetrain.memory.context_need import context_needed
-from treetrain.memory.events import Shape, plan_tree
+from treetrain.memory.events import MemEvent, Shape, plan_tree
 from treetrain.memory.ledger import predict_ledger
 from treetrain.memory.persistent import kv_bytes_per_token
 from treetrain.memory.plan_search import chunk_candidates
@@ -97,7 +97,6 @@ def test_no_group_no_transfers_and_more_ranks_send_more(model: PreTrainedModel) 
 
 def test_transfer_buffers_follow_the_queries_not_the_prefix(model: PreTrainedModel) -> None:
     share = ContextShare(4, 0, 64, query_bytes(model))
-    from treetrain.memory.events import MemEvent
 
     def event(kind: str, past: int, rows: int = 2, width: int = 16) -> MemEvent:
         return MemEvent("e", kind, Shape(rows=rows, width=width, past=past, pieces=1, targets=0), 0, ())  # type: ignore[arg-type]
@@ -106,8 +105,26 @@ def test_transfer_buffers_follow_the_queries_not_the_prefix(model: PreTrainedMod
     assert share.buffers(event("step", past=64)) == share.buffers(event("step", past=4096))
     assert share.sent(event("score", past=64)) == share.sent(event("score", past=4096)) > 0
     assert share.buffers(event("step", 64, rows=4)) == 2 * share.buffers(event("step", 64, rows=2))
-    assert share.sent(event("step", 64)) > share.sent(event("score", 64))  # backward all_reduces dO and dQ
+    assert share.sent(event("step", 64)) > share.sent(event("score", 64))  # backward all_reduces dO
     assert ContextShare(1, 0, 0, query_bytes(model)).sent(event("step", 64)) == 0
+
+
+def test_transfers_count_each_backward_that_runs(model: PreTrainedModel) -> None:
+    """A kept graph's backward reduces dO like a step's; without loss targets (a prompt chunk) the top
+    attention layer's backward never runs. `test_train_context` holds the engine's counts to these."""
+    sizes = query_bytes(model)
+    share = ContextShare(2, 0, 64, sizes)
+
+    def event(kind: str, targets: int) -> MemEvent:
+        return MemEvent("e", kind, Shape(rows=2, width=16, past=64, pieces=1, targets=targets), 0, ())  # type: ignore[arg-type]
+
+    tokens, layers = 2 * 16, sizes.layers
+    gather = (sizes.out + sizes.lse) * tokens * layers
+    assert sizes.attention_on_top and layers > 1
+    assert share.contributed(event("score", 0)) == gather
+    assert share.contributed(event("step", 3)) == gather + sizes.grad * tokens * layers
+    assert share.contributed(event("keep", 0)) == share.contributed(event("step", 0))
+    assert share.contributed(event("step", 0)) == gather + sizes.grad * tokens * (layers - 1)
 
 
 def test_each_rank_attends_to_its_own_pieces_and_together_to_the_whole_past(model: PreTrainedModel) -> None:

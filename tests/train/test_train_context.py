@@ -99,6 +99,7 @@ def test_a_prompt_one_rank_cannot_hold_trains_in_a_group_of_two(tmp_path: Path, 
     (row_one,) = read_metrics(tmp_path / "one" / "metrics.jsonl")
     (row,) = read_metrics(tmp_path / "two" / "metrics.jsonl")
     assert row.context_bytes > 0 and row_one.context_bytes == 0
+    assert row.context_bytes == row.context_bytes_predicted  # the per-rank ledger's transfers, to the byte
     assert row.flat_token_cost == row_one.flat_token_cost  # one data group: the whole update's flat cost
     assert row.peak_bytes is not None and row.predicted_peak_bytes > 0
     assert row.peak_bytes <= 64 * 2**20
@@ -235,6 +236,7 @@ def test_longdoc_samples_and_trains_in_a_group_of_two(tmp_path: Path) -> None:
     (row_one,) = read_metrics(tmp_path / "one" / "metrics.jsonl")
     (row,) = read_metrics(tmp_path / "two" / "metrics.jsonl")
     assert row.trajectories == row_one.trajectories == 8 and row.context_bytes > 0
+    assert row.context_bytes == row.context_bytes_predicted
     assert row.flat_token_cost == row_one.flat_token_cost
     trees = [load_tree(p) for p in sorted((tmp_path / "two" / "rollouts").rglob("*.msgpack"))]
     assert len(trees) == 2 and min(len(t.nodes[1].tokens) for t in trees) >= 500  # long-prompt trees

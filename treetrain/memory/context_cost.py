@@ -12,7 +12,8 @@ this module four questions, each answered from the same ownership rule the engin
 - what its activations attend to: the queries of every event against the pieces it owns only
   (`ContextShare.local`), the rest arriving as partial outputs;
 - the transfer buffers an event adds to the replay-temporary class: `ContextShare.buffers`;
-- the bytes this rank sends to the others for an event: `ContextShare.sent`.
+- the bytes this rank sends to the others for an event: `ContextShare.sent` (by the ring algorithms), and
+  what it puts into the collectives, as the engine counts it: `ContextShare.contributed`.
 
 The transfer model, per attention layer and query token (the step's rows x width, padded as the engine
 pads them):
@@ -21,11 +22,15 @@ pads them):
   C x (out + lse) bytes received into a buffer, (C - 1) x (out + lse) sent in a ring all_gather;
 - a forward with a graph (a replay step, a kept graph) keeps every layer's gathered partials for its
   backward (`SAVED_FOR_BACKWARD`); a forward without one holds a single layer's buffer at a time;
-- backward of a step: all_reduce of dO and dQ (`BACKWARD_ALL_REDUCE`), one layer at a time:
-  out + q bytes of buffer, 2 (C - 1) / C of them sent in a ring all_reduce.
+- backward of a graph (a replay step's, a kept graph's): an all_reduce of dO (`BACKWARD_ALL_REDUCE`), one
+  layer at a time, in float32 at least, 2 (C - 1) / C of its bytes sent in a ring all_reduce; out + q bytes
+  of buffer (the reduced dO and this rank's dQ, which never crosses: each rank backpropagates its pieces'
+  share of it, a partial sum). Without loss targets (a prompt chunk) the top attention layer's output
+  reaches nothing, so its backward never runs (`QueryBytes.attention_on_top`).
 
 Example:
-    >>> share = ContextShare(size=2, rank=1, block=4, sizes=QueryBytes(layers=1, out=8, lse=1, query=8))
+    >>> sizes = QueryBytes(layers=1, out=8, lse=1, query=8, grad=8, attention_on_top=True)
+    >>> share = ContextShare(size=2, rank=1, block=4, sizes=sizes)
     >>> share.owns(5), share.owns(9), share.owns(12)
     (True, True, False)
 """
@@ -42,13 +47,14 @@ from treetrain.models.recurrent_state import unkeyed_layers
 from treetrain.replay.context_shards import ContextGroup
 from treetrain.replay.units import UnitTree
 
-LSE_BYTES = 4
-"""The log-sum-exp travels in fp32 whatever the model's dtype (the merge is done in fp32)."""
+STATE_MIN_BYTES = 4
+"""Partial attention states (out, lse) and output gradients cross in the merge's dtype, float32 at least
+(`shared_past`'s running state, `ContextExchange.all_reduce`), whatever the model's dtype."""
 SAVED_FOR_BACKWARD = True
 """A forward with a graph keeps every attention layer's gathered (out, lse) partials until its backward (the
 merge's autograd saves them); an upper bound if the engine recomputes them instead."""
-BACKWARD_ALL_REDUCE = ("dO", "dQ")
-"""What a step's backward all_reduces over the group at each attention layer, both query-sized."""
+BACKWARD_ALL_REDUCE = ("dO",)
+"""What a graph's backward all_reduces over the group at each attention layer: query-sized."""
 GRAPH_KINDS = ("step", "keep")
 WHOLE = 1 << 62
 """The ownership block of an unchunked plan: one block spans every position, so rank 0 owns every piece."""
@@ -56,16 +62,22 @@ WHOLE = 1 << 62
 
 @dataclass(frozen=True)
 class QueryBytes:
-    """Bytes of one query token's attention tensors, per attention layer, in the model's dtype."""
+    """Bytes of one query token's attention tensors, per attention layer, as the group holds and sends them."""
 
     layers: int
     """Attention layers (those that keep KV per token; recurrent layers keep their small state everywhere)."""
     out: int
-    """The attention output of one token: heads x value head size."""
+    """A partial attention output of one token: heads x value head size, in the merge's dtype."""
     lse: int
-    """Its log-sum-exp: one fp32 per head."""
+    """Its log-sum-exp, packed beside it: one per head, in the merge's dtype."""
     query: int
-    """Its query (the size of dQ): heads x query/key head size."""
+    """Its query (the size of dQ): heads x query/key head size, in the model's dtype."""
+    grad: int
+    """Its output gradient dO as the group all-reduces it: heads x value head size, in the merge's dtype."""
+    attention_on_top: bool
+    """Whether the top decoder layer keeps KV (attention, alone or in a hybrid layer): its attention output
+    reaches only the logits, so the backward of a forward without loss targets (a prompt chunk's, kept for
+    `exact`'s close) never reaches it, and it reduces no dO there."""
 
 
 def query_bytes(model: PreTrainedModel) -> QueryBytes:
@@ -77,10 +89,14 @@ def query_bytes(model: PreTrainedModel) -> QueryBytes:
     query_dim = head_dim
     if getattr(config, "kv_lora_rank", None):  # multi-head latent attention: a no-rope and a rope part
         query_dim = int(config.qk_nope_head_dim) + int(config.qk_rope_head_dim)
-    layers = int(config.num_hidden_layers) - int(getattr(config, "num_kv_shared_layers", None) or 0)
-    layers -= len(unkeyed_layers(unwrap(model)))
+    shared = int(getattr(config, "num_kv_shared_layers", None) or 0)
+    unkeyed = unkeyed_layers(unwrap(model))
+    layers = int(config.num_hidden_layers) - shared - len(unkeyed)
     size = next(model.parameters()).element_size()
-    return QueryBytes(max(0, layers), heads * value_dim * size, heads * LSE_BYTES, heads * query_dim * size)
+    stat = max(size, STATE_MIN_BYTES)
+    out = heads * value_dim * stat
+    on_top = not shared and int(config.num_hidden_layers) - 1 not in unkeyed
+    return QueryBytes(max(0, layers), out, heads * stat, heads * query_dim * size, out, on_top)
 
 
 @dataclass(frozen=True)
@@ -126,23 +142,37 @@ class ContextShare:
         fed = total - s.past if mine and mine[-1] == path[-1] else 0  # the overlap token is input, not past
         return replace(s, past=owned - fed, pieces=len(mine), path_tokens=path_tokens)
 
-    def _per_layer(self, ev: MemEvent) -> tuple[int, int]:
-        """(forward gather bytes, backward all_reduce bytes) of one attention layer of `ev`, 0 without a past."""
+    def _per_layer(self, ev: MemEvent) -> tuple[int, int, int]:
+        """(forward gather, backward buffer, backward all_reduce) bytes of one attention layer of `ev`; 0
+        without a past."""
         s = ev.shape
         if self.size == 1 or s.past == 0 or s.rows == 0:
-            return 0, 0
+            return 0, 0, 0
         tokens = s.rows * s.width
+        gather = (self.sizes.out + self.sizes.lse) * tokens
+        if ev.kind not in GRAPH_KINDS:
+            return gather, 0, 0
         backward = (self.sizes.out + self.sizes.query) * tokens if ev.kind == "step" else 0
-        return (self.sizes.out + self.sizes.lse) * tokens, backward
+        return gather, backward, self.sizes.grad * tokens
+
+    def _reducing_layers(self, ev: MemEvent) -> int:
+        """Attention layers whose backward runs for `ev`'s graph (each all-reduces its dO once)."""
+        return self.sizes.layers - int(self.sizes.attention_on_top and ev.shape.targets == 0)
 
     def buffers(self, ev: MemEvent) -> int:
         """Replay-temporary bytes of `ev`'s transfer buffers at its peak."""
-        gather, backward = self._per_layer(ev)
+        gather, backward, _ = self._per_layer(ev)
         held = self.sizes.layers if SAVED_FOR_BACKWARD and ev.kind in GRAPH_KINDS else 1
         return self.size * gather * held + backward
 
+    def contributed(self, ev: MemEvent) -> int:
+        """Bytes this rank puts into its group's collectives for `ev`: its partial states gathered and its
+        output gradients reduced, as the engine counts them (`ExchangeCounts.total_bytes`)."""
+        gather, _, reduced = self._per_layer(ev)
+        return gather * self.sizes.layers + reduced * self._reducing_layers(ev)
+
     def sent(self, ev: MemEvent) -> int:
         """Bytes this rank sends to the rest of its group for `ev` (ring all_gather and all_reduce)."""
-        gather, backward = self._per_layer(ev)
-        per_layer = (self.size - 1) * gather + (2 * (self.size - 1) * backward) // self.size
-        return per_layer * self.sizes.layers
+        gather, _, reduced = self._per_layer(ev)
+        reduced_sent = (2 * (self.size - 1) * reduced) // self.size
+        return (self.size - 1) * gather * self.sizes.layers + reduced_sent * self._reducing_layers(ev)

@@ -177,6 +177,8 @@ class UpdateMetrics:
     """Bytes this rank put into its context group's collectives in this update (the partial attention
     states gathered forward, the output gradients reduced backward; 0 without a context group,
     `distributed.context_parallel`)."""
+    context_bytes_predicted: int = 0
+    """What the plan's per-rank ledger predicted for `context_bytes` (0 without a context group)."""
     servers: tuple[tuple[str, int, int, float], ...] = ()
     """Per inference server, `(url, requests, samples, mean seconds a request waited in its queue)`: every
     trainer rank's requests, the queue time from the server's own metrics (every client's requests)."""
@@ -274,6 +276,9 @@ class UpdateMetrics:
             trainer_idle_seconds=rollout.trainer_idle,
             servers_lost=rollout.servers_lost,
             context_bytes=report.crossed_bytes,
+            context_bytes_predicted=plan.ledger.context.contributed_bytes
+            if plan and plan.ledger.context
+            else 0,
             servers=rollout.servers,
             weight_sync_bytes=rollout.weight_sync_bytes,
             weight_sync_seconds=rollout.weight_sync_seconds,
