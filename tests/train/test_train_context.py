@@ -6,8 +6,11 @@
   update made without a budget, within FACTOR times the one-process noise floor: its tree update against
   its flat one (Hugging Face models keep float32 islands in float64, so the floor is theirs). The group's
   rank measures its live peak against the per-rank ledger.
-- `mode=flat` in a group (nothing resident to shard) is the one-process flat update, and LoRA with a KL
-  term against the adapters-off policy gives the one-process adapters.
+- `mode=flat` in a group (nothing resident to shard) is the one-process flat update; LoRA with a KL
+  term against the adapters-off policy gives the one-process adapters, and a full fine-tune with a KL term
+  against a reference model of its own the one-process weights, its resident state sharded too.
+- Wherever a group exchanges, the bytes each rank put into the collectives (`context_bytes`) are the
+  per-rank ledger's prediction (`context_bytes_predicted`) to the byte.
 - A rank killed with SIGKILL in the middle of an update stops the group: torchrun stops the other rank,
   which says so in one line; `--resume` redoes the update, and the run ends with every update once and the
   one-process weights.
@@ -187,11 +190,35 @@ def test_lora_with_a_kl_reference_in_a_group_is_the_one_process_update(
     one, two = (read_metrics(tmp_path / run / "metrics.jsonl") for run in ("one", "two"))
     assert one[1].kl > 0 and two[1].kl == pytest.approx(one[1].kl, rel=1e-4)  # the KL term is live
     assert two[0].context_bytes > 0  # the group's own path, not a replicated one
+    assert [r.context_bytes for r in two] == [r.context_bytes_predicted for r in two]  # the reference's too
     a, b = (load_file(tmp_path / run / "final" / "adapter_model.safetensors") for run in ("one", "two"))
     keys = sorted(k for k in a if "lora_B" in k)  # B starts at zero: its weights are the two steps
     da, db = (torch.cat([w[k].double().flatten() for k in keys]) for w in (a, b))
     assert keys and float(da.norm()) > 1e-2
     _same_step(da, db)  # measured 4.1e-7
+
+
+def test_a_separate_reference_model_in_a_group_is_the_one_process_update(
+    three_groups: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A reference model of its own (`model.reference=PATH`, scored in a walk of its own after the policy's)
+    keeps its resident state sharded like the policy's: the bytes the group exchanges are the per-rank
+    ledger's, which prices the reference's walk sharded, and two updates (the second with a nonzero KL) give
+    the one-process weights."""
+    model, trees = three_groups
+    settings = [f"model.path={model}", "rollout.groups_per_update=1", "updates=2", "checkpoint_every=0",
+                "measure_memory_every=0", "loss.kl_coef=0.1", f"model.reference={model}", *SGD]  # fmt: skip
+    assert main(["train", "--no-progress", "--trees", str(trees), "--run-dir", str(tmp_path / "one"),
+                 *_sets(settings)]) == 0  # fmt: skip
+    _torchrun(tmp_path / "two", settings, "--trees", str(trees))
+    one, two = (read_metrics(tmp_path / run / "metrics.jsonl") for run in ("one", "two"))
+    assert one[1].kl > 0 and two[1].kl == pytest.approx(one[1].kl, rel=1e-4)
+    assert all(r.context_bytes > 0 for r in two)
+    assert [r.context_bytes for r in two] == [r.context_bytes_predicted for r in two]
+    start = load_file(model / "model.safetensors")
+    a, b = _update(tmp_path / "one", start), _update(tmp_path / "two", start)
+    assert float(a.norm()) > 1e-2
+    _same_step(a, b)
 
 
 def test_a_rank_killed_mid_update_stops_the_group_and_resume_redoes_it(

@@ -5,7 +5,9 @@ walk (`fused_reference_walk`): at every batch the policy's forward runs, then th
 tokens against its own store. Any other reference, or a plan that asks for it, takes a walk of its own
 after the policy's (`separate_reference_logprobs`), holding less at once. Either way the reference's
 store has the identity the model has inside `adapters_disabled` (adapters 'off'), so its KV is never read
-as the policy's, nor the policy's as its.
+as the policy's, nor the policy's as its. In a context group the reference's resident state is sharded as
+the policy's is (`ReferenceView.shards`): each rank keeps the units it owns, and every rank computes the
+same logprobs.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from transformers import PreTrainedModel
 from treetrain.loss.loss_config import LossConfig
 from treetrain.models.lora import AdaptersOff, Reference, adapters_disabled
 from treetrain.replay.batch import ReplayConfig
+from treetrain.replay.context_replay import ContextShards
 from treetrain.replay.protocols import MemoryProbe
 from treetrain.replay.resident import ResidentIdentity, ResidentStore
 from treetrain.replay.scoring import (
@@ -60,6 +63,8 @@ class ReferenceView:
     """Told about the reference's store, so its KV is measured with the rest."""
     mark: Callable[[ScoreBatch], None]
     """Called before each reference batch (the memory tracker's event labels)."""
+    shards: ContextShards | None = None
+    """The policy's context group, which holds the reference's resident state too (None without one)."""
 
     def store(self, ref: PreTrainedModel) -> tuple[ResidentStore, ResidentIdentity]:
         identity = ResidentIdentity.of(ref, tokenizer=self.tokenizer)
@@ -74,7 +79,7 @@ def fused_reference_walk(ref_model: Reference, units: UnitTree, view: ReferenceV
     with adapters_disabled(ref_model) as ref:
         store, identity = view.store(ref)
     return ReferenceWalk(
-        PathKV(ref, units, store, identity, view.device),
+        PathKV(ref, units, store, identity, view.device, shards=view.shards),
         enter=lambda: adapters_disabled(ref_model),
         before_batch=view.mark,
     )
@@ -86,7 +91,7 @@ def separate_reference_logprobs(
     """The reference's logprobs (`[M_u]` per unit) from a walk of its own, and the tokens it ran."""
     with adapters_disabled(ref_model) as ref:
         store, identity = view.store(ref)
-        paths = PathKV(ref, units, store, identity, view.device)
+        paths = PathKV(ref, units, store, identity, view.device, shards=view.shards)
         lps, n_tok = scoring_pass(
             paths, microbatch=view.score_microbatch, need=reference_need(units),
             keep=lambda u: False, logits=LogitSettings(view.max_logit_elements, view.temperature),

@@ -131,7 +131,11 @@ class TreeReplay:
         self.hooks = hooks or ReplayHooks()
         self.backward: Backward = self.hooks.backward or _default_backward
         self.shards = ContextShards.of_store(self.store, self.cfg.chunk_size, model)
-        """This rank's context group (`context_replay`): it keeps only the resident KV it owns."""
+        """This rank's context group (`context_replay`): it keeps only the resident KV it owns, the
+        reference's too."""
+        ref_own = reference_module(ref_model)
+        if self.shards is not None and ref_own is not None:
+            ContextShards.of_store(self.store, self.cfg.chunk_size, ref_own)  # refuses what cannot be split
         self._widest = 0
         self._evictions: ScheduleRun | None = None
         self._schedule: ReplaySchedule | None = None
@@ -284,6 +288,7 @@ class TreeReplay:
             self.loss_cfg.logit_temperature,
             self.hooks.tracker,
             lambda b: self._mark(f"reference {b.parent}:{b.units[0]}"),
+            self.shards,
         )
 
     def _before_score(self, batch: ScoreBatch) -> None:
