@@ -23,6 +23,9 @@ whose gap is large). The K = 0 test comes first: the K = 1 test kills the second
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -30,15 +33,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.ports import train_ranks
+from support.ports import free_port, kill_tree, train_ranks
 from support.staleness_checks import queued_lags, within
 from support.two_nodes import close_delta, delta, weights
 
 from treetrain.cli.main import main
+from treetrain.rollout.engines.engine_settings import VLLMSettings
+from treetrain.rollout.engines.server_checks import Expected
+from treetrain.rollout.engines.vllm_server import VLLMServerEngine
 from treetrain.rollout.sources.tree_queue import queued_marker
 from treetrain.train.metrics import read_evals, read_metrics
 
 WIDE = Path(__file__).resolve().parents[2] / "treetrain" / "assets" / "demo_model_wide" / "model.safetensors"
+STALLING = Path(__file__).resolve().parents[1] / "support" / "stalling_train.py"
 GAP = 1e-4
 """Largest |logp_trainer - logp_vllm| on a policy token when both hold the same float32 weights."""
 FLEET = ["model.path=demo-wide", "checkpoint_every=0", "threads=1", "measure_memory_every=0",
@@ -146,3 +153,79 @@ def test_two_zero3_ranks_train_asynchronously_from_two_servers_one_killed(
     evals = read_evals(run / "metrics.jsonl")  # rank 0 sampled every held-out task, on the live server
     assert [e.update for e in evals] == [0, 2, 4] and all(e.tasks == 3 and not e.failed_tasks for e in evals)
     assert not (run / "engine-weights").exists()  # what rank 0 published went with the run's end
+
+
+def _serve_other_weights(url: str, weights_dir: Path) -> None:
+    """Have the server at `url` load the demo model moved off its weights (a sampled token's logprob then
+    differs from the trainer's by far more than GAP), labelled as another run's version."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    other = AutoModelForCausalLM.from_pretrained(WIDE.parent, dtype=torch.float32)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    want = Expected(str(WIDE.parent), "float32", 1024)
+    engine = VLLMServerEngine(VLLMSettings(urls=(url,)), weights_dir=weights_dir, expected=want)
+    try:
+        engine.sync_weights(other, 99)
+    finally:
+        engine.close()
+    with urllib.request.urlopen(url + "/weight_info", timeout=30) as resp:
+        assert json.loads(resp.read())["weight_version"].endswith("@99")
+
+
+def _start_and_kill_at(run: Path, settings: list[str], point: str, tmp_path: Path) -> str:
+    """Start the two ranks under torchrun (`support.stalling_train`: the rank named in `point` stands
+    still there), then SIGKILL torchrun and every process below it, as a lost machine; torchrun's output."""
+    arrived, log = tmp_path / "arrived", tmp_path / "killed.log"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}", str(STALLING), point, str(arrived), "train", "--run-dir", str(run),
+        "--no-progress", *(a for kv in settings for a in ("--set", kv)),
+    ]  # fmt: skip
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 600
+            while not arrived.exists() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert arrived.exists(), f"the run never reached {point}:\n{log.read_text()[-3000:]}"
+            time.sleep(2.0)  # the sampler thread goes on ahead meanwhile
+        finally:
+            kill_tree(proc.pid)
+            proc.wait()
+    return log.read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(1200)
+def test_two_zero3_ranks_killed_mid_run_resume_asynchronously_with_every_update_once(
+    vllm_server: str, tmp_path: Path
+) -> None:
+    """kill -9 of the whole trainer (torchrun and both ranks) once update 2 has begun on rank 0, its sampler
+    thread running ahead on the server, then `--resume` under torchrun: every update is trained once with
+    all of its trajectories, every token within one version of its update's, and each fresh sample's gap is
+    rounding. Before the resume the server is given other weights (as another run would leave it), so the
+    gap shows that the resumed run set it to the checkpoint's weights before it sampled."""
+    run = tmp_path / "run"
+    settings = [*FLEET, *RANKS, "updates=4", "rollout.max_staleness=1", "checkpoint_every=1",
+                f"rollout.vllm.urls={json.dumps([vllm_server])}"]  # fmt: skip
+    output = _start_and_kill_at(run, settings, "update-start@2#0", tmp_path)
+    assert [m.update for m in read_metrics(run / "metrics.jsonl")] == [0, 1], output[-3000:]
+    assert {p.name for p in (run / "checkpoints").iterdir()} >= {"update-00002"}
+
+    _serve_other_weights(vllm_server, tmp_path / "other")
+    done = train_ranks(run, settings, "--resume", timeout=800)
+    assert done.returncode == 0, done.output[-4000:]
+    metrics = read_metrics(run / "metrics.jsonl")
+    assert [m.update for m in metrics] == [0, 1, 2, 3], "an update was lost or trained twice"
+    assert all(m.trajectories == 8 for m in metrics)
+    versions = [m.version for m in metrics]
+    assert versions == sorted(versions) and versions[-1] >= 2
+    assert within(queued_lags(run, metrics), 1)
+    fresh = [row for m in metrics[2:] for row in m.sampler_gap_by_lag if row[0] == 0]
+    assert fresh and all(largest < GAP for _, _, largest, _ in fresh), fresh
+    assert not (run / "engine-weights").exists()
