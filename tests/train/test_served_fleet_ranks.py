@@ -18,7 +18,11 @@ none.
 
 In both, the lag-0 sampler/trainer gap is float32 rounding, so the servers held the weights they said they
 held (`tests/rollout/test_served_engine.py` holds the negative control, weights published and not loaded,
-whose gap is large). The K = 0 test comes first: the K = 1 test kills the second server."""
+whose gap is large). The K = 0 test comes first: the K = 1 test kills the second server.
+
+A third run kills the whole trainer (torchrun and both ranks, SIGKILL) mid-run at K = 1 on the first server,
+gives that server other weights, and resumes: every update once, and the resumed run's samples come from the
+checkpoint's weights."""
 
 from __future__ import annotations
 
