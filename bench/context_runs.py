@@ -77,6 +77,9 @@ class Row:
     predicted_bytes: int = 0
     """The per-rank ledger's prediction of it."""
     context_bytes: int = 0
+    """Bytes rank 0 put into its group's collectives (`metrics.jsonl`'s `context_bytes`)."""
+    context_predicted: int = 0
+    """The per-rank ledger's prediction of them (`context_bytes_predicted`)."""
     step_error: float = 0.0
     """|step - one-process step| / |one-process step|, against the first case of its dtype (0 for that one)."""
 
@@ -124,7 +127,13 @@ def run_case(
     start, end = load_file(model / "model.safetensors"), load_file(run_dir / "final" / "model.safetensors")
     step = torch.cat([(end[k].double() - start[k].double()).flatten() for k in sorted(start)])
     measured = Row(
-        case, None, row.train_seconds, row.peak_bytes or 0, row.predicted_peak_bytes, row.context_bytes
+        case,
+        None,
+        row.train_seconds,
+        row.peak_bytes or 0,
+        row.predicted_peak_bytes,
+        row.context_bytes,
+        row.context_bytes_predicted,
     )
     return measured, step
 
@@ -149,20 +158,20 @@ def table(rows: list[Row]) -> list[str]:
     base = rows[0].train_seconds
     out = [
         "| case | ranks | C | ZeRO | budget | train s | vs first | rank-0 peak | ledger | measured/ledger "
-        "| group bytes | step vs one process |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| group bytes | ledger's group bytes | step vs one process |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         c = r.case
         head = f"| {c.name} | {c.ranks} | {c.context} | {c.zero if c.ranks > 1 else '-'} | {c.budget or '-'} "
         if r.refused is not None:
-            out.append(head + f"| refused: {r.refused} |||||||")
+            out.append(head + f"| refused: {r.refused} ||||||||")
             continue
         ratio = r.peak_bytes / r.predicted_bytes if r.predicted_bytes else float("nan")
         out.append(
             head + f"| {r.train_seconds:.1f} | {r.train_seconds / base:.2f}x | {format_bytes(r.peak_bytes)} "
             f"| {format_bytes(r.predicted_bytes)} | {ratio:.2f} | {format_bytes(r.context_bytes)} "
-            f"| {r.step_error:.1e} |"
+            f"| {format_bytes(r.context_predicted)} | {r.step_error:.1e} |"
         )
     return out
 

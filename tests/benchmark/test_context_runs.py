@@ -22,11 +22,11 @@ def test_a_case_sets_the_group_only_under_torchrun() -> None:
 def test_the_table_gives_ratios_to_the_first_row_and_a_refusal_its_own_line() -> None:
     rows = [
         Row(Case("one process"), None, 4.0, 3 << 20, 2 << 20),
-        Row(Case("c2", ranks=2, context=2), None, 6.0, 1 << 20, 1 << 20, 5 << 10, 2.5e-7),
+        Row(Case("c2", ranks=2, context=2), None, 6.0, 1 << 20, 1 << 20, 5 << 10, 5 << 10, 2.5e-7),
         Row(Case("refused", ranks=2, budget="1MiB"), "nothing fits the 1.0 MiB budget"),
     ]
     head, rule, one, two, refused = table(rows)
     assert head.count("|") == rule.count("|") == one.count("|") == two.count("|")
-    assert "| 4.0 | 1.00x | 3.0 MiB | 2.0 MiB | 1.50 | 0 B | 0.0e+00 |" in one
-    assert "| 6.0 | 1.50x | 1.0 MiB | 1.0 MiB | 1.00 | 5.0 KiB | 2.5e-07 |" in two
+    assert "| 4.0 | 1.00x | 3.0 MiB | 2.0 MiB | 1.50 | 0 B | 0 B | 0.0e+00 |" in one
+    assert "| 6.0 | 1.50x | 1.0 MiB | 1.0 MiB | 1.00 | 5.0 KiB | 5.0 KiB | 2.5e-07 |" in two
     assert "| 1MiB | refused: nothing fits the 1.0 MiB budget |" in refused
