@@ -69,9 +69,7 @@ class ContextShards:
         exchange = store.exchange
         if exchange is None or not exchange.sharded:
             return None
-        why = refusal(model)
-        if why is not None:
-            raise ContextShardingError(why)
+        require_shardable(model)
         return ContextShards.of(exchange, chunk_size)
 
     def crossed(self) -> int:
@@ -103,6 +101,13 @@ class ContextShards:
             else:
                 kept.append((_meta(e[0]), _meta(e[1])))
         return kept
+
+
+def require_shardable(model: PreTrainedModel) -> None:
+    """`ContextShardingError` with the reason when a context group cannot shard `model`'s resident past."""
+    why = refusal(model)
+    if why is not None:
+        raise ContextShardingError(why)
 
 
 def refusal(model: PreTrainedModel) -> str | None:

@@ -57,7 +57,7 @@ from treetrain.models.layer_entry import entry_tensors, grad_tensors, map_entry
 from treetrain.models.lora import Reference, reference_module
 from treetrain.models.support import SupportGate
 from treetrain.replay.batch import ReplayConfig, ReplayReport, TreeWork, UpdateBatch
-from treetrain.replay.context_replay import ContextShards
+from treetrain.replay.context_replay import ContextShards, require_shardable
 from treetrain.replay.pieces import (
     forward_units,
     gather_targets,
@@ -135,7 +135,7 @@ class TreeReplay:
         reference's too."""
         ref_own = reference_module(ref_model)
         if self.shards is not None and ref_own is not None:
-            ContextShards.of_store(self.store, self.cfg.chunk_size, ref_own)  # refuses what cannot be split
+            require_shardable(ref_own)
         self._widest = 0
         self._evictions: ScheduleRun | None = None
         self._schedule: ReplaySchedule | None = None
@@ -143,7 +143,6 @@ class TreeReplay:
         tracker = self.hooks.tracker
         if tracker is not None:
             tracker.attach_model(model)
-            ref_own = reference_module(ref_model)
             if ref_own is not None:
                 tracker.attach_model(ref_own)
             tracker.attach_store(self.store)

@@ -11,7 +11,7 @@ server is lost the sync stops with one line that `--resume` continues.
 Example (a `VLLMServerEngine` is a `FleetSync`; it needs running servers, see tests/rollout):
     >>> engine.sync_weights(model, version=3)   # doctest: +SKIP
     >>> engine.label                            # doctest: +SKIP
-    'treetrain-v3-...'
+    '/abs/run/engine-weights@3'
 """
 
 from __future__ import annotations
