@@ -7,7 +7,8 @@ ledger and each step against the one-process step.
 
 The model and trees are `treetrain.benchmark.long_prompt`'s (a 4-layer Llama with 2 KiB of KV per token,
 groups of four short answers under one prompt). Each case is one update (SGD, fp32 unless the case says
-float64) from the same checkpoint with the run's memory measured (`measure_memory_every=1`); a row reads rank 0's metrics row (time
+float64) from the same checkpoint with the run's memory measured (`measure_memory_every=1`), its model's memory
+calibrations measured beforehand in this process (`treetrain.train.prewarm`); a row reads rank 0's metrics row (time
 per update, its measured live peak and the per-rank ledger's prediction of it, the bytes it put into its
 group's collectives) and the final weights, whose step is compared with the one-process step of its dtype
 (a float64 case with the float64 one-process case, which Hugging Face's float32 islands bound). A case the
@@ -34,6 +35,7 @@ from treetrain.benchmark.long_prompt import write_long_model, write_long_rollout
 from treetrain.bytesize import format_bytes
 from treetrain.io import atomic_write_text
 from treetrain.train.metrics import read_metrics
+from treetrain.train.prewarm import prewarm_calibrations
 
 LAUNCH_TIMEOUT_S = 1200
 
@@ -142,6 +144,8 @@ def run_cases(cases: list[Case], work: Path, prompt_tokens: int, groups: int) ->
     """Every case on the same checkpoint and trees; the first of each dtype must train (it is the reference
     step for that dtype)."""
     model, trees = prepare(work, prompt_tokens, groups)
+    for dtype in sorted({c.dtype for c in cases}):  # no case times the memory calibration's probes
+        prewarm_calibrations([f"model.path={model}", f"model.dtype={dtype}"])
     rows: list[Row] = []
     references: dict[str, torch.Tensor] = {}
     for case in cases:

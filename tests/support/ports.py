@@ -81,28 +81,12 @@ def run(cmd: Sequence[str], env: dict[str, str], timeout: float) -> Launched:
 
 
 def calibrate_run(settings: Sequence[str]) -> None:
-    """Measure, in this process, the memory calibrations a `treetrain train --set SETTINGS` run's planner asks
-    for (both contracts: the planner prices flat against tree), into the run's calibration store
-    (`tests/conftest.py`). Every rank of a launch would otherwise measure them itself, and under ZeRO-3 each
-    probe fetches its parameters from the other ranks (about 45 s of a 2-rank run's first update). Settings
-    whose model this cannot build as the trainer does (LoRA adapters, a file config) are left to the run."""
-    from treetrain.errors import TreetrainError
-    from treetrain.memory.calibrate import calibrate
-    from treetrain.train.config import load_config
-    from treetrain.train.models import load_models
+    """Measure, in this process, the memory calibrations a `treetrain train --set SETTINGS` run asks for, into
+    the run's calibration store (`tests/conftest.py`; `treetrain.train.prewarm`): every rank of a launch
+    would otherwise measure them itself, under ZeRO-3 slowly."""
+    from treetrain.train.prewarm import prewarm_calibrations
 
-    try:
-        config = load_config(None, list(settings))
-        if config.model.lora is not None:
-            return
-        policy = load_models(config.model).policy
-    except TreetrainError:  # settings a test launches to see refused: the run says what is wrong
-        return
-    loss, replay = config.policy_loss, config.replay
-    for contract in ("exact", "response_only"):
-        calibrate(
-            policy, contract, with_entropy=loss.needs_entropy, max_logit_elements=replay.max_logit_elements
-        )
+    prewarm_calibrations(settings)
 
 
 def train_ranks(

@@ -37,11 +37,12 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from transformers import PreTrainedModel
 
-from treetrain.memory.events import MemEvent, Shape
+from treetrain.memory.events import MemEvent, Shape, TreeLayout
 from treetrain.models.lora import unwrap
 from treetrain.models.recurrent_state import unkeyed_layers
 from treetrain.replay.context_shards import ContextGroup
@@ -176,3 +177,13 @@ class ContextShare:
         gather, _, reduced = self._per_layer(ev)
         reduced_sent = (2 * (self.size - 1) * reduced) // self.size
         return (self.size - 1) * gather * self.sizes.layers + reduced_sent * self._reducing_layers(ev)
+
+
+def contributed_bytes(trees: Sequence[TreeLayout], size: int, block: int, model: PreTrainedModel) -> int:
+    """Bytes one rank of a context group of `size` (ownership blocks of `block` positions) puts into its
+    group's collectives replaying `trees`, its data group's share of an update laid out as the engine runs
+    it: the prediction of `metrics.jsonl`'s `context_bytes`. Every rank of the group puts in the same."""
+    if size == 1:
+        return 0
+    share = ContextShare(size, 0, block, query_bytes(model))
+    return sum(share.contributed(ev) for tp in trees for ev in (*tp.events, *tp.reference_events))

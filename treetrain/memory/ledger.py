@@ -69,9 +69,6 @@ class RankShare:
     sent_bytes: int
     """Bytes this rank sends to the rest of its group over the update (`ContextShare.sent`); each rank sends
     the same, every rank running the same steps."""
-    contributed_bytes: int
-    """Bytes this rank puts into its group's collectives over the update (`ContextShare.contributed`): what
-    the engine counts (`metrics.jsonl`'s `context_bytes`), predicted."""
     resident_bytes: int
     """Resident KV of every unit of the update, over the whole group (what one device would hold at C = 1
     with nothing evicted): the scale `sent_bytes` is compared with."""
@@ -308,10 +305,9 @@ class _Walk:
         peaks = tuple(max(r.bytes.total for r in walked[0]) for walked, _, _ in ranks)
         top = max(range(size), key=lambda r: peaks[r])
         (rows, minimum, recomputes), share, mine = ranks[top]
-        events = [ev for tp in mine for ev in (*tp.events, *tp.reference_events)]
-        sent, contributed = sum(map(share.sent, events)), sum(map(share.contributed, events))
+        sent = sum(share.sent(ev) for tp in mine for ev in (*tp.events, *tp.reference_events))
         resident = sum(len(u) * kv for tp in plans for u in tp.units.units)
-        return rows, minimum, recomputes, RankShare(size, top, sent, contributed, resident, peaks)
+        return rows, minimum, recomputes, RankShare(size, top, sent, resident, peaks)
 
 
 def _cause(row: LedgerRow) -> str:

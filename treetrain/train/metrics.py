@@ -178,7 +178,8 @@ class UpdateMetrics:
     states gathered forward, the output gradients reduced backward; 0 without a context group,
     `distributed.context_parallel`)."""
     context_bytes_predicted: int = 0
-    """What the plan's per-rank ledger predicted for `context_bytes` (0 without a context group)."""
+    """What the per-rank ledger predicted for `context_bytes`, over this rank's share of the update as it was
+    laid out (0 without a context group)."""
     servers: tuple[tuple[str, int, int, float], ...] = ()
     """Per inference server, `(url, requests, samples, mean seconds a request waited in its queue)`: every
     trainer rank's requests, the queue time from the server's own metrics (every client's requests)."""
@@ -276,9 +277,7 @@ class UpdateMetrics:
             trainer_idle_seconds=rollout.trainer_idle,
             servers_lost=rollout.servers_lost,
             context_bytes=report.crossed_bytes,
-            context_bytes_predicted=plan.ledger.context.contributed_bytes
-            if plan and plan.ledger.context
-            else 0,
+            context_bytes_predicted=outcome.predicted_context_bytes,
             servers=rollout.servers,
             weight_sync_bytes=rollout.weight_sync_bytes,
             weight_sync_seconds=rollout.weight_sync_seconds,

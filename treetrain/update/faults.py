@@ -43,7 +43,7 @@ from treetrain.replay import (
 )
 from treetrain.replay.protocols import MemoryProbe
 from treetrain.update.learner import Learner
-from treetrain.update.window import UpdateWindow, open_window
+from treetrain.update.window import UpdateWindow, laid_out, open_window
 from treetrain.update.window_types import DroppedGroup, Replayed
 
 log = logging.getLogger("treetrain.update")
@@ -227,8 +227,8 @@ class _Replay:
             )
             w, learner = self.window, self.learner
             plan = w.plan.narrower(k)
-            schedule = plan.lay_out(w.share, learner.backend.module, self.loss, learner.ref_model).schedule
-            self.window = dataclasses.replace(w, plan=plan, schedule=schedule)
+            schedule, sent = laid_out(learner, plan, w.share, self.loss)
+            self.window = dataclasses.replace(w, plan=plan, schedule=schedule, context_bytes=sent)
             self.replayer = learner.replayer(plan, self.loss, self.tracker)
 
     def _fail(self, group: int, reason: str) -> None:

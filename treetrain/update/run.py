@@ -56,6 +56,9 @@ class UpdateOutcome:
     """The planner's decision; None when no group was left to train on (and no step was taken)."""
     report: WindowReport | None = None
     """The step: version, contributions, this rank's replay sums, dropped groups."""
+    predicted_context_bytes: int = 0
+    """What the per-rank ledger predicted this rank would put into its context group's collectives (the
+    engine's count is `report.local.crossed_bytes`; 0 without a group)."""
 
 
 def advantage_groups(
@@ -119,4 +122,4 @@ def run_update(
 
     # 7. The optimizer step, and the next model version (old resident state becomes unreadable).
     report = learner.step(window.manifest, window.placement, replayed)
-    return UpdateOutcome(zero_variance, tuple(groups), plan, report)
+    return UpdateOutcome(zero_variance, tuple(groups), plan, report, window.context_bytes)

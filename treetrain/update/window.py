@@ -19,6 +19,7 @@ from treetrain.distributed.coverage import CoverageClaims
 from treetrain.distributed.placement import Placement, place
 from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.manifest import ContributionKey, Manifest, ManifestError
+from treetrain.memory.context_cost import contributed_bytes
 from treetrain.memory.planner import Plan
 from treetrain.replay import UpdateBatch
 from treetrain.replay.batch import TreeWork
@@ -49,6 +50,9 @@ class UpdateWindow:
     """The update's plan (after an out-of-memory error in backward, a narrower one)."""
     schedule: ReplaySchedule
     """`plan` laid out over `share`: each tree's steps, kept graphs and evictions."""
+    context_bytes: int = 0
+    """What this rank will put into its context group's collectives replaying `schedule`, by the per-rank
+    ledger's transfer model (0 without a group): the prediction of what the engine counts."""
 
     @property
     def work(self) -> Mapping[str, TreeWork]:
@@ -94,9 +98,20 @@ def open_window(
     backend.agree(placed.digest, "placement")
     share = batch.restricted(dict(zip(placed.tree_ids, placed.for_rank(backend.rank // ctx))))
     claims = CoverageClaims(k for w in share.work for k in w.contribution_keys(version))
-    layout = plan.lay_out(share, backend.module, loss, learner.ref_model)
+    schedule, sent = laid_out(learner, plan, share, loss)
     backend.begin_window()
-    return UpdateWindow(groups, alive, version, batch.manifest, placed, share, claims, plan, layout.schedule)
+    return UpdateWindow(groups, alive, version, batch.manifest, placed, share, claims, plan, schedule, sent)
+
+
+def laid_out(
+    learner: Learner, plan: Plan, share: UpdateBatch, loss: LossConfig
+) -> tuple[ReplaySchedule, int]:
+    """`plan` over this rank's `share`: the replay schedule, and the bytes the rank will put into its context
+    group's collectives running it (`UpdateWindow.context_bytes`)."""
+    module = learner.backend.module
+    layout = plan.lay_out(share, module, loss, learner.ref_model)
+    cfg = plan.config
+    return layout.schedule, contributed_bytes(layout.trees, cfg.context_parallel, cfg.chunk_size or 0, module)
 
 
 def _check_groups(groups: Sequence[Group]) -> None:
