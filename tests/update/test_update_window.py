@@ -43,7 +43,7 @@ from treetrain.replay import BackwardFailed, TreeReplay, UpdateBatch
 from treetrain.replay.replay_schedule import ReplayHooks
 from treetrain.replay.resident import ResidentIdentity, ResidentKey, ResidentStore, StaleResidentStateError
 from treetrain.replay.schedule import ReplayStep
-from treetrain.update.faults import is_transient, replay_window
+from treetrain.update.faults import LockstepFault, is_transient, replay_window
 from treetrain.update.learner import Learner
 from treetrain.update.planning import plan_for
 from treetrain.update.run import run_update
@@ -368,6 +368,39 @@ def _thread_ranks(
         return fn
 
     return world.run([rank_fn(r) for r in range(world.size)])
+
+
+class LockstepRank(ThreadRankBackend):
+    """A simulated rank of one context group of every rank: the fault rule sees the group (the engine is
+    not sharded here: each rank replays every tree whole, as the ranks of a group all run the same trees)."""
+
+    @property
+    def context_size(self) -> int:
+        return self.world_size
+
+
+def test_a_rank_of_a_context_group_stops_at_its_first_fault_instead_of_retrying_alone() -> None:
+    """A transient fault before any backward is retried on a rank of its own (above); in a context group
+    the rank stops at once with one line, since a retry alone would pair its collectives with the wrong
+    ones of the other ranks (an out-of-memory error in a group's step reaches here too: the replayer splits
+    a step only outside a group). The other rank, left in a collective, fails there (here: the barrier's
+    timeout)."""
+    world = ThreadWorld(2, timeout=5.0)
+    hooks = [Raise("forward", {1}, RuntimeError("device error\nsecond line")), None]
+
+    def rank_fn(r: int) -> Any:
+        def fn() -> Any:
+            backend = LockstepRank(world, r, make_model(), OPTIMIZER)
+            return update(Learner(backend, hooks=ReplayHooks(step=hooks[r])), groups())
+
+        return fn
+
+    stopped, other = world.run([rank_fn(r) for r in range(2)])
+    assert isinstance(stopped, LockstepFault) and isinstance(stopped.__cause__, RuntimeError)
+    said = str(stopped)
+    assert "\n" not in said and said.startswith("rank 0: RuntimeError in tree ") and "--resume" in said
+    assert hooks[0] is not None and hooks[0].count == 1, "retried alone"
+    assert isinstance(other, BaseException)
 
 
 class DoublingBackend(TorchBackend):

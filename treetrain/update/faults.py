@@ -19,6 +19,12 @@ counted twice. Only transient faults are retried (`is_transient`: `RuntimeError`
   drops the group whole on every rank, with its reason logged: the window is opened again without it (so
   the manifest, and normalization, exclude it), every rank discards and replays, and the group is never
   trained on in part. With every group dropped, the update is refused (`ManifestError`).
+
+In a context group (`distributed.context_parallel` > 1) nothing is retried: the group's ranks replay the
+same steps in lockstep, each attention layer a collective of the group, so a rank that retried alone would
+pair its collectives with the wrong ones of the others. The first failure stops this rank with
+`LockstepFault` (one line naming the tree and the error); the others stop with it, and `--resume` redoes
+the update.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import logging
 
 import torch
 
+from treetrain.errors import TreetrainError
 from treetrain.loss.loss_config import LossConfig
 from treetrain.loss.manifest import ManifestError
 from treetrain.memory.retention import BudgetTooSmallError
@@ -56,6 +63,10 @@ PERMANENT: tuple[type[BaseException], ...] = (
     ManifestError, UnsupportedModelError, BudgetTooSmallError,
 )  # fmt: skip
 """Bugs and bad input: a retry would fail the same way. Some are `RuntimeError`s, so this list wins."""
+
+
+class LockstepFault(TreetrainError, RuntimeError):
+    """A replay failure on a rank of a context group, which cannot retry alone (see the module docstring)."""
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -130,6 +141,8 @@ class _Replay:
         self.counters: Replayed = before.counters if before is not None else Replayed()
         self.resets_by_group: dict[int, int] = before.resets_by_group if before is not None else {}
         self.group_of = {t.id: gi for gi in window.alive for t in window.groups[gi].trees}
+        self.lockstep = learner.backend.context_size > 1
+        """A context group's ranks replay in lockstep: no rank retries, narrows or drops alone."""
 
     def replay_due(self) -> None:
         """Replay every tree not covered yet whose group has not failed (after a reset: all of them)."""
@@ -167,10 +180,19 @@ class _Replay:
             except Exception as exc:
                 learner.store.clear()
                 w.claims.release(keys)
-                if not is_transient(exc):
+                transient = is_transient(exc)
+                if not transient or self.lockstep:
                     if learner.backward_calls != before:
                         self._discard()
-                    raise
+                    if not transient:
+                        raise
+                    first = (str(exc).splitlines() or [""])[0][:200]
+                    raise LockstepFault(
+                        f"rank {learner.backend.rank}: {type(exc).__name__} in tree {tree_id[:12]} ({first}); the "
+                        "ranks of a context group replay in lockstep and none retries alone, so the run stops "
+                        "with it: lower the memory a step needs (rollout sizes, replay.microbatch) or raise "
+                        "distributed.context_parallel, and --resume redoes the update"
+                    ) from exc
                 where = f"{type(exc).__name__} in tree {tree_id[:12]}"
                 if isinstance(exc, BackwardFailed) or learner.backward_calls != before:
                     self._reset(group, f"{where} after a backward of it ran: {exc}")
