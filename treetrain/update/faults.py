@@ -249,8 +249,8 @@ class _Replay:
             )
             w, learner = self.window, self.learner
             plan = w.plan.narrower(k)
-            schedule, sent = laid_out(learner, plan, w.share, self.loss)
-            self.window = dataclasses.replace(w, plan=plan, schedule=schedule, context_bytes=sent)
+            schedule, crossing = laid_out(learner, plan, w.share, self.loss)
+            self.window = dataclasses.replace(w, plan=plan, schedule=schedule, context_bytes=crossing)
             self.replayer = learner.replayer(plan, self.loss, self.tracker)
 
     def _fail(self, group: int, reason: str) -> None:

@@ -98,9 +98,11 @@ def open_window(
     backend.agree(placed.digest, "placement")
     share = batch.restricted(dict(zip(placed.tree_ids, placed.for_rank(backend.rank // ctx))))
     claims = CoverageClaims(k for w in share.work for k in w.contribution_keys(version))
-    schedule, sent = laid_out(learner, plan, share, loss)
+    schedule, crossing = laid_out(learner, plan, share, loss)
     backend.begin_window()
-    return UpdateWindow(groups, alive, version, batch.manifest, placed, share, claims, plan, schedule, sent)
+    return UpdateWindow(
+        groups, alive, version, batch.manifest, placed, share, claims, plan, schedule, crossing
+    )
 
 
 def laid_out(
