@@ -95,12 +95,14 @@ def test_no_group_no_transfers_and_more_ranks_send_more(model: PreTrainedModel) 
     assert 0 < sent[0] < sent[1] < sent[2]
 
 
+def event(kind: str, past: int, rows: int = 2, width: int = 16, targets: int = 0) -> MemEvent:
+    """A forward of `rows` x `width` query tokens against a `past`-token past."""
+    shape = Shape(rows=rows, width=width, past=past, pieces=1, targets=targets)
+    return MemEvent("e", kind, shape, 0, ())  # type: ignore[arg-type]
+
+
 def test_transfer_buffers_follow_the_queries_not_the_prefix(model: PreTrainedModel) -> None:
     share = ContextShare(4, 0, 64, query_bytes(model))
-
-    def event(kind: str, past: int, rows: int = 2, width: int = 16) -> MemEvent:
-        return MemEvent("e", kind, Shape(rows=rows, width=width, past=past, pieces=1, targets=0), 0, ())  # type: ignore[arg-type]
-
     assert share.buffers(event("step", past=0)) == share.sent(event("step", past=0)) == 0  # nothing remote
     assert share.buffers(event("step", past=64)) == share.buffers(event("step", past=4096))
     assert share.sent(event("score", past=64)) == share.sent(event("score", past=4096)) > 0
@@ -114,17 +116,13 @@ def test_transfers_count_each_backward_that_runs(model: PreTrainedModel) -> None
     attention layer's backward never runs. `test_train_context` holds the engine's counts to these."""
     sizes = query_bytes(model)
     share = ContextShare(2, 0, 64, sizes)
-
-    def event(kind: str, targets: int) -> MemEvent:
-        return MemEvent("e", kind, Shape(rows=2, width=16, past=64, pieces=1, targets=targets), 0, ())  # type: ignore[arg-type]
-
     tokens, layers = 2 * 16, sizes.layers
     gather = (sizes.out + sizes.lse) * tokens * layers
     assert sizes.attention_on_top and layers > 1
-    assert share.contributed(event("score", 0)) == gather
-    assert share.contributed(event("step", 3)) == gather + sizes.grad * tokens * layers
-    assert share.contributed(event("keep", 0)) == share.contributed(event("step", 0))
-    assert share.contributed(event("step", 0)) == gather + sizes.grad * tokens * (layers - 1)
+    assert share.contributed(event("score", 64)) == gather
+    assert share.contributed(event("step", 64, targets=3)) == gather + sizes.grad * tokens * layers
+    assert share.contributed(event("keep", 64)) == share.contributed(event("step", 64))
+    assert share.contributed(event("step", 64)) == gather + sizes.grad * tokens * (layers - 1)
 
 
 def test_each_rank_attends_to_its_own_pieces_and_together_to_the_whole_past(model: PreTrainedModel) -> None:

@@ -16,8 +16,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 
@@ -62,6 +63,43 @@ def run_all(cmds: Sequence[Sequence[str]], env: dict[str, str], timeout: float) 
             log.seek(0)
             out.append(Launched(code, log.read()))
         return out
+
+
+STALLING = Path(__file__).resolve().parent / "stalling_train.py"
+
+
+@contextlib.contextmanager
+def stalling_ranks(
+    point: str,
+    arrived: Path,
+    args: Sequence[str],
+    log: Path,
+    *,
+    wait: Sequence[Path] = (),
+    timeout: float = 300,
+) -> Iterator[subprocess.Popen[bytes]]:
+    """`treetrain ARGS` on two ranks under torchrun through `support/stalling_train.py` (the rank `point` names
+    stands still there and writes its pid to `arrived`), its output in `log`. Yields the launch once
+    `arrived` and every path of `wait` exist (an assertion with the output's tail if the launch ends or
+    `timeout` passes first); on leaving, torchrun and every process below it are killed."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}", str(STALLING), point, str(arrived), *args,
+    ]  # fmt: skip
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + timeout
+            while not all(p.exists() for p in (arrived, *wait)):
+                assert proc.poll() is None and time.monotonic() < deadline, (
+                    f"never reached {point} ({proc.poll()=}):\n{log.read_text()[-3000:]}"
+                )
+                time.sleep(0.1)
+            yield proc
+        finally:
+            kill_tree(proc.pid)
+            proc.wait()
 
 
 def kill_tree(pid: int) -> None:

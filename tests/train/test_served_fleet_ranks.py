@@ -27,9 +27,6 @@ checkpoint's weights."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -37,9 +34,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.ports import free_port, kill_tree, train_ranks
+import torch
+from support.ports import stalling_ranks, train_ranks
 from support.staleness_checks import queued_lags, within
 from support.two_nodes import close_delta, delta, weights
+from transformers import AutoModelForCausalLM
 
 from treetrain.cli.main import main
 from treetrain.rollout.engines.engine_settings import VLLMSettings
@@ -49,7 +48,6 @@ from treetrain.rollout.sources.tree_queue import queued_marker
 from treetrain.train.metrics import read_evals, read_metrics
 
 WIDE = Path(__file__).resolve().parents[2] / "treetrain" / "assets" / "demo_model_wide" / "model.safetensors"
-STALLING = Path(__file__).resolve().parents[1] / "support" / "stalling_train.py"
 GAP = 1e-4
 """Largest |logp_trainer - logp_vllm| on a policy token when both hold the same float32 weights."""
 FLEET = ["model.path=demo-wide", "checkpoint_every=0", "threads=1", "measure_memory_every=0",
@@ -162,9 +160,6 @@ def test_two_zero3_ranks_train_asynchronously_from_two_servers_one_killed(
 def _serve_other_weights(url: str, weights_dir: Path) -> None:
     """Have the server at `url` load the demo model moved off its weights (a sampled token's logprob then
     differs from the trainer's by far more than GAP), labelled as another run's version."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     other = AutoModelForCausalLM.from_pretrained(WIDE.parent, dtype=torch.float32)
     with torch.no_grad():
         for p in other.parameters():
@@ -180,30 +175,12 @@ def _serve_other_weights(url: str, weights_dir: Path) -> None:
 
 
 def _start_and_kill_at(run: Path, settings: list[str], point: str, after: Path, tmp_path: Path) -> str:
-    """Start the two ranks under torchrun (`support.stalling_train`: the rank named in `point` stands
-    still there), and once `after` exists too, SIGKILL torchrun and every process below it, as a lost
-    machine; torchrun's output."""
+    """Start the two ranks under torchrun (the rank named in `point` stands still there), and once `after`
+    exists too, SIGKILL torchrun and every process below it, as a lost machine; torchrun's output."""
     arrived, log = tmp_path / "arrived", tmp_path / "killed.log"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}", str(STALLING), point, str(arrived), "train", "--run-dir", str(run),
-        "--no-progress", *(a for kv in settings for a in ("--set", kv)),
-    ]  # fmt: skip
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            deadline = time.monotonic() + 600
-            while not (arrived.exists() and after.exists()) and proc.poll() is None:
-                assert time.monotonic() < deadline, (
-                    f"never reached {point} and {after}:\n{log.read_text()[-3000:]}"
-                )
-                time.sleep(0.1)
-            assert proc.poll() is None, f"the run ended before {point}:\n{log.read_text()[-3000:]}"
-            time.sleep(1.0)
-        finally:
-            kill_tree(proc.pid)
-            proc.wait()
+    args = ["train", "--run-dir", str(run), "--no-progress", *(a for kv in settings for a in ("--set", kv))]
+    with stalling_ranks(point, arrived, args, log, wait=(after,), timeout=600):
+        time.sleep(1.0)
     return log.read_text()
 
 

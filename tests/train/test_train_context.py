@@ -20,17 +20,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from support.ports import free_port, kill_tree, train_ranks
+from support.ports import stalling_ranks, train_ranks
 
 from treetrain.benchmark.long_prompt import write_long_model, write_long_rollouts
 from treetrain.cli.main import main
@@ -112,35 +112,18 @@ def test_a_prompt_one_rank_cannot_hold_trains_in_a_group_of_two(tmp_path: Path, 
     )
 
 
-STALLING = Path(__file__).parents[1] / "support" / "stalling_train.py"
-
-
 def _stall_and_kill(run_dir: Path, group: list[str], trees: Path, tmp_path: Path) -> tuple[int | None, str]:
     """Start the group under torchrun with rank 1 standing still once update 1 has taken its trees (rank 0
     goes on into the update's collectives), SIGKILL rank 1 there, and return torchrun's exit code and
     output."""
     arrived, log = tmp_path / "arrived", tmp_path / "torchrun.log"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}", str(STALLING), "update-start@1#1", str(arrived), "train", "--run-dir",
-        str(run_dir), "--no-progress", "--trees", str(trees), *_sets(group),
-    ]  # fmt: skip
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            deadline = time.monotonic() + 300
-            while not arrived.exists() and proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.1)
-            assert arrived.exists(), f"rank 1 never reached update 1:\n{log.read_text()[-3000:]}"
-            time.sleep(1.0)  # rank 0 waits in the update's first collective
-            os.kill(int(arrived.read_text()), signal.SIGKILL)
-            code: int | None = proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            code = None
-        finally:
-            kill_tree(proc.pid)
-            proc.wait()
+    args = ["train", "--run-dir", str(run_dir), "--no-progress", "--trees", str(trees), *_sets(group)]
+    code: int | None = None
+    with stalling_ranks("update-start@1#1", arrived, args, log) as proc:
+        time.sleep(1.0)  # rank 0 waits in the update's first collective
+        os.kill(int(arrived.read_text()), signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            code = proc.wait(timeout=120)
     return code, log.read_text()
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from abc import ABC, abstractmethod
 from pathlib import Path
 
 from treetrain.rollout.engines.generation import EngineError, EngineStats
@@ -33,7 +34,7 @@ from treetrain.rollout.engines.server_sync import ServedWeights, Written, versio
 log = logging.getLogger(__name__)
 
 
-class FleetSync:
+class FleetSync(ABC):
     """Weight sync and recovery over the engine's fleet; `VLLMServerEngine` sets every attribute below."""
 
     urls: tuple[str, ...]
@@ -50,11 +51,13 @@ class FleetSync:
     _lock: threading.Lock
 
     @property
+    @abstractmethod
     def busy(self) -> bool:
-        raise NotImplementedError
+        """Whether requests are in flight (the engine's ledger)."""
 
+    @abstractmethod
     def _lose(self, server: int, why: EngineError) -> None:
-        raise NotImplementedError
+        """Take `server` out of the fleet, its samples going on elsewhere (the engine's routing)."""
 
     @property
     def label(self) -> str | None:
