@@ -364,6 +364,16 @@ def test_engine_weight_sync_streams_full_weights_without_gathering_the_model(run
         assert r["peak"] == r["full"]  # negative control: ZeRO-2 holds it all
 
 
+def test_zero3_async_hf_feed_fills_one_shadow_from_gathered_modules(run: Path) -> None:
+    """Under ZeRO-3 an asynchronous `hf` run samples on rank 0 alone: its shadow (host shared memory, no
+    DeepSpeed bookkeeping, so it pickles to the sampler process) equals the gathered parameters after one
+    publish that both ranks run, rank 1 keeps no shadow, and no module stays gathered after it."""
+    zero, one = _result(run, "z3-gathered_feed")[1]
+    assert (one["holds"], one["released"]) == (False, True), one
+    checks = ("holds", "released", "names", "equal", "own_storage", "shared", "pickles")
+    assert all(zero[c] is True for c in checks), zero
+
+
 def test_zero3_keeps_parameters_partitioned_during_the_window(run: Path) -> None:
     """Measured parameter storage per rank during the window: ZeRO-2 holds the whole model; ZeRO-3 holds
     its partition (half) plus what is in flight, within what the ledger books (partition + in flight)."""

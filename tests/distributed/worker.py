@@ -573,6 +573,36 @@ def weight_sync(stage_name: str) -> tuple[torch.Tensor, Info]:
     return current(backend) * 0, info
 
 
+def gathered_feed() -> tuple[torch.Tensor, Info]:
+    """An asynchronous `hf` run's ZeRO-3 feed: rank 0's shadow, filled module by module by both ranks'
+    gathers, against the gathered parameters; rank 1 keeps none."""
+    import pickle
+
+    from treetrain.rollout.gathered_feed import GatheredFeed
+
+    backend = backend_for("z3")
+    params = dict(backend.module.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values())):
+        reference = {name: p.detach().clone() for name, p in params.items()}
+    feed = GatheredFeed(backend.module, version=0, holds=backend.rank == 0)
+    before = param_storage(backend)
+    feed.publish(backend.module, version=1)
+    info: Info = {"holds": feed.shadow is not None, "released": param_storage(backend) == before}
+    if feed.shadow is not None:
+        shadow = dict(feed.shadow.named_parameters())
+        info["names"] = sorted(shadow) == sorted(reference)
+        info["equal"] = all(torch.equal(shadow[n], t) for n, t in reference.items())
+        info["own_storage"] = not any(
+            shadow[n].untyped_storage().data_ptr() == p.untyped_storage().data_ptr()
+            for n, p in params.items()
+        )
+        info["shared"] = all(p.is_shared() and p.device.type == "cpu" for p in shadow.values())
+        info["pickles"] = len(pickle.dumps(feed.shadow.state_dict())) > 0 and not any(
+            hasattr(m, "ds_id") for m in feed.shadow.modules()
+        )
+    return current(backend) * 0, info
+
+
 def scenarios() -> dict[str, Callable[[], tuple[torch.Tensor, Info]]]:
     out: dict[str, Callable[[], tuple[torch.Tensor, Info]]] = {}
     for s in STAGES:
@@ -619,6 +649,7 @@ def scenarios() -> dict[str, Callable[[], tuple[torch.Tensor, Info]]]:
         out[f"{s}-lora_resume"] = partial(lora_resume, s)
     for s in ("z2", "z3"):
         out[f"{s}-weight_sync"] = partial(weight_sync, s)
+    out["z3-gathered_feed"] = gathered_feed
     for s in ("z1", "z2", "z3"):  # rank 0: one small tree, rank 1: five large; then rank 1 idle
         out[f"{s}-uneven"] = partial(one_update, s, placement="uneven", update=uneven_groups(), measure=True)
         out[f"{s}-idle"] = partial(one_update, s, placement="idle", measure=True)

@@ -48,6 +48,15 @@ def test_only_an_asynchronous_hf_run_needs_a_sampler_process(extra: list[str], n
     assert needs_sampler_process(load_config(None, [*SETTINGS, *extra])) is needed
 
 
+def test_under_zero3_only_rank_0_starts_a_sampler_process() -> None:
+    """ZeRO-3 affords one shadow of the policy: rank 0's `hf` process samples every task."""
+    zero3 = ["rollout.max_staleness=1", "distributed.backend=deepspeed", "distributed.zero_stage=3"]
+    cfg = load_config(None, [*SETTINGS, *zero3])
+    assert [needs_sampler_process(cfg, rank) for rank in (0, 1, 2)] == [True, False, False]
+    zero2 = load_config(None, [*SETTINGS, *zero3[:2], "distributed.zero_stage=2"])
+    assert [needs_sampler_process(zero2, rank) for rank in (0, 1)] == [True, True]
+
+
 def _spying_on_load(monkeypatch: pytest.MonkeyPatch) -> list[set[int]]:
     """The child processes this process has at each call of `load_models` (the model's load)."""
     seen: list[set[int]] = []

@@ -163,15 +163,15 @@ def test_time_is_reported_for_both_sides(tmp_path: Path) -> None:
     assert (row.staleness_min, row.staleness_max, row.queue_depth) == (0, 0, 0)
 
 
-@pytest.mark.parametrize("engine", ["hf", "vllm"])
-def test_zero3_is_refused_asynchronously_where_a_sampler_would_hold_the_whole_model(engine: str) -> None:
-    """Under ZeRO-3 no rank holds the whole policy: an asynchronous sampler that samples from a copy of its
-    own is refused in one line naming the engine that needs none; `vllm-server` is taken (its servers hold
-    the weights; `test_served_fleet_ranks.py` trains it)."""
+def test_zero3_is_refused_asynchronously_where_every_rank_would_hold_the_whole_model() -> None:
+    """Under ZeRO-3 no rank holds the whole policy: in-process vLLM, which loads the weights on every rank,
+    is refused in one line naming the engines that need no copy there; `vllm-server` (its servers hold the
+    weights) and `hf` (one sampler process on rank 0, `test_async_distributed.py` trains it) are taken."""
     zero3 = ["distributed.backend=deepspeed", "distributed.zero_stage=3", "rollout.max_staleness=1"]
     with pytest.raises(
-        ConfigError, match=rf"^rollout.max_staleness: with rollout.engine='{engine}' .*'vllm-server'"
+        ConfigError, match=r"^rollout.max_staleness: with rollout.engine='vllm' .*'vllm-server'.*'hf'"
     ):
-        load_config(None, [*zero3, f"rollout.engine={engine}"])
+        load_config(None, [*zero3, "rollout.engine=vllm"])
     load_config(None, [*zero3, "rollout.engine=vllm-server", "rollout.vllm.urls=['http://127.0.0.1:1']"])
-    load_config(None, [*zero3[:1], "distributed.zero_stage=2", zero3[2], f"rollout.engine={engine}"])
+    load_config(None, [*zero3, "rollout.engine=hf"])
+    load_config(None, [*zero3[:1], "distributed.zero_stage=2", zero3[2], "rollout.engine=vllm"])

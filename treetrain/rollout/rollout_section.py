@@ -150,12 +150,14 @@ class RolloutSection:
             )
 
     def check_sharded_weights(self) -> None:
-        """Refuse, in one line, an asynchronous run whose sampler would keep a whole copy of the policy on a
-        rank whose weights ZeRO-3 shards (every engine but `vllm-server`, whose servers hold the weights)."""
-        if self.max_staleness and self.engine != "vllm-server":
+        """Refuse, in one line, an asynchronous run whose sampler would keep a whole copy of the policy on
+        every rank whose weights ZeRO-3 shards. `vllm-server`'s servers hold the weights, and `hf` samples on
+        rank 0 alone, from one shadow filled module by module (`treetrain.rollout.gathered_feed`); `vllm`
+        loads the weights into an engine on every rank."""
+        if self.max_staleness and self.engine == "vllm":
             raise ConfigError(
-                f"rollout.max_staleness: with rollout.engine={self.engine!r} each rank's sampler keeps a whole "
-                "copy of the policy's weights, which ZeRO-3 shards so that no rank holds them; use "
-                "rollout.engine='vllm-server' (the servers hold the weights), distributed.zero_stage <= 2, "
-                "or rollout.max_staleness=0"
+                "rollout.max_staleness: with rollout.engine='vllm' each rank's engine keeps a whole copy of the "
+                "policy's weights, which ZeRO-3 shards so that no rank holds them; use "
+                "rollout.engine='vllm-server' (the servers hold the weights), 'hf' (one sampler process on "
+                "rank 0), distributed.zero_stage <= 2, or rollout.max_staleness=0"
             )

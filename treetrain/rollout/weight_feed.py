@@ -49,11 +49,12 @@ class SamplerStopped(TreetrainError):
     """The sampler was closed while a rollout was growing: that rollout stops (its requests are aborted)."""
 
 
-def private_copy(model: Any) -> Any:
+def private_copy(model: Any, memo: dict[int, Any] | None = None) -> Any:
     """A copy of `model` that shares no tensor with it, in eval mode and without gradients, and without the
     hooks a training engine put on its modules (DeepSpeed's are closures: the copy must pickle to the `hf`
-    sampler process, and it only ever samples or hands over weights)."""
-    twin = copy.deepcopy(model)
+    sampler process, and it only ever samples or hands over weights). `memo` maps the ids of objects to
+    what stands for them in the copy (`copy.deepcopy`'s memo: a sharded parameter's full-size stand-in)."""
+    twin = copy.deepcopy(model, memo)
     twin.requires_grad_(False)
     for module in twin.modules():
         for hooks in _HOOKS:
@@ -102,7 +103,7 @@ class WeightFeed:
             )
         self._lock = threading.Lock()
         self._closing = threading.Event()
-        self.shadow = private_copy(model)
+        self.shadow = self.make_shadow(model)
         self.shared = shared
         if shared:
             share_memory(self.shadow)
@@ -110,6 +111,10 @@ class WeightFeed:
         self.sampler_model = private_copy(model) if own_model else None
         self.syncs = 0
         """Syncs carried out, for tests and logs."""
+
+    def make_shadow(self, model: Any) -> Any:
+        """The copy of `model` that publishes write into (a subclass may build it otherwise)."""
+        return private_copy(model)
 
     def publish(self, model: Any, version: int) -> None:
         """Copy `model`'s weights into the shadow as `version` (training thread, after the step)."""

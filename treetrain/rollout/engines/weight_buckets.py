@@ -46,7 +46,8 @@ def _is_peft(model: Any) -> bool:
     return hasattr(model, "merge_adapter") and hasattr(model, "get_base_model")
 
 
-def _partitioned(model: Any) -> bool:
+def partitioned(model: Any) -> bool:
+    """Whether ZeRO-3 shards `model`'s parameters (each keeps its full shape in `ds_shape`)."""
     return any(hasattr(p, "ds_id") for p in model.parameters())
 
 
@@ -101,13 +102,13 @@ def _checkpoint_name(name: str) -> str | None:
 def weight_buckets(model: Any, bucket_bytes: int = BUCKET_BYTES) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """See the module docstring."""
     model = _unwrap(model)
-    if _is_peft(model) and _partitioned(model):  # the trainer refuses this combination at start
+    if _is_peft(model) and partitioned(model):  # the trainer refuses this combination at start
         raise ValueError("LoRA weights are not synced into an inference engine under ZeRO-3")
     lora = _lora_layers(model)
     base = model.get_base_model() if _is_peft(model) else model
     layout = checkpoint_layout(base)
     with torch.no_grad():
-        gather = _partitioned(base)
+        gather = partitioned(base)
         bucket: list[tuple[str, torch.Tensor]] = []
         size = 0
         for prefix, module in base.named_modules(remove_duplicate=False):

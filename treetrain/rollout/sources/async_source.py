@@ -14,7 +14,9 @@ Everything that is collective stays on the training thread: the trees of all ran
 written and counted, and weights gathered when the update takes them (`gather_update`).
 
 **Where the weights go.** On `vllm` and `hf` every rank samples its share of the tasks from a shadow of its
-own (`WeightFeed`), which ZeRO-3 could not hold. On `vllm-server` the servers hold the weights: every rank
+own (`WeightFeed`), which ZeRO-3 could not hold: under ZeRO-3 the `hf` engine samples on rank 0 alone, from
+one shadow that every rank's gathers fill module by module (`treetrain.rollout.gathered_feed`), and `vllm`
+is refused. On `vllm-server` the servers hold the weights: every rank
 publishes each version on the training thread (`treetrain.rollout.served_feed.ServedFeed`: the gathers run on
 every rank and rank 0 writes the files), and rank 0's sampler thread alone is the fleet's client. It samples
 every task of the update and has the servers load each published version between its engine steps, and the
@@ -44,6 +46,8 @@ from typing import Any
 from treetrain.rollout.engines.factory import make_engine
 from treetrain.rollout.engines.generation import EngineStats, GenerationEngine
 from treetrain.rollout.engines.server_sync import served_adapters
+from treetrain.rollout.engines.weight_buckets import partitioned
+from treetrain.rollout.gathered_feed import GatheredFeed
 from treetrain.rollout.served_feed import ServedFeed
 from treetrain.rollout.sources.engine_config import engine_spec, rollout_config, wrapper_config
 from treetrain.rollout.sources.produced import Produced, lags_of
@@ -97,17 +101,23 @@ class AsyncRolloutSource:
             )
         model = self.backend.module
         spec = engine_spec(cfg, model, self.backend.world_size, inputs.checkpoint)  # weights change in flight
-        self.one_sampler = cfg.rollout.engine == "vllm-server"
-        """Whether rank 0's sampler samples every task from a shared fleet (the other ranks sample none)."""
+        sharded = partitioned(model)
+        if sharded:
+            cfg.rollout.check_sharded_weights()  # a DeepSpeed JSON may ask for ZeRO-3 where the config did not
+        self.one_sampler = cfg.rollout.engine == "vllm-server" or sharded
+        """Whether rank 0's sampler samples every task (from a shared fleet, or from the one shadow ZeRO-3
+        affords) and the other ranks sample none."""
         self.samples = not self.one_sampler or self.backend.rank == 0
         """Whether this rank has a sampler thread and an engine."""
         self.feed: WeightFeed | ServedFeed
-        if self.one_sampler:
+        if cfg.rollout.engine == "vllm-server":
             from treetrain.rollout.engines.adapter_sync import lora_serving
 
             weights_dir = Path(cfg.run_dir) / "engine-weights"
             adapters = served_adapters(weights_dir, lora_serving(model))
             self.feed = ServedFeed(weights_dir, adapters, version=0, writes=self.samples)
+        elif sharded:  # rank 0's `hf` process copies the shadow that every rank's gathers fill
+            self.feed = GatheredFeed(model, version=0, holds=self.samples)
         else:  # an `hf` sampler process copies the shared shadow at each sync
             self.feed = WeightFeed(model, version=0, shared=cfg.rollout.engine == "hf")
         self.engine: GenerationEngine | None = None

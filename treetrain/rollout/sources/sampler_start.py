@@ -10,6 +10,7 @@ is safe); `Trainer` calls it itself, first thing, when it was given none, and ha
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 from treetrain.rollout.engines.sampler_process import SamplerProcess, fork_is_safe
@@ -20,11 +21,15 @@ if TYPE_CHECKING:
 __all__ = ["SamplerProcess", "early_sampler", "needs_sampler_process"]
 
 
-def needs_sampler_process(cfg: RunSettings) -> bool:
-    """Whether the run samples in an `hf` sampler process: `rollout.max_staleness` >= 1 with the `hf` engine,
-    growing its own rollouts (recorded trees have no sampler)."""
-    r = cfg.rollout
-    return r.max_staleness >= 1 and r.engine == "hf" and not r.trees
+def needs_sampler_process(cfg: RunSettings, rank: int | None = None) -> bool:
+    """Whether this process samples in an `hf` sampler process: `rollout.max_staleness` >= 1 with the `hf`
+    engine, growing its own rollouts (recorded trees have no sampler), on every rank, or under ZeRO-3 on
+    rank 0 only (`treetrain.rollout.gathered_feed`). `rank`: this process's (None: torchrun's `RANK`)."""
+    r, d = cfg.rollout, cfg.distributed
+    if rank is None:
+        rank = int(os.environ.get("RANK", "0"))
+    one_sampler = d.backend == "deepspeed" and d.zero_stage == 3
+    return r.max_staleness >= 1 and r.engine == "hf" and not r.trees and (rank == 0 or not one_sampler)
 
 
 def early_sampler(cfg: RunSettings, *, fresh: bool = False) -> SamplerProcess | None:
