@@ -10,6 +10,7 @@ without the backend is refused at start, naming the flag."""
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -180,5 +181,37 @@ def test_a_server_back_after_a_loss_takes_the_next_stream_before_work(
     assert _gap(vllm_server, first) < GAP  # still the old version: it gets no work yet
     engine.sync_weights(second, 1)
     assert engine.fleet.alive == (0,) and not engine.streamed.returning
+    assert _gap(vllm_server, second) < GAP
+    engine.close()
+
+
+@pytest.mark.slow
+def test_a_chunk_the_server_refuses_fails_the_sync_in_one_line_and_the_next_sync_repairs_it(
+    vllm_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bucket the server cannot load (a tensor its model lacks) ends that sync with the server's answer in
+    one line instead of waiting out the broadcast's timeout; the server stays usable, and the next complete
+    stream brings it to the trainer's weights, half-loaded buckets included."""
+    from treetrain.rollout.engines import weight_buckets
+
+    engine = _engine(vllm_server, tmp_path)
+    first, second = _moved(6), _moved(7)
+    engine.sync_weights(first, 0)
+    every = weight_buckets.weight_buckets
+
+    def with_a_stranger(model: Any, **kw: Any) -> Any:
+        for i, bucket in enumerate(every(model, **kw)):
+            yield bucket if i else [*bucket, ("model.no_such_module.weight", torch.zeros(2, 2))]
+
+    monkeypatch.setattr(weight_buckets, "weight_buckets", with_a_stranger)
+    started = time.monotonic()
+    with pytest.raises(EngineError) as caught:
+        engine.sync_weights(second, 1)
+    waited = time.monotonic() - started
+    print(f"\nrefused chunk: {caught.value} ({waited:.1f} s)")
+    assert "\n" not in str(caught.value) and vllm_server in str(caught.value)
+    assert waited < 20  # the broadcast's wait ended with the refusal, not its timeout
+    monkeypatch.undo()
+    engine.sync_weights(second, 2)
     assert _gap(vllm_server, second) < GAP
     engine.close()
