@@ -5,7 +5,8 @@ The chunk layout round-trips every dtype it carries, bit for bit. On the server,
 served weights (the sampler/trainer gap at float32 rounding), the served logprobs equal those after a file
 reload of the same weights exactly, and a stream that leaves one tensor out is caught by the probe
 (negative control). A server that cannot be reached fails alone, the others take the weights; a server
-without the backend is refused at start, naming the flag."""
+without the backend is refused at start, naming the flag; a chunk the server refuses ends the sync at once
+in one line, and the next stream repairs the server."""
 
 from __future__ import annotations
 
