@@ -229,6 +229,7 @@ def score(cfg: TrainConfig, held: HeldOut, weights: Path | None, at: tuple[int, 
     from envs.remote import WorkerEnvFactory
     from treetrain.rollout.engines.factory import make_engine
     from treetrain.rollout.sources.engine_config import engine_spec, wrapper_config
+    from treetrain.train.device import place, train_device
     from treetrain.train.eval_weights import load_checkpoint_weights
     from treetrain.train.evaluation import eval_rollout, sample_scores
     from treetrain.train.models import load_models, resolve_model_path
@@ -241,8 +242,10 @@ def score(cfg: TrainConfig, held: HeldOut, weights: Path | None, at: tuple[int, 
     factory = WorkerEnvFactory(cfg.env.name, held.kwargs, cfg.rollout.episode.step_timeout_s)
     engine = None
     try:
+        device = train_device(cfg.device)  # before the model loads
         models = load_models(cfg.model, lambda tok: check_template(cfg, tok, factory))
         policy = models.policy
+        place(policy, device)
         if weights is not None:
             load_checkpoint_weights(policy, weights)
         check_context(cfg, policy)

@@ -227,7 +227,8 @@ class TorchBackend(TrainBackend):
         directory = Path(directory)
         state = read_client_state(directory)
         load_model(self.module, str(directory / self.MODEL_FILE))
-        opt_state = torch.load(directory / self.OPTIMIZER_FILE, weights_only=True)
+        # on the CPU first: a run saved on a GPU resumes anywhere (the optimizer moves its state to the params)
+        opt_state = torch.load(directory / self.OPTIMIZER_FILE, map_location="cpu", weights_only=True)
         self.optimizer.load_state_dict(opt_state)
         return state
 

@@ -31,6 +31,7 @@ from treetrain.loss.loss_config import LossConfig
 from treetrain.models.lora_config import LoraSection
 from treetrain.rollout.rollout_section import RolloutSection
 from treetrain.train.config_file import read_config_file
+from treetrain.train.device import check_device_name
 from treetrain.train.typed import apply_override, from_dict, to_dict
 from treetrain.update.settings import ReplaySection
 
@@ -213,6 +214,10 @@ class TrainConfig:
     threads: int | None = None
     """torch intra-op threads (None: leave torch's default); the rollout's sampler process of an asynchronous
     run runs as many (None: 1)."""
+    device: str = "auto"
+    """Where one process trains and evaluates: 'auto' (the GPU when torch sees one, else the CPU), 'cpu',
+    'cuda' (the launcher's LOCAL_RANK-th GPU) or 'cuda:N'. Under distributed.backend=deepspeed it stays
+    'auto': DeepSpeed places each rank's model on its launcher's device."""
     model: ModelSection = field(default_factory=ModelSection)
     """The policy, the reference model and the tokenizer."""
     env: EnvSection = field(default_factory=EnvSection)
@@ -247,6 +252,12 @@ class TrainConfig:
             raise ConfigError(f"lr_warmup_updates: must be >= 0, got {self.lr_warmup_updates}")
         if self.measure_memory_every < 0:
             raise ConfigError(f"measure_memory_every: must be >= 0, got {self.measure_memory_every}")
+        check_device_name(self.device)
+        if self.device != "auto" and self.distributed.backend == "deepspeed":
+            raise ConfigError(
+                f"device: {self.device!r} with distributed.backend=deepspeed, whose engine places each rank's "
+                "model on its launcher's device (DS_ACCELERATOR=cpu for the CPU); leave device: auto"
+            )
         if self.threads is not None and not 1 <= self.threads <= MAX_THREADS:
             raise ConfigError(f"threads: must be in [1, {MAX_THREADS}] or null, got {self.threads}")
         self._check_sampler_logprobs_are_the_policys()

@@ -43,6 +43,7 @@ from treetrain.rollout.sources.tree_source import TreeSource, open_source
 from treetrain.runfs import UnsafePathError
 from treetrain.train.advice import no_signal_advice
 from treetrain.train.config import TrainConfig, dump_config
+from treetrain.train.device import place, train_device
 from treetrain.train.evaluation import Evaluator
 from treetrain.train.held_out import HeldOut
 from treetrain.train.metrics import MetricsWriter, UpdateMetrics, read_evals, read_metrics
@@ -167,17 +168,21 @@ class Trainer:
         def read_trees(config: Any) -> None:  # before any model is built or sized from the config
             recorded.append(RecordedSource(cfg, int(config.vocab_size), config_context(config)))
 
+        device = train_device(cfg.device)  # before any model loads: a GPU that is not there is one line
         models = load_models(
             cfg.model,
             None if cfg.rollout.trees else lambda tok: check_template(cfg, tok, make),
             check_config=read_trees if cfg.rollout.trees else None,
         )
+        if cfg.distributed.backend == "torch":
+            place(models.policy, device)
         check_context(cfg, models.policy)
         if not cfg.rollout.trees:
             check_first_prompt(cfg, models.tokenizer, models.policy, make)
         self.tokenizer = models.tokenizer
         self.reference = models.reference
         self.backend: TrainBackend = make_backend(models.policy, cfg.optim, cfg.distributed, self.on_point)
+        place(self.reference, next(self.backend.module.parameters()).device)  # where the policy went
         self.state = TrainerState(update=0, version=0)
         self.identity = ResidentIdentity.of(self.backend.module, tokenizer=models.tokenizer_fingerprint)
         if resume:

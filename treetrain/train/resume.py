@@ -57,6 +57,7 @@ RESUMABLE = (
     "checkpoint_every_s",
     "measure_memory_every",
     "threads",
+    "device",
     "memory_budget",
     "run_dir",
     "eval.every",
