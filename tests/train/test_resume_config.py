@@ -41,6 +41,20 @@ def test_resume_keeps_every_saved_setting_and_changes_only_what_is_named(tmp_pat
     assert same == load_config(None, [*SAVED, f"run_dir={run}"])
 
 
+def test_a_fleet_run_resumes_without_a_server_gone_for_good(tmp_path: Path) -> None:
+    """The fleet is where samples are drawn, not what an update computes: a resume may leave a dead server
+    out (its start checks every URL), add one, or move the gloo transfer address and the timeout."""
+    two = "rollout.vllm.urls=['http://127.0.0.1:8001', 'http://127.0.0.1:8002']"
+    run = _run(tmp_path, "rollout.engine=vllm-server", two)
+    changed = ["rollout.vllm.urls=['http://127.0.0.1:8002']", "rollout.vllm.request_timeout_s=60",
+               "rollout.vllm.transfer_host=10.0.0.2", "device=cpu"]  # fmt: skip
+    cfg = resume_config(run, None, changed)
+    assert cfg.rollout.vllm.urls == ("http://127.0.0.1:8002",) and cfg.rollout.vllm.request_timeout_s == 60
+    assert (cfg.rollout.vllm.transfer_host, cfg.device) == ("10.0.0.2", "cpu")
+    with pytest.raises(ConfigError, match=r"^--resume: rollout.engine is 'vllm-server' .* cannot change"):
+        resume_config(run, None, ["rollout.engine=hf"])  # the engine is what samples: not the fleet
+
+
 @pytest.mark.parametrize(
     "assignment",
     ["optim.lr=0.5", "rollout.groups_per_update=4", "seed=3", "model.path=tiny-qwen3", "replay.contract=response_only",

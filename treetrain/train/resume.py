@@ -21,7 +21,7 @@ Example:
     (12, 2, True)
     >>> resume_config(run, None, ["optim.lr=0.1"])
     Traceback (most recent call last):
-    treetrain.errors.ConfigError: --resume: optim.lr is 3e-05 in the saved run (...config.yaml) and cannot change on resume (asked 0.1); only updates, checkpoint_every, checkpoint_every_s, measure_memory_every, threads, memory_budget, run_dir, eval.every, eval.tasks, eval.samples, eval.greedy, eval.pass_threshold, rollout.max_staleness may; start a new run for other settings
+    treetrain.errors.ConfigError: --resume: optim.lr is 3e-05 in the saved run (...config.yaml) and cannot change on resume (asked 0.1); only updates, checkpoint_every, checkpoint_every_s, measure_memory_every, threads, device, memory_budget, run_dir, eval.every, ... may; start a new run for other settings
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from typing import Any
 
 from treetrain.distributed.checkpoint_io import STATE_FILE, CheckpointError, read_client_state
 from treetrain.errors import ConfigError
+from treetrain.rollout.rollout_section import RESUMABLE_ROLLOUT
 from treetrain.runfs import UnsafePathError, expect, read_bytes
 from treetrain.train.config import TrainConfig, read_file
 from treetrain.train.config_file import MAX_CONFIG_BYTES, parse_config_bytes
@@ -65,14 +66,16 @@ RESUMABLE = (
     "eval.samples",
     "eval.greedy",
     "eval.pass_threshold",
-    "rollout.max_staleness",
+    *(f"rollout.{key}" for key in RESUMABLE_ROLLOUT),
 )
 """Settings a resume may change. `updates` extends or shortens the run; checkpoint and measurement cadence,
 torch threads and the planner's memory budget change cost, not the update (the planner's choices are
 exact under the `exact` contract, and are re-made every update anyway); `run_dir` is where the run is now;
 `eval.*` changes what is measured on held-out tasks, never what an update computes (evaluation samples
 with its own generators, tests/train/test_evaluation.py); `rollout.max_staleness` changes how far ahead the
-sampler may run, and the trees an update takes are checked against the new bound (docs/async-training.md)."""
+sampler may run, and the trees an update takes are checked against the new bound (docs/async-training.md);
+`device` is where one process trains (a checkpoint loads on any); the fleet's settings are the rollout's
+(`RESUMABLE_ROLLOUT`)."""
 
 
 def read_saved_config(run_dir: str | Path, flag: str = "--resume") -> dict[str, Any]:
