@@ -35,7 +35,9 @@ MAX_STALENESS = 64
 """Largest `rollout.max_staleness`: the sampler holds that many updates' trees ahead of the trainer."""
 
 
-RESUMABLE_ROLLOUT = ("max_staleness", "vllm.urls", "vllm.request_timeout_s", "vllm.transfer_host")
+RESUMABLE_ROLLOUT = (
+    "max_staleness", "vllm.urls", "vllm.request_timeout_s", "vllm.transfer_host", "vllm.startup_wait_s",
+)  # fmt: skip
 """`rollout` settings a resumed run may change: how far the sampler runs ahead, and the fleet it samples
 on (a server gone for good left out, one added), which change where and when samples are drawn, never what
 an update computes from them."""

@@ -56,6 +56,10 @@ class VLLMSettings:
     """Longest a server may stay silent on a request (for a streamed answer: between two events) before it
     is counted lost and its samples go on at the other servers; with none left the rollout stops, naming
     the URLs."""
+    startup_wait_s: float = 0.0
+    """How long a run's start (or resume) waits for every server to answer `GET /v1/models`, e.g. while the
+    servers still load the model after being started beside the trainer (0: a server that does not answer
+    is refused at once, which also catches a mistyped URL in seconds)."""
     gpu_memory_utilization: float = 0.3
     """Fraction of GPU memory the in-process engine may take; the trainer needs the rest."""
     cpu_kv_cache_gib: float = 1.0
@@ -93,6 +97,9 @@ class VLLMSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not low < value <= high:
                 raise ConfigError(f"must be a number in ({low:g}, {high:g}], got {value!r}", field=name)
+        wait = self.startup_wait_s
+        if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0.0 <= wait <= 86400.0:
+            raise ConfigError(f"must be a number in [0, 86400], got {wait!r}", field="startup_wait_s")
         if (
             isinstance(self.max_num_seqs, bool)
             or not isinstance(self.max_num_seqs, int)

@@ -17,12 +17,16 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import logging
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
 from treetrain.rollout.engines.generation import EngineError
+
+log = logging.getLogger(__name__)
 
 MAX_RESPONSE_BYTES = 64 * 2**20
 """Largest answer read from a server."""
@@ -109,19 +113,39 @@ def fetch_text(url: str, path: str, timeout: float, limit: int) -> str | None:
 
 PROBE_TIMEOUT = 3.0
 """Seconds the start-up probe waits for each server: a running `vllm serve` lists its models at once."""
+STARTUP_POLL_S = 2.0
+"""How often the start asks the servers that did not answer yet, while `rollout.vllm.startup_wait_s` lasts."""
 
 
-def check_reachable(urls: tuple[str, ...], timeout: float = PROBE_TIMEOUT) -> None:
-    """Refuse, in one line naming the URL, a server that does not answer `GET /v1/models`: asked before the
-    model loads, so a server that is down or a mistyped URL ends the run in seconds. What the server serves
-    is checked once the model is loaded (`treetrain.rollout.engines.server_checks`)."""
-    for url in urls:
-        base = url.rstrip("/")
-        try:
-            call_server(base, "/v1/models", None, timeout)
-        except EngineError as exc:
-            why = str(exc).removeprefix(f"vllm-server {base}/v1/models: ")
+def check_reachable(urls: tuple[str, ...], timeout: float = PROBE_TIMEOUT, wait_s: float = 0.0) -> None:
+    """Refuse, in one line naming the URL, a server that does not answer `GET /v1/models` within `wait_s`
+    seconds (0: at once): asked before the model loads, so a server that is down or a mistyped URL ends the
+    run in seconds, while servers started beside the trainer may take `wait_s` to load their model. What
+    the server serves is checked once the model is loaded (`treetrain.rollout.engines.server_checks`)."""
+    silent = {url.rstrip("/"): "" for url in urls}
+    deadline = time.monotonic() + wait_s
+    waiting = False
+    while True:
+        for base in list(silent):
+            try:
+                call_server(base, "/v1/models", None, timeout)
+                del silent[base]
+            except EngineError as exc:
+                silent[base] = str(exc).removeprefix(f"vllm-server {base}/v1/models: ")
+        left = deadline - time.monotonic()
+        if not silent:
+            return
+        if left <= 0:
+            base, why = next(iter(silent.items()))
+            waited = f" after waiting {wait_s:g} s (rollout.vllm.startup_wait_s)" if wait_s else ""
             raise EngineError(
-                f"rollout.vllm.urls: no vllm serve answers at {base} (GET /v1/models: {why}); start the "
+                f"rollout.vllm.urls: no vllm serve answers at {base}{waited} (GET /v1/models: {why}); start the "
                 "server first or correct the URL"
             ) from None
+        if not waiting:
+            log.warning(
+                "waiting up to %g s for %d of %d servers to answer GET /v1/models (rollout.vllm.startup_wait_s): "
+                "%s", wait_s, len(silent), len(urls), ", ".join(silent),
+            )  # fmt: skip
+            waiting = True
+        time.sleep(min(STARTUP_POLL_S, left))

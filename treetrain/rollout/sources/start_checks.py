@@ -21,4 +21,4 @@ def check_rollout_inputs(cfg: RunSettings) -> None:
     if r.engine == "vllm-server":
         from treetrain.rollout.engines.server_calls import check_reachable
 
-        check_reachable(r.vllm.urls)
+        check_reachable(r.vllm.urls, wait_s=r.vllm.startup_wait_s)
