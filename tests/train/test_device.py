@@ -60,6 +60,44 @@ def test_a_device_that_is_not_there_is_one_line(
         train_device(name)
 
 
+def test_a_malformed_local_rank_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    _gpus(monkeypatch, 2)
+    monkeypatch.setenv("LOCAL_RANK", "one")
+    with pytest.raises(
+        ConfigError, match=r"^device: 'auto' takes the GPU at the launcher's LOCAL_RANK, which is 'one'$"
+    ):
+        train_device("auto")
+    assert train_device("cuda:1") == torch.device("cuda", 1)  # an explicit index needs none
+
+
+def test_under_deepspeed_a_rank_past_the_visible_gpus_is_not_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A launcher that gives each rank one GPU (`CUDA_VISIBLE_DEVICES`) leaves LOCAL_RANK past what the rank
+    sees: DeepSpeed places the model, so the trainer never resolves `device` there."""
+    from treetrain.train import loop
+
+    _gpus(monkeypatch, 1)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    asked: list[str] = []
+    monkeypatch.setattr(loop, "train_device", lambda name: asked.append(name))
+
+    def load(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("loading")  # the device is resolved (or not) before this
+
+    monkeypatch.setattr(models, "_load", load)
+    cfg = load_config(
+        None, [f"run_dir={tmp_path / 'run'}", "model.path=tiny-llama", "distributed.backend=deepspeed"]
+    )
+    with pytest.raises(RuntimeError, match="loading"):
+        loop.Trainer(cfg)
+    assert asked == []
+    one = load_config(None, [f"run_dir={tmp_path / 'one'}", "model.path=tiny-llama"])
+    with pytest.raises(RuntimeError, match="loading"):
+        loop.Trainer(one)
+    assert asked == ["auto"]  # the negative control: one process asks
+
+
 @pytest.mark.parametrize("bad", ["gpu", "CUDA", "cuda:", "cuda:-1", "cuda:99999", "mps", "", "cpu:0", "7"])
 def test_the_config_refuses_what_is_no_device_name(bad: str) -> None:
     with pytest.raises(ConfigError, match=r"^device: "):
@@ -80,6 +118,7 @@ def test_deepspeed_places_its_ranks_itself() -> None:
 def test_a_gpu_that_is_not_there_ends_the_command_in_one_line_before_the_model_loads(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, verb: str
 ) -> None:
+    _gpus(monkeypatch, 0)
     built: list[object] = []
     monkeypatch.setattr(models, "_load", lambda *a, **k: built.append(a))  # a model load would be recorded
     run = tmp_path / "run"

@@ -196,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
             e.name, held.kwargs, e.rubric, held.seeds[0], cfg.rollout.episode.step_timeout_s
         )
         if cfg.rollout.engine == "vllm-server":  # before the model loads
-            check_reachable(cfg.rollout.vllm.urls)
+            check_reachable(cfg.rollout.vllm.urls, wait_s=cfg.rollout.vllm.startup_wait_s)
     except TreetrainError as exc:
         print(f"treetrain eval: {exc}", file=sys.stderr)
         return 2

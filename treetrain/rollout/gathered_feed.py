@@ -35,19 +35,16 @@ from typing import Any
 
 import torch
 
+from treetrain.rollout.engines.weight_buckets import full_shape
 from treetrain.rollout.weight_feed import WeightFeed, private_copy, settle
 
 ZERO3_MODULE_ATTRS = (
-    "_external_params", "_original_parameters", "all_parameters", "ds_external_parameters", "ds_id",
-    "ds_recompute_parameters", "post_bwd_fn", "pre_bwd_fn",
+    "_external_params", "_original_parameters", "all_parameters", "applied_pre_backward_ref_cnt",
+    "post_bwd_fn", "pre_bwd_fn",
 )  # fmt: skip
-"""What DeepSpeed 0.19's ZeRO-3 sets on each module it shards: bookkeeping of the sharded parameters and
-autograd functions local to it, which the shadow must not carry (it pickles to the sampler process)."""
-
-
-def _full_shape(param: torch.Tensor) -> torch.Size:
-    """A parameter's shape as the model defines it: ZeRO-3 keeps it in `ds_shape` and empties the tensor."""
-    return getattr(param, "ds_shape", param.shape)
+"""What DeepSpeed 0.19's ZeRO-3 sets on each module it shards, besides its `ds_*` fields: bookkeeping of the
+sharded parameters and autograd functions local to it, which the shadow must not carry (it pickles to the
+sampler process, which never imports DeepSpeed)."""
 
 
 def unsharded_twin(model: Any, device: str | torch.device = "cpu") -> Any:
@@ -58,17 +55,23 @@ def unsharded_twin(model: Any, device: str | torch.device = "cpu") -> Any:
     memo: dict[int, Any] = {}
     made: dict[int, torch.nn.Parameter] = {}  # the meta stand-in's id -> the full-size parameter
     for p in model.parameters():
-        stand_in = torch.empty(_full_shape(p), dtype=p.dtype, device="meta")
+        stand_in = torch.empty(full_shape(p), dtype=p.dtype, device="meta")
         memo[id(p)] = stand_in
         made[id(stand_in)] = torch.nn.Parameter(torch.empty_like(stand_in, device=device), False)
     twin = private_copy(model, memo)
     for module in twin.modules():
-        for attr in ZERO3_MODULE_ATTRS:
-            module.__dict__.pop(attr, None)
-        for name, p in module._parameters.items():
-            if p is not None:
-                module._parameters[name] = made[id(p)]
+        module._parameters = {n: None if p is None else made[id(p)] for n, p in module._parameters.items()}
+        for attr in [a for a, value in vars(module).items() if _zero3_bookkeeping(a, value)]:
+            delattr(module, attr)
     return twin.to(device)  # the buffers
+
+
+def _zero3_bookkeeping(name: str, value: object) -> bool:
+    """Whether a module attribute is ZeRO-3's: named in `ZERO3_MODULE_ATTRS`, a `ds_*` field, or an object of
+    DeepSpeed's own classes. (Its `_parameters`, a DeepSpeed dict class, is rebuilt as a plain dict first.)"""
+    return (
+        name in ZERO3_MODULE_ATTRS or name.startswith("ds_") or type(value).__module__.startswith("deepspeed")
+    )
 
 
 @torch.no_grad()
@@ -96,9 +99,10 @@ def gathered_copy(into: Any, model: Any) -> int:
                     target.copy_(p.data)
                     copied += target.numel() * target.element_size()
     if into is not None:
-        for mine, theirs in zip(into.buffers(), model.buffers(), strict=True):  # never sharded
-            mine.copy_(theirs)
-            copied += mine.numel() * mine.element_size()
+        buffers = dict(into.named_buffers())
+        for name, theirs in model.named_buffers():  # never sharded
+            buffers[name].copy_(theirs)
+            copied += theirs.numel() * theirs.element_size()
     return copied
 
 

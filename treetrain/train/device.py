@@ -40,8 +40,9 @@ def check_device_name(name: object) -> None:
 
 
 def train_device(name: str) -> torch.device:
-    """The device `name` means on this machine, for this process: `cuda` is the launcher's `LOCAL_RANK`-th
-    GPU (0 without a launcher), and `auto` is that GPU when torch sees one, else the CPU."""
+    """The device `name` means on this machine, for one process (`distributed.backend: torch`): `cuda` is
+    the launcher's `LOCAL_RANK`-th GPU (0 without a launcher), and `auto` is that GPU when torch sees one,
+    else the CPU. Under DeepSpeed the engine places each rank's model, and this is not asked."""
     import torch
 
     check_device_name(name)
@@ -52,13 +53,23 @@ def train_device(name: str) -> torch.device:
             f"device: {name!r}, but torch {torch.__version__} sees no CUDA device (built for CUDA "
             f"{torch.version.cuda}); use device: cpu, or auto"
         )
-    index = int(name.split(":")[1]) if ":" in name else int(os.environ.get("LOCAL_RANK", "0"))
+    index = int(name.split(":")[1]) if ":" in name else _local_rank(name)
     count = torch.cuda.device_count()
     if index >= count:
         raise ConfigError(
             f"device: cuda:{index}, but torch sees {count} CUDA device(s) (cuda:0 to cuda:{count - 1})"
         )
     return torch.device("cuda", index)
+
+
+def _local_rank(name: str) -> int:
+    """The launcher's `LOCAL_RANK` (0 without one), which `cuda` and `auto` take as the GPU's index."""
+    local = os.environ.get("LOCAL_RANK", "0")
+    if not local.isdigit() or len(local) > 4:
+        raise ConfigError(
+            f"device: {name!r} takes the GPU at the launcher's LOCAL_RANK, which is {local!r:.20}"
+        )
+    return int(local)
 
 
 def place(model: object, device: torch.device) -> None:

@@ -168,13 +168,14 @@ class Trainer:
         def read_trees(config: Any) -> None:  # before any model is built or sized from the config
             recorded.append(RecordedSource(cfg, int(config.vocab_size), config_context(config)))
 
-        device = train_device(cfg.device)  # before any model loads: a GPU that is not there is one line
+        one_process = cfg.distributed.backend == "torch"  # DeepSpeed places each rank's model itself
+        device = train_device(cfg.device) if one_process else None  # before any model loads
         models = load_models(
             cfg.model,
             None if cfg.rollout.trees else lambda tok: check_template(cfg, tok, make),
             check_config=read_trees if cfg.rollout.trees else None,
         )
-        if cfg.distributed.backend == "torch":
+        if device is not None:
             place(models.policy, device)
         check_context(cfg, models.policy)
         if not cfg.rollout.trees:

@@ -236,9 +236,11 @@ def trainer_probe(model: Any) -> tuple[list[int], list[float]]:
     first (a DeepSpeed engine is unwrapped; the model is in eval mode during a rollout)."""
     import torch
 
+    from treetrain.rollout.engines.weight_buckets import full_shape
+
     module = getattr(model, "module", model) if type(model).__name__ == "DeepSpeedEngine" else model
     embeddings = module.get_input_embeddings()
-    rows = getattr(embeddings.weight, "ds_shape", embeddings.weight.shape)  # ZeRO-3 holds a partition
+    rows = full_shape(embeddings.weight)  # ZeRO-3 holds a partition
     tokens = probe_tokens(int(rows[0]))
     device = embeddings.weight.device
     with torch.no_grad():

@@ -51,6 +51,11 @@ def partitioned(model: Any) -> bool:
     return any(hasattr(p, "ds_id") for p in model.parameters())
 
 
+def full_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """A parameter's shape as the model defines it: ZeRO-3 keeps it in `ds_shape` and empties the tensor."""
+    return tuple(getattr(param, "ds_shape", param.shape))
+
+
 def _lora_layers(model: Any) -> dict[int, Any]:
     """For a PEFT model, the LoRA layer adapting each base weight (by the weight's id). Each delta is computed
     when its weight's module is reached, so at most one module's deltas exist at a time."""

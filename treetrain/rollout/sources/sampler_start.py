@@ -28,7 +28,9 @@ def needs_sampler_process(cfg: RunSettings, rank: int | None = None) -> bool:
     r, d = cfg.rollout, cfg.distributed
     if rank is None:
         rank = int(os.environ.get("RANK", "0"))
-    one_sampler = d.backend == "deepspeed" and d.zero_stage == 3
+    # under ZeRO-3 rank 0 alone samples; a DeepSpeed JSON's own stage is known once it is read, so with one
+    # every rank starts a process (those that take no sampler close it)
+    one_sampler = d.backend == "deepspeed" and d.zero_stage == 3 and d.deepspeed_config is None
     return r.max_staleness >= 1 and r.engine == "hf" and not r.trees and (rank == 0 or not one_sampler)
 
 
