@@ -364,11 +364,13 @@ def test_engine_weight_sync_streams_full_weights_without_gathering_the_model(run
         assert r["peak"] == r["full"]  # negative control: ZeRO-2 holds it all
 
 
-def test_zero3_async_hf_feed_fills_one_shadow_from_gathered_modules(run: Path) -> None:
+@pytest.mark.parametrize("scenario", ["z3-gathered_feed", "z3-gathered_feed_lora"])
+def test_zero3_async_hf_feed_fills_one_shadow_from_gathered_modules(run: Path, scenario: str) -> None:
     """Under ZeRO-3 an asynchronous `hf` run samples on rank 0 alone: its shadow (host shared memory, no
     DeepSpeed bookkeeping, so it pickles to the sampler process) equals the gathered parameters after one
-    publish that both ranks run, rank 1 keeps no shadow, and no module stays gathered after it."""
-    zero, one = _result(run, "z3-gathered_feed")[1]
+    publish that both ranks run (a LoRA policy's adapters too), rank 1 keeps no shadow, and no module stays
+    gathered after it."""
+    zero, one = _result(run, scenario)[1]
     assert (one["holds"], one["released"]) == (False, True), one
     checks = ("holds", "released", "names", "equal", "own_storage", "shared", "pickles")
     assert all(zero[c] is True for c in checks), zero

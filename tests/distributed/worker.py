@@ -573,14 +573,15 @@ def weight_sync(stage_name: str) -> tuple[torch.Tensor, Info]:
     return current(backend) * 0, info
 
 
-def gathered_feed() -> tuple[torch.Tensor, Info]:
+def gathered_feed(lora: bool = False) -> tuple[torch.Tensor, Info]:
     """An asynchronous `hf` run's ZeRO-3 feed: rank 0's shadow, filled module by module by both ranks'
-    gathers, against the gathered parameters; rank 1 keeps none."""
+    gathers, against the gathered parameters (with `lora`, a PEFT model's base and adapter weights); rank 1
+    keeps none."""
     import pickle
 
     from treetrain.rollout.gathered_feed import GatheredFeed
 
-    backend = backend_for("z3")
+    backend = lora_backend("z3") if lora else backend_for("z3")
     backend.begin_window()  # a step first: ZeRO-3 adds more bookkeeping to the modules once they ran
     backend.backward(lm_loss(backend.module, pitfall_batches(1)[0]))
     backend.step()
@@ -651,6 +652,7 @@ def scenarios() -> dict[str, Callable[[], tuple[torch.Tensor, Info]]]:
     for s in ("z2", "z3"):
         out[f"{s}-weight_sync"] = partial(weight_sync, s)
     out["z3-gathered_feed"] = gathered_feed
+    out["z3-gathered_feed_lora"] = partial(gathered_feed, lora=True)
     for s in ("z1", "z2", "z3"):  # rank 0: one small tree, rank 1: five large; then rank 1 idle
         out[f"{s}-uneven"] = partial(one_update, s, placement="uneven", update=uneven_groups(), measure=True)
         out[f"{s}-idle"] = partial(one_update, s, placement="idle", measure=True)
