@@ -74,36 +74,34 @@ def _zero3_bookkeeping(name: str, value: object) -> bool:
     )
 
 
+def _gathered(params: list[torch.Tensor]) -> Any:
+    """The context that holds `params` whole: ZeRO-3's gather of those it shards (a collective), else none."""
+    sharded = [p for p in params if hasattr(p, "ds_id")]
+    if not sharded:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(sharded, modifier_rank=None)
+
+
 @torch.no_grad()
-def gathered_copy(into: Any, model: Any) -> int:
+def gathered_copy(into: Any, model: Any) -> None:
     """Copy `model`'s weights into `into` (an `unsharded_twin` of it), one module's parameters gathered at a
     time; every rank of a ZeRO-3 model runs it (the gathers are collectives), and a rank with `into` None
-    only takes part in them. The bytes copied."""
+    only takes part in them."""
     targets = dict(into.named_parameters(remove_duplicate=False)) if into is not None else {}
-    copied, seen = 0, set[int]()
+    seen = set[int]()
     for prefix, module in model.named_modules():
         own = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
-        if not own:
-            continue
         seen.update(id(p) for _, p in own)
-        sharded = [p for _, p in own if hasattr(p, "ds_id")]
-        gather: Any = contextlib.nullcontext()
-        if sharded:
-            import deepspeed
-
-            gather = deepspeed.zero.GatheredParameters(sharded, modifier_rank=None)
-        with gather:
-            for name, p in own:
-                if into is not None:
-                    target = targets[f"{prefix}.{name}" if prefix else name]
-                    target.copy_(p.data)
-                    copied += target.numel() * target.element_size()
+        with _gathered([p for _, p in own]):
+            if into is not None:
+                for name, p in own:
+                    targets[f"{prefix}.{name}" if prefix else name].copy_(p.data)
     if into is not None:
         buffers = dict(into.named_buffers())
         for name, theirs in model.named_buffers():  # never sharded
             buffers[name].copy_(theirs)
-            copied += theirs.numel() * theirs.element_size()
-    return copied
 
 
 class GatheredFeed(WeightFeed):
