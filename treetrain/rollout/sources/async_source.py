@@ -100,8 +100,10 @@ class AsyncRolloutSource:
                 self.max_staleness,
             )
         model = self.backend.module
-        spec = engine_spec(cfg, model, self.backend.world_size, inputs.checkpoint)  # weights change in flight
         sharded = partitioned(model)
+        spec = engine_spec(  # weights change in flight; ZeRO-3's shadow samples on the CPU
+            cfg, model, self.backend.world_size, inputs.checkpoint, "cpu" if sharded else None
+        )
         if sharded:
             cfg.rollout.check_sharded_weights()  # a DeepSpeed JSON may ask for ZeRO-3 where the config did not
         self.one_sampler = cfg.rollout.engine == "vllm-server" or sharded

@@ -23,17 +23,27 @@ HF_KV_SHARE = 4
 the rollout runs between updates, so this is memory the update's plan does not hold at the same time."""
 
 
-def engine_spec(cfg: RunSettings, model: Any, world_size: int, checkpoint: str) -> EngineSpec:
+def engine_spec(
+    cfg: RunSettings, model: Any, world_size: int, checkpoint: str, sampler_device: str | None = None
+) -> EngineSpec:
     """What the engine factory needs to know about this run; `checkpoint` is where `model.path` resolved to
-    (a directory, or a preset's name)."""
+    (a directory, or a preset's name). `sampler_device` is where an `hf` sampler holds its KV cache when that
+    is not the model's device (ZeRO-3's shadow samples on the CPU): `memory_budget` is the trainer's device's,
+    so there the default KV budget is a share of that device's memory instead."""
+    import torch
+
     from treetrain.bytesize import parse_bytes
-    from treetrain.memory.budget import memory_budget_bytes
+    from treetrain.memory.budget import device_memory, memory_budget_bytes
 
     r = cfg.rollout
+    trainer = next(model.parameters()).device
+    sampler = trainer if sampler_device is None else torch.device(sampler_device)
     if r.hf_kv_budget is not None:
         kv_bytes = parse_bytes(r.hf_kv_budget)
+    elif sampler != trainer:
+        kv_bytes = device_memory(sampler) // HF_KV_SHARE
     else:
-        kv_bytes = memory_budget_bytes(cfg.memory_budget, next(model.parameters()).device) // HF_KV_SHARE
+        kv_bytes = memory_budget_bytes(cfg.memory_budget, trainer) // HF_KV_SHARE
     lora_z3 = (
         cfg.model.lora is not None
         and cfg.distributed.backend == "deepspeed"
