@@ -6,8 +6,8 @@ keeps it on disk. The features and why each is there are in `treetrain.memory.ca
 
 Example:
     >>> from treetrain.memory.fit import Affine, MaxAffine
-    >>> flat = Affine((0.0,) * 7 + (1000.0,))               # a constant 1000 bytes with a past
-    >>> regime = RegimeModel(flat, flat, MaxAffine(Affine((0.0,) * 4), Affine((0.0,) * 11)), MaxAffine(flat, flat))
+    >>> flat = Affine((0.0,) * 8 + (1000.0,))               # a constant 1000 bytes with a past
+    >>> regime = RegimeModel(flat, flat, MaxAffine(Affine((0.0,) * 4), Affine((0.0,) * 12)), MaxAffine(flat, flat))
     >>> mm = MemoryModel("k", "exact", 64, 32, regime, regime, 1, 0.0)
     >>> mm.forward_peak(Shape(rows=2, width=4, past=8, pieces=1, targets=8))
     1000
@@ -121,7 +121,7 @@ def body_features(s: Shape, logit_rows: int, chunk: int | None = None) -> np.nda
     chunks = row_chunks(k, w, chunk)
     if p > 0:
         return np.array(
-            [k * w, k * (p + w), k * w * (p + w), p * (s.pieces >= 2), s.stored, rows, chunks, 1.0]
+            [k * w, k * (p + w), k * w * (p + w), p, p * (s.pieces >= 2), s.stored, rows, chunks, 1.0]
         )
     return np.array([k * w, k * w * w, s.stored, rows, chunks, 1.0])
 
