@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import traceback
 from contextlib import nullcontext
 from pathlib import Path
@@ -48,6 +49,7 @@ def current(backend: DeepSpeedBackend) -> torch.Tensor:
 
 
 def scenario(name: str, spec: dict[str, Any]) -> None:
+    started = time.monotonic()
     model = model_factory(spec["family"])()
     backend = DeepSpeedBackend(model, zero_stage=spec["stage"], optimizer=OPTIMIZER)
     join_context_group(backend, spec["size"])
@@ -74,7 +76,11 @@ def scenario(name: str, spec: dict[str, Any]) -> None:
     update(Learner(backend, store=store), groups(), cfg)
     delta = current(backend) - start
     assert backend.context is not None
-    info = dict(peak_resident_bytes=peak[0], crossed_bytes=backend.context.counts.total_bytes)
+    info = dict(
+        peak_resident_bytes=peak[0],
+        crossed_bytes=backend.context.counts.total_bytes,
+        seconds=round(time.monotonic() - started, 2),
+    )
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, info)
     if dist.get_rank() == 0:

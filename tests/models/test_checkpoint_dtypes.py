@@ -18,7 +18,9 @@ from treetrain.models.presets import FLOAT64_EXPERTS, load_model, tiny_model
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
-def test_a_mixture_of_experts_checkpoint_runs_forward_and_backward_in_float64(tmp_path: Path, family: str) -> None:
+def test_a_mixture_of_experts_checkpoint_runs_forward_and_backward_in_float64(
+    tmp_path: Path, family: str
+) -> None:
     saved = tiny_model(family, vocab_size=64, seed=0)
     saved.config._experts_implementation = None  # a checkpoint on disk names no implementation
     saved.save_pretrained(tmp_path)
