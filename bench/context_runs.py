@@ -4,6 +4,12 @@ ledger and each step against the one-process step.
 
     python bench/context_runs.py                          # P = 8000, two groups; a few minutes on 2 cores
     python bench/context_runs.py --out bench/out/context_runs.md
+    python bench/context_runs.py --families qwen3,deepseek_v3 --prompt-tokens 2000 --out bench/out/context_families.md
+
+With `--families`, each family's tiny preset (`treetrain.models.presets`) trains one float64 update in one
+process and in a group of 2 (ZeRO 0): one row per family, the group's step against the one-process step
+next to the one-process floor (its own tree step against its flat step), as an outside check that imports
+long-prompt trees and compares the weights would see it.
 
 The model and trees are `treetrain.benchmark.long_prompt`'s (a 4-layer Llama with 2 KiB of KV per token,
 groups of four short answers under one prompt). Each case is one update (SGD, fp32 unless the case says
@@ -55,9 +61,13 @@ class Case:
     """`memory_budget` (None: the device's memory)."""
     dtype: str = "float32"
     """`model.dtype` (float64 runs at ZeRO 0, where treetrain reduces the gradients itself)."""
+    mode: str = "tree"
+    """`mode` (flat: the conventional update, the floor's other side)."""
 
     def settings(self) -> list[str]:
         out = [] if self.budget is None else [f"memory_budget={self.budget}"]
+        if self.mode != "tree":
+            out.append(f"mode={self.mode}")
         if self.dtype != "float32":
             out.append(f"model.dtype={self.dtype}")
         if self.ranks > 1:
@@ -86,9 +96,9 @@ class Row:
     """|step - one-process step| / |one-process step|, against the first case of its dtype (0 for that one)."""
 
 
-def prepare(work: Path, prompt_tokens: int, groups: int) -> tuple[Path, Path]:
+def prepare(work: Path, prompt_tokens: int, groups: int, family: str = "llama") -> tuple[Path, Path]:
     """The checkpoint and the imported trees (`groups` files of one long prompt each)."""
-    model = write_long_model(work / "model")
+    model = write_long_model(work / "model", family=family)
     trees = work / "trees"
     for g in range(groups):
         jsonl = write_long_rollouts(work / f"group{g}.jsonl", prompt_tokens=prompt_tokens, seed=g)
@@ -140,10 +150,12 @@ def run_case(
     return measured, step
 
 
-def run_cases(cases: list[Case], work: Path, prompt_tokens: int, groups: int) -> list[Row]:
+def run_cases(
+    cases: list[Case], work: Path, prompt_tokens: int, groups: int, family: str = "llama"
+) -> list[Row]:
     """Every case on the same checkpoint and trees; the first of each dtype must train (it is the reference
     step for that dtype)."""
-    model, trees = prepare(work, prompt_tokens, groups)
+    model, trees = prepare(work, prompt_tokens, groups, family)
     for dtype in sorted({c.dtype for c in cases}):  # no case times the memory calibration's probes
         prewarm_calibrations([f"model.path={model}", f"model.dtype={dtype}"])
     rows: list[Row] = []
@@ -206,12 +218,63 @@ CASES = [
 ]
 
 
+FAMILY_CASES = [
+    Case("one process", dtype="float64"),
+    Case("one process, flat", dtype="float64", mode="flat"),
+    Case("2 ranks, C=2", ranks=2, context=2, zero=0, dtype="float64"),
+]
+
+
+def family_line(family: str, rows: list[Row]) -> str:
+    """One family's row: the group's step against the one-process step, beside the one-process floor."""
+    _, flat, group = rows  # the first is the reference every step_error is taken against
+    if group.refused is not None or flat.refused is not None:
+        return f"| {family} | refused: {group.refused or flat.refused} |||||"
+    ratio = group.step_error / flat.step_error if flat.step_error else float("inf")
+    same = "yes" if group.context_bytes == group.context_predicted else "no"
+    return (
+        f"| {family} | {group.step_error:.1e} | {flat.step_error:.1e} | {ratio:.2f} "
+        f"| {format_bytes(group.context_bytes)} | {same} |"
+    )
+
+
+def families(names: list[str], prompt_tokens: int, groups: int) -> list[str]:
+    """The `--families` table."""
+    out = [
+        "| family | C = 2 step vs one process | one-process floor (tree vs flat) | ratio | group bytes "
+        "| = ledger's |",
+        "|---|---|---|---|---|---|",
+    ]
+    for family in names:
+        with tempfile.TemporaryDirectory() as scratch:
+            out.append(
+                family_line(family, run_cases(FAMILY_CASES, Path(scratch), prompt_tokens, groups, family))
+            )
+        print(out[-1], flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("bench/out/context_runs.md"))
     parser.add_argument("--prompt-tokens", type=int, default=8000)
     parser.add_argument("--groups", type=int, default=2)
+    parser.add_argument("--families", help="comma-separated tiny presets: one float64 row per family")
     args = parser.parse_args()
+    if args.families:
+        lines = [
+            f"# Context groups per family (`python bench/context_runs.py --families ...`), P = {args.prompt_tokens}",
+            "",
+            f"{platform.machine()}, {os.cpu_count()} cores, float64, SGD, one update, ZeRO 0. Steps are relative "
+            "L2 errors against the one-process tree step.",
+            "",
+            *families(args.families.split(","), args.prompt_tokens, args.groups),
+            "",
+        ]
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(args.out, "\n".join(lines))
+        print("\n".join(lines))
+        return
     with tempfile.TemporaryDirectory() as scratch:
         rows = run_cases(CASES, Path(scratch), args.prompt_tokens, args.groups)
     lines = [

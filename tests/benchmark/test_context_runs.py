@@ -30,3 +30,18 @@ def test_the_table_gives_ratios_to_the_first_row_and_a_refusal_its_own_line() ->
     assert "| 4.0 | 1.00x | 3.0 MiB | 2.0 MiB | 1.50 | 0 B | 0 B | 0.0e+00 |" in one
     assert "| 6.0 | 1.50x | 1.0 MiB | 1.0 MiB | 1.00 | 5.0 KiB | 5.0 KiB | 2.5e-07 |" in two
     assert "| 1MiB | refused: nothing fits the 1.0 MiB budget |" in refused
+
+
+def test_a_familys_row_sets_the_groups_step_beside_the_one_process_floor() -> None:
+    one = Row(Case("one process", dtype="float64"), None, 1.0)
+    flat = Row(Case("flat", dtype="float64", mode="flat"), None, 1.0, step_error=4e-9)
+    group = Row(Case("c2", ranks=2, context=2, dtype="float64"), None, 1.0, 0, 0, 3 << 10, 3 << 10, 6e-9)
+    assert Case("flat", mode="flat").settings() == ["mode=flat"]
+    assert (
+        bench.family_line("qwen3", [one, flat, group])
+        == "| qwen3 | 6.0e-09 | 4.0e-09 | 1.50 | 3.0 KiB | yes |"
+    )
+    off = Row(group.case, None, 1.0, 0, 0, 3 << 10, 2 << 10, 6e-9)  # the control: bytes off the ledger's
+    assert bench.family_line("qwen3", [one, flat, off]).endswith("| no |")
+    refused = Row(group.case, "nothing fits")
+    assert "refused: nothing fits" in bench.family_line("gpt2", [one, flat, refused])

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from treetrain.models.context_exchange import ContextExchange
+from treetrain.models.context_exchange import ContextExchange, GroupMismatchError
 from treetrain.models.shared_past import HeldPieces, ScoreForm, shared_attention
 from treetrain.replay.context_shards import ContextGroup
 
@@ -141,10 +141,20 @@ def main(out_dir: str) -> None:
                 results[f"{key}/G"] = max(errs)
                 counts = exchange.counts
                 results[f"{key}/bytes"] = float(counts.total_bytes)
+        exchange = ContextExchange(size, grank, group)
+        exchange.agree("the same", [3, 5])  # every rank alike: passes
+        try:  # the last rank of each group a version behind: every rank of the group refuses
+            exchange.agree("a version", [7 - (grank == size - 1)])
+            results[f"C{size}/mismatch_caught"] = 0.0
+        except GroupMismatchError as exc:
+            one_line = "\n" not in str(exc) and "of the group holds a version" in str(exc)
+            results[f"C{size}/mismatch_caught"] = 1.0 if one_line else 0.5
+        results[f"C{size}/agree_bytes"] = float(exchange.counts.total_bytes)  # not the exchange's bytes
     gathered = [None] * world
     dist.all_gather_object(gathered, results)
     if rank == 0:
         merged = {k: max(r[k] for r in gathered) for k in results}
+        merged.update({k: min(r[k] for r in gathered) for k in results if k.endswith("mismatch_caught")})
         Path(out_dir, "results.json").write_text(json.dumps(merged, indent=1))
     dist.destroy_process_group()
 

@@ -18,19 +18,28 @@ from pathlib import Path
 TOKENIZER = Path(__file__).resolve().parents[1] / "assets" / "tokenizer"
 
 
-def write_long_model(out: Path, *, seed: int = 0) -> Path:
-    """A random-init checkpoint directory with the shipped tokenizer and a context of 16,384 positions."""
+def write_long_model(out: Path, *, seed: int = 0, family: str = "llama") -> Path:
+    """A random-init checkpoint directory with the shipped tokenizer and a context of 16,384 positions:
+    the Llama above, or another family's tiny preset (`treetrain.models.presets`, its own sizes)."""
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+
+    from treetrain.models.presets import tiny_model
 
     tok = AutoTokenizer.from_pretrained(TOKENIZER)
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=4, head_dim=16, max_position_embeddings=16384,
-        tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
-    LlamaForCausalLM(config).save_pretrained(out)
+    model: PreTrainedModel
+    if family == "llama":
+        config = LlamaConfig(
+            vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=4, head_dim=16, max_position_embeddings=16384,
+            tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        )  # fmt: skip
+        model = LlamaForCausalLM(config)
+    else:
+        model = tiny_model(family, len(tok), seed=seed)
+        model.config._experts_implementation = None  # as a checkpoint on disk: the loader chooses
+    model.save_pretrained(out)
     for f in TOKENIZER.iterdir():
         shutil.copy(f, out / f.name)
     return out

@@ -21,6 +21,11 @@ over the whole world then sums the ranks' partial parameter gradients to the exa
 What crosses ranks is sized by the queries of the running step, never by the past: `ExchangeCounts`
 keeps the bytes each rank contributes (the planner's ledger and the benchmark report them).
 
+Lockstep is also checked, not assumed: before a walk the ranks `agree` on what they are about to replay
+(the model and adapter versions, the trees and the plan's settings). A rank holding a stale shard (an
+older version) or other trees would otherwise merge attention states that belong to different queries,
+silently, whenever the shapes happen to match.
+
 Example (inside an initialised process group, every rank of `group` running the same code):
     >>> exchange = ContextExchange(size=2, rank=dist.get_rank(), group=group)   # doctest: +SKIP
     >>> states = exchange.gather_state(out, lse)                                 # doctest: +SKIP
@@ -28,12 +33,18 @@ Example (inside an initialised process group, every rank of `group` running the 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from treetrain.errors import TreetrainError
 from treetrain.models.attention_states import merge_into
+
+
+class GroupMismatchError(TreetrainError):
+    """The ranks of a context group are not about to replay the same thing (one line, naming what and who)."""
 
 
 @dataclass(frozen=True)
@@ -89,6 +100,21 @@ class ContextExchange:
             c.reduces,
         )
         return [(p[..., :-1], p[..., -1].to(lse.dtype)) for p in parts]
+
+    def agree(self, what: str, values: Sequence[int], device: torch.device | str = "cpu") -> None:
+        """`GroupMismatchError` unless every rank of the group passes the same `values` (one all-gather of
+        `len(values)` integers on `device`, which NCCL needs on the GPU). Not in `counts`: those are the
+        attention exchange's bytes, which the ledger predicts to the byte."""
+        mine = torch.tensor([int(v) for v in values], dtype=torch.int64, device=device)
+        parts = [torch.empty_like(mine) for _ in range(self.size)]
+        dist.all_gather(parts, mine, group=self.group)
+        for other, theirs in enumerate(parts):
+            if not torch.equal(theirs, mine):
+                raise GroupMismatchError(
+                    f"context group: rank {other} of the group holds {what} {theirs.tolist()} and rank "
+                    f"{self.rank} holds {mine.tolist()}; every rank of a group must replay the same trees "
+                    "with the same weights (a stale shard or a placement that split the group)"
+                )
 
     def all_reduce(self, grad: torch.Tensor) -> torch.Tensor:
         """The sum over the group of `grad` (a new tensor of its dtype; reduced in at least float32)."""

@@ -42,6 +42,7 @@ Example (the same sequence as `treetrain.tree_update`, spelled out):
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -168,6 +169,8 @@ class TreeReplay:
         ref_own = reference_module(self.ref_model)
         if ref_own is not None:
             self.support.require(ref_own, longest)
+        if self.shards is not None:
+            self._agree(batch)
         report = ReplayReport()
         tracker = self.hooks.tracker
         tracking: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
@@ -184,6 +187,20 @@ class TreeReplay:
         if tracker is not None:
             report = report.merged(ReplayReport(measured_peak=tracker.peak))
         return report
+
+    def _agree(self, batch: UpdateBatch) -> None:
+        """The ranks of this context group are about to replay the same trees with the same weights and
+        plan settings, or `GroupMismatchError` (see `ContextExchange.agree`)."""
+        assert self.shards is not None
+        digest = hashlib.sha256(repr(self.cfg).encode())
+        for work in batch.work:
+            digest.update(f"{work.tree.id}:{sorted(work.trajectories)}".encode())
+        identity = self.store.identity
+        self.shards.exchange.agree(
+            "(model version, adapter version, trees and plan)",
+            (identity.model_version, identity.adapter_version, int(digest.hexdigest()[:15], 16)),
+            self.device,
+        )
 
     def _mark(self, label: str) -> None:
         if self.hooks.tracker is not None:
