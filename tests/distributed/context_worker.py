@@ -27,13 +27,14 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 from support.context_cases import CONTROLS, SCENARIOS
-from support.dist_cases import LOSS, OPTIMIZER, groups, model_factory, params_vector, update
+from support.dist_cases import LOSS, OPTIMIZER, groups, model_factory, params_vector, rollouts
 
 from treetrain.distributed.context_groups import join_context_group
 from treetrain.distributed.deepspeed_backend import DeepSpeedBackend
 from treetrain.loss.advantages import AdvantageConfig
 from treetrain.replay.resident import ResidentIdentity, ResidentStore
 from treetrain.update.learner import Learner
+from treetrain.update.run import run_update
 from treetrain.update.settings import ReplaySection, UpdateConfig
 
 torch.set_num_threads(1)
@@ -73,12 +74,14 @@ def scenario(name: str, spec: dict[str, Any]) -> None:
         policy_loss=LOSS, advantages=AdvantageConfig(zero_variance="keep"), replay=replay, mode="tree",
         memory_budget="64GiB",
     )  # fmt: skip
-    update(Learner(backend, store=store), groups(), cfg)
+    outcome = run_update(Learner(backend, store=store), cfg, rollouts(groups()))
+    assert outcome.report is not None
     delta = current(backend) - start
     assert backend.context is not None
     info = dict(
         peak_resident_bytes=peak[0],
         crossed_bytes=backend.context.counts.total_bytes,
+        predicted_bytes=outcome.predicted_context_bytes,
         seconds=round(time.monotonic() - started, 2),
     )
     everyone: list[Any] = [None] * dist.get_world_size()

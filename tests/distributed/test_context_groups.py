@@ -105,6 +105,8 @@ def test_context_group_equals_one_process(run: Path, name: str) -> None:
     err = float((delta - ref).norm())
     assert err <= FACTOR * floor, f"{name}: |delta - ref| = {err:.3g}, floor {floor:.3g}"
     assert all(r["crossed_bytes"] > 0 for r in info)  # the exchange ran and was counted
+    # The per-rank ledger's transfer model is the engine's, to the byte, for every family and shape here.
+    assert [r["crossed_bytes"] for r in info] == [r["predicted_bytes"] for r in info], info
     # Sharded, never replicated: no rank holds all of the one-process resident state (a C = 2 group of
     # two data groups replays about half the trees, so only the per-tree share is compared loosely).
     whole = _one_process_resident(spec["family"], spec["contract"], spec["chunk"], spec["k"])

@@ -43,8 +43,9 @@ from dataclasses import dataclass, replace
 from transformers import PreTrainedModel
 
 from treetrain.memory.events import MemEvent, Shape, TreeLayout
+from treetrain.models.decoder import decoder_layers
 from treetrain.models.lora import unwrap
-from treetrain.models.recurrent_state import unkeyed_layers
+from treetrain.models.recurrent_state import hybrid_layers, unkeyed_layers
 from treetrain.replay.context_shards import ContextGroup
 from treetrain.replay.units import UnitTree
 
@@ -81,6 +82,15 @@ class QueryBytes:
     `exact`'s close) never reaches it, and it reduces no dO there."""
 
 
+def mixer_after_attention(model: PreTrainedModel) -> frozenset[int]:
+    """Hybrid layers whose recurrent mixer reads the layer's attention output (Zamba's and Zamba 2's: a shared
+    transformer block, then a Mamba decoder over its output), unlike Falcon-H1's, whose mixer reads the
+    layer's input beside its attention. A gradient into such a layer's resident state runs back through its
+    attention even in a forward without loss targets, so that attention all-reduces its dO there too."""
+    layers = decoder_layers(model)
+    return frozenset(i for i in hybrid_layers(model) if hasattr(layers[i], "mamba_decoder"))
+
+
 def query_bytes(model: PreTrainedModel) -> QueryBytes:
     """`QueryBytes` of `model`, read off its config as `persistent.kv_bytes_per_token` reads the KV side."""
     config = model.config.get_text_config(decoder=True)
@@ -96,7 +106,8 @@ def query_bytes(model: PreTrainedModel) -> QueryBytes:
     size = next(model.parameters()).element_size()
     stat = max(size, STATE_MIN_BYTES)
     out = heads * value_dim * stat
-    on_top = not shared and int(config.num_hidden_layers) - 1 not in unkeyed
+    top = int(config.num_hidden_layers) - 1
+    on_top = not shared and top not in unkeyed and top not in mixer_after_attention(unwrap(model))
     return QueryBytes(max(0, layers), out, heads * stat, heads * query_dim * size, out, on_top)
 
 
