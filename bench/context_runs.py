@@ -6,10 +6,10 @@ ledger and each step against the one-process step.
     python bench/context_runs.py --out bench/out/context_runs.md
     python bench/context_runs.py --families qwen3,deepseek_v3 --prompt-tokens 2000 --out bench/out/context_families.md
 
-With `--families`, each family's tiny preset (`treetrain.models.presets`) trains one float64 update in one
-process and in a group of 2 (ZeRO 0): one row per family, the group's step against the one-process step
-next to the one-process floor (its own tree step against its flat step), as an outside check that imports
-long-prompt trees and compares the weights would see it.
+With `--families`, each family's tiny preset (`treetrain.models.presets`) is saved as a checkpoint and
+trains one float64 update on imported long-prompt trees, in one process and in a group of 2 (ZeRO 0). Each
+family gets one row: the group's step against the one-process step, beside the one-process floor (its tree
+step against its flat step). This is the comparison of weights an outside check makes.
 
 The model and trees are `treetrain.benchmark.long_prompt`'s (a 4-layer Llama with 2 KiB of KV per token,
 groups of four short answers under one prompt). Each case is one update (SGD, fp32 unless the case says
@@ -227,9 +227,10 @@ FAMILY_CASES = [
 
 def family_line(family: str, rows: list[Row]) -> str:
     """One family's row: the group's step against the one-process step, beside the one-process floor."""
-    _, flat, group = rows  # the first is the reference every step_error is taken against
-    if group.refused is not None or flat.refused is not None:
-        return f"| {family} | refused: {group.refused or flat.refused} |||||"
+    one, flat, group = rows  # `one` is the reference every step_error is taken against
+    refused = one.refused or flat.refused or group.refused
+    if refused is not None:
+        return f"| {family} | refused: {refused} |||||"
     ratio = group.step_error / flat.step_error if flat.step_error else float("inf")
     same = "yes" if group.context_bytes == group.context_predicted else "no"
     return (

@@ -45,3 +45,5 @@ def test_a_familys_row_sets_the_groups_step_beside_the_one_process_floor() -> No
     assert bench.family_line("qwen3", [one, flat, off]).endswith("| no |")
     refused = Row(group.case, "nothing fits")
     assert "refused: nothing fits" in bench.family_line("gpt2", [one, flat, refused])
+    no_reference = Row(one.case, "no room")  # a refused reference never lets another row stand in for it
+    assert "refused: no room" in bench.family_line("gpt2", [no_reference, flat, group])

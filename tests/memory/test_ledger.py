@@ -292,8 +292,8 @@ def test_a_latent_attention_models_expanded_past_is_priced(contract: str) -> Non
     """Multi-head latent attention keeps latents resident but expands every piece of the past to full keys
     and values once per layer of a step (not per row) and keeps them for the backward: bytes per past token,
     whatever the rows. Replayed one row at a time over a long chunked prefix, that expansion is most of the
-    step (the calibration's per-past-token feature prices it; without that feature the prediction was 18-21%
-    under the measured peak here)."""
+    step (the calibration's per-past-token feature prices it). Held to 5 %, half the usual tolerance: with
+    that feature's cost forced to zero (run by hand) the prediction was 18-21 % under the measured peak."""
     loss = LossConfig()
     batch = make_batch(1000, 4, 8, 1, loss)
     model = tiny_model("deepseek_v3", VOCAB)
@@ -303,4 +303,4 @@ def test_a_latent_attention_models_expanded_past_is_priced(contract: str) -> Non
     measured = report.measured_peak
     assert measured is not None
     err = (ledger.peak.dynamic - measured.dynamic) / measured.dynamic
-    assert abs(err) <= TOLERANCE, f"predicted {ledger.peak} vs measured {measured}: {err:+.1%}"
+    assert abs(err) <= 0.05, f"predicted {ledger.peak} vs measured {measured}: {err:+.1%}"

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from treetrain.models.presets import FLOAT64_EXPERTS, load_model, tiny_model
+from treetrain.models.presets import PER_EXPERT_LOOP, load_model, tiny_model
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
@@ -27,7 +27,7 @@ def test_a_mixture_of_experts_checkpoint_runs_forward_and_backward_in_float64(
     ids = torch.tensor([[3, 5, 7, 11, 13]])
 
     model = load_model(tmp_path, dtype=torch.float64)
-    assert model.config._experts_implementation == FLOAT64_EXPERTS
+    assert model.config._experts_implementation == PER_EXPERT_LOOP
     logits = model(ids).logits  # [1, T, V]
     assert logits.dtype == torch.float64
     logits.logsumexp(-1).sum().backward()
@@ -35,8 +35,10 @@ def test_a_mixture_of_experts_checkpoint_runs_forward_and_backward_in_float64(
     assert experts and all(g is not None and g.dtype == torch.float64 for g in experts)
     assert any(float(g.abs().sum()) > 0 for g in experts if g is not None)
 
-    kept = load_model(tmp_path, dtype=torch.float32)  # float32 keeps transformers' default kernel
-    assert kept.config._experts_implementation != FLOAT64_EXPERTS
-    default = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64, local_files_only=True)
-    with pytest.raises(RuntimeError, match="Double"):
-        default(ids)
+    kept = load_model(tmp_path, dtype=torch.float32)  # float32 keeps transformers' choice
+    default = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, local_files_only=True)
+    assert kept.config._experts_implementation == default.config._experts_implementation
+    if default.config._experts_implementation == "grouped_mm":  # where transformers picks the kernel
+        as_is = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64, local_files_only=True)
+        with pytest.raises(RuntimeError, match="Double"):  # the control: what load_model avoids
+            as_is(ids)

@@ -67,7 +67,5 @@ def test_negative_controls_are_caught(results: dict[str, float], size: int, name
 @pytest.mark.parametrize("size", [2, 4])
 def test_a_group_whose_ranks_disagree_refuses_on_every_rank(results: dict[str, float], size: int) -> None:
     """`ContextExchange.agree`: ranks passing the same values go on; one rank a version behind makes every
-    rank of the group raise, in one line (the lowest result over the ranks is kept). The
-    check's bytes are not the attention exchange's (which the ledger predicts to the byte)."""
+    rank of the group raise, in one line (the lowest result over the ranks is kept)."""
     assert results[f"C{size}/mismatch_caught"] == 1.0
-    assert results[f"C{size}/agree_bytes"] == 0.0

@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from support.pages import FENCE
 
 REPO = Path(__file__).resolve().parents[2]
 PAGES = sorted([REPO / "README.md", REPO / "trees" / "README.md", *(REPO / "docs").glob("*.md")])
@@ -42,7 +43,6 @@ def _top_level_names() -> set[str]:
 
 TOP_LEVEL = _top_level_names()
 
-_FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.S | re.M)
 _LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 _CODE = re.compile(r"`([^`\n]+)`")
 
@@ -53,7 +53,7 @@ def _rel(page: Path) -> str:
 
 def _prose(text: str) -> str:
     """The page without its fenced blocks (links and paths inside code blocks are examples, not citations)."""
-    return _FENCE.sub("", text)
+    return FENCE.sub("", text)
 
 
 def slug(heading: str) -> str:
@@ -172,7 +172,7 @@ def test_no_file_cites_a_document_outside_the_repository() -> None:
 
 
 def python_blocks(page: Path) -> list[str]:
-    return [body for lang, body in _FENCE.findall(page.read_text()) if lang == "python"]
+    return [body for lang, body in FENCE.findall(page.read_text()) if lang == "python"]
 
 
 @pytest.mark.parametrize("page", FENCED_PAGES, ids=_rel)

@@ -14,6 +14,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+from support.pages import FENCE
 
 from treetrain.cli.main import main
 
@@ -21,7 +22,6 @@ pytestmark = pytest.mark.launch  # runs the treetrain CLI, a notebook kernel or 
 
 REPO = Path(__file__).resolve().parents[2]
 PAGE = REPO / "docs" / "models.md"
-FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.S | re.M)
 TABLE = re.compile(r"<!-- verdicts -->\n\|[^\n]*\|\n\|[-|]+\|\n(.*?)<!-- /verdicts -->", re.S)
 
 

@@ -149,7 +149,6 @@ def main(out_dir: str) -> None:
         except GroupMismatchError as exc:
             one_line = "\n" not in str(exc) and "of the group holds a version" in str(exc)
             results[f"C{size}/mismatch_caught"] = 1.0 if one_line else 0.5
-        results[f"C{size}/agree_bytes"] = float(exchange.counts.total_bytes)  # not the exchange's bytes
     gathered = [None] * world
     dist.all_gather_object(gathered, results)
     if rank == 0:

@@ -19,8 +19,8 @@ TOKENIZER = Path(__file__).resolve().parents[1] / "assets" / "tokenizer"
 
 
 def write_long_model(out: Path, *, seed: int = 0, family: str = "llama") -> Path:
-    """A random-init checkpoint directory with the shipped tokenizer and a context of 16,384 positions:
-    the Llama above, or another family's tiny preset (`treetrain.models.presets`, its own sizes)."""
+    """A random-init checkpoint directory with the shipped tokenizer and a context of 16,384 positions: the
+    module docstring's Llama, or another family's tiny preset (`treetrain.models.presets`, its own sizes)."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 

@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -26,6 +27,22 @@ def device_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes `device` has free now (CUDA: the driver's free memory; CPU: available pages, and no more than a
+    cgroup's memory limit when the process runs under one)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    free = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(limit).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            free = min(free, int(text))
+    return free
 
 
 def memory_budget_bytes(setting: str | None, device: torch.device) -> int:

@@ -18,7 +18,8 @@ features:
   per-chunk intermediates, a step function of the width (`treetrain.memory.recurrent_cost`; zero for a
   model without recurrent layers);
 - per past token, whatever the rows: multi-head latent attention expands each piece of the past to full
-  keys and values once per layer of a step and keeps them for the backward (zero for other attention);
+  keys and values once per layer of a step and keeps them for the backward (it fits to about zero for
+  other attention);
 - per past token gathered from several units, per path token receiving a KV gradient, per new G token,
   per stored KV token.
 

@@ -26,7 +26,8 @@ pads them):
   layer at a time, in float32 at least, 2 (C - 1) / C of its bytes sent in a ring all_reduce; out + q bytes
   of buffer (the reduced dO and this rank's dQ, which never crosses: each rank backpropagates its pieces'
   share of it, a partial sum). Without loss targets (a prompt chunk) the top attention layer's output
-  reaches nothing, so its backward never runs (`QueryBytes.attention_on_top`).
+  reaches nothing resident, so its backward never runs (`QueryBytes.attention_on_top`), unless a recurrent
+  mixer after it in the same layer keeps state from it (Zamba's hybrid layers).
 
 Example:
     >>> sizes = QueryBytes(layers=1, out=8, lse=1, query=8, grad=8, attention_on_top=True)
@@ -43,9 +44,8 @@ from dataclasses import dataclass, replace
 from transformers import PreTrainedModel
 
 from treetrain.memory.events import MemEvent, Shape, TreeLayout
-from treetrain.models.decoder import decoder_layers
 from treetrain.models.lora import unwrap
-from treetrain.models.recurrent_state import hybrid_layers, unkeyed_layers
+from treetrain.models.recurrent_state import mixer_after_attention, unkeyed_layers
 from treetrain.replay.context_shards import ContextGroup
 from treetrain.replay.units import UnitTree
 
@@ -77,18 +77,10 @@ class QueryBytes:
     grad: int
     """Its output gradient dO as the group all-reduces it: heads x value head size, in the merge's dtype."""
     attention_on_top: bool
-    """Whether the top decoder layer keeps KV (attention, alone or in a hybrid layer): its attention output
-    reaches only the logits, so the backward of a forward without loss targets (a prompt chunk's, kept for
-    `exact`'s close) never reaches it, and it reduces no dO there."""
-
-
-def mixer_after_attention(model: PreTrainedModel) -> frozenset[int]:
-    """Hybrid layers whose recurrent mixer reads the layer's attention output (Zamba's and Zamba 2's: a shared
-    transformer block, then a Mamba decoder over its output), unlike Falcon-H1's, whose mixer reads the
-    layer's input beside its attention. A gradient into such a layer's resident state runs back through its
-    attention even in a forward without loss targets, so that attention all-reduces its dO there too."""
-    layers = decoder_layers(model)
-    return frozenset(i for i in hybrid_layers(model) if hasattr(layers[i], "mamba_decoder"))
+    """Whether the top decoder layer keeps KV (attention, alone or in a hybrid layer) and its attention output
+    reaches only the logits: then the backward of a forward without loss targets (a prompt chunk's, kept for
+    `exact`'s close) never reaches it, and it reduces no dO there. False when a recurrent mixer after it in
+    that layer keeps state from its output (`mixer_after_attention`)."""
 
 
 def query_bytes(model: PreTrainedModel) -> QueryBytes:

@@ -21,10 +21,10 @@ over the whole world then sums the ranks' partial parameter gradients to the exa
 What crosses ranks is sized by the queries of the running step, never by the past: `ExchangeCounts`
 keeps the bytes each rank contributes (the planner's ledger and the benchmark report them).
 
-Lockstep is also checked, not assumed: before a walk the ranks `agree` on what they are about to replay
-(the model and adapter versions, the trees and the plan's settings). A rank holding a stale shard (an
-older version) or other trees would otherwise merge attention states that belong to different queries,
-silently, whenever the shapes happen to match.
+Lockstep is also checked, not assumed: before each replay (`TreeReplay.accumulate`) the ranks `agree` on
+what they are about to run (the model and adapter versions, the trees, the replay settings and each rank's
+schedule). A rank holding a stale shard (an older version), other trees or another plan would otherwise
+merge attention states that belong to different queries, silently, whenever the shapes happen to match.
 
 Example (inside an initialised process group, every rank of `group` running the same code):
     >>> exchange = ContextExchange(size=2, rank=dist.get_rank(), group=group)   # doctest: +SKIP

@@ -50,10 +50,10 @@ MAMBA_FAMILIES = frozenset({"mamba", "falcon_mamba", "jamba", "zamba"})
 KIMI_DELTA_FAMILIES = frozenset({"kimi_linear", "bailing_hybrid"})
 #: Families whose transformers classes have no `sdpa` attention.
 EAGER_ONLY = frozenset({"gemma2", "mamba", "falcon_mamba", "rwkv"})
-#: The experts implementation of a mixture-of-experts model in float64: transformers' default grouped-matmul
-#: kernel takes float32, bfloat16 and float16 only; the per-expert loop takes any dtype. The tiny presets use
-#: it in every dtype, so the tests' references run the same code in float32 and float64.
-FLOAT64_EXPERTS = "eager"
+#: transformers' per-expert loop, the experts implementation of a mixture-of-experts checkpoint in float64:
+#: the default grouped-matmul kernel takes float32, bfloat16 and float16 only. The tiny presets use it in
+#: every dtype, so the tests' references run the same code in float32 and float64.
+PER_EXPERT_LOOP = "eager"
 #: The tiny Mistral's sliding window: shorter than test sequences, so windowed attention is exercised.
 MISTRAL_WINDOW = 12
 
@@ -123,7 +123,7 @@ def tiny_config(
         "kimi_linear",
         "bailing_hybrid",
     ):
-        config._experts_implementation = FLOAT64_EXPERTS
+        config._experts_implementation = PER_EXPERT_LOOP
     return config
 
 
@@ -312,5 +312,5 @@ def load_model(
     check_checkpoint(path)  # config.json's sizes against the weight files, before anything is allocated
     return AutoModelForCausalLM.from_pretrained(
         path, dtype=dtype, attn_implementation=attn, use_safetensors=True, local_files_only=True,
-        experts_implementation=FLOAT64_EXPERTS if dtype == torch.float64 else None,
+        experts_implementation=PER_EXPERT_LOOP if dtype == torch.float64 else None,
     )  # fmt: skip

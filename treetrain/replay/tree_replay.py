@@ -170,7 +170,7 @@ class TreeReplay:
         if ref_own is not None:
             self.support.require(ref_own, longest)
         if self.shards is not None:
-            self._agree(batch)
+            self._agree(batch, schedule)
         report = ReplayReport()
         tracker = self.hooks.tracker
         tracking: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
@@ -188,16 +188,21 @@ class TreeReplay:
             report = report.merged(ReplayReport(measured_peak=tracker.peak))
         return report
 
-    def _agree(self, batch: UpdateBatch) -> None:
-        """The ranks of this context group are about to replay the same trees with the same weights and
-        plan settings, or `GroupMismatchError` (see `ContextExchange.agree`)."""
+    def _agree(self, batch: UpdateBatch, schedule: ReplaySchedule | None) -> None:
+        """The ranks of this context group are about to replay the same trees with the same weights, settings
+        and schedule (each rank plans its own; a kept graph or an eviction changes how many forwards, and so
+        collectives, run), or `GroupMismatchError` (see `ContextExchange.agree`)."""
         assert self.shards is not None
         digest = hashlib.sha256(repr(self.cfg).encode())
         for work in batch.work:
             digest.update(f"{work.tree.id}:{sorted(work.trajectories)}".encode())
+        for tree in schedule.trees if schedule is not None else ():
+            evictions = [(repr(e.before), e.units) for e in tree.evictions]
+            canonical = (tree.tree_id, repr(tree.steps), sorted(tree.kept), evictions, tree.offload)
+            digest.update(repr(canonical).encode())
         identity = self.store.identity
         self.shards.exchange.agree(
-            "(model version, adapter version, trees and plan)",
+            "(model version, adapter version, trees, settings and schedule)",
             (identity.model_version, identity.adapter_version, int(digest.hexdigest()[:15], 16)),
             self.device,
         )

@@ -91,8 +91,8 @@ class RolloutSection:
     hf_kv_budget: str | None = None
     """Most KV-cache bytes the 'hf' engine holds during a rollout, live rows and kept prefixes together, e.g.
     '2GiB' (null: a quarter of memory_budget, or of the device's memory; under ZeRO-3 with max_staleness >= 1,
-    whose sampler runs on the CPU, a quarter of the host's memory). Requests wait while admitting them
-    would exceed it (one always runs); kept prefixes are dropped oldest first."""
+    whose sampler runs on the CPU beside training, a quarter of the host's free memory at start). Requests
+    wait while admitting them would exceed it (one always runs); kept prefixes are dropped oldest first."""
     rubric_timeout_s: float | None = 300.0
     """Seconds a rubric (the reward of one finished episode, scored in its environment worker) may take
     before that task's group is dropped; null waits forever. Apart from the step timeout, because code

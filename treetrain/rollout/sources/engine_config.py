@@ -20,7 +20,9 @@ from treetrain.rollout.tree_rollout import RolloutConfig
 
 HF_KV_SHARE = 4
 """Without `rollout.hf_kv_budget`, the `hf` engine's KV cache may take 1/HF_KV_SHARE of the memory budget:
-the rollout runs between updates, so this is memory the update's plan does not hold at the same time."""
+the rollout runs between updates, so this is memory the update's plan does not hold at the same time. An
+asynchronous sampler on another device than the trainer's (ZeRO-3's, on the CPU) runs beside training, and
+takes 1/HF_KV_SHARE of what that device has free when the run starts."""
 
 
 def engine_spec(
@@ -29,11 +31,11 @@ def engine_spec(
     """What the engine factory needs to know about this run; `checkpoint` is where `model.path` resolved to
     (a directory, or a preset's name). `sampler_device` is where an `hf` sampler holds its KV cache when that
     is not the model's device (ZeRO-3's shadow samples on the CPU): `memory_budget` is the trainer's device's,
-    so there the default KV budget is a share of that device's memory instead."""
+    so there the default KV budget is a share of what that device has free instead."""
     import torch
 
     from treetrain.bytesize import parse_bytes
-    from treetrain.memory.budget import device_memory, memory_budget_bytes
+    from treetrain.memory.budget import free_memory, memory_budget_bytes
 
     r = cfg.rollout
     trainer = next(model.parameters()).device
@@ -41,7 +43,7 @@ def engine_spec(
     if r.hf_kv_budget is not None:
         kv_bytes = parse_bytes(r.hf_kv_budget)
     elif sampler != trainer:
-        kv_bytes = device_memory(sampler) // HF_KV_SHARE
+        kv_bytes = free_memory(sampler) // HF_KV_SHARE
     else:
         kv_bytes = memory_budget_bytes(cfg.memory_budget, trainer) // HF_KV_SHARE
     lora_z3 = (
