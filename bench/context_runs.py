@@ -255,6 +255,12 @@ def families(names: list[str], prompt_tokens: int, groups: int) -> list[str]:
     return out
 
 
+def _write(out: Path, lines: list[str]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out, "\n".join(lines))
+    print("\n".join(lines))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("bench/out/context_runs.md"))
@@ -262,36 +268,24 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=2)
     parser.add_argument("--families", help="comma-separated tiny presets: one float64 row per family")
     args = parser.parse_args()
+    machine = f"{platform.machine()}, {os.cpu_count()} cores"
     if args.families:
-        lines = [
-            f"# Context groups per family (`python bench/context_runs.py --families ...`), P = {args.prompt_tokens}",
-            "",
-            f"{platform.machine()}, {os.cpu_count()} cores, float64, SGD, one update, ZeRO 0. Steps are relative "
-            "L2 errors against the one-process tree step.",
-            "",
-            *families(args.families.split(","), args.prompt_tokens, args.groups),
-            "",
-        ]
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(args.out, "\n".join(lines))
-        print("\n".join(lines))
+        title = f"# Context groups per family (`python bench/context_runs.py --families ...`), P = {args.prompt_tokens}"
+        about = f"{machine}, float64, SGD, one update, ZeRO 0. Steps are relative L2 errors against the one-process tree step."
+        _write(
+            args.out,
+            [title, "", about, "", *families(args.families.split(","), args.prompt_tokens, args.groups), ""],
+        )
         return
     with tempfile.TemporaryDirectory() as scratch:
         rows = run_cases(CASES, Path(scratch), args.prompt_tokens, args.groups)
-    lines = [
-        f"# Context groups measured (`python bench/context_runs.py`), P = {args.prompt_tokens}, "
-        f"{args.groups} groups of 4",
-        "",
-        f"{platform.machine()}, {os.cpu_count()} cores, fp32 unless the case says float64, SGD, one update per case, one thread per rank. "
+    title = f"# Context groups measured (`python bench/context_runs.py`), P = {args.prompt_tokens}, {args.groups} groups of 4"
+    about = (
+        f"{machine}, fp32 unless the case says float64, SGD, one update per case, one thread per rank. "
         "`train s` is the update's planning, replay and step (metrics.jsonl `train_seconds`, rank 0); "
-        "peaks are rank 0's live bytes beyond parameters and optimizer state.",
-        "",
-        *table(rows),
-        "",
-    ]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(args.out, "\n".join(lines))
-    print("\n".join(lines))
+        "peaks are rank 0's live bytes beyond parameters and optimizer state."
+    )
+    _write(args.out, [title, "", about, "", *table(rows), ""])
 
 
 if __name__ == "__main__":
