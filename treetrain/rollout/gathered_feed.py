@@ -30,12 +30,11 @@ Example (an unsharded model takes the same path, with nothing to gather):
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
 
-from treetrain.rollout.engines.weight_buckets import full_shape
+from treetrain.rollout.engines.weight_buckets import full_shape, gathered
 from treetrain.rollout.weight_feed import WeightFeed, private_copy, settle
 
 ZERO3_MODULE_ATTRS = (
@@ -74,16 +73,6 @@ def _zero3_bookkeeping(name: str, value: object) -> bool:
     )
 
 
-def _gathered(params: list[torch.Tensor]) -> Any:
-    """The context that holds `params` whole: ZeRO-3's gather of those it shards (a collective), else none."""
-    sharded = [p for p in params if hasattr(p, "ds_id")]
-    if not sharded:
-        return contextlib.nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(sharded, modifier_rank=None)
-
-
 @torch.no_grad()
 def gathered_copy(into: Any, model: Any) -> None:
     """Copy `model`'s weights into `into` (an `unsharded_twin` of it), one module's parameters gathered at a
@@ -94,7 +83,7 @@ def gathered_copy(into: Any, model: Any) -> None:
     for prefix, module in model.named_modules():
         own = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
         seen.update(id(p) for _, p in own)
-        with _gathered([p for _, p in own]):
+        with gathered([p for _, p in own]):
             if into is not None:
                 for name, p in own:
                     targets[f"{prefix}.{name}" if prefix else name].copy_(p.data)

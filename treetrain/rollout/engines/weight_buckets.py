@@ -56,6 +56,17 @@ def full_shape(param: torch.Tensor) -> tuple[int, ...]:
     return tuple(getattr(param, "ds_shape", param.shape))
 
 
+def gathered(params: list[torch.Tensor]) -> Any:
+    """The context that holds `params` whole: ZeRO-3's gather of those it shards (a collective every rank
+    must enter), else none."""
+    sharded = [p for p in params if hasattr(p, "ds_id")]
+    if not sharded:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(sharded, modifier_rank=None)
+
+
 def _lora_layers(model: Any) -> dict[int, Any]:
     """For a PEFT model, the LoRA layer adapting each base weight (by the weight's id). Each delta is computed
     when its weight's module is reached, so at most one module's deltas exist at a time."""
@@ -120,12 +131,7 @@ def weight_buckets(model: Any, bucket_bytes: int = BUCKET_BYTES) -> Iterator[lis
             params = list(module.named_parameters(recurse=False, remove_duplicate=False))
             if not params:
                 continue
-            ctx: Any = contextlib.nullcontext()
-            if gather:
-                import deepspeed
-
-                ctx = deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None)
-            with ctx:
+            with gathered([p for _, p in params]):
                 named: dict[str, torch.Tensor] = {}
                 for n, p in params:
                     name = _checkpoint_name(f"{prefix}.{n}" if prefix else n)
