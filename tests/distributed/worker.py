@@ -62,6 +62,7 @@ from treetrain.distributed.checkpoint_io import CheckpointError
 from treetrain.distributed.deepspeed_backend import DeepSpeedBackend
 from treetrain.loss.manifest import ManifestError
 from treetrain.memory.calibrate import calibrate
+from treetrain.memory.calibration_probes import Probe
 from treetrain.memory.persistent import largest_module
 from treetrain.models.lora import AdaptersOff, is_adapter_param
 from treetrain.replay import TreeReplay, UpdateBatch
@@ -621,7 +622,7 @@ def scenarios() -> dict[str, Callable[[], tuple[torch.Tensor, Info]]]:
         out[f"z3-response_only-{family}"] = partial(
             one_update, "z3", "response_only", placement="round_robin", family=family
         )
-    out["z3-calibrate-qwen3_5_text"] = partial(fresh_calibration, "qwen3_5_text")  # Mamba-2's: 48 s, once
+    out["z3-calibrate-qwen3_5_text"] = partial(fresh_calibration, "qwen3_5_text")
     for s in ("z2", "z3"):
         out[f"{s}-fault_before_backward"] = partial(
             one_update, s, step_hook=Once(0, "forward", RuntimeError("injected before backward")),
@@ -659,12 +660,18 @@ def scenarios() -> dict[str, Callable[[], tuple[torch.Tensor, Info]]]:
     return out
 
 
+FRESH_PROBES = (Probe(5, 2, (2, 2, 2), 5, 3), Probe(1008, 0, (2,), 16, 2, chunk=256))
+"""Single-token steps after a recurrent past, and a long prompt in chunks that hand their state on: two of
+the calibration's probes (`calibration_probes.probes_for`), which each fail without the held weights as
+the whole set does, in a sixth of its time."""
+
+
 def fresh_calibration(family: str) -> tuple[None, Info]:
-    """The memory calibration measured under ZeRO-3 itself (not lent from an unpartitioned twin): its probes
-    step single tokens after a recurrent past, where a mixer reads its convolution weight directly."""
+    """The memory calibration measured under ZeRO-3 itself (not lent from an unpartitioned twin): a
+    recurrent mixer reads its convolution weight directly, also in its one-token steps."""
     backend = backend_for("z3", family=family)
     with backend.scratch():
-        model = calibrate(backend.module, "exact", cache=False)
+        model = calibrate(backend.module, "exact", cache=False, probes=FRESH_PROBES)
     return None, {"samples": model.samples, "held": len(backend._direct.params) if backend._direct else 0}
 
 

@@ -57,13 +57,20 @@ def model_factory(family: str = "llama") -> Callable[[], PreTrainedModel]:
     return make_model if family == "llama" else factory(family, torch.float32)
 
 
-def calibrate_first(cases: Iterable[tuple[Callable[[], PreTrainedModel], Contract]]) -> None:
-    """Calibrate each (model factory, contract) here, in one process, into the run's calibration store
+BOTH: tuple[Contract, ...] = ("exact", "response_only")
+
+
+def calibrate_first(makes: Iterable[Callable[[], PreTrainedModel]]) -> None:
+    """Calibrate each model factory's model here, in one process, into the run's calibration store
     (`tests/conftest.py`) before a launch reads it: otherwise every rank of the launch measures the same
-    model (four ranks on two cores), and a ZeRO-3 rank fetches each probe's parameters from the others. A
-    repeated case is a hit of the in-process cache."""
-    for make, contract in cases:
-        calibrate(make(), contract, with_entropy=LOSS.needs_entropy)
+    model (four ranks on two cores), and a ZeRO-3 rank fetches each probe's parameters from the others.
+    Both contracts, whatever a scenario replays: the planner prices the flat update against the tree's
+    (`treetrain.train.prewarm` does the same for a `treetrain train` launch). A repeated model is a hit of
+    the in-process cache."""
+    for make in makes:
+        model = make()
+        for contract in BOTH:
+            calibrate(model, contract, with_entropy=LOSS.needs_entropy)
 
 
 def groups(seed: int = 0) -> list[Group]:
