@@ -63,6 +63,8 @@ class Case:
     """`model.dtype` (float64 runs at ZeRO 0, where treetrain reduces the gradients itself)."""
     mode: str = "tree"
     """`mode` (flat: the conventional update, the floor's other side)."""
+    device: str = "cpu"
+    """'cpu', or 'cuda': one GPU per rank (the launcher's LOCAL_RANK-th), NCCL between them."""
 
     def settings(self) -> list[str]:
         out = [] if self.budget is None else [f"memory_budget={self.budget}"]
@@ -70,10 +72,17 @@ class Case:
             out.append(f"mode={self.mode}")
         if self.dtype != "float32":
             out.append(f"model.dtype={self.dtype}")
-        if self.ranks > 1:
+        if self.ranks > 1:  # DeepSpeed places each rank on its accelerator (`DS_ACCELERATOR`, `env`)
             out += ["distributed.backend=deepspeed", f"distributed.zero_stage={self.zero}"]
             out += [f"distributed.context_parallel={self.context}"]
+        elif self.device != "cpu":
+            out.append(f"device={self.device}")
         return out
+
+    def env(self) -> dict[str, str]:
+        """The launch's environment: one thread per rank, and DeepSpeed on the CPU, or left to find the GPU."""
+        out = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+        return {**out, "OMP_NUM_THREADS": "1", **({"DS_ACCELERATOR": "cpu"} if self.device == "cpu" else {})}
 
 
 @dataclass(frozen=True)
@@ -125,8 +134,7 @@ def run_case(
             sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={case.ranks}",
             "--master_addr=127.0.0.1", f"--master_port={_free_port()}", "-m", "treetrain", *args,
         ]  # fmt: skip
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    done = subprocess.run(cmd, env=case.env(), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
     if done.returncode != 0:
         lines = [ln for ln in done.stderr.splitlines() if ln.startswith("treetrain train:")]
         if not lines:
@@ -223,6 +231,32 @@ FAMILY_CASES = [
     Case("one process, flat", dtype="float64", mode="flat"),
     Case("2 ranks, C=2", ranks=2, context=2, zero=0, dtype="float64"),
 ]
+
+
+def gpu_cases(devices: int) -> list[Case]:
+    """`bench/gpu_check.py`'s context-group cases for a machine of `devices` GPUs, one rank per GPU (NCCL
+    refuses two ranks on one device): a group of 2 against one process and 2 ranks of C = 1, in float32
+    (time) and in float64 (the step against the one-process step, at ZeRO 0 where float64 reduces
+    exactly), and 2 data x 2 context with 4 GPUs. Empty below 2 GPUs.
+
+    >>> [c.name for c in gpu_cases(2)][:3]
+    ['one process', '2 ranks, C=1', '2 ranks, C=2']
+    >>> gpu_cases(1)
+    []
+    """
+    if devices < 2:
+        return []
+    cases = [
+        Case("one process", device="cuda"),
+        Case("2 ranks, C=1", ranks=2, context=1, zero=0, device="cuda"),
+        Case("2 ranks, C=2", ranks=2, context=2, zero=0, device="cuda"),
+        Case("2 ranks, C=2, ZeRO-3", ranks=2, context=2, zero=3, device="cuda"),
+        Case("one process, float64", dtype="float64", device="cuda"),
+        Case("2 ranks, C=2, float64", ranks=2, context=2, zero=0, dtype="float64", device="cuda"),
+    ]
+    if devices >= 4:
+        cases.append(Case("4 ranks, 2x2", ranks=4, context=2, zero=0, device="cuda"))
+    return cases
 
 
 def family_line(family: str, rows: list[Row]) -> str:

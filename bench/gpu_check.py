@@ -17,11 +17,16 @@ Five steps, one table each, written as markdown to stdout and `--out`:
    after a shared 512-token prompt), and vLLM's weight-sync seconds per GB;
 5. asynchronous training: the demo's update loop with `rollout.max_staleness=1` against 0, interleaved
    (`bench/async_overlap.py`), its wall-time ratio and the trained tokens' lags. It is `treetrain train`
-   itself, on the GPU (`device: auto`); a run that fails is a row with its last words.
+   itself, on the GPU (`device: auto`); a run that fails is a row with its last words;
+6. context groups: `treetrain train` under torchrun at `distributed.context_parallel=2` against one process
+   and against 2 ranks of C = 1 on a long prompt (`bench/context_runs.py`'s cases, `gpu_cases`), one rank
+   per GPU over NCCL: time per update, each rank-0 peak against the per-rank ledger, the bytes that crossed
+   against the ledger's, and the float64 step against the one-process step. It needs 2 GPUs (NCCL refuses
+   two ranks on one device); with fewer the table says so.
 
 The dry run shrinks every step (one family, one point, float32 speed, the tracker instead of the
-allocator, a tiny model and the `hf` engine alone for the rollout step) so that it checks the script in
-seconds.
+allocator, a tiny model and the `hf` engine alone for the rollout step, no context-group launches) so that
+it checks the script in seconds.
 
 On CPU without `--dry-run` it refuses to run: its numbers are only meaningful on the device.
 """
@@ -29,10 +34,12 @@ On CPU without `--dry-run` it refuses to run: its numbers are only meaningful on
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -214,16 +221,9 @@ def rollout_engines(device: torch.device, dry: bool) -> list[str]:
 
 def async_training(dry: bool) -> list[str]:
     """The demo with `rollout.max_staleness=1` against 0, side by side (`bench/async_overlap.py`)."""
-    import importlib.util
     import tempfile
 
-    spec = importlib.util.spec_from_file_location(
-        "async_overlap", Path(__file__).with_name("async_overlap.py")
-    )
-    assert spec is not None and spec.loader is not None
-    overlap = importlib.util.module_from_spec(spec)
-    sys.modules["async_overlap"] = overlap  # its dataclasses look their module up there
-    spec.loader.exec_module(overlap)
+    overlap = _bench_script("async_overlap")
     updates = 2 if dry else 8
     with tempfile.TemporaryDirectory() as tmp:
         try:
@@ -234,6 +234,39 @@ def async_training(dry: bool) -> list[str]:
         except SystemExit as exc:  # the first `treetrain train` on this device: the other tables stay
             return [f"failed: {' '.join(str(exc).split())[-1500:]}"]
     return overlap.report(runs, updates, "python bench/gpu_check.py").splitlines()
+
+
+def _bench_script(name: str) -> Any:
+    """A sibling script of bench/ as a module (registered, so its dataclasses find their module)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def context_groups(dry: bool, devices: int) -> list[str]:
+    """`bench/context_runs.py`'s GPU cases on `devices` GPUs: P = 16000 (its model holds 16,384 positions),
+    two groups of four answers."""
+    import tempfile
+
+    runs = _bench_script("context_runs")
+    if dry:
+        return ["not run in the dry run: its cases are `treetrain train` launches, which "
+                "`bench/context_runs.py` runs on the CPU"]  # fmt: skip
+    cases = runs.gpu_cases(devices)
+    if not cases:
+        return [f"not run: a context group of 2 needs 2 GPUs, one per rank (NCCL refuses two ranks on one "
+                f"device), and this machine has {devices}"]  # fmt: skip
+    with tempfile.TemporaryDirectory() as scratch:
+        try:
+            rows = runs.run_cases(cases, Path(scratch), prompt_tokens=16000, groups=2)
+        except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
+            return [f"failed: {' '.join(str(exc).split())[-1500:]}"]
+    return runs.table(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -265,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     lines += [f"## peak memory against the ledger ({dtype})", "", *memory, ""]
     lines += [f"## rollout engines ({dtype})", "", *rollout_engines(device, args.dry_run), ""]
     lines += ["## asynchronous training (the demo, hf)", "", *async_training(args.dry_run), ""]
+    devices = 0 if args.dry_run else torch.cuda.device_count()
+    lines += ["## context groups (`treetrain train`, C = 2)", "", *context_groups(args.dry_run, devices), ""]
     lines.append(f"wall time {time.perf_counter() - start:.0f} s")
     publish("\n".join(lines) + "\n", args.out)
     return 0

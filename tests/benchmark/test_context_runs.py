@@ -19,6 +19,22 @@ def test_a_case_sets_the_group_only_under_torchrun() -> None:
     ]
 
 
+def test_a_gpu_case_takes_one_gpu_per_rank_and_leaves_deepspeed_its_accelerator() -> None:
+    """On a GPU the one-process case names the device and a launch leaves DeepSpeed to find CUDA; on the
+    CPU both stay there (`DS_ACCELERATOR=cpu`), also on a machine that has a GPU."""
+    one, group = Case("one process", device="cuda"), Case("c2", ranks=2, context=2, device="cuda")
+    assert one.settings() == ["device=cuda"]
+    assert "device=cuda" not in group.settings()  # DeepSpeed places each rank on cuda:LOCAL_RANK
+    assert "DS_ACCELERATOR" not in group.env()
+    assert Case("c2", ranks=2, context=2).env()["DS_ACCELERATOR"] == "cpu"
+    cases = bench.gpu_cases(4)
+    assert [c.device for c in cases] == ["cuda"] * len(cases)
+    assert {c.context for c in cases if c.ranks > 1} == {1, 2} and max(c.ranks for c in cases) == 4
+    assert all(c.zero == 0 for c in cases if c.dtype == "float64")  # float64 reduces exactly at ZeRO 0 only
+    assert [c.dtype for c in cases if c.ranks == 1] == ["float32", "float64"]  # each dtype's reference first
+    assert max(c.ranks for c in bench.gpu_cases(2)) == 2 and bench.gpu_cases(1) == []
+
+
 def test_the_table_gives_ratios_to_the_first_row_and_a_refusal_its_own_line() -> None:
     rows = [
         Row(Case("one process"), None, 4.0, 3 << 20, 2 << 20),

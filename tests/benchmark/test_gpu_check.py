@@ -23,6 +23,7 @@ def test_dry_run_writes_every_table(tmp_path: Path) -> None:
         "peak memory against the ledger",
         "## rollout engines",
         "## asynchronous",
+        "## context groups",
     ):
         assert heading in text
     rows = [line for line in text.splitlines() if line.startswith("| llama")]
@@ -33,3 +34,9 @@ def test_dry_run_writes_every_table(tmp_path: Path) -> None:
 def test_refuses_without_a_device(capsys: pytest.CaptureFixture[str]) -> None:
     assert _script().main([]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_the_context_group_table_says_when_the_machine_has_one_gpu() -> None:
+    """A group's ranks take a GPU each, so on one GPU the step is a line that says why it did not run."""
+    (line,) = _script().context_groups(dry=False, devices=1)
+    assert line.startswith("not run: a context group of 2 needs 2 GPUs") and "has 1" in line

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from support.pages import FENCE
+from support.scripts import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 PAGES = sorted([REPO / "README.md", REPO / "trees" / "README.md", *(REPO / "docs").glob("*.md")])
@@ -211,3 +212,13 @@ def _doctest_modules() -> list[str]:
 def test_docstring_examples(name: str) -> None:
     result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
     assert result.failed == 0
+
+
+@pytest.mark.parametrize(
+    "script", [p.name for p in sorted((REPO / "bench").glob("*.py")) if ">>>" in p.read_text()]
+)
+def test_benchmark_docstring_examples(script: str) -> None:
+    """The bench scripts are no package; each is loaded from its path (`support.scripts`)."""
+    module = load_script(f"bench/{script}", f"bench_{script.removesuffix('.py')}")
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.attempted and result.failed == 0

@@ -44,6 +44,7 @@ from dataclasses import dataclass, replace
 from transformers import PreTrainedModel
 
 from treetrain.memory.events import MemEvent, Shape, TreeLayout
+from treetrain.models.decoder import decoder_layers
 from treetrain.models.lora import unwrap
 from treetrain.models.recurrent_state import mixer_after_attention, unkeyed_layers
 from treetrain.replay.context_shards import ContextGroup
@@ -99,7 +100,8 @@ def query_bytes(model: PreTrainedModel) -> QueryBytes:
     stat = max(size, STATE_MIN_BYTES)
     out = heads * value_dim * stat
     top = int(config.num_hidden_layers) - 1
-    on_top = not shared and top not in unkeyed and top not in mixer_after_attention(unwrap(model))
+    after = mixer_after_attention(unwrap(model), decoder_layers(unwrap(model)))
+    on_top = not shared and top not in unkeyed and top not in after
     return QueryBytes(max(0, layers), out, heads * stat, heads * query_dim * size, out, on_top)
 
 

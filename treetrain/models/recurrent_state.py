@@ -122,16 +122,13 @@ def hybrid_layers(model: nn.Module) -> frozenset[int]:
     return frozenset(i for i, t in enumerate(_layer_types(model)) if t in HYBRID_LAYER_TYPES)
 
 
-def mixer_after_attention(model: nn.Module) -> frozenset[int]:
+def mixer_after_attention(model: nn.Module, blocks: nn.ModuleList) -> frozenset[int]:
     """Hybrid layers whose recurrent mixer reads the layer's attention output (Zamba's and Zamba 2's: a shared
     transformer block, then a Mamba decoder over its output), unlike Falcon-H1's, whose mixer reads the
     layer's input beside its attention. A gradient into such a layer's resident state runs back through its
-    attention even in a forward without loss targets."""
-    hybrid, count = hybrid_layers(model), len(_layer_types(model))
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) == count and count:
-            return frozenset(i for i in hybrid if hasattr(module[i], "mamba_decoder"))
-    return frozenset()
+    attention even in a forward without loss targets. `blocks` are the model's decoder blocks
+    (`treetrain.models.decoder.decoder_layers`)."""
+    return frozenset(i for i in hybrid_layers(model) if i < len(blocks) and hasattr(blocks[i], "mamba_decoder"))
 
 
 def stateless_layers(model: nn.Module) -> frozenset[int]:
