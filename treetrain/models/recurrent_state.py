@@ -128,7 +128,9 @@ def mixer_after_attention(model: nn.Module, blocks: nn.ModuleList) -> frozenset[
     layer's input beside its attention. A gradient into such a layer's resident state runs back through its
     attention even in a forward without loss targets. `blocks` are the model's decoder blocks
     (`treetrain.models.decoder.decoder_layers`)."""
-    return frozenset(i for i in hybrid_layers(model) if i < len(blocks) and hasattr(blocks[i], "mamba_decoder"))
+    return frozenset(
+        i for i in hybrid_layers(model) if i < len(blocks) and hasattr(blocks[i], "mamba_decoder")
+    )
 
 
 def stateless_layers(model: nn.Module) -> frozenset[int]:
