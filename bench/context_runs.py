@@ -40,6 +40,7 @@ from safetensors.torch import load_file
 from treetrain.benchmark.long_prompt import write_long_model, write_long_rollouts
 from treetrain.bytesize import format_bytes
 from treetrain.io import atomic_write_text
+from treetrain.models.presets import EAGER_ONLY
 from treetrain.train.metrics import read_metrics
 from treetrain.train.prewarm import prewarm_calibrations
 
@@ -105,6 +106,11 @@ class Row:
     """|step - one-process step| / |one-process step|, against the first case of its dtype (0 for that one)."""
 
 
+def model_settings(family: str) -> list[str]:
+    """What a run of `family`'s checkpoint must set: eager attention where transformers has no other."""
+    return ["model.attn=eager"] if family in EAGER_ONLY else []
+
+
 def prepare(work: Path, prompt_tokens: int, groups: int, family: str = "llama") -> tuple[Path, Path]:
     """The checkpoint and the imported trees (`groups` files of one long prompt each)."""
     model = write_long_model(work / "model", family=family)
@@ -117,13 +123,14 @@ def prepare(work: Path, prompt_tokens: int, groups: int, family: str = "llama") 
 
 
 def run_case(
-    case: Case, work: Path, model: Path, trees: Path, groups: int
+    case: Case, work: Path, model: Path, trees: Path, groups: int, family: str = "llama"
 ) -> tuple[Row, torch.Tensor | None]:
     """Train one update of `case`; its row and its step (None when refused)."""
     run_dir = work / case.name.replace(" ", "_").replace(",", "").replace("=", "")
     settings = [
         f"model.path={model}", f"rollout.groups_per_update={groups}", "updates=1", "checkpoint_every=0",
         "measure_memory_every=1", "optim.name=sgd", "optim.lr=0.5", "optim.grad_clip=0", *case.settings(),
+        *model_settings(family),
     ]  # fmt: skip
     args = ["train", "--run-dir", str(run_dir), "--overwrite", "--no-progress", "--trees", str(trees)]
     args += [a for kv in settings for a in ("--set", kv)]
@@ -165,11 +172,11 @@ def run_cases(
     step for that dtype)."""
     model, trees = prepare(work, prompt_tokens, groups, family)
     for dtype in sorted({c.dtype for c in cases}):  # no case times the memory calibration's probes
-        prewarm_calibrations([f"model.path={model}", f"model.dtype={dtype}"])
+        prewarm_calibrations([f"model.path={model}", f"model.dtype={dtype}", *model_settings(family)])
     rows: list[Row] = []
     references: dict[str, torch.Tensor] = {}
     for case in cases:
-        row, step = run_case(case, work, model, trees, groups)
+        row, step = run_case(case, work, model, trees, groups, family)
         if step is not None:
             reference = references.setdefault(case.dtype, step)
             row = replace(row, step_error=float((step - reference).norm() / reference.norm()))

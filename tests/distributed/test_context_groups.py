@@ -4,7 +4,8 @@ One 4-rank torchrun launch (gloo, CPU) runs every scenario of tests/distributed/
 of C = 2 (two data groups) and C = 4 (one), ZeRO 0 and 3, `exact` and `response_only`, a GQA family
 (llama), an MLA family (DeepSeek V3), a sliding-window family (Mistral) and hybrids (Qwen3.5: Gated
 DeltaNet around attention; Zamba 2: a shared attention block before a Mamba-2 mixer in one layer; Falcon-H1:
-attention and Mamba-2 side by side in every layer), with varied chunk size and K. Each rank holds only the resident KV it owns.
+attention and Mamba-2 side by side in every layer) and cross-layer KV sharing (Gemma 4: the top half
+attends to the bottom half's KV), with varied chunk size and K. Each rank holds only the resident KV it owns.
 The SGD deltas are compared with the single-process reference at FACTOR times its measured fp32 noise
 floor (`support.dist_cases.delta_floor`): `exact` with the conventional flat run, `response_only` with
 itself in one process. Negative controls: the remote pieces left out of the forward merge, or a piece's G

@@ -118,7 +118,7 @@ def test_transfers_count_each_backward_that_runs(model: PreTrainedModel) -> None
     share = ContextShare(2, 0, 64, sizes)
     tokens, layers = 2 * 16, sizes.layers
     gather = (sizes.out + sizes.lse) * tokens * layers
-    assert sizes.attention_on_top and layers > 1
+    assert sizes.untargeted == layers - 1 and layers > 1
     assert share.contributed(event("score", 64)) == gather
     assert share.contributed(event("step", 64, targets=3)) == gather + sizes.grad * tokens * layers
     assert share.contributed(event("keep", 64)) == share.contributed(event("step", 64))
@@ -184,13 +184,21 @@ def test_no_group_is_named_when_sharding_cannot_help(model: PreTrainedModel) -> 
 
 
 @pytest.mark.parametrize(
-    ("family", "on_top"), [("llama", True), ("falcon_h1", True), ("zamba2", False), ("zamba", False)]
+    ("family", "layers", "untargeted"),
+    [("llama", 2, 1), ("falcon_h1", 2, 1), ("zamba2", 2, 2), ("zamba", 2, 2), ("gemma4_text", 4, 1)],
 )
-def test_a_top_attention_feeding_resident_state_reduces_without_targets(family: str, on_top: bool) -> None:
-    """A forward without loss targets runs no backward through the top layer's attention, unless that
-    attention feeds resident state: Zamba 2's hybrid layer runs its Mamba mixer over the shared block's
-    output, so its top attention all-reduces dO there too; Falcon-H1's mixer reads the layer's input beside
-    its attention. (Booking Zamba 2 like Falcon-H1 predicted 21 % fewer bytes than its group put into the
-    collectives; tests/distributed/test_context_groups.py holds them equal for every family it runs.)"""
+def test_without_targets_only_attention_that_feeds_resident_state_reduces(
+    family: str, layers: int, untargeted: int
+) -> None:
+    """A forward without loss targets (a prompt chunk) backpropagates only from resident state, so an
+    attention layer reduces dO there only when its output reaches state kept after it. Llama's and
+    Falcon-H1's top attention reaches only the logits (Falcon-H1's mixer reads the layer's input beside its
+    attention). Zamba 2's hybrid layer runs its Mamba mixer over the shared block's output, so its top
+    attention reduces too. Gemma 4's top half reuses the bottom half's KV: those layers attend, gather and,
+    with targets, reduce like any other, but keep nothing, so without targets only the layers below the last
+    one keeping KV of its own reduce. (Booking Zamba 2 like Falcon-H1 predicted 21 % fewer bytes than its
+    group put in, and Gemma 4's group put in other bytes than its ledger's while the shared layers were
+    left out; tests/distributed/test_context_groups.py holds the bytes equal for every family it runs.)"""
     model = tiny_model(family, VOCAB, attn="eager" if family == "zamba" else "sdpa")
-    assert query_bytes(model).attention_on_top is on_top
+    sizes = query_bytes(model)
+    assert (sizes.layers, sizes.untargeted) == (layers, untargeted)

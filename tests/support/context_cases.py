@@ -179,6 +179,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "hybrid_ro_z3_c4": dict(family="qwen3_5_text", contract="response_only", stage=3, size=4, chunk=5, k=0),
     "zamba2_exact_z0_c2": dict(family="zamba2", contract="exact", stage=0, size=2, chunk=4, k=1),
     "falcon_h1_exact_z3_c2": dict(family="falcon_h1", contract="exact", stage=3, size=2, chunk=5, k=0),
+    "kv_shared_exact_z0_c2": dict(family="gemma4_text", contract="exact", stage=0, size=2, chunk=4, k=0),
     "control_drop_remote": dict(family="llama", contract="exact", stage=0, size=2, chunk=4, k=0, control="drop_remote"),
     "control_no_reduce": dict(family="llama", contract="exact", stage=0, size=2, chunk=4, k=0, control="no_reduce"),
 }  # fmt: skip

@@ -24,7 +24,7 @@ def write_long_model(out: Path, *, seed: int = 0, family: str = "llama") -> Path
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
-    from treetrain.models.presets import tiny_model
+    from treetrain.models.presets import EAGER_ONLY, tiny_model
 
     tok = AutoTokenizer.from_pretrained(TOKENIZER)
     torch.manual_seed(seed)
@@ -37,7 +37,7 @@ def write_long_model(out: Path, *, seed: int = 0, family: str = "llama") -> Path
         )  # fmt: skip
         model = LlamaForCausalLM(config)
     else:
-        model = tiny_model(family, len(tok), seed=seed)
+        model = tiny_model(family, len(tok), seed=seed, attn="eager" if family in EAGER_ONLY else "sdpa")
         model.config._experts_implementation = None  # as a checkpoint on disk: the loader chooses
     model.save_pretrained(out)
     for f in TOKENIZER.iterdir():

@@ -25,12 +25,14 @@ pads them):
 - backward of a graph (a replay step's, a kept graph's): an all_reduce of dO (`BACKWARD_ALL_REDUCE`), one
   layer at a time, in float32 at least, 2 (C - 1) / C of its bytes sent in a ring all_reduce; out + q bytes
   of buffer (the reduced dO and this rank's dQ, which never crosses: each rank backpropagates its pieces'
-  share of it, a partial sum). Without loss targets (a prompt chunk) the top attention layer's output
-  reaches nothing resident, so its backward never runs (`QueryBytes.attention_on_top`), unless a recurrent
-  mixer after it in the same layer keeps state from it (Zamba's hybrid layers).
+  share of it, a partial sum). Without loss targets (a prompt chunk) only the attention layers whose
+  output reaches resident state run their backward (`QueryBytes.untargeted`): those below the last layer
+  that keeps state of its own (KV, or a recurrent mixer's), and that layer's own attention when a recurrent
+  mixer after it keeps state from its output (Zamba's hybrid layers). Layers that reuse an earlier layer's
+  KV (Gemma 4's `num_kv_shared_layers`) attend, gather and reduce like any other, and keep nothing.
 
 Example:
-    >>> sizes = QueryBytes(layers=1, out=8, lse=1, query=8, grad=8, attention_on_top=True)
+    >>> sizes = QueryBytes(layers=1, out=8, lse=1, query=8, grad=8, untargeted=0)
     >>> share = ContextShare(size=2, rank=1, block=4, sizes=sizes)
     >>> share.owns(5), share.owns(9), share.owns(12)
     (True, True, False)
@@ -46,7 +48,7 @@ from transformers import PreTrainedModel
 from treetrain.memory.events import MemEvent, Shape, TreeLayout
 from treetrain.models.decoder import decoder_layers
 from treetrain.models.lora import unwrap
-from treetrain.models.recurrent_state import mixer_after_attention, unkeyed_layers
+from treetrain.models.recurrent_state import mixer_after_attention, stateless_layers, unkeyed_layers
 from treetrain.replay.context_shards import ContextGroup
 from treetrain.replay.units import UnitTree
 
@@ -68,7 +70,8 @@ class QueryBytes:
     """Bytes of one query token's attention tensors, per attention layer, as the group holds and sends them."""
 
     layers: int
-    """Attention layers (those that keep KV per token; recurrent layers keep their small state everywhere)."""
+    """Attention layers: every layer that attends to the resident past (one that reuses another layer's KV
+    included), each gathering its partial states and, in a backward with loss targets, reducing its dO."""
     out: int
     """A partial attention output of one token: heads x value head size, in the merge's dtype."""
     lse: int
@@ -77,11 +80,10 @@ class QueryBytes:
     """Its query (the size of dQ): heads x query/key head size, in the model's dtype."""
     grad: int
     """Its output gradient dO as the group all-reduces it: heads x value head size, in the merge's dtype."""
-    attention_on_top: bool
-    """Whether the top decoder layer keeps KV (attention, alone or in a hybrid layer) and its attention output
-    reaches only the logits: then the backward of a forward without loss targets (a prompt chunk's, kept for
-    `exact`'s close) never reaches it, and it reduces no dO there. False when a recurrent mixer after it in
-    that layer keeps state from its output (`mixer_after_attention`)."""
+    untargeted: int
+    """Attention layers whose backward runs in a graph without loss targets (a prompt chunk's, kept for
+    `exact`'s close), where gradient enters only through resident state: those whose output reaches a
+    later layer's own state, or a recurrent mixer after it in its layer (`mixer_after_attention`)."""
 
 
 def query_bytes(model: PreTrainedModel) -> QueryBytes:
@@ -93,16 +95,27 @@ def query_bytes(model: PreTrainedModel) -> QueryBytes:
     query_dim = head_dim
     if getattr(config, "kv_lora_rank", None):  # multi-head latent attention: a no-rope and a rope part
         query_dim = int(config.qk_nope_head_dim) + int(config.qk_rope_head_dim)
-    shared = int(getattr(config, "num_kv_shared_layers", None) or 0)
-    unkeyed = unkeyed_layers(unwrap(model))
-    layers = int(config.num_hidden_layers) - shared - len(unkeyed)
     size = next(model.parameters()).element_size()
     stat = max(size, STATE_MIN_BYTES)
     out = heads * value_dim * stat
-    top = int(config.num_hidden_layers) - 1
-    after = mixer_after_attention(unwrap(model), decoder_layers(unwrap(model)))
-    on_top = not shared and top not in unkeyed and top not in after
-    return QueryBytes(max(0, layers), out, heads * stat, heads * query_dim * size, out, on_top)
+    layers, untargeted = _attention_layers(model)
+    return QueryBytes(layers, out, heads * stat, heads * query_dim * size, out, untargeted)
+
+
+def _attention_layers(model: PreTrainedModel) -> tuple[int, int]:
+    """(attention layers, those whose backward runs without loss targets): see `QueryBytes`."""
+    bare = unwrap(model)
+    config = bare.config.get_text_config(decoder=True)
+    n = int(config.num_hidden_layers)
+    shared = int(getattr(config, "num_kv_shared_layers", None) or 0)  # the top layers reuse earlier KV
+    unkeyed, stateless = unkeyed_layers(bare), stateless_layers(bare)
+    attention = [i for i in range(n) if i not in unkeyed]
+    keeping = [i for i in range(n - shared) if i not in stateless]  # KV or recurrent state of its own
+    if not keeping:
+        return len(attention), 0
+    last = keeping[-1]
+    after = mixer_after_attention(bare, decoder_layers(bare))
+    return len(attention), sum(1 for i in attention if i < last or (i == last and i in after))
 
 
 @dataclass(frozen=True)
@@ -163,7 +176,7 @@ class ContextShare:
 
     def _reducing_layers(self, ev: MemEvent) -> int:
         """Attention layers whose backward runs for `ev`'s graph (each all-reduces its dO once)."""
-        return self.sizes.layers - int(self.sizes.attention_on_top and ev.shape.targets == 0)
+        return self.sizes.layers if ev.shape.targets else self.sizes.untargeted
 
     def buffers(self, ev: MemEvent) -> int:
         """Replay-temporary bytes of `ev`'s transfer buffers at its peak."""

@@ -310,7 +310,30 @@ def load_model(
         presets = ", ".join(f"tiny-{f}" for f in FAMILIES + MORE_FAMILIES + RECURRENT_FAMILIES)
         raise FileNotFoundError(f"model {name!r} is neither a local directory nor a preset ({presets})")
     check_checkpoint(path)  # config.json's sizes against the weight files, before anything is allocated
-    return AutoModelForCausalLM.from_pretrained(
+    model = AutoModelForCausalLM.from_pretrained(
         path, dtype=dtype, attn_implementation=attn, use_safetensors=True, local_files_only=True,
         experts_implementation=PER_EXPERT_LOOP if dtype == torch.float64 else None,
     )  # fmt: skip
+    own_storage(model)
+    return model
+
+
+def own_storage(model: torch.nn.Module) -> int:
+    """Give every parameter that is a view into a larger tensor a storage of its own; returns how many.
+
+    transformers' loading conversions split a checkpoint's fused tensor into views of it (Lara's
+    `in_proj_qkvz` into `in_proj_qkv`, `in_proj_z`, `in_proj_b` and `in_proj_a`). safetensors refuses to save
+    a view that does not cover its storage, so a run's checkpoint failed, and each view kept the whole
+    fused tensor alive. A tied weight is one parameter and covers its storage: it stays shared.
+
+    >>> linear = torch.nn.Linear(4, 2)
+    >>> linear.weight.data = torch.zeros(4, 4)[:2]
+    >>> own_storage(linear), linear.weight.untyped_storage().nbytes()
+    (1, 32)
+    """
+    copied = 0
+    for p in model.parameters():
+        if p.untyped_storage().nbytes() != p.numel() * p.element_size():
+            p.data = p.data.clone(memory_format=torch.contiguous_format)
+            copied += 1
+    return copied
