@@ -31,6 +31,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(BIN)/python -m treetrain.rollout.engines.vllm_alias
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(BIN)/pip install -q --no-deps "$(TRANSFORMERS)"
+	# DeepSpeed on the CPU compiles its shared-memory comm op when a process group first starts (into
+	# ~/.cache/torch_extensions, per torch build): compiled here, once, not in the ranks of a first launch
+	DS_ACCELERATOR=cpu $(BIN)/python -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder as B; B().load()"
 	touch $@
 
 lint: venv

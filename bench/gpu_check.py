@@ -4,7 +4,7 @@
     python bench/gpu_check.py --dry-run          # the same steps on CPU with a tiny model (seconds; tests)
     python bench/gpu_check.py --out bench/out/gpu_check.md
 
-Five steps, one table each, written as markdown to stdout and `--out`:
+Six steps, one table each, written as markdown to stdout and `--out`:
 
 1. exactness: `exact` against flat, in float32 and bfloat16, beside the noise floor measured the same way
    (`treetrain.replay.verify`), for a grouped-query Llama and the sliding-window Mistral;
