@@ -29,7 +29,7 @@ from treetrain.memory.overrides import Mode
 from treetrain.models.lora import AdaptersOff
 from treetrain.replay import FlatReference, ReplayConfig, TreeReplay, UpdateBatch
 from treetrain.replay.replay_schedule import ReplayHooks
-from treetrain.replay.schedule import Contract
+from treetrain.replay.schedule import CONTRACTS, Contract
 from treetrain.replay.verify import _perturb
 from treetrain.update.learner import Learner
 from treetrain.update.run import UpdateOutcome, run_update
@@ -57,9 +57,6 @@ def model_factory(family: str = "llama") -> Callable[[], PreTrainedModel]:
     return make_model if family == "llama" else factory(family, torch.float32)
 
 
-BOTH: tuple[Contract, ...] = ("exact", "response_only")
-
-
 def calibrate_first(makes: Iterable[Callable[[], PreTrainedModel]]) -> None:
     """Calibrate each model factory's model here, in one process, into the run's calibration store
     (`tests/conftest.py`) before a launch reads it: otherwise every rank of the launch measures the same
@@ -69,7 +66,7 @@ def calibrate_first(makes: Iterable[Callable[[], PreTrainedModel]]) -> None:
     the in-process cache."""
     for make in makes:
         model = make()
-        for contract in BOTH:
+        for contract in CONTRACTS:
             calibrate(model, contract, with_entropy=LOSS.needs_entropy)
 
 

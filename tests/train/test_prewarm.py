@@ -9,6 +9,7 @@ from treetrain.loss.loss_config import LossConfig
 from treetrain.memory import calibration_store
 from treetrain.memory.calibrate import calibration_key
 from treetrain.models.logprobs import DEFAULT_MAX_LOGIT_ELEMENTS
+from treetrain.replay.schedule import CONTRACTS
 from treetrain.train.config import load_config
 from treetrain.train.models import load_models
 from treetrain.train.prewarm import prewarm_calibrations
@@ -21,7 +22,7 @@ def test_both_contracts_are_stored_under_the_keys_a_cpu_rank_asks_for() -> None:
     assert prewarm_calibrations(settings)
     policy = load_models(load_config(None, settings).model).policy
     entropy = LossConfig().needs_entropy
-    for contract in ("exact", "response_only"):
+    for contract in CONTRACTS:
         key = calibration_key(policy, contract, entropy, DEFAULT_MAX_LOGIT_ELEMENTS)
         assert calibration_store.load(key) is not None, contract
 

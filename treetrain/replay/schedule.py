@@ -25,7 +25,7 @@ from treetrain.tree.trajectory_tree import ROOT
 
 Contract = Literal["exact", "response_only"]
 Order = Literal["tree", "reverse", "shuffle"]
-CONTRACTS: tuple[str, ...] = ("exact", "response_only")
+CONTRACTS: tuple[Contract, ...] = ("exact", "response_only")
 ORDERS: tuple[str, ...] = ("tree", "reverse", "shuffle")
 
 

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 from treetrain.errors import TreetrainError
 from treetrain.memory.calibrate import calibrate
+from treetrain.replay.schedule import CONTRACTS
 from treetrain.train.config import load_config
 from treetrain.train.device import place, train_device
 from treetrain.train.models import load_models
@@ -41,7 +42,7 @@ def prewarm_calibrations(settings: Sequence[str]) -> bool:
         return False
     place(policy, device)
     loss, replay = config.policy_loss, config.replay
-    for contract in ("exact", "response_only"):
+    for contract in CONTRACTS:
         calibrate(
             policy, contract, with_entropy=loss.needs_entropy, max_logit_elements=replay.max_logit_elements
         )
